@@ -1,0 +1,178 @@
+"""GDN op benchmark: eager fp32 PyTorch reference vs the Triton backend (SPEC section 7, "GDN op"/"performance").
+
+B=1, H=32, K=V=128 by default; forward, backward, fwd+bwd (median/min/p90 ms over CUDA events after warm-up),
+peak allocated memory, rel-L2 of the Triton outputs and gradients vs eager, and a per-stage time breakdown.
+Eager is deltacp's EagerGDNBackend in fp32 when importable, else transformers' torch_chunk_gated_delta_rule.
+
+    PYTHONPATH=src python bench/gdn_op.py --lengths 8192 16384 32768 65536 --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import emit, time_cuda  # noqa: E402
+
+FLA_REF_MS = {8192: (0.93, 3.50), 16384: (1.42, 4.35), 32768: (2.19, 7.98), 65536: (4.34, 15.87)}  # fwd, fwd+bwd
+TARGET_SPEEDUP = {8192: 12.7, 16384: 22.4, 32768: 40.1, 65536: 74.2}
+
+
+def eager_fn():
+    try:
+        from deltacp.ops.gdn.eager import EagerGDNBackend
+
+        be = EagerGDNBackend()
+        return "deltacp-eager-fp32", lambda q, k, v, g, b, h0: be.chunk_gated_delta_rule(
+            q, k, v, g, b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    except ImportError:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+        def run(q, k, v, g, b, h0):
+            rep = v.shape[2] // q.shape[2]
+            q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+            return torch_chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+
+        return "transformers-torch-fp32", run
+
+
+def inputs(T, Hk, Hv, K, V, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q, k, v = r(1, T, Hk, K).bfloat16(), r(1, T, Hk, K).bfloat16(), r(1, T, Hv, V).bfloat16()
+    g = F.logsigmoid(r(1, T, Hv) + 2.0) * 0.5
+    beta = torch.sigmoid(r(1, T, Hv)).bfloat16()
+    h0 = r(1, Hv, K, V) * 0.1
+    return [q, k, v, g, beta, h0]
+
+
+def bench_impl(fn, xs, do, dht, warmup, repeat):
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+
+    def fwd():
+        return fn(*leaves)
+
+    def bwd(out):
+        o, ht = out
+        torch.autograd.backward((o, ht), (do.to(o.dtype), dht))
+
+    def fwdbwd():
+        bwd(fwd())
+
+    res = {"fwd": time_cuda(fwd, warmup=warmup, repeat=repeat),
+           "bwd": time_cuda(bwd, warmup=warmup, repeat=repeat, setup=fwd),
+           "fwdbwd": time_cuda(fwdbwd, warmup=warmup, repeat=repeat)}
+    for x in leaves:
+        x.grad = None
+    o, ht = fwd()
+    grads = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaves)
+    return res, (o.detach(), ht.detach(), [gr.detach() for gr in grads])
+
+
+def stage_breakdown(xs, do, dht, warmup, repeat):
+    from deltacp.ops.gdn.triton import chunk as C
+    from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
+    from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
+    from deltacp.ops.gdn.triton.wy import wy_bwd, wy_fwd
+
+    q, k, v, g, beta, h0 = xs
+    q, k = C.l2norm(q), C.l2norm(k)
+    scale = q.shape[-1] ** -0.5
+    do = do.bfloat16()
+    gc = C.chunk_cumsum(g)
+    ai, w, u = wy_fwd(k, v, beta, gc)
+    h, vn, _ = state_fwd(k, w, u, gc, h0, output_final_state=True)
+    dvl = dv_local(q, k, gc, do, scale)
+    dh, dvn, _ = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True)
+    _, dk, dw, _ = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale)
+    stages = {
+        "l2norm_qk": lambda: (C.l2norm(q), C.l2norm(k)),
+        "gate_cumsum": lambda: C.chunk_cumsum(g),
+        "wy_fwd": lambda: wy_fwd(k, v, beta, gc),
+        "state_fwd": lambda: state_fwd(k, w, u, gc, h0, output_final_state=True),
+        "o_fwd": lambda: o_fwd(q, k, vn, h, gc, scale),
+        "dv_local": lambda: dv_local(q, k, gc, do, scale),
+        "state_bwd": lambda: state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True),
+        "dqkwg": lambda: dqkwg(q, k, vn, h, dh, do, dvn, gc, scale),
+        "wy_bwd": lambda: wy_bwd(k, v, beta, gc, ai, dw, dvn, dk.clone()),
+        "summary_fwd": lambda: C.state_summary_fwd(k, v, g, beta),
+    }
+    return {n: time_cuda(f, warmup=warmup, repeat=repeat)["median_ms"] for n, f in stages.items()}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    p.add_argument("--hk", type=int, default=32, help="key heads (value heads are --hv)")
+    p.add_argument("--hv", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--eager-warmup", type=int, default=2)
+    p.add_argument("--eager-repeat", type=int, default=5)
+    p.add_argument("--no-eager", action="store_true")
+    p.add_argument("--stages", action="store_true", help="per-stage time breakdown of the Triton backend")
+    p.add_argument("--json", default=None, help="append JSON rows to this file")
+    a = p.parse_args()
+
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+
+    be = TritonGDNBackend()
+
+    def tri(q, k, v, g, b, h0):
+        return be.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+
+    ename, efn = eager_fn()
+    table = []
+    for T in a.lengths:
+        xs = inputs(T, a.hk, a.hv, 128, 128, seed=T)
+        be.check(*xs[:5], mode="p2p")
+        do = torch.randn(1, T, a.hv, 128, device="cuda").bfloat16().float()
+        dht = torch.randn(1, a.hv, 128, 128, device="cuda")
+        ours, (o, ht, gr) = bench_impl(tri, xs, do, dht, a.warmup, a.repeat)
+        row = {"T": T, "Hk": a.hk, "Hv": a.hv, "impl": "triton", **{f"{s}_{k}": v for s, r in ours.items()
+                                                                   for k, v in r.items()}}
+        if not a.no_eager:
+            exs = [x.float() for x in xs]
+            eag, (eo, eht, egr) = bench_impl(efn, exs, do, dht, a.eager_warmup, a.eager_repeat)
+            row.update({f"eager_{s}_{k}": v for s, r in eag.items() for k, v in r.items()})
+            row["eager"] = ename
+            row["rel_l2"] = {"o": rel(o, eo), "ht": rel(ht, eht),
+                             **{f"d{n}": rel(x, y) for n, x, y in zip(("q", "k", "v", "g", "beta", "h0"), gr, egr)}}
+            row["speedup_fwdbwd"] = eag["fwdbwd"]["median_ms"] / ours["fwdbwd"]["median_ms"]
+            del eo, eht, egr
+        if a.stages:
+            row["stages_ms"] = stage_breakdown(xs, do, dht, a.warmup, a.repeat)
+        emit(row, a.json)
+        table.append(row)
+        del o, ht, gr, xs
+        torch.cuda.empty_cache()
+
+    print(f"\nB=1 Hk={a.hk} Hv={a.hv} K=V=128, bf16 in / fp32 state; median ms (CUDA events, warm-up {a.warmup}, "
+          f"repeat {a.repeat}; eager warm-up {a.eager_warmup}, repeat {a.eager_repeat}); eager = {ename}")
+    print(f"{'T':>6} {'fwd':>7} {'bwd':>7} {'f+b':>7} {'peakGiB':>8} | {'eagF+B':>8} {'eagGiB':>7} {'speedup':>8} "
+          f"{'target':>7} | {'FLAfwd':>6} {'FLAf+b':>6} | worst rel-L2")
+    for r in table:
+        e = r.get("eager_fwdbwd_median_ms", float("nan"))
+        worst = max(r["rel_l2"].values()) if "rel_l2" in r else float("nan")
+        fla = FLA_REF_MS.get(r["T"], (float("nan"),) * 2)
+        print(f"{r['T']:>6} {r['fwd_median_ms']:7.2f} {r['bwd_median_ms']:7.2f} {r['fwdbwd_median_ms']:7.2f} "
+              f"{r['fwdbwd_peak_gib']:8.2f} | {e:8.1f} {r.get('eager_fwdbwd_peak_gib', float('nan')):7.2f} "
+              f"{r.get('speedup_fwdbwd', float('nan')):7.1f}x {TARGET_SPEEDUP.get(r['T'], float('nan')):6.1f}x | "
+              f"{fla[0]:6.2f} {fla[1]:6.2f} | {worst:.2e}")
+        if "stages_ms" in r:
+            print("       stages ms: " + " ".join(f"{n}={t:.3f}" for n, t in r["stages_ms"].items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Shared timing helper (SPEC section 7): warm-up, CUDA events per iteration, median / min / p90, peak memory.
+
+Single-process helper: where several ranks run, take the max over ranks of each iteration before the
+statistics (`reduce_max_over_ranks`). First compile/autotune is excluded by the warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Callable
+
+import torch
+
+
+def _percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def reduce_max_over_ranks(times_ms: list[float]) -> list[float]:
+    """Max over ranks of each iteration (no-op without an initialised process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return times_ms
+    t = torch.tensor(times_ms, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeat: int = 20,
+              setup: Callable[[], object] | None = None) -> dict[str, float]:
+    """Run fn warmup times, then time `repeat` calls with CUDA events (synchronised around each).
+
+    `setup` (untimed) runs before every call, e.g. a forward before a timed backward; fn gets its result.
+
+    Returns median/min/p90 in ms and the peak allocated memory (GiB) seen during the timed calls.
+    """
+    call = (lambda: fn(setup())) if setup is not None else fn
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeat):
+        arg = setup() if setup is not None else None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn(arg) if setup is not None else fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times = reduce_max_over_ranks(times)
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "p90_ms": _percentile(times, 90),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def emit(row: dict, path: str | None = None) -> None:
+    """One JSON row to stdout (and appended to `path`)."""
+    line = json.dumps(row, sort_keys=True)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")

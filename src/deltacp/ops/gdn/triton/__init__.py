@@ -1,0 +1,38 @@
+"""Triton backend of the GDN contract (`deltacp.ops.gdn.contract.GDNBackend`).
+
+Importing this package imports no Triton: the kernels load on first use. Kernels never see a process group.
+    wy.py        A, T = (I + A)^-1, W, U per chunk, and the WY backward
+    chunk_h.py   chunk-to-chunk state recurrence, forward and backward (also used for the summary [M | S])
+    chunk_o.py   per-chunk outputs, dVn_local, dq/dk/dW/dg
+    chunk.py     `_fwd`/`_bwd` compositions, autograd Functions, public ops
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltacp.ops.gdn.triton.contract_check import check_triton_contract
+
+
+class TritonGDNBackend:
+    name = "triton"
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              *, mode: str) -> None:
+        check_triton_contract(q, k, v, g, beta, mode=mode)
+
+    def chunk_gated_delta_rule(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False):
+        from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    def state_summary(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
+        from deltacp.ops.gdn.triton.chunk import state_summary
+
+        return state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+__all__ = ["TritonGDNBackend", "check_triton_contract"]

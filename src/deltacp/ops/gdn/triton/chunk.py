@@ -1,0 +1,166 @@
+"""Chunked gated delta rule on Triton: `_fwd`/`_bwd` compositions, thin autograd Functions, public ops.
+
+Shapes: q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; states [B, Hv, K, V] fp32;
+summary M [B, Hv, K, K], S [B, Hv, K, V] fp32. Value head j reads key head j // (Hv // Hk).
+
+Stages (forward): gate cumsum -> wy_fwd (A, T = (I+A)^-1, W, U) -> state_fwd (per-chunk H, Vn) -> o_fwd.
+Backward recomputes W, U, H and Vn, then dv_local -> state_bwd (dH per chunk, dVn, dH0) -> dqkwg -> wy_bwd.
+The l2 norm of q/k and the padding of T to a multiple of 64 stay outside, in PyTorch autograd: padded
+tokens have k = v = q = 0, beta = 0, g = 0, which leaves the state unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
+from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
+from deltacp.ops.gdn.triton.wy import BT, wy_bwd, wy_fwd
+
+
+def chunk_cumsum(g: torch.Tensor) -> torch.Tensor:
+    B, T, H = g.shape
+    return g.float().view(B, T // BT, BT, H).cumsum(2).view(B, T, H)
+
+
+def chunk_rev_cumsum(dg: torch.Tensor) -> torch.Tensor:
+    """Backward of chunk_cumsum: suffix sums within each chunk."""
+    B, T, H = dg.shape
+    x = dg.view(B, T // BT, BT, H)
+    return (x.sum(2, keepdim=True) - x.cumsum(2) + x).view(B, T, H)
+
+
+def _reduce_heads(dx: torch.Tensor, Hk: int) -> torch.Tensor:
+    """[B, T, Hv, K] per value head -> [B, T, Hk, K] summed over the value heads sharing a key head."""
+    B, T, Hv, K = dx.shape
+    return dx.view(B, T, Hk, Hv // Hk, K).sum(3) if Hv != Hk else dx
+
+
+def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state):
+    gc = chunk_cumsum(g)
+    ai, w, u = wy_fwd(k, v, beta, gc)
+    h, vn, ht = state_fwd(k, w, u, gc, h0, output_final_state=output_final_state)
+    o = o_fwd(q, k, vn, h, gc, scale)
+    return o, ht
+
+
+def chunk_gdn_bwd(q, k, v, g, beta, scale, h0, do, dht):
+    Hk = k.shape[2]
+    V = v.shape[3]
+    gc = chunk_cumsum(g)
+    ai, w, u = wy_fwd(k, v, beta, gc)
+    h, vn, _ = state_fwd(k, w, u, gc, h0)
+    dvl = dv_local(q, k, gc, do, scale)
+    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=V, need_dh0=h0 is not None)
+    dq, dk, dw, dg1 = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale)
+    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, dvn, dk)
+    dg = chunk_rev_cumsum(dg1 + dg2)
+    return _reduce_heads(dq, Hk), _reduce_heads(dk, Hk), dv, dg, dbeta, dh0
+
+
+class ChunkGDNFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state):
+        o, ht = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.scale = scale
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
+                                                   None if dht is None else dht.contiguous().float())
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), None,
+                None if dh0 is None else dh0.to(h0.dtype), None)
+
+
+def _summary_prep(k, v, g, beta):
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    gc = chunk_cumsum(g)
+    ai, w, u = wy_fwd(k, v, beta, gc)
+    # extended state [M | S] of width K + V: U_ext = [0 | U], X_0 = [I | 0]
+    u_ext = torch.cat([torch.zeros(B, T, Hv, K, device=k.device, dtype=u.dtype), u], dim=-1)
+    x0 = torch.zeros(B, Hv, K, K + V, device=k.device, dtype=torch.float32)
+    x0[..., :K] = torch.eye(K, device=k.device)
+    return gc, ai, w, u_ext, x0
+
+
+def state_summary_fwd(k, v, g, beta):
+    K = k.shape[3]
+    gc, ai, w, u_ext, x0 = _summary_prep(k, v, g, beta)
+    _, _, xt = state_fwd(k, w, u_ext, gc, x0, store_h=False, store_vn=False, output_final_state=True)
+    return xt[..., :K].contiguous(), xt[..., K:].contiguous()
+
+
+def state_summary_bwd(k, v, g, beta, dM, dS):
+    Hk, K = k.shape[2], k.shape[3]
+    gc, ai, w, u_ext, x0 = _summary_prep(k, v, g, beta)
+    x, vn, _ = state_fwd(k, w, u_ext, gc, x0)
+    dxt = torch.cat([dM.float(), dS.float()], dim=-1).contiguous()
+    dx, dvn, _ = state_bwd(None, k, w, gc, None, None, dxt, scale=1.0, V=u_ext.shape[3], need_dh0=False)
+    _, dk, dw, dg1 = dqkwg(None, k, vn, x, dx, None, dvn, gc, 1.0)
+    du = dvn[..., K:].contiguous()
+    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, du, dk)
+    dg = chunk_rev_cumsum(dg1 + dg2)
+    return _reduce_heads(dk, Hk), dv, dg, dbeta
+
+
+class StateSummaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, v, g, beta):
+        M, S = state_summary_fwd(k, v, g, beta)
+        ctx.save_for_backward(k, v, g, beta)
+        return M, S
+
+    @staticmethod
+    def backward(ctx, dM, dS):
+        k, v, g, beta = ctx.saved_tensors
+        if dM is None:
+            dM = torch.zeros(k.shape[0], v.shape[2], k.shape[3], k.shape[3], device=k.device)
+        if dS is None:
+            dS = torch.zeros(k.shape[0], v.shape[2], k.shape[3], v.shape[3], device=k.device)
+        dk, dv, dg, dbeta = state_summary_bwd(k, v, g, beta, dM, dS)
+        return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """As transformers' `l2norm`: x * rsqrt(sum(x^2) + eps), in fp32, back to the input dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:
+    if pad == 0:
+        return x.contiguous()
+    widths = [0, 0] * (x.dim() - 2) + [0, pad]
+    return F.pad(x, widths).contiguous()
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False):
+    """o [B, T, Hv, V] (dtype of v), final state [B, Hv, K, V] fp32 or None."""
+    T, K = q.shape[1], q.shape[3]
+    if scale is None:
+        scale = K ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    pad = (-T) % BT
+    q, k, v, g, beta = (_pad_t(x, pad) for x in (q, k, v, g, beta))
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o, ht = ChunkGDNFunction.apply(q, k, v, g.float(), beta, float(scale), h0, output_final_state)
+    if pad:
+        o = o[:, :T]
+    return o, ht
+
+
+def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
+    """(M [B, Hv, K, K], S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment."""
+    T = k.shape[1]
+    if use_qk_l2norm_in_kernel:
+        k = l2norm(k)
+    pad = (-T) % BT
+    k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
+    return StateSummaryFunction.apply(k, v, g.float(), beta)

@@ -1,0 +1,147 @@
+"""The chunk-to-chunk state recurrence, forward and backward (sequential over chunks, parallel over V blocks).
+
+Forward, per chunk c (g the chunk-local cumulative gate, gC its last value):
+    Vn = U - W H_c ;  H_{c+1} = e^{gC} H_c + K^T (e^{gC - g} * Vn)
+Backward, chunks in reverse, dH = dH_{c+1} on entry:
+    dVn = dVn_local + (e^{gC - g} * K) dH ;  dH_c = e^{gC} dH + scale (e^g * Q)^T dO - W^T dVn
+
+Layouts: k, q [B,T,Hk,K]; w [B,T,Hv,K]; u, vn, do [B,T,Hv,V]; gc [B,T,Hv];
+h, dh [B, NT, Hv, K, V] (state entering chunk c / gradient of the state leaving chunk c); h0, ht [B,Hv,K,V] fp32.
+The state width V is generic: the affine summary runs it on [M | S] (width K + V).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltacp.ops.gdn.triton.wy import BT
+
+
+@triton.jit
+def state_fwd_kernel(
+    k, w, u, gc, h0, h, vn, ht,
+    T, NT: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr, STORE_HT: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :])
+
+    p_k = k + (i_b * T * Hk + i_hk) * K
+    p_w = w + (i_b * T * Hv + i_h) * K
+    p_u = u + (i_b * T * Hv + i_h) * V
+    p_g = gc + i_b * T * Hv + i_h
+    for i_t in range(NT):
+        o_r = i_t * BT + o_t
+        if STORE_H:
+            p_h = h + ((i_b * NT + i_t) * Hv + i_h) * K * V
+            tl.store(p_h + o_k[:, None] * V + o_v[None, :], b_h.to(h.dtype.element_ty))
+        b_w = tl.load(p_w + o_r[:, None] * (Hv * K) + o_k[None, :])
+        b_u = tl.load(p_u + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
+        b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype))
+        if STORE_VN:
+            p_vn = vn + (i_b * T * Hv + i_h) * V
+            tl.store(p_vn + o_r[:, None] * (Hv * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty))
+        b_g = tl.load(p_g + o_r * Hv)
+        b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
+        b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
+        b_vs = (b_vn * tl.exp(b_gl - b_g)[:, None]).to(b_k.dtype)
+        b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_vs)
+    if STORE_HT:
+        tl.store(ht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_h)
+
+
+@triton.jit
+def state_bwd_kernel(
+    q, k, w, gc, do, dvl, dht, dh, dvn, dh0,
+    scale, T, NT: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    HAS_DO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    b_dh = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :])
+
+    p_k = k + (i_b * T * Hk + i_hk) * K
+    p_w = w + (i_b * T * Hv + i_h) * K
+    p_dvn = dvn + (i_b * T * Hv + i_h) * V
+    p_g = gc + i_b * T * Hv + i_h
+    for i_s in range(NT):
+        i_t = NT - 1 - i_s
+        o_r = i_t * BT + o_t
+        p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
+        tl.store(p_dh + o_k[:, None] * V + o_v[None, :], b_dh.to(dh.dtype.element_ty))
+        b_g = tl.load(p_g + o_r * Hv)
+        b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
+        b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
+        b_ks = (b_k.to(tl.float32) * tl.exp(b_gl - b_g)[:, None]).to(b_k.dtype)
+        b_dvn = tl.dot(b_ks, b_dh.to(b_k.dtype))
+        if HAS_DO:
+            p_dvl = dvl + (i_b * T * Hv + i_h) * V
+            b_dvn += tl.load(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
+        tl.store(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
+        b_w = tl.load(p_w + o_r[:, None] * (Hv * K) + o_k[None, :])
+        b_dh = b_dh * tl.exp(b_gl) - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype))
+        if HAS_DO:
+            p_q = q + (i_b * T * Hk + i_hk) * K
+            p_do = do + (i_b * T * Hv + i_h) * V
+            b_q = tl.load(p_q + o_r[:, None] * (Hk * K) + o_k[None, :])
+            b_qs = (b_q.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
+            b_do = tl.load(p_do + o_r[:, None] * (Hv * V) + o_v[None, :])
+            b_dh += tl.dot(tl.trans(b_qs), b_do.to(b_qs.dtype))
+    if STORE_DH0:
+        tl.store(dh0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
+
+
+def _bv(V: int) -> int:
+    return min(32, V)
+
+
+def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final_state=False):
+    """-> h [B,NT,Hv,K,V] (or None), vn [B,T,Hv,V] (or None), ht [B,Hv,K,V] fp32 (or None)."""
+    B, T, Hk, K = k.shape
+    Hv, V = u.shape[2], u.shape[3]
+    NT = T // BT
+    dev = k.device
+    h = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store_h else None
+    vn = torch.empty(B, T, Hv, V, device=dev, dtype=u.dtype) if store_vn else None
+    ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    BV = _bv(V)
+    state_fwd_kernel[(V // BV, B * Hv)](
+        k, w, u, gc, h0, h, vn, ht, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV,
+        USE_H0=h0 is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
+        num_warps=4, num_stages=2)
+    return h, vn, ht
+
+
+def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0):
+    """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] fp32, dh0 (or None)."""
+    B, T, Hk, K = k.shape
+    Hv = w.shape[2]
+    NT = T // BT
+    dev = k.device
+    dh = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype)
+    dvn = torch.empty(B, T, Hv, V, device=dev, dtype=torch.float32)
+    dh0 = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    BV = _bv(V)
+    state_bwd_kernel[(V // BV, B * Hv)](
+        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV,
+        HAS_DO=do is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, num_warps=4, num_stages=2)
+    return dh, dvn, dh0

@@ -1,0 +1,168 @@
+"""Per-chunk (fully parallel) kernels: outputs, the local dVn, and dq/dk/dW/dg.
+
+Per chunk (g chunk-local cumulative gate, Gamma_ij = e^{g_i - g_j} for i >= j, scale folded into q):
+    O = scale (e^g * Q) H_c + scale (Q K^T * Gamma) Vn
+Backward (dH' = gradient of the state leaving the chunk):
+    dVn_local = scale (Q K^T * Gamma)^T dO
+    dQ = scale e^g dO H_c^T + Ds K,  Ds = scale (dO Vn^T * Gamma)
+    dK = e^{gC - g} (Vn dH'^T) + Ds^T Q          (the WY part is added by wy_bwd)
+    dW = -dVn H_c^T
+    dg = sum(Q dQ) - sum(K dK) + [last row] (e^{gC} <H_c, dH'> + sum(K * e^{gC-g} Vn dH'^T))
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltacp.ops.gdn.triton.wy import BT
+
+
+@triton.jit
+def o_fwd_kernel(
+    q, k, vn, h, gc, o,
+    scale, T, NT,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    o_r = i_t * BT + o_t
+
+    b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_k = tl.load(k + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_h = tl.load(h + ((i_b * NT + i_t) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_vn = tl.load(vn + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
+    b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
+
+    b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_g)[:, None]
+    b_a = tl.dot(b_q, tl.trans(b_k))
+    b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * tl.exp(b_g[:, None] - b_g[None, :]), 0.)
+    b_o = (b_o + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
+    tl.store(o + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :], b_o.to(o.dtype.element_ty))
+
+
+@triton.jit
+def dv_local_kernel(
+    q, k, gc, do, dvl,
+    scale, T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    o_r = i_t * BT + o_t
+
+    b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_k = tl.load(k + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
+    b_do = tl.load(do + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
+    # transposed scores: row j (key), column i (query), kept where i >= j
+    b_at = tl.dot(b_k, tl.trans(b_q))
+    b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * tl.exp(b_g[None, :] - b_g[:, None]), 0.) * scale
+    b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
+    tl.store(dvl + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :], b_dv)
+
+
+@triton.jit
+def dqkwg_kernel(
+    q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg,
+    scale, T, NT, B,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DO: tl.constexpr,
+):
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_t = tl.arange(0, BT)
+    o_r = i_t * BT + o_t
+    p_h = h + ((i_b * NT + i_t) * Hv + i_h) * K * V
+    p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
+    p_vn = vn + (i_b * T * Hv + i_h) * V
+    p_dvn = dvn + (i_b * T * Hv + i_h) * V
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :])
+        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :])
+        b_vn = tl.load(p_vn + o_r[:, None] * (Hv * V) + o_v[None, :])
+        b_dvn = tl.load(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :])
+        b_dk += tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)))
+        b_dw += tl.dot(b_dvn.to(b_vn.dtype), tl.trans(b_h.to(b_vn.dtype)))
+        b_hdh += b_h.to(tl.float32) * b_dh.to(tl.float32)
+        if HAS_DO:
+            b_do = tl.load(do + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
+            b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)))
+            b_ds += tl.dot(b_do, tl.trans(b_vn.to(b_do.dtype)))
+
+    b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
+    b_gl = tl.load(gc + (i_b * T + i_t * BT + BT - 1) * Hv + i_h)
+    b_k = tl.load(k + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_kf = b_k.to(tl.float32)
+    b_dk = b_dk * tl.exp(b_gl - b_g)[:, None]
+    b_dgl = tl.sum(tl.sum(b_hdh, 1), 0) * tl.exp(b_gl) + tl.sum(tl.sum(b_dk * b_kf, 1), 0)
+    b_dg = -tl.sum(b_dk * b_kf, 1)
+    if HAS_DO:
+        b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+        b_qf = b_q.to(tl.float32)
+        b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
+        b_ds = tl.where(o_t[:, None] >= o_t[None, :], b_ds * tl.exp(b_g[:, None] - b_g[None, :]), 0.) * scale
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+        b_dki = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q)
+        b_dk += b_dki
+        b_dg += tl.sum(b_dq * b_qf, 1) - tl.sum(b_dki * b_kf, 1)
+        tl.store(dq + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dq)
+    b_dg += tl.where(o_t == BT - 1, b_dgl, 0.)
+    tl.store(dk + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dk)
+    tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], -b_dw)
+    tl.store(dg + ((i_k * B + i_b) * T + o_r) * Hv + i_h, b_dg)
+
+
+def o_fwd(q, k, vn, h, gc, scale):
+    B, T, Hk, K = q.shape
+    Hv, V = vn.shape[2], vn.shape[3]
+    o = torch.empty(B, T, Hv, V, device=q.device, dtype=vn.dtype)
+    BV = min(64, V)
+    o_fwd_kernel[(V // BV, T // BT, B * Hv)](q, k, vn, h, gc, o, scale, T, T // BT, Hk=Hk, Hv=Hv, K=K, V=V,
+                                              BT=BT, BV=BV, num_warps=4, num_stages=2)
+    return o
+
+
+def dv_local(q, k, gc, do, scale):
+    B, T, Hk, K = q.shape
+    Hv, V = do.shape[2], do.shape[3]
+    dvl = torch.empty(B, T, Hv, V, device=q.device, dtype=torch.float32)
+    BV = min(64, V)
+    dv_local_kernel[(V // BV, T // BT, B * Hv)](q, k, gc, do, dvl, scale, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV,
+                                                 num_warps=4, num_stages=2)
+    return dvl
+
+
+def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale):
+    """-> dq [B,T,Hv,K] fp32 (or None), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] fp32, dg [B,T,Hv] fp32 (chunk-local)."""
+    B, T, Hk, K = k.shape
+    Hv, V = vn.shape[2], vn.shape[3]
+    BK, BV = min(64, K), min(64, V)
+    NK = K // BK
+    dev = k.device
+    dq = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32) if do is not None else None
+    dk = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
+    dw = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
+    dg = torch.empty(NK, B, T, Hv, device=dev, dtype=torch.float32)
+    dqkwg_kernel[(NK, T // BT, B * Hv)](q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg, scale, T, T // BT, B,
+                                        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DO=do is not None,
+                                        num_warps=4, num_stages=2)
+    return dq, dk, dw, dg.sum(0)

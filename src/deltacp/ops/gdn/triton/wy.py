@@ -1,0 +1,262 @@
+"""WY representation of a chunk: T = (I + A)^-1, W = T (beta e^g K), U = T (beta V), and its backward.
+
+Layouts (T divisible by BT=64, g is the chunk-local cumulative gate in fp32):
+    k [B, T, Hk, K]   v [B, T, Hv, V]   beta, gc [B, T, Hv]
+    ai [B, T, Hv, BT] fp32: row t of chunk c holds row (t mod BT) of T_c = (I + A_c)^-1 (upper part zero)
+    w [B, T, Hv, K], u [B, T, Hv, V] in the dtype of k / v
+
+A_c = strict-lower(diag(beta) K K^T * Gamma), Gamma_ij = exp(g_i - g_j). The inverse is built from four
+16x16 diagonal blocks (forward substitution in registers) merged by block forward substitution.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # chunk size
+BS = 16  # diagonal block of the triangular solve
+
+
+@triton.jit
+def _load_rows(base, row0, stride, BR: tl.constexpr, D: tl.constexpr):
+    """Rows row0 .. row0+BR of a [*, D] view with row stride `stride`."""
+    o_r = row0 + tl.arange(0, BR)
+    o_c = tl.arange(0, D)
+    return tl.load(base + o_r[:, None] * stride + o_c[None, :])
+
+
+@triton.jit
+def _store_rows(base, row0, stride, b_x, BR: tl.constexpr, D: tl.constexpr):
+    o_r = row0 + tl.arange(0, BR)
+    o_c = tl.arange(0, D)
+    tl.store(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty))
+
+
+@triton.jit
+def _load_vec(base, row0, stride, BR: tl.constexpr):
+    o_r = row0 + tl.arange(0, BR)
+    return tl.load(base + o_r * stride).to(tl.float32)
+
+
+@triton.jit
+def _a_block(b_ki, b_kj, b_bi, b_gi, b_gj, DIAG: tl.constexpr, BS: tl.constexpr):
+    """A block (rows i, cols j): beta_i k_i.k_j exp(g_i - g_j), strictly lower on the diagonal."""
+    b_a = tl.dot(b_ki, tl.trans(b_kj))
+    if DIAG:
+        o_s = tl.arange(0, BS)
+        m_s = o_s[:, None] > o_s[None, :]
+        b_a = tl.where(m_s, b_a * tl.exp(b_gi[:, None] - b_gj[None, :]), 0.)
+    else:
+        b_a = b_a * tl.exp(b_gi[:, None] - b_gj[None, :])
+    return b_a * b_bi[:, None]
+
+
+@triton.jit
+def _inv_unit_lower(b_a, BS: tl.constexpr):
+    """(I + A)^-1 for a strictly lower BSxBS block A, by forward substitution row by row."""
+    o_s = tl.arange(0, BS)
+    b_x = -b_a
+    for i in range(1, BS):
+        b_r = tl.sum(tl.where(o_s[:, None] == i, b_x, 0.), 0)
+        b_r = b_r + tl.sum(b_r[:, None] * b_x, 0)
+        b_x = tl.where(o_s[:, None] == i, b_r[None, :], b_x)
+    return b_x + (o_s[:, None] == o_s[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def wy_fwd_kernel(
+    k, v, beta, gc, ai, w, u,
+    T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    t0 = i_t * BT
+
+    p_k = k + (i_b * T * Hk + i_hk) * K
+    p_v = v + (i_b * T * Hv + i_h) * V
+    p_g = gc + i_b * T * Hv + i_h
+    p_b = beta + i_b * T * Hv + i_h
+
+    b_k0 = _load_rows(p_k, t0 + 0 * BS, Hk * K, BS, K)
+    b_k1 = _load_rows(p_k, t0 + 1 * BS, Hk * K, BS, K)
+    b_k2 = _load_rows(p_k, t0 + 2 * BS, Hk * K, BS, K)
+    b_k3 = _load_rows(p_k, t0 + 3 * BS, Hk * K, BS, K)
+    b_g0 = _load_vec(p_g, t0 + 0 * BS, Hv, BS)
+    b_g1 = _load_vec(p_g, t0 + 1 * BS, Hv, BS)
+    b_g2 = _load_vec(p_g, t0 + 2 * BS, Hv, BS)
+    b_g3 = _load_vec(p_g, t0 + 3 * BS, Hv, BS)
+    b_b0 = _load_vec(p_b, t0 + 0 * BS, Hv, BS)
+    b_b1 = _load_vec(p_b, t0 + 1 * BS, Hv, BS)
+    b_b2 = _load_vec(p_b, t0 + 2 * BS, Hv, BS)
+    b_b3 = _load_vec(p_b, t0 + 3 * BS, Hv, BS)
+
+    # A blocks (i > j full, i == j strictly lower)
+    b_a00 = _a_block(b_k0, b_k0, b_b0, b_g0, b_g0, True, BS)
+    b_a11 = _a_block(b_k1, b_k1, b_b1, b_g1, b_g1, True, BS)
+    b_a22 = _a_block(b_k2, b_k2, b_b2, b_g2, b_g2, True, BS)
+    b_a33 = _a_block(b_k3, b_k3, b_b3, b_g3, b_g3, True, BS)
+    b_a10 = _a_block(b_k1, b_k0, b_b1, b_g1, b_g0, False, BS)
+    b_a20 = _a_block(b_k2, b_k0, b_b2, b_g2, b_g0, False, BS)
+    b_a21 = _a_block(b_k2, b_k1, b_b2, b_g2, b_g1, False, BS)
+    b_a30 = _a_block(b_k3, b_k0, b_b3, b_g3, b_g0, False, BS)
+    b_a31 = _a_block(b_k3, b_k1, b_b3, b_g3, b_g1, False, BS)
+    b_a32 = _a_block(b_k3, b_k2, b_b3, b_g3, b_g2, False, BS)
+
+    # T = (I + A)^-1 by block forward substitution
+    b_t00 = _inv_unit_lower(b_a00, BS)
+    b_t11 = _inv_unit_lower(b_a11, BS)
+    b_t22 = _inv_unit_lower(b_a22, BS)
+    b_t33 = _inv_unit_lower(b_a33, BS)
+    b_t10 = -_mm(b_t11, _mm(b_a10, b_t00))
+    b_t21 = -_mm(b_t22, _mm(b_a21, b_t11))
+    b_t20 = -_mm(b_t22, _mm(b_a20, b_t00) + _mm(b_a21, b_t10))
+    b_t32 = -_mm(b_t33, _mm(b_a32, b_t22))
+    b_t31 = -_mm(b_t33, _mm(b_a31, b_t11) + _mm(b_a32, b_t21))
+    b_t30 = -_mm(b_t33, _mm(b_a30, b_t00) + _mm(b_a31, b_t10) + _mm(b_a32, b_t20))
+
+    p_ai = ai + (i_b * T * Hv + i_h) * BT
+    b_z = tl.zeros([BS, BS], dtype=tl.float32)
+    _store_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, b_t00, BS, BS)
+    _store_rows(p_ai + 1 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
+    _store_rows(p_ai + 2 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
+    _store_rows(p_ai + 3 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
+    _store_rows(p_ai + 0 * BS, t0 + 1 * BS, Hv * BT, b_t10, BS, BS)
+    _store_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, b_t11, BS, BS)
+    _store_rows(p_ai + 2 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
+    _store_rows(p_ai + 3 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
+    _store_rows(p_ai + 0 * BS, t0 + 2 * BS, Hv * BT, b_t20, BS, BS)
+    _store_rows(p_ai + 1 * BS, t0 + 2 * BS, Hv * BT, b_t21, BS, BS)
+    _store_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, b_t22, BS, BS)
+    _store_rows(p_ai + 3 * BS, t0 + 2 * BS, Hv * BT, b_z, BS, BS)
+    _store_rows(p_ai + 0 * BS, t0 + 3 * BS, Hv * BT, b_t30, BS, BS)
+    _store_rows(p_ai + 1 * BS, t0 + 3 * BS, Hv * BT, b_t31, BS, BS)
+    _store_rows(p_ai + 2 * BS, t0 + 3 * BS, Hv * BT, b_t32, BS, BS)
+    _store_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, b_t33, BS, BS)
+
+    # W = T (beta e^g K), U = T (beta V), 16 rows at a time
+    b_x0 = b_k0.to(tl.float32) * (b_b0 * tl.exp(b_g0))[:, None]
+    b_x1 = b_k1.to(tl.float32) * (b_b1 * tl.exp(b_g1))[:, None]
+    b_x2 = b_k2.to(tl.float32) * (b_b2 * tl.exp(b_g2))[:, None]
+    b_x3 = b_k3.to(tl.float32) * (b_b3 * tl.exp(b_g3))[:, None]
+    p_w = w + (i_b * T * Hv + i_h) * K
+    _store_rows(p_w, t0 + 0 * BS, Hv * K, _mm(b_t00, b_x0), BS, K)
+    _store_rows(p_w, t0 + 1 * BS, Hv * K, _mm(b_t10, b_x0) + _mm(b_t11, b_x1), BS, K)
+    _store_rows(p_w, t0 + 2 * BS, Hv * K, _mm(b_t20, b_x0) + _mm(b_t21, b_x1) + _mm(b_t22, b_x2), BS, K)
+    _store_rows(p_w, t0 + 3 * BS, Hv * K,
+                _mm(b_t30, b_x0) + _mm(b_t31, b_x1) + _mm(b_t32, b_x2) + _mm(b_t33, b_x3), BS, K)
+
+    b_y0 = _load_rows(p_v, t0 + 0 * BS, Hv * V, BS, V).to(tl.float32) * b_b0[:, None]
+    b_y1 = _load_rows(p_v, t0 + 1 * BS, Hv * V, BS, V).to(tl.float32) * b_b1[:, None]
+    b_y2 = _load_rows(p_v, t0 + 2 * BS, Hv * V, BS, V).to(tl.float32) * b_b2[:, None]
+    b_y3 = _load_rows(p_v, t0 + 3 * BS, Hv * V, BS, V).to(tl.float32) * b_b3[:, None]
+    p_u = u + (i_b * T * Hv + i_h) * V
+    _store_rows(p_u, t0 + 0 * BS, Hv * V, _mm(b_t00, b_y0), BS, V)
+    _store_rows(p_u, t0 + 1 * BS, Hv * V, _mm(b_t10, b_y0) + _mm(b_t11, b_y1), BS, V)
+    _store_rows(p_u, t0 + 2 * BS, Hv * V, _mm(b_t20, b_y0) + _mm(b_t21, b_y1) + _mm(b_t22, b_y2), BS, V)
+    _store_rows(p_u, t0 + 3 * BS, Hv * V,
+                _mm(b_t30, b_y0) + _mm(b_t31, b_y1) + _mm(b_t32, b_y2) + _mm(b_t33, b_y3), BS, V)
+
+
+@triton.jit
+def wy_bwd_kernel(
+    k, v, beta, gc, ai, dw, du, dk, dv, dbeta, dg,
+    T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """From dW, dU: dk (added in place to the dk already there), dv, dbeta, dg (chunk-local gate)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    t0 = i_t * BT
+
+    p_k = k + (i_b * T * Hk + i_hk) * K
+    p_v = v + (i_b * T * Hv + i_h) * V
+    p_dw = dw + (i_b * T * Hv + i_h) * K
+    p_dk = dk + (i_b * T * Hv + i_h) * K
+    p_du = du + (i_b * T * Hv + i_h) * V
+    p_dv = dv + (i_b * T * Hv + i_h) * V
+
+    o_t = tl.arange(0, BT)
+    b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_beta = _load_vec(beta + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_eg = tl.exp(b_g)
+    b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
+
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_dg = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(K // BK):
+        b_k = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK)
+        b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        b_kb = b_kf * (b_beta * b_eg)[:, None]
+        b_dT += tl.dot(b_dw, tl.trans(b_kb))
+        b_dkb = tl.dot(tl.trans(b_T), b_dw)
+        b_dbeta += tl.sum(b_dkb * b_kf, 1) * b_eg
+        b_dg += tl.sum(b_dkb * b_kb, 1)
+        b_kk += tl.dot(b_k, tl.trans(b_k))
+    for i_v in range(V // BV):
+        b_v = _load_rows(p_v + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
+        b_du = _load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
+        b_dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]))
+        b_dvb = tl.dot(tl.trans(b_T), b_du)
+        b_dbeta += tl.sum(b_dvb * b_v, 1)
+        _store_rows(p_dv + i_v * BV, t0, Hv * V, b_dvb * b_beta[:, None], BT, BV)
+
+    m_s = o_t[:, None] > o_t[None, :]
+    b_dA = -tl.dot(tl.dot(tl.trans(b_T), b_dT), tl.trans(b_T))
+    b_gam = tl.where(m_s, tl.exp(b_g[:, None] - b_g[None, :]), 0.)
+    b_dA = tl.where(m_s, b_dA, 0.)
+    b_dAg = b_dA * b_gam * b_kk                      # dA_ij * A_ij / beta_i
+    b_dbeta += tl.sum(b_dAg, 1)
+    b_dAA = b_dAg * b_beta[:, None]
+    b_dg += tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
+    b_dG = b_dA * b_gam * b_beta[:, None]
+    b_dGs = b_dG + tl.trans(b_dG)
+    for i_k in range(K // BK):
+        b_kf = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK).to(tl.float32)
+        b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+        b_dkb = tl.dot(tl.trans(b_T), b_dw)
+        b_dk = _load_rows(p_dk + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+        b_dk += b_dkb * (b_beta * b_eg)[:, None] + tl.dot(b_dGs, b_kf)
+        _store_rows(p_dk + i_k * BK, t0, Hv * K, b_dk, BT, BK)
+
+    o_r = t0 + o_t
+    tl.store(dbeta + (i_b * T + o_r) * Hv + i_h, b_dbeta)
+    tl.store(dg + (i_b * T + o_r) * Hv + i_h, b_dg)
+
+
+def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor):
+    """-> ai [B,T,Hv,BT] fp32, w [B,T,Hv,K], u [B,T,Hv,V]."""
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
+    w = torch.empty(B, T, Hv, K, device=k.device, dtype=k.dtype)
+    u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
+    wy_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BS=BS,
+                                      num_warps=4)
+    return ai, w, u
+
+
+def wy_bwd(k, v, beta, gc, ai, dw, du, dk):
+    """dk [B,T,Hv,K] fp32 is updated in place. -> dk, dv (fp32), dbeta (fp32), dg (fp32, chunk-local)."""
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    dv = torch.empty(B, T, Hv, V, device=k.device, dtype=torch.float32)
+    dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
+    dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
+    wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk, dv, dbeta, dg, T, Hk=Hk, Hv=Hv, K=K, V=V,
+                                      BT=BT, BK=min(64, K), BV=min(64, V), num_warps=4)
+    return dk, dv, dbeta, dg
