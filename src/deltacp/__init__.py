@@ -1,0 +1,22 @@
+"""deltacp: context parallelism for Gated DeltaNet hybrid models (Qwen3.5).
+
+Importing deltacp never imports Triton; `linear_attention_gdn_backend="triton"` does, lazily.
+"""
+
+from deltacp.models.qwen3_5 import (
+    all_reduce_cp_grads,
+    cp_cross_entropy,
+    fully_shard_qwen3_5,
+    parallelize_qwen3_5_cp,
+    shard_batch_for_cp,
+)
+from deltacp.parallel.style import LinearAttentionContextParallel
+
+__all__ = [
+    "LinearAttentionContextParallel",
+    "all_reduce_cp_grads",
+    "cp_cross_entropy",
+    "fully_shard_qwen3_5",
+    "parallelize_qwen3_5_cp",
+    "shard_batch_for_cp",
+]

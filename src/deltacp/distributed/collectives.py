@@ -1,0 +1,278 @@
+"""Differentiable collectives for context parallelism over one process group.
+
+Each collective is an autograd Function whose backward is the dual communication, returns new
+tensors (inputs are never modified) and takes `group` last. They work over NCCL with CUDA tensors
+and over gloo with CPU tensors; over gloo, CUDA tensors are staged through host memory because gloo
+cannot move device memory for all-to-all and point-to-point.
+
+Shape legend: B batch, s local sequence, S = P*s global sequence, P group size, D features per
+head group, C conv channels, K/V state dims.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from deltacp.ops.gdn.eager import apply_summary, summary_grad
+
+
+def _needs_host_staging(t: torch.Tensor, group: ProcessGroup) -> bool:
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group: ProcessGroup) -> torch.Tensor:
+    if _needs_host_staging(inp, group):
+        host_out = out.new_empty(out.shape, device="cpu")
+        dist.all_to_all_single(host_out, inp.cpu(), out_splits, in_splits, group=group)
+        return host_out.to(out.device)
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses: sequence shard <-> head shard
+# ---------------------------------------------------------------------------------------------
+
+
+def _seq_to_head(x_BsPD: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    B, s, P, D = x_BsPD.shape
+    send = x_BsPD.permute(2, 0, 1, 3).contiguous()  # [P dest, B, s, D]
+    recv = _all_to_all(torch.empty_like(send), send, None, None, group)  # [P src = seq chunk, B, s, D]
+    return recv.permute(1, 0, 2, 3).reshape(B, P * s, D)
+
+
+def _head_to_seq(y_BSD: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    B, S, D = y_BSD.shape
+    P = dist.get_world_size(group)
+    send = y_BSD.reshape(B, P, S // P, D).transpose(0, 1).contiguous()  # [P dest = seq chunk, B, s, D]
+    recv = _all_to_all(torch.empty_like(send), send, None, None, group)  # [P src = head group, B, s, D]
+    return recv.permute(1, 2, 0, 3)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BsPD, group):
+        ctx.group = group
+        return _seq_to_head(x_BsPD, group)
+
+    @staticmethod
+    def backward(ctx, grad_BSD):
+        return _head_to_seq(grad_BSD.contiguous(), ctx.group), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_BSD, group):
+        ctx.group = group
+        return _head_to_seq(y_BSD, group)
+
+    @staticmethod
+    def backward(ctx, grad_BsPD):
+        return _seq_to_head(grad_BsPD.contiguous(), ctx.group), None
+
+
+def all_to_all_seq_to_head(x_BsPD: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[B, s, P, D] (local tokens, features grouped by destination rank) -> [B, S, D] (all tokens, my group).
+
+    Backward: all_to_all_head_to_seq of the gradient.
+    """
+    return _SeqToHead.apply(x_BsPD, group)
+
+
+def all_to_all_head_to_seq(y_BSD: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[B, S, D] (all tokens, my head group) -> [B, s, P, D] (my tokens, every rank's head group in rank order).
+
+    Backward: all_to_all_seq_to_head of the gradient.
+    """
+    return _HeadToSeq.apply(y_BSD, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv halo: the last `halo` pre-conv tokens go to the next rank only
+# ---------------------------------------------------------------------------------------------
+
+
+def _shift_to_next(x_hBC: torch.Tensor, group: ProcessGroup, forward: bool) -> torch.Tensor:
+    """All-to-all-v with zero splits for every rank but the neighbour: forward sends to rank+1,
+    backward (forward=False) sends to rank-1. The rank with no sender receives zeros."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    n = x_hBC.shape[0]
+    dst, src = (rank + 1, rank - 1) if forward else (rank - 1, rank + 1)
+    in_splits = [n if j == dst else 0 for j in range(size)]
+    out_splits = [n if j == src else 0 for j in range(size)]
+    send = x_hBC if 0 <= dst < size else x_hBC[:0]
+    recv = x_hBC.new_empty((sum(out_splits), *x_hBC.shape[1:]))
+    recv = _all_to_all(recv, send.contiguous(), out_splits, in_splits, group)
+    return recv if 0 <= src < size else torch.zeros_like(x_hBC)
+
+
+class _ConvHalo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BsC, halo, group):
+        ctx.group, ctx.halo, ctx.seq = group, halo, x_BsC.shape[1]
+        tail_hBC = x_BsC[:, -halo:].transpose(0, 1)
+        return _shift_to_next(tail_hBC, group, forward=True).transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_BhC):
+        back_hBC = _shift_to_next(grad_BhC.transpose(0, 1), ctx.group, forward=False)
+        grad_x = grad_BhC.new_zeros(grad_BhC.shape[0], ctx.seq, grad_BhC.shape[2])
+        grad_x[:, -ctx.halo:] = back_hBC.transpose(0, 1)
+        return grad_x, None, None
+
+
+def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup) -> torch.Tensor:
+    """The previous rank's last `halo` tokens of x, [B, halo, C]; zeros on rank 0 (causal left padding).
+
+    Backward: the halo gradient goes back to the previous rank and lands on its last `halo` tokens.
+    """
+    return _ConvHalo.apply(x_BsC, halo, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# State P2P: H_out = M @ H_in + S travels to the next rank, dH_in = Mᵀ dH_out + dS_local back
+# ---------------------------------------------------------------------------------------------
+
+
+class StatePassing:
+    """Point-to-point state traffic of one P2P layer on one rank.
+
+    Every rank posts its receive from rank-1 before it computes its summary, sends to rank+1 as soon as
+    `M @ H_in + S` exists, and defers waiting on its sends (their buffers are kept here until then).
+    For activation checkpointing, `replay_states` keeps the received H_in of each forward so that the
+    recompute replays it instead of posting another receive; message order is unchanged.
+    """
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.is_first = self.rank == 0
+        self.is_last = self.rank == self.size - 1
+        self.record_for_recompute = False
+        self.replay_states: deque[torch.Tensor] = deque()
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.log: list[str] | None = None  # when a list, every message is appended ("send fwd ->1", ...)
+
+    # -- primitives ------------------------------------------------------------------------------
+    def _send(self, t: torch.Tensor, peer: int, what: str) -> None:
+        buf = t.cpu() if _needs_host_staging(t, self.group) else t.contiguous()
+        work = dist.isend(buf, group=self.group, group_dst=peer)
+        self._pending_sends.append((work, buf))
+        if self.log is not None:
+            self.log.append(f"send {what} ->{peer}")
+
+    def post_recv(self, like: torch.Tensor, peer: int, what: str) -> "PendingRecv":
+        staged = _needs_host_staging(like, self.group)
+        buf = torch.empty(like.shape, dtype=like.dtype, device="cpu" if staged else like.device)
+        if self.log is not None:
+            self.log.append(f"recv {what} <-{peer}")
+        return PendingRecv(dist.irecv(buf, group=self.group, group_src=peer), buf, like.device)
+
+    def wait_sends(self) -> None:
+        for work, _ in self._pending_sends:
+            work.wait()
+        self._pending_sends.clear()
+
+
+class PendingRecv:
+    def __init__(self, work: dist.Work, buf: torch.Tensor, device: torch.device):
+        self.work, self.buf, self.device = work, buf, device
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buf.to(self.device)
+
+
+def _in_backward_pass() -> bool:
+    # A forward that runs while the autograd engine executes a backward is a checkpoint recompute.
+    return torch._C._current_graph_task_id() != -1
+
+
+class _StateRelay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, m, s, anchor, passing: StatePassing, recv: PendingRecv | None):
+        ctx.passing = passing
+        if _in_backward_pass() and torch.is_grad_enabled():
+            if not passing.record_for_recompute:
+                raise RuntimeError(
+                    "p2p linear attention CP was recomputed in backward (activation checkpointing) without "
+                    "record_for_recompute; apply checkpointing through deltacp so the recompute replays the "
+                    "received state instead of posting another receive")
+            state_in = passing.replay_states.popleft()
+        else:
+            state_in = torch.zeros_like(s) if recv is None else recv.wait()
+            if not passing.is_last:
+                passing._send(apply_summary(m, s, state_in), passing.rank + 1, "H_out")
+            if passing.record_for_recompute and torch.is_grad_enabled():
+                passing.replay_states.append(state_in)
+        ctx.save_for_backward(m, state_in)
+        return state_in
+
+    @staticmethod
+    def backward(ctx, grad_state_local):
+        passing: StatePassing = ctx.passing
+        m, state_in = ctx.saved_tensors
+        if passing.is_last:
+            grad_state_in, grad_m, grad_s = grad_state_local, None, None
+        else:
+            grad_state_out = passing.post_recv(state_in, passing.rank + 1, "dH_out").wait()
+            grad_state_in = summary_grad(m, grad_state_out, grad_state_local)
+            grad_m = grad_state_out @ state_in.transpose(-1, -2)
+            grad_s = grad_state_out
+        if not passing.is_first:
+            passing._send(grad_state_in, passing.rank - 1, "dH_in")
+        return grad_m, grad_s, None, None, None
+
+
+def relay_state(m: torch.Tensor | None, s: torch.Tensor | None, passing: StatePassing,
+                recv: PendingRecv | None, like: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """H_in of this rank: waits for `recv` (posted earlier), sends `M @ H_in + S` on, returns H_in.
+
+    Backward: receives dH_out from rank+1, sends dH_in = Mᵀ dH_out + dS_local to rank-1, and returns
+    dM = dH_out H_inᵀ, dS = dH_out. The last rank needs no summary: pass m = s = None there.
+    `anchor` (a tensor the layer's earlier collectives produced, e.g. the conv output) gets no gradient
+    from here, but its edge makes the autograd engine finish this backward before those collectives'
+    backward on every rank, whatever the rank's graph: without it the last rank, which has no summary,
+    could enter the halo exchange's backward before sending dH_in, while rank-1 waits for that dH_in.
+    """
+    if passing.is_last:
+        m, s = like.new_zeros(*like.shape[:-1], like.shape[-2]), like.new_zeros(like.shape)
+    return _StateRelay.apply(m, s, anchor, passing, recv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary all-gather
+# ---------------------------------------------------------------------------------------------
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        staged = _needs_host_staging(x, group)
+        src = x.detach().cpu() if staged else x.detach().contiguous()
+        parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, src, group=group)
+        return torch.stack(parts).to(x.device)
+
+    @staticmethod
+    def backward(ctx, grad_P):
+        # Every rank's copy of slot r feeds rank r's gradient: sum over ranks, keep my slot.
+        group = ctx.group
+        staged = _needs_host_staging(grad_P, group)
+        total = grad_P.detach().cpu() if staged else grad_P.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total[dist.get_rank(group)].to(grad_P.device), None
+
+
+def all_gather_autograd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[...] -> [P, ...], every rank's x in rank order.
+
+    Backward: sum of the gradients over ranks, each rank keeping its own slot (a reduce-scatter).
+    """
+    return _AllGather.apply(x, group)

@@ -1,0 +1,83 @@
+"""The GDN backend contract: what a CP mode may ask of a local gated-delta-rule implementation.
+
+Shape legend (all backends):
+    q, k   [B, T, Hk, K]    query/key heads (Hk divides Hv; each key head serves Hv // Hk consecutive value heads)
+    v      [B, T, Hv, V]
+    g      [B, T, Hv]       log decay per token (<= 0)
+    beta   [B, T, Hv]       write strength per token
+    o      [B, T, Hv, V]
+    state  [B, Hv, K, V]    recurrent state H (fp32, or fp64 for fp64 inputs)
+    M      [B, Hv, K, K]    affine summary of a segment: H_out = M @ H_in + S
+    S      [B, Hv, K, V]
+
+A backend offers two differentiable operations; the CP modes are built from them and never see
+kernels, and backends never see ranks:
+
+    chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel) -> (o, final_state | None)
+        The whole local GDN, optionally from an entering state (ulysses: H_in = None; p2p and
+        all_gather: H_in from the previous rank, with gradient flowing back into it).
+
+    state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel) -> (M, S)
+        The affine effect of the local segment on the entering state (SPEC section 2).
+
+Composition and application of summaries are tiny K x K matmuls shared by all backends
+(`compose_summaries`, `apply_summary` in `eager.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import torch
+
+GDNBackendName = Literal["eager", "triton"]
+GDN_BACKENDS: tuple[str, ...] = ("eager", "triton")
+CHUNK_SIZE = 64
+
+
+class GDNBackend(Protocol):
+    name: str
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              *, mode: str) -> None:
+        """Raise a clear error if these inputs are outside the backend's contract (never fall back)."""
+
+    def chunk_gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        scale: float | None = None,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def state_summary(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        use_qk_l2norm_in_kernel: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def get_gdn_backend(name: str) -> GDNBackend:
+    """The backend called `name`. Triton is imported here, and only for backend="triton"."""
+    match name:
+        case "eager":
+            from deltacp.ops.gdn.eager import EagerGDNBackend
+
+            return EagerGDNBackend()
+        case "triton":
+            from deltacp.ops.gdn.triton import TritonGDNBackend
+
+            return TritonGDNBackend()
+        case _:
+            raise ValueError(f"linear_attention_gdn_backend={name!r} is not supported; expected one of {GDN_BACKENDS}")

@@ -1,0 +1,163 @@
+"""Eager (pure PyTorch) chunked gated delta rule: the semantic reference of every backend.
+
+Shapes as in `contract.py`; inside this file, after `_prepare`, tensors are head-major and chunked:
+    x_BHNCK   [B, Hv, N chunks, C=64, K]
+    g_BHNC    per-token log decay; gam_BHNC its cumulative sum inside each chunk
+Computation runs in float32 for float32/bf16/fp16 inputs and in float64 for float64 inputs
+(`naive.compute_dtype`), upcasting exactly where transformers' Qwen3.5 torch path upcasts.
+Backward is PyTorch autograd through these ops (the gradient summary of P2P lives in the CP layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deltacp.ops.gdn.contract import CHUNK_SIZE
+from deltacp.ops.gdn.naive import compute_dtype, l2norm
+
+
+@dataclass
+class _Chunked:
+    """Per-chunk WY quantities shared by the output scan and the summary scan."""
+
+    q: torch.Tensor | None  # [B,H,N,C,K] q ⊙ exp(gamma), scaled
+    qk: torch.Tensor | None  # [B,H,N,C,C] causal (incl. diagonal) decayed q kᵀ
+    w: torch.Tensor  # [B,H,N,C,K] W = T (beta ⊙ exp(gamma) ⊙ K)
+    u: torch.Tensor  # [B,H,N,C,V] U = T (beta V)
+    k_tail: torch.Tensor  # [B,H,N,C,K] K~ = K ⊙ exp(gamma_C - gamma_r)
+    chunk_decay: torch.Tensor  # [B,H,N] exp(gamma_C)
+    T: int
+
+
+def _prepare(q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, need_output: bool) -> _Chunked:
+    dt = compute_dtype(v)
+    B, T, Hk, K = k.shape
+    Hv = v.shape[-2]
+    rep = Hv // Hk
+    C = CHUNK_SIZE
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [B,T,H,D] -> [B,H,N,C,D], zero-padded in time
+        x = F.pad(x.to(dt), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        return x.reshape(B, x.shape[1], N, C, x.shape[-1])
+
+    k = k.repeat_interleave(rep, dim=2) if rep > 1 else k
+    if use_qk_l2norm_in_kernel:
+        k = l2norm(k.to(dt))
+    k = heads_first(k)
+    v = heads_first(v)
+    # Padded tokens have g = 0 and beta = 0: they neither decay nor write the state.
+    g = F.pad(g.to(dt), (0, 0, 0, pad)).transpose(1, 2).reshape(B, Hv, N, C)
+    beta = F.pad(beta.to(dt), (0, 0, 0, pad)).transpose(1, 2).reshape(B, Hv, N, C)
+
+    gam = g.cumsum(-1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    # decay[i, j] = exp(gamma_i - gamma_j) for j <= i; masked before exp so nothing overflows.
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    a = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower triangular system (diagonal ignored)
+    w = torch.linalg.solve_triangular(a, k_beta * gam.exp()[..., None], upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(a, v * beta[..., None], upper=False, unitriangular=True)
+    k_tail = k * (gam[..., -1:] - gam).exp()[..., None]
+    chunk_decay = gam[..., -1].exp()
+
+    q_dec = qk = None
+    if need_output:
+        q = q.repeat_interleave(rep, dim=2) if rep > 1 else q
+        if use_qk_l2norm_in_kernel:
+            q = l2norm(q.to(dt))
+        q = heads_first(q) * (K**-0.5 if scale is None else scale)
+        qk = (q @ k.transpose(-1, -2)) * decay
+        q_dec = q * gam.exp()[..., None]
+    return _Chunked(q_dec, qk, w, u, k_tail, chunk_decay, T)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked (C=64) gated delta rule; same arguments and results as `naive.recurrent_gated_delta_rule`."""
+    c = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, need_output=True)
+    B, Hv, N, C, K = c.w.shape
+    V = c.u.shape[-1]
+    h = c.u.new_zeros(B, Hv, K, V) if initial_state is None else initial_state.to(c.u.dtype)
+    outs = []
+    for n in range(N):
+        v_new = c.u[:, :, n] - c.w[:, :, n] @ h  # the part of U the entering state does not predict
+        outs.append(c.q[:, :, n] @ h + c.qk[:, :, n] @ v_new)
+        h = c.chunk_decay[:, :, n, None, None] * h + c.k_tail[:, :, n].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(B, Hv, N * C, V)[:, :, : c.T].transpose(1, 2)
+    return o.to(v.dtype), (h if output_final_state else None)
+
+
+def state_summary(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, S) with H_out = M @ H_in + S for this segment.
+
+    One scan over chunks of X = [M | S], X_0 = [I | 0]:  X <- (exp(gamma_C) I - K~ᵀ W) X + [0 | K~ᵀ U].
+    """
+    c = _prepare(None, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                 need_output=False)
+    B, Hv, N, C, K = c.w.shape
+    eye = torch.eye(K, dtype=c.w.dtype, device=c.w.device)
+    m = eye.expand(B, Hv, K, K)
+    s = c.u.new_zeros(B, Hv, K, c.u.shape[-1])
+    for n in range(N):
+        k_tail_t = c.k_tail[:, :, n].transpose(-1, -2)
+        transition = c.chunk_decay[:, :, n, None, None] * eye - k_tail_t @ c.w[:, :, n]
+        m = transition @ m
+        s = transition @ s + k_tail_t @ c.u[:, :, n]
+    return m, s
+
+
+def compose_summaries(later: tuple[torch.Tensor, torch.Tensor],
+                      earlier: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M1, S1) ∘ (M0, S0) = (M1 M0, M1 S0 + S1): segment 0 then segment 1. Associative, not commutative."""
+    (m1, s1), (m0, s0) = later, earlier
+    return m1 @ m0, m1 @ s0 + s1
+
+
+def apply_summary(m: torch.Tensor, s: torch.Tensor, state_in: torch.Tensor) -> torch.Tensor:
+    """H_out = M @ H_in + S."""
+    return m @ state_in + s
+
+
+def summary_grad(m: torch.Tensor, grad_state_out: torch.Tensor, grad_state_local: torch.Tensor) -> torch.Tensor:
+    """dH_in = Mᵀ dH_out + dS_local, where dS_local reaches H_in from the local outputs alone."""
+    return m.transpose(-1, -2) @ grad_state_out + grad_state_local
+
+
+class EagerGDNBackend:
+    """Pure-PyTorch backend: any float dtype, any device, any length; backward by autograd."""
+
+    name = "eager"
+
+    def check(self, q, k, v, g, beta, *, mode: str) -> None:
+        if not (v.is_floating_point() and k.is_floating_point()):
+            raise ValueError(f"eager GDN needs floating-point q/k/v, got {k.dtype}/{v.dtype}")
+        if v.shape[-2] % k.shape[-2]:
+            raise ValueError(f"value heads ({v.shape[-2]}) must be a multiple of key heads ({k.shape[-2]})")
+
+    def chunk_gated_delta_rule(self, q, k, v, g, beta, **kwargs):
+        return chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+
+    def state_summary(self, k, v, g, beta, **kwargs):
+        return state_summary(k, v, g, beta, **kwargs)

@@ -1,0 +1,60 @@
+"""Summary-AllGather linear attention CP (eager only; for comparing algorithms).
+
+Every rank summarises its tokens, the packed [M | S] of all ranks are all-gathered (differentiably),
+and rank r composes ranks 0..r-1 in order to get its entering state, then scans its own tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltacp.distributed.collectives import all_gather_autograd
+from deltacp.ops.gdn.eager import apply_summary
+from deltacp.parallel.conv import halo_conv_silu
+from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_gate, split_qkv
+
+
+def _compose_prefix(packed_PBHKX: torch.Tensor, rank: int, K: int) -> torch.Tensor:
+    state = torch.zeros_like(packed_PBHKX[0, ..., K:])
+    for r in range(rank):
+        state = apply_summary(packed_PBHKX[r, ..., :K], packed_PBHKX[r, ..., K:], state)
+    return state
+
+
+class _EnteringState(torch.autograd.Function):
+    """H_in of rank r from the gathered summaries of ranks 0..r-1.
+
+    A Function rather than plain autograd so that its backward (and with it the all-gather's
+    backward collective) runs on every rank, rank 0 included, whose H_in depends on no summary.
+    """
+
+    @staticmethod
+    def forward(ctx, packed_PBHKX, rank, K):
+        ctx.save_for_backward(packed_PBHKX)
+        ctx.rank, ctx.K = rank, K
+        return _compose_prefix(packed_PBHKX, rank, K)
+
+    @staticmethod
+    def backward(ctx, grad_state):
+        (packed,) = ctx.saved_tensors
+        if ctx.rank == 0:
+            return torch.zeros_like(packed), None, None
+        with torch.enable_grad():
+            packed = packed.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(_compose_prefix(packed, ctx.rank, ctx.K), packed, grad_state)
+        return grad, None, None
+
+
+def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor
+                     ) -> torch.Tensor:
+    m = layer.module
+    x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group)
+    q, k, v = split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim)
+    g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
+    layer.backend.check(q, k, v, g, beta, mode="all_gather")
+
+    summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    packed_PBHKX = all_gather_autograd(torch.cat([summary_m, summary_s], dim=-1), layer.group)
+    state = _EnteringState.apply(packed_PBHKX, torch.distributed.get_rank(layer.group), m.head_k_dim)
+    o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True)
+    return o

@@ -1,0 +1,98 @@
+"""Ulysses CP for transformers' full attention `Qwen3_5Attention` over the same 1-D CP mesh.
+
+Local projections, q/k norms and rotary (position embeddings of the rank's global positions), then
+all-to-all to head shards over the whole sequence, causal attention, all-to-all back, output gate and
+projection. Key/value heads that do not divide by the CP degree are repeated to the query heads first
+(exact: query head j reads kv head j // groups either way).
+
+The `attention_mask` this forward takes is None (causal) or the global 2-D padding mask [B, S]; the
+model-level pre-hook of `parallelize_qwen3_5_cp` supplies it.
+
+Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
+
+
+def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[int, int]:
+    """(query heads, kv heads) per rank, or ValueError naming the setting."""
+    if num_heads % cp:
+        raise ValueError(f"Ulysses full attention needs num_attention_heads ({num_heads}) divisible by the CP "
+                         f"degree ({cp})")
+    kv = num_kv_heads if num_kv_heads % cp == 0 else num_heads
+    return num_heads // cp, kv // cp
+
+
+def _causal_padding_mask(padding_BS: torch.Tensor | None, S: int, device) -> torch.Tensor | None:
+    if padding_BS is None:
+        return None
+    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    return causal[None, None] & padding_BS.bool()[:, None, None, :]
+
+
+def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Tensor,
+                              position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                              attention_mask: torch.Tensor | None = None, cache=None, **_: object):
+    if cache is not None:
+        raise NotImplementedError("inference cache is out of scope under context parallelism (use_cache=False)")
+    if hasattr(hidden_states, "to_local"):
+        hidden_states = hidden_states.to_local()
+    cp = dist.get_world_size(group)
+    cfg = module.config
+    D = module.head_dim
+    B, s, _ = hidden_states.shape
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    heads_local, kv_local = attention_head_layout(heads, kv_heads, cp)
+    if attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape[1] != s * cp):
+        raise ValueError(f"Ulysses full attention takes None or the global 2-D padding mask [B, {s * cp}], got "
+                         f"attention_mask of shape {tuple(attention_mask.shape)}; call the model through "
+                         f"parallelize_qwen3_5_cp, which supplies it")
+
+    q_BsHD, gate = torch.chunk(module.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
+    gate = gate.reshape(B, s, heads * D)
+    q_BsHD = module.q_norm(q_BsHD)
+    k_BsHD = module.k_norm(module.k_proj(hidden_states).view(B, s, kv_heads, D))
+    v_BsHD = module.v_proj(hidden_states).view(B, s, kv_heads, D)
+    cos, sin = position_embeddings
+    q_BsHD, k_BsHD = apply_rotary_pos_emb(q_BsHD, k_BsHD, cos, sin, unsqueeze_dim=2)
+    if kv_heads % cp:
+        k_BsHD, v_BsHD = (x.repeat_interleave(heads // kv_heads, dim=2) for x in (k_BsHD, v_BsHD))
+
+    def to_heads(x_BsHD, local):
+        return all_to_all_seq_to_head(x_BsHD.reshape(B, s, cp, local * D), group).view(B, s * cp, local, D)
+
+    q_BHSD = to_heads(q_BsHD, heads_local).transpose(1, 2)
+    k_BHSD = to_heads(k_BsHD, kv_local).transpose(1, 2)
+    v_BHSD = to_heads(v_BsHD, kv_local).transpose(1, 2)
+    mask = _causal_padding_mask(attention_mask, s * cp, hidden_states.device)
+    o_BHSD = F.scaled_dot_product_attention(
+        q_BHSD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=mask is None, scale=module.scaling,
+        dropout_p=module.attention_dropout if module.training else 0.0, enable_gqa=kv_local != heads_local)
+    o_BSX = o_BHSD.transpose(1, 2).reshape(B, s * cp, heads_local * D)
+    o_BsX = all_to_all_head_to_seq(o_BSX, group).reshape(B, s, heads * D)
+    return module.o_proj(o_BsX * torch.sigmoid(gate)), None
+
+
+def check_attention_module(module: nn.Module, cp: int) -> dict:
+    if type(module).__name__ != "Qwen3_5Attention":
+        raise NotImplementedError(f"Ulysses full attention CP applies to transformers' Qwen3_5Attention, got "
+                                  f"{type(module).__name__}")
+    cfg = module.config
+    attention_head_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cp)
+    return dict(num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                head_dim=module.head_dim)
+
+
+def install_ulysses_attention(module: nn.Module, group) -> nn.Module:
+    module.forward = partial(ulysses_attention_forward, module, group)
+    return module

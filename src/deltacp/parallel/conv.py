@@ -1,0 +1,36 @@
+"""Causal depthwise conv of the GDN layer, locally (Ulysses: whole sequence) or with a halo (P2P, all_gather).
+
+Shape legend: x_BsC pre-conv channels of the local tokens; weight_CK depthwise kernels [C, kernel].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltacp.distributed.collectives import conv_halo_exchange
+
+
+def causal_conv_silu(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int,
+                     left_context_BhC: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of x; `left_context` supplies the tokens before x (zeros when None).
+
+    Casts to the weight dtype for the conv and back, as transformers' Qwen3.5 does.
+    """
+    s, channels = x_BsC.shape[1], x_BsC.shape[2]
+    halo = (weight_CK.shape[-1] - 1) * dilation
+    x = x_BsC if left_context_BhC is None else torch.cat([left_context_BhC, x_BsC], dim=1)
+    x = x.transpose(1, 2).to(weight_CK.dtype)
+    if left_context_BhC is None:
+        x = F.pad(x, (halo, 0))
+    out = F.conv1d(x, weight_CK.unsqueeze(1), bias_C, dilation=dilation, groups=channels)
+    return F.silu(out[:, :, -s:]).to(x_BsC.dtype).transpose(1, 2)
+
+
+def halo_conv_silu(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int,
+                   group) -> torch.Tensor:
+    """Conv of the local slice of a sequence sharded over `group`: the previous rank's last
+    (kernel-1)*dilation pre-conv tokens arrive by `conv_halo_exchange` (rank 0 gets zeros)."""
+    halo = (weight_CK.shape[-1] - 1) * dilation
+    left = conv_halo_exchange(x_BsC, halo, group)
+    return causal_conv_silu(x_BsC, weight_CK, bias_C, dilation, left_context_BhC=left)

@@ -1,0 +1,115 @@
+"""The CP forward of transformers' `Qwen3_5GatedDeltaNet`: model semantics around a CP token mixer.
+
+Projections, gates, gated RMSNorm and the out projection are the module's own (its parameters, its
+order of operations, transformers' upcasting policy for bf16); only the conv + GDN core between them
+is replaced by the mode's token mixer, which owns the layout and the communication.
+
+Shape legend: x_BsD local hidden states; qkv_BsC pre-conv [q | k | v] channels of the local tokens;
+b_BsH / a_BsH per-value-head beta and gate inputs; o_BsHV core output of the local tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from deltacp.ops.gdn.contract import GDNBackend
+from deltacp.ops.gdn.naive import compute_dtype
+
+
+@dataclass
+class GDNLayerCP:
+    """What a CP token mixer needs of one GDN layer on one rank."""
+
+    module: nn.Module
+    group: ProcessGroup
+    mode: str
+    backend: GDNBackend
+    mixer: Callable[["GDNLayerCP", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    extra: dict = field(default_factory=dict)  # per-mode state (e.g. the p2p StatePassing)
+
+    @property
+    def num_k_heads(self) -> int:
+        return self.module.num_k_heads
+
+    @property
+    def num_v_heads(self) -> int:
+        return self.module.num_v_heads
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.module.head_k_dim
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.module.head_v_dim
+
+    @property
+    def conv_weight_CK(self) -> torch.Tensor:
+        return self.module.conv1d.weight.squeeze(1)
+
+    @property
+    def conv_dilation(self) -> int:
+        return self.module.conv1d.dilation[0]
+
+    @property
+    def halo(self) -> int:
+        return (self.module.conv1d.kernel_size[0] - 1) * self.conv_dilation
+
+
+def gdn_gate(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """g = -exp(A_log) * softplus(a + dt_bias), in float32 (float64 for float64 models)."""
+    dt = compute_dtype(a)
+    return -a_log.to(dt).exp() * F.softplus(a.to(dt) + dt_bias.to(dt))
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5RMSNormGated, with float32 upcasts widened to float64 for float64 inputs."""
+    dt = compute_dtype(x)
+    h = x.to(dt)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    return (h * F.silu(gate.to(dt))).to(x.dtype)
+
+
+def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, T, channels = q | k | v] -> q, k [B, T, qk_heads, K] and v [B, T, Hv, V]."""
+    B, T, _ = qkv.shape
+    key_dim = qk_heads * head_k_dim
+    q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
+    return (q.reshape(B, T, qk_heads, head_k_dim), k.reshape(B, T, qk_heads, head_k_dim),
+            v.reshape(B, T, -1, head_v_dim))
+
+
+def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   **_: object) -> torch.Tensor:
+    m = layer.module
+    if hasattr(hidden_states, "to_local"):  # DTensor input: this rank's slice is its local tensor
+        hidden_states = hidden_states.to_local()
+    if attention_mask is not None:
+        if attention_mask.ndim != 2 or attention_mask.shape != hidden_states.shape[:2]:
+            raise ValueError(
+                f"linear attention CP takes a 2-D padding mask of the local tokens [B, s] = "
+                f"{tuple(hidden_states.shape[:2])}, got attention_mask of shape {tuple(attention_mask.shape)}")
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    B, s, _ = hidden_states.shape
+    if layer.mode != "ulysses" and s < layer.halo:
+        raise ValueError(f"linear_attention_cp_mode={layer.mode!r} needs a local sequence of at least the conv halo "
+                         f"((kernel-1)*dilation = {layer.halo}) tokens, got {s}")
+
+    qkv_BsC = m.in_proj_qkv(hidden_states)
+    z_BsHV = m.in_proj_z(hidden_states).reshape(B, s, -1, m.head_v_dim)
+    b_BsH = m.in_proj_b(hidden_states)
+    a_BsH = m.in_proj_a(hidden_states)
+
+    o_BsHV = layer.mixer(layer, qkv_BsC, b_BsH, a_BsH)
+
+    o = gated_rms_norm(o_BsHV.reshape(-1, m.head_v_dim), z_BsHV.reshape(-1, m.head_v_dim), m.norm.weight,
+                       m.norm.variance_epsilon)
+    return m.out_proj(o.reshape(B, s, -1))

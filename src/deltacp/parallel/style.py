@@ -1,0 +1,114 @@
+"""`LinearAttentionContextParallel`: the ParallelStyle that makes a transformers `Qwen3_5GatedDeltaNet`
+compute its rank's slice of the single-device output under context parallelism.
+
+    LinearAttentionContextParallel(mode="p2p", backend="eager").apply(layer.linear_attn, cp_mesh)
+
+After `apply`, `module(local_hidden_states)` on each rank's contiguous slice returns that slice of the
+single-device output; gradients summed over ranks are the single-device gradients. Parameters stay
+replicated (shard them with FSDP2 on top). Everything that can be checked is checked in `__init__` and
+`apply` before the one configuration exchange, which precedes any other collective.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from deltacp.distributed.collectives import StatePassing
+from deltacp.ops.gdn.contract import GDN_BACKENDS, get_gdn_backend
+from deltacp.parallel.fingerprint import check_same_config_across_ranks
+from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
+
+LinearAttentionCPMode = Literal["ulysses", "p2p", "all_gather"]
+LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = ("ulysses", "p2p", "all_gather")
+
+
+def validate_mode_and_backend(mode: str, backend: str) -> None:
+    if mode not in LINEAR_ATTENTION_CP_MODES:
+        raise ValueError(f"linear_attention_cp_mode={mode!r} is not supported; expected one of "
+                         f"{LINEAR_ATTENTION_CP_MODES}")
+    if backend not in GDN_BACKENDS:
+        raise ValueError(f"linear_attention_gdn_backend={backend!r} is not supported; expected one of {GDN_BACKENDS}")
+    if mode == "all_gather" and backend == "triton":
+        raise NotImplementedError("linear_attention_cp_mode='all_gather' has no triton backend (it is an eager "
+                                  "comparison mode); use linear_attention_gdn_backend='eager', or mode 'p2p'/'ulysses'")
+
+
+def cp_group_of(mesh: DeviceMesh):
+    """The process group of the mesh's CP dimension: a 1-D mesh, or the dimension named 'cp'."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"cp_mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1 and (names is None or names[0] == "cp"):
+        return mesh.get_group()
+    if names is None or "cp" not in names:
+        raise ValueError(f"cp_mesh has no CP dimension: pass a 1-D mesh or one with a dimension named 'cp' "
+                         f"(got dimension names {names} and shape {tuple(mesh.shape)})")
+    for name in names:
+        if name == "tp" and mesh[name].size() > 1:
+            raise ValueError(f"tp={mesh[name].size()} is not supported with linear attention CP: tp must be 1")
+    return mesh["cp"].get_group()
+
+
+class LinearAttentionContextParallel(ParallelStyle):
+    def __init__(self, mode: LinearAttentionCPMode = "ulysses", backend: str = "eager"):
+        super().__init__()
+        validate_mode_and_backend(mode, backend)
+        self.mode = mode
+        self.backend = backend
+        self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
+
+    def apply(self, module: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
+        """Apply in place to one `Qwen3_5GatedDeltaNet` and return it."""
+        return self._apply(module, cp_mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = cp_group_of(device_mesh)
+        config = self.check_module(module, device_mesh.size() if device_mesh.ndim == 1 else
+                                   device_mesh["cp"].size())
+        check_same_config_across_ranks(config, group, "LinearAttentionContextParallel")
+        return self.install(module, group)
+
+    def check_module(self, module: nn.Module, cp: int) -> dict:
+        """Validate the module for this mode and return the configuration every rank must share."""
+        if type(module).__name__ != "Qwen3_5GatedDeltaNet":
+            raise NotImplementedError(f"LinearAttentionContextParallel applies to transformers' Qwen3_5GatedDeltaNet "
+                                      f"(layer.linear_attn), got {type(module).__name__}")
+        conv = module.conv1d
+        if conv.stride[0] != 1 or conv.groups != module.conv_dim or conv.in_channels != conv.out_channels:
+            raise ValueError(f"linear attention CP needs a depthwise causal conv with stride 1 and groups == "
+                             f"conv_dim ({module.conv_dim}); got stride {conv.stride[0]}, groups {conv.groups}")
+        if conv.padding[0] != (conv.kernel_size[0] - 1) * conv.dilation[0]:
+            raise ValueError(f"linear attention CP needs a causal conv with padding (kernel-1)*dilation = "
+                             f"{(conv.kernel_size[0] - 1) * conv.dilation[0]}, got padding {conv.padding[0]}")
+        if module.num_v_heads % module.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({module.num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({module.num_k_heads})")
+        if self.mode == "ulysses":
+            from deltacp.parallel.ulysses import ulysses_head_layout
+
+            ulysses_head_layout(module.num_k_heads, module.num_v_heads, cp)
+        param = next(module.parameters())
+        return dict(mode=self.mode, backend=self.backend, cp=cp, num_k_heads=module.num_k_heads,
+                    num_v_heads=module.num_v_heads, head_k_dim=module.head_k_dim, head_v_dim=module.head_v_dim,
+                    conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
+
+    def install(self, module: nn.Module, group) -> nn.Module:
+        match self.mode:
+            case "ulysses":
+                from deltacp.parallel.ulysses import ulysses_mixer as mixer
+            case "p2p":
+                from deltacp.parallel.p2p import p2p_mixer as mixer
+            case "all_gather":
+                from deltacp.parallel.all_gather import all_gather_mixer as mixer
+        layer = GDNLayerCP(module=module, group=group, mode=self.mode, backend=self.gdn_backend,
+                           mixer=mixer)
+        if self.mode == "p2p":
+            layer.extra["passing"] = StatePassing(group)
+        module._deltacp_cp = layer
+        module.forward = partial(gdn_forward_cp, layer)
+        return module

@@ -1,0 +1,76 @@
+"""Ulysses linear attention CP: all-to-all from sequence shards to head shards, the whole sequence's
+conv and GDN on this rank's heads, and all-to-all back.
+
+Rank p owns value heads [p*Hv/P, (p+1)*Hv/P). When the key heads do not divide by P, q/k are repeated
+to the value heads first (each value head j reads key head j // (Hv/Hk)), with the conv kernels of the
+repeated channels repeated alike, which is exact for a depthwise conv.
+
+Shape legend: s local tokens, S = P*s all tokens, P CP degree; *_BsPX packed per destination rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
+from deltacp.parallel.conv import causal_conv_silu
+from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_gate, split_qkv
+
+
+def ulysses_head_layout(num_k_heads: int, num_v_heads: int, cp: int) -> tuple[int, int]:
+    """(q/k heads after any repeat, value heads) per rank, or ValueError naming the setting."""
+    if num_v_heads % cp:
+        raise ValueError(f"linear_attention_cp_mode='ulysses' needs linear_num_value_heads ({num_v_heads}) divisible "
+                         f"by the CP degree ({cp}); use linear_attention_cp_mode='p2p' or a CP degree dividing it")
+    qk_heads = num_k_heads if num_k_heads % cp == 0 else num_v_heads
+    return qk_heads // cp, num_v_heads // cp
+
+
+def _rank_channels(layer: GDNLayerCP, rank: int, cp: int, device) -> torch.Tensor:
+    """Indices of this rank's [q | k | v] conv channels in the module's channel order."""
+    m = layer.module
+    K, V, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
+    qk_local, v_local = ulysses_head_layout(Hk, Hv, cp)
+    v_heads = torch.arange(rank * v_local, (rank + 1) * v_local, device=device)
+    if Hk % cp == 0:
+        qk_heads = torch.arange(rank * qk_local, (rank + 1) * qk_local, device=device)
+    else:
+        qk_heads = v_heads // (Hv // Hk)
+    offs_k, offs_v = torch.arange(K, device=device), torch.arange(V, device=device)
+    q_ch = (qk_heads[:, None] * K + offs_k).flatten()
+    v_ch = (v_heads[:, None] * V + offs_v).flatten()
+    return torch.cat([q_ch, Hk * K + q_ch, 2 * Hk * K + v_ch])
+
+
+def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor
+                  ) -> torch.Tensor:
+    m = layer.module
+    group = layer.group
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, s, _ = qkv_BsC.shape
+    K, V, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
+    qk_local, v_local = ulysses_head_layout(Hk, Hv, cp)
+
+    q, k, v = split_qkv(qkv_BsC, Hk, K, V)
+    if Hk % cp:  # repeat q/k to the value heads so that they split evenly
+        q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    packed_BsPX = torch.cat([
+        q.reshape(B, s, cp, qk_local * K), k.reshape(B, s, cp, qk_local * K), v.reshape(B, s, cp, v_local * V),
+        b_BsH.reshape(B, s, cp, v_local), a_BsH.reshape(B, s, cp, v_local),
+    ], dim=-1)
+    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
+    S = full_BSX.shape[1]
+    qkv_BSC, b_BSH, a_BSH = torch.split(full_BSX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
+
+    channels = layer.extra.setdefault(("channels", qkv_BsC.device), _rank_channels(layer, rank, cp, qkv_BsC.device))
+    bias = None if m.conv1d.bias is None else m.conv1d.bias[channels]
+    x_BSC = causal_conv_silu(qkv_BSC, layer.conv_weight_CK[channels], bias, layer.conv_dilation)
+    q, k, v = split_qkv(x_BSC, qk_local, K, V)
+    heads = slice(rank * v_local, (rank + 1) * v_local)
+    g, beta = gdn_gate(a_BSH, m.A_log[heads], m.dt_bias[heads]), b_BSH.sigmoid()
+    layer.backend.check(q, k, v, g, beta, mode="ulysses")
+
+    o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    o_BsPX = all_to_all_head_to_seq(o_BSHV.reshape(B, S, v_local * V), group)
+    return o_BsPX.reshape(B, s, Hv, V)
