@@ -1,0 +1,196 @@
+"""CPU tests of the Triton GDN backend: capability errors, laziness, and (with triton installed) an interpreter
+parity test of the kernels in fp32 against the token recurrence. CI installs no triton: those tests skip."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltacp.ops.gdn.triton import TritonGDNBackend
+from deltacp.ops.gdn.triton.contract_check import check_triton_contract, check_triton_version
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _inputs(device="meta", T=128, Hk=2, Hv=4, K=128, V=128, dt=torch.bfloat16, gdt=torch.float32):
+    q = torch.empty(1, T, Hk, K, device=device, dtype=dt)
+    k = torch.empty(1, T, Hk, K, device=device, dtype=dt)
+    v = torch.empty(1, T, Hv, V, device=device, dtype=dt)
+    g = torch.empty(1, T, Hv, device=device, dtype=gdt)
+    beta = torch.empty(1, T, Hv, device=device, dtype=dt)
+    return q, k, v, g, beta
+
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor (device/dtype/shape/dim are all the check reads)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.device = torch.device("cuda", 0)
+        self.dtype, self.shape = t.dtype, t.shape
+
+    def dim(self):
+        return self.t.dim()
+
+
+def _cuda_like(*a, **kw):
+    return [_FakeCuda(x) for x in _inputs(*a, **kw)]
+
+
+def test_device_error():
+    with pytest.raises(RuntimeError, match=r"needs CUDA tensors; got q on device 'cpu'"):
+        TritonGDNBackend().check(*_inputs("cpu"), mode="p2p")
+
+
+@pytest.mark.parametrize("name,idx,bad", [("q", 0, torch.float32), ("k", 1, torch.float16), ("v", 2, torch.float32),
+                                          ("beta", 4, torch.float32), ("g", 3, torch.bfloat16)])
+def test_dtype_errors(name, idx, bad):
+    xs = _cuda_like()
+    xs[idx].dtype = bad
+    with pytest.raises(ValueError, match=rf"needs {name}\.dtype="):
+        check_triton_contract(*xs, mode="p2p", triton_version="3.6.0")
+
+
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 256)])
+def test_head_dim_error(K, V):
+    with pytest.raises(ValueError, match=rf"head_k_dim = head_v_dim = 128 only; got head_k_dim={K}, head_v_dim={V}"):
+        check_triton_contract(*_cuda_like(K=K, V=V), mode="p2p", triton_version="3.6.0")
+
+
+def test_head_ratio_error():
+    with pytest.raises(ValueError, match=r"Hv=5, Hk=2"):
+        check_triton_contract(*_cuda_like(Hv=5), mode="p2p", triton_version="3.6.0")
+
+
+def test_chunk_divisibility_p2p_only():
+    with pytest.raises(ValueError, match=r"mode='p2p'.*divisible by the chunk size 64; got T=100"):
+        check_triton_contract(*_cuda_like(T=100), mode="p2p", triton_version="3.6.0")
+    check_triton_contract(*_cuda_like(T=100), mode="ulysses", triton_version="3.6.0")  # padded internally
+
+
+def test_mode_error():
+    with pytest.raises(ValueError, match=r"mode='all_gather' is not supported by backend='triton'"):
+        check_triton_contract(*_cuda_like(), mode="all_gather", triton_version="3.6.0")
+
+
+@pytest.mark.parametrize("ver", ["3.3.1", "3.7.0", "4.0.0"])
+def test_version_errors(ver):
+    with pytest.raises(RuntimeError, match=rf"triton=={ver} is outside the range.*>=3\.6,<3\.7"):
+        check_triton_version(ver)
+    check_triton_version("3.6.0")
+    check_triton_version("3.6.0+git1234")
+
+
+def test_version_checked_from_installed(monkeypatch):
+    import deltacp.ops.gdn.triton.contract_check as cc
+
+    monkeypatch.setattr(cc, "_triton_version", lambda: "3.2.0")
+    with pytest.raises(RuntimeError, match=r"triton==3\.2\.0 is outside"):
+        check_triton_contract(*_cuda_like(), mode="p2p")
+
+
+def test_import_is_lazy():
+    """Importing the backend package and constructing it imports no kernel module."""
+    code = ("import sys; import deltacp.ops.gdn.triton as t; t.TritonGDNBackend(); "
+            "print(any(m.startswith('deltacp.ops.gdn.triton.') and m.split('.')[-1] in "
+            "('chunk', 'wy', 'chunk_h', 'chunk_o') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---- interpreter parity (needs triton; runs the real kernels on CPU) -------------------------------------------
+
+def _patch_interpreter_bf16_dot():
+    """Triton 3.6's interpreter multiplies bf16 dot operands as raw uint16 bits; widen them to fp32 first."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    if getattr(it.InterpreterBuilder.create_dot, "_deltacp_patched", False):
+        return
+    orig = it.InterpreterBuilder.create_dot
+
+    def widen(h):
+        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype == tl.bfloat16 else h.data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            return it.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._deltacp_patched = True
+    it.InterpreterBuilder.create_dot = create_dot
+
+
+def _ref_recurrent(q, k, v, g, beta, h0=None, l2=True, v_zero=False):
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    if l2:
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, 2) * q.shape[-1] ** -0.5, k.repeat_interleave(rep, 2)
+    if v_zero:
+        v = torch.zeros_like(v)
+    B, T, H, K = q.shape
+    h = q.new_zeros(B, H, K, v.shape[-1]) if h0 is None else h0.double()
+    out = []
+    for t in range(T):
+        h = h * g[:, t].exp()[..., None, None]
+        r = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], h)
+        h = h + torch.einsum("bhk,bhv->bhkv", k[:, t], r * beta[:, t, :, None])
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], h))
+    return torch.stack(out, 1), h
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+_INTERP_CODE = r"""
+import sys, torch
+sys.path.insert(0, {testdir!r})
+import test_triton_contract as t
+t._patch_interpreter_bf16_dot()
+from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule, state_summary
+torch.manual_seed(0)
+B, T, Hk, Hv, K, V = 1, 150, 1, 2, 32, 32       # T=150: a partial last chunk; Hv=2*Hk: grouped heads
+q, k = torch.randn(B, T, Hk, K), torch.randn(B, T, Hk, K)
+v, g = torch.randn(B, T, Hv, V), -torch.rand(B, T, Hv) * 0.2
+beta, h0 = torch.rand(B, T, Hv), torch.randn(B, Hv, K, V)
+xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+do, dht = torch.randn_like(o), torch.randn_like(ht)
+gr = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+rs = [x.double().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+ro, rht = t._ref_recurrent(*rs[:5], h0=rs[5])
+rg = torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(), rs)
+errs = [t._rel(o, ro), t._rel(ht, rht)] + [t._rel(a, b) for a, b in zip(gr, rg)]
+ys = [x.clone().requires_grad_() for x in (k, v, g, beta)]
+M, S = state_summary(*ys, use_qk_l2norm_in_kernel=True)
+dM, dS = torch.randn_like(M), torch.randn_like(S)
+gs = torch.autograd.grad((M * dM).sum() + (S * dS).sum(), ys)
+zs = [x.double().clone().requires_grad_() for x in (k, v, g, beta)]
+q0 = torch.zeros(B, T, Hk, K, dtype=torch.float64)
+_, RS = t._ref_recurrent(q0, *zs)
+_, RM = t._ref_recurrent(q0, *zs, h0=torch.eye(K, dtype=torch.float64).expand(B, Hv, K, K), v_zero=True)
+rgs = torch.autograd.grad((RM * dM.double()).sum() + (RS * dS.double()).sum(), zs)
+errs += [t._rel(M, RM), t._rel(S, RS)] + [t._rel(a, b) for a, b in zip(gs, rgs)]
+print(max(errs))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 kernel parity test "
+                                           "runs only where triton is (CI installs none)")
+def test_interpreter_parity_fp32():
+    """Real kernels under TRITON_INTERPRET=1 with fp32 inputs (so fp32 math end to end) vs an fp64 recurrence:
+    output, final state, all six gradients, summary (M, S) and its four gradients."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = _INTERP_CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
