@@ -22,6 +22,7 @@ from torch import nn
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
+from deltacp.ops.gdn.naive import compute_dtype
 
 
 def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[int, int]:
@@ -31,6 +32,14 @@ def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[i
                          f"degree ({cp})")
     kv = num_kv_heads if num_kv_heads % cp == 0 else num_heads
     return num_heads // cp, kv // cp
+
+
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5RMSNorm (scale 1 + w), with its float32 upcast widened to float64 for float64."""
+    dt = compute_dtype(x)
+    h = x.to(dt)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(dt))).type_as(x)
 
 
 def _causal_padding_mask(padding_BS: torch.Tensor | None, S: int, device) -> torch.Tensor | None:
@@ -60,8 +69,9 @@ def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Ten
 
     q_BsHD, gate = torch.chunk(module.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
     gate = gate.reshape(B, s, heads * D)
-    q_BsHD = module.q_norm(q_BsHD)
-    k_BsHD = module.k_norm(module.k_proj(hidden_states).view(B, s, kv_heads, D))
+    q_BsHD = zero_centered_rms_norm(q_BsHD, module.q_norm.weight, module.q_norm.eps)
+    k_BsHD = zero_centered_rms_norm(module.k_proj(hidden_states).view(B, s, kv_heads, D), module.k_norm.weight,
+                                    module.k_norm.eps)
     v_BsHD = module.v_proj(hidden_states).view(B, s, kv_heads, D)
     cos, sin = position_embeddings
     q_BsHD, k_BsHD = apply_rotary_pos_emb(q_BsHD, k_BsHD, cos, sin, unsqueeze_dim=2)
