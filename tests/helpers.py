@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import Qwen3_5TextConfig
 
+from deltacp.testing.gates import long_memory_gates_  # noqa: F401  (re-exported for the tests)
+
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.detach().double(), ref.detach().double()
@@ -68,3 +70,4 @@ def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.flatten() for _, g in sorted(grads.items())])
+

@@ -22,7 +22,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 from deltacp import LinearAttentionContextParallel
 from deltacp.parallel.attention import install_ulysses_attention
 from deltacp.testing.spawn import run_distributed
-from helpers import cp_mesh, flat, grads_of, local_slice, rel_l2, self_meshes, summed_grads, tiny_config
+from helpers import long_memory_gates_, cp_mesh, flat, grads_of, local_slice, rel_l2, self_meshes, summed_grads, tiny_config
 
 MODES = ("ulysses", "p2p", "all_gather")
 TIGHT = {torch.float64: 1e-8, torch.float32: 1e-4}
@@ -44,9 +44,7 @@ def _check(name, value, bound, failures):
 def gdn_layer_parity(rank, world, dtype, failures):
     torch.manual_seed(1)
     base = Qwen3_5GatedDeltaNet(tiny_config(), 0).to(dtype)
-    with torch.no_grad():  # non-default gates so their gradients are exercised
-        base.dt_bias.uniform_(-1, 1)
-        base.A_log.uniform_(-2, 1)
+    long_memory_gates_(base)
     x = torch.randn(2, SEQ, 64, dtype=dtype)
     d_out = torch.randn(2, SEQ, 64, dtype=dtype)
     single_mesh = self_meshes()

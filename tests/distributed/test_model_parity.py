@@ -21,7 +21,7 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.testing.spawn import run_distributed
-from helpers import cp_mesh, flat, grads_of, local_slice, rel_l2, self_meshes, tiny_config
+from helpers import long_memory_gates_, cp_mesh, flat, grads_of, local_slice, rel_l2, self_meshes, tiny_config
 
 MODES = ("ulysses", "p2p", "all_gather")
 
@@ -37,10 +37,7 @@ def _step(model, mesh, ids, mask):
 
 def model_parity_worker(rank, world):
     torch.manual_seed(0)
-    base = Qwen3_5ForCausalLM(tiny_config()).double()
-    with torch.no_grad():
-        for layer in base.model.layers[:3]:
-            layer.linear_attn.dt_bias.uniform_(-1, 1)
+    base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config()).double())
     B, S = 2, 256
     ids = torch.randint(0, 256, (B, S))
     mask = torch.ones(B, S, dtype=torch.long)
@@ -94,7 +91,7 @@ def test_model_parity_cp4_with_and_without_fsdp():
 def padding_worker(rank, world):
     torch.manual_seed(3)
     config = tiny_config(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4)
-    base = Qwen3_5GatedDeltaNet(config, 0).double()
+    base = long_memory_gates_(Qwen3_5GatedDeltaNet(config, 0).double())
     B, S, valid = 2, 8192, 7777
     x = torch.randn(B, S, 32, dtype=torch.float64)
     d_out = torch.randn(B, S, 32, dtype=torch.float64)

@@ -60,15 +60,18 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
                                   f"cp ({cp}); full attention CP is Ulysses over the whole CP mesh")
     text = _text_model(model)
     layers = list(text.layers)
-    config = dict(model=type(model).__name__, layer_types=tuple(text.config.layer_types[: len(layers)]),
-                  hidden_size=text.config.hidden_size, ulysses_degree=cp)
+    config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
+                  linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=cp,
+                  model=type(model).__name__, layer_types=tuple(text.config.layer_types[: len(layers)]),
+                  hidden_size=text.config.hidden_size)
     for i, layer in enumerate(layers):
         if hasattr(layer, "linear_attn"):
-            config[f"layer{i}"] = style.check_module(layer.linear_attn, cp)
+            layer_config = style.check_module(layer.linear_attn, cp)
         elif hasattr(layer, "self_attn"):
-            config[f"layer{i}"] = check_attention_module(layer.self_attn, cp)
+            layer_config = check_attention_module(layer.self_attn, cp)
         else:
             raise NotImplementedError(f"decoder layer {i} has neither linear_attn nor self_attn")
+        config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
     check_same_config_across_ranks(config, group, "parallelize_qwen3_5_cp")
 
     n_linear = n_full = 0

@@ -1,0 +1,66 @@
+"""The `train.accelerator` section of the trainer YAML (SPEC section 3), typed and validated early.
+
+    train:
+      accelerator:
+        cp: 4
+        tp: 1
+        ulysses_degree: null
+        linear_attention_cp_mode: p2p
+        linear_attention_gdn_backend: triton
+
+`validate()` runs on every rank before the first collective, so a bad value is an error everywhere,
+never a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from deltacp.ops.gdn.contract import GDN_BACKENDS
+from deltacp.parallel.style import LINEAR_ATTENTION_CP_MODES, validate_mode_and_backend
+
+
+@dataclass(frozen=True)
+class AcceleratorConfig:
+    cp: int = 1
+    """Context-parallel degree (>= 1): ranks that share one sequence."""
+    tp: int = 1
+    """Tensor-parallel degree; must be 1 while linear attention CP is on (linear attention TP+CP is out of scope)."""
+    ulysses_degree: int | None = None
+    """Full attention Ulysses degree: None or equal to cp."""
+    linear_attention_cp_mode: str = "ulysses"
+    """One of ulysses | p2p | all_gather."""
+    linear_attention_gdn_backend: str = "eager"
+    """One of eager | triton."""
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> "AcceleratorConfig":
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"train.accelerator: unknown key(s) {unknown}; allowed keys are {sorted(known)}")
+        config = cls(**raw)
+        config.validate()
+        return config
+
+    def validate(self, world_size: int | None = None) -> None:
+        for name in ("cp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"train.accelerator.{name} must be an integer >= 1, got {value!r}")
+        if self.linear_attention_cp_mode not in LINEAR_ATTENTION_CP_MODES:
+            raise ValueError(f"train.accelerator.linear_attention_cp_mode={self.linear_attention_cp_mode!r} is not "
+                             f"supported; expected one of {LINEAR_ATTENTION_CP_MODES}")
+        if self.linear_attention_gdn_backend not in GDN_BACKENDS:
+            raise ValueError(f"train.accelerator.linear_attention_gdn_backend={self.linear_attention_gdn_backend!r} "
+                             f"is not supported; expected one of {GDN_BACKENDS}")
+        validate_mode_and_backend(self.linear_attention_cp_mode, self.linear_attention_gdn_backend)
+        if self.tp != 1:
+            raise ValueError(f"train.accelerator.tp={self.tp} is not supported with linear attention CP: tp must be 1")
+        if self.ulysses_degree is not None and self.ulysses_degree != self.cp:
+            raise NotImplementedError(f"train.accelerator.ulysses_degree={self.ulysses_degree} is not supported: it "
+                                      f"must be null or equal to cp ({self.cp})")
+        if world_size is not None and world_size % (self.cp * self.tp):
+            raise ValueError(f"train.accelerator.cp ({self.cp}) x tp ({self.tp}) must divide the world size "
+                             f"({world_size})")
