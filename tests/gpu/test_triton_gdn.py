@@ -133,12 +133,15 @@ def test_chunk_gdn_vs_fp32_reference(T, Hk):
 
 
 @pytest.mark.parametrize("Hk", [32, 16])
-@pytest.mark.parametrize("T", [8192, 16384 + 100])
+@pytest.mark.parametrize("T", [1024 + 100, 8192])
 def test_state_summary_vs_fp32_reference(T, Hk):
+    """Gates scaled to a total log-decay of about -20 so that M (a product of T contractions) stays well inside
+    fp32's normal range: with the op test's gates M underflows to exactly 0 at 8K tokens."""
     from deltacp.ops.gdn.triton import TritonGDNBackend
 
     be = TritonGDNBackend()
     q, k, v, g, beta, _ = make_inputs(T, Hk, seed=7 * T + Hk)
+    g = g * (256.0 / T)
     dM = torch.randn(1, 32, 128, 128, device="cuda")
     dS = torch.randn(1, 32, 128, 128, device="cuda")
     leaves = [x.detach().clone().requires_grad_() for x in (k, v, g, beta)]

@@ -5,7 +5,7 @@ summary M [B, Hv, K, K], S [B, Hv, K, V] fp32. Value head j reads key head j // 
 
 Stages (forward): gate cumsum -> wy_fwd (A, T = (I+A)^-1, W, U) -> state_fwd (per-chunk H, Vn) -> o_fwd.
 Backward recomputes W, U, H and Vn, then dv_local -> state_bwd (dH per chunk, dVn, dH0) -> dqkwg -> wy_bwd.
-The l2 norm of q/k and the padding of T to a multiple of 64 stay outside, in PyTorch autograd: padded
+The l2 norm of q/k (own small kernels) and the padding of T to a multiple of 64 stay outside, in PyTorch autograd: padded
 tokens have k = v = q = 0, beta = 0, g = 0, which leaves the state unchanged.
 """
 
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
 from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
+from deltacp.ops.gdn.triton.l2norm import l2norm
 from deltacp.ops.gdn.triton.wy import BT, wy_bwd, wy_fwd
 
 
@@ -126,10 +127,6 @@ class StateSummaryFunction(torch.autograd.Function):
         return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """As transformers' `l2norm`: x * rsqrt(sum(x^2) + eps), in fp32, back to the input dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:

@@ -71,6 +71,25 @@ def _mm(a, b):
 
 
 @triton.jit
+def kkt_inv_diag_kernel(
+    k, beta, gc, ai,
+    T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+):
+    """One 16x16 diagonal block of T per program: (I + A_ss)^-1, written into ai (one warp: cheap reductions)."""
+    i_ts, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    i_s = i_ts % (BT // BS)
+    r0 = i_ts * BS
+    b_k = _load_rows(k + (i_b * T * Hk + i_hk) * K, r0, Hk * K, BS, K)
+    b_g = _load_vec(gc + i_b * T * Hv + i_h, r0, Hv, BS)
+    b_b = _load_vec(beta + i_b * T * Hv + i_h, r0, Hv, BS)
+    b_t = _inv_unit_lower(_a_block(b_k, b_k, b_b, b_g, b_g, True, BS), BS)
+    _store_rows(ai + (i_b * T * Hv + i_h) * BT + i_s * BS, r0, Hv * BT, b_t, BS, BS)
+
+
+@triton.jit
 def wy_fwd_kernel(
     k, v, beta, gc, ai, w, u,
     T,
@@ -101,10 +120,6 @@ def wy_fwd_kernel(
     b_b3 = _load_vec(p_b, t0 + 3 * BS, Hv, BS)
 
     # A blocks (i > j full, i == j strictly lower)
-    b_a00 = _a_block(b_k0, b_k0, b_b0, b_g0, b_g0, True, BS)
-    b_a11 = _a_block(b_k1, b_k1, b_b1, b_g1, b_g1, True, BS)
-    b_a22 = _a_block(b_k2, b_k2, b_b2, b_g2, b_g2, True, BS)
-    b_a33 = _a_block(b_k3, b_k3, b_b3, b_g3, b_g3, True, BS)
     b_a10 = _a_block(b_k1, b_k0, b_b1, b_g1, b_g0, False, BS)
     b_a20 = _a_block(b_k2, b_k0, b_b2, b_g2, b_g0, False, BS)
     b_a21 = _a_block(b_k2, b_k1, b_b2, b_g2, b_g1, False, BS)
@@ -112,11 +127,12 @@ def wy_fwd_kernel(
     b_a31 = _a_block(b_k3, b_k1, b_b3, b_g3, b_g1, False, BS)
     b_a32 = _a_block(b_k3, b_k2, b_b3, b_g3, b_g2, False, BS)
 
-    # T = (I + A)^-1 by block forward substitution
-    b_t00 = _inv_unit_lower(b_a00, BS)
-    b_t11 = _inv_unit_lower(b_a11, BS)
-    b_t22 = _inv_unit_lower(b_a22, BS)
-    b_t33 = _inv_unit_lower(b_a33, BS)
+    # T = (I + A)^-1 by block forward substitution (diagonal blocks from kkt_inv_diag_kernel)
+    p_ai = ai + (i_b * T * Hv + i_h) * BT
+    b_t00 = _load_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, BS, BS)
+    b_t11 = _load_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, BS, BS)
+    b_t22 = _load_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, BS, BS)
+    b_t33 = _load_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, BS, BS)
     b_t10 = -_mm(b_t11, _mm(b_a10, b_t00))
     b_t21 = -_mm(b_t22, _mm(b_a21, b_t11))
     b_t20 = -_mm(b_t22, _mm(b_a20, b_t00) + _mm(b_a21, b_t10))
@@ -124,24 +140,19 @@ def wy_fwd_kernel(
     b_t31 = -_mm(b_t33, _mm(b_a31, b_t11) + _mm(b_a32, b_t21))
     b_t30 = -_mm(b_t33, _mm(b_a30, b_t00) + _mm(b_a31, b_t10) + _mm(b_a32, b_t20))
 
-    p_ai = ai + (i_b * T * Hv + i_h) * BT
     b_z = tl.zeros([BS, BS], dtype=tl.float32)
-    _store_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, b_t00, BS, BS)
     _store_rows(p_ai + 1 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
     _store_rows(p_ai + 2 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
     _store_rows(p_ai + 3 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
     _store_rows(p_ai + 0 * BS, t0 + 1 * BS, Hv * BT, b_t10, BS, BS)
-    _store_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, b_t11, BS, BS)
     _store_rows(p_ai + 2 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
     _store_rows(p_ai + 3 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
     _store_rows(p_ai + 0 * BS, t0 + 2 * BS, Hv * BT, b_t20, BS, BS)
     _store_rows(p_ai + 1 * BS, t0 + 2 * BS, Hv * BT, b_t21, BS, BS)
-    _store_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, b_t22, BS, BS)
     _store_rows(p_ai + 3 * BS, t0 + 2 * BS, Hv * BT, b_z, BS, BS)
     _store_rows(p_ai + 0 * BS, t0 + 3 * BS, Hv * BT, b_t30, BS, BS)
     _store_rows(p_ai + 1 * BS, t0 + 3 * BS, Hv * BT, b_t31, BS, BS)
     _store_rows(p_ai + 2 * BS, t0 + 3 * BS, Hv * BT, b_t32, BS, BS)
-    _store_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, b_t33, BS, BS)
 
     # W = T (beta e^g K), U = T (beta V), 16 rows at a time
     b_x0 = b_k0.to(tl.float32) * (b_b0 * tl.exp(b_g0))[:, None]
@@ -245,6 +256,7 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tenso
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
     w = torch.empty(B, T, Hv, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
+    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, num_warps=1)
     wy_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BS=BS,
                                       num_warps=4)
     return ai, w, u
