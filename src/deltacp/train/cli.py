@@ -1,0 +1,116 @@
+"""Launch the trainer: under torchrun, or self-spawned gloo CPU ranks.
+
+    torchrun --nproc-per-node 4 -m deltacp.train --config configs/tiny_cp4.yaml      # GPUs: NCCL; CPU: gloo
+    python -m deltacp.train --config configs/tiny_cp4.yaml --spawn 4                # no launcher, gloo ranks
+    python -m deltacp.train --config configs/tiny_cp4.yaml --set train.steps=20 --set train.accelerator.cp=2 --spawn 2
+
+A bad config is one line naming the key (exit 2). A failed rank prints one line, `deltacp.train: rank R
+failed: ...`; a dead peer or a collective that outlives train.distributed.timeout_s says so (exit 1).
+Set DELTACP_TRACEBACK=1 for full tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from deltacp.train.config import ConfigError, TrainConfig, load_config
+
+_COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset|refused)|closed by peer|broken pipe|"
+                           r"watchdog|socket", re.IGNORECASE)
+
+
+def describe_failure(exc: BaseException, rank: int, cfg: TrainConfig | None) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, ConfigError):
+        return f"deltacp.train: config error: {first}"
+    comm = isinstance(exc, getattr(dist, "DistError", ())) or bool(_COMM_FAILURE.search(first))
+    if comm:
+        timeout = cfg.distributed.timeout_s if cfg is not None else "?"
+        return (f"deltacp.train: rank {rank} failed in a collective (a peer died, or no progress within "
+                f"train.distributed.timeout_s={timeout} s): {type(exc).__name__}: {first[:300]}")
+    return f"deltacp.train: rank {rank} failed: {type(exc).__name__}: {first[:300]}"
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
+
+
+def run_rank(cfg: TrainConfig) -> None:
+    """One rank of the job; on failure prints one line and exits the process (no hang in teardown)."""
+    from deltacp.train.trainer import Trainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    _setup_logging(rank)
+    try:
+        Trainer(cfg).fit()
+    except BaseException as exc:  # noqa: BLE001  (one line per failed rank, then a hard exit)
+        if os.environ.get("DELTACP_TRACEBACK"):
+            traceback.print_exc()
+        if not (isinstance(exc, ConfigError) and rank != 0):
+            print(describe_failure(exc, rank, cfg), file=sys.stderr, flush=True)
+        os._exit(2 if isinstance(exc, ConfigError) else 1)
+
+
+def _spawned(rank: int, world: int, cfg: TrainConfig) -> None:
+    run_rank(cfg)
+
+
+def spawn(fn, world_size: int, cfg: TrainConfig, *args) -> None:
+    """Run fn(rank, world, cfg, *args) on `world_size` gloo ranks; exit 1 with one line if a rank failed."""
+    from deltacp.testing.spawn import run_distributed
+
+    try:
+        run_distributed(fn, world_size, cfg, *args, timeout_s=10 ** 7,
+                        collective_timeout_s=cfg.distributed.timeout_s)
+    except Exception as exc:  # the failed rank has printed its line already
+        print(f"deltacp.train: the {world_size}-rank run failed ({type(exc).__name__}: "
+              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.spawn is not None:
+            cfg.validate_world(args.spawn)
+        elif "WORLD_SIZE" in os.environ:
+            cfg.validate_world(int(os.environ["WORLD_SIZE"]))
+    except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
+        print(f"deltacp.train: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return cfg
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="trainer YAML (top-level key: train)")
+    parser.add_argument("--set", action="append", default=[], metavar="train.KEY=VALUE",
+                        help="override one config value (YAML syntax), repeatable")
+    parser.add_argument("--spawn", type=int, default=None, metavar="N",
+                        help="spawn N gloo ranks here instead of running under torchrun")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m deltacp.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    cfg = parse_config(parser, args)
+    if args.spawn is not None:
+        spawn(_spawned, args.spawn, cfg)
+        return
+    from deltacp.testing.spawn import free_port
+
+    if "RANK" not in os.environ:  # plain `python -m deltacp.train` = one rank
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+    run_rank(cfg)
+    if dist.is_initialized():
+        dist.destroy_process_group()

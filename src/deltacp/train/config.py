@@ -1,0 +1,318 @@
+"""The trainer YAML, as typed dataclasses; unknown keys and bad values are errors that name the key.
+
+    train:
+      seed: 0
+      steps: 100
+      dtype: float32                 # float32 | float64 | bfloat16 (fp32 master weights, bf16 compute, fp32 reduce)
+      activation_checkpointing: none # none | full (per decoder layer)
+      accelerator: {cp: 4, linear_attention_cp_mode: p2p}   # deltacp.config.AcceleratorConfig, exactly
+      model: {config: {hidden_size: 64, ...}, gate_init: long_memory}   # or {pretrained: /local/dir}
+      data: {source: stdlib, seq_len: 512}
+      optimizer: {lr: 3.0e-3, weight_decay: 0.1, grad_clip: 1.0}
+      schedule: {kind: cosine, warmup_steps: 10}
+      checkpoint: {dir: runs/x/ckpt, interval: 50, resume: true}
+      logging: {interval: 1}
+      distributed: {backend: auto, timeout_s: 300}
+
+`load_config(path, overrides)` reads the file, applies `--set train.a.b=value` overrides (values are YAML)
+and validates everything that needs no process group; `TrainConfig.validate_world(world_size)` runs on
+every rank before the first collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from deltacp.config import AcceleratorConfig
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A bad trainer configuration; the message names the key (e.g. train.optimizer.lr2)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    pretrained: str | None = None
+    """A local directory with a Qwen3.5 text checkpoint (config.json + weights); no network. Excludes `config`."""
+    config: dict = field(default_factory=dict)
+    """Qwen3_5TextConfig fields (e.g. hidden_size, layer_types); keys are checked against the class."""
+    gate_init: Literal["default", "long_memory"] = "default"
+    """long_memory: slowly decaying GDN heads (deltacp.testing.gates), so state hand-over between ranks matters."""
+    attn_implementation: str = "sdpa"
+    """transformers attention function of the full attention layers (sdpa | eager)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["stdlib", "files"] = "stdlib"
+    """stdlib: this interpreter's standard library .py files (no network); files: `paths` (.txt/.py/.md or .jsonl)."""
+    paths: list = field(default_factory=list)
+    """Files or directories for source=files; directories are searched for .txt, .md, .py and .jsonl."""
+    jsonl_field: str = "text"
+    """Field holding the document text in .jsonl files."""
+    tokenizer: str = "bytes"
+    """bytes (vocab 256, one token per byte) or a local Hugging Face tokenizer directory."""
+    seq_len: int = 512
+    """Global sequence length (tokens per sequence, before the CP split); divisible by cp."""
+    batch_size: int = 1
+    """Sequences per step (global batch; every CP rank sees all of them, its slice of each)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    """Max total grad norm (clip_grad_norm_ over FSDP2 DTensor grads); null: no clipping (norm still reported)."""
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    kind: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = 0
+    """Linear warm-up from lr/warmup_steps to lr."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at the last step."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory (torch.distributed.checkpoint, one sub-directory per saved step); null: none."""
+    interval: int = 0
+    """Save every `interval` steps (and at the last step); 0: only at the last step (if dir is set)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in `dir`, if there is one."""
+    keep: int = 2
+    """Complete checkpoints kept (older ones are deleted); 0 keeps all."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    interval: int = 1
+    """Progress line every `interval` steps (rank 0)."""
+    progress: Literal["auto", "bar", "line", "none"] = "auto"
+    """bar: one updating line (a TTY); line: one line per log step; auto: bar on a TTY, else line."""
+    metrics_file: str | None = None
+    """JSON lines of every step's metrics (rank 0); null: none."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """auto: nccl on CUDA, gloo on CPU. gloo with CUDA lets several ranks share one GPU (staged via host)."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a dead peer or a stuck collective fails with a one-line error after this."""
+    fsdp: bool = True
+    """FSDP2 over the CP mesh (gradient sum = single-device gradient); false: replicated params, all-reduced grads."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    """Seeds the model init and the data order."""
+    steps: int = 100
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Parameter/compute dtype. bfloat16: fp32 master weights, bf16 params in compute, fp32 gradient reduction."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when available (one GPU per local rank, shared round-robin if fewer), else cpu."""
+    activation_checkpointing: Literal["none", "full"] = "none"
+    """full: recompute every decoder layer in backward (non-reentrant torch.utils.checkpoint)."""
+    accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate_world(self, world_size: int) -> None:
+        """Checks that need the world size; every rank runs them before the first collective."""
+        try:
+            self.accelerator.validate(world_size)
+        except (ValueError, NotImplementedError) as exc:
+            raise type(exc)(str(exc)) from None
+        if self.accelerator.cp != world_size:
+            raise ConfigError(f"train.accelerator.cp ({self.accelerator.cp}) must equal the world size ({world_size}): "
+                              f"the trainer uses one 1-D CP mesh over all ranks (data parallelism is not supported)")
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_scalar(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not supported; expected one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_scalar(key, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    if hint in (dict,) or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if hint in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return tuple(value) if hint is tuple or origin is tuple else list(value)
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _build(cls, raw: Any, prefix: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix} must be a mapping, got {raw!r}")
+    if cls is AcceleratorConfig:
+        try:
+            return AcceleratorConfig.from_dict(raw)
+        except TypeError as exc:
+            raise ConfigError(f"{prefix}: {exc}") from None
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key; allowed keys in {prefix} are {sorted(known)}")
+    values = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        key, hint = f"{prefix}.{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(hint, raw[f.name], key)
+        else:
+            values[f.name] = _check_scalar(key, raw[f.name], hint)
+    return cls(**values)
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def check_model_config_keys(fields_: dict, prefix: str = "train.model.config") -> None:
+    from transformers import Qwen3_5TextConfig
+
+    known = set(Qwen3_5TextConfig().to_dict()) | {"attn_implementation"}
+    unknown = sorted(set(fields_) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown Qwen3_5TextConfig field")
+
+
+def config_from_dict(raw: dict) -> TrainConfig:
+    if not isinstance(raw, dict) or set(raw) != {"train"}:
+        extra = sorted(set(raw) - {"train"}) if isinstance(raw, dict) else raw
+        raise ConfigError(f"the config must have exactly one top-level key 'train' (got {extra})")
+    cfg = _build(TrainConfig, raw["train"], "train")
+    _positive("train.steps", cfg.steps)
+    _positive("train.data.seq_len", cfg.data.seq_len)
+    _positive("train.data.batch_size", cfg.data.batch_size)
+    _positive("train.optimizer.lr", cfg.optimizer.lr, allow_zero=True)
+    _positive("train.schedule.warmup_steps", cfg.schedule.warmup_steps, allow_zero=True)
+    _positive("train.checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    _positive("train.checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
+    _positive("train.logging.interval", cfg.logging.interval)
+    _positive("train.distributed.timeout_s", cfg.distributed.timeout_s)
+    if cfg.optimizer.grad_clip is not None:
+        _positive("train.optimizer.grad_clip", cfg.optimizer.grad_clip)
+    if len(cfg.optimizer.betas) != 2:
+        raise ConfigError(f"train.optimizer.betas must be two numbers, got {list(cfg.optimizer.betas)}")
+    if not 0 <= cfg.schedule.min_lr_ratio <= 1:
+        raise ConfigError(f"train.schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
+    if cfg.model.pretrained is not None and cfg.model.config:
+        raise ConfigError("train.model: give either pretrained (a local directory) or config (fields), not both")
+    check_model_config_keys(cfg.model.config)
+    if cfg.data.source == "files" and not cfg.data.paths:
+        raise ConfigError("train.data.paths must list files or directories when train.data.source is 'files'")
+    cp = cfg.accelerator.cp
+    if cfg.data.seq_len % cp:
+        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) must be divisible by train.accelerator.cp ({cp})")
+    if cfg.accelerator.linear_attention_cp_mode != "ulysses" and cfg.data.seq_len // cp < 3:
+        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / cp ({cp}) is below the conv halo (3 tokens) "
+                          f"that mode {cfg.accelerator.linear_attention_cp_mode!r} needs on every rank")
+    return cfg
+
+
+def _apply_override(raw: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like train.key.sub=value")
+    dotted, text = assignment.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {assignment!r}: {key} is not a mapping")
+    node[keys[-1]] = yaml.safe_load(text)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    raw = {"train": {}} if path is None else yaml.safe_load(Path(path).read_text()) or {}
+    for assignment in overrides:
+        _apply_override(raw, assignment)
+    return config_from_dict(raw)
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    def convert(obj):
+        if dataclasses.is_dataclass(obj):
+            return {f.name: convert(getattr(obj, f.name)) for f in fields(obj)}
+        if isinstance(obj, (list, tuple)):
+            return [convert(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: convert(v) for k, v in obj.items()}
+        return obj
+
+    return {"train": convert(cfg)}

@@ -1,0 +1,152 @@
+"""Real training text with no network: documents concatenated into fixed-length sequences.
+
+Default source: the .py files of this interpreter's standard library (sysconfig's stdlib path), read as
+bytes (vocab 256). Documents are visited in an order shuffled from the seed (a fresh order each epoch),
+joined with a separator and cut into [batch_size, seq_len] global batches, a new one every step. Every
+rank reads the same stream and takes its CP slice later. `state_dict()` is the stream position (epoch,
+document, offset), so a resumed run reads exactly the tokens an uninterrupted one would have read.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from deltacp.train.config import ConfigError, DataConfig
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
+SEPARATOR = b"\n\n"
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte."""
+
+    vocab_size = 256
+
+    def encode(self, text: bytes | str) -> list[int]:
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer directory (AutoTokenizer, local files only)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: bytes | str) -> list[int]:
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        ids = self.tok.encode(text, add_special_tokens=False)
+        eos = self.tok.eos_token_id
+        return ids + ([eos] if eos is not None else [])
+
+
+def make_tokenizer(cfg: DataConfig):
+    if cfg.tokenizer == "bytes":
+        return ByteTokenizer()
+    if not Path(cfg.tokenizer).is_dir():
+        raise ConfigError(f"train.data.tokenizer={cfg.tokenizer!r} is neither 'bytes' nor a local directory")
+    return HFTokenizer(cfg.tokenizer)
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts) and p.is_file())
+    if not files:
+        raise RuntimeError(f"no Python standard library sources found under {root}")
+    return files
+
+
+def listed_files(paths) -> list[Path]:
+    files = []
+    for entry in paths:
+        p = Path(entry)
+        if p.is_dir():
+            files += sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in TEXT_SUFFIXES)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ConfigError(f"train.data.paths: {entry!r} does not exist")
+    if not files:
+        raise ConfigError(f"train.data.paths {list(paths)} hold no text files ({', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+def _documents(path: Path, jsonl_field: str) -> list[bytes]:
+    if path.suffix != ".jsonl":
+        return [path.read_bytes()]
+    docs = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            docs.append(json.loads(line)[jsonl_field].encode("utf-8"))
+    return docs
+
+
+class TokenStream:
+    """Deterministic, resumable stream of [batch_size, seq_len] token batches."""
+
+    def __init__(self, cfg: DataConfig, seed: int):
+        self.cfg, self.seed = cfg, seed
+        self.tokenizer = make_tokenizer(cfg)
+        self.files = stdlib_files() if cfg.source == "stdlib" else listed_files(cfg.paths)
+        self.epoch, self.file_index, self.offset = 0, 0, 0
+        self._order = self._order_for(0)
+        self._cache: tuple[int, list[int]] | None = None
+
+    def _order_for(self, epoch: int) -> list[int]:
+        order = list(range(len(self.files)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def _tokens_of(self, file_index: int) -> list[int]:
+        if self._cache is None or self._cache[0] != (self.epoch, file_index):
+            path = self.files[self._order[file_index]]
+            tokens = []
+            for doc in _documents(path, self.cfg.jsonl_field):
+                tokens += self.tokenizer.encode(doc)
+                if isinstance(self.tokenizer, ByteTokenizer):
+                    tokens += list(SEPARATOR)
+            self._cache = ((self.epoch, file_index), tokens)
+        return self._cache[1]
+
+    def _take(self, n: int) -> list[int]:
+        out: list[int] = []
+        empty_files = 0
+        while len(out) < n:
+            tokens = self._tokens_of(self.file_index)
+            piece = tokens[self.offset: self.offset + n - len(out)]
+            out += piece
+            self.offset += len(piece)
+            empty_files = 0 if piece else empty_files + 1
+            if empty_files > len(self.files):
+                raise RuntimeError("the data source holds no tokens")
+            if self.offset >= len(tokens):
+                self.file_index, self.offset = self.file_index + 1, 0
+                if self.file_index == len(self.files):
+                    self.epoch, self.file_index = self.epoch + 1, 0
+                    self._order = self._order_for(self.epoch)
+        return out
+
+    def next_batch(self) -> torch.Tensor:
+        """The next global batch [batch_size, seq_len] (int64)."""
+        B, S = self.cfg.batch_size, self.cfg.seq_len
+        return torch.tensor(self._take(B * S), dtype=torch.long).view(B, S)
+
+    def state_dict(self) -> dict:
+        return dict(epoch=self.epoch, file_index=self.file_index, offset=self.offset, seed=self.seed,
+                    num_files=len(self.files))
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seed"] != self.seed or state["num_files"] != len(self.files):
+            raise RuntimeError(f"the checkpoint's data stream (seed {state['seed']}, {state['num_files']} files) does "
+                               f"not match this run's (seed {self.seed}, {len(self.files)} files)")
+        self.epoch, self.file_index, self.offset = state["epoch"], state["file_index"], state["offset"]
+        self._order = self._order_for(self.epoch)
+        self._cache = None

@@ -1,0 +1,310 @@
+"""The training job: a Qwen3.5 hybrid under context parallelism (+ FSDP2), driven by the trainer YAML.
+
+Order of application (one log line each, as in torchtitan): CP on every layer (`parallelize_qwen3_5_cp`),
+activation checkpointing per decoder layer, FSDP2 last (`fully_shard_qwen3_5`, gradient divide factor 1).
+The mesh is 1-D over all ranks (cp = world size). The loss is the mean over every token of the global batch
+(`cp_cross_entropy`), so the reduced gradients are the single-device gradients.
+
+    trainer = Trainer(cfg)      # after the process group exists; validates before the first collective
+    rows = trainer.fit()        # [{step, loss, grad_norm, lr, tokens_per_s, ...}, ...]
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+from deltacp.models.qwen3_5 import (
+    _text_model,
+    all_reduce_cp_grads,
+    cp_cross_entropy,
+    fully_shard_qwen3_5,
+    parallelize_qwen3_5_cp,
+    shard_batch_for_cp,
+)
+from deltacp.train.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from deltacp.train.config import ConfigError, TrainConfig
+from deltacp.train.data import TokenStream
+from deltacp.train.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainHooks:
+    """Test and tooling hooks (not configuration)."""
+
+    on_step_end: Callable[["Trainer", dict], None] | None = None
+    before_checkpoint_commit: Callable[[int], None] | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process group and device
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    kind = cfg.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device is 'cuda' but no CUDA device is available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        index = local_rank % torch.cuda.device_count()  # ranks share GPUs round-robin if there are fewer GPUs
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: TrainConfig, device: torch.device) -> None:
+    """Create the default process group (torchrun's env://) unless one exists; the timeout turns a dead peer or
+    a stuck collective into an error instead of a hang."""
+    if dist.is_initialized():
+        return
+    backend = cfg.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("train.distributed.backend 'nccl' needs train.device cuda")
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.distributed.timeout_s), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The single-device transformers model, fp32 (fp64 for float64), on CPU, identical on every rank."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model.pretrained is not None:
+        model = Qwen3_5ForCausalLM.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32,
+                                                   attn_implementation=cfg.model.attn_implementation)
+    else:
+        if not cfg.model.config:
+            raise ConfigError("train.model: give config (Qwen3_5TextConfig fields) or pretrained (a local directory)")
+        fields = dict(cfg.model.config)
+        attn = fields.pop("attn_implementation", cfg.model.attn_implementation)
+        config = Qwen3_5TextConfig(**fields)
+        config._attn_implementation = attn
+        model = Qwen3_5ForCausalLM(config)
+    if model.config.vocab_size < vocab_size:
+        raise ConfigError(f"train.model vocab_size ({model.config.vocab_size}) is smaller than the tokenizer's "
+                          f"({vocab_size})")
+    if cfg.model.gate_init == "long_memory":
+        from deltacp.testing.gates import long_memory_gates_
+
+        long_memory_gates_(model)
+    if cfg.dtype == "float64":
+        model = model.double()
+    return model
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Full activation checkpointing per decoder layer (non-reentrant); p2p layers replay received states.
+
+    Applied after CP and before FSDP, inside the FSDP unit's forward, so FSDP's unshard hooks run once.
+    """
+    n = 0
+    for layer in _text_model(model).layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        cp_layer = getattr(getattr(layer, "linear_attn", None), "_deltacp_cp", None)
+        if cp_layer is not None and "passing" in cp_layer.extra:
+            # The recompute replays the received H_in instead of posting another receive (same message order).
+            cp_layer.extra["passing"].record_for_recompute = True
+        n += 1
+    logger.info("Applied full activation checkpointing to %d decoder layers", n)
+    return n
+
+
+def p2p_passings(model: torch.nn.Module) -> list:
+    """The StatePassing of every p2p GDN layer, in layer order (their `log` lists record messages)."""
+    out = []
+    for layer in _text_model(model).layers:
+        cp_layer = getattr(getattr(layer, "linear_attn", None), "_deltacp_cp", None)
+        if cp_layer is not None and "passing" in cp_layer.extra:
+            out.append(cp_layer.extra["passing"])
+    return out
+
+
+def lr_lambda(cfg: TrainConfig, step: int) -> float:
+    """Multiplier of the peak lr for the 0-based optimizer step."""
+    sched, warmup = cfg.schedule, cfg.schedule.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if sched.kind == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def total_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """Total L2 norm of all gradients (DTensor grads reduced over the mesh); clips in place if max_norm is set."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, hooks: TrainHooks | None = None, progress: bool = True,
+                 device: torch.device | None = None):
+        self.cfg, self.hooks = cfg, hooks or TrainHooks()
+        self.device = device or resolve_device(cfg)
+        init_distributed(cfg, self.device)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        cfg.validate_world(self.world)  # before the first collective
+        if cfg.dtype == "bfloat16" and not cfg.distributed.fsdp:
+            raise ConfigError("train.dtype bfloat16 needs train.distributed.fsdp true (FSDP2 mixed precision keeps "
+                              "fp32 master weights)")
+        acc = cfg.accelerator
+        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("cp",))
+        self.data = TokenStream(cfg.data, cfg.seed)
+
+        model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
+        model = parallelize_qwen3_5_cp(model, self.mesh, ulysses_degree=acc.ulysses_degree,
+                                       linear_attention_cp_mode=acc.linear_attention_cp_mode,
+                                       linear_attention_gdn_backend=acc.linear_attention_gdn_backend)
+        if cfg.activation_checkpointing == "full":
+            apply_activation_checkpointing(model)
+        if cfg.distributed.fsdp:
+            mp_policy = None
+            if cfg.dtype == "bfloat16":
+                mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            fully_shard_qwen3_5(model, self.mesh, mp_policy=mp_policy)
+            if dist.get_backend() == "gloo":
+                # fully_shard_qwen3_5 sets the divide factor to 1, which FSDP2 turns into PREMUL_SUM(1) for
+                # fp32/bf16 reductions; gloo has no PREMUL_SUM, so ask for plain SUM (same result).
+                for module in model.modules():
+                    if hasattr(module, "set_force_sum_reduction_for_comms"):
+                        module.set_force_sum_reduction_for_comms(True)
+            logger.info("Applied FSDP2 over %d CP ranks (mixed precision: %s)", self.world, mp_policy)
+        self.model = model
+        self.n_params = sum(p.numel() for p in model.parameters())  # sharded: local numel; fixed below
+        if cfg.distributed.fsdp:
+            self.n_params = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel()
+                                for p in model.parameters())
+        opt = cfg.optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                           weight_decay=opt.weight_decay, foreach=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_lambda, cfg))
+        self.step_count = 0
+        self.progress = Progress(cfg.steps, mode=cfg.logging.progress, interval=cfg.logging.interval,
+                                 metrics_file=cfg.logging.metrics_file, enabled=progress and self.rank == 0)
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def train_step(self) -> dict:
+        self._sync()
+        start = time.perf_counter()
+        ids = self.data.next_batch().to(self.device)
+        batch = shard_batch_for_cp(ids, self.mesh)
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = cp_cross_entropy(logits, batch["target_ids"], self.mesh)
+        loss.backward()
+        if not self.cfg.distributed.fsdp:
+            all_reduce_cp_grads(self.model, self.mesh)
+        grad_norm = total_grad_norm(self.params, self.cfg.optimizer.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value, norm_value = loss.item(), grad_norm.item()
+        self._sync()
+        seconds = time.perf_counter() - start
+        self.step_count += 1
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            raise FloatingPointError(f"non-finite loss ({loss_value}) or grad norm ({norm_value}) at step "
+                                     f"{self.step_count}")
+        return dict(step=self.step_count, loss=loss_value, grad_norm=norm_value, lr=lr, seconds=seconds,
+                    tokens_per_s=ids.numel() / seconds)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return dict(step=self.step_count, scheduler=self.scheduler.state_dict(), data=self.data.state_dict())
+
+    def save(self) -> None:
+        path = save_checkpoint(self.cfg.checkpoint.dir, self.step_count, self.model, self.optimizer,
+                               self.trainer_state(), keep=self.cfg.checkpoint.keep,
+                               before_commit=self.hooks.before_checkpoint_commit)
+        self.progress.message(f"saved checkpoint {path}")
+
+    def maybe_resume(self) -> None:
+        ck = self.cfg.checkpoint
+        if not (ck.dir and ck.resume):
+            return
+        found = complete_checkpoints(ck.dir)
+        if not found:
+            return
+        step, path = found[-1]
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data.load_state_dict(state["data"])
+        self.step_count = state["step"]
+        self.progress.message(f"resumed from {path} (step {step})")
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        cfg, acc = self.cfg, self.cfg.accelerator
+        kinds = "".join("L" if t == "linear_attention" else "F" for t in self.model.config.layer_types)
+        return (f"deltacp.train: Qwen3.5 hybrid {kinds} ({self.n_params / 1e6:.2f} M params) | cp={self.world} "
+                f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} | {cfg.dtype} | "
+                f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "
+                f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
+                f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step")
+
+    def fit(self) -> list[dict]:
+        self.maybe_resume()
+        self.progress.message(self.describe())
+        rows = []
+        ck = self.cfg.checkpoint
+        while self.step_count < self.cfg.steps:
+            row = self.train_step()
+            rows.append(row)
+            self.progress.update(row, self.device)
+            if self.hooks.on_step_end is not None:
+                self.hooks.on_step_end(self, row)
+            last = self.step_count == self.cfg.steps
+            if ck.dir and ((ck.interval and self.step_count % ck.interval == 0) or last):
+                self.save()
+        self.progress.close()
+        return rows
+
+
+def with_cp(cfg: TrainConfig, cp: int, mode: str | None = None) -> TrainConfig:
+    """The same job at another CP degree (and optionally another mode); ulysses_degree follows cp."""
+    acc = replace(cfg.accelerator, cp=cp, ulysses_degree=None,
+                  linear_attention_cp_mode=mode or cfg.accelerator.linear_attention_cp_mode)
+    acc.validate()
+    return replace(cfg, accelerator=acc)
