@@ -25,16 +25,19 @@ def reduce_max_over_ranks(times_ms: list[float]) -> list[float]:
 
     if not (dist.is_available() and dist.is_initialized()):
         return times_ms
-    t = torch.tensor(times_ms, device="cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"  # gloo reduces host tensors
+    t = torch.tensor(times_ms, device="cuda" if on_gpu else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeat: int = 20,
-              setup: Callable[[], object] | None = None) -> dict[str, float]:
+              setup: Callable[[], object] | None = None,
+              barrier: Callable[[], object] | None = None) -> dict[str, float]:
     """Run fn warmup times, then time `repeat` calls with CUDA events (synchronised around each).
 
     `setup` (untimed) runs before every call, e.g. a forward before a timed backward; fn gets its result.
+    `barrier` (e.g. torch.distributed.barrier) runs before each timed call, so that ranks start together.
 
     Returns median/min/p90 in ms and the peak allocated memory (GiB) seen during the timed calls.
     """
@@ -48,6 +51,8 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeat: int = 20,
         arg = setup() if setup is not None else None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        if barrier is not None:
+            barrier()
         start.record()
         fn(arg) if setup is not None else fn()
         end.record()

@@ -160,8 +160,9 @@ class StatePassing:
 
     # -- primitives ------------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, peer: int, what: str) -> None:
-        buf = t.cpu() if _needs_host_staging(t, self.group) else t.contiguous()
-        work = dist.isend(buf, group=self.group, group_dst=peer)
+        with torch.profiler.record_function(f"deltacp::send {what}"):
+            buf = t.cpu() if _needs_host_staging(t, self.group) else t.contiguous()
+            work = dist.isend(buf, group=self.group, group_dst=peer)
         self._pending_sends.append((work, buf))
         if self.log is not None:
             self.log.append(f"send {what} ->{peer}")
@@ -171,7 +172,7 @@ class StatePassing:
         buf = torch.empty(like.shape, dtype=like.dtype, device="cpu" if staged else like.device)
         if self.log is not None:
             self.log.append(f"recv {what} <-{peer}")
-        return PendingRecv(dist.irecv(buf, group=self.group, group_src=peer), buf, like.device)
+        return PendingRecv(dist.irecv(buf, group=self.group, group_src=peer), buf, like.device, what)
 
     def wait_sends(self) -> None:
         for work, _ in self._pending_sends:
@@ -180,12 +181,13 @@ class StatePassing:
 
 
 class PendingRecv:
-    def __init__(self, work: dist.Work, buf: torch.Tensor, device: torch.device):
-        self.work, self.buf, self.device = work, buf, device
+    def __init__(self, work: dist.Work, buf: torch.Tensor, device: torch.device, what: str = "H_in"):
+        self.work, self.buf, self.device, self.what = work, buf, device, what
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.buf.to(self.device)
+        with torch.profiler.record_function(f"deltacp::wait {self.what}"):
+            self.work.wait()
+            return self.buf.to(self.device)
 
 
 def _in_backward_pass() -> bool:

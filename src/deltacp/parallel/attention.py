@@ -78,12 +78,11 @@ def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Ten
     if kv_heads % cp:
         k_BsHD, v_BsHD = (x.repeat_interleave(heads // kv_heads, dim=2) for x in (k_BsHD, v_BsHD))
 
-    def to_heads(x_BsHD, local):
-        return all_to_all_seq_to_head(x_BsHD.reshape(B, s, cp, local * D), group).view(B, s * cp, local, D)
-
-    q_BHSD = to_heads(q_BsHD, heads_local).transpose(1, 2)
-    k_BHSD = to_heads(k_BsHD, kv_local).transpose(1, 2)
-    v_BHSD = to_heads(v_BsHD, kv_local).transpose(1, 2)
+    # One all-to-all for q, k and v: [B, s, P, (Hq/P + 2 Hkv/P) D] -> [B, S, (Hq/P + 2 Hkv/P) D].
+    packed_BsPX = torch.cat([x.reshape(B, s, cp, -1) for x in (q_BsHD, k_BsHD, v_BsHD)], dim=-1)
+    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
+    q_BSX, k_BSX, v_BSX = torch.split(full_BSX, [heads_local * D, kv_local * D, kv_local * D], dim=-1)
+    q_BHSD, k_BHSD, v_BHSD = (x.reshape(B, s * cp, -1, D).transpose(1, 2) for x in (q_BSX, k_BSX, v_BSX))
     mask = _causal_padding_mask(attention_mask, s * cp, hidden_states.device)
     o_BHSD = F.scaled_dot_product_attention(
         q_BHSD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=mask is None, scale=module.scaling,

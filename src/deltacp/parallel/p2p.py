@@ -34,8 +34,10 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
 
     summary_m = summary_s = None
     if not passing.is_last:
-        summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        with torch.profiler.record_function("deltacp::p2p summary"):
+            summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
     state_in = relay_state(summary_m, summary_s, passing, recv, like_state, anchor=x_BsC)
-    o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state_in,
-                                                use_qk_l2norm_in_kernel=True)
+    with torch.profiler.record_function("deltacp::p2p output"):
+        o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state_in,
+                                                    use_qk_l2norm_in_kernel=True)
     return o
