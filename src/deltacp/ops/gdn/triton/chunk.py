@@ -5,8 +5,8 @@ summary M [B, Hv, K, K], S [B, Hv, K, V] fp32. Value head j reads key head j // 
 
 Stages (forward): gate cumsum -> wy_fwd (A, T = (I+A)^-1, W, U) -> state_fwd (per-chunk H, Vn) -> o_fwd.
 Backward recomputes W, U, H and Vn, then dv_local -> state_bwd (dH per chunk, dVn, dH0) -> dqkwg -> wy_bwd.
-The l2 norm of q/k (own small kernels) and the padding of T to a multiple of 64 stay outside, in PyTorch autograd: padded
-tokens have k = v = q = 0, beta = 0, g = 0, which leaves the state unchanged.
+The l2 norm of q/k (own autograd Function and kernels, l2norm.py) and the padding of T to a multiple of 64 stay
+outside the core Function: padded tokens have k = v = q = 0, beta = 0, g = 0, which leave the state unchanged.
 """
 
 from __future__ import annotations
@@ -77,11 +77,18 @@ class ChunkGDNFunction(torch.autograd.Function):
                 None if dh0 is None else dh0.to(h0.dtype), None)
 
 
+# Product precision of the summary's fp32 state recurrence and W. "tf32" is what was verified on the H200
+# (2026-12-02: M rel-L2 3.7e-3 at 1K tokens, 2.1e-2 at 8K: tf32 truncates operands, a bias that adds up over
+# the chunk product). "tf32x3" (three tf32 products, ~fp32) is the candidate fix, not yet run on a GPU.
+SUMMARY_DOT_PRECISION = "tf32"
+
+
 def _summary_prep(k, v, g, beta):
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     gc = chunk_cumsum(g)
-    ai, w, u = wy_fwd(k, v, beta, gc)
+    # W in fp32: M is a product of per-chunk factors (I - K~^T W); bf16 W costs ~2e-2 rel-L2 on M at 8K tokens
+    ai, w, u = wy_fwd(k, v, beta, gc, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION)
     # extended state [M | S] of width K + V: U_ext = [0 | U], X_0 = [I | 0]
     u_ext = torch.cat([torch.zeros(B, T, Hv, K, device=k.device, dtype=u.dtype), u], dim=-1)
     x0 = torch.zeros(B, Hv, K, K + V, device=k.device, dtype=torch.float32)
@@ -92,14 +99,15 @@ def _summary_prep(k, v, g, beta):
 def state_summary_fwd(k, v, g, beta):
     K = k.shape[3]
     gc, ai, w, u_ext, x0 = _summary_prep(k, v, g, beta)
-    _, _, xt = state_fwd(k, w, u_ext, gc, x0, store_h=False, store_vn=False, output_final_state=True)
+    _, _, xt = state_fwd(k, w, u_ext, gc, x0, store_h=False, store_vn=False, output_final_state=True,
+                         fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION)
     return xt[..., :K].contiguous(), xt[..., K:].contiguous()
 
 
 def state_summary_bwd(k, v, g, beta, dM, dS):
     Hk, K = k.shape[2], k.shape[3]
     gc, ai, w, u_ext, x0 = _summary_prep(k, v, g, beta)
-    x, vn, _ = state_fwd(k, w, u_ext, gc, x0)
+    x, vn, _ = state_fwd(k, w, u_ext, gc, x0, fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION)
     dxt = torch.cat([dM.float(), dS.float()], dim=-1).contiguous()
     dx, dvn, _ = state_bwd(None, k, w, gc, None, None, dxt, scale=1.0, V=u_ext.shape[3], need_dh0=False)
     _, dk, dw, dg1 = dqkwg(None, k, vn, x, dx, None, dvn, gc, 1.0)

@@ -90,10 +90,10 @@ def kkt_inv_diag_kernel(
 
 
 @triton.jit
-def wy_fwd_kernel(
-    k, v, beta, gc, ai, w, u,
+def tril_merge_kernel(
+    k, beta, gc, ai,
     T,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BS: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -102,7 +102,6 @@ def wy_fwd_kernel(
     t0 = i_t * BT
 
     p_k = k + (i_b * T * Hk + i_hk) * K
-    p_v = v + (i_b * T * Hv + i_h) * V
     p_g = gc + i_b * T * Hv + i_h
     p_b = beta + i_b * T * Hv + i_h
 
@@ -154,28 +153,32 @@ def wy_fwd_kernel(
     _store_rows(p_ai + 1 * BS, t0 + 3 * BS, Hv * BT, b_t31, BS, BS)
     _store_rows(p_ai + 2 * BS, t0 + 3 * BS, Hv * BT, b_t32, BS, BS)
 
-    # W = T (beta e^g K), U = T (beta V), 16 rows at a time
-    b_x0 = b_k0.to(tl.float32) * (b_b0 * tl.exp(b_g0))[:, None]
-    b_x1 = b_k1.to(tl.float32) * (b_b1 * tl.exp(b_g1))[:, None]
-    b_x2 = b_k2.to(tl.float32) * (b_b2 * tl.exp(b_g2))[:, None]
-    b_x3 = b_k3.to(tl.float32) * (b_b3 * tl.exp(b_g3))[:, None]
-    p_w = w + (i_b * T * Hv + i_h) * K
-    _store_rows(p_w, t0 + 0 * BS, Hv * K, _mm(b_t00, b_x0), BS, K)
-    _store_rows(p_w, t0 + 1 * BS, Hv * K, _mm(b_t10, b_x0) + _mm(b_t11, b_x1), BS, K)
-    _store_rows(p_w, t0 + 2 * BS, Hv * K, _mm(b_t20, b_x0) + _mm(b_t21, b_x1) + _mm(b_t22, b_x2), BS, K)
-    _store_rows(p_w, t0 + 3 * BS, Hv * K,
-                _mm(b_t30, b_x0) + _mm(b_t31, b_x1) + _mm(b_t32, b_x2) + _mm(b_t33, b_x3), BS, K)
 
-    b_y0 = _load_rows(p_v, t0 + 0 * BS, Hv * V, BS, V).to(tl.float32) * b_b0[:, None]
-    b_y1 = _load_rows(p_v, t0 + 1 * BS, Hv * V, BS, V).to(tl.float32) * b_b1[:, None]
-    b_y2 = _load_rows(p_v, t0 + 2 * BS, Hv * V, BS, V).to(tl.float32) * b_b2[:, None]
-    b_y3 = _load_rows(p_v, t0 + 3 * BS, Hv * V, BS, V).to(tl.float32) * b_b3[:, None]
-    p_u = u + (i_b * T * Hv + i_h) * V
-    _store_rows(p_u, t0 + 0 * BS, Hv * V, _mm(b_t00, b_y0), BS, V)
-    _store_rows(p_u, t0 + 1 * BS, Hv * V, _mm(b_t10, b_y0) + _mm(b_t11, b_y1), BS, V)
-    _store_rows(p_u, t0 + 2 * BS, Hv * V, _mm(b_t20, b_y0) + _mm(b_t21, b_y1) + _mm(b_t22, b_y2), BS, V)
-    _store_rows(p_u, t0 + 3 * BS, Hv * V,
-                _mm(b_t30, b_y0) + _mm(b_t31, b_y1) + _mm(b_t32, b_y2) + _mm(b_t33, b_y3), BS, V)
+
+@triton.jit
+def wu_fwd_kernel(
+    k, v, beta, gc, ai, w, u,
+    T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """W = T (beta e^g K), U = T (beta V) with the full 64x64 T (fp32 operands, DOT_PREC products)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    t0 = i_t * BT
+    b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
+    b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_b = _load_vec(beta + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_s = b_b * tl.exp(b_g)
+    for i_k in range(K // BK):
+        b_k = _load_rows(k + (i_b * T * Hk + i_hk) * K + i_k * BK, t0, Hk * K, BT, BK).to(tl.float32)
+        b_w = tl.dot(b_T, b_k * b_s[:, None], input_precision=DOT_PREC)
+        _store_rows(w + (i_b * T * Hv + i_h) * K + i_k * BK, t0, Hv * K, b_w, BT, BK)
+    for i_v in range(V // BV):
+        b_v = _load_rows(v + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
+        b_u = tl.dot(b_T, b_v * b_b[:, None], input_precision=DOT_PREC)
+        _store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
 
 
 @triton.jit
@@ -249,16 +252,18 @@ def wy_bwd_kernel(
     tl.store(dg + (i_b * T + o_r) * Hv + i_h, b_dg)
 
 
-def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor):
-    """-> ai [B,T,Hv,BT] fp32, w [B,T,Hv,K], u [B,T,Hv,V]."""
+def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor,
+           w_dtype: torch.dtype | None = None, dot_precision: str = "tf32"):
+    """-> ai [B,T,Hv,BT] fp32, w [B,T,Hv,K] (dtype of k unless w_dtype), u [B,T,Hv,V]."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
-    w = torch.empty(B, T, Hv, K, device=k.device, dtype=k.dtype)
+    w = torch.empty(B, T, Hv, K, device=k.device, dtype=w_dtype or k.dtype)
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
     kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, num_warps=1)
-    wy_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BS=BS,
-                                      num_warps=4)
+    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, num_warps=2)
+    wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+                                     BK=min(64, K), BV=min(64, V), DOT_PREC=dot_precision, num_warps=4)
     return ai, w, u
 
 
