@@ -11,6 +11,8 @@ outside the core Function: padded tokens have k = v = q = 0, beta = 0, g = 0, wh
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -80,7 +82,10 @@ class ChunkGDNFunction(torch.autograd.Function):
 # Product precision of the summary's fp32 state recurrence and W. "tf32" is what was verified on the H200
 # (2026-12-02: M rel-L2 3.7e-3 at 1K tokens, 2.1e-2 at 8K: tf32 truncates operands, a bias that adds up over
 # the chunk product). "tf32x3" (three tf32 products, ~fp32) is the candidate fix, not yet run on a GPU.
-SUMMARY_DOT_PRECISION = "tf32"
+# DELTACP_SUMMARY_DOT_PRECISION overrides it (for measuring one against the other).
+SUMMARY_DOT_PRECISION = os.environ.get("DELTACP_SUMMARY_DOT_PRECISION", "tf32")
+if SUMMARY_DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
+    raise ValueError(f"DELTACP_SUMMARY_DOT_PRECISION={SUMMARY_DOT_PRECISION!r}; expected tf32, tf32x3 or ieee")
 
 
 def _summary_prep(k, v, g, beta):
