@@ -284,12 +284,14 @@ class Trainer:
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
                 f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step")
 
-    def fit(self) -> list[dict]:
+    def fit(self, max_steps: int | None = None) -> list[dict]:
+        """Train to cfg.steps (or stop after `max_steps` more steps, same schedule); returns this call's rows."""
         self.maybe_resume()
+        stop = self.cfg.steps if max_steps is None else min(self.cfg.steps, self.step_count + max_steps)
         self.progress.message(self.describe())
         rows = []
         ck = self.cfg.checkpoint
-        while self.step_count < self.cfg.steps:
+        while self.step_count < stop:
             row = self.train_step()
             rows.append(row)
             self.progress.update(row, self.device)

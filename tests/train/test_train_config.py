@@ -1,0 +1,108 @@
+"""Trainer config validation: every rule gives its documented error, naming the key."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from deltacp.train.config import ConfigError, config_from_dict, config_to_dict, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = ROOT / "configs" / "tiny_cp4.yaml"
+
+
+def _load(*overrides):
+    return load_config(MAIN, list(overrides))
+
+
+def test_main_config_loads_and_round_trips():
+    cfg = _load()
+    assert cfg.accelerator.cp == 4 and cfg.model.config["hidden_size"] == 64
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override, error, pattern", [
+    ("train.optimizer.lr2=1", ConfigError, r"^train\.optimizer\.lr2: unknown key"),
+    ("train.stepz=3", ConfigError, r"^train\.stepz: unknown key"),
+    ("train.model.config.hiden_size=3", ConfigError, r"^train\.model\.config\.hiden_size: unknown Qwen3_5TextConfig"),
+    ("train.accelerator.cpp=4", ValueError, r"train\.accelerator: unknown key\(s\) \['cpp'\]"),
+    ("train.accelerator.linear_attention_cp_mode=ring", ValueError,
+     r"train\.accelerator\.linear_attention_cp_mode='ring' is not supported"),
+    ("train.accelerator.linear_attention_gdn_backend=auto", ValueError,
+     r"train\.accelerator\.linear_attention_gdn_backend='auto' is not supported"),
+    ("train.accelerator.tp=2", ValueError, r"train\.accelerator\.tp=2 is not supported .*tp must be 1"),
+    ("train.accelerator.ulysses_degree=2", NotImplementedError, r"train\.accelerator\.ulysses_degree=2 is not supported"),
+    ("train.data.seq_len=510", ConfigError, r"train\.data\.seq_len \(510\) must be divisible by train\.accelerator\.cp \(4\)"),
+    ("train.dtype=float16", ConfigError, r"train\.dtype='float16' is not supported"),
+    ("train.activation_checkpointing=selective", ConfigError, r"train\.activation_checkpointing='selective'"),
+    ("train.optimizer.lr=fast", ConfigError, r"train\.optimizer\.lr must be a number"),
+    ("train.steps=0", ConfigError, r"train\.steps must be > 0"),
+    ("train.schedule.kind=linear", ConfigError, r"train\.schedule\.kind='linear' is not supported"),
+    ("train.checkpoint.resume=maybe", ConfigError, r"train\.checkpoint\.resume must be true or false"),
+])
+def test_bad_values_name_the_key(override, error, pattern):
+    with pytest.raises(error, match=pattern):
+        _load(override)
+
+
+def test_all_gather_with_triton_is_not_implemented():
+    with pytest.raises(NotImplementedError, match="all_gather"):
+        _load("train.accelerator.linear_attention_cp_mode=all_gather",
+              "train.accelerator.linear_attention_gdn_backend=triton")
+
+
+def test_world_size_rules():
+    cfg = _load()
+    cfg.validate_world(4)
+    with pytest.raises(ConfigError, match=re.escape("train.accelerator.cp (4) must equal the world size (8)")):
+        cfg.validate_world(8)
+    with pytest.raises(ValueError, match=re.escape("cp (4) x tp (1) must divide the world size (6)")):
+        cfg.validate_world(6)
+
+
+def test_cli_reports_config_errors_in_one_line(capsys):
+    from deltacp.train.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(MAIN), "--set", "train.optimizer.lr2=1", "--spawn", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deltacp.train: config error: train.optimizer.lr2: unknown key")
+
+
+def test_data_stream_is_deterministic_and_resumable():
+    from deltacp.train.data import TokenStream
+
+    cfg = _load("train.data.seq_len=64")
+    a, b = TokenStream(cfg.data, 0), TokenStream(cfg.data, 0)
+    first = [a.next_batch() for _ in range(3)]
+    state = a.state_dict()
+    rest = [a.next_batch() for _ in range(200)]  # crosses file boundaries
+    b.load_state_dict(state)
+    assert all((x == y).all() for x, y in zip(rest, [b.next_batch() for _ in range(200)]))
+    c = TokenStream(cfg.data, 0)
+    assert all((x == c.next_batch()).all() for x in first)
+    assert not (TokenStream(cfg.data, 1).next_batch() == first[0]).all()  # the seed picks the order
+    assert first[0].shape == (1, 64) and int(first[0].max()) < 256
+
+
+def test_lr_schedule():
+    from deltacp.train.trainer import lr_lambda
+
+    cfg = _load("train.steps=100", "train.schedule.warmup_steps=10", "train.schedule.min_lr_ratio=0.1")
+    assert lr_lambda(cfg, 0) == pytest.approx(0.1) and lr_lambda(cfg, 9) == pytest.approx(1.0)
+    assert lr_lambda(cfg, 10) == pytest.approx(1.0) and lr_lambda(cfg, 100) == pytest.approx(0.1)
+    const = _load("train.schedule.kind=constant", "train.schedule.warmup_steps=0")
+    assert lr_lambda(const, 57) == 1.0
+
+
+def test_builtin_png_writer(tmp_path):
+    from deltacp.train.plot import _write_builtin
+
+    path = tmp_path / "p.png"
+    _write_builtin(path, [("loss", {"a": [(1, 1.0), (2, 0.5)]}, False),
+                          ("rel", {"a": [(1, 1e-7), (2, 1e-10)]}, True)], "T", {"a": (255, 0, 0)})
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and data.endswith(b"IEND\xaeB`\x82")

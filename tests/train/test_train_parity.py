@@ -1,0 +1,149 @@
+"""The training job on gloo CPU ranks against the single device (same trainer, world size 1), float32.
+
+- the README main config (configs/tiny_cp4.yaml) at CP4, every mode, 100 steps: max loss rel diff < 1e-4,
+  max grad-norm rel diff < 1e-3, all finite; in the same spawn, full activation checkpointing reproduces
+  the first steps bit for bit, and the p2p layers' message logs are identical (no extra receive);
+- CP2 and CP8, every mode, the first 10 steps of the same schedule, same bounds;
+- kill while saving a checkpoint, then resume: the same losses as an uninterrupted run.
+"""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from deltacp.testing.spawn import run_distributed
+from deltacp.train.checkpoint import complete_checkpoints
+from deltacp.train.config import CheckpointConfig, load_config
+from deltacp.train.parity import MODES, compare, cp_configs, reference_config, run_jobs
+
+MAIN = Path(__file__).resolve().parents[2] / "configs" / "tiny_cp4.yaml"
+STEPS, SHORT, AC_STEPS = 100, 10, 3
+LOSS_REL, GNORM_REL = 1e-4, 1e-3
+
+
+def _main_cfg():
+    return load_config(MAIN, [f"train.steps={STEPS}", "train.logging.progress=none"])
+
+
+def _check(reference, rows, label):
+    comp = compare(reference[: len(rows)], rows)
+    assert comp["finite"], f"{label}: NaN/Inf"
+    assert comp["max_loss_rel"] < LOSS_REL, f"{label}: max loss rel diff {comp['max_loss_rel']:.2e}"
+    assert comp["max_grad_norm_rel"] < GNORM_REL, f"{label}: max grad-norm rel diff {comp['max_grad_norm_rel']:.2e}"
+    return comp
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_jobs(1, [("single", reference_config(_main_cfg(), STEPS))])["single"]
+
+
+def _record_logs(trainer):
+    from deltacp.train.trainer import p2p_passings
+
+    passings = p2p_passings(trainer.model)
+    for p in passings:
+        p.log = []
+    return passings
+
+
+def cp4_worker(rank, world, results):
+    from deltacp.train.trainer import Trainer
+
+    failures = []
+    for label, cfg in cp_configs(_main_cfg(), world, STEPS, MODES):
+        trainer = Trainer(cfg, progress=False)
+        passings = _record_logs(trainer)
+        rows = trainer.fit(1)
+        logs_off = [list(p.log) for p in passings]
+        rows += trainer.fit()
+        # Full activation checkpointing: same first steps, bit for bit, and the same p2p messages.
+        ac = Trainer(replace(cfg, activation_checkpointing="full"), progress=False)
+        passings = _record_logs(ac)
+        assert all(p.record_for_recompute for p in passings)
+        rows_ac = ac.fit(1)
+        logs_full = [list(p.log) for p in passings]
+        rows_ac += ac.fit(AC_STEPS - 1)
+        keys = ("loss", "grad_norm")
+        if [[r[k] for k in keys] for r in rows_ac] != [[r[k] for k in keys] for r in rows[:AC_STEPS]]:
+            failures.append(f"{label}: AC full differs from AC off: {rows_ac} vs {rows[:AC_STEPS]}")
+        if logs_full != logs_off:
+            failures.append(f"{label}: p2p logs differ under AC:\n{logs_off}\n{logs_full}")
+        if cfg.accelerator.linear_attention_cp_mode == "p2p":
+            expected = ([f"recv H_in <-{rank - 1}"] if rank > 0 else []) + \
+                       ([f"send H_out ->{rank + 1}", f"recv dH_out <-{rank + 1}"] if rank < world - 1 else []) + \
+                       ([f"send dH_in ->{rank - 1}"] if rank > 0 else [])
+            if len(logs_off) != 3 or any(log != expected for log in logs_off):
+                failures.append(f"{label}: unexpected p2p messages {logs_off}, expected {expected} per layer")
+            if any(p.replay_states for p in passings):
+                failures.append(f"{label}: recorded states left unreplayed")
+        if rank == 0:
+            results[label] = rows
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+def test_cp4_main_config_every_mode_100_steps_and_activation_checkpointing(reference):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_distributed(cp4_worker, 4, results, timeout_s=900)
+        runs = dict(results)
+    for label, rows in runs.items():
+        assert len(rows) == STEPS
+        comp = _check(reference, rows, label)
+        print(f"{label}: max loss rel {comp['max_loss_rel']:.2e}, max grad-norm rel {comp['max_grad_norm_rel']:.2e}")
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_cp2_cp8_every_mode_short(reference, world):
+    runs = run_jobs(world, cp_configs(_main_cfg(), world, STEPS, MODES), timeout_s=600, max_steps=SHORT)
+    for label, rows in runs.items():
+        assert len(rows) == SHORT
+        comp = _check(reference, rows, label)
+        print(f"{label}: max loss rel {comp['max_loss_rel']:.2e}, max grad-norm rel {comp['max_grad_norm_rel']:.2e}")
+
+
+def _kill_while_saving(step):
+    if step == 6:
+        import os
+
+        os._exit(0)  # like a kill: no cleanup, the step-6 checkpoint is still a .tmp directory
+
+
+def crash_worker(rank, world, cfg, results):
+    from deltacp.train.trainer import Trainer, TrainHooks
+
+    rows = Trainer(replace(cfg, checkpoint=CheckpointConfig()), progress=False).fit()
+    if rank == 0:
+        results["uninterrupted"] = rows
+    Trainer(cfg, progress=False, hooks=TrainHooks(before_checkpoint_commit=_kill_while_saving)).fit()
+    raise AssertionError("unreachable: the run is killed while saving step 6")
+
+
+def resume_worker(rank, world, cfg, results):
+    from deltacp.train.trainer import Trainer
+
+    rows = Trainer(cfg, progress=False).fit()
+    if rank == 0:
+        results["resumed"] = rows
+
+
+def test_kill_while_saving_then_resume_gives_the_same_losses(tmp_path):
+    import torch.multiprocessing as mp
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config(MAIN, ["train.steps=8", "train.accelerator.cp=2", "train.logging.progress=none",
+                             f"train.checkpoint.dir={ckpt}", "train.checkpoint.interval=2", "train.checkpoint.keep=2"])
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_distributed(crash_worker, 2, cfg, results, timeout_s=600)
+        assert [s for s, _ in complete_checkpoints(ckpt)] == [2, 4]
+        assert (ckpt / "step_00000006.tmp").is_dir()  # the interrupted save: present, never loaded
+        run_distributed(resume_worker, 2, cfg, results, timeout_s=600)
+        full, resumed = results["uninterrupted"], results["resumed"]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in full[4:]]
+    assert [s for s, _ in complete_checkpoints(ckpt)] == [6, 8]
+    assert not list(ckpt.glob("*.tmp"))
