@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import emit, time_cuda  # noqa: E402
+from timing import emit, max_over_ranks, time_cuda  # noqa: E402
 
 
 def layer_config(args, qk_heads=None, v_heads=None):
@@ -94,10 +94,9 @@ def run_cp_job(args):
             d_out = torch.randn_like(x)
             stats = time_cuda(fwd_bwd(layer, x, d_out), warmup=args.warmup, repeat=args.repeat,
                               barrier=dist.barrier)
-            peak = torch.tensor([stats["peak_gib"]])
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            peak = max_over_ranks(stats["peak_gib"])
             row = dict(bench="cp_layer", cp=world, global_len=S, local_len=s, mode=mode, backend=args.backend,
-                       tokens_per_s=args.batch * S / (stats["median_ms"] / 1e3), **stats, peak_gib_max=peak.item())
+                       tokens_per_s=args.batch * S / (stats["median_ms"] / 1e3), **stats, peak_gib_max=peak)
             rows.append(row)
             if rank == 0 and args.json:
                 emit(row, args.json)

