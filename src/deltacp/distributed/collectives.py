@@ -197,9 +197,10 @@ def _in_backward_pass() -> bool:
 
 class _StateRelay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, m, s, anchor, passing: StatePassing, recv: PendingRecv | None):
+    def forward(ctx, m, s, anchor, passing: StatePassing, recv: PendingRecv | None, grad_enabled: bool):
+        # grad_enabled is the caller's grad mode: inside an autograd Function's forward it is always off.
         ctx.passing = passing
-        if _in_backward_pass() and torch.is_grad_enabled():
+        if _in_backward_pass() and grad_enabled:
             if not passing.record_for_recompute:
                 raise RuntimeError(
                     "p2p linear attention CP was recomputed in backward (activation checkpointing) without "
@@ -210,7 +211,7 @@ class _StateRelay(torch.autograd.Function):
             state_in = torch.zeros_like(s) if recv is None else recv.wait()
             if not passing.is_last:
                 passing._send(apply_summary(m, s, state_in), passing.rank + 1, "H_out")
-            if passing.record_for_recompute and torch.is_grad_enabled():
+            if passing.record_for_recompute and grad_enabled:
                 passing.replay_states.append(state_in)
         ctx.save_for_backward(m, state_in)
         return state_in
@@ -228,7 +229,7 @@ class _StateRelay(torch.autograd.Function):
             grad_s = grad_state_out
         if not passing.is_first:
             passing._send(grad_state_in, passing.rank - 1, "dH_in")
-        return grad_m, grad_s, None, None, None
+        return grad_m, grad_s, None, None, None, None
 
 
 def relay_state(m: torch.Tensor | None, s: torch.Tensor | None, passing: StatePassing,
@@ -244,7 +245,7 @@ def relay_state(m: torch.Tensor | None, s: torch.Tensor | None, passing: StatePa
     """
     if passing.is_last:
         m, s = like.new_zeros(*like.shape[:-1], like.shape[-2]), like.new_zeros(like.shape)
-    return _StateRelay.apply(m, s, anchor, passing, recv)
+    return _StateRelay.apply(m, s, anchor, passing, recv, torch.is_grad_enabled())
 
 
 # ---------------------------------------------------------------------------------------------
