@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
+# Triton too (CPU build of the wheel), so the TRITON_INTERPRET=1 kernel parity test runs here.
+python -m pip install -q -e ".[test,triton]"
 python -m pytest tests -ra -q "$@"
