@@ -51,6 +51,16 @@ def fail_fast_worker(rank, world):
     model = parallelize_qwen3_5_cp(Qwen3_5ForCausalLM(tiny_config()), mesh, linear_attention_cp_mode="p2p")
     model(input_ids=torch.randint(0, 256, (1, 16)), use_cache=False)
 
+    # DTensor input (sequence-sharded over the CP mesh) is taken by its local tensor.
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.manual_seed(5)
+    x_local = torch.randn(1, 32, 64)
+    for mode in ("ulysses", "p2p", "all_gather"):
+        layer = LinearAttentionContextParallel(mode=mode).apply(Qwen3_5GatedDeltaNet(tiny_config(), 0), mesh)
+        from_dtensor = layer(DTensor.from_local(x_local, mesh, [Shard(1)]))
+        assert torch.equal(from_dtensor, layer(x_local)), mode
+
 
 def test_fail_fast_cp4():
     run_distributed(fail_fast_worker, 4, timeout_s=300)
