@@ -229,6 +229,8 @@ class _StateRelay(torch.autograd.Function):
             grad_s = grad_state_out
         if not passing.is_first:
             passing._send(grad_state_in, passing.rank - 1, "dH_in")
+            # Wait for the send when this backward pass ends, past the rest of the local backward compute.
+            torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
         return grad_m, grad_s, None, None, None, None
 
 
