@@ -154,8 +154,8 @@ class LoopbackStatePassing:
     H_in, gradient summary) with no communication.
     """
 
-    def __init__(self, state_in, grad_state_out):
-        self.rank, self.size, self.is_first, self.is_last = 1, 3, False, False
+    def __init__(self, state_in, grad_state_out, is_last=False):
+        self.rank, self.size, self.is_first, self.is_last = 1, 3, False, is_last
         self.record_for_recompute, self.log = False, None
         self.state_in, self.grad_state_out, self.sent = state_in, grad_state_out, []
 
@@ -207,6 +207,9 @@ def run_per_rank_cost(args):
             p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(state, torch.randn_like(state))
             x = torch.randn(B, s, D, device=device, dtype=getattr(torch, args.dtype), requires_grad=True)
             p = time_cuda(fwd_bwd(p2p, x, torch.randn_like(x)), warmup=args.warmup, repeat=args.repeat)
+            # The last rank's work: the same minus the summary (nobody reads its H_out).
+            p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(state, torch.randn_like(state), is_last=True)
+            last = time_cuda(fwd_bwd(p2p, x, torch.randn_like(x)), warmup=args.warmup, repeat=args.repeat)
             m = torch.randn(B, Hv, K, K, device=device)
             hop = time_cuda(lambda: apply_summary(m, state, state), warmup=args.warmup, repeat=args.repeat)
             del p2p, x
@@ -225,6 +228,8 @@ def run_per_rank_cost(args):
                        p2p_peak_gib=p["peak_gib"], p2p_bytes=p2p_bytes, p2p_hop_ms=hop["median_ms"],
                        p2p_model_ms=p["median_ms"] + chain + 2 * halo_bytes / bw,
                        compute_ratio=p["median_ms"] / u["median_ms"], bw_gbps=args.bw_gbps,
+                       p2p_no_summary_ms=last["median_ms"],
+                       summary_share=(p["median_ms"] - last["median_ms"]) / p["median_ms"],
                        latency_us=args.latency_us)
             rows.append(row)
             if args.json:
@@ -232,13 +237,15 @@ def run_per_rank_cost(args):
     print(f"\nPer-rank cost on one GPU: hidden {D}, QK/V heads {Hk}/{Hv}, K=V={K}, {args.dtype}, backend "
           f"{args.backend}, B={B}; comm modelled with bw {args.bw_gbps} GB/s, latency {args.latency_us} us")
     print(f"{'CP':>3} {'global':>7} {'local':>6} | {'uly ms':>8} {'uly MiB':>8} {'uly GiB':>8} | {'p2p ms':>8} "
-          f"{'p2p MiB':>8} {'p2p GiB':>8} {'hop ms':>7} | {'p2p/uly':>7} | {'model uly':>9} {'model p2p':>9}")
+          f"{'p2p MiB':>8} {'p2p GiB':>8} {'hop ms':>7} {'summ %':>6} | {'p2p/uly':>7} | {'model uly':>9} {'model p2p':>9}")
     for r in rows:
         print(f"{r['cp']:>3} {r['global_len']:>7} {r['local_len']:>6} | {r['ulysses_compute_ms']:>8.2f} "
               f"{r['ulysses_bytes'] / 2**20:>8.1f} {r['ulysses_peak_gib']:>8.2f} | {r['p2p_compute_ms']:>8.2f} "
-              f"{r['p2p_bytes'] / 2**20:>8.1f} {r['p2p_peak_gib']:>8.2f} {r['p2p_hop_ms']:>7.3f} | "
+              f"{r['p2p_bytes'] / 2**20:>8.1f} {r['p2p_peak_gib']:>8.2f} {r['p2p_hop_ms']:>7.3f} "
+              f"{100 * r['summary_share']:>6.1f} | "
               f"{r['compute_ratio']:>7.3f} | {r['ulysses_model_ms']:>9.2f} {r['p2p_model_ms']:>9.2f}")
     print("(ms: median fwd+bwd compute of one rank; MiB: bytes a rank sends per fwd+bwd; GiB: peak allocated;"
+          " summ %: share of a middle p2p rank's time spent on the summary (vs the last rank, which has none);"
           " model: compute + bytes/bw + latency terms, p2p adding its serial chain of P-1 hops each way)")
 
 
