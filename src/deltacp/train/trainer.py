@@ -184,6 +184,10 @@ class Trainer:
         if cfg.dtype == "bfloat16" and not cfg.distributed.fsdp:
             raise ConfigError("train.dtype bfloat16 needs train.distributed.fsdp true (FSDP2 mixed precision keeps "
                               "fp32 master weights)")
+        if cfg.distributed.fsdp and self.device.type == "cuda" and dist.get_backend() == "gloo":
+            raise ConfigError("train.distributed.fsdp true needs nccl on CUDA: FSDP2's collectives over gloo with "
+                              "CUDA tensors crash (SIGSEGV, torch 2.11, H200); for CP ranks sharing one GPU over "
+                              "gloo set train.distributed.fsdp=false (and dtype float32)")
         acc = cfg.accelerator
         self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("cp",))
         self.data = TokenStream(cfg.data, cfg.seed)
