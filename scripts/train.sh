@@ -13,5 +13,4 @@ if [ "$GPUS" -ge "$NPROC" ] && [ "$GPUS" -gt 0 ]; then
   exec torchrun --standalone --nproc-per-node "$NPROC" -m deltacp.train --config "$CONFIG" \
     --set train.accelerator.cp="$NPROC" "$@"
 fi
-exec python -m deltacp.train --config "$CONFIG" --spawn "$NPROC" --set train.accelerator.cp="$NPROC" \
-  --set train.device=cpu "$@"
+exec python -m deltacp.train --config "$CONFIG" --spawn "$NPROC" --set train.accelerator.cp="$NPROC" "$@"

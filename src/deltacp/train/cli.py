@@ -86,6 +86,8 @@ def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> T
     except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
         print(f"deltacp.train: config error: {exc}", file=sys.stderr)
         sys.exit(2)
+    if args.spawn is not None and cfg.device == "auto":
+        cfg = cfg.replace(device="cpu")  # --spawn means gloo CPU ranks unless train.device says cuda
     return cfg
 
 
@@ -94,7 +96,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="train.KEY=VALUE",
                         help="override one config value (YAML syntax), repeatable")
     parser.add_argument("--spawn", type=int, default=None, metavar="N",
-                        help="spawn N gloo ranks here instead of running under torchrun")
+                        help="spawn N gloo ranks here instead of running under torchrun (CPU unless "
+                             "train.device is cuda)")
 
 
 def main(argv: list[str] | None = None) -> None:
