@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The main job: CP parity of a small Qwen3.5 hybrid (3 GDN + 1 full attention layers) on 4 CPU ranks
-# over gloo, every mode against the single-device model, on real text. Extra arguments go to the job.
+# The main job: trains a small Qwen3.5 hybrid (3 GDN + 1 full attention layers) under FSDP+CP4 on real text
+# (Python stdlib sources as bytes). No GPU: 4 self-spawned CPU ranks over gloo; with 4 GPUs: torchrun/NCCL.
+# Extra arguments go to the trainer, e.g. --set train.steps=50 or --set train.accelerator.linear_attention_cp_mode=ulysses
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-. scripts/setup.sh
-python -m deltacp.demo "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/train.sh" "$@"

@@ -191,4 +191,7 @@ def fully_shard_qwen3_5(model: nn.Module, mesh: DeviceMesh, mp_policy=None, resh
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
+            # With factor 1, FSDP2 would reduce float32/bf16 with PREMUL_SUM(1), which gloo lacks; a plain
+            # SUM is the same result on every backend.
+            module.set_force_sum_reduction_for_comms(True)
     return model

@@ -203,12 +203,6 @@ class Trainer:
             if cfg.dtype == "bfloat16":
                 mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             fully_shard_qwen3_5(model, self.mesh, mp_policy=mp_policy)
-            if dist.get_backend() == "gloo":
-                # fully_shard_qwen3_5 sets the divide factor to 1, which FSDP2 turns into PREMUL_SUM(1) for
-                # fp32/bf16 reductions; gloo has no PREMUL_SUM, so ask for plain SUM (same result).
-                for module in model.modules():
-                    if hasattr(module, "set_force_sum_reduction_for_comms"):
-                        module.set_force_sum_reduction_for_comms(True)
             logger.info("Applied FSDP2 over %d CP ranks (mixed precision: %s)", self.world, mp_policy)
         self.model = model
         self.n_params = sum(p.numel() for p in model.parameters())  # sharded: local numel; fixed below
