@@ -190,7 +190,7 @@ class PendingRecv:
             return self.buf.to(self.device)
 
 
-def _in_backward_pass() -> bool:
+def in_backward_pass() -> bool:
     # A forward that runs while the autograd engine executes a backward is a checkpoint recompute.
     return torch._C._current_graph_task_id() != -1
 
@@ -200,7 +200,7 @@ class _StateRelay(torch.autograd.Function):
     def forward(ctx, m, s, anchor, passing: StatePassing, recv: PendingRecv | None, grad_enabled: bool):
         # grad_enabled is the caller's grad mode: inside an autograd Function's forward it is always off.
         ctx.passing = passing
-        if _in_backward_pass() and grad_enabled:
+        if in_backward_pass() and grad_enabled:
             if not passing.record_for_recompute:
                 raise RuntimeError(
                     "p2p linear attention CP was recomputed in backward (activation checkpointing) without "

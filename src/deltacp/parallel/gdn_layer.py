@@ -34,22 +34,6 @@ class GDNLayerCP:
     extra: dict = field(default_factory=dict)  # per-mode state (e.g. the p2p StatePassing)
 
     @property
-    def num_k_heads(self) -> int:
-        return self.module.num_k_heads
-
-    @property
-    def num_v_heads(self) -> int:
-        return self.module.num_v_heads
-
-    @property
-    def head_k_dim(self) -> int:
-        return self.module.head_k_dim
-
-    @property
-    def head_v_dim(self) -> int:
-        return self.module.head_v_dim
-
-    @property
     def conv_weight_CK(self) -> torch.Tensor:
         return self.module.conv1d.weight.squeeze(1)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deltacp.distributed.collectives import StatePassing, relay_state
+from deltacp.distributed.collectives import StatePassing, in_backward_pass, relay_state
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.conv import halo_conv_silu
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_gate, split_qkv
@@ -24,7 +24,7 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
     B = qkv_BsC.shape[0]
     like_state = torch.empty(B, m.num_v_heads, m.head_k_dim, m.head_v_dim, dtype=compute_dtype(qkv_BsC),
                              device=qkv_BsC.device)
-    recompute = torch._C._current_graph_task_id() != -1
+    recompute = in_backward_pass()  # a checkpoint recompute replays H_in: no receive
     recv = None if passing.is_first or recompute else passing.post_recv(like_state, passing.rank - 1, "H_in")
 
     x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group)

@@ -63,7 +63,10 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
     S = full_BSX.shape[1]
     qkv_BSC, b_BSH, a_BSH = torch.split(full_BSX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
 
-    channels = layer.extra.setdefault(("channels", qkv_BsC.device), _rank_channels(layer, rank, cp, qkv_BsC.device))
+    key = ("channels", qkv_BsC.device)
+    if key not in layer.extra:  # index tensors built once per device
+        layer.extra[key] = _rank_channels(layer, rank, cp, qkv_BsC.device)
+    channels = layer.extra[key]
     bias = None if m.conv1d.bias is None else m.conv1d.bias[channels]
     x_BSC = causal_conv_silu(qkv_BSC, layer.conv_weight_CK[channels], bias, layer.conv_dilation)
     q, k, v = split_qkv(x_BSC, qk_local, K, V)
