@@ -77,6 +77,9 @@ def test_mesh_errors(single_rank_group):
         parallelize_qwen3_5_cp(model, mesh, ulysses_degree=2)
     with pytest.raises(NotImplementedError, match="applies to transformers' Qwen3_5GatedDeltaNet"):
         LinearAttentionContextParallel().apply(torch.nn.Linear(2, 2), mesh)
+    parallelize_qwen3_5_cp(model, mesh)
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize_qwen3_5_cp(model, mesh)
 
 
 def test_triton_backend_errors_clearly_without_cuda(single_rank_group):

@@ -59,6 +59,9 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
         raise NotImplementedError(f"ulysses_degree={ulysses_degree} is not supported: it must be None or equal to "
                                   f"cp ({cp}); full attention CP is Ulysses over the whole CP mesh")
     text = _text_model(model)
+    if getattr(text, "_deltacp_parallelized", False):
+        raise ValueError("parallelize_qwen3_5_cp: this model is already parallelized; apply CP once, to the "
+                         "single-device model")
     layers = list(text.layers)
     config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
                   linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=cp,
@@ -87,6 +90,7 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
             n_full += 1
     logger.info("Applied Ulysses CP (degree %d) to %d full attention layers", cp, n_full)
     text.register_forward_pre_hook(_make_cp_inputs_hook(group), with_kwargs=True)
+    text._deltacp_parallelized = True
     logger.info("Applied the CP input hook (global positions, per-layer masks) to %s", type(text).__name__)
     return model
 
