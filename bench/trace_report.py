@@ -9,7 +9,6 @@ host times of the CPU-side regions (absolute across ranks of one host), in ms fr
 from __future__ import annotations
 
 import json
-import sys
 
 
 def _regions(path: str) -> dict[str, list[tuple[float, float]]]:
@@ -58,4 +57,8 @@ def report(paths: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    print(report(sys.argv[1:]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", help="one Chrome trace per rank, in rank order")
+    print(report(parser.parse_args().traces))
