@@ -4,7 +4,7 @@ Shapes: q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; states [B, Hv, 
 summary M [B, Hv, K, K], S [B, Hv, K, V] fp32. Value head j reads key head j // (Hv // Hk).
 
 Stages (forward): gate cumsum -> wy_fwd (A, T = (I+A)^-1, W, U) -> state_fwd (per-chunk H, Vn) -> o_fwd.
-Backward recomputes W, U, H and Vn, then dv_local -> state_bwd (dH per chunk, dVn, dH0) -> dqkwg -> wy_bwd.
+Backward keeps T from the forward, recomputes W, U, H and Vn, then dv_local -> state_bwd (dH per chunk, dVn, dH0) -> dqkwg -> wy_bwd.
 The l2 norm of q/k (own autograd Function and kernels, l2norm.py) and the padding of T to a multiple of 64 stay
 outside the core Function: padded tokens have k = v = q = 0, beta = 0, g = 0, which leave the state unchanged.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
 from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
 from deltacp.ops.gdn.triton.l2norm import l2norm
-from deltacp.ops.gdn.triton.wy import BT, wy_bwd, wy_fwd
+from deltacp.ops.gdn.triton.wy import BT, wu_fwd, wy_bwd, wy_fwd
 
 
 def chunk_cumsum(g: torch.Tensor) -> torch.Tensor:
@@ -41,23 +41,29 @@ def _reduce_heads(dx: torch.Tensor, Hk: int) -> torch.Tensor:
 
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state):
+    """-> o, final state, and what the backward keeps: the chunk-local gate cumsum gc and T = (I + A)^-1."""
     gc = chunk_cumsum(g)
     ai, w, u = wy_fwd(k, v, beta, gc)
     h, vn, ht = state_fwd(k, w, u, gc, h0, output_final_state=output_final_state)
     o = o_fwd(q, k, vn, h, gc, scale)
-    return o, ht
+    return o, ht, gc, ai
 
 
-def chunk_gdn_bwd(q, k, v, g, beta, scale, h0, do, dht):
+def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht):
+    """W, U (from the kept T), H and Vn are recomputed: keeping them would cost 3x the memory of q, k, v."""
     Hk = k.shape[2]
     V = v.shape[3]
-    gc = chunk_cumsum(g)
-    ai, w, u = wy_fwd(k, v, beta, gc)
+    w, u = wu_fwd(k, v, beta, gc, ai)
     h, vn, _ = state_fwd(k, w, u, gc, h0)
-    dvl = dv_local(q, k, gc, do, scale)
-    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=V, need_dh0=h0 is not None)
-    dq, dk, dw, dg1 = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale)
-    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, dvn, dk)
+    # dVn travels between kernels in the input dtype (it enters bf16 products anyway); dW stays fp32 (in bf16
+    # the worst gradient rel-L2 at 8K rose from 4.0e-3 to 7.2e-3 on the H200). dq, dk, dv leave in the input
+    # dtype unless value heads still have to be summed onto their key head (GVA), which stays fp32.
+    lo = v.dtype
+    out_qk = q.dtype if Hk == v.shape[2] else torch.float32
+    dvl = dv_local(q, k, gc, do, scale, out_dtype=lo)
+    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=V, need_dh0=h0 is not None, dvn_dtype=lo)
+    dq, dk, dw, dg1 = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=out_qk)
+    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, dvn, dk, dk_dtype=out_qk, dv_dtype=v.dtype)
     dg = chunk_rev_cumsum(dg1 + dg2)
     return _reduce_heads(dq, Hk), _reduce_heads(dk, Hk), dv, dg, dbeta, dh0
 
@@ -65,17 +71,20 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, h0, do, dht):
 class ChunkGDNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state):
-        o, ht = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, h0)
+        o, ht, gc, ai = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state)
+        # T (fp32, [B, T, Hv, 64]) is kept: recomputing it (the 16x16 inverses and their merge) costs more
+        # than reading it back, and the backward then rebuilds W, U exactly as the forward did.
+        ctx.save_for_backward(q, k, v, gc, beta, ai, h0)
         ctx.scale = scale
+        ctx.g_dtype = g.dtype
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, g, beta, ctx.scale, h0, do.contiguous(),
+        q, k, v, gc, beta, ai, h0 = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, gc, beta, ai, ctx.scale, h0, do.contiguous(),
                                                    None if dht is None else dht.contiguous().float())
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), None,
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None,
                 None if dh0 is None else dh0.to(h0.dtype), None)
 
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.launch import launch_config
 from deltacp.ops.gdn.triton.wy import BT
 
 
@@ -118,10 +119,6 @@ def state_bwd_kernel(
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
 
 
-def _bv(V: int) -> int:
-    return min(32, V)
-
-
 def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final_state=False, fp32_dot=False,
               dot_precision="tf32"):
     """fp32_dot: fp32-operand products (`dot_precision`: tf32 or tf32x3) on the fp32 state, for the summary's M,
@@ -134,26 +131,25 @@ def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final
     h = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store_h else None
     vn = torch.empty(B, T, Hv, V, device=dev, dtype=u.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    BV = _bv(V)
-    state_fwd_kernel[(V // BV, B * Hv)](
-        k, w, u, gc, h0, h, vn, ht, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV,
+    blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V)
+    state_fwd_kernel[(V // blocks["BV"], B * Hv)](
+        k, w, u, gc, h0, h, vn, ht, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
         USE_H0=h0 is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        FP32_DOT=fp32_dot, DOT_PREC=dot_precision,
-        num_warps=4, num_stages=2)
+        FP32_DOT=fp32_dot, DOT_PREC=dot_precision, **blocks, **opts)
     return h, vn, ht
 
 
-def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0):
-    """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] fp32, dh0 (or None)."""
+def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32):
+    """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] (dvn_dtype), dh0 (or None)."""
     B, T, Hk, K = k.shape
     Hv = w.shape[2]
     NT = T // BT
     dev = k.device
     dh = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype)
-    dvn = torch.empty(B, T, Hv, V, device=dev, dtype=torch.float32)
+    dvn = torch.empty(B, T, Hv, V, device=dev, dtype=dvn_dtype)
     dh0 = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
-    BV = _bv(V)
-    state_bwd_kernel[(V // BV, B * Hv)](
-        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV,
-        HAS_DO=do is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, num_warps=4, num_stages=2)
+    blocks, opts = launch_config("state_bwd" if do is not None else "summary_state_bwd", V=V)
+    state_bwd_kernel[(V // blocks["BV"], B * Hv)](
+        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+        HAS_DO=do is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, **blocks, **opts)
     return dh, dvn, dh0

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.launch import launch_config
 from deltacp.ops.gdn.triton.wy import BT
 
 
@@ -68,7 +69,7 @@ def dv_local_kernel(
     b_at = tl.dot(b_k, tl.trans(b_q))
     b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * tl.exp(b_g[None, :] - b_g[:, None]), 0.) * scale
     b_dv = tl.dot(b_at.to(b_do.dtype), b_do)
-    tl.store(dvl + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :], b_dv)
+    tl.store(dvl + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :], b_dv.to(dvl.dtype.element_ty))
 
 
 @triton.jit
@@ -124,10 +125,10 @@ def dqkwg_kernel(
         b_dki = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q)
         b_dk += b_dki
         b_dg += tl.sum(b_dq * b_qf, 1) - tl.sum(b_dki * b_kf, 1)
-        tl.store(dq + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dq)
+        tl.store(dq + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty))
     b_dg += tl.where(o_t == BT - 1, b_dgl, 0.)
     tl.store(dk + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dk)
-    tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], -b_dw)
+    tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], (-b_dw).to(dw.dtype.element_ty))
     tl.store(dg + ((i_k * B + i_b) * T + o_r) * Hv + i_h, b_dg)
 
 
@@ -135,34 +136,34 @@ def o_fwd(q, k, vn, h, gc, scale):
     B, T, Hk, K = q.shape
     Hv, V = vn.shape[2], vn.shape[3]
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=vn.dtype)
-    BV = min(64, V)
-    o_fwd_kernel[(V // BV, T // BT, B * Hv)](q, k, vn, h, gc, o, scale, T, T // BT, Hk=Hk, Hv=Hv, K=K, V=V,
-                                              BT=BT, BV=BV, num_warps=4, num_stages=2)
+    blocks, opts = launch_config("o_fwd", V=V)
+    o_fwd_kernel[(V // blocks["BV"], T // BT, B * Hv)](q, k, vn, h, gc, o, scale, T, T // BT, Hk=Hk, Hv=Hv, K=K,
+                                                        V=V, BT=BT, **blocks, **opts)
     return o
 
 
-def dv_local(q, k, gc, do, scale):
+def dv_local(q, k, gc, do, scale, out_dtype=torch.float32):
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
-    dvl = torch.empty(B, T, Hv, V, device=q.device, dtype=torch.float32)
-    BV = min(64, V)
-    dv_local_kernel[(V // BV, T // BT, B * Hv)](q, k, gc, do, dvl, scale, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BV=BV,
-                                                 num_warps=4, num_stages=2)
+    dvl = torch.empty(B, T, Hv, V, device=q.device, dtype=out_dtype)
+    blocks, opts = launch_config("dv_local", V=V)
+    dv_local_kernel[(V // blocks["BV"], T // BT, B * Hv)](q, k, gc, do, dvl, scale, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+                                                           **blocks, **opts)
     return dvl
 
 
-def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale):
-    """-> dq [B,T,Hv,K] fp32 (or None), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] fp32, dg [B,T,Hv] fp32 (chunk-local)."""
+def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32, dw_dtype=torch.float32):
+    """-> dq [B,T,Hv,K] (dq_dtype, or None), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] (dw_dtype), dg [B,T,Hv] fp32
+    (chunk-local)."""
     B, T, Hk, K = k.shape
     Hv, V = vn.shape[2], vn.shape[3]
-    BK, BV = min(64, K), min(64, V)
-    NK = K // BK
+    blocks, opts = launch_config("dqkwg", K=K, V=V)
+    NK = K // blocks["BK"]
     dev = k.device
-    dq = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32) if do is not None else None
+    dq = torch.empty(B, T, Hv, K, device=dev, dtype=dq_dtype) if do is not None else None
     dk = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
-    dw = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
+    dw = torch.empty(B, T, Hv, K, device=dev, dtype=dw_dtype)
     dg = torch.empty(NK, B, T, Hv, device=dev, dtype=torch.float32)
     dqkwg_kernel[(NK, T // BT, B * Hv)](q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg, scale, T, T // BT, B,
-                                        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DO=do is not None,
-                                        num_warps=4, num_stages=2)
+                                        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, HAS_DO=do is not None, **blocks, **opts)
     return dq, dk, dw, dg.sum(0)

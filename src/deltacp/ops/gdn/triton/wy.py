@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.launch import launch_config
+
 BT = 64  # chunk size
 BS = 16  # diagonal block of the triangular solve
 
@@ -113,7 +115,6 @@ def tril_merge_kernel(
     b_g1 = _load_vec(p_g, t0 + 1 * BS, Hv, BS)
     b_g2 = _load_vec(p_g, t0 + 2 * BS, Hv, BS)
     b_g3 = _load_vec(p_g, t0 + 3 * BS, Hv, BS)
-    b_b0 = _load_vec(p_b, t0 + 0 * BS, Hv, BS)
     b_b1 = _load_vec(p_b, t0 + 1 * BS, Hv, BS)
     b_b2 = _load_vec(p_b, t0 + 2 * BS, Hv, BS)
     b_b3 = _load_vec(p_b, t0 + 3 * BS, Hv, BS)
@@ -183,12 +184,12 @@ def wu_fwd_kernel(
 
 @triton.jit
 def wy_bwd_kernel(
-    k, v, beta, gc, ai, dw, du, dk, dv, dbeta, dg,
+    k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """From dW, dU: dk (added in place to the dk already there), dv, dbeta, dg (chunk-local gate)."""
+    """From dW, dU: dk (dk_in, the non-WY part, plus the WY part), dv, dbeta, dg (chunk-local gate)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -197,6 +198,7 @@ def wy_bwd_kernel(
     p_k = k + (i_b * T * Hk + i_hk) * K
     p_v = v + (i_b * T * Hv + i_h) * V
     p_dw = dw + (i_b * T * Hv + i_h) * K
+    p_dk_in = dk_in + (i_b * T * Hv + i_h) * K
     p_dk = dk + (i_b * T * Hv + i_h) * K
     p_du = du + (i_b * T * Hv + i_h) * V
     p_dv = dv + (i_b * T * Hv + i_h) * V
@@ -243,7 +245,7 @@ def wy_bwd_kernel(
         b_kf = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK).to(tl.float32)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         b_dkb = tl.dot(tl.trans(b_T), b_dw)
-        b_dk = _load_rows(p_dk + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+        b_dk = _load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         b_dk += b_dkb * (b_beta * b_eg)[:, None] + tl.dot(b_dGs, b_kf)
         _store_rows(p_dk + i_k * BK, t0, Hv * K, b_dk, BT, BK)
 
@@ -256,24 +258,39 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tenso
            w_dtype: torch.dtype | None = None, dot_precision: str = "tf32"):
     """-> ai [B,T,Hv,BT] fp32, w [B,T,Hv,K] (dtype of k unless w_dtype), u [B,T,Hv,V]."""
     B, T, Hk, K = k.shape
-    Hv, V = v.shape[2], v.shape[3]
+    Hv = v.shape[2]
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
-    w = torch.empty(B, T, Hv, K, device=k.device, dtype=w_dtype or k.dtype)
-    u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
-    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, num_warps=1)
-    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, num_warps=2)
-    wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-                                     BK=min(64, K), BV=min(64, V), DOT_PREC=dot_precision, num_warps=4)
+    _, opts = launch_config("kkt_inv_diag")
+    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
+    _, opts = launch_config("tril_merge")
+    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
+    w, u = wu_fwd(k, v, beta, gc, ai, w_dtype=w_dtype, dot_precision=dot_precision)
     return ai, w, u
 
 
-def wy_bwd(k, v, beta, gc, ai, dw, du, dk):
-    """dk [B,T,Hv,K] fp32 is updated in place. -> dk, dv (fp32), dbeta (fp32), dg (fp32, chunk-local)."""
+def wu_fwd(k, v, beta, gc, ai, w_dtype=None, dot_precision="tf32"):
+    """W, U from a T already computed (the forward keeps T for the backward)."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
-    dv = torch.empty(B, T, Hv, V, device=k.device, dtype=torch.float32)
+    w = torch.empty(B, T, Hv, K, device=k.device, dtype=w_dtype or k.dtype)
+    u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
+    blocks, opts = launch_config("wu_fwd", K=K, V=V)
+    wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+                                     DOT_PREC=dot_precision, **blocks, **opts)
+    return w, u
+
+
+def wy_bwd(k, v, beta, gc, ai, dw, du, dk_in, dk_dtype=torch.float32, dv_dtype=torch.float32):
+    """dk_in [B,T,Hv,K] fp32: the non-WY part of dk. -> dk (dk_dtype), dv (dv_dtype), dbeta, dg (fp32, chunk-local).
+
+    The caller picks bf16 outputs where nothing is summed after this kernel (a cast pass less over memory)."""
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    dk = torch.empty(B, T, Hv, K, device=k.device, dtype=dk_dtype)
+    dv = torch.empty(B, T, Hv, V, device=k.device, dtype=dv_dtype)
     dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
-    wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk, dv, dbeta, dg, T, Hk=Hk, Hv=Hv, K=K, V=V,
-                                      BT=BT, BK=min(64, K), BV=min(64, V), num_warps=4)
+    blocks, opts = launch_config("wy_bwd", K=K, V=V)
+    wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, T, Hk=Hk, Hv=Hv, K=K,
+                                      V=V, BT=BT, **blocks, **opts)
     return dk, dv, dbeta, dg

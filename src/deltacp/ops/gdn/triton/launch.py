@@ -1,0 +1,32 @@
+"""Launch configurations of the GDN kernels (block widths, warps, pipeline stages), one entry per kernel.
+
+Fixed per kernel rather than autotuned at run time: autotuning would re-run for every new sequence length
+(the state kernels take the chunk count as a compile-time constant) and would have to restore the buffers
+that kernels update in place. The values were chosen on one H200 by `bench/gdn_kernels.py --sweep`
+(figures and date in NOTES.md); `bench/gdn_kernels.py` rewrites entries of this table to measure others.
+"""
+
+from __future__ import annotations
+
+LAUNCH: dict[str, dict[str, int]] = {
+    "kkt_inv_diag": dict(num_warps=1),
+    "tril_merge": dict(num_warps=2),
+    "wu_fwd": dict(BK=32, BV=32, num_warps=4, num_stages=3),
+    "wy_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=3),
+    "state_fwd": dict(BV=32, num_warps=4, num_stages=3),
+    "state_bwd": dict(BV=32, num_warps=4, num_stages=3),
+    # the summary's recurrence: fp32 operands (tf32x3 products) over the [M | S] state of width K + V
+    "summary_state_fwd": dict(BV=32, num_warps=4, num_stages=2),
+    "summary_state_bwd": dict(BV=32, num_warps=4, num_stages=2),
+    "o_fwd": dict(BV=128, num_warps=4, num_stages=3),
+    "dv_local": dict(BV=128, num_warps=4, num_stages=2),
+    "dqkwg": dict(BK=64, BV=64, num_warps=4, num_stages=3),
+}
+
+
+def launch_config(name: str, **dims: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(block sizes, launch options) of kernel `name`, block sizes clipped to the given dims (e.g. K=128)."""
+    cfg = dict(LAUNCH[name])
+    opts = {o: cfg.pop(o) for o in ("num_warps", "num_stages") if o in cfg}
+    blocks = {b: min(size, dims[b[1:]]) if b[1:] in dims else size for b, size in cfg.items()}
+    return blocks, opts
