@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fla_ref import load_fla  # noqa: E402
 from timing import emit, time_cuda  # noqa: E402
 
 FLA_REF_MS = {8192: (0.93, 3.50), 16384: (1.42, 4.35), 32768: (2.19, 7.98), 65536: (4.34, 15.87)}  # fwd, fwd+bwd
@@ -75,35 +76,15 @@ def bench_impl(fn, xs, do, dht, warmup, repeat):
     return res, (o.detach(), ht.detach(), [gr.detach() for gr in grads])
 
 
-def stage_breakdown(xs, do, dht, warmup, repeat):
-    from deltacp.ops.gdn.triton import chunk as C
-    from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
-    from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
-    from deltacp.ops.gdn.triton.wy import wy_bwd, wy_fwd
+def stage_breakdown(warmup, repeat, T, Hk, Hv):
+    """Median ms of each stage of the Triton op (the stages of bench/gdn_kernels.py at their current config)."""
+    from gdn_kernels import make_stages
 
-    q, k, v, g, beta, h0 = xs
-    q, k = C.l2norm(q), C.l2norm(k)
-    scale = q.shape[-1] ** -0.5
-    do = do.bfloat16()
-    gc = C.chunk_cumsum(g)
-    ai, w, u = wy_fwd(k, v, beta, gc)
-    h, vn, _ = state_fwd(k, w, u, gc, h0, output_final_state=True)
-    dvl = dv_local(q, k, gc, do, scale)
-    dh, dvn, _ = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True)
-    _, dk, dw, _ = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale)
-    stages = {
-        "l2norm_qk": lambda: (C.l2norm(q), C.l2norm(k)),
-        "gate_cumsum": lambda: C.chunk_cumsum(g),
-        "wy_fwd": lambda: wy_fwd(k, v, beta, gc),
-        "state_fwd": lambda: state_fwd(k, w, u, gc, h0, output_final_state=True),
-        "o_fwd": lambda: o_fwd(q, k, vn, h, gc, scale),
-        "dv_local": lambda: dv_local(q, k, gc, do, scale),
-        "state_bwd": lambda: state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True),
-        "dqkwg": lambda: dqkwg(q, k, vn, h, dh, do, dvn, gc, scale),
-        "wy_bwd": lambda: wy_bwd(k, v, beta, gc, ai, dw, dvn, dk.clone()),
-        "summary_fwd": lambda: C.state_summary_fwd(k, v, g, beta),
-    }
-    return {n: time_cuda(f, warmup=warmup, repeat=repeat)["median_ms"] for n, f in stages.items()}
+    stages = make_stages(T, Hk, Hv)
+    order = ["l2norm_qk", "tril_merge", "wu_fwd", "state_fwd", "o_fwd", "dv_local", "state_bwd", "dqkwg",
+             "wy_bwd", "summary_fwd"]
+    names = {"tril_merge": "wy_fwd (T, W, U)"}
+    return {names.get(n, n): time_cuda(stages[n], warmup=warmup, repeat=repeat)["median_ms"] for n in order}
 
 
 def rel(a, b):
@@ -121,8 +102,13 @@ def main():
     p.add_argument("--eager-repeat", type=int, default=5)
     p.add_argument("--no-eager", action="store_true")
     p.add_argument("--stages", action="store_true", help="per-stage time breakdown of the Triton backend")
+    p.add_argument("--fla", action="store_true",
+                   help="also time flash-linear-attention (if installed), its Hopper backward guard bypassed")
     p.add_argument("--json", default=None, help="append JSON rows to this file")
     a = p.parse_args()
+    fla = load_fla(bypass_hopper_guard=True) if a.fla else None
+    if a.fla and fla is None:
+        print("flash-linear-attention is not installed: the FLA columns show the issue's reference figures")
 
     from deltacp.ops.gdn.triton import TritonGDNBackend
 
@@ -150,9 +136,19 @@ def main():
             row["rel_l2"] = {"o": rel(o, eo), "ht": rel(ht, eht),
                              **{f"d{n}": rel(x, y) for n, x, y in zip(("q", "k", "v", "g", "beta", "h0"), gr, egr)}}
             row["speedup_fwdbwd"] = eag["fwdbwd"]["median_ms"] / ours["fwdbwd"]["median_ms"]
+        if fla is not None:
+            fres, (fo, fht, fgr) = bench_impl(fla[1], xs, do, dht, a.warmup, a.repeat)
+            row.update({f"fla_{s}_{k}": v for s, r in fres.items() for k, v in r.items()})
+            row["fla"] = fla[0]
+            if not a.no_eager:  # FLA's own accuracy on this stack, against the same eager reference
+                row["fla_rel_l2"] = {"o": rel(fo, eo), "ht": rel(fht, eht),
+                                     **{f"d{n}": rel(x, y) for n, x, y in
+                                        zip(("q", "k", "v", "g", "beta", "h0"), fgr, egr)}}
+            del fo, fht, fgr
+        if not a.no_eager:
             del eo, eht, egr
         if a.stages:
-            row["stages_ms"] = stage_breakdown(xs, do, dht, a.warmup, a.repeat)
+            row["stages_ms"] = stage_breakdown(a.warmup, a.repeat, T, a.hk, a.hv)
         emit(row, a.json)
         table.append(row)
         del o, ht, gr, xs
@@ -160,16 +156,22 @@ def main():
 
     print(f"\nB=1 Hk={a.hk} Hv={a.hv} K=V=128, bf16 in / fp32 state; median ms (CUDA events, warm-up {a.warmup}, "
           f"repeat {a.repeat}; eager warm-up {a.eager_warmup}, repeat {a.eager_repeat}); eager = {ename}")
+    print(f"FLA columns: {fla[0] + ', measured here' if fla else 'the issue reference figures (not measured here)'}")
     print(f"{'T':>6} {'fwd':>7} {'bwd':>7} {'f+b':>7} {'peakGiB':>8} | {'eagF+B':>8} {'eagGiB':>7} {'speedup':>8} "
           f"{'target':>7} | {'FLAfwd':>6} {'FLAf+b':>6} | worst rel-L2")
     for r in table:
         e = r.get("eager_fwdbwd_median_ms", float("nan"))
         worst = max(r["rel_l2"].values()) if "rel_l2" in r else float("nan")
-        fla = FLA_REF_MS.get(r["T"], (float("nan"),) * 2)
+        fla_ms = ((r["fla_fwd_median_ms"], r["fla_fwdbwd_median_ms"]) if "fla_fwd_median_ms" in r
+                  else FLA_REF_MS.get(r["T"], (float("nan"),) * 2))
         print(f"{r['T']:>6} {r['fwd_median_ms']:7.2f} {r['bwd_median_ms']:7.2f} {r['fwdbwd_median_ms']:7.2f} "
               f"{r['fwdbwd_peak_gib']:8.2f} | {e:8.1f} {r.get('eager_fwdbwd_peak_gib', float('nan')):7.2f} "
               f"{r.get('speedup_fwdbwd', float('nan')):7.1f}x {TARGET_SPEEDUP.get(r['T'], float('nan')):6.1f}x | "
-              f"{fla[0]:6.2f} {fla[1]:6.2f} | {worst:.2e}")
+              f"{fla_ms[0]:6.2f} {fla_ms[1]:6.2f} | {worst:.2e}")
+        if "rel_l2" in r:
+            print("       ours rel-L2 vs eager: " + " ".join(f"{n}={x:.1e}" for n, x in r["rel_l2"].items()))
+        if "fla_rel_l2" in r:
+            print("       FLA rel-L2 vs eager: " + " ".join(f"{n}={x:.1e}" for n, x in r["fla_rel_l2"].items()))
         if "stages_ms" in r:
             print("       stages ms: " + " ".join(f"{n}={t:.3f}" for n, t in r["stages_ms"].items()))
 

@@ -1,0 +1,208 @@
+"""Where the Triton GDN op spends its time, kernel by kernel, and which launch configuration is fastest.
+
+--profile: torch.profiler over forward+backward of deltacp's Triton op (and of flash-linear-attention when
+           installed, see bench/fla_ref.py), one row per GPU kernel: calls and ms per fwd+bwd.
+--sweep:   for each kernel in --kernels, time its stage under candidate launch configurations (block widths,
+           warps, pipeline stages), check the result equals the current configuration's, print a table
+           and the fastest configuration (to be copied into ops/gdn/triton/launch.py by hand).
+
+    PYTHONPATH=src python bench/gdn_kernels.py --profile --length 65536
+    PYTHONPATH=src python bench/gdn_kernels.py --sweep --length 32768 --kernels state_fwd state_bwd
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fla_ref import load_fla  # noqa: E402
+from gdn_op import inputs  # noqa: E402
+from timing import time_cuda  # noqa: E402
+
+
+def grid(**axes):
+    keys = list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*axes.values())]
+
+
+CANDIDATES = {
+    "state_fwd": grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
+    "state_bwd": grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
+    # BV=16 with 8 warps: illegal memory access on the H200 (Triton 3.6, 2026-12-02), so not in the grid
+    "summary_state_fwd": grid(BV=[16, 32, 64], num_warps=[4], num_stages=[1, 2]) + grid(BV=[32, 64], num_warps=[8], num_stages=[1, 2]),
+    "summary_state_bwd": grid(BV=[16, 32, 64], num_warps=[4], num_stages=[1, 2]) + grid(BV=[32, 64], num_warps=[8], num_stages=[1, 2]),
+    "wy_bwd": grid(BK=[32, 64], BV=[32, 64], num_warps=[4, 8], num_stages=[2, 3]),
+    "dqkwg": grid(BK=[32, 64, 128], BV=[32, 64], num_warps=[4, 8], num_stages=[2, 3]),
+    "o_fwd": grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
+    "dv_local": grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
+    "wu_fwd": grid(BK=[32, 64, 128], BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
+    "kkt_inv_diag": grid(num_warps=[1, 2, 4]),
+    "tril_merge": grid(num_warps=[1, 2, 4, 8]),
+}
+
+
+def make_stages(T, Hk, Hv):
+    """name -> callable running that kernel's stage on fixed inputs (returns tensors to compare)."""
+    from deltacp.ops.gdn.triton import chunk as C
+    from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
+    from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
+    from deltacp.ops.gdn.triton.wy import wu_fwd, wy_bwd, wy_fwd
+
+    q, k, v, g, beta, h0 = inputs(T, Hk, Hv, 128, 128, seed=1)
+    q, k = C.l2norm(q), C.l2norm(k)
+    scale = q.shape[-1] ** -0.5
+    do = torch.randn_like(v)
+    dht = torch.randn_like(h0)
+    gc = C.chunk_cumsum(g)
+    ai, w, u = wy_fwd(k, v, beta, gc)
+    h, vn, _ = state_fwd(k, w, u, gc, h0, output_final_state=True)
+    lo = v.dtype  # the dtypes chunk_gdn_bwd uses between kernels
+    dvl = dv_local(q, k, gc, do, scale, out_dtype=lo)
+    dh, dvn, _ = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True, dvn_dtype=lo)
+    _, dk, dw, _ = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=lo)
+    s_gc, s_ai, s_w, s_u, s_x0 = C._summary_prep(k, v, g, beta)
+    s_x, s_vn, _ = state_fwd(k, s_w, s_u, s_gc, s_x0, fp32_dot=True, dot_precision=C.SUMMARY_DOT_PRECISION)
+    s_dxt = torch.randn_like(s_x0)
+    K = k.shape[3]
+    return {
+        "kkt_inv_diag": lambda: wy_fwd(k, v, beta, gc),
+        "tril_merge": lambda: wy_fwd(k, v, beta, gc),
+        "wu_fwd": lambda: wu_fwd(k, v, beta, gc, ai),
+        "state_fwd": lambda: state_fwd(k, w, u, gc, h0, output_final_state=True),
+        "o_fwd": lambda: o_fwd(q, k, vn, h, gc, scale),
+        "dv_local": lambda: dv_local(q, k, gc, do, scale, out_dtype=lo),
+        "state_bwd": lambda: state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True,
+                                       dvn_dtype=lo),
+        "dqkwg": lambda: dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=lo),
+        "wy_bwd": lambda: wy_bwd(k, v, beta, gc, ai, dw, dvn, dk, dk_dtype=lo, dv_dtype=lo),
+        "l2norm_qk": lambda: (C.l2norm(q), C.l2norm(k)),
+        "summary_fwd": lambda: C.state_summary_fwd(k, v, g, beta),
+        "summary_state_fwd": lambda: state_fwd(k, s_w, s_u, s_gc, s_x0, store_h=False, store_vn=False,
+                                               output_final_state=True, fp32_dot=True,
+                                               dot_precision=C.SUMMARY_DOT_PRECISION),
+        "summary_state_bwd": lambda: state_bwd(None, k, s_w, s_gc, None, None, s_dxt, scale=1.0,
+                                               V=K + v.shape[3], need_dh0=False),
+    }
+
+
+def flat(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for x in out if x is not None for t in flat(x)]
+
+
+def max_rel(a, b):
+    return max(((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30)).item() for x, y in zip(a, b))
+
+
+def sweep(a):
+    from deltacp.ops.gdn.triton.launch import LAUNCH
+
+    stages = make_stages(a.length, a.hk, a.hv)
+    for name in a.kernels:
+        base_cfg = dict(LAUNCH[name])
+        ref = [t.clone() for t in flat(stages[name]())]
+        rows = []
+        t_start = time.time()
+        for cand in CANDIDATES[name]:
+            if time.time() - t_start > a.budget_s:
+                print(f"  {name}: time budget of {a.budget_s}s reached, rest of the grid skipped", flush=True)
+                break
+            LAUNCH[name] = {**base_cfg, **cand}
+            try:
+                err = max_rel(flat(stages[name]()), ref)
+                ms = time_cuda(stages[name], warmup=a.warmup, repeat=a.repeat)["median_ms"]
+            except Exception as e:  # e.g. out of shared memory for this block shape: report, go on
+                ms, err = float("nan"), float("nan")
+                print(f"  {name} {cand}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            rows.append((ms, err, cand))
+        LAUNCH[name] = base_cfg
+        rows.sort(key=lambda r: (r[0] != r[0], r[0]))
+        base_ms = next((ms for ms, _, c in rows if {**base_cfg, **c} == base_cfg), float("nan"))
+        print(f"\n{name} (T={a.length}; current {base_cfg}: {base_ms:.3f} ms)")
+        for ms, err, cand in rows[: a.top]:
+            print(f"  {ms:8.3f} ms  rel vs current {err:.1e}  {cand}")
+        if rows and rows[0][1] == rows[0][1] and rows[0][1] > 1e-2:
+            print("  WARNING: fastest configuration changes the result")
+
+
+def kernel_table(fn, iters):
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name if len(e.name) < 60 else e.name[:57] + "..."
+            per[name][0] += 1
+            per[name][1] += e.device_time_total / 1000.0
+    rows = sorted(((n, c / iters, t / iters) for n, (c, t) in per.items()), key=lambda r: -r[2])
+    return rows
+
+
+def profile_ops(a):
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+
+    be = TritonGDNBackend()
+    impls = [("deltacp-triton", lambda q, k, v, g, b, h0: be.chunk_gated_delta_rule(
+        q, k, v, g, b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True))]
+    fla = load_fla(bypass_hopper_guard=True)
+    if fla is not None:
+        impls.append(fla)
+    else:
+        print("flash-linear-attention not installed: profiling deltacp only")
+    xs = inputs(a.length, a.hk, a.hv, 128, 128, seed=2)
+    do = torch.randn_like(xs[2])
+    dht = torch.randn_like(xs[5])
+    for label, fn in impls:
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+
+        def step():
+            o, ht = fn(*leaves)
+            torch.autograd.backward((o, ht), (do, dht))
+
+        rows = kernel_table(step, a.repeat)
+        total = sum(r[2] for r in rows)
+        print(f"\n{label}: T={a.length} Hk={a.hk} Hv={a.hv} K=V=128, GPU kernel time per fwd+bwd {total:.2f} ms")
+        print(f"  {'ms':>7} {'calls':>5}  kernel")
+        for n, c, t in rows:
+            if t >= 0.005:
+                print(f"  {t:7.3f} {c:5.1f}  {n}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", action="store_true", help="per-kernel time of fwd+bwd (deltacp, and FLA if installed)")
+    p.add_argument("--sweep", action="store_true", help="launch-configuration sweep of --kernels")
+    p.add_argument("--length", type=int, default=32768)
+    p.add_argument("--hk", type=int, default=32)
+    p.add_argument("--hv", type=int, default=32)
+    p.add_argument("--kernels", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--top", type=int, default=5, help="rows printed per kernel")
+    p.add_argument("--budget-s", type=float, default=60.0, help="wall-time limit per kernel's sweep")
+    a = p.parse_args()
+    if not (a.profile or a.sweep):
+        p.error("choose --profile and/or --sweep")
+    if a.profile:
+        profile_ops(a)
+    if a.sweep:
+        sweep(a)
+
+
+if __name__ == "__main__":
+    main()
