@@ -9,10 +9,17 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+# flash-linear-attention as a timing reference, when its wheels were carried in .whl/ (fetch them on a machine
+# with PyPI: pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops -d .whl)
+if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | grep -v WARNING
+fi
 # `quick`: the summary cases of the op tests only (the op tests at 8K-32K take about 3 minutes).
 if [ "${1:-}" = "quick" ]; then op_filter=(-k summary); else op_filter=(); fi
 step "gdn op tests" 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}" \
   2>&1 | tee "$OUT/gdn_op_tests.log"
+step "op bench" 200 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
+  2>&1 | tee "$OUT/op_bench.log" | grep -vE "^\[transformers\]|^\{"
 step "cp triton tests" 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider 2>&1 \
   | tee "$OUT/cp_tests.log" | grep -vE "^\[transformers\]"
 step "per-rank cost" 150 python bench/cp_layer.py --per-rank-cost --cp 4 8 --global-len 32768 131072 \
