@@ -2,6 +2,7 @@
 
 --profile: torch.profiler over forward+backward of deltacp's Triton op (and of flash-linear-attention when
            installed, see bench/fla_ref.py), one row per GPU kernel: calls and ms per fwd+bwd.
+--time:    median ms of named stages at their current configuration (e.g. the fused vs the split summary).
 --sweep:   for each kernel in --kernels, time its stage under candidate launch configurations (block widths,
            warps, pipeline stages), check the result equals the current configuration's, print a table
            and the fastest configuration (to be copied into ops/gdn/triton/launch.py by hand).
@@ -71,7 +72,16 @@ def make_stages(T, Hk, Hv):
     s_x, s_vn, _ = state_fwd(k, s_w, s_u, s_gc, s_x0, fp32_dot=True, dot_precision=C.SUMMARY_DOT_PRECISION)
     s_dxt = torch.randn_like(s_x0)
     K = k.shape[3]
+    s_in = [x.detach().clone().requires_grad_() for x in (k, v, g, beta)]
+    s_dm, s_ds = torch.randn_like(s_x0[..., :K]), torch.randn_like(s_x0[..., K:])
+
+    def summary_fwd_bwd(fn):  # a whole summary with its backward
+        m, s = fn(*s_in)
+        return (m, s, *torch.autograd.grad((m, s), s_in, (s_dm, s_ds)))
+
     return {
+        "summary_fused": lambda: summary_fwd_bwd(C.state_summary),
+        "summary_split": lambda: summary_fwd_bwd(C.state_summary_split),
         "kkt_inv_diag": lambda: wy_fwd(k, v, beta, gc),
         "tril_merge": lambda: wy_fwd(k, v, beta, gc),
         "wu_fwd": lambda: wu_fwd(k, v, beta, gc, ai),
@@ -133,6 +143,18 @@ def sweep(a):
             print("  WARNING: fastest configuration changes the result")
 
 
+def time_stages(a):
+    stages = make_stages(a.length, a.hk, a.hv)
+    print(f"T={a.length} Hk={a.hk} Hv={a.hv} K=V=128: median ms (warm-up {a.warmup}, repeat {a.repeat})")
+    ref = None
+    for name in a.time:
+        out = [t.clone() for t in flat(stages[name]())]
+        ms = time_cuda(stages[name], warmup=a.warmup, repeat=a.repeat)["median_ms"]
+        diff = "" if ref is None else f"  max rel vs {a.time[0]}: {max_rel(out, ref):.1e}"
+        print(f"  {name:<20} {ms:8.3f}{diff}")
+        ref = out if ref is None else ref
+
+
 def kernel_table(fn, iters):
     from torch.profiler import ProfilerActivity, profile
 
@@ -187,6 +209,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", action="store_true", help="per-kernel time of fwd+bwd (deltacp, and FLA if installed)")
     p.add_argument("--sweep", action="store_true", help="launch-configuration sweep of --kernels")
+    p.add_argument("--time", nargs="+", default=None, metavar="STAGE",
+                   help="median ms of these stages at their current configuration (the first is the reference "
+                        "for the printed difference), e.g. summary_fused summary_split")
     p.add_argument("--length", type=int, default=32768)
     p.add_argument("--hk", type=int, default=32)
     p.add_argument("--hv", type=int, default=32)
@@ -196,8 +221,10 @@ def main():
     p.add_argument("--top", type=int, default=5, help="rows printed per kernel")
     p.add_argument("--budget-s", type=float, default=60.0, help="wall-time limit per kernel's sweep")
     a = p.parse_args()
-    if not (a.profile or a.sweep):
-        p.error("choose --profile and/or --sweep")
+    if not (a.profile or a.sweep or a.time):
+        p.error("choose --profile, --sweep and/or --time")
+    if a.time:
+        time_stages(a)
     if a.profile:
         profile_ops(a)
     if a.sweep:

@@ -20,6 +20,8 @@ step "gdn op tests" 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra 
   2>&1 | tee "$OUT/gdn_op_tests.log"
 step "op bench" 200 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
   2>&1 | tee "$OUT/op_bench.log" | grep -vE "^\[transformers\]|^\{"
+step "summary fused vs split" 120 python bench/gdn_kernels.py --time summary_fused summary_split --length 16384 \
+  2>&1 | tee "$OUT/summary_split.log" | grep -vE "^\[transformers\]"
 step "cp triton tests" 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider 2>&1 \
   | tee "$OUT/cp_tests.log" | grep -vE "^\[transformers\]"
 step "per-rank cost" 150 python bench/cp_layer.py --per-rank-cost --cp 4 8 --global-len 32768 131072 \

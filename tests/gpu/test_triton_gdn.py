@@ -181,6 +181,45 @@ def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
     assert errs["M"] < TOL, f"M: rel-L2 {errs['M']:.3e} >= {TOL}"
 
 
+@pytest.mark.parametrize("T", [1024 + 100, 8192])
+def test_state_summary_split_vs_fp32_reference(T):
+    """The split summary (chunk.state_summary_split: S by the bf16 state recurrence, M alone in fp32/tf32x3) and
+    the fused one, gradients taken from dM alone and from dS alone (with both at once S's gradient hides M's).
+    Same inputs and reference as test_state_summary_vs_fp32_reference; bounds: M 1e-4, the rest 1e-2."""
+    import deltacp.ops.gdn.triton.chunk as chunk_mod
+
+    q, k, v, g, beta, _ = make_inputs(T, 32, seed=11 * T)
+    g = g * (256.0 / T)
+    kf = k.float()
+    k = (kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)).bfloat16()
+    dM = torch.randn(1, 32, 128, 128, device="cuda")
+    dS = torch.randn(1, 32, 128, 128, device="cuda")
+    Tp = -(-T // C) * C
+    pad = lambda x: F.pad(x, [0, 0] * (x.dim() - 2) + [0, Tp - T])  # noqa: E731  (neutral tokens)
+    rl = [x.detach().float().clone().requires_grad_() for x in (k, v, g, beta)]
+    kk, vv, gg, bb = (pad(x) for x in rl)
+    qz = torch.zeros_like(kk)
+    _, RS = ref_chunk(qz, kk, vv, gg, bb, l2=False)
+    eye = torch.eye(128, device="cuda").expand(1, 32, 128, 128)
+    _, RM = ref_chunk(qz, kk, vv[..., :128], gg, bb, h0=eye, v_zero=True, l2=False)
+    failures = []
+    for impl, fn in (("fused", chunk_mod.state_summary), ("split", chunk_mod.state_summary_split)):
+        for src, wm, ws in (("dM", 1.0, 0.0), ("dS", 0.0, 1.0)):
+            leaves = [x.detach().clone().requires_grad_() for x in (k, v, g, beta)]
+            M, S = fn(*leaves)
+            gr = torch.autograd.grad((M * dM * wm).sum() + (S * dS * ws).sum(), leaves)
+            rg = torch.autograd.grad((RM * dM * wm).sum() + (RS * dS * ws).sum(), rl, retain_graph=True,
+                                     allow_unused=True)
+            errs = {"M": rel_l2(M, RM), "S": rel_l2(S, RS)}
+            errs.update({f"d{n}": rel_l2(a, b) for n, a, b in zip(("k", "v", "g", "beta"), gr, rg)
+                         if b is not None and b.norm() > 0})
+            print(f"\nsummary {impl} T={T} grads from {src}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+            for x in (M, S, *gr):
+                assert torch.isfinite(x).all()
+            failures += [f"{impl}/{src} {n}={e:.2e}" for n, e in errs.items() if e >= (1e-4 if n == "M" else TOL)]
+    assert not failures, failures
+
+
 def test_unaligned_length_no_initial_state():
     """ulysses-style call: T not a multiple of 64, no H0, no final state."""
     from deltacp.ops.gdn.triton import TritonGDNBackend

@@ -157,7 +157,8 @@ def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32, dw_dtype=
     (chunk-local)."""
     B, T, Hk, K = k.shape
     Hv, V = vn.shape[2], vn.shape[3]
-    blocks, opts = launch_config("dqkwg", K=K, V=V)
+    # without dO it is the summary's backward, which keeps the configuration its accuracy was validated with
+    blocks, opts = launch_config("dqkwg" if do is not None else "summary_dqkwg", K=K, V=V)
     NK = K // blocks["BK"]
     dev = k.device
     dq = torch.empty(B, T, Hv, K, device=dev, dtype=dq_dtype) if do is not None else None

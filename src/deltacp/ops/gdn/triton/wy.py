@@ -274,7 +274,8 @@ def wu_fwd(k, v, beta, gc, ai, w_dtype=None, dot_precision="tf32"):
     Hv, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, Hv, K, device=k.device, dtype=w_dtype or k.dtype)
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
-    blocks, opts = launch_config("wu_fwd", K=K, V=V)
+    # the summary (fp32 W, tf32x3 products) keeps the block shape its accuracy was validated with
+    blocks, opts = launch_config("wu_fwd" if dot_precision == "tf32" else "summary_wu_fwd", K=K, V=V)
     wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
                                      DOT_PREC=dot_precision, **blocks, **opts)
     return w, u
