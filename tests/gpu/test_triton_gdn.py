@@ -132,32 +132,18 @@ def test_chunk_gdn_vs_fp32_reference(T, Hk):
         assert e < TOL, f"{n}: rel-L2 {e:.3e} >= {TOL}"
 
 
-@pytest.mark.parametrize("prec", ["tf32", "tf32x3"])
-@pytest.mark.parametrize("Hk", [32, 16])
-@pytest.mark.parametrize("T", [1024 + 100, 8192])
-def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
-    """Gates scaled to a total log-decay of about -20 so that M (a product of T contractions) stays well inside
-    fp32's normal range: with the op test's gates M underflows to exactly 0 at 8K tokens.
+def summary_case(T, Hk, seed):
+    """Inputs of the summary tests and the fp32 reference (M, S) with the graph back to float copies `rl`.
 
+    Gates scaled to a total log-decay of about -20 so that M (a product of T contractions) stays well inside
+    fp32's normal range: with the op test's gates M underflows to exactly 0 at 8K tokens.
     k is l2-normalised once here (fp32, rounded to bf16) and given to both sides: M at 8K is so ill-conditioned
     that the bf16 rounding of the normalised k alone moves it by ~1e-2 rel-L2 (measured in an fp64 simulation),
     which would hide the kernels' own error. The l2norm path itself is covered by the op tests."""
-    from deltacp.ops.gdn.triton import TritonGDNBackend
-
-    import deltacp.ops.gdn.triton.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "SUMMARY_DOT_PRECISION", prec)
-    be = TritonGDNBackend()
-    q, k, v, g, beta, _ = make_inputs(T, Hk, seed=7 * T + Hk)
+    q, k, v, g, beta, _ = make_inputs(T, Hk, seed=seed)
     g = g * (256.0 / T)
     kf = k.float()
     k = (kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)).bfloat16()
-    dM = torch.randn(1, 32, 128, 128, device="cuda")
-    dS = torch.randn(1, 32, 128, 128, device="cuda")
-    leaves = [x.detach().clone().requires_grad_() for x in (k, v, g, beta)]
-    M, S = be.state_summary(*leaves, use_qk_l2norm_in_kernel=False)
-    gr = torch.autograd.grad((M * dM).sum() + (S * dS).sum(), leaves)
-
     Tp = -(-T // C) * C
     pad = lambda x: F.pad(x, [0, 0] * (x.dim() - 2) + [0, Tp - T])  # noqa: E731  (neutral tokens)
     rl = [x.detach().float().clone().requires_grad_() for x in (k, v, g, beta)]
@@ -166,6 +152,26 @@ def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
     _, RS = ref_chunk(qz, kk, vv, gg, bb, l2=False)
     eye = torch.eye(128, device="cuda").expand(1, 32, 128, 128)
     _, RM = ref_chunk(qz, kk, vv[..., :128], gg, bb, h0=eye, v_zero=True, l2=False)
+    dM = torch.randn(1, 32, 128, 128, device="cuda")
+    dS = torch.randn(1, 32, 128, 128, device="cuda")
+    return (k, v, g, beta), rl, RM, RS, dM, dS
+
+
+@pytest.mark.parametrize("prec", ["tf32", "tf32x3"])
+@pytest.mark.parametrize("Hk", [32, 16])
+@pytest.mark.parametrize("T", [1024 + 100, 8192])
+def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
+    """Fused summary (M, S) and its gradients vs the fp32 reference (inputs: summary_case)."""
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+
+    import deltacp.ops.gdn.triton.chunk as chunk_mod
+
+    monkeypatch.setattr(chunk_mod, "SUMMARY_DOT_PRECISION", prec)
+    be = TritonGDNBackend()
+    inputs, rl, RM, RS, dM, dS = summary_case(T, Hk, seed=7 * T + Hk)
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    M, S = be.state_summary(*leaves, use_qk_l2norm_in_kernel=False)
+    gr = torch.autograd.grad((M * dM).sum() + (S * dS).sum(), leaves)
     rg = torch.autograd.grad((RM * dM).sum() + (RS * dS).sum(), rl)
     errs = {"M": rel_l2(M, RM), "S": rel_l2(S, RS)}
     errs.update({f"d{n}": rel_l2(a, b) for n, a, b in zip(("k", "v", "g", "beta"), gr, rg)})
@@ -183,30 +189,18 @@ def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
 
 @pytest.mark.parametrize("T", [1024 + 100, 8192])
 def test_state_summary_split_vs_fp32_reference(T):
-    """The split summary (chunk.state_summary_split: S by the bf16 state recurrence, M alone in fp32/tf32x3) and
-    the fused one, gradients taken from dM alone and from dS alone (with both at once S's gradient hides M's).
+    """The split summary (chunk.state_summary(split=True): S by the bf16 state recurrence, M alone in
+    fp32/tf32x3) and the fused one, gradients taken from dM alone and from dS alone (with both at once S's
+    gradient hides M's).
     Same inputs and reference as test_state_summary_vs_fp32_reference; bounds: M 1e-4, the rest 1e-2."""
     import deltacp.ops.gdn.triton.chunk as chunk_mod
 
-    q, k, v, g, beta, _ = make_inputs(T, 32, seed=11 * T)
-    g = g * (256.0 / T)
-    kf = k.float()
-    k = (kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)).bfloat16()
-    dM = torch.randn(1, 32, 128, 128, device="cuda")
-    dS = torch.randn(1, 32, 128, 128, device="cuda")
-    Tp = -(-T // C) * C
-    pad = lambda x: F.pad(x, [0, 0] * (x.dim() - 2) + [0, Tp - T])  # noqa: E731  (neutral tokens)
-    rl = [x.detach().float().clone().requires_grad_() for x in (k, v, g, beta)]
-    kk, vv, gg, bb = (pad(x) for x in rl)
-    qz = torch.zeros_like(kk)
-    _, RS = ref_chunk(qz, kk, vv, gg, bb, l2=False)
-    eye = torch.eye(128, device="cuda").expand(1, 32, 128, 128)
-    _, RM = ref_chunk(qz, kk, vv[..., :128], gg, bb, h0=eye, v_zero=True, l2=False)
+    inputs, rl, RM, RS, dM, dS = summary_case(T, 32, seed=11 * T)
     failures = []
-    for impl, fn in (("fused", chunk_mod.state_summary), ("split", chunk_mod.state_summary_split)):
+    for impl, split in (("fused", False), ("split", True)):
         for src, wm, ws in (("dM", 1.0, 0.0), ("dS", 0.0, 1.0)):
-            leaves = [x.detach().clone().requires_grad_() for x in (k, v, g, beta)]
-            M, S = fn(*leaves)
+            leaves = [x.detach().clone().requires_grad_() for x in inputs]
+            M, S = chunk_mod.state_summary(*leaves, split=split)
             gr = torch.autograd.grad((M * dM * wm).sum() + (S * dS * ws).sum(), leaves)
             rg = torch.autograd.grad((RM * dM * wm).sum() + (RS * dS * ws).sum(), rl, retain_graph=True,
                                      allow_unused=True)

@@ -156,7 +156,8 @@ import sys, torch
 sys.path.insert(0, {testdir!r})
 import test_triton_contract as t
 t._patch_interpreter_bf16_dot()
-from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule, state_summary, state_summary_split
+import functools
+from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule, state_summary
 torch.manual_seed(0)
 B, T, Hk, Hv, K, V = 1, 150, 1, 2, 32, 32       # T=150: a partial last chunk; Hv=2*Hk: grouped heads
 q, k = torch.randn(B, T, Hk, K), torch.randn(B, T, Hk, K)
@@ -179,7 +180,7 @@ _, RS = t._ref_recurrent(q0, *zs)
 _, RM = t._ref_recurrent(q0, *zs, h0=torch.eye(K, dtype=torch.float64).expand(B, Hv, K, K), v_zero=True)
 assert RM.norm() > 0.2 * (Hv * K) ** 0.5, "M must not be negligible in this check: %g" % RM.norm()
 dM, dS = torch.randn(B, Hv, K, K), torch.randn(B, Hv, K, V)
-for fn in (state_summary, state_summary_split):
+for fn in (state_summary, functools.partial(state_summary, split=True)):
     for wm, ws in ((1.0, 0.0), (0.0, 1.0)):
         ys = [x.clone().requires_grad_() for x in (k, v, gs_, bs_)]
         M, S = fn(*ys, use_qk_l2norm_in_kernel=True)

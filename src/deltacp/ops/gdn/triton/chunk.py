@@ -4,7 +4,8 @@ Shapes: q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; states [B, Hv, 
 summary M [B, Hv, K, K], S [B, Hv, K, V] fp32. Value head j reads key head j // (Hv // Hk).
 
 Stages (forward): gate cumsum -> wy_fwd (A, T = (I+A)^-1, W, U) -> state_fwd (per-chunk H, Vn) -> o_fwd.
-Backward keeps T from the forward, recomputes W, U, H and Vn, then dv_local -> state_bwd (dH per chunk, dVn, dH0) -> dqkwg -> wy_bwd.
+Backward keeps T from the forward, recomputes W, U, H and Vn, then dv_local -> state_bwd (dH per chunk, dVn,
+dH0) -> dqkwg -> wy_bwd.
 The l2 norm of q/k (own autograd Function and kernels, l2norm.py) and the padding of T to a multiple of 64 stay
 outside the core Function: padded tokens have k = v = q = 0, beta = 0, g = 0, which leave the state unchanged.
 """
@@ -131,26 +132,6 @@ def state_summary_bwd(k, v, g, beta, dM, dS):
     return _reduce_heads(dk, Hk), dv, dg, dbeta
 
 
-class StateSummaryFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, k, v, g, beta):
-        M, S = state_summary_fwd(k, v, g, beta)
-        ctx.save_for_backward(k, v, g, beta)
-        return M, S
-
-    @staticmethod
-    def backward(ctx, dM, dS):
-        k, v, g, beta = ctx.saved_tensors
-        if dM is None:
-            dM = torch.zeros(k.shape[0], v.shape[2], k.shape[3], k.shape[3], device=k.device)
-        if dS is None:
-            dS = torch.zeros(k.shape[0], v.shape[2], k.shape[3], v.shape[3], device=k.device)
-        dk, dv, dg, dbeta = state_summary_bwd(k, v, g, beta, dM, dS)
-        return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
-
-
-
-
 # ---- the summary split in two recurrences (measured against the fused [M | S] one before it replaces it) ----
 # S is the ordinary zero-state recurrence (width V, bf16 products: the accuracy of the forward's own final
 # state); only the transition M = prod_c (e^{gC} I - K~_c^T W_c) keeps fp32 W and SUMMARY_DOT_PRECISION products
@@ -190,11 +171,14 @@ def state_summary_split_bwd(k, v, g, beta, dM, dS):
     return _reduce_heads(dk, Hk), dv, dg, dbeta
 
 
-class StateSummarySplitFunction(torch.autograd.Function):
+class StateSummaryFunction(torch.autograd.Function):
+    """(M, S) of a segment; `split` picks the two-recurrence form (state_summary_split_*) over the fused one."""
+
     @staticmethod
-    def forward(ctx, k, v, g, beta):
-        M, S = state_summary_split_fwd(k, v, g, beta)
+    def forward(ctx, k, v, g, beta, split):
+        M, S = (state_summary_split_fwd if split else state_summary_fwd)(k, v, g, beta)
         ctx.save_for_backward(k, v, g, beta)
+        ctx.split = split
         return M, S
 
     @staticmethod
@@ -204,19 +188,8 @@ class StateSummarySplitFunction(torch.autograd.Function):
             dM = torch.zeros(k.shape[0], v.shape[2], k.shape[3], k.shape[3], device=k.device)
         if dS is None:
             dS = torch.zeros(k.shape[0], v.shape[2], k.shape[3], v.shape[3], device=k.device)
-        dk, dv, dg, dbeta = state_summary_split_bwd(k, v, g, beta, dM, dS)
-        return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
-
-
-def state_summary_split(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
-    """Same contract as `state_summary`, computed as two recurrences (see above). Not yet the backend's default:
-    it replaces the fused summary once the H200 shows it faster and within the summary accuracy bounds."""
-    T = k.shape[1]
-    if use_qk_l2norm_in_kernel:
-        k = l2norm(k)
-    pad = (-T) % BT
-    k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
-    return StateSummarySplitFunction.apply(k, v, g.float(), beta)
+        dk, dv, dg, dbeta = (state_summary_split_bwd if ctx.split else state_summary_bwd)(k, v, g, beta, dM, dS)
+        return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), None
 
 
 def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:
@@ -243,11 +216,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     return o, ht
 
 
-def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
-    """(M [B, Hv, K, K], S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment."""
+def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, split=False):
+    """(M [B, Hv, K, K], S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment.
+
+    split=True: the two-recurrence form (see state_summary_split_fwd). Not yet the backend's default: it
+    replaces the fused summary once the H200 shows it faster and within the summary accuracy bounds."""
     T = k.shape[1]
     if use_qk_l2norm_in_kernel:
         k = l2norm(k)
     pad = (-T) % BT
     k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
-    return StateSummaryFunction.apply(k, v, g.float(), beta)
+    return StateSummaryFunction.apply(k, v, g.float(), beta, split)
