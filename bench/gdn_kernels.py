@@ -51,8 +51,38 @@ CANDIDATES = {
 }
 
 
+def wy_bwd_reference(k, v, beta, gc, dw, du, dk_in):
+    """fp64 autograd of the WY form, per 64-token chunk: A = strict-lower(beta_i k_i.k_j e^{g_i - g_j}),
+    T = (I + A)^-1, W = T (beta e^g K), U = T (beta V). -> [dk_in + dK, dV, dbeta, dg] like wy_bwd (per value
+    head, g the chunk-local cumsum)."""
+    B, T, Hk, K = k.shape
+    Hv = v.shape[2]
+    N = T // 64
+
+    def chunks(x):  # [B, T, H, D] -> [B, N, H, 64, D];  [B, T, H] -> [B, N, H, 64]
+        x = x.view(B, N, 64, *x.shape[2:]).transpose(2, 3)
+        return x
+
+    kk = k.double().repeat_interleave(Hv // Hk, 2).requires_grad_()
+    vv, bb, gg = (x.double().requires_grad_() for x in (v, beta, gc))
+    kc, vc, bc, gcc = chunks(kk), chunks(vv), chunks(bb), chunks(gg)
+    lower = torch.ones(64, 64, dtype=torch.bool, device=k.device).tril(-1)
+    gam = (gcc[..., :, None] - gcc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    A = (kc @ kc.transpose(-1, -2)) * gam * bc[..., :, None]
+    Tm = torch.linalg.inv(torch.eye(64, dtype=torch.float64, device=k.device) + A)
+    W = Tm @ (kc * (bc * gcc.exp())[..., None])
+    U = Tm @ (vc * bc[..., None])
+    loss = (W * chunks(dw.double())).sum() + (U * chunks(du.double())).sum()
+    dk, dv, db, dg = torch.autograd.grad(loss, (kk, vv, bb, gg))
+    return [dk_in.double() + dk, dv, db, dg]
+
+
+REFERENCE_OUTPUTS = {"wy_bwd": ["dk", "dv", "dbeta", "dg"]}
+
+
 def make_stages(T, Hk, Hv):
-    """name -> callable running that kernel's stage on fixed inputs (returns tensors to compare)."""
+    """-> (name -> callable running that kernel's stage on fixed inputs, returning tensors to compare;
+    name -> callable giving an fp64 reference of those tensors, where one exists)."""
     from deltacp.ops.gdn.triton import chunk as C
     from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
     from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
@@ -81,6 +111,7 @@ def make_stages(T, Hk, Hv):
         m, s = fn(*s_in)
         return (m, s, *torch.autograd.grad((m, s), s_in, (s_dm, s_ds)))
 
+    refs = {"wy_bwd": lambda: wy_bwd_reference(k, v, beta, gc, dw, dvn, dk)}
     return {
         "summary_fused": lambda: summary_fwd_bwd(C.state_summary),
         "summary_split": lambda: summary_fwd_bwd(lambda *x: C.state_summary(*x, split=True)),
@@ -101,7 +132,7 @@ def make_stages(T, Hk, Hv):
                                                dot_precision=C.SUMMARY_DOT_PRECISION),
         "summary_state_bwd": lambda: state_bwd(None, k, s_w, s_gc, None, None, s_dxt, scale=1.0,
                                                V=K + v.shape[3], need_dh0=False),
-    }
+    }, refs
 
 
 def flat(out):
@@ -117,36 +148,44 @@ def max_rel(a, b):
 def sweep(a):
     from deltacp.ops.gdn.triton.launch import LAUNCH
 
-    stages = make_stages(a.length, a.hk, a.hv)
+    stages, refs = make_stages(a.length, a.hk, a.hv)
     for name in a.kernels:
         base_cfg = dict(LAUNCH[name])
         ref = [t.clone() for t in flat(stages[name]())]
+        exact = refs[name]() if name in refs else None  # fp64: tells a miscompiled shape from a reordering
         rows = []
         t_start = time.time()
-        for cand in CANDIDATES[name]:
+        cands = [{}] + [c for c in CANDIDATES[name] if {**base_cfg, **c} != base_cfg]  # current one first
+        for cand in cands:
             if time.time() - t_start > a.budget_s:
                 print(f"  {name}: time budget of {a.budget_s}s reached, rest of the grid skipped", flush=True)
                 break
             LAUNCH[name] = {**base_cfg, **cand}
+            vs_exact = ""
             try:
-                err = max_rel(flat(stages[name]()), ref)
+                out = flat(stages[name]())
+                err = max_rel(out, ref)
+                if exact is not None:
+                    vs_exact = " fp64: " + " ".join(f"{n}={max_rel([x], [y]):.1e}"
+                                                    for n, x, y in zip(REFERENCE_OUTPUTS[name], out, exact))
                 ms = time_cuda(stages[name], warmup=a.warmup, repeat=a.repeat)["median_ms"]
             except Exception as e:  # e.g. out of shared memory for this block shape: report, go on
                 ms, err = float("nan"), float("nan")
                 print(f"  {name} {cand}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
-            rows.append((ms, err, cand))
+            rows.append((ms, err, {**base_cfg, **cand}, vs_exact))
         LAUNCH[name] = base_cfg
+        base_ms = rows[0][0] if rows else float("nan")
+        base_exact = rows[0][3] if rows else ""
         rows.sort(key=lambda r: (r[0] != r[0], r[0]))
-        base_ms = next((ms for ms, _, c in rows if {**base_cfg, **c} == base_cfg), float("nan"))
-        print(f"\n{name} (T={a.length}; current {base_cfg}: {base_ms:.3f} ms)")
-        for ms, err, cand in rows[: a.top]:
-            print(f"  {ms:8.3f} ms  rel vs current {err:.1e}  {cand}")
+        print(f"\n{name} (T={a.length}; current {base_cfg}: {base_ms:.3f} ms{base_exact})")
+        for ms, err, cand, vs_exact in rows[: a.top]:
+            print(f"  {ms:8.3f} ms  rel vs current {err:.1e}{vs_exact}  {cand}")
         if rows and rows[0][1] == rows[0][1] and rows[0][1] > 1e-2:
             print("  WARNING: fastest configuration changes the result")
 
 
 def time_stages(a):
-    stages = make_stages(a.length, a.hk, a.hv)
+    stages, _ = make_stages(a.length, a.hk, a.hv)
     print(f"T={a.length} Hk={a.hk} Hv={a.hv} K=V=128: median ms (warm-up {a.warmup}, repeat {a.repeat})")
     ref = None
     for name in a.time:

@@ -80,7 +80,7 @@ def stage_breakdown(warmup, repeat, T, Hk, Hv):
     """Median ms of each stage of the Triton op (the stages of bench/gdn_kernels.py at their current config)."""
     from gdn_kernels import make_stages
 
-    stages = make_stages(T, Hk, Hv)
+    stages, _ = make_stages(T, Hk, Hv)
     order = ["l2norm_qk", "tril_merge", "wu_fwd", "state_fwd", "o_fwd", "dv_local", "state_bwd", "dqkwg",
              "wy_bwd", "summary_fwd"]
     names = {"tril_merge": "wy_fwd (T, W, U)"}
