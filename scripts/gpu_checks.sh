@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks in one go (one H200): the GPU tests, the per-rank cost table, a 2-rank CP
-# layer job sharing the GPU (with the p2p trace report) and the whole-model step. Logs go to $OUT (or ./out).
-# Usage on the device: bash scripts/gpu_checks.sh [quick]   (about 5 minutes quick, 8 in full)
+# GPU checks and benchmarks on one H200, in parts that each fit one device call (10 minutes). Logs go to $OUT
+# (or ./out).
+#   bash scripts/gpu_checks.sh tests   GPU op tests (8K-32K) and CP triton tests            (about 5 minutes)
+#   bash scripts/gpu_checks.sh quick   the same with the op tests cut to the summary cases   (about 3 minutes)
+#   bash scripts/gpu_checks.sh op      op bench 8K-64K (+ FLA when its wheels are in .whl/; FLA autotunes about
+#                                      a minute per length), fused vs split summary             (about 6 minutes)
+#   bash scripts/gpu_checks.sh cp      per-rank cost, 2-rank CP job + p2p trace, model step    (about 5 minutes)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+part=${1:-}
+case "$part" in tests|quick|op|cp) ;; *) echo "usage: $0 tests|quick|op|cp" >&2; exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -14,16 +20,22 @@ step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | grep -v WARNING
 fi
+if [ "$part" = tests ] || [ "$part" = quick ]; then
 # `quick`: the summary cases of the op tests only (the op tests at 8K-32K take about 3 minutes).
-if [ "${1:-}" = "quick" ]; then op_filter=(-k summary); else op_filter=(); fi
+if [ "$part" = "quick" ]; then op_filter=(-k summary); else op_filter=(); fi
 step "gdn op tests" 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}" \
   2>&1 | tee "$OUT/gdn_op_tests.log"
-step "op bench" 200 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
+step "cp triton tests" 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider 2>&1 \
+  | tee "$OUT/cp_tests.log" | grep -vE "^\[transformers\]"
+exit 0
+fi
+if [ "$part" = op ]; then
+step "op bench" 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
   2>&1 | tee "$OUT/op_bench.log" | grep -vE "^\[transformers\]|^\{"
 step "summary fused vs split" 120 python bench/gdn_kernels.py --time summary_fused summary_split --length 16384 \
   2>&1 | tee "$OUT/summary_split.log" | grep -vE "^\[transformers\]"
-step "cp triton tests" 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider 2>&1 \
-  | tee "$OUT/cp_tests.log" | grep -vE "^\[transformers\]"
+exit 0
+fi
 step "per-rank cost" 150 python bench/cp_layer.py --per-rank-cost --cp 4 8 --global-len 32768 131072 \
   --backend triton --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/per_rank.log" | grep -vE "^\[transformers\]"
 step "cp2 layer job + trace" 120 torchrun --standalone --nproc-per-node 2 bench/cp_layer.py --global-len 32768 \
