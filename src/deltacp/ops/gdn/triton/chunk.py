@@ -98,12 +98,18 @@ if SUMMARY_DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
     raise ValueError(f"DELTACP_SUMMARY_DOT_PRECISION={SUMMARY_DOT_PRECISION!r}; expected tf32, tf32x3 or ieee")
 
 
-def _summary_prep(k, v, g, beta):
-    B, T, Hk, K = k.shape
-    Hv, V = v.shape[2], v.shape[3]
+def _summary_wy(k, v, g, beta):
+    """gc, T, W (fp32), U for both summary forms."""
     gc = chunk_cumsum(g)
     # W in fp32: M is a product of per-chunk factors (I - K~^T W); bf16 W costs ~2e-2 rel-L2 on M at 8K tokens
     ai, w, u = wy_fwd(k, v, beta, gc, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION)
+    return gc, ai, w, u
+
+
+def _summary_prep(k, v, g, beta):
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    gc, ai, w, u = _summary_wy(k, v, g, beta)
     # extended state [M | S] of width K + V: U_ext = [0 | U], X_0 = [I | 0]
     u_ext = torch.cat([torch.zeros(B, T, Hv, K, device=k.device, dtype=u.dtype), u], dim=-1)
     x0 = torch.zeros(B, Hv, K, K + V, device=k.device, dtype=torch.float32)
@@ -140,8 +146,7 @@ def state_summary_bwd(k, v, g, beta, dM, dS):
 def _split_prep(k, v, g, beta):
     B, T, Hk, K = k.shape
     Hv = v.shape[2]
-    gc = chunk_cumsum(g)
-    ai, w, u = wy_fwd(k, v, beta, gc, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION)
+    gc, ai, w, u = _summary_wy(k, v, g, beta)
     eye = torch.eye(K, device=k.device).expand(B, Hv, K, K).contiguous()
     return gc, ai, w, w.to(k.dtype), u, eye
 

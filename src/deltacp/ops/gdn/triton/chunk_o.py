@@ -128,7 +128,7 @@ def dqkwg_kernel(
         tl.store(dq + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty))
     b_dg += tl.where(o_t == BT - 1, b_dgl, 0.)
     tl.store(dk + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dk)
-    tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], (-b_dw).to(dw.dtype.element_ty))
+    tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], -b_dw)
     tl.store(dg + ((i_k * B + i_b) * T + o_r) * Hv + i_h, b_dg)
 
 
@@ -152,8 +152,8 @@ def dv_local(q, k, gc, do, scale, out_dtype=torch.float32):
     return dvl
 
 
-def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32, dw_dtype=torch.float32):
-    """-> dq [B,T,Hv,K] (dq_dtype, or None), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] (dw_dtype), dg [B,T,Hv] fp32
+def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32):
+    """-> dq [B,T,Hv,K] (dq_dtype, or None), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] fp32, dg [B,T,Hv] fp32
     (chunk-local)."""
     B, T, Hk, K = k.shape
     Hv, V = vn.shape[2], vn.shape[3]
@@ -163,7 +163,7 @@ def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32, dw_dtype=
     dev = k.device
     dq = torch.empty(B, T, Hv, K, device=dev, dtype=dq_dtype) if do is not None else None
     dk = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
-    dw = torch.empty(B, T, Hv, K, device=dev, dtype=dw_dtype)
+    dw = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
     dg = torch.empty(NK, B, T, Hv, device=dev, dtype=torch.float32)
     dqkwg_kernel[(NK, T // BT, B * Hv)](q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg, scale, T, T // BT, B,
                                         Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, HAS_DO=do is not None, **blocks, **opts)
