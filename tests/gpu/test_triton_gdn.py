@@ -188,29 +188,26 @@ def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
 
 
 @pytest.mark.parametrize("T", [1024 + 100, 8192])
-def test_state_summary_split_vs_fp32_reference(T):
-    """The split summary (chunk.state_summary(split=True): S by the bf16 state recurrence, M alone in
-    fp32/tf32x3) and the fused one, gradients taken from dM alone and from dS alone (with both at once S's
-    gradient hides M's).
+def test_state_summary_grads_from_dM_and_dS_separately(T):
+    """The summary's gradients taken from dM alone and from dS alone (with both at once S's gradient hides M's).
     Same inputs and reference as test_state_summary_vs_fp32_reference; bounds: M 1e-4, the rest 1e-2."""
     import deltacp.ops.gdn.triton.chunk as chunk_mod
 
     inputs, rl, RM, RS, dM, dS = summary_case(T, 32, seed=11 * T)
     failures = []
-    for impl, split in (("fused", False), ("split", True)):
-        for src, wm, ws in (("dM", 1.0, 0.0), ("dS", 0.0, 1.0)):
-            leaves = [x.detach().clone().requires_grad_() for x in inputs]
-            M, S = chunk_mod.state_summary(*leaves, split=split)
-            gr = torch.autograd.grad((M * dM * wm).sum() + (S * dS * ws).sum(), leaves)
-            rg = torch.autograd.grad((RM * dM * wm).sum() + (RS * dS * ws).sum(), rl, retain_graph=True,
-                                     allow_unused=True)
-            errs = {"M": rel_l2(M, RM), "S": rel_l2(S, RS)}
-            errs.update({f"d{n}": rel_l2(a, b) for n, a, b in zip(("k", "v", "g", "beta"), gr, rg)
-                         if b is not None and b.norm() > 0})
-            print(f"\nsummary {impl} T={T} grads from {src}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-            for x in (M, S, *gr):
-                assert torch.isfinite(x).all()
-            failures += [f"{impl}/{src} {n}={e:.2e}" for n, e in errs.items() if e >= (1e-4 if n == "M" else TOL)]
+    for src, wm, ws in (("dM", 1.0, 0.0), ("dS", 0.0, 1.0)):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        M, S = chunk_mod.state_summary(*leaves)
+        gr = torch.autograd.grad((M * dM * wm).sum() + (S * dS * ws).sum(), leaves)
+        rg = torch.autograd.grad((RM * dM * wm).sum() + (RS * dS * ws).sum(), rl, retain_graph=True,
+                                 allow_unused=True)
+        errs = {"M": rel_l2(M, RM), "S": rel_l2(S, RS)}
+        errs.update({f"d{n}": rel_l2(a, b) for n, a, b in zip(("k", "v", "g", "beta"), gr, rg)
+                     if b is not None and b.norm() > 0})
+        print(f"\nsummary T={T} grads from {src}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+        for x in (M, S, *gr):
+            assert torch.isfinite(x).all()
+        failures += [f"{src} {n}={e:.2e}" for n, e in errs.items() if e >= (1e-4 if n == "M" else TOL)]
     assert not failures, failures
 
 

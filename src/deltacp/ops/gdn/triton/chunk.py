@@ -98,18 +98,12 @@ if SUMMARY_DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
     raise ValueError(f"DELTACP_SUMMARY_DOT_PRECISION={SUMMARY_DOT_PRECISION!r}; expected tf32, tf32x3 or ieee")
 
 
-def _summary_wy(k, v, g, beta):
-    """gc, T, W (fp32), U for both summary forms."""
-    gc = chunk_cumsum(g)
-    # W in fp32: M is a product of per-chunk factors (I - K~^T W); bf16 W costs ~2e-2 rel-L2 on M at 8K tokens
-    ai, w, u = wy_fwd(k, v, beta, gc, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION)
-    return gc, ai, w, u
-
-
 def _summary_prep(k, v, g, beta):
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
-    gc, ai, w, u = _summary_wy(k, v, g, beta)
+    gc = chunk_cumsum(g)
+    # W in fp32: M is a product of per-chunk factors (I - K~^T W); bf16 W costs ~2e-2 rel-L2 on M at 8K tokens
+    ai, w, u = wy_fwd(k, v, beta, gc, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION)
     # extended state [M | S] of width K + V: U_ext = [0 | U], X_0 = [I | 0]
     u_ext = torch.cat([torch.zeros(B, T, Hv, K, device=k.device, dtype=u.dtype), u], dim=-1)
     x0 = torch.zeros(B, Hv, K, K + V, device=k.device, dtype=torch.float32)
@@ -138,52 +132,13 @@ def state_summary_bwd(k, v, g, beta, dM, dS):
     return _reduce_heads(dk, Hk), dv, dg, dbeta
 
 
-# ---- the summary split in two recurrences (measured against the fused [M | S] one before it replaces it) ----
-# S is the ordinary zero-state recurrence (width V, bf16 products: the accuracy of the forward's own final
-# state); only the transition M = prod_c (e^{gC} I - K~_c^T W_c) keeps fp32 W and SUMMARY_DOT_PRECISION products
-# (width K). Per chunk that is 128 x 3 + 128 x 1 (bf16) MMA width-passes instead of 256 x 3.
-
-def _split_prep(k, v, g, beta):
-    B, T, Hk, K = k.shape
-    Hv = v.shape[2]
-    gc, ai, w, u = _summary_wy(k, v, g, beta)
-    eye = torch.eye(K, device=k.device).expand(B, Hv, K, K).contiguous()
-    return gc, ai, w, w.to(k.dtype), u, eye
-
-
-def state_summary_split_fwd(k, v, g, beta):
-    K = k.shape[3]
-    gc, ai, w, w_lo, u, eye = _split_prep(k, v, g, beta)
-    _, _, S = state_fwd(k, w_lo, u, gc, None, store_h=False, store_vn=False, output_final_state=True)
-    _, _, M = state_fwd(k, w, None, gc, eye, store_h=False, store_vn=False, output_final_state=True, fp32_dot=True,
-                        dot_precision=SUMMARY_DOT_PRECISION, V=K)
-    return M, S
-
-
-def state_summary_split_bwd(k, v, g, beta, dM, dS):
-    Hk, K, V = k.shape[2], k.shape[3], v.shape[3]
-    gc, ai, w, w_lo, u, eye = _split_prep(k, v, g, beta)
-    h_s, vn_s, _ = state_fwd(k, w_lo, u, gc, None)
-    h_m, vn_m, _ = state_fwd(k, w, None, gc, eye, fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION, V=K)
-    dh_s, dvn_s, _ = state_bwd(None, k, w_lo, gc, None, None, dS.float().contiguous(), scale=1.0, V=V,
-                               need_dh0=False)
-    dh_m, dvn_m, _ = state_bwd(None, k, w, gc, None, None, dM.float().contiguous(), scale=1.0, V=K, need_dh0=False)
-    _, dk_s, dw_s, dg_s = dqkwg(None, k, vn_s, h_s, dh_s, None, dvn_s, gc, 1.0)
-    _, dk_m, dw_m, dg_m = dqkwg(None, k, vn_m, h_m, dh_m, None, dvn_m, gc, 1.0)
-    # W enters S as bf16(W): the cast passes its gradient through, so dW sums both parts; U enters S only
-    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw_s + dw_m, dvn_s, dk_s + dk_m)
-    dg = chunk_rev_cumsum(dg_s + dg_m + dg2)
-    return _reduce_heads(dk, Hk), dv, dg, dbeta
-
-
 class StateSummaryFunction(torch.autograd.Function):
-    """(M, S) of a segment; `split` picks the two-recurrence form (state_summary_split_*) over the fused one."""
+    """(M, S) of a segment: one fp32 recurrence over [M | S], recomputed in the backward."""
 
     @staticmethod
-    def forward(ctx, k, v, g, beta, split):
-        M, S = (state_summary_split_fwd if split else state_summary_fwd)(k, v, g, beta)
+    def forward(ctx, k, v, g, beta):
+        M, S = state_summary_fwd(k, v, g, beta)
         ctx.save_for_backward(k, v, g, beta)
-        ctx.split = split
         return M, S
 
     @staticmethod
@@ -193,8 +148,8 @@ class StateSummaryFunction(torch.autograd.Function):
             dM = torch.zeros(k.shape[0], v.shape[2], k.shape[3], k.shape[3], device=k.device)
         if dS is None:
             dS = torch.zeros(k.shape[0], v.shape[2], k.shape[3], v.shape[3], device=k.device)
-        dk, dv, dg, dbeta = (state_summary_split_bwd if ctx.split else state_summary_bwd)(k, v, g, beta, dM, dS)
-        return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), None
+        dk, dv, dg, dbeta = state_summary_bwd(k, v, g, beta, dM, dS)
+        return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
 
 
 def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:
@@ -221,14 +176,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     return o, ht
 
 
-def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, split=False):
+def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
     """(M [B, Hv, K, K], S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment.
 
-    split=True: the two-recurrence form (see state_summary_split_fwd). Not yet the backend's default: it
-    replaces the fused summary once the H200 shows it faster and within the summary accuracy bounds."""
+    Other forms were measured on the H200 and dropped (NOTES.md): S by the bf16 recurrence with M alone in fp32
+    (gradients 2-10x off: the bf16 backward chain has no fresh writes to damp its rounding), and M as an fp64
+    product tree of the chunk transitions (accurate, 2x slower)."""
     T = k.shape[1]
     if use_qk_l2norm_in_kernel:
         k = l2norm(k)
     pad = (-T) % BT
     k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
-    return StateSummaryFunction.apply(k, v, g.float(), beta, split)
+    return StateSummaryFunction.apply(k, v, g.float(), beta)

@@ -184,12 +184,16 @@ def wu_fwd_kernel(
 
 @triton.jit
 def wy_bwd_kernel(
-    k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg,
+    k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """From dW, dU: dk (dk_in, the non-WY part, plus the WY part), dv, dbeta, dg (chunk-local gate)."""
+    """From dW, dU: dk (dk_in, the non-WY part, plus the WY part), dv, dbeta, dg (chunk-local gate).
+
+    `scratch` holds one BTxBT fp32 block per program: dG^T is read back from it transposed. tl.trans of a
+    tensor that comes out of tl.dot (MMA register layout) is miscompiled on Hopper by Triton 3.4-3.7.0 for some
+    block shapes (fla-org/flash-linear-attention#640; here: results off by 5e-2 for every shape but BK64/BV64)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -240,7 +244,10 @@ def wy_bwd_kernel(
     b_dAA = b_dAg * b_beta[:, None]
     b_dg += tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
     b_dG = b_dA * b_gam * b_beta[:, None]
-    b_dGs = b_dG + tl.trans(b_dG)
+    p_s = scratch + (i_bh * tl.num_programs(0) + i_t).to(tl.int64) * BT * BT
+    tl.store(p_s + o_t[:, None] * BT + o_t[None, :], b_dG)
+    tl.debug_barrier()  # the block's stores are visible to all its threads after the barrier
+    b_dGs = b_dG + tl.load(p_s + o_t[None, :] * BT + o_t[:, None])
     for i_k in range(K // BK):
         b_kf = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK).to(tl.float32)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
@@ -291,7 +298,8 @@ def wy_bwd(k, v, beta, gc, ai, dw, du, dk_in, dk_dtype=torch.float32, dv_dtype=t
     dv = torch.empty(B, T, Hv, V, device=k.device, dtype=dv_dtype)
     dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
+    scratch = torch.empty(B * Hv * (T // BT), BT, BT, device=k.device, dtype=torch.float32)
     blocks, opts = launch_config("wy_bwd", K=K, V=V)
-    wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, T, Hk=Hk, Hv=Hv, K=K,
-                                      V=V, BT=BT, **blocks, **opts)
+    wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch, T, Hk=Hk,
+                                      Hv=Hv, K=K, V=V, BT=BT, **blocks, **opts)
     return dk, dv, dbeta, dg
