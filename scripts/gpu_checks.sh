@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200, in parts that each fit one device call (10 minutes). Logs go to $OUT
 # (or ./out).
-#   bash scripts/gpu_checks.sh tests   GPU op tests (8K-32K) and CP triton tests            (about 5 minutes)
+#   bash scripts/gpu_checks.sh tests   bitwise reproducibility, GPU op tests (8K-32K), CP triton tests (about 5 min)
 #   bash scripts/gpu_checks.sh quick   the same with the op tests cut to the summary cases   (about 3 minutes)
 #   bash scripts/gpu_checks.sh op      op bench 8K-64K (+ FLA when its wheels are in .whl/; FLA autotunes about
-#                                      a minute per length), fused vs split summary             (about 6 minutes)
+#                                      a minute per length), summary time, long-memory accuracy  (about 6 minutes)
 #   bash scripts/gpu_checks.sh cp      per-rank cost, 2-rank CP job + p2p trace, model step    (about 5 minutes)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,6 +23,8 @@ fi
 if [ "$part" = tests ] || [ "$part" = quick ]; then
 # `quick`: the summary cases of the op tests only (the op tests at 8K-32K take about 3 minutes).
 if [ "$part" = "quick" ]; then op_filter=(-k summary); else op_filter=(); fi
+step "determinism" 90 python bench/determinism.py --length 8192 2>&1 | tee "$OUT/determinism.log" \
+  | grep -vE "^\[transformers\]"
 step "gdn op tests" 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}" \
   2>&1 | tee "$OUT/gdn_op_tests.log"
 step "cp triton tests" 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider 2>&1 \
@@ -32,8 +34,10 @@ fi
 if [ "$part" = op ]; then
 step "op bench" 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
   2>&1 | tee "$OUT/op_bench.log" | grep -vE "^\[transformers\]|^\{"
-step "summary fused vs split" 120 python bench/gdn_kernels.py --time summary_fused summary_split --length 16384 \
-  2>&1 | tee "$OUT/summary_split.log" | grep -vE "^\[transformers\]"
+step "summary time" 120 python bench/gdn_kernels.py --time summary wy_bwd --length 16384 \
+  2>&1 | tee "$OUT/summary_time.log" | grep -vE "^\[transformers\]"
+step "long-memory accuracy" 90 python bench/long_memory_accuracy.py --lengths 8192 32768 \
+  2>&1 | tee "$OUT/long_memory.log" | grep -vE "^\[transformers\]"
 exit 0
 fi
 step "per-rank cost" 150 python bench/cp_layer.py --per-rank-cost --cp 4 8 --global-len 32768 131072 \
