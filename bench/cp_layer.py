@@ -150,12 +150,13 @@ def trace_p2p(args, mesh, device):
 class LoopbackStatePassing:
     """Stands in for a middle rank's StatePassing: H_in "arrives" at once, dH_out too; sends are kept.
 
-    With it the p2p layer runs exactly a middle rank's computation (summary, M @ H_in + S, outputs from
-    H_in, gradient summary) with no communication.
+    With it the p2p layer runs exactly a middle rank's computation (summary forward, M @ H_in + S, outputs
+    and final state from H_in; backward: dH_in from the outputs, Mᵀ dH_out, the local backward with dH_out)
+    with no communication. is_first and is_last together: a layer with no state passing at all.
     """
 
-    def __init__(self, state_in, grad_state_out, is_last=False):
-        self.rank, self.size, self.is_first, self.is_last = 1, 3, False, is_last
+    def __init__(self, state_in, grad_state_out, is_last=False, is_first=False):
+        self.rank, self.size, self.is_first, self.is_last = 1, 3, is_first, is_last
         self.record_for_recompute, self.log = False, None
         self.state_in, self.grad_state_out, self.sent = state_in, grad_state_out, []
 
@@ -210,6 +211,10 @@ def run_per_rank_cost(args):
             # The last rank's work: the same minus the summary (nobody reads its H_out).
             p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(state, torch.randn_like(state), is_last=True)
             last = time_cuda(fwd_bwd(p2p, x, torch.randn_like(x)), warmup=args.warmup, repeat=args.repeat)
+            # No state passing at all (the same layer on s tokens alone): what p2p adds is middle - solo.
+            p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(state, torch.randn_like(state), is_last=True,
+                                                                    is_first=True)
+            solo = time_cuda(fwd_bwd(p2p, x, torch.randn_like(x)), warmup=args.warmup, repeat=args.repeat)
             m = torch.randn(B, Hv, K, K, device=device)
             hop = time_cuda(lambda: apply_summary(m, state, state), warmup=args.warmup, repeat=args.repeat)
             del p2p, x
@@ -230,6 +235,8 @@ def run_per_rank_cost(args):
                        compute_ratio=p["median_ms"] / u["median_ms"], bw_gbps=args.bw_gbps,
                        p2p_no_summary_ms=last["median_ms"],
                        summary_share=(p["median_ms"] - last["median_ms"]) / p["median_ms"],
+                       p2p_solo_ms=solo["median_ms"],
+                       p2p_overhead_share=(p["median_ms"] - solo["median_ms"]) / p["median_ms"],
                        latency_us=args.latency_us)
             rows.append(row)
             if args.json:
@@ -237,15 +244,16 @@ def run_per_rank_cost(args):
     print(f"\nPer-rank cost on one GPU: hidden {D}, QK/V heads {Hk}/{Hv}, K=V={K}, {args.dtype}, backend "
           f"{args.backend}, B={B}; comm modelled with bw {args.bw_gbps} GB/s, latency {args.latency_us} us")
     print(f"{'CP':>3} {'global':>7} {'local':>6} | {'uly ms':>8} {'uly MiB':>8} {'uly GiB':>8} | {'p2p ms':>8} "
-          f"{'p2p MiB':>8} {'p2p GiB':>8} {'hop ms':>7} {'summ %':>6} | {'p2p/uly':>7} | {'model uly':>9} {'model p2p':>9}")
+          f"{'p2p MiB':>8} {'p2p GiB':>8} {'hop ms':>7} {'summ %':>6} {'p2p %':>6} | {'p2p/uly':>7} | {'model uly':>9} {'model p2p':>9}")
     for r in rows:
         print(f"{r['cp']:>3} {r['global_len']:>7} {r['local_len']:>6} | {r['ulysses_compute_ms']:>8.2f} "
               f"{r['ulysses_bytes'] / 2**20:>8.1f} {r['ulysses_peak_gib']:>8.2f} | {r['p2p_compute_ms']:>8.2f} "
               f"{r['p2p_bytes'] / 2**20:>8.1f} {r['p2p_peak_gib']:>8.2f} {r['p2p_hop_ms']:>7.3f} "
-              f"{100 * r['summary_share']:>6.1f} | "
+              f"{100 * r['summary_share']:>6.1f} {100 * r['p2p_overhead_share']:>6.1f} | "
               f"{r['compute_ratio']:>7.3f} | {r['ulysses_model_ms']:>9.2f} {r['p2p_model_ms']:>9.2f}")
     print("(ms: median fwd+bwd compute of one rank; MiB: bytes a rank sends per fwd+bwd; GiB: peak allocated;"
           " summ %: share of a middle p2p rank's time spent on the summary (vs the last rank, which has none);"
+          " p2p %: share spent on all that state passing adds (vs the same layer with no state passing);"
           " model: compute + bytes/bw + latency terms, p2p adding its serial chain of P-1 hops each way)")
 
 

@@ -211,6 +211,25 @@ def test_state_summary_grads_from_dM_and_dS_separately(T):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("T", [8192, 32768])
+def test_initial_state_grad_vs_fp32_reference(T):
+    """p2p's dH_in before dH_out arrives: d sum(o * dO) / dH0, vs autograd through the fp32 reference."""
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+
+    be = TritonGDNBackend()
+    q, k, v, g, beta, h0 = make_inputs(T, 16, seed=5)
+    do = torch.randn(1, T, 32, 128, device="cuda")
+    dh0 = be.initial_state_grad(q, k, v, g, beta, do.bfloat16(), use_qk_l2norm_in_kernel=True)
+    rl = [x.detach().float() for x in (q, k, v, g, beta)]
+    rh0 = torch.zeros_like(h0).requires_grad_()
+    ro, _ = ref_chunk(*rl, h0=rh0)
+    rdh0 = torch.autograd.grad((ro * do.bfloat16().float()).sum(), rh0)[0]
+    err = rel_l2(dh0, rdh0)
+    print(f"\ninitial_state_grad T={T}: dH0 rel-L2 {err:.2e}")
+    assert dh0.dtype == torch.float32 and torch.isfinite(dh0).all()
+    assert err < TOL
+
+
 def test_unaligned_length_no_initial_state():
     """ulysses-style call: T not a multiple of 64, no H0, no final state."""
     from deltacp.ops.gdn.triton import TritonGDNBackend

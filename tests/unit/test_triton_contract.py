@@ -156,7 +156,7 @@ import sys, torch
 sys.path.insert(0, {testdir!r})
 import test_triton_contract as t
 t._patch_interpreter_bf16_dot()
-from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule, state_summary
+from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule, initial_state_grad, state_summary
 torch.manual_seed(0)
 B, T, Hk, Hv, K, V = 1, 150, 1, 2, 32, 32       # T=150: a partial last chunk; Hv=2*Hk: grouped heads
 q, k = torch.randn(B, T, Hk, K), torch.randn(B, T, Hk, K)
@@ -168,8 +168,12 @@ do, dht = torch.randn_like(o), torch.randn_like(ht)
 gr = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
 rs = [x.double().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
 ro, rht = t._ref_recurrent(*rs[:5], h0=rs[5])
-rg = torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(), rs)
+rg = torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(), rs, retain_graph=True)
 errs = [t._rel(o, ro), t._rel(ht, rht)] + [t._rel(a, b) for a, b in zip(gr, rg)]
+# the entering state's gradient from the outputs alone (p2p's dH_in before dH_out arrives)
+dh0_o = initial_state_grad(q, k, v, g, beta, do, use_qk_l2norm_in_kernel=True)
+rdh0_o = torch.autograd.grad((ro * do.double()).sum(), rs[5])[0]
+errs.append(t._rel(dh0_o, rdh0_o))
 # summary: slow gates and small beta so that M stays O(1) (with the inputs above M decays to ~1e-6 and its
 # gradient would be invisible next to S's); gradients from dM alone and from dS alone
 gs_, bs_ = g * 0.05, beta * 0.1
@@ -195,7 +199,7 @@ print(max(errs))
                                            "runs only where triton is (CI installs none)")
 def test_interpreter_parity_fp32():
     """Real kernels under TRITON_INTERPRET=1 with fp32 inputs (so fp32 math end to end) vs an fp64 recurrence:
-    output, final state, all six gradients, summary (M, S) and its four gradients (from dM and from dS separately)."""
+    output, final state, all six gradients, the entering state's gradient from the outputs alone, summary (M, S) and its four gradients (from dM and from dS separately)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = _INTERP_CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

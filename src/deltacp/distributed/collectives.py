@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from deltacp.ops.gdn.eager import apply_summary, summary_grad
-
 
 def _needs_host_staging(t: torch.Tensor, group: ProcessGroup) -> bool:
     return t.is_cuda and dist.get_backend(group) == "gloo"
@@ -134,7 +132,7 @@ def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup) -> t
 
 
 # ---------------------------------------------------------------------------------------------
-# State P2P: H_out = M @ H_in + S travels to the next rank, dH_in = Mᵀ dH_out + dS_local back
+# State P2P: H_out travels to the next rank, dH_in back (the algorithm is in parallel/p2p.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -143,8 +141,8 @@ class StatePassing:
 
     Every rank posts its receive from rank-1 before it computes its summary, sends to rank+1 as soon as
     `M @ H_in + S` exists, and defers waiting on its sends (their buffers are kept here until then).
-    For activation checkpointing, `replay_states` keeps the received H_in of each forward so that the
-    recompute replays it instead of posting another receive; message order is unchanged.
+    For activation checkpointing, `replay_states` keeps what each forward received (H_in, with M) so that
+    the recompute replays it instead of posting another receive; message order is unchanged.
     """
 
     def __init__(self, group: ProcessGroup):
@@ -193,61 +191,6 @@ class PendingRecv:
 def in_backward_pass() -> bool:
     # A forward that runs while the autograd engine executes a backward is a checkpoint recompute.
     return torch._C._current_graph_task_id() != -1
-
-
-class _StateRelay(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, m, s, anchor, passing: StatePassing, recv: PendingRecv | None, grad_enabled: bool):
-        # grad_enabled is the caller's grad mode: inside an autograd Function's forward it is always off.
-        ctx.passing = passing
-        if in_backward_pass() and grad_enabled:
-            if not passing.record_for_recompute:
-                raise RuntimeError(
-                    "p2p linear attention CP was recomputed in backward (activation checkpointing) without "
-                    "record_for_recompute; apply checkpointing through deltacp so the recompute replays the "
-                    "received state instead of posting another receive")
-            state_in = passing.replay_states.popleft()
-        else:
-            state_in = torch.zeros_like(s) if recv is None else recv.wait()
-            if not passing.is_last:
-                passing._send(apply_summary(m, s, state_in), passing.rank + 1, "H_out")
-            if passing.record_for_recompute and grad_enabled:
-                passing.replay_states.append(state_in)
-        ctx.save_for_backward(m, state_in)
-        return state_in
-
-    @staticmethod
-    def backward(ctx, grad_state_local):
-        passing: StatePassing = ctx.passing
-        m, state_in = ctx.saved_tensors
-        if passing.is_last:
-            grad_state_in, grad_m, grad_s = grad_state_local, None, None
-        else:
-            grad_state_out = passing.post_recv(state_in, passing.rank + 1, "dH_out").wait()
-            grad_state_in = summary_grad(m, grad_state_out, grad_state_local)
-            grad_m = grad_state_out @ state_in.transpose(-1, -2)
-            grad_s = grad_state_out
-        if not passing.is_first:
-            passing._send(grad_state_in, passing.rank - 1, "dH_in")
-            # Wait for the send when this backward pass ends, past the rest of the local backward compute.
-            torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
-        return grad_m, grad_s, None, None, None, None
-
-
-def relay_state(m: torch.Tensor | None, s: torch.Tensor | None, passing: StatePassing,
-                recv: PendingRecv | None, like: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """H_in of this rank: waits for `recv` (posted earlier), sends `M @ H_in + S` on, returns H_in.
-
-    Backward: receives dH_out from rank+1, sends dH_in = Mᵀ dH_out + dS_local to rank-1, and returns
-    dM = dH_out H_inᵀ, dS = dH_out. The last rank needs no summary: pass m = s = None there.
-    `anchor` (a tensor the layer's earlier collectives produced, e.g. the conv output) gets no gradient
-    from here, but its edge makes the autograd engine finish this backward before those collectives'
-    backward on every rank, whatever the rank's graph: without it the last rank, which has no summary,
-    could enter the halo exchange's backward before sending dH_in, while rank-1 waits for that dH_in.
-    """
-    if passing.is_last:
-        m, s = like.new_zeros(*like.shape[:-1], like.shape[-2]), like.new_zeros(like.shape)
-    return _StateRelay.apply(m, s, anchor, passing, recv, torch.is_grad_enabled())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,18 +3,55 @@ state [B, H, K, V] travels, rank to rank.
 
 Forward on rank r: post the receive from r-1, compute the local summary (M, S) (skipped on the last
 rank, whose H_out nobody reads), on receipt send H_out = M @ H_in + S on at once, then compute the
-local outputs from H_in. Backward (by `relay_state`): receive dH_out from r+1, send
-dH_in = Mᵀ dH_out + dS_local to r-1; dM and dS flow back through the summary into k, v, g, beta.
+local outputs from H_in, and the local final state.
+
+Backward on rank r, in the node `_StateGradHop` that sits on the outputs (so it runs before the local GDN
+backward): dH_in_local, the entering state's gradient from the local outputs alone (one state-backward pass
+from dO, not needing dH_out), then receive dH_out from r+1, send dH_in = Mᵀ dH_out + dH_in_local to r-1,
+and hand dH_out to the local GDN backward as the gradient of its final state. Since the final state equals
+M @ H_in + S, that one backward gives every input gradient that dM and dS would; the summary itself needs
+no backward (its forward runs without autograd). The serial chain per hop stays recv -> one K x K matmul
+-> send.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deltacp.distributed.collectives import StatePassing, in_backward_pass, relay_state
+from deltacp.distributed.collectives import StatePassing, in_backward_pass
+from deltacp.ops.gdn.contract import GDNBackend
+from deltacp.ops.gdn.eager import apply_summary, summary_grad
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.conv import halo_conv_silu
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_gate, split_qkv
+
+
+class _StateGradHop(torch.autograd.Function):
+    """Identity on o (and a sink for the final state ht); its backward is this rank's backward hop."""
+
+    @staticmethod
+    def forward(ctx, o, ht, q, k, v, g, beta, m, passing: StatePassing, backend: GDNBackend):
+        ctx.passing, ctx.backend = passing, backend
+        ctx.save_for_backward(q, k, v, g, beta, m)
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        passing: StatePassing = ctx.passing
+        q, k, v, g, beta, m = ctx.saved_tensors
+        grad_state_in = grad_state_out = None
+        if not passing.is_first:
+            grad_state_in = ctx.backend.initial_state_grad(q, k, v, g, beta, grad_o, use_qk_l2norm_in_kernel=True)
+        if not passing.is_last:
+            like = m.new_empty(*m.shape[:-1], v.shape[-1])
+            grad_state_out = passing.post_recv(like, passing.rank + 1, "dH_out").wait()
+            if grad_state_in is not None:
+                grad_state_in = summary_grad(m, grad_state_out, grad_state_in)
+        if grad_state_in is not None:
+            passing._send(grad_state_in, passing.rank - 1, "dH_in")
+            # Wait for the send when this backward pass ends, past the rest of the local backward compute.
+            torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
+        return grad_o, grad_state_out, None, None, None, None, None, None, None, None
 
 
 def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor) -> torch.Tensor:
@@ -22,22 +59,46 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
     passing: StatePassing = layer.extra["passing"]
     passing.wait_sends()  # buffers of the previous step's sends
     B = qkv_BsC.shape[0]
-    like_state = torch.empty(B, m.num_v_heads, m.head_k_dim, m.head_v_dim, dtype=compute_dtype(qkv_BsC),
-                             device=qkv_BsC.device)
-    recompute = in_backward_pass()  # a checkpoint recompute replays H_in: no receive
-    recv = None if passing.is_first or recompute else passing.post_recv(like_state, passing.rank - 1, "H_in")
+    state_shape = (B, m.num_v_heads, m.head_k_dim, m.head_v_dim)
+    state_dtype = compute_dtype(qkv_BsC)
+    grad_enabled = torch.is_grad_enabled()
+    recompute = in_backward_pass() and grad_enabled  # a checkpoint recompute replays H_in: no receive
+    if recompute and not passing.record_for_recompute:
+        raise RuntimeError(
+            "p2p linear attention CP was recomputed in backward (activation checkpointing) without "
+            "record_for_recompute; apply checkpointing through deltacp so the recompute replays the "
+            "received state instead of posting another receive")
+    recv = None
+    if not (passing.is_first or recompute):
+        recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
+                                 passing.rank - 1, "H_in")
 
     x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group)
     q, k, v = split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim)
     g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="p2p")
 
-    summary_m = summary_s = None
-    if not passing.is_last:
-        with torch.profiler.record_function("deltacp::p2p summary"):
-            summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    state_in = relay_state(summary_m, summary_s, passing, recv, like_state, anchor=x_BsC)
+    if recompute:
+        state_in, summary_m = passing.replay_states.popleft()
+    else:
+        summary_m = summary_s = None
+        if not passing.is_last:
+            # no autograd: the gradient that would flow through (M, S) reaches k, v, g, beta through the local
+            # GDN's final state instead (see _StateGradHop)
+            with torch.no_grad(), torch.profiler.record_function("deltacp::p2p summary"):
+                summary_m, summary_s = layer.backend.state_summary(k.detach(), v.detach(), g.detach(),
+                                                                   beta.detach(), use_qk_l2norm_in_kernel=True)
+        state_in = None if recv is None else recv.wait()
+        if not passing.is_last:
+            h_out = summary_s if state_in is None else apply_summary(summary_m, summary_s, state_in)
+            passing._send(h_out, passing.rank + 1, "H_out")
+        if passing.record_for_recompute and grad_enabled:
+            passing.replay_states.append((state_in, summary_m))
+
     with torch.profiler.record_function("deltacp::p2p output"):
-        o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state_in,
-                                                    use_qk_l2norm_in_kernel=True)
-    return o
+        o, ht = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state_in,
+                                                     output_final_state=grad_enabled and not passing.is_last,
+                                                     use_qk_l2norm_in_kernel=True)
+    if not grad_enabled:
+        return o
+    return _StateGradHop.apply(o, ht, q, k, v, g, beta, summary_m, passing, layer.backend)

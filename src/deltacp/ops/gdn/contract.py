@@ -10,8 +10,8 @@ Shape legend (all backends):
     M      [B, Hv, K, K]    affine summary of a segment: H_out = M @ H_in + S
     S      [B, Hv, K, V]
 
-A backend offers two differentiable operations; the CP modes are built from them and never see
-kernels, and backends never see ranks:
+A backend offers two differentiable operations and one gradient; the CP modes are built from them and
+never see kernels, and backends never see ranks:
 
     chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
                            use_qk_l2norm_in_kernel) -> (o, final_state | None)
@@ -20,6 +20,11 @@ kernels, and backends never see ranks:
 
     state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel) -> (M, S)
         The affine effect of the local segment on the entering state (SPEC section 2).
+
+    initial_state_grad(q, k, v, g, beta, grad_o, *, scale, use_qk_l2norm_in_kernel) -> dH0
+        The entering state's gradient from the outputs alone, d sum(o * grad_o) / dH0 (o is affine in H0
+        with a coefficient that does not depend on H0, so no H0 is needed). p2p needs it before dH_out
+        arrives: dH_in = Mᵀ dH_out + dH0.
 
 Composition and application of summaries are tiny K x K matmuls shared by all backends
 (`compose_summaries`, `apply_summary` in `eager.py`).
@@ -66,6 +71,19 @@ class GDNBackend(Protocol):
         *,
         use_qk_l2norm_in_kernel: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def initial_state_grad(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        grad_o: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm_in_kernel: bool = False,
+    ) -> torch.Tensor: ...
 
 
 def get_gdn_backend(name: str) -> GDNBackend:

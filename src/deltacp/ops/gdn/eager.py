@@ -128,6 +128,16 @@ def state_summary(
     return m, s
 
 
+def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
+    """d sum(o * grad_o) / dH0, by autograd through the chunked op from a zero H0 (o is affine in H0)."""
+    B, Hv, K, V = v.shape[0], v.shape[2], k.shape[3], v.shape[3]
+    with torch.enable_grad():
+        h0 = torch.zeros(B, Hv, K, V, dtype=compute_dtype(v), device=v.device, requires_grad=True)
+        o, _ = chunk_gated_delta_rule(*(x.detach() for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return torch.autograd.grad(o, h0, grad_o)[0]
+
+
 def compose_summaries(later: tuple[torch.Tensor, torch.Tensor],
                       earlier: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(M1, S1) ∘ (M0, S0) = (M1 M0, M1 S0 + S1): segment 0 then segment 1. Associative, not commutative."""
@@ -161,3 +171,6 @@ class EagerGDNBackend:
 
     def state_summary(self, k, v, g, beta, **kwargs):
         return state_summary(k, v, g, beta, **kwargs)
+
+    def initial_state_grad(self, q, k, v, g, beta, grad_o, **kwargs):
+        return initial_state_grad(q, k, v, g, beta, grad_o, **kwargs)

@@ -36,5 +36,11 @@ class TritonGDNBackend:
 
         return state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
+    def initial_state_grad(self, q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False):
+        from deltacp.ops.gdn.triton.chunk import initial_state_grad
+
+        return initial_state_grad(q, k, v, g, beta, grad_o, scale=scale,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
 
 __all__ = ["TritonGDNBackend", "check_triton_contract"]

@@ -188,3 +188,21 @@ def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
     pad = (-T) % BT
     k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
     return StateSummaryFunction.apply(k, v, g.float(), beta)
+
+
+@torch.no_grad()
+def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False):
+    """d sum(o * grad_o) / dH0 [B, Hv, K, V] fp32: W (from the WY form), dVn_local, then the state backward
+    with nothing stored but dH0 (the rest of the backward needs dH_out, which p2p does not have yet)."""
+    T, K, V = q.shape[1], q.shape[3], v.shape[3]
+    if scale is None:
+        scale = K ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    pad = (-T) % BT
+    q, k, v, g, beta, do = (_pad_t(x, pad) for x in (q, k, v, g, beta, grad_o))
+    gc = chunk_cumsum(g.float())
+    _, w, _ = wy_fwd(k, v, beta, gc)
+    dvl = dv_local(q, k, gc, do, scale, out_dtype=v.dtype)
+    _, _, dh0 = state_bwd(q, k, w, gc, do, dvl, None, scale=scale, V=V, need_dh0=True, store=False)
+    return dh0

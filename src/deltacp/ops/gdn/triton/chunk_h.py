@@ -75,7 +75,7 @@ def state_bwd_kernel(
     q, k, w, gc, do, dvl, dht, dh, dvn, dh0,
     scale, T, NT: tl.constexpr,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    HAS_DO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    HAS_DO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -90,13 +90,13 @@ def state_bwd_kernel(
 
     p_k = k + (i_b * T * Hk + i_hk) * K
     p_w = w + (i_b * T * Hv + i_h) * K
-    p_dvn = dvn + (i_b * T * Hv + i_h) * V
     p_g = gc + i_b * T * Hv + i_h
     for i_s in range(NT):
         i_t = NT - 1 - i_s
         o_r = i_t * BT + o_t
-        p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
-        tl.store(p_dh + o_k[:, None] * V + o_v[None, :], b_dh.to(dh.dtype.element_ty))
+        if STORE:
+            p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
+            tl.store(p_dh + o_k[:, None] * V + o_v[None, :], b_dh.to(dh.dtype.element_ty))
         b_g = tl.load(p_g + o_r * Hv)
         b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
         b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
@@ -105,7 +105,9 @@ def state_bwd_kernel(
         if HAS_DO:
             p_dvl = dvl + (i_b * T * Hv + i_h) * V
             b_dvn += tl.load(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
-        tl.store(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
+        if STORE:
+            p_dvn = dvn + (i_b * T * Hv + i_h) * V
+            tl.store(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
         b_w = tl.load(p_w + o_r[:, None] * (Hv * K) + o_k[None, :])
         b_dh = b_dh * tl.exp(b_gl) - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype))
         if HAS_DO:
@@ -141,17 +143,19 @@ def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final
     return h, vn, ht
 
 
-def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32):
-    """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] (dvn_dtype), dh0 (or None)."""
+def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32, store=True):
+    """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] (dvn_dtype), dh0 (or None).
+
+    store=False: dh and dvn are neither written nor returned (None), only dh0."""
     B, T, Hk, K = k.shape
     Hv = w.shape[2]
     NT = T // BT
     dev = k.device
-    dh = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype)
-    dvn = torch.empty(B, T, Hv, V, device=dev, dtype=dvn_dtype)
+    dh = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store else None
+    dvn = torch.empty(B, T, Hv, V, device=dev, dtype=dvn_dtype) if store else None
     dh0 = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     blocks, opts = launch_config("state_bwd" if do is not None else "summary_state_bwd", V=V)
     state_bwd_kernel[(V // blocks["BV"], B * Hv)](
         q, k, w, gc, do, dvl, dht, dh, dvn, dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-        HAS_DO=do is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, **blocks, **opts)
+        HAS_DO=do is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, **blocks, **opts)
     return dh, dvn, dh0
