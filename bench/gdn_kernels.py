@@ -40,7 +40,6 @@ CANDIDATES = {
     "state_fwd": grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "state_bwd": grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "summary_state_fwd": SUMMARY_STATE_GRID,
-    "summary_state_bwd": SUMMARY_STATE_GRID,
     "wy_bwd": grid(BK=[32, 64], BV=[32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "dqkwg": grid(BK=[64, 128], BV=[32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "o_fwd": grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
@@ -101,19 +100,11 @@ def make_stages(T, Hk, Hv):
     dh, dvn, _ = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True, dvn_dtype=lo)
     _, dk, dw, _ = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=lo)
     s_gc, s_ai, s_w, s_u, s_x0 = C._summary_prep(k, v, g, beta)
-    s_x, s_vn, _ = state_fwd(k, s_w, s_u, s_gc, s_x0, fp32_dot=True, dot_precision=C.SUMMARY_DOT_PRECISION)
-    s_dxt = torch.randn_like(s_x0)
-    K = k.shape[3]
-    s_in = [x.detach().clone().requires_grad_() for x in (k, v, g, beta)]
-    s_dm, s_ds = torch.randn_like(s_x0[..., :K]), torch.randn_like(s_x0[..., K:])
-
-    def summary_fwd_bwd(fn):  # a whole summary with its backward
-        m, s = fn(*s_in)
-        return (m, s, *torch.autograd.grad((m, s), s_in, (s_dm, s_ds)))
 
     refs = {"wy_bwd": lambda: wy_bwd_reference(k, v, beta, gc, dw, dvn, dk)}
     return {
-        "summary": lambda: summary_fwd_bwd(C.state_summary),
+        "summary": lambda: C.state_summary(k, v, g, beta),
+        "initial_state_grad": lambda: C.initial_state_grad(q, k, v, g, beta, do),
         "kkt_inv_diag": lambda: wy_fwd(k, v, beta, gc),
         "tril_merge": lambda: wy_fwd(k, v, beta, gc),
         "wu_fwd": lambda: wu_fwd(k, v, beta, gc, ai),
@@ -129,8 +120,6 @@ def make_stages(T, Hk, Hv):
         "summary_state_fwd": lambda: state_fwd(k, s_w, s_u, s_gc, s_x0, store_h=False, store_vn=False,
                                                output_final_state=True, fp32_dot=True,
                                                dot_precision=C.SUMMARY_DOT_PRECISION),
-        "summary_state_bwd": lambda: state_bwd(None, k, s_w, s_gc, None, None, s_dxt, scale=1.0,
-                                               V=K + v.shape[3], need_dh0=False),
     }, refs
 
 
@@ -259,7 +248,7 @@ def main():
     p.add_argument("--sweep", action="store_true", help="launch-configuration sweep of --kernels")
     p.add_argument("--time", nargs="+", default=None, metavar="STAGE",
                    help="median ms of these stages at their current configuration (the first is the reference "
-                        "for the printed difference), e.g. summary wy_bwd")
+                        "for the printed difference), e.g. summary initial_state_grad")
     p.add_argument("--length", type=int, default=32768)
     p.add_argument("--hk", type=int, default=32)
     p.add_argument("--hv", type=int, default=32)

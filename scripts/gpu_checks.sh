@@ -34,7 +34,7 @@ fi
 if [ "$part" = op ]; then
 step "op bench" 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
   2>&1 | tee "$OUT/op_bench.log" | grep -vE "^\[transformers\]|^\{"
-step "summary time" 120 python bench/gdn_kernels.py --time summary wy_bwd --length 16384 \
+step "summary time" 120 python bench/gdn_kernels.py --time summary initial_state_grad wy_bwd --length 16384 \
   2>&1 | tee "$OUT/summary_time.log" | grep -vE "^\[transformers\]"
 step "long-memory accuracy" 90 python bench/long_memory_accuracy.py --lengths 8192 32768 \
   2>&1 | tee "$OUT/long_memory.log" | grep -vE "^\[transformers\]"

@@ -133,7 +133,7 @@ def test_chunk_gdn_vs_fp32_reference(T, Hk):
 
 
 def summary_case(T, Hk, seed):
-    """Inputs of the summary tests and the fp32 reference (M, S) with the graph back to float copies `rl`.
+    """Inputs of the summary test and its fp32 reference (M, S).
 
     Gates scaled to a total log-decay of about -20 so that M (a product of T contractions) stays well inside
     fp32's normal range: with the op test's gates M underflows to exactly 0 at 8K tokens.
@@ -146,69 +146,38 @@ def summary_case(T, Hk, seed):
     k = (kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)).bfloat16()
     Tp = -(-T // C) * C
     pad = lambda x: F.pad(x, [0, 0] * (x.dim() - 2) + [0, Tp - T])  # noqa: E731  (neutral tokens)
-    rl = [x.detach().float().clone().requires_grad_() for x in (k, v, g, beta)]
-    kk, vv, gg, bb = (pad(x) for x in rl)
+    kk, vv, gg, bb = (pad(x.float()) for x in (k, v, g, beta))
     qz = torch.zeros_like(kk)
     _, RS = ref_chunk(qz, kk, vv, gg, bb, l2=False)
     eye = torch.eye(128, device="cuda").expand(1, 32, 128, 128)
     _, RM = ref_chunk(qz, kk, vv[..., :128], gg, bb, h0=eye, v_zero=True, l2=False)
-    dM = torch.randn(1, 32, 128, 128, device="cuda")
-    dS = torch.randn(1, 32, 128, 128, device="cuda")
-    return (k, v, g, beta), rl, RM, RS, dM, dS
+    return (k, v, g, beta), RM, RS
 
 
 @pytest.mark.parametrize("prec", ["tf32", "tf32x3"])
 @pytest.mark.parametrize("Hk", [32, 16])
 @pytest.mark.parametrize("T", [1024 + 100, 8192])
 def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
-    """Fused summary (M, S) and its gradients vs the fp32 reference (inputs: summary_case)."""
+    """Summary (M, S) vs the fp32 reference (inputs: summary_case). Forward only: differentiating it raises."""
     from deltacp.ops.gdn.triton import TritonGDNBackend
 
     import deltacp.ops.gdn.triton.chunk as chunk_mod
 
     monkeypatch.setattr(chunk_mod, "SUMMARY_DOT_PRECISION", prec)
     be = TritonGDNBackend()
-    inputs, rl, RM, RS, dM, dS = summary_case(T, Hk, seed=7 * T + Hk)
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    M, S = be.state_summary(*leaves, use_qk_l2norm_in_kernel=False)
-    gr = torch.autograd.grad((M * dM).sum() + (S * dS).sum(), leaves)
-    rg = torch.autograd.grad((RM * dM).sum() + (RS * dS).sum(), rl)
+    inputs, RM, RS = summary_case(T, Hk, seed=7 * T + Hk)
+    with torch.no_grad():
+        M, S = be.state_summary(*inputs, use_qk_l2norm_in_kernel=False)
     errs = {"M": rel_l2(M, RM), "S": rel_l2(S, RS)}
-    errs.update({f"d{n}": rel_l2(a, b) for n, a, b in zip(("k", "v", "g", "beta"), gr, rg)})
     print(f"\nsummary T={T} Hk={Hk} {prec} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     assert M.dtype == torch.float32 and S.dtype == torch.float32
-    for x in (M, S, *gr):
-        assert torch.isfinite(x).all()
-    for n, e in errs.items():
-        if n != "M":
-            assert e < TOL, f"{n}: rel-L2 {e:.3e} >= {TOL}"
+    assert torch.isfinite(M).all() and torch.isfinite(S).all()
+    with pytest.raises(RuntimeError, match="no backward"):
+        be.state_summary(inputs[0].clone().requires_grad_(), *inputs[1:])
+    assert errs["S"] < TOL, f"S: rel-L2 {errs['S']:.3e} >= {TOL}"
     if errs["M"] >= TOL and T == 8192 and prec == "tf32":
         pytest.xfail(f"M rel-L2 {errs['M']:.2e} at 8K with tf32 products: known (H200, 2026-12-02: 2.1e-2)")
-    assert errs["M"] < TOL, f"M: rel-L2 {errs['M']:.3e} >= {TOL}"
-
-
-@pytest.mark.parametrize("T", [1024 + 100, 8192])
-def test_state_summary_grads_from_dM_and_dS_separately(T):
-    """The summary's gradients taken from dM alone and from dS alone (with both at once S's gradient hides M's).
-    Same inputs and reference as test_state_summary_vs_fp32_reference; bounds: M 1e-4, the rest 1e-2."""
-    import deltacp.ops.gdn.triton.chunk as chunk_mod
-
-    inputs, rl, RM, RS, dM, dS = summary_case(T, 32, seed=11 * T)
-    failures = []
-    for src, wm, ws in (("dM", 1.0, 0.0), ("dS", 0.0, 1.0)):
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        M, S = chunk_mod.state_summary(*leaves)
-        gr = torch.autograd.grad((M * dM * wm).sum() + (S * dS * ws).sum(), leaves)
-        rg = torch.autograd.grad((RM * dM * wm).sum() + (RS * dS * ws).sum(), rl, retain_graph=True,
-                                 allow_unused=True)
-        errs = {"M": rel_l2(M, RM), "S": rel_l2(S, RS)}
-        errs.update({f"d{n}": rel_l2(a, b) for n, a, b in zip(("k", "v", "g", "beta"), gr, rg)
-                     if b is not None and b.norm() > 0})
-        print(f"\nsummary T={T} grads from {src}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-        for x in (M, S, *gr):
-            assert torch.isfinite(x).all()
-        failures += [f"{src} {n}={e:.2e}" for n, e in errs.items() if e >= (1e-4 if n == "M" else TOL)]
-    assert not failures, failures
+    assert errs["M"] < (1e-4 if prec == "tf32x3" else TOL), f"M: rel-L2 {errs['M']:.3e}"
 
 
 @pytest.mark.parametrize("T", [8192, 32768])

@@ -174,23 +174,21 @@ errs = [t._rel(o, ro), t._rel(ht, rht)] + [t._rel(a, b) for a, b in zip(gr, rg)]
 dh0_o = initial_state_grad(q, k, v, g, beta, do, use_qk_l2norm_in_kernel=True)
 rdh0_o = torch.autograd.grad((ro * do.double()).sum(), rs[5])[0]
 errs.append(t._rel(dh0_o, rdh0_o))
-# summary: slow gates and small beta so that M stays O(1) (with the inputs above M decays to ~1e-6 and its
-# gradient would be invisible next to S's); gradients from dM alone and from dS alone
+# summary (forward only on this backend): slow gates and small beta so that M stays O(1)
 gs_, bs_ = g * 0.05, beta * 0.1
-zs = [x.double().clone().requires_grad_() for x in (k, v, gs_, bs_)]
+zs = [x.double() for x in (k, v, gs_, bs_)]
 q0 = torch.zeros(B, T, Hk, K, dtype=torch.float64)
 _, RS = t._ref_recurrent(q0, *zs)
 _, RM = t._ref_recurrent(q0, *zs, h0=torch.eye(K, dtype=torch.float64).expand(B, Hv, K, K), v_zero=True)
 assert RM.norm() > 0.2 * (Hv * K) ** 0.5, "M must not be negligible in this check: %g" % RM.norm()
-dM, dS = torch.randn(B, Hv, K, K), torch.randn(B, Hv, K, V)
-for wm, ws in ((1.0, 0.0), (0.0, 1.0)):
-    ys = [x.clone().requires_grad_() for x in (k, v, gs_, bs_)]
-    M, S = state_summary(*ys, use_qk_l2norm_in_kernel=True)
-    gs = torch.autograd.grad((M * dM * wm).sum() + (S * dS * ws).sum(), ys, allow_unused=True)
-    rgs = torch.autograd.grad((RM * dM.double() * wm).sum() + (RS * dS.double() * ws).sum(), zs,
-                              retain_graph=True, allow_unused=True)
-    errs += [t._rel(M, RM), t._rel(S, RS)]
-    errs += [t._rel(a, b) for a, b in zip(gs, rgs) if b is not None and b.norm() > 0]
+with torch.no_grad():
+    M, S = state_summary(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True)
+errs += [t._rel(M, RM), t._rel(S, RS)]
+try:  # differentiating it must raise, not return a silent zero gradient
+    state_summary(k.clone().requires_grad_(), v, gs_, bs_)
+    raise SystemExit("state_summary accepted inputs that require grad")
+except RuntimeError as e:
+    assert "no backward" in str(e), e
 print(max(errs))
 """
 
@@ -199,7 +197,8 @@ print(max(errs))
                                            "runs only where triton is (CI installs none)")
 def test_interpreter_parity_fp32():
     """Real kernels under TRITON_INTERPRET=1 with fp32 inputs (so fp32 math end to end) vs an fp64 recurrence:
-    output, final state, all six gradients, the entering state's gradient from the outputs alone, summary (M, S) and its four gradients (from dM and from dS separately)."""
+    output, final state, all six gradients, the entering state's gradient from the outputs alone, and the
+    summary (M, S) (forward only: differentiating it raises)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = _INTERP_CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -10,16 +10,18 @@ Shape legend (all backends):
     M      [B, Hv, K, K]    affine summary of a segment: H_out = M @ H_in + S
     S      [B, Hv, K, V]
 
-A backend offers two differentiable operations and one gradient; the CP modes are built from them and
-never see kernels, and backends never see ranks:
+A backend offers these operations; the CP modes are built from them and never see kernels, and backends
+never see ranks:
 
     chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel) -> (o, final_state | None)
+                           use_qk_l2norm_in_kernel) -> (o, final_state | None)          (differentiable)
         The whole local GDN, optionally from an entering state (ulysses: H_in = None; p2p and
         all_gather: H_in from the previous rank, with gradient flowing back into it).
 
     state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel) -> (M, S)
-        The affine effect of the local segment on the entering state (SPEC section 2).
+        The affine effect of the local segment on the entering state (SPEC section 2). p2p uses its value
+        only; all_gather differentiates it (eager backend; the Triton one is forward-only and raises if
+        differentiated).
 
     initial_state_grad(q, k, v, g, beta, grad_o, *, scale, use_qk_l2norm_in_kernel) -> dH0
         The entering state's gradient from the outputs alone, d sum(o * grad_o) / dH0 (o is affine in H0

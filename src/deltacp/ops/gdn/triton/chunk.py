@@ -119,39 +119,6 @@ def state_summary_fwd(k, v, g, beta):
     return xt[..., :K].contiguous(), xt[..., K:].contiguous()
 
 
-def state_summary_bwd(k, v, g, beta, dM, dS):
-    Hk, K = k.shape[2], k.shape[3]
-    gc, ai, w, u_ext, x0 = _summary_prep(k, v, g, beta)
-    x, vn, _ = state_fwd(k, w, u_ext, gc, x0, fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION)
-    dxt = torch.cat([dM.float(), dS.float()], dim=-1).contiguous()
-    dx, dvn, _ = state_bwd(None, k, w, gc, None, None, dxt, scale=1.0, V=u_ext.shape[3], need_dh0=False)
-    _, dk, dw, dg1 = dqkwg(None, k, vn, x, dx, None, dvn, gc, 1.0)
-    du = dvn[..., K:].contiguous()
-    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, du, dk)
-    dg = chunk_rev_cumsum(dg1 + dg2)
-    return _reduce_heads(dk, Hk), dv, dg, dbeta
-
-
-class StateSummaryFunction(torch.autograd.Function):
-    """(M, S) of a segment: one fp32 recurrence over [M | S], recomputed in the backward."""
-
-    @staticmethod
-    def forward(ctx, k, v, g, beta):
-        M, S = state_summary_fwd(k, v, g, beta)
-        ctx.save_for_backward(k, v, g, beta)
-        return M, S
-
-    @staticmethod
-    def backward(ctx, dM, dS):
-        k, v, g, beta = ctx.saved_tensors
-        if dM is None:
-            dM = torch.zeros(k.shape[0], v.shape[2], k.shape[3], k.shape[3], device=k.device)
-        if dS is None:
-            dS = torch.zeros(k.shape[0], v.shape[2], k.shape[3], v.shape[3], device=k.device)
-        dk, dv, dg, dbeta = state_summary_bwd(k, v, g, beta, dM, dS)
-        return dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
-
-
 def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:
     if pad == 0:
         return x.contiguous()
@@ -177,18 +144,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
 
 def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
-    """(M [B, Hv, K, K], S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment.
+    """(M [B, Hv, K, K], S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment. Forward only.
 
-    Other forms were measured on the H200 and dropped (NOTES.md): S by the bf16 recurrence with M alone in fp32
-    (gradients 2-10x off: the bf16 backward chain has no fresh writes to damp its rounding), and M as an fp64
-    product tree of the chunk transitions (accurate, 2x slower)."""
+    p2p needs no gradient through the summary (the local GDN backward with dH_out gives it, see
+    parallel/p2p.py), so this backend has none: differentiating it raises instead of returning a silent zero.
+    (Its former backward, an fp32 recurrence over [M | S] of width K + V, cost twice the forward and reached
+    1.1e-2 rel-L2 from dM at 8K tokens with slow gates; other summary forms measured: NOTES.md.)"""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
+        raise RuntimeError("the Triton GDN backend's state_summary has no backward; call it under torch.no_grad() "
+                           "or on detached inputs (backend='eager' differentiates it)")
     T = k.shape[1]
     if use_qk_l2norm_in_kernel:
         k = l2norm(k)
     pad = (-T) % BT
     k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
-    return StateSummaryFunction.apply(k, v, g.float(), beta)
-
+    return state_summary_fwd(k, v, g.float(), beta)
 
 @torch.no_grad()
 def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False):

@@ -75,7 +75,7 @@ def state_bwd_kernel(
     q, k, w, gc, do, dvl, dht, dh, dvn, dh0,
     scale, T, NT: tl.constexpr,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    HAS_DO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -102,21 +102,19 @@ def state_bwd_kernel(
         b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
         b_ks = (b_k.to(tl.float32) * tl.exp(b_gl - b_g)[:, None]).to(b_k.dtype)
         b_dvn = tl.dot(b_ks, b_dh.to(b_k.dtype))
-        if HAS_DO:
-            p_dvl = dvl + (i_b * T * Hv + i_h) * V
-            b_dvn += tl.load(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
+        p_dvl = dvl + (i_b * T * Hv + i_h) * V
+        b_dvn += tl.load(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
         if STORE:
             p_dvn = dvn + (i_b * T * Hv + i_h) * V
             tl.store(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
         b_w = tl.load(p_w + o_r[:, None] * (Hv * K) + o_k[None, :])
         b_dh = b_dh * tl.exp(b_gl) - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype))
-        if HAS_DO:
-            p_q = q + (i_b * T * Hk + i_hk) * K
-            p_do = do + (i_b * T * Hv + i_h) * V
-            b_q = tl.load(p_q + o_r[:, None] * (Hk * K) + o_k[None, :])
-            b_qs = (b_q.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
-            b_do = tl.load(p_do + o_r[:, None] * (Hv * V) + o_v[None, :])
-            b_dh += tl.dot(tl.trans(b_qs), b_do.to(b_qs.dtype))
+        p_q = q + (i_b * T * Hk + i_hk) * K
+        p_do = do + (i_b * T * Hv + i_h) * V
+        b_q = tl.load(p_q + o_r[:, None] * (Hk * K) + o_k[None, :])
+        b_qs = (b_q.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
+        b_do = tl.load(p_do + o_r[:, None] * (Hv * V) + o_v[None, :])
+        b_dh += tl.dot(tl.trans(b_qs), b_do.to(b_qs.dtype))
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
 
@@ -154,8 +152,8 @@ def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.
     dh = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store else None
     dvn = torch.empty(B, T, Hv, V, device=dev, dtype=dvn_dtype) if store else None
     dh0 = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
-    blocks, opts = launch_config("state_bwd" if do is not None else "summary_state_bwd", V=V)
+    blocks, opts = launch_config("state_bwd", V=V)
     state_bwd_kernel[(V // blocks["BV"], B * Hv)](
         q, k, w, gc, do, dvl, dht, dh, dvn, dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-        HAS_DO=do is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, **blocks, **opts)
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, **blocks, **opts)
     return dh, dvn, dh0

@@ -77,7 +77,7 @@ def dqkwg_kernel(
     q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg,
     scale, T, NT, B,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DO: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -104,10 +104,9 @@ def dqkwg_kernel(
         b_dk += tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)))
         b_dw += tl.dot(b_dvn.to(b_vn.dtype), tl.trans(b_h.to(b_vn.dtype)))
         b_hdh += b_h.to(tl.float32) * b_dh.to(tl.float32)
-        if HAS_DO:
-            b_do = tl.load(do + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
-            b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)))
-            b_ds += tl.dot(b_do, tl.trans(b_vn.to(b_do.dtype)))
+        b_do = tl.load(do + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)))
+        b_ds += tl.dot(b_do, tl.trans(b_vn.to(b_do.dtype)))
 
     b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
     b_gl = tl.load(gc + (i_b * T + i_t * BT + BT - 1) * Hv + i_h)
@@ -116,16 +115,17 @@ def dqkwg_kernel(
     b_dk = b_dk * tl.exp(b_gl - b_g)[:, None]
     b_dgl = tl.sum(tl.sum(b_hdh, 1), 0) * tl.exp(b_gl) + tl.sum(tl.sum(b_dk * b_kf, 1), 0)
     b_dg = -tl.sum(b_dk * b_kf, 1)
-    if HAS_DO:
-        b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
-        b_qf = b_q.to(tl.float32)
-        b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
-        b_ds = tl.where(o_t[:, None] >= o_t[None, :], b_ds * tl.exp(b_g[:, None] - b_g[None, :]), 0.) * scale
-        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
-        b_dki = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q)
-        b_dk += b_dki
-        b_dg += tl.sum(b_dq * b_qf, 1) - tl.sum(b_dki * b_kf, 1)
-        tl.store(dq + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty))
+    b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_qf = b_q.to(tl.float32)
+    b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
+    b_ds = tl.where(o_t[:, None] >= o_t[None, :], b_ds * tl.exp(b_g[:, None] - b_g[None, :]), 0.) * scale
+    b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    # tl.trans of an MMA-layout tensor: miscompiled on Hopper (Triton 3.4-3.7.0) for some launch shapes; the
+    # configuration in launch.py is the one found reproducible (bench/determinism.py, --sweep)
+    b_dki = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q)
+    b_dk += b_dki
+    b_dg += tl.sum(b_dq * b_qf, 1) - tl.sum(b_dki * b_kf, 1)
+    tl.store(dq + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty))
     b_dg += tl.where(o_t == BT - 1, b_dgl, 0.)
     tl.store(dk + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dk)
     tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], -b_dw)
@@ -153,18 +153,16 @@ def dv_local(q, k, gc, do, scale, out_dtype=torch.float32):
 
 
 def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32):
-    """-> dq [B,T,Hv,K] (dq_dtype, or None), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] fp32, dg [B,T,Hv] fp32
-    (chunk-local)."""
+    """-> dq [B,T,Hv,K] (dq_dtype), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] fp32, dg [B,T,Hv] fp32 (chunk-local)."""
     B, T, Hk, K = k.shape
     Hv, V = vn.shape[2], vn.shape[3]
-    # without dO it is the summary's backward, which keeps the configuration its accuracy was validated with
-    blocks, opts = launch_config("dqkwg" if do is not None else "summary_dqkwg", K=K, V=V)
+    blocks, opts = launch_config("dqkwg", K=K, V=V)
     NK = K // blocks["BK"]
     dev = k.device
-    dq = torch.empty(B, T, Hv, K, device=dev, dtype=dq_dtype) if do is not None else None
+    dq = torch.empty(B, T, Hv, K, device=dev, dtype=dq_dtype)
     dk = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
     dw = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
     dg = torch.empty(NK, B, T, Hv, device=dev, dtype=torch.float32)
     dqkwg_kernel[(NK, T // BT, B * Hv)](q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg, scale, T, T // BT, B,
-                                        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, HAS_DO=do is not None, **blocks, **opts)
+                                        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, **blocks, **opts)
     return dq, dk, dw, dg.sum(0)

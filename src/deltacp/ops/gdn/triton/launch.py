@@ -12,11 +12,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "kkt_inv_diag": dict(num_warps=1),
     "tril_merge": dict(num_warps=2),
     "wu_fwd": dict(BK=32, BV=32, num_warps=4, num_stages=3),
-    # summary path (fp32 W, tf32x3): the configurations of its first GPU validation (summary grads <= 4.1e-3).
-    # With the main op's tuned wu_fwd/dqkwg (swept in tf32 only) its dbeta was 8.1e-3 (2026-12-02; which of the
-    # two is not known), so the tuning is not carried over until measured on this path.
+    # the summary's W (fp32, tf32x3 products): the block shape of its first GPU validation
     "summary_wu_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3),
-    "summary_dqkwg": dict(BK=128, BV=64, num_warps=8, num_stages=3),
     # wy_bwd, dqkwg: only configurations that are bitwise reproducible and (wy_bwd) match the fp64 WY backward;
     # on the H200 with Triton 3.6 several others race or miscompile (NOTES.md, 2026-12-02 third session)
     "wy_bwd": dict(BK=64, BV=64, num_warps=4, num_stages=1),
@@ -24,7 +21,6 @@ LAUNCH: dict[str, dict[str, int]] = {
     "state_bwd": dict(BV=32, num_warps=4, num_stages=3),
     # the summary's recurrence: fp32 operands (tf32x3 products) over the [M | S] state of width K + V
     "summary_state_fwd": dict(BV=32, num_warps=4, num_stages=2),
-    "summary_state_bwd": dict(BV=32, num_warps=4, num_stages=2),
     "o_fwd": dict(BV=128, num_warps=4, num_stages=3),
     "dv_local": dict(BV=128, num_warps=4, num_stages=2),
     "dqkwg": dict(BK=128, BV=64, num_warps=8, num_stages=3),
