@@ -244,7 +244,8 @@ def run_per_rank_cost(args):
     print(f"\nPer-rank cost on one GPU: hidden {D}, QK/V heads {Hk}/{Hv}, K=V={K}, {args.dtype}, backend "
           f"{args.backend}, B={B}; comm modelled with bw {args.bw_gbps} GB/s, latency {args.latency_us} us")
     print(f"{'CP':>3} {'global':>7} {'local':>6} | {'uly ms':>8} {'uly MiB':>8} {'uly GiB':>8} | {'p2p ms':>8} "
-          f"{'p2p MiB':>8} {'p2p GiB':>8} {'hop ms':>7} {'summ %':>6} {'p2p %':>6} | {'p2p/uly':>7} | {'model uly':>9} {'model p2p':>9}")
+          f"{'p2p MiB':>8} {'p2p GiB':>8} {'hop ms':>7} {'summ %':>6} {'p2p %':>6} | {'p2p/uly':>7} | "
+          f"{'model uly':>9} {'model p2p':>9}")
     for r in rows:
         print(f"{r['cp']:>3} {r['global_len']:>7} {r['local_len']:>6} | {r['ulysses_compute_ms']:>8.2f} "
               f"{r['ulysses_bytes'] / 2**20:>8.1f} {r['ulysses_peak_gib']:>8.2f} | {r['p2p_compute_ms']:>8.2f} "

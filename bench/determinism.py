@@ -1,6 +1,6 @@
-"""Bitwise reproducibility of the Triton GDN op: the same inputs twice in one process, outputs and gradients
-compared bit for bit, for the op, the state summary and p2p's dH_in pass. Every kernel writes each output element once (no
-atomics), so any difference is a race or a miscompile. Prints one line per tensor.
+"""Bitwise reproducibility of the Triton GDN kernels: the same inputs twice in one process, results compared bit
+for bit, for the op (outputs and gradients), the state summary and p2p's dH_in pass. Every kernel writes each
+output element once (no atomics), so any difference is a race or a miscompile. Prints one line per tensor.
 
     PYTHONPATH=src python bench/determinism.py --length 8192
 """

@@ -80,6 +80,26 @@ def test_gradient_summary_equals_autograd():
     (grad_total,) = torch.autograd.grad((o * d_o).sum() + (h_out * d_h_out).sum(), h_in, retain_graph=True)
     (grad_local,) = torch.autograd.grad((o * d_o).sum(), h_in)  # dS_local: from the outputs alone
     assert rel_l2(eager.summary_grad(m, d_h_out, grad_local), grad_total) < 1e-12
+    # p2p's dH_in pass: the same local part without any H_in (o is affine in H_in)
+    assert rel_l2(eager.initial_state_grad(q, k, v, g, beta, d_o, use_qk_l2norm_in_kernel=True), grad_local) < 1e-12
+
+
+def test_final_state_gradient_gives_what_the_summary_gradient_gives():
+    """p2p's backward: the local backward with dH_out on the final state yields the same input gradients as
+    autograd through H_out = M @ H_in + S (both forms differentiate the same function of k, v, g, beta)."""
+    q, k, v, g, beta, h0 = _inputs(T=130)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, h_out = eager.chunk_gated_delta_rule(*leaves, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+    d_o, d_h_out = torch.randn_like(o), torch.randn_like(h_out)
+    via_final_state = torch.autograd.grad((o * d_o).sum() + (h_out * d_h_out).sum(), leaves)
+    o2, _ = eager.chunk_gated_delta_rule(*leaves, initial_state=h0, use_qk_l2norm_in_kernel=True)
+    m, s = eager.state_summary(*leaves[1:], use_qk_l2norm_in_kernel=True)
+    via_summary = torch.autograd.grad((o2 * d_o).sum() + (eager.apply_summary(m, s, h0) * d_h_out).sum(), leaves,
+                                      allow_unused=True)
+    assert via_summary[0] is not None
+    for a, b in zip(via_final_state, via_summary):
+        assert rel_l2(a, b) < 1e-10
 
 
 def test_gradcheck_tiny():
