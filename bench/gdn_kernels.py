@@ -187,7 +187,8 @@ def time_stages(a):
         torch.cuda.reset_peak_memory_stats()
         ms = time_cuda(stages[name], warmup=a.warmup, repeat=a.repeat)["median_ms"]
         extra = (torch.cuda.max_memory_allocated() - base) / 2**30
-        diff = "" if ref is None else f"  max rel vs {a.time[0]}: {max_rel(out, ref):.1e}"
+        same_shapes = ref is not None and [t.shape for t in out] == [t.shape for t in ref]
+        diff = f"  max rel vs {a.time[0]}: {max_rel(out, ref):.1e}" if same_shapes else ""
         print(f"  {name:<20} {ms:8.3f} ms  peak +{extra:.2f} GiB{diff}")
         ref = out if ref is None else ref
 
@@ -247,8 +248,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="per-kernel time of fwd+bwd (deltacp, and FLA if installed)")
     p.add_argument("--sweep", action="store_true", help="launch-configuration sweep of --kernels")
     p.add_argument("--time", nargs="+", default=None, metavar="STAGE",
-                   help="median ms of these stages at their current configuration (the first is the reference "
-                        "for the printed difference), e.g. summary initial_state_grad")
+                   help="median ms of these stages at their current configuration (results of the same shapes "
+                        "as the first are compared with it), e.g. summary initial_state_grad")
     p.add_argument("--length", type=int, default=32768)
     p.add_argument("--hk", type=int, default=32)
     p.add_argument("--hv", type=int, default=32)
