@@ -160,6 +160,7 @@ def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
     k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
     return state_summary_fwd(k, v, g.float(), beta)
 
+
 @torch.no_grad()
 def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False):
     """d sum(o * grad_o) / dH0 [B, Hv, K, V] fp32: W (from the WY form), dVn_local, then the state backward
