@@ -34,7 +34,7 @@ def grid(**axes):
 
 
 # BV=16 with 8 warps: illegal memory access on the H200 (Triton 3.6, 2026-12-02), so not in the grid
-SUMMARY_STATE_GRID = (grid(BV=[16, 32, 64], num_warps=[4], num_stages=[1, 2])
+SUMMARY_STATE_GRID = (grid(BV=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 2, 3])
                       + grid(BV=[32, 64], num_warps=[8], num_stages=[1, 2]))
 CANDIDATES = {
     "state_fwd": grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
@@ -99,7 +99,9 @@ def make_stages(T, Hk, Hv):
     dvl = dv_local(q, k, gc, do, scale, out_dtype=lo)
     dh, dvn, _ = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=v.shape[3], need_dh0=True, dvn_dtype=lo)
     _, dk, dw, _ = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=lo)
-    s_gc, s_ai, s_w, s_u, s_x0 = C._summary_prep(k, v, g, beta)
+    prepared = C.prepare_chunks_fwd(k, v, g, beta)
+    s_w = C._summary_transition_w(k, v, beta, gc, ai)
+    s_x0 = torch.eye(k.shape[3], device=k.device).expand(*h0.shape[:2], k.shape[3], k.shape[3]).contiguous()
 
     refs = {"wy_bwd": lambda: wy_bwd_reference(k, v, beta, gc, dw, dvn, dk)}
     return {
@@ -117,7 +119,11 @@ def make_stages(T, Hk, Hv):
         "wy_bwd": lambda: wy_bwd(k, v, beta, gc, ai, dw, dvn, dk, dk_dtype=lo, dv_dtype=lo),
         "l2norm_qk": lambda: (C.l2norm(q), C.l2norm(k)),
         "summary_fwd": lambda: C.state_summary_fwd(k, v, g, beta),
-        "summary_state_fwd": lambda: state_fwd(k, s_w, s_u, s_gc, s_x0, store_h=False, store_vn=False,
+        # p2p's stages: the shared preparation, then the summary from it (M and S, or S alone as on rank 0)
+        "prepare": lambda: C.prepare_chunks_fwd(k, v, g, beta),
+        "summary_prepared": lambda: C.state_summary_fwd(k, v, None, beta, prepared=prepared),
+        "summary_s_only": lambda: C.state_summary_fwd(k, v, None, beta, prepared=prepared, need_transition=False),
+        "summary_state_fwd": lambda: state_fwd(k, s_w, None, gc, s_x0, store_h=False, store_vn=False,
                                                output_final_state=True, fp32_dot=True,
                                                dot_precision=C.SUMMARY_DOT_PRECISION),
     }, refs
@@ -126,6 +132,8 @@ def make_stages(T, Hk, Hv):
 def flat(out):
     if isinstance(out, torch.Tensor):
         return [out]
+    if hasattr(out, "__dataclass_fields__"):  # e.g. PreparedChunks: the tensors it holds
+        out = [getattr(out, f) for f in out.__dataclass_fields__]
     return [t for x in out if x is not None for t in flat(x)]
 
 

@@ -240,3 +240,29 @@ def test_repeated_runs_stable():
         torch.cuda.synchronize()
         mem.append(torch.cuda.memory_allocated())
     assert mem[-1] <= mem[1], f"allocated memory grew: {mem}"
+
+
+def test_prepared_chunks_change_no_number():
+    """p2p's staged path (one prepare_chunks shared by the summary, the output pass and the dH_in pass) gives
+    bitwise the numbers of the unstaged calls: output, final state, every gradient, dH0 from dO, (M, S)."""
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+
+    be = TritonGDNBackend()
+    q, k, v, g, beta, h0 = make_inputs(8192, 16, seed=11)
+    do, dht = torch.randn_like(v), torch.randn_like(h0)
+
+    def run(staged):
+        prepared = be.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True) if staged else None
+        with torch.no_grad():
+            m, s = be.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True, prepared=prepared)
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = be.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True, prepared=prepared)
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), xs)
+        saved = None if prepared is None else be.prepared_from_saved(prepared.tensors_for_backward())
+        dh0 = be.initial_state_grad(q, k, v, g, beta, do, use_qk_l2norm_in_kernel=True, prepared=saved)
+        return [m, s, o, ht, *grads, dh0]
+
+    names = ["M", "S", "o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO"]
+    unequal = [n for n, a, b in zip(names, run(False), run(True)) if not torch.equal(a, b)]
+    assert not unequal, f"staged path differs from unstaged in {unequal}"

@@ -184,6 +184,23 @@ assert RM.norm() > 0.2 * (Hv * K) ** 0.5, "M must not be negligible in this chec
 with torch.no_grad():
     M, S = state_summary(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True)
 errs += [t._rel(M, RM), t._rel(S, RS)]
+# p2p's staged path: one prepare_chunks shared by summary, output pass and dH_in pass changes no number
+from deltacp.ops.gdn.triton.chunk import PreparedChunks, prepare_chunks
+P = prepare_chunks(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True)
+with torch.no_grad():
+    M2, S2 = state_summary(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True, prepared=P)
+    M3, S3 = state_summary(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True, need_transition=False)
+assert M3 is None and torch.equal(S3, S) and torch.equal(M2, M) and torch.equal(S2, S), "summary from prepared"
+P = prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True)
+xs2 = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+o2, ht2 = chunk_gated_delta_rule(*xs2[:5], initial_state=xs2[5], output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, prepared=P)
+assert P.w is None and P.u is None, "the output pass consumes W and U"
+gr2 = torch.autograd.grad((o2 * do).sum() + (ht2 * dht).sum(), xs2)
+assert all(torch.equal(a, b) for a, b in zip([o2, ht2, *gr2], [o, ht, *gr])), "output pass from prepared"
+dh0_p = initial_state_grad(q, k, v, g, beta, do, use_qk_l2norm_in_kernel=True,
+                           prepared=PreparedChunks.from_saved(P.tensors_for_backward()))
+assert torch.equal(dh0_p, dh0_o), "dH_in pass from prepared"
 try:  # differentiating it must raise, not return a silent zero gradient
     state_summary(k.clone().requires_grad_(), v, gs_, bs_)
     raise SystemExit("state_summary accepted inputs that require grad")

@@ -1,9 +1,10 @@
 """State-P2P linear attention CP: every rank keeps all heads and its contiguous tokens; only the fp32
 state [B, H, K, V] travels, rank to rank.
 
-Forward on rank r: post the receive from r-1, compute the local summary (M, S) (skipped on the last
-rank, whose H_out nobody reads), on receipt send H_out = M @ H_in + S on at once, then compute the
-local outputs from H_in, and the local final state.
+Forward on rank r: post the receive from r-1, prepare the chunks (the backend's WY form, shared by the
+stages below), compute the local summary (M, S) (S alone on rank 0, none on the last rank, whose H_out
+nobody reads), on receipt send H_out = M @ H_in + S on at once, then compute the local outputs from H_in,
+and the local final state.
 
 Backward on rank r, in the node `_StateGradHop` that sits on the outputs (so it runs before the local GDN
 backward): dH_in_local, the entering state's gradient from the local outputs alone (one state-backward pass
@@ -30,20 +31,26 @@ class _StateGradHop(torch.autograd.Function):
     """Identity on o (and a sink for the final state ht); its backward is this rank's backward hop."""
 
     @staticmethod
-    def forward(ctx, o, ht, q, k, v, g, beta, m, passing: StatePassing, backend: GDNBackend):
+    def forward(ctx, o, ht, q, k, v, g, beta, m, prepared, passing: StatePassing, backend: GDNBackend):
         ctx.passing, ctx.backend = passing, backend
-        ctx.save_for_backward(q, k, v, g, beta, m)
+        ctx.state_shape = (v.shape[0], v.shape[2], k.shape[3], v.shape[3])
+        ctx.state_dtype = compute_dtype(v)
+        ctx.staged = prepared is not None
+        # the prepared tensors go through save_for_backward too, so that activation checkpointing frees them
+        ctx.save_for_backward(q, k, v, g, beta, m, *(prepared.tensors_for_backward() if ctx.staged else ()))
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, grad_o):
         passing: StatePassing = ctx.passing
-        q, k, v, g, beta, m = ctx.saved_tensors
+        q, k, v, g, beta, m, *staged = ctx.saved_tensors
         grad_state_in = grad_state_out = None
         if not passing.is_first:
-            grad_state_in = ctx.backend.initial_state_grad(q, k, v, g, beta, grad_o, use_qk_l2norm_in_kernel=True)
+            prepared = ctx.backend.prepared_from_saved(tuple(staged)) if ctx.staged else None
+            grad_state_in = ctx.backend.initial_state_grad(q, k, v, g, beta, grad_o, use_qk_l2norm_in_kernel=True,
+                                                           prepared=prepared)
         if not passing.is_last:
-            like = m.new_empty(*m.shape[:-1], v.shape[-1])
+            like = grad_o.new_empty(ctx.state_shape, dtype=ctx.state_dtype)
             grad_state_out = passing.post_recv(like, passing.rank + 1, "dH_out").wait()
             if grad_state_in is not None:
                 grad_state_in = summary_grad(m, grad_state_out, grad_state_in)
@@ -51,7 +58,7 @@ class _StateGradHop(torch.autograd.Function):
             passing._send(grad_state_in, passing.rank - 1, "dH_in")
             # Wait for the send when this backward pass ends, past the rest of the local backward compute.
             torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
-        return grad_o, grad_state_out, None, None, None, None, None, None, None, None
+        return grad_o, grad_state_out, None, None, None, None, None, None, None, None, None
 
 
 def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor) -> torch.Tensor:
@@ -77,6 +84,9 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
     q, k, v = split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim)
     g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="p2p")
+    # what the summary, the output pass and the dH_in pass would each build from k, v, g, beta (T, W, U), once
+    with torch.no_grad():
+        prepared = layer.backend.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True)
 
     if recompute:
         state_in, summary_m = passing.replay_states.popleft()
@@ -86,8 +96,10 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
             # no autograd: the gradient that would flow through (M, S) reaches k, v, g, beta through the local
             # GDN's final state instead (see _StateGradHop)
             with torch.no_grad(), torch.profiler.record_function("deltacp::p2p summary"):
-                summary_m, summary_s = layer.backend.state_summary(k.detach(), v.detach(), g.detach(),
-                                                                   beta.detach(), use_qk_l2norm_in_kernel=True)
+                # the first rank has no H_in: S alone
+                summary_m, summary_s = layer.backend.state_summary(
+                    k.detach(), v.detach(), g.detach(), beta.detach(), use_qk_l2norm_in_kernel=True,
+                    prepared=prepared, need_transition=not passing.is_first)
         state_in = None if recv is None else recv.wait()
         if not passing.is_last:
             h_out = summary_s if state_in is None else apply_summary(summary_m, summary_s, state_in)
@@ -98,7 +110,7 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
     with torch.profiler.record_function("deltacp::p2p output"):
         o, ht = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state_in,
                                                      output_final_state=grad_enabled and not passing.is_last,
-                                                     use_qk_l2norm_in_kernel=True)
+                                                     use_qk_l2norm_in_kernel=True, prepared=prepared)
     if not grad_enabled:
         return o
-    return _StateGradHop.apply(o, ht, q, k, v, g, beta, summary_m, passing, layer.backend)
+    return _StateGradHop.apply(o, ht, q, k, v, g, beta, summary_m, prepared, passing, layer.backend)

@@ -14,16 +14,24 @@ A backend offers these operations; the CP modes are built from them and never se
 never see ranks:
 
     chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel) -> (o, final_state | None)          (differentiable)
+                           use_qk_l2norm_in_kernel, prepared) -> (o, final_state | None)     (differentiable)
         The whole local GDN, optionally from an entering state (ulysses: H_in = None; p2p and
         all_gather: H_in from the previous rank, with gradient flowing back into it).
 
-    state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel) -> (M, S)
-        The affine effect of the local segment on the entering state (SPEC section 2). p2p uses its value
-        only; all_gather differentiates it (eager backend; the Triton one is forward-only and raises if
+    prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel) -> prepared | None
+        SPEC section 4's "prepare" stage: what the summary, the output pass and the dH_in pass of one p2p step
+        would each compute from k, v, g, beta alone (Triton: gate cumsum, T = (I + A)^-1, W, U), computed
+        once without autograd and passed as `prepared=` to those three calls on the same inputs. None: the
+        backend stages nothing (eager). Opaque to CP modes but for `prepared.tensors_for_backward()` (what the
+        dH_in pass needs, to go through save_for_backward) and `backend.prepared_from_saved(tensors)`.
+
+    state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel, prepared, need_transition) -> (M | None, S)
+        The affine effect of the local segment on the entering state (SPEC section 2); M is None when
+        need_transition=False (the first rank, which has no entering state). p2p uses its value only;
+        all_gather differentiates it (eager backend; the Triton one is forward-only and raises if
         differentiated).
 
-    initial_state_grad(q, k, v, g, beta, grad_o, *, scale, use_qk_l2norm_in_kernel) -> dH0
+    initial_state_grad(q, k, v, g, beta, grad_o, *, scale, use_qk_l2norm_in_kernel, prepared) -> dH0
         The entering state's gradient from the outputs alone, d sum(o * grad_o) / dH0 (o is affine in H0
         with a coefficient that does not depend on H0, so no H0 is needed). p2p needs it before dH_out
         arrives: dH_in = Mᵀ dH_out + dH0.
@@ -34,7 +42,7 @@ Composition and application of summaries are tiny K x K matmuls shared by all ba
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -62,7 +70,15 @@ class GDNBackend(Protocol):
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
         use_qk_l2norm_in_kernel: bool = False,
+        prepared: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def prepare_chunks(
+        self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+        use_qk_l2norm_in_kernel: bool = False,
+    ) -> Any: ...
+
+    def prepared_from_saved(self, tensors: tuple[torch.Tensor, ...]) -> Any: ...
 
     def state_summary(
         self,
@@ -72,7 +88,9 @@ class GDNBackend(Protocol):
         beta: torch.Tensor,
         *,
         use_qk_l2norm_in_kernel: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        prepared: Any = None,
+        need_transition: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]: ...
 
     def initial_state_grad(
         self,
@@ -85,6 +103,7 @@ class GDNBackend(Protocol):
         *,
         scale: float | None = None,
         use_qk_l2norm_in_kernel: bool = False,
+        prepared: Any = None,
     ) -> torch.Tensor: ...
 
 

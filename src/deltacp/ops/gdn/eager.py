@@ -166,11 +166,27 @@ class EagerGDNBackend:
         if v.shape[-2] % k.shape[-2]:
             raise ValueError(f"value heads ({v.shape[-2]}) must be a multiple of key heads ({k.shape[-2]})")
 
-    def chunk_gated_delta_rule(self, q, k, v, g, beta, **kwargs):
+    def chunk_gated_delta_rule(self, q, k, v, g, beta, *, prepared=None, **kwargs):
+        _no_prepared(prepared)
         return chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
 
-    def state_summary(self, k, v, g, beta, **kwargs):
-        return state_summary(k, v, g, beta, **kwargs)
+    def prepare_chunks(self, k, v, g, beta, **kwargs):
+        return None  # nothing staged: each eager call computes what it needs
 
-    def initial_state_grad(self, q, k, v, g, beta, grad_o, **kwargs):
+    def prepared_from_saved(self, tensors):
+        raise TypeError("the eager GDN backend stages nothing (prepare_chunks returns None)")
+
+    def state_summary(self, k, v, g, beta, *, prepared=None, need_transition=True, **kwargs):
+        _no_prepared(prepared)
+        m, s = state_summary(k, v, g, beta, **kwargs)
+        return (m if need_transition else None), s
+
+    def initial_state_grad(self, q, k, v, g, beta, grad_o, *, prepared=None, **kwargs):
+        _no_prepared(prepared)
         return initial_state_grad(q, k, v, g, beta, grad_o, **kwargs)
+
+
+def _no_prepared(prepared) -> None:
+    if prepared is not None:
+        raise TypeError(f"the eager GDN backend takes no prepared chunks (got {type(prepared).__name__}); "
+                        "they come from another backend's prepare_chunks")

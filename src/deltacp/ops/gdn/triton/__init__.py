@@ -24,23 +24,35 @@ class TritonGDNBackend:
         check_triton_contract(q, k, v, g, beta, mode=mode)
 
     def chunk_gated_delta_rule(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False):
+                               use_qk_l2norm_in_kernel=False, prepared=None):
         from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule
 
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                       output_final_state=output_final_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared)
 
-    def state_summary(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
+    def prepare_chunks(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
+        from deltacp.ops.gdn.triton.chunk import prepare_chunks
+
+        return prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    def state_summary(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared=None, need_transition=True):
         from deltacp.ops.gdn.triton.chunk import state_summary
 
-        return state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared,
+                             need_transition=need_transition)
 
-    def initial_state_grad(self, q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False):
+    def initial_state_grad(self, q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False,
+                           prepared=None):
         from deltacp.ops.gdn.triton.chunk import initial_state_grad
 
         return initial_state_grad(q, k, v, g, beta, grad_o, scale=scale,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared)
+
+    def prepared_from_saved(self, tensors):
+        from deltacp.ops.gdn.triton.chunk import PreparedChunks
+
+        return PreparedChunks.from_saved(tensors)
 
 
 __all__ = ["TritonGDNBackend", "check_triton_contract"]

@@ -13,6 +13,7 @@ outside the core Function: padded tokens have k = v = q = 0, beta = 0, g = 0, wh
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
 from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
 from deltacp.ops.gdn.triton.l2norm import l2norm
-from deltacp.ops.gdn.triton.wy import BT, wu_fwd, wy_bwd, wy_fwd
+from deltacp.ops.gdn.triton.wy import BT, wu_fwd, wy_bwd, wy_fwd, wy_inverse
 
 
 def chunk_cumsum(g: torch.Tensor) -> torch.Tensor:
@@ -41,10 +42,47 @@ def _reduce_heads(dx: torch.Tensor, Hk: int) -> torch.Tensor:
     return dx.view(B, T, Hk, Hv // Hk, K).sum(3) if Hv != Hk else dx
 
 
-def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state):
+@dataclass
+class PreparedChunks:
+    """The part of the forward that neither the entering state nor autograd touches, built once per p2p step
+    and shared by its stages (summary, output pass, dH_in pass) instead of each rebuilding the WY form.
+
+    Computed without autograd from the (l2-normalised, padded) k and the padded v, g, beta. The output pass
+    consumes W and U (sets them to None); gc and T stay for the dH_in pass and are the tensors the output
+    pass's backward saves anyway (no extra memory)."""
+
+    k: torch.Tensor | None  # normalised k (the summary's recurrences read it), dropped after the summary
+    gc: torch.Tensor  # [B, Tp, Hv] chunk-local gate cumsum, fp32
+    ai: torch.Tensor  # [B, Tp, Hv, 64] T = (I + A)^-1, fp32
+    w: torch.Tensor | None  # [B, Tp, Hv, K] in the input dtype
+    u: torch.Tensor | None  # [B, Tp, Hv, V]
+
+    def tensors_for_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gc, self.ai
+
+    @classmethod
+    def from_saved(cls, tensors) -> PreparedChunks:
+        gc, ai = tensors
+        return cls(None, gc, ai, None, None)
+
+    def check_matches(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, Tp, Hv = v.shape[:3]
+        if self.ai.shape[:3] != (B, Tp, Hv) or self.ai.device != k.device:
+            raise ValueError(f"prepared chunks of shape {tuple(self.ai.shape[:3])} on {self.ai.device} do not "
+                             f"belong to inputs of shape {(B, Tp, Hv)} on {k.device}")
+
+
+def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared: PreparedChunks | None = None):
     """-> o, final state, and what the backward keeps: the chunk-local gate cumsum gc and T = (I + A)^-1."""
-    gc = chunk_cumsum(g)
-    ai, w, u = wy_fwd(k, v, beta, gc)
+    if prepared is None:
+        gc = chunk_cumsum(g)
+        ai, w, u = wy_fwd(k, v, beta, gc)
+    else:
+        prepared.check_matches(k, v)
+        gc, ai, w, u = prepared.gc, prepared.ai, prepared.w, prepared.u
+        if w is None:  # already consumed by another output pass
+            w, u = wu_fwd(k, v, beta, gc, ai)
+        prepared.w = prepared.u = None
     h, vn, ht = state_fwd(k, w, u, gc, h0, output_final_state=output_final_state)
     o = o_fwd(q, k, vn, h, gc, scale)
     return o, ht, gc, ai
@@ -71,8 +109,8 @@ def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht):
 
 class ChunkGDNFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state):
-        o, ht, gc, ai = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state)
+    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, prepared=None):
+        o, ht, gc, ai = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared)
         # T (fp32, [B, T, Hv, 64]) is kept: recomputing it (the 16x16 inverses and their merge) costs more
         # than reading it back, and the backward then rebuilds W, U exactly as the forward did.
         ctx.save_for_backward(q, k, v, gc, beta, ai, h0)
@@ -86,7 +124,7 @@ class ChunkGDNFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, gc, beta, ai, ctx.scale, h0, do.contiguous(),
                                                    None if dht is None else dht.contiguous().float())
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None,
-                None if dh0 is None else dh0.to(h0.dtype), None)
+                None if dh0 is None else dh0.to(h0.dtype), None, None)
 
 
 # Product precision of the summary's fp32 state recurrence and W. tf32 truncates operands, a bias that adds
@@ -98,25 +136,39 @@ if SUMMARY_DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
     raise ValueError(f"DELTACP_SUMMARY_DOT_PRECISION={SUMMARY_DOT_PRECISION!r}; expected tf32, tf32x3 or ieee")
 
 
-def _summary_prep(k, v, g, beta):
-    B, T, Hk, K = k.shape
-    Hv, V = v.shape[2], v.shape[3]
-    gc = chunk_cumsum(g)
-    # W in fp32: M is a product of per-chunk factors (I - K~^T W); bf16 W costs ~2e-2 rel-L2 on M at 8K tokens
-    ai, w, u = wy_fwd(k, v, beta, gc, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION)
-    # extended state [M | S] of width K + V: U_ext = [0 | U], X_0 = [I | 0]
-    u_ext = torch.cat([torch.zeros(B, T, Hv, K, device=k.device, dtype=u.dtype), u], dim=-1)
-    x0 = torch.zeros(B, Hv, K, K + V, device=k.device, dtype=torch.float32)
-    x0[..., :K] = torch.eye(K, device=k.device)
-    return gc, ai, w, u_ext, x0
+def _summary_transition_w(k, v, beta, gc, ai):
+    """W in fp32 with SUMMARY_DOT_PRECISION products, for M: M is a product of per-chunk factors (I - K~^T W)
+    that cancel strongly; bf16 W costs ~2e-2 rel-L2 on M at 8K tokens."""
+    w, _ = wu_fwd(k, v, beta, gc, ai, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION, need_u=False)
+    return w
 
 
-def state_summary_fwd(k, v, g, beta):
+def state_summary_fwd(k, v, g, beta, prepared: PreparedChunks | None = None, need_transition: bool = True):
+    """(M or None, S) of padded, normalised inputs. S is the final state from a zero entering state, by the
+    output pass's own bf16 recurrence (and the same W, U); M = the final state from I with values 0, an fp32
+    recurrence of width K with SUMMARY_DOT_PRECISION products."""
+    if prepared is None:
+        prepared = prepare_chunks_fwd(k, v, g, beta)
+    else:
+        prepared.check_matches(k, v)
+    _, _, s = state_fwd(k, prepared.w, prepared.u, prepared.gc, None, store_h=False, store_vn=False,
+                        output_final_state=True)
+    if not need_transition:
+        return None, s
+    B, _, Hv, _ = v.shape
     K = k.shape[3]
-    gc, ai, w, u_ext, x0 = _summary_prep(k, v, g, beta)
-    _, _, xt = state_fwd(k, w, u_ext, gc, x0, store_h=False, store_vn=False, output_final_state=True,
-                         fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION)
-    return xt[..., :K].contiguous(), xt[..., K:].contiguous()
+    w32 = _summary_transition_w(k, v, beta, prepared.gc, prepared.ai)
+    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, Hv, K, K).contiguous()
+    _, _, m = state_fwd(k, w32, None, prepared.gc, eye, store_h=False, store_vn=False, output_final_state=True,
+                        fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION)
+    return m, s
+
+
+def prepare_chunks_fwd(k, v, g, beta) -> PreparedChunks:
+    gc = chunk_cumsum(g.float())
+    ai = wy_inverse(k, beta, gc, v.shape[2])
+    w, u = wu_fwd(k, v, beta, gc, ai)
+    return PreparedChunks(k, gc, ai, w, u)
 
 
 def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:
@@ -127,8 +179,11 @@ def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False):
-    """o [B, T, Hv, V] (dtype of v), final state [B, Hv, K, V] fp32 or None."""
+                           use_qk_l2norm_in_kernel=False, prepared: PreparedChunks | None = None):
+    """o [B, T, Hv, V] (dtype of v), final state [B, Hv, K, V] fp32 or None.
+
+    prepared: from `prepare_chunks` on the same k, v, g, beta: its T, W, U are used instead of rebuilt (W, U are
+    consumed)."""
     T, K = q.shape[1], q.shape[3]
     if scale is None:
         scale = K ** -0.5
@@ -137,15 +192,28 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     pad = (-T) % BT
     q, k, v, g, beta = (_pad_t(x, pad) for x in (q, k, v, g, beta))
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht = ChunkGDNFunction.apply(q, k, v, g.float(), beta, float(scale), h0, output_final_state)
+    o, ht = ChunkGDNFunction.apply(q, k, v, g.float(), beta, float(scale), h0, output_final_state, prepared)
     if pad:
         o = o[:, :T]
     return o, ht
 
 
-def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
-    """(M [B, Hv, K, K], S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment. Forward only.
+@torch.no_grad()
+def prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel=False) -> PreparedChunks:
+    """The stage before the summary: normalised k, gate cumsum, T = (I + A)^-1, W, U (no autograd)."""
+    if use_qk_l2norm_in_kernel:
+        k = l2norm(k)
+    pad = (-k.shape[1]) % BT
+    k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
+    return prepare_chunks_fwd(k, v, g, beta)
 
+
+def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared: PreparedChunks | None = None,
+                  need_transition=True):
+    """(M [B, Hv, K, K] or None, S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment. Forward only.
+
+    need_transition=False: M is not computed (the first rank has no H_in). prepared: from `prepare_chunks`
+    on the same inputs (its normalised k is then used and released).
     p2p needs no gradient through the summary (the local GDN backward with dH_out gives it, see
     parallel/p2p.py), so this backend has none: differentiating it raises instead of returning a silent zero.
     (Its former backward, an fp32 recurrence over [M | S] of width K + V, cost twice the forward and reached
@@ -153,18 +221,24 @@ def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
     if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
         raise RuntimeError("the Triton GDN backend's state_summary has no backward; call it under torch.no_grad() "
                            "or on detached inputs (backend='eager' differentiates it)")
-    T = k.shape[1]
-    if use_qk_l2norm_in_kernel:
-        k = l2norm(k)
-    pad = (-T) % BT
-    k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
-    return state_summary_fwd(k, v, g.float(), beta)
+    with torch.no_grad():
+        if prepared is None:
+            prepared = prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        kn = prepared.k
+        if kn is None:
+            raise ValueError("prepared chunks already used by a summary (their normalised k was released)")
+        prepared.k = None
+        pad = (-v.shape[1]) % BT
+        v, beta = _pad_t(v, pad), _pad_t(beta, pad)
+        return state_summary_fwd(kn, v, None, beta, prepared=prepared, need_transition=need_transition)
 
 
 @torch.no_grad()
-def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False):
+def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False,
+                       prepared: PreparedChunks | None = None):
     """d sum(o * grad_o) / dH0 [B, Hv, K, V] fp32: W (from the WY form), dVn_local, then the state backward
-    with nothing stored but dH0 (the rest of the backward needs dH_out, which p2p does not have yet)."""
+    with nothing stored but dH0 (the rest of the backward needs dH_out, which p2p does not have yet).
+    prepared: its gc and T are used instead of rebuilt (only W is computed)."""
     T, K, V = q.shape[1], q.shape[3], v.shape[3]
     if scale is None:
         scale = K ** -0.5
@@ -172,8 +246,13 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         q, k = l2norm(q), l2norm(k)
     pad = (-T) % BT
     q, k, v, g, beta, do = (_pad_t(x, pad) for x in (q, k, v, g, beta, grad_o))
-    gc = chunk_cumsum(g.float())
-    _, w, _ = wy_fwd(k, v, beta, gc)
+    if prepared is None:
+        gc = chunk_cumsum(g.float())
+        _, w, _ = wy_fwd(k, v, beta, gc, need_u=False)
+    else:
+        prepared.check_matches(k, v)
+        gc = prepared.gc
+        w, _ = wu_fwd(k, v, beta, gc, prepared.ai, need_u=False)
     dvl = dv_local(q, k, gc, do, scale, out_dtype=v.dtype)
     _, _, dh0 = state_bwd(q, k, w, gc, do, dvl, None, scale=scale, V=V, need_dh0=True, store=False)
     return dh0

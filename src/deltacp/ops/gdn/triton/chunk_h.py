@@ -25,7 +25,7 @@ def state_fwd_kernel(
     k, w, u, gc, h0, h, vn, ht,
     T, NT: tl.constexpr,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
+    USE_H0: tl.constexpr, USE_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
     STORE_HT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -52,8 +52,9 @@ def state_fwd_kernel(
             b_vn = -tl.dot(b_w.to(tl.float32), b_h, input_precision=DOT_PREC)
         else:
             b_vn = -tl.dot(b_w, b_h.to(b_w.dtype))
-        p_u = u + (i_b * T * Hv + i_h) * V
-        b_vn += tl.load(p_u + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
+        if USE_U:  # U = 0 for the transition M (values 0, entering state I)
+            p_u = u + (i_b * T * Hv + i_h) * V
+            b_vn += tl.load(p_u + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
         if STORE_VN:
             p_vn = vn + (i_b * T * Hv + i_h) * V
             tl.store(p_vn + o_r[:, None] * (Hv * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty))
@@ -123,20 +124,21 @@ def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final
               dot_precision="tf32"):
     """-> h [B,NT,Hv,K,V] (or None), vn [B,T,Hv,V] (or None), ht [B,Hv,K,V] fp32 (or None).
 
+    u None: values U = 0 (state width V from h0), the recurrence of the transition M from h0 = I.
     fp32_dot: fp32-operand products (`dot_precision`: tf32 or tf32x3) on the fp32 state, for the summary's M,
     which cancels strongly (bf16 operands cost ~1.5e-2 rel-L2 on M at 8K tokens)."""
     B, T, Hk, K = k.shape
     Hv = w.shape[2]
-    V = u.shape[3]
+    V = h0.shape[3] if u is None else u.shape[3]
     NT = T // BT
     dev = k.device
     h = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store_h else None
-    vn = torch.empty(B, T, Hv, V, device=dev, dtype=u.dtype) if store_vn else None
+    vn = torch.empty(B, T, Hv, V, device=dev, dtype=w.dtype if u is None else u.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V)
     state_fwd_kernel[(V // blocks["BV"], B * Hv)](
         k, w, u, gc, h0, h, vn, ht, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-        USE_H0=h0 is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
+        USE_H0=h0 is not None, USE_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
         FP32_DOT=fp32_dot, DOT_PREC=dot_precision, **blocks, **opts)
     return h, vn, ht
 

@@ -161,9 +161,10 @@ def wu_fwd_kernel(
     k, v, beta, gc, ai, w, u,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, DO_U: tl.constexpr,
 ):
-    """W = T (beta e^g K), U = T (beta V) with the full 64x64 T (fp32 operands, DOT_PREC products)."""
+    """W = T (beta e^g K), U = T (beta V) (U only if DO_U) with the full 64x64 T (fp32 operands, DOT_PREC
+    products)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -176,10 +177,11 @@ def wu_fwd_kernel(
         b_k = _load_rows(k + (i_b * T * Hk + i_hk) * K + i_k * BK, t0, Hk * K, BT, BK).to(tl.float32)
         b_w = tl.dot(b_T, b_k * b_s[:, None], input_precision=DOT_PREC)
         _store_rows(w + (i_b * T * Hv + i_h) * K + i_k * BK, t0, Hv * K, b_w, BT, BK)
-    for i_v in range(V // BV):
-        b_v = _load_rows(v + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
-        b_u = tl.dot(b_T, b_v * b_b[:, None], input_precision=DOT_PREC)
-        _store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
+    if DO_U:
+        for i_v in range(V // BV):
+            b_v = _load_rows(v + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
+            b_u = tl.dot(b_T, b_v * b_b[:, None], input_precision=DOT_PREC)
+            _store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
 
 
 @triton.jit
@@ -262,29 +264,34 @@ def wy_bwd_kernel(
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor,
-           w_dtype: torch.dtype | None = None, dot_precision: str = "tf32"):
-    """-> ai [B,T,Hv,BT] fp32, w [B,T,Hv,K] (dtype of k unless w_dtype), u [B,T,Hv,V]."""
+           w_dtype: torch.dtype | None = None, dot_precision: str = "tf32", need_u: bool = True):
+    """-> ai [B,T,Hv,BT] fp32, w [B,T,Hv,K] (dtype of k unless w_dtype), u [B,T,Hv,V] (None unless need_u)."""
+    ai = wy_inverse(k, beta, gc, v.shape[2])
+    w, u = wu_fwd(k, v, beta, gc, ai, w_dtype=w_dtype, dot_precision=dot_precision, need_u=need_u)
+    return ai, w, u
+
+
+def wy_inverse(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Hv: int) -> torch.Tensor:
+    """T = (I + A)^-1 per chunk -> ai [B,T,Hv,BT] fp32 (rows of each chunk's T, upper part zero)."""
     B, T, Hk, K = k.shape
-    Hv = v.shape[2]
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
     _, opts = launch_config("kkt_inv_diag")
     kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
     _, opts = launch_config("tril_merge")
     tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
-    w, u = wu_fwd(k, v, beta, gc, ai, w_dtype=w_dtype, dot_precision=dot_precision)
-    return ai, w, u
+    return ai
 
 
-def wu_fwd(k, v, beta, gc, ai, w_dtype=None, dot_precision="tf32"):
-    """W, U from a T already computed (the forward keeps T for the backward)."""
+def wu_fwd(k, v, beta, gc, ai, w_dtype=None, dot_precision="tf32", need_u=True):
+    """W, U from a T already computed (the forward keeps T for the backward); U is None unless need_u."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, Hv, K, device=k.device, dtype=w_dtype or k.dtype)
-    u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
+    u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype) if need_u else None
     # the summary (fp32 W, tf32x3 products) keeps the block shape its accuracy was validated with
     blocks, opts = launch_config("wu_fwd" if dot_precision == "tf32" else "summary_wu_fwd", K=K, V=V)
     wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-                                     DOT_PREC=dot_precision, **blocks, **opts)
+                                     DOT_PREC=dot_precision, DO_U=need_u, **blocks, **opts)
     return w, u
 
 
