@@ -35,9 +35,13 @@ class _StateGradHop(torch.autograd.Function):
         ctx.passing, ctx.backend = passing, backend
         ctx.state_shape = (v.shape[0], v.shape[2], k.shape[3], v.shape[3])
         ctx.state_dtype = compute_dtype(v)
-        ctx.staged = prepared is not None
-        # the prepared tensors go through save_for_backward too, so that activation checkpointing frees them
-        ctx.save_for_backward(q, k, v, g, beta, m, *(prepared.tensors_for_backward() if ctx.staged else ()))
+        ctx.staged = prepared is not None and not passing.is_first
+        # only ranks with an entering state run the dH_in pass; what it needs goes through save_for_backward
+        # (the prepared tensors too), so that activation checkpointing frees it
+        if passing.is_first:
+            ctx.save_for_backward(None, None, None, None, None, None)
+        else:
+            ctx.save_for_backward(q, k, v, g, beta, m, *(prepared.tensors_for_backward() if ctx.staged else ()))
         return o.view_as(o)
 
     @staticmethod
@@ -81,7 +85,9 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
                                  passing.rank - 1, "H_in")
 
     x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group)
-    q, k, v = split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim)
+    # contiguous once here: the backend's saves (l2norm input, the op's v) and _StateGradHop's then share these
+    # tensors instead of the hop's views keeping the whole conv output alive through the backward
+    q, k, v = (t.contiguous() for t in split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim))
     g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="p2p")
     # what the summary, the output pass and the dH_in pass would each build from k, v, g, beta (T, W, U), once
