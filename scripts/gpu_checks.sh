@@ -4,12 +4,13 @@
 #   bash scripts/gpu_checks.sh tests   bitwise reproducibility, GPU op tests (8K-32K), CP triton tests (about 5 min)
 #   bash scripts/gpu_checks.sh quick   the same with the op tests cut to the summary cases   (about 3 minutes)
 #   bash scripts/gpu_checks.sh op      op bench 8K-64K (+ FLA when its wheels are in .whl/; FLA autotunes about
-#                                      a minute per length), summary time, long-memory accuracy  (about 6 minutes)
+#                                      a minute per length), p2p stage times, long-memory accuracy (about 6 minutes)
 #   bash scripts/gpu_checks.sh cp      per-rank cost, 2-rank CP job + p2p trace, model step    (about 5 minutes)
+#   bash scripts/gpu_checks.sh ncu     Nsight Compute of the three backward kernels at 32K      (about 1 minute)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|op|cp) ;; *) echo "usage: $0 tests|quick|op|cp" >&2; exit 2 ;; esac
+case "$part" in tests|quick|op|cp|ncu) ;; *) echo "usage: $0 tests|quick|op|cp|ncu" >&2; exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -34,10 +35,18 @@ fi
 if [ "$part" = op ]; then
 step "op bench" 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
   2>&1 | tee "$OUT/op_bench.log" | grep -vE "^\[transformers\]|^\{"
-step "summary time" 120 python bench/gdn_kernels.py --time summary initial_state_grad wy_bwd --length 16384 \
+step "stage times" 120 python bench/gdn_kernels.py --time prepare summary_prepared summary_s_only summary_state_fwd \
+  initial_state_grad wy_bwd --length 16384 \
   2>&1 | tee "$OUT/summary_time.log" | grep -vE "^\[transformers\]"
 step "long-memory accuracy" 90 python bench/long_memory_accuracy.py --lengths 8192 32768 \
   2>&1 | tee "$OUT/long_memory.log" | grep -vE "^\[transformers\]"
+exit 0
+fi
+if [ "$part" = ncu ]; then
+step "ncu" 150 ncu --kernel-name regex:"wy_bwd_kernel|dqkwg_kernel|state_bwd_kernel" --launch-count 3 \
+  --section SpeedOfLight --section Occupancy --section LaunchStats \
+  python bench/gdn_kernels.py --time wy_bwd --length 32768 --warmup 0 --repeat 1 2>&1 | tee "$OUT/ncu.log" \
+  | grep -E "_kernel|Throughput|Duration|Registers|Occupancy|Block Limit|Shared Memory Per|Waves|ERR"
 exit 0
 fi
 step "per-rank cost" 150 python bench/cp_layer.py --per-rank-cost --cp 4 8 --global-len 32768 131072 \
