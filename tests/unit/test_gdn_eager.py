@@ -117,3 +117,20 @@ def test_gradcheck_tiny():
         return eager.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
 
     assert torch.autograd.gradcheck(summary, args[1:5], eps=1e-6, atol=1e-7)
+
+
+def test_eager_backend_stage_contract():
+    """The eager backend stages nothing: prepare_chunks is None, need_transition=False drops M only, and a
+    prepared object from another backend is refused rather than ignored."""
+    q, k, v, g, beta, _ = _inputs(T=128)
+    be = eager.EagerGDNBackend()
+    assert be.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True) is None
+    m, s = be.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    m0, s0 = be.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True, need_transition=False)
+    assert m0 is None and m is not None and torch.equal(s0, s)
+    with pytest.raises(TypeError, match="no prepared chunks"):
+        be.chunk_gated_delta_rule(q, k, v, g, beta, prepared=object())
+    with pytest.raises(TypeError, match="no prepared chunks"):
+        be.state_summary(k, v, g, beta, prepared=object())
+    with pytest.raises(TypeError, match="no prepared chunks"):
+        be.initial_state_grad(q, k, v, g, beta, torch.randn_like(v), prepared=object())

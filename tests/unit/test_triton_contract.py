@@ -191,6 +191,11 @@ with torch.no_grad():
     M2, S2 = state_summary(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True, prepared=P)
     M3, S3 = state_summary(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True, need_transition=False)
 assert M3 is None and torch.equal(S3, S) and torch.equal(M2, M) and torch.equal(S2, S), "summary from prepared"
+try:  # the summary releases the prepared normalised k: a second summary from it must say so
+    state_summary(k, v, gs_, bs_, use_qk_l2norm_in_kernel=True, prepared=P)
+    raise SystemExit("a second summary from the same prepared chunks was accepted")
+except ValueError as e:
+    assert "already used" in str(e), e
 P = prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True)
 xs2 = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
 o2, ht2 = chunk_gated_delta_rule(*xs2[:5], initial_state=xs2[5], output_final_state=True,
