@@ -151,8 +151,10 @@ def state_summary_fwd(k, v, g, beta, prepared: PreparedChunks | None = None, nee
         prepared = prepare_chunks_fwd(k, v, g, beta)
     else:
         prepared.check_matches(k, v)
-    _, _, s = state_fwd(k, prepared.w, prepared.u, prepared.gc, None, store_h=False, store_vn=False,
-                        output_final_state=True)
+    w, u = prepared.w, prepared.u
+    if w is None:  # an output pass consumed them already
+        w, u = wu_fwd(k, v, beta, prepared.gc, prepared.ai)
+    _, _, s = state_fwd(k, w, u, prepared.gc, None, store_h=False, store_vn=False, output_final_state=True)
     if not need_transition:
         return None, s
     B, _, Hv, _ = v.shape
