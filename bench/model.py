@@ -14,6 +14,7 @@ tokens/s over the global batch; peak allocated memory (max over ranks). Prints a
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -45,6 +46,10 @@ def bench_step(args, layers: int, mode: str, checkpointing: bool, mesh, device) 
     from deltacp.testing.gates import long_memory_gates_
     from deltacp.train.trainer import apply_activation_checkpointing
 
+    # what an earlier configuration left allocated would count in this one's peak: free it, and report it
+    gc.collect()
+    torch.cuda.empty_cache()
+    start_gib = max_over_ranks(torch.cuda.memory_allocated() / 2**30)
     torch.manual_seed(0)
     with torch.device(device):
         model = long_memory_gates_(Qwen3_5ForCausalLM(model_config(layers, args.vocab)))
@@ -68,10 +73,11 @@ def bench_step(args, layers: int, mode: str, checkpointing: bool, mesh, device) 
 
     stats = time_cuda(step, warmup=args.warmup, repeat=args.repeat, barrier=dist.barrier)
     peak = max_over_ranks(stats["peak_gib"])
-    del model, optimizer
+    del model, optimizer, step
+    gc.collect()  # FSDP modules hold reference cycles: without a collection their memory outlives the step
     torch.cuda.empty_cache()
     return dict(bench="model", layers=layers, mode=mode, backend=args.backend, checkpointing=checkpointing, cp=world,
-                local_len=args.local_len, global_len=args.local_len * world, **stats, peak_gib_max=peak,
+                local_len=args.local_len, global_len=args.local_len * world, **stats, peak_gib_max=peak, start_gib=start_gib,
                 tokens_per_s=args.local_len * world / (stats["median_ms"] / 1e3))
 
 
@@ -114,11 +120,11 @@ def main():
         if dist.get_rank() == 0:
             print(f"\nFSDP+CP{world} model step (fwd+bwd+AdamW), local {args.local_len} tokens, backend {args.backend}")
             print(f"{'layers':>6} {'AC':>4} {'mode':<8} {'median ms':>10} {'min ms':>8} {'p90 ms':>8} {'tokens/s':>10} "
-                  f"{'peak GiB':>9}")
+                  f"{'peak GiB':>9} {'start GiB':>9}")
             for r in rows:
                 print(f"{r['layers']:>6} {'full' if r['checkpointing'] else 'off':>4} {r['mode']:<8} "
                       f"{r['median_ms']:>10.1f} {r['min_ms']:>8.1f} {r['p90_ms']:>8.1f} {r['tokens_per_s']:>10.0f} "
-                      f"{r['peak_gib_max']:>9.2f}")
+                      f"{r['peak_gib_max']:>9.2f} {r['start_gib']:>9.2f}")
         dist.destroy_process_group()
 
 
