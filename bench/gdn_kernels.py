@@ -37,46 +37,26 @@ def grid(**axes):
 SUMMARY_STATE_GRID = (grid(BV=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 2, 3])
                       + grid(BV=[32, 64], num_warps=[8], num_stages=[1, 2]))
 CANDIDATES = {
-    "state_fwd": grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
-    "state_bwd": grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
+    "state_fwd": grid(BV=[32, 16, 64], num_warps=[4, 2], num_stages=[1, 2, 3]) + grid(BV=[32, 64], num_warps=[8],
+                                                                                     num_stages=[1, 2, 3]),
+    "state_bwd": grid(BV=[32, 16, 64], num_warps=[4, 2], num_stages=[1, 2, 3]) + grid(BV=[32, 64], num_warps=[8],
+                                                                                     num_stages=[1, 2, 3]),
     "summary_state_fwd": SUMMARY_STATE_GRID,
-    "wy_bwd": grid(BK=[32, 64], BV=[32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
+    # SPLIT: 0 tf32 products, 1 bf16 products with hi/lo splits where one operand is exact bf16, 2 also T^T dW
+    # (BK=32 with SPLIT>=1: illegal memory accesses on the H200, Triton 3.6, which poison the CUDA context for the
+    # rest of the sweep; BK32 BV32 at 1 stage ran and was slower than BK64)
+    "wy_bwd": grid(SPLIT=[0, 1, 2], BK=[64], BV=[64], num_warps=[4, 8], num_stages=[1, 2]),
     "dqkwg": grid(BK=[64, 128], BV=[32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "o_fwd": grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
     "dv_local": grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
-    "wu_fwd": grid(BK=[32, 64, 128], BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
+    "wu_fwd": [dict(SPLIT=s, BK=b, BV=b, num_warps=w, num_stages=st)
+               for s, b, w, st in itertools.product([1, 0], [32, 64, 128], [4, 8], [1, 2, 3])],
     "kkt_inv_diag": grid(num_warps=[1, 2, 4]),
-    "tril_merge": grid(num_warps=[1, 2, 4, 8]),
+    "tril_merge": grid(DIAG_INLINE=[1, 0], num_warps=[1, 2, 4, 8]),
 }
 
 
-def wy_bwd_reference(k, v, beta, gc, dw, du, dk_in):
-    """fp64 autograd of the WY form, per 64-token chunk: A = strict-lower(beta_i k_i.k_j e^{g_i - g_j}),
-    T = (I + A)^-1, W = T (beta e^g K), U = T (beta V). -> [dk_in + dK, dV, dbeta, dg] like wy_bwd (per value
-    head, g the chunk-local cumsum)."""
-    B, T, Hk, K = k.shape
-    Hv = v.shape[2]
-    N = T // 64
-
-    def chunks(x):  # [B, T, H, D] -> [B, N, H, 64, D];  [B, T, H] -> [B, N, H, 64]
-        x = x.view(B, N, 64, *x.shape[2:]).transpose(2, 3)
-        return x
-
-    kk = k.double().repeat_interleave(Hv // Hk, 2).requires_grad_()
-    vv, bb, gg = (x.double().requires_grad_() for x in (v, beta, gc))
-    kc, vc, bc, gcc = chunks(kk), chunks(vv), chunks(bb), chunks(gg)
-    lower = torch.ones(64, 64, dtype=torch.bool, device=k.device).tril(-1)
-    gam = (gcc[..., :, None] - gcc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    A = (kc @ kc.transpose(-1, -2)) * gam * bc[..., :, None]
-    Tm = torch.linalg.inv(torch.eye(64, dtype=torch.float64, device=k.device) + A)
-    W = Tm @ (kc * (bc * gcc.exp())[..., None])
-    U = Tm @ (vc * bc[..., None])
-    loss = (W * chunks(dw.double())).sum() + (U * chunks(du.double())).sum()
-    dk, dv, db, dg = torch.autograd.grad(loss, (kk, vv, bb, gg))
-    return [dk_in.double() + dk, dv, db, dg]
-
-
-REFERENCE_OUTPUTS = {"wy_bwd": ["dk", "dv", "dbeta", "dg"]}
+REFERENCE_OUTPUTS = {"wy_bwd": ["dk", "dv", "dbeta", "dg"], "wu_fwd": ["w", "u"]}
 
 
 def make_stages(T, Hk, Hv):
@@ -85,7 +65,8 @@ def make_stages(T, Hk, Hv):
     from deltacp.ops.gdn.triton import chunk as C
     from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
     from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
-    from deltacp.ops.gdn.triton.wy import wu_fwd, wy_bwd, wy_fwd
+    from deltacp.ops.gdn.triton.wy import wu_fwd, wy_bwd, wy_fwd, wy_inverse
+    from deltacp.testing.wy_reference import wu_reference, wy_bwd_reference
 
     q, k, v, g, beta, h0 = inputs(T, Hk, Hv, 128, 128, seed=1)
     q, k = C.l2norm(q), C.l2norm(k)
@@ -103,12 +84,13 @@ def make_stages(T, Hk, Hv):
     s_w = C._summary_transition_w(k, v, beta, gc, ai)
     s_x0 = torch.eye(k.shape[3], device=k.device).expand(*h0.shape[:2], k.shape[3], k.shape[3]).contiguous()
 
-    refs = {"wy_bwd": lambda: wy_bwd_reference(k, v, beta, gc, dw, dvn, dk)}
+    refs = {"wy_bwd": lambda: wy_bwd_reference(k, v, beta, gc, dw, dvn, dk),
+            "wu_fwd": lambda: wu_reference(k, v, beta, gc)}
     return {
         "summary": lambda: C.state_summary(k, v, g, beta),
         "initial_state_grad": lambda: C.initial_state_grad(q, k, v, g, beta, do),
-        "kkt_inv_diag": lambda: wy_fwd(k, v, beta, gc),
-        "tril_merge": lambda: wy_fwd(k, v, beta, gc),
+        "kkt_inv_diag": lambda: wy_inverse(k, beta, gc, v.shape[2]),
+        "tril_merge": lambda: wy_inverse(k, beta, gc, v.shape[2]),
         "wu_fwd": lambda: wu_fwd(k, v, beta, gc, ai),
         "state_fwd": lambda: state_fwd(k, w, u, gc, h0, output_final_state=True),
         "o_fwd": lambda: o_fwd(q, k, vn, h, gc, scale),

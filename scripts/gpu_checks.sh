@@ -7,10 +7,12 @@
 #                                      a minute per length), p2p stage times, long-memory accuracy (about 6 minutes)
 #   bash scripts/gpu_checks.sh cp      per-rank cost, 2-rank CP job + p2p trace, model step    (about 5 minutes)
 #   bash scripts/gpu_checks.sh ncu     Nsight Compute of the three backward kernels at 32K      (about 1 minute)
+#   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
+#                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|op|cp|ncu) ;; *) echo "usage: $0 tests|quick|op|cp|ncu" >&2; exit 2 ;; esac
+case "$part" in tests|quick|op|cp|ncu|sweep) ;; *) echo "usage: $0 tests|quick|op|cp|ncu|sweep" >&2; exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -40,6 +42,14 @@ step "stage times" 120 python bench/gdn_kernels.py --time prepare summary_prepar
   2>&1 | tee "$OUT/summary_time.log" | grep -vE "^\[transformers\]"
 step "long-memory accuracy" 90 python bench/long_memory_accuracy.py --lengths 8192 32768 \
   2>&1 | tee "$OUT/long_memory.log" | grep -vE "^\[transformers\]"
+exit 0
+fi
+if [ "$part" = sweep ]; then
+# one process per kernel: an illegal memory access (some launch shapes on Triton 3.6) poisons the CUDA context
+for kern in ${SWEEP_KERNELS:-wy_bwd wu_fwd tril_merge state_bwd state_fwd}; do
+  step "sweep $kern" 150 python bench/gdn_kernels.py --sweep --length 32768 --kernels $kern --budget-s 75 --top 8 \
+    2>&1 | tee -a "$OUT/sweep.log" | grep -vE "^\[transformers\]|illegal memory access"
+done
 exit 0
 fi
 if [ "$part" = ncu ]; then

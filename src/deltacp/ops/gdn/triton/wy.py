@@ -73,6 +73,20 @@ def _mm(a, b):
 
 
 @triton.jit
+def _split_bf16(x):
+    """fp32 x -> (hi, lo) bf16 with hi + lo = x to ~16 mantissa bits (tf32 keeps 11)."""
+    b_hi = x.to(tl.bfloat16)
+    return b_hi, (x - b_hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_split(a_hi, a_lo, b):
+    """(a_hi + a_lo) @ b for b exact in bf16: two bf16 MMAs, more precise than one tf32 MMA on fp32 operands and
+    the loaded bf16 operand needs no conversion."""
+    return tl.dot(a_lo, b, tl.dot(a_hi, b))
+
+
+@triton.jit
 def kkt_inv_diag_kernel(
     k, beta, gc, ai,
     T,
@@ -96,8 +110,10 @@ def tril_merge_kernel(
     k, beta, gc, ai,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BS: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, DIAG_INLINE: tl.constexpr,
 ):
+    """T = (I + A)^-1 of one chunk from its four 16x16 diagonal inverses: read from ai (kkt_inv_diag_kernel
+    wrote them), or DIAG_INLINE: computed here (one launch and one round trip of the blocks less)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -115,6 +131,7 @@ def tril_merge_kernel(
     b_g1 = _load_vec(p_g, t0 + 1 * BS, Hv, BS)
     b_g2 = _load_vec(p_g, t0 + 2 * BS, Hv, BS)
     b_g3 = _load_vec(p_g, t0 + 3 * BS, Hv, BS)
+    b_b0 = _load_vec(p_b, t0 + 0 * BS, Hv, BS)
     b_b1 = _load_vec(p_b, t0 + 1 * BS, Hv, BS)
     b_b2 = _load_vec(p_b, t0 + 2 * BS, Hv, BS)
     b_b3 = _load_vec(p_b, t0 + 3 * BS, Hv, BS)
@@ -129,10 +146,20 @@ def tril_merge_kernel(
 
     # T = (I + A)^-1 by block forward substitution (diagonal blocks from kkt_inv_diag_kernel)
     p_ai = ai + (i_b * T * Hv + i_h) * BT
-    b_t00 = _load_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, BS, BS)
-    b_t11 = _load_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, BS, BS)
-    b_t22 = _load_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, BS, BS)
-    b_t33 = _load_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, BS, BS)
+    if DIAG_INLINE:
+        b_t00 = _inv_unit_lower(_a_block(b_k0, b_k0, b_b0, b_g0, b_g0, True, BS), BS)
+        b_t11 = _inv_unit_lower(_a_block(b_k1, b_k1, b_b1, b_g1, b_g1, True, BS), BS)
+        b_t22 = _inv_unit_lower(_a_block(b_k2, b_k2, b_b2, b_g2, b_g2, True, BS), BS)
+        b_t33 = _inv_unit_lower(_a_block(b_k3, b_k3, b_b3, b_g3, b_g3, True, BS), BS)
+        _store_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, b_t00, BS, BS)
+        _store_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, b_t11, BS, BS)
+        _store_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, b_t22, BS, BS)
+        _store_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, b_t33, BS, BS)
+    else:
+        b_t00 = _load_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, BS, BS)
+        b_t11 = _load_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, BS, BS)
+        b_t22 = _load_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, BS, BS)
+        b_t33 = _load_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, BS, BS)
     b_t10 = -_mm(b_t11, _mm(b_a10, b_t00))
     b_t21 = -_mm(b_t22, _mm(b_a21, b_t11))
     b_t20 = -_mm(b_t22, _mm(b_a20, b_t00) + _mm(b_a21, b_t10))
@@ -161,10 +188,13 @@ def wu_fwd_kernel(
     k, v, beta, gc, ai, w, u,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, DO_U: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, DO_U: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """W = T (beta e^g K), U = T (beta V) (U only if DO_U) with the full 64x64 T (fp32 operands, DOT_PREC
-    products)."""
+    """W = T (beta e^g K), U = T (beta V) (U only if DO_U) with the full 64x64 T.
+
+    SPLIT (bf16 k, v): the row scales move onto T's columns, W = (T diag(beta e^g)) K, and that fp32 matrix is
+    split into hi + lo bf16, so K, V enter the products as loaded (exact). Otherwise fp32 operands with DOT_PREC
+    products."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -173,14 +203,24 @@ def wu_fwd_kernel(
     b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
     b_b = _load_vec(beta + i_b * T * Hv + i_h, t0, Hv, BT)
     b_s = b_b * tl.exp(b_g)
+    if SPLIT:
+        b_tw_hi, b_tw_lo = _split_bf16(b_T * b_s[None, :])
     for i_k in range(K // BK):
-        b_k = _load_rows(k + (i_b * T * Hk + i_hk) * K + i_k * BK, t0, Hk * K, BT, BK).to(tl.float32)
-        b_w = tl.dot(b_T, b_k * b_s[:, None], input_precision=DOT_PREC)
+        b_k = _load_rows(k + (i_b * T * Hk + i_hk) * K + i_k * BK, t0, Hk * K, BT, BK)
+        if SPLIT:
+            b_w = _dot_split(b_tw_hi, b_tw_lo, b_k)
+        else:
+            b_w = tl.dot(b_T, b_k.to(tl.float32) * b_s[:, None], input_precision=DOT_PREC)
         _store_rows(w + (i_b * T * Hv + i_h) * K + i_k * BK, t0, Hv * K, b_w, BT, BK)
     if DO_U:
+        if SPLIT:
+            b_tu_hi, b_tu_lo = _split_bf16(b_T * b_b[None, :])
         for i_v in range(V // BV):
-            b_v = _load_rows(v + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
-            b_u = tl.dot(b_T, b_v * b_b[:, None], input_precision=DOT_PREC)
+            b_v = _load_rows(v + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, BT, BV)
+            if SPLIT:
+                b_u = _dot_split(b_tu_hi, b_tu_lo, b_v)
+            else:
+                b_u = tl.dot(b_T, b_v.to(tl.float32) * b_b[:, None], input_precision=DOT_PREC)
             _store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
 
 
@@ -189,10 +229,17 @@ def wy_bwd_kernel(
     k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """From dW, dU: dk (dk_in, the non-WY part, plus the WY part), dv, dbeta, dg (chunk-local gate).
 
+    Products: SPLIT=0 all tf32 on fp32 operands. SPLIT>=1 (bf16 k, v, du): bf16 MMAs wherever one operand is
+    exact in bf16 as loaded - du v^T exactly, then beta on its columns; dW k^T with dW split hi + lo, then
+    beta e^g on its columns; T^T du and dGs k with T^T, dGs split - which is both faster (no fp32 copy of the
+    loaded tile, half the shared-memory bytes) and more precise than tf32. SPLIT=2 also forms T^T dW from three
+    bf16 products (hi hi + hi lo + lo hi). T^T dT T^T stays tf32.
+
+    dkb = T^T dW is formed once, in the last loop (dbeta and dg take their dW parts there).
     `scratch` holds one BTxBT fp32 block per program: dG^T is read back from it transposed. tl.trans of a
     tensor that comes out of tl.dot (MMA register layout) is miscompiled on Hopper by Triton 3.4-3.7.0 for some
     block shapes (fla-org/flash-linear-attention#640; here: results off by 5e-2 for every shape but BK64/BV64)."""
@@ -213,29 +260,40 @@ def wy_bwd_kernel(
     b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
     b_beta = _load_vec(beta + i_b * T * Hv + i_h, t0, Hv, BT)
     b_eg = tl.exp(b_g)
+    b_s = b_beta * b_eg  # W's row scale
     b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
+    if SPLIT > 0:
+        b_tt_hi, b_tt_lo = _split_bf16(tl.trans(b_T))
 
+    # dT = dW (s K)^T + dU (beta V)^T ;  kk = K K^T
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    b_dg = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(K // BK):
         b_k = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
-        b_kf = b_k.to(tl.float32)
-        b_kb = b_kf * (b_beta * b_eg)[:, None]
-        b_dT += tl.dot(b_dw, tl.trans(b_kb))
-        b_dkb = tl.dot(tl.trans(b_T), b_dw)
-        b_dbeta += tl.sum(b_dkb * b_kf, 1) * b_eg
-        b_dg += tl.sum(b_dkb * b_kb, 1)
+        if SPLIT > 0:
+            b_dw_hi, b_dw_lo = _split_bf16(b_dw)
+            b_dT += _dot_split(b_dw_hi, b_dw_lo, tl.trans(b_k))
+        else:
+            b_dT += tl.dot(b_dw, tl.trans(b_k.to(tl.float32) * b_s[:, None]))
         b_kk += tl.dot(b_k, tl.trans(b_k))
+    if SPLIT > 0:
+        b_dT = b_dT * b_s[None, :]
+        b_dTv = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(V // BV):
-        b_v = _load_rows(p_v + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
-        b_du = _load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV).to(tl.float32)
-        b_dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]))
-        b_dvb = tl.dot(tl.trans(b_T), b_du)
-        b_dbeta += tl.sum(b_dvb * b_v, 1)
+        b_v = _load_rows(p_v + i_v * BV, t0, Hv * V, BT, BV)
+        b_du = _load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV)
+        if SPLIT > 0:
+            b_dTv += tl.dot(b_du, tl.trans(b_v))
+            b_dvb = _dot_split(b_tt_hi, b_tt_lo, b_du)
+        else:
+            b_dT += tl.dot(b_du.to(tl.float32), tl.trans(b_v.to(tl.float32) * b_beta[:, None]))
+            b_dvb = tl.dot(tl.trans(b_T), b_du.to(tl.float32))
+        b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
         _store_rows(p_dv + i_v * BV, t0, Hv * V, b_dvb * b_beta[:, None], BT, BV)
+    if SPLIT > 0:
+        b_dT += b_dTv * b_beta[None, :]
 
     m_s = o_t[:, None] > o_t[None, :]
     b_dA = -tl.dot(tl.dot(tl.trans(b_T), b_dT), tl.trans(b_T))
@@ -244,23 +302,39 @@ def wy_bwd_kernel(
     b_dAg = b_dA * b_gam * b_kk                      # dA_ij * A_ij / beta_i
     b_dbeta += tl.sum(b_dAg, 1)
     b_dAA = b_dAg * b_beta[:, None]
-    b_dg += tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
+    b_dg = tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
     b_dG = b_dA * b_gam * b_beta[:, None]
     p_s = scratch + (i_bh * tl.num_programs(0) + i_t).to(tl.int64) * BT * BT
     tl.store(p_s + o_t[:, None] * BT + o_t[None, :], b_dG)
     tl.debug_barrier()  # the block's stores are visible to all its threads after the barrier
     b_dGs = b_dG + tl.load(p_s + o_t[None, :] * BT + o_t[:, None])
+    if SPLIT > 0:
+        b_dgs_hi, b_dgs_lo = _split_bf16(b_dGs)
     for i_k in range(K // BK):
-        b_kf = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK).to(tl.float32)
+        b_k = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
-        b_dkb = tl.dot(tl.trans(b_T), b_dw)
-        b_dk = _load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
-        b_dk += b_dkb * (b_beta * b_eg)[:, None] + tl.dot(b_dGs, b_kf)
+        if SPLIT == 2:
+            b_dw_hi, b_dw_lo = _split_bf16(b_dw)
+            b_dkb = tl.dot(b_tt_lo, b_dw_hi, tl.dot(b_tt_hi, b_dw_lo, tl.dot(b_tt_hi, b_dw_hi)))
+        else:
+            b_dkb = tl.dot(tl.trans(b_T), b_dw)
+        b_r = tl.sum(b_dkb * b_k.to(tl.float32), 1)
+        b_dbeta += b_r * b_eg
+        b_dg += b_r * b_s
+        b_dk = _load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32) + b_dkb * b_s[:, None]
+        if SPLIT > 0:
+            b_dk += _dot_split(b_dgs_hi, b_dgs_lo, b_k)
+        else:
+            b_dk += tl.dot(b_dGs, b_k.to(tl.float32))
         _store_rows(p_dk + i_k * BK, t0, Hv * K, b_dk, BT, BK)
 
     o_r = t0 + o_t
     tl.store(dbeta + (i_b * T + o_r) * Hv + i_h, b_dbeta)
     tl.store(dg + (i_b * T + o_r) * Hv + i_h, b_dg)
+
+
+def _bf16(*xs: torch.Tensor) -> bool:
+    return all(x.dtype == torch.bfloat16 for x in xs)
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor,
@@ -275,10 +349,11 @@ def wy_inverse(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Hv: int) -
     """T = (I + A)^-1 per chunk -> ai [B,T,Hv,BT] fp32 (rows of each chunk's T, upper part zero)."""
     B, T, Hk, K = k.shape
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
-    _, opts = launch_config("kkt_inv_diag")
-    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
-    _, opts = launch_config("tril_merge")
-    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
+    blocks, opts = launch_config("tril_merge")
+    if not blocks["DIAG_INLINE"]:
+        _, dopts = launch_config("kkt_inv_diag")
+        kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **dopts)
+    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **blocks, **opts)
     return ai
 
 
@@ -290,6 +365,8 @@ def wu_fwd(k, v, beta, gc, ai, w_dtype=None, dot_precision="tf32", need_u=True):
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype) if need_u else None
     # the summary (fp32 W, tf32x3 products) keeps the block shape its accuracy was validated with
     blocks, opts = launch_config("wu_fwd" if dot_precision == "tf32" else "summary_wu_fwd", K=K, V=V)
+    # the split needs K, V exact in bf16 and only replaces tf32 products (the summary's tf32x3 W keeps fp32)
+    blocks["SPLIT"] = blocks.get("SPLIT", 0) if _bf16(k, v) and dot_precision == "tf32" else 0
     wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
                                      DOT_PREC=dot_precision, DO_U=need_u, **blocks, **opts)
     return w, u
@@ -307,6 +384,7 @@ def wy_bwd(k, v, beta, gc, ai, dw, du, dk_in, dk_dtype=torch.float32, dv_dtype=t
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     scratch = torch.empty(B * Hv * (T // BT), BT, BT, device=k.device, dtype=torch.float32)
     blocks, opts = launch_config("wy_bwd", K=K, V=V)
+    blocks["SPLIT"] = blocks.get("SPLIT", 0) if _bf16(k, v, du) else 0
     wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch, T, Hk=Hk,
                                       Hv=Hv, K=K, V=V, BT=BT, **blocks, **opts)
     return dk, dv, dbeta, dg
