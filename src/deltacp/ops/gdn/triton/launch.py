@@ -10,15 +10,15 @@ from __future__ import annotations
 
 LAUNCH: dict[str, dict[str, int]] = {
     "kkt_inv_diag": dict(num_warps=1),
-    "tril_merge": dict(DIAG_INLINE=0, num_warps=2),
-    "wu_fwd": dict(BK=32, BV=32, SPLIT=0, num_warps=4, num_stages=3),
+    "tril_merge": dict(num_warps=2),
+    "wu_fwd": dict(BK=64, BV=64, SPLIT=1, num_warps=4, num_stages=3),
     # the summary's W (fp32, tf32x3 products): the block shape of its first GPU validation
     "summary_wu_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3),
     # wy_bwd, dqkwg: only configurations that are bitwise reproducible and (wy_bwd) match the fp64 WY backward;
     # on the H200 with Triton 3.6 several others race or miscompile (NOTES.md, 2026-12-02 third session)
     "wy_bwd": dict(BK=64, BV=64, SPLIT=2, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=32, num_warps=4, num_stages=3),
-    "state_bwd": dict(BV=32, num_warps=4, num_stages=3),
+    "state_bwd": dict(BV=32, GATE_AFTER=0, num_warps=4, num_stages=3),
     # the summary's transition M: fp32 operands (tf32x3 products), state width K, values 0; one pipeline stage
     # (1.20 ms at 16K tokens vs 2.44 with two, same bits: `--sweep --kernels summary_state_fwd`, 2026-12-02)
     "summary_state_fwd": dict(BV=32, num_warps=4, num_stages=1),
