@@ -39,8 +39,8 @@ SUMMARY_STATE_GRID = (grid(BV=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 2, 
 CANDIDATES = {
     "state_fwd": grid(BV=[32, 16, 64], num_warps=[4, 2], num_stages=[1, 2, 3]) + grid(BV=[32, 64], num_warps=[8],
                                                                                      num_stages=[1, 2, 3]),
-    "state_bwd": grid(GATE_AFTER=[1, 0], BV=[32, 16, 64], num_warps=[4, 2], num_stages=[2, 3])
-                 + grid(GATE_AFTER=[1], BV=[32, 64], num_warps=[8], num_stages=[2, 3]),
+    "state_bwd": grid(BV=[32, 16, 64], num_warps=[4, 2], num_stages=[1, 2, 3]) + grid(BV=[32, 64], num_warps=[8],
+                                                                                     num_stages=[1, 2, 3]),
     "summary_state_fwd": SUMMARY_STATE_GRID,
     # SPLIT: 0 tf32 products, 1 bf16 products with hi/lo splits where one operand is exact bf16, 2 also T^T dW
     # (BK=32 with SPLIT>=1: illegal memory accesses on the H200, Triton 3.6, which poison the CUDA context for the

@@ -18,7 +18,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     # on the H200 with Triton 3.6 several others race or miscompile (NOTES.md, 2026-12-02 third session)
     "wy_bwd": dict(BK=64, BV=64, SPLIT=2, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=32, num_warps=4, num_stages=3),
-    "state_bwd": dict(BV=32, GATE_AFTER=0, num_warps=4, num_stages=3),
+    "state_bwd": dict(BV=32, num_warps=4, num_stages=3),
     # the summary's transition M: fp32 operands (tf32x3 products), state width K, values 0; one pipeline stage
     # (1.20 ms at 16K tokens vs 2.44 with two, same bits: `--sweep --kernels summary_state_fwd`, 2026-12-02)
     "summary_state_fwd": dict(BV=32, num_warps=4, num_stages=1),
