@@ -52,7 +52,7 @@ CANDIDATES = {
     "wu_fwd": [dict(SPLIT=s, BK=b, BV=b, num_warps=w, num_stages=st)
                for s, b, w, st in itertools.product([1, 0], [32, 64, 128], [4, 8], [1, 2, 3])],
     "kkt_inv_diag": grid(num_warps=[1, 2, 4]),
-    "tril_merge": grid(num_warps=[1, 2, 4, 8]),
+    "tril_merge": grid(MERGE_PREC=["tf32x3", "ieee"], num_warps=[1, 2, 4]),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 LAUNCH: dict[str, dict[str, int]] = {
     "kkt_inv_diag": dict(num_warps=1),
-    "tril_merge": dict(num_warps=2),
+    "tril_merge": dict(MERGE_PREC="ieee", num_warps=2),
     "wu_fwd": dict(BK=64, BV=64, SPLIT=1, num_warps=4, num_stages=3),
     # the summary's W (fp32, tf32x3 products): the block shape of its first GPU validation
     "summary_wu_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3),

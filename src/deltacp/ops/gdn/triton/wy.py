@@ -68,8 +68,8 @@ def _inv_unit_lower(b_a, BS: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _mm(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -110,9 +110,10 @@ def tril_merge_kernel(
     k, beta, gc, ai,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BS: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, MERGE_PREC: tl.constexpr,
 ):
     """T = (I + A)^-1 of one chunk from its four 16x16 diagonal inverses (kkt_inv_diag_kernel wrote them into ai).
+    MERGE_PREC: product precision of the merge ("ieee" fp32 FMAs, or "tf32x3" tensor-core products).
     Computing them here instead was slower at every warp count (0.61 vs 0.52 ms at 32K, H200, 2026-12-02)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -149,12 +150,13 @@ def tril_merge_kernel(
     b_t11 = _load_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, BS, BS)
     b_t22 = _load_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, BS, BS)
     b_t33 = _load_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, BS, BS)
-    b_t10 = -_mm(b_t11, _mm(b_a10, b_t00))
-    b_t21 = -_mm(b_t22, _mm(b_a21, b_t11))
-    b_t20 = -_mm(b_t22, _mm(b_a20, b_t00) + _mm(b_a21, b_t10))
-    b_t32 = -_mm(b_t33, _mm(b_a32, b_t22))
-    b_t31 = -_mm(b_t33, _mm(b_a31, b_t11) + _mm(b_a32, b_t21))
-    b_t30 = -_mm(b_t33, _mm(b_a30, b_t00) + _mm(b_a31, b_t10) + _mm(b_a32, b_t20))
+    b_t10 = -_mm(b_t11, _mm(b_a10, b_t00, MERGE_PREC), MERGE_PREC)
+    b_t21 = -_mm(b_t22, _mm(b_a21, b_t11, MERGE_PREC), MERGE_PREC)
+    b_t20 = -_mm(b_t22, _mm(b_a20, b_t00, MERGE_PREC) + _mm(b_a21, b_t10, MERGE_PREC), MERGE_PREC)
+    b_t32 = -_mm(b_t33, _mm(b_a32, b_t22, MERGE_PREC), MERGE_PREC)
+    b_t31 = -_mm(b_t33, _mm(b_a31, b_t11, MERGE_PREC) + _mm(b_a32, b_t21, MERGE_PREC), MERGE_PREC)
+    b_t30 = -_mm(b_t33, _mm(b_a30, b_t00, MERGE_PREC) + _mm(b_a31, b_t10, MERGE_PREC)
+                 + _mm(b_a32, b_t20, MERGE_PREC), MERGE_PREC)
 
     b_z = tl.zeros([BS, BS], dtype=tl.float32)
     _store_rows(p_ai + 1 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
@@ -340,8 +342,8 @@ def wy_inverse(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Hv: int) -
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
     _, opts = launch_config("kkt_inv_diag")
     kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
-    _, opts = launch_config("tril_merge")
-    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
+    blocks, opts = launch_config("tril_merge")
+    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **blocks, **opts)
     return ai
 
 
