@@ -10,7 +10,11 @@ from __future__ import annotations
 
 LAUNCH: dict[str, dict[str, int]] = {
     "kkt_inv_diag": dict(num_warps=1),
-    "tril_merge": dict(MERGE_PREC="ieee", num_warps=2),
+    # the merge's 16x16 products on tensor cores, 3 tf32 terms (T within 8e-9 of the fp32-FMA merge): 0.47 vs 0.56 ms
+    # for the inverse at 32K (`--sweep --kernels tril_merge`, H200, 2026-12-02)
+    "tril_merge": dict(MERGE_PREC="tf32x3", num_warps=1),
+    # SPLIT (wu_fwd, wy_bwd): bf16 products with hi/lo splits instead of tf32 (wy.py says which), faster and closer to
+    # fp64: wu_fwd 0.41 vs 0.55 ms, wy_bwd 1.43 vs 1.82 ms at 32K (`--sweep`, H200, 2026-12-02)
     "wu_fwd": dict(BK=64, BV=64, SPLIT=1, num_warps=4, num_stages=3),
     # the summary's W (fp32, tf32x3 products): the block shape of its first GPU validation
     "summary_wu_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3),
