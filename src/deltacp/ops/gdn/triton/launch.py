@@ -8,7 +8,7 @@ that kernels update in place. The values were chosen on one H200 by `bench/gdn_k
 
 from __future__ import annotations
 
-LAUNCH: dict[str, dict[str, int]] = {
+LAUNCH: dict[str, dict[str, int | str]] = {
     "kkt_inv_diag": dict(num_warps=1),
     # the merge's 16x16 products on tensor cores, 3 tf32 terms (T within 8e-9 of the fp32-FMA merge): 0.47 vs 0.56 ms
     # for the inverse at 32K (`--sweep --kernels tril_merge`, H200, 2026-12-02)
@@ -32,7 +32,7 @@ LAUNCH: dict[str, dict[str, int]] = {
 }
 
 
-def launch_config(name: str, **dims: int) -> tuple[dict[str, int], dict[str, int]]:
+def launch_config(name: str, **dims: int) -> tuple[dict[str, int | str], dict[str, int]]:
     """(block sizes, launch options) of kernel `name`, block sizes clipped to the given dims (e.g. K=128)."""
     cfg = dict(LAUNCH[name])
     opts = {o: cfg.pop(o) for o in ("num_warps", "num_stages") if o in cfg}
