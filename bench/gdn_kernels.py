@@ -1,7 +1,8 @@
 """Where the Triton GDN op spends its time, kernel by kernel, and which launch configuration is fastest.
 
 --profile: torch.profiler over forward+backward of deltacp's Triton op (and of flash-linear-attention when
-           installed, see bench/fla_ref.py), one row per GPU kernel: calls and ms per fwd+bwd.
+           installed, see bench/fla_ref.py), one row per GPU kernel: calls and ms per fwd+bwd, and for ours the
+           unique HBM bytes each kernel must move and the time that takes at --hbm-tbps (its memory floor).
 --time:    median ms (and extra peak memory) of named stages at their current configuration.
 --sweep:   for each kernel in --kernels, time its stage under candidate launch configurations (block widths,
            warps, pipeline stages), check the result equals the current configuration's, print a table
@@ -183,6 +184,30 @@ def time_stages(a):
         ref = out if ref is None else ref
 
 
+def dram_bytes(T, Hk, Hv, K=128, V=128, B=1):
+    """Unique bytes each of our kernels must move through HBM for one call on bf16 inputs (every tensor read
+    or written once; re-reads that hit L2 and the per-program scratch of wy_bwd not counted): a lower bound.
+    -> kernel name prefix -> bytes per call."""
+    e, f = 2, 4  # bf16, fp32
+    nk, nv, nt = B * T * Hk, B * T * Hv, T // 64
+    qk, vv, gb = nk * K * e, nv * V * e, nv * (f + e)  # q or k; v-sized bf16; g (fp32) + beta (bf16)
+    wk = nv * K * e  # W, or k per value head
+    ai, hs = nv * 64 * f, B * nt * Hv * K * V * e  # T = (I + A)^-1; per-chunk states (bf16)
+    return {
+        "l2norm_fwd": 2 * qk + nk * f,
+        "l2norm_bwd": 3 * qk + nk * f,
+        "kkt_inv_diag": qk + gb + nv * 16 * f,
+        "tril_merge": qk + gb + nv * 16 * f + ai,
+        "wu_fwd": ai + qk + vv + gb + wk + vv,
+        "state_fwd": qk + wk + vv + nv * f + hs + vv,
+        "o_fwd": 2 * qk + hs + vv + nv * f + vv,
+        "dv_local": 2 * qk + nv * f + vv + vv,
+        "state_bwd": 2 * qk + wk + nv * f + 2 * vv + hs + vv,
+        "dqkwg": 2 * qk + 3 * vv + 2 * hs + nv * f + wk + 2 * nv * K * f + nv * f,
+        "wy_bwd": qk + vv + gb + ai + nv * K * f + vv + nv * K * f + wk + vv + 2 * nv * f,
+    }
+
+
 def kernel_table(fn, iters):
     from torch.profiler import ProfilerActivity, profile
 
@@ -227,10 +252,24 @@ def profile_ops(a):
         rows = kernel_table(step, a.repeat)
         total = sum(r[2] for r in rows)
         print(f"\n{label}: T={a.length} Hk={a.hk} Hv={a.hv} K=V=128, GPU kernel time per fwd+bwd {total:.2f} ms")
-        print(f"  {'ms':>7} {'calls':>5}  kernel")
+        ours = label.startswith("deltacp")
+        floors = dram_bytes(a.length, a.hk, a.hv) if ours else {}
+        print(f"  {'ms':>7} {'calls':>5}  " + (f"{'GB':>6} {'floor ms':>8} {'x floor':>7}  " if ours else "")
+              + "kernel")
+        floor_sum = 0.0
         for n, c, t in rows:
-            if t >= 0.005:
-                print(f"  {t:7.3f} {c:5.1f}  {n}")
+            if t < 0.005:
+                continue
+            key = next((k for k in floors if n.startswith(k + "_kernel")), None)
+            if key is None:
+                print(f"  {t:7.3f} {c:5.1f}  " + (" " * 26 if ours else "") + n)
+                continue
+            gb = floors[key] * c / 1e9
+            floor_ms = gb / a.hbm_tbps
+            floor_sum += floor_ms
+            print(f"  {t:7.3f} {c:5.1f}  {gb:6.2f} {floor_ms:8.3f} {t / floor_ms:6.1f}x  {n}")
+        if ours:
+            print(f"  DRAM floor (unique bytes at {a.hbm_tbps} TB/s) of the kernels above: {floor_sum:.2f} ms")
 
 
 def main():
@@ -248,6 +287,8 @@ def main():
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--top", type=int, default=5, help="rows printed per kernel")
     p.add_argument("--budget-s", type=float, default=60.0, help="wall-time limit per kernel's sweep")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for --profile's floor column "
+                                                               "(H200: 4.8 TB/s peak)")
     a = p.parse_args()
     if not (a.profile or a.sweep or a.time):
         p.error("choose --profile, --sweep and/or --time")
