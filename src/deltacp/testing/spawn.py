@@ -33,7 +33,6 @@ def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s
                             timeout=timedelta(seconds=collective_timeout_s))
     try:
         fn(rank, world_size, *args)
-        dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
     # Skip interpreter finalisation on success: with torch 2.11 over gloo a rank aborted there ("terminate called
