@@ -43,10 +43,10 @@ CANDIDATES = {
     "state_bwd": grid(BV=[32, 16, 64], num_warps=[4, 2], num_stages=[1, 2, 3]) + grid(BV=[32, 64], num_warps=[8],
                                                                                      num_stages=[1, 2, 3]),
     "summary_state_fwd": SUMMARY_STATE_GRID,
-    # SPLIT: 0 tf32 products, 1 bf16 products with hi/lo splits where one operand is exact bf16, 2 also T^T dW
+    # SPLIT: 0 tf32 products, 1 bf16 products with hi/lo splits (wy.py says which)
     # (BK=32 with SPLIT>=1: illegal memory accesses on the H200, Triton 3.6, which poison the CUDA context for the
     # rest of the sweep; BK32 BV32 at 1 stage ran and was slower than BK64)
-    "wy_bwd": grid(SPLIT=[0, 1, 2], BK=[64], BV=[64], num_warps=[4, 8], num_stages=[1, 2]),
+    "wy_bwd": grid(SPLIT=[0, 1], BK=[64], BV=[64], num_warps=[4, 8], num_stages=[1, 2]),
     "dqkwg": grid(BK=[64, 128], BV=[32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "o_fwd": grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),
     "dv_local": grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3]),

@@ -244,14 +244,14 @@ v, g, beta = torch.randn(B, T, Hv, V).bfloat16(), -torch.rand(B, T, Hv) * 0.3, t
 gc = C.chunk_cumsum(g)
 dw, du, dk_in = torch.randn(B, T, Hv, K), torch.randn(B, T, Hv, V).bfloat16(), torch.randn(B, T, Hv, K)
 ai, _, _ = wy_fwd(k, v, beta, gc)
-rw, ru = wu_reference(k, v, beta, gc)
+rw, _ = wu_reference(k, v, beta, gc)
 rb = wy_bwd_reference(k, v, beta, gc, dw, du, dk_in)
 errs = {{}}
 for split in (0, 1):
     LAUNCH["wu_fwd"]["SPLIT"] = split
     w, u = wu_fwd(k, v, beta, gc, ai, w_dtype=torch.float32)
     errs["wu_fwd SPLIT=%d W" % split] = t._rel(w, rw)
-for split in (0, 1, 2):
+for split in (0, 1):
     LAUNCH["wy_bwd"]["SPLIT"] = split
     for name, x, r in zip(("dk", "dv", "dbeta", "dg"), wy_bwd(k, v, beta, gc, ai, dw, du, dk_in), rb):
         errs["wy_bwd SPLIT=%d %s" % (split, name)] = t._rel(x, r)
@@ -261,11 +261,10 @@ print(max(errs.values()))
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 kernel parity test "
-                                           "runs only where triton is (CI installs none)")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 variant test needs it")
 def test_interpreter_product_variants():
     """Every product variant the launch table can select, vs fp64 (bf16 inputs, so the bf16 hi/lo splits really
-    run): wu_fwd SPLIT 0/1, wy_bwd SPLIT 0/1/2 (each output). A split that dropped its low half would be off by
+    run): wu_fwd and wy_bwd (each output) with SPLIT 0 and 1. A split that dropped its low half would be off by
     ~4e-3 (bf16 rounding), far above the bound."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = _INTERP_VARIANTS_CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))

@@ -112,9 +112,9 @@ def tril_merge_kernel(
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BS: tl.constexpr, MERGE_PREC: tl.constexpr,
 ):
-    """T = (I + A)^-1 of one chunk from its four 16x16 diagonal inverses (kkt_inv_diag_kernel wrote them into ai).
-    MERGE_PREC: product precision of the merge ("ieee" fp32 FMAs, or "tf32x3" tensor-core products).
-    Computing them here instead was slower at every warp count (0.61 vs 0.52 ms at 32K, H200, 2026-12-02)."""
+    """T = (I + A)^-1 of one chunk from its four 16x16 diagonal inverses (kkt_inv_diag_kernel wrote them into ai;
+    computing them here instead was slower at every warp count: 0.61 vs 0.52 ms at 32K, H200, 2026-12-02).
+    MERGE_PREC: product precision of the merge ("ieee" fp32 FMAs, or "tf32x3" tensor-core products)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -224,11 +224,11 @@ def wy_bwd_kernel(
 ):
     """From dW, dU: dk (dk_in, the non-WY part, plus the WY part), dv, dbeta, dg (chunk-local gate).
 
-    Products: SPLIT=0 all tf32 on fp32 operands. SPLIT>=1 (bf16 k, v, du): bf16 MMAs wherever one operand is
+    Products: without SPLIT all tf32 on fp32 operands. SPLIT (bf16 k, v, du): bf16 MMAs wherever one operand is
     exact in bf16 as loaded - du v^T exactly, then beta on its columns; dW k^T with dW split hi + lo, then
     beta e^g on its columns; T^T du and dGs k with T^T, dGs split - which is both faster (no fp32 copy of the
-    loaded tile, half the shared-memory bytes) and more precise than tf32. SPLIT=2 also forms T^T dW from three
-    bf16 products (hi hi + hi lo + lo hi). T^T dT T^T stays tf32.
+    loaded tile, half the shared-memory bytes) and more precise than tf32 - and T^T dW from three bf16 products
+    (hi hi + hi lo + lo hi). T^T dT T^T stays tf32.
 
     dkb = T^T dW is formed once, in the last loop (dbeta and dg take their dW parts there).
     `scratch` holds one BTxBT fp32 block per program: dG^T is read back from it transposed. tl.trans of a
@@ -253,7 +253,7 @@ def wy_bwd_kernel(
     b_eg = tl.exp(b_g)
     b_s = b_beta * b_eg  # W's row scale
     b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
-    if SPLIT > 0:
+    if SPLIT:
         b_tt_hi, b_tt_lo = _split_bf16(tl.trans(b_T))
 
     # dT = dW (s K)^T + dU (beta V)^T ;  kk = K K^T
@@ -262,20 +262,20 @@ def wy_bwd_kernel(
     for i_k in range(K // BK):
         b_k = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
-        if SPLIT > 0:
+        if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
             b_dT += _dot_split(b_dw_hi, b_dw_lo, tl.trans(b_k))
         else:
             b_dT += tl.dot(b_dw, tl.trans(b_k.to(tl.float32) * b_s[:, None]))
         b_kk += tl.dot(b_k, tl.trans(b_k))
-    if SPLIT > 0:
+    if SPLIT:
         b_dT = b_dT * b_s[None, :]
         b_dTv = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(V // BV):
         b_v = _load_rows(p_v + i_v * BV, t0, Hv * V, BT, BV)
         b_du = _load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV)
-        if SPLIT > 0:
+        if SPLIT:
             b_dTv += tl.dot(b_du, tl.trans(b_v))
             b_dvb = _dot_split(b_tt_hi, b_tt_lo, b_du)
         else:
@@ -283,7 +283,7 @@ def wy_bwd_kernel(
             b_dvb = tl.dot(tl.trans(b_T), b_du.to(tl.float32))
         b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
         _store_rows(p_dv + i_v * BV, t0, Hv * V, b_dvb * b_beta[:, None], BT, BV)
-    if SPLIT > 0:
+    if SPLIT:
         b_dT += b_dTv * b_beta[None, :]
 
     m_s = o_t[:, None] > o_t[None, :]
@@ -299,12 +299,12 @@ def wy_bwd_kernel(
     tl.store(p_s + o_t[:, None] * BT + o_t[None, :], b_dG)
     tl.debug_barrier()  # the block's stores are visible to all its threads after the barrier
     b_dGs = b_dG + tl.load(p_s + o_t[None, :] * BT + o_t[:, None])
-    if SPLIT > 0:
+    if SPLIT:
         b_dgs_hi, b_dgs_lo = _split_bf16(b_dGs)
     for i_k in range(K // BK):
         b_k = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
-        if SPLIT == 2:
+        if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
             b_dkb = tl.dot(b_tt_lo, b_dw_hi, tl.dot(b_tt_hi, b_dw_lo, tl.dot(b_tt_hi, b_dw_hi)))
         else:
@@ -313,7 +313,7 @@ def wy_bwd_kernel(
         b_dbeta += b_r * b_eg
         b_dg += b_r * b_s
         b_dk = _load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32) + b_dkb * b_s[:, None]
-        if SPLIT > 0:
+        if SPLIT:
             b_dk += _dot_split(b_dgs_hi, b_dgs_lo, b_k)
         else:
             b_dk += tl.dot(b_dGs, b_k.to(tl.float32))
