@@ -26,3 +26,22 @@ def load_fla(bypass_hopper_guard: bool = False):
                                       use_qk_l2norm_in_kernel=True)
 
     return label, run
+
+
+def load_fla_varlen(bypass_hopper_guard: bool = False):
+    """-> (label, fn(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu) -> (o, final states [N, Hv, K, V])) or None.
+
+    FLA's varlen form: one packed row, `cu_seqlens` int64 on the device (and on the host, to spare it a sync);
+    `h0` [N, Hv, K, V] is the entering state of every document (deltacp's `first_continues` = h0 for document 0,
+    zeros for the others)."""
+    base = load_fla(bypass_hopper_guard)
+    if base is None:
+        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def run(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu=None):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                                      cu_seqlens_cpu=cu_seqlens_cpu)
+
+    return base[0], run

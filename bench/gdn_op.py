@@ -5,6 +5,7 @@ peak allocated memory, rel-L2 of the Triton outputs and gradients vs eager, and 
 Eager is deltacp's EagerGDNBackend in fp32 when importable, else transformers' torch_chunk_gated_delta_rule.
 
     PYTHONPATH=src python bench/gdn_op.py --lengths 8192 16384 32768 65536 --json out.jsonl
+    PYTHONPATH=src python bench/gdn_op.py --varlen --fla    # packed 128K row of documents: ours vs FLA varlen
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fla_ref import load_fla  # noqa: E402
+from fla_ref import load_fla, load_fla_varlen  # noqa: E402
 from timing import emit, time_cuda  # noqa: E402
 
 FLA_REF_MS = {8192: (0.93, 3.50), 16384: (1.42, 4.35), 32768: (2.19, 7.98), 65536: (4.34, 15.87)}  # fwd, fwd+bwd
@@ -96,7 +97,7 @@ def rel(a, b):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
-    p.add_argument("--hk", type=int, default=32, help="key heads (value heads are --hv)")
+    p.add_argument("--hk", type=int, default=None, help="key heads (value heads are --hv); default 32, 16 with --varlen")
     p.add_argument("--hv", type=int, default=32)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeat", type=int, default=20)
@@ -107,7 +108,19 @@ def main():
     p.add_argument("--fla", action="store_true",
                    help="also time flash-linear-attention (if installed), its Hopper backward guard bypassed")
     p.add_argument("--json", default=None, help="append JSON rows to this file")
+    p.add_argument("--varlen", action="store_true",
+                   help="packed documents instead: one row of --total tokens (log-normal document lengths, median "
+                        "--median, a few > 32K, fixed seed), ours vs FLA varlen (with --fla) vs our unpacked op")
+    p.add_argument("--total", type=int, default=131072)
+    p.add_argument("--median", type=float, default=2048)
+    p.add_argument("--profile", action="store_true", help="with --varlen: GPU time per kernel (torch.profiler) of "
+                   "one fwd+bwd of our varlen and unpacked op, instead of the timing table")
+    p.add_argument("--seed", type=int, default=7, help="document mix (seed 7: 17 documents, median 2434, max 40963)")
     a = p.parse_args()
+    if a.hk is None:
+        a.hk = 16 if a.varlen else 32
+    if a.varlen:
+        return varlen_main(a)
     fla = load_fla(bypass_hopper_guard=True) if a.fla else None
     if a.fla and fla is None:
         print("flash-linear-attention is not installed: the FLA columns show the issue's reference figures")
@@ -176,6 +189,114 @@ def main():
             print("       FLA rel-L2 vs eager: " + " ".join(f"{n}={x:.1e}" for n, x in r["fla_rel_l2"].items()))
         if "stages_ms" in r:
             print("       stages ms: " + " ".join(f"{n}={t:.3f}" for n, t in r["stages_ms"].items()))
+
+
+def varlen_main(a):
+    """One packed row: our varlen op, FLA's varlen op (--fla, when installed), our unpacked op on the same row (as
+    one sequence: a reference for the cost of the re-layout and resets, not the same result). Accuracy of both
+    varlen ops vs the eager backend's fp32 varlen result (--no-eager skips it)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+    from test_triton_varlen import cu_of, doc_lengths
+
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+    from deltacp.ops.gdn.varlen import VarlenLayout
+
+    T, Hk, Hv = a.total, a.hk, a.hv
+    big = (33 * 1024 + 517, 40 * 1024 + 3) if T >= 4 * 40 * 1024 else ()
+    lens = doc_lengths(T, median=a.median, sigma=1.3, seed=a.seed, big=big)
+    cu_cpu = cu_of(lens)
+    layout = VarlenLayout.build(cu_cpu, T)  # built once per step, as a CP step hands it to every layer
+    N = len(lens)
+    sl = sorted(lens)
+    print(f"packed row: T={T}, {N} documents, median {sl[N // 2]}, min {sl[0]}, max {sl[-1]}, "
+          f"{sum(n > 32768 for n in lens)} > 32K, chunk-aligned layout {layout.padded} tokens "
+          f"(+{100 * (layout.padded / T - 1):.1f}%); B=1 Hk={Hk} Hv={Hv} K=V=128 bf16")
+    be = TritonGDNBackend()
+    xs = inputs(T, Hk, Hv, 128, 128, seed=1)
+    be.check(*xs[:5], mode="p2p")
+    do = torch.randn(1, T, Hv, 128, device="cuda").bfloat16().float()
+    dht = torch.randn(1, Hv, 128, 128, device="cuda")
+
+    def ours(q, k, v, g, b, h0):
+        return be.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
+
+    def unpacked(q, k, v, g, b, h0):
+        return be.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+
+    impls = [("ours varlen", ours)]
+    fla = load_fla_varlen(bypass_hopper_guard=True) if a.fla else None
+    if a.fla and fla is None:
+        print("flash-linear-attention is not installed: no FLA rows (nothing measured for it)")
+    if fla is not None:
+        cu = cu_cpu.cuda()
+
+        def theirs(q, k, v, g, b, h0):  # h0 enters document 0, the others start from 0; the last final state
+            h0n = torch.cat([h0, h0.new_zeros(N - 1, *h0.shape[1:])])
+            o, ht = fla[1](q, k, v, g, b, h0n, cu, cu_cpu)
+            return o, ht[-1:]
+
+        impls.append((f"{fla[0]} varlen", theirs))
+    impls.append(("ours unpacked (1 seq)", unpacked))
+    if a.profile:
+        return profile_impls([i for i in impls if i[0].startswith("ours")], xs, do, dht)
+    rows, outs = [], {}
+    for name, fn in impls:
+        torch.cuda.reset_peak_memory_stats()
+        res, out = bench_impl(fn, xs, do, dht, a.warmup, a.repeat)
+        rows.append((name, res))
+        if "unpacked" not in name:
+            outs[name] = out
+        emit({"varlen": True, "T": T, "docs": N, "Hk": Hk, "Hv": Hv, "impl": name,
+              **{f"{s}_{k}": v for s, r in res.items() for k, v in r.items()}}, a.json)
+    errs = {}
+    if not a.no_eager:
+        from deltacp.ops.gdn.eager import EagerGDNBackend
+
+        eb = EagerGDNBackend()
+
+        def ref(q, k, v, g, b, h0):
+            return eb.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
+
+        leaves = [x.detach().float().clone().requires_grad_() for x in xs]
+        ro, rht = ref(*leaves)
+        rg = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), leaves)
+        for name, (o, ht, gr) in outs.items():
+            errs[name] = {"o": rel(o, ro), "ht": rel(ht, rht),
+                          **{f"d{n}": rel(x, y) for n, x, y in zip(("q", "k", "v", "g", "beta", "h0"), gr, rg)}}
+        del ro, rht, rg, leaves
+    print(f"\nmedian ms over CUDA events (warm-up {a.warmup}, repeat {a.repeat}), all measured on this device"
+          + ("; FLA's Hopper backward guard was BYPASSED (FLA 0.6.0 refuses its backward on Hopper with Triton "
+             "3.4-3.7.0): its figures and accuracy are on a stack FLA itself does not support" if fla else ""))
+    print(f"{'impl':<40} {'fwd':>7} {'bwd':>7} {'f+b':>7} {'peakGiB':>8} | worst rel-L2 vs eager fp32 varlen")
+    for name, r in rows:
+        e = errs.get(name)
+        print(f"{name:<40} {r['fwd']['median_ms']:7.2f} {r['bwd']['median_ms']:7.2f} {r['fwdbwd']['median_ms']:7.2f} "
+              f"{r['fwdbwd']['peak_gib']:8.2f} | " + (f"{max(e.values()):.2e}" if e else "-"))
+        if e:
+            print("       " + " ".join(f"{n}={x:.1e}" for n, x in e.items()))
+
+
+def profile_impls(impls, xs, do, dht, top=14):
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in impls:
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        for _ in range(2):  # warm-up (compiles)
+            o, ht = fn(*leaves)
+            torch.autograd.grad((o, ht), leaves, (do.to(o.dtype), dht))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            o, ht = fn(*leaves)
+            torch.autograd.grad((o, ht), leaves, (do.to(o.dtype), dht))
+            torch.cuda.synchronize()
+        evs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in evs) / 1e3
+        print(f"\n{name}: GPU kernel time {total:.2f} ms (one fwd+bwd)")
+        for e in evs[:top]:
+            print(f"  {e.device_time_total / 1e3:8.3f} ms  x{e.count:<3d} {e.key[:90]}")
 
 
 if __name__ == "__main__":

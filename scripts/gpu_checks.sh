@@ -7,12 +7,16 @@
 #                                      a minute per length), p2p stage times, long-memory accuracy (about 6 minutes)
 #   bash scripts/gpu_checks.sh cp      per-rank cost, 2-rank CP job + p2p trace, model step    (about 5 minutes)
 #   bash scripts/gpu_checks.sh ncu     Nsight Compute of the three backward kernels at 32K      (about 1 minute)
+#   bash scripts/gpu_checks.sh varlen  packed documents: GPU varlen tests (vs eager fp32, vs FLA varlen), unpacked op bench
+#                                      8K-64K before (.whl/before/src, when carried) and after, 128K packed-row bench
+#                                      ours vs FLA varlen, unpacked op regression tests at 8K (about 8 minutes);
+#                                      exits non-zero when any of its checks fails
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|op|cp|ncu|sweep) ;; *) echo "usage: $0 tests|quick|op|cp|ncu|sweep" >&2; exit 2 ;; esac
+case "$part" in tests|quick|op|cp|ncu|sweep|varlen) ;; *) echo "usage: $0 tests|quick|op|cp|ncu|sweep|varlen" >&2; exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -43,6 +47,31 @@ step "stage times" 120 python bench/gdn_kernels.py --time prepare summary_prepar
 step "long-memory accuracy" 90 python bench/long_memory_accuracy.py --lengths 8192 32768 \
   2>&1 | tee "$OUT/long_memory.log" | grep -vE "^\[transformers\]"
 exit 0
+fi
+if [ "$part" = varlen ]; then
+# Self-contained: every check's exit status is kept (each logs to $OUT/varlen_<name>.log); non-zero exit if any failed.
+vfail=0
+vrun() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" > "$OUT/varlen_$name.log" 2>&1
+  local rc=$?
+  grep -vE '^\[transformers\]|^\{' "$OUT/varlen_$name.log"
+  echo "=== $name rc=$rc"
+  if [ $rc -ne 0 ]; then vfail=$((vfail + 1)); fi
+}
+vrun gpu_tests 240 python -m pytest tests/gpu/test_triton_varlen.py -q -s -ra -p no:cacheprovider
+if [ -d .whl/before/src ]; then  # the unpacked op before this change (git archive of the previous commit's src)
+  vrun bench_before 100 env PYTHONPATH=.whl/before/src:tests python bench/gdn_op.py --lengths 8192 16384 32768 65536 \
+    --no-eager --repeat 30
+fi
+vrun bench_after 100 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --repeat 30 \
+  --json "$OUT/bench.jsonl"
+vrun bench_varlen 150 python bench/gdn_op.py --varlen --fla --json "$OUT/bench.jsonl"
+vrun unpacked_tests 100 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider \
+  -k "8192 or unaligned or prepared or repeated"
+echo "=== varlen: $vfail failed check(s)"
+exit $((vfail > 0))
 fi
 if [ "$part" = sweep ]; then
 # one process per kernel: an illegal memory access (some launch shapes on Triton 3.6) poisons the CUDA context

@@ -6,7 +6,10 @@ Importing this package imports no Triton: the kernels load on first use. Kernels
     chunk_o.py   per-chunk outputs, dVn_local, dq/dk/dW/dg
     l2norm.py    q/k l2 normalisation (fp32 inside, input dtype out), forward and backward
     chunk.py     `_fwd`/`_bwd` compositions, autograd Functions, public ops
-    contract_check.py  `check_triton_contract` (device, dtypes, head dims, chunk divisibility, Triton version)
+    contract_check.py  `check_triton_contract` (device, dtypes, head dims, head ratio, Triton version)
+
+Every operation takes `cu_seqlens` (None, document offsets of one packed row, or a `varlen.VarlenLayout`): the
+row is laid out chunk-aligned outside the kernels, and the state kernels restart at each document's first chunk.
 """
 
 from __future__ import annotations
@@ -24,30 +27,33 @@ class TritonGDNBackend:
         check_triton_contract(q, k, v, g, beta, mode=mode)
 
     def chunk_gated_delta_rule(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, prepared=None):
+                               use_qk_l2norm_in_kernel=False, prepared=None, cu_seqlens=None):
         from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule
 
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                       output_final_state=output_final_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared)
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared,
+                                      cu_seqlens=cu_seqlens)
 
-    def prepare_chunks(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False):
+    def prepare_chunks(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
         from deltacp.ops.gdn.triton.chunk import prepare_chunks
 
-        return prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
 
-    def state_summary(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared=None, need_transition=True):
+    def state_summary(self, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared=None, need_transition=True,
+                      cu_seqlens=None):
         from deltacp.ops.gdn.triton.chunk import state_summary
 
         return state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared,
-                             need_transition=need_transition)
+                             need_transition=need_transition, cu_seqlens=cu_seqlens)
 
     def initial_state_grad(self, q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False,
-                           prepared=None):
+                           prepared=None, cu_seqlens=None):
         from deltacp.ops.gdn.triton.chunk import initial_state_grad
 
         return initial_state_grad(q, k, v, g, beta, grad_o, scale=scale,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared)
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared,
+                                  cu_seqlens=cu_seqlens)
 
     def prepared_from_saved(self, tensors):
         from deltacp.ops.gdn.triton.chunk import PreparedChunks

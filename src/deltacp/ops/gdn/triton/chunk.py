@@ -8,6 +8,10 @@ Backward keeps T from the forward, recomputes W, U, H and Vn, then dv_local -> s
 dH0) -> dqkwg -> wy_bwd.
 The l2 norm of q/k (own autograd Function and kernels, l2norm.py) and the padding of T to a multiple of 64 stay
 outside the core Function: padded tokens have k = v = q = 0, beta = 0, g = 0, which leave the state unchanged.
+Packed documents (`cu_seqlens`, one row): the row is re-laid out chunk-aligned (`VarlenLayout.to_chunks`, each
+document from a multiple of 64, zero tail) outside the core Function as well, and `from_chunks` gathers the
+outputs back; inside, only the state kernels see the documents, through the per-chunk reset flags
+(`layout.resets_tensor`; None when no chunk resets, so the unpacked path runs the same kernels as before).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
 from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
 from deltacp.ops.gdn.triton.l2norm import l2norm
 from deltacp.ops.gdn.triton.wy import BT, wu_fwd, wy_bwd, wy_fwd, wy_inverse
+from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 
 
 def chunk_cumsum(g: torch.Tensor) -> torch.Tensor:
@@ -47,7 +52,8 @@ class PreparedChunks:
     """The part of the forward that neither the entering state nor autograd touches, built once per p2p step
     and shared by its stages (summary, output pass, dH_in pass) instead of each rebuilding the WY form.
 
-    Computed without autograd from the (l2-normalised, padded) k and the padded v, g, beta. The output pass
+    Computed without autograd from the (l2-normalised, padded) k and the padded v, g, beta; for packed documents
+    in the chunk-aligned layout (Tp = layout.padded; the calls that use it take the same cu_seqlens). The output pass
     consumes W and U (sets them to None); gc and T stay for the dH_in pass and are the tensors the output
     pass's backward saves anyway (no extra memory)."""
 
@@ -72,7 +78,8 @@ class PreparedChunks:
                              f"belong to inputs of shape {(B, Tp, Hv)} on {k.device}")
 
 
-def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared: PreparedChunks | None = None):
+def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared: PreparedChunks | None = None,
+                  resets: torch.Tensor | None = None):
     """-> o, final state, and what the backward keeps: the chunk-local gate cumsum gc and T = (I + A)^-1."""
     if prepared is None:
         gc = chunk_cumsum(g)
@@ -83,24 +90,25 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared: Pre
         if w is None:  # already consumed by another output pass
             w, u = wu_fwd(k, v, beta, gc, ai)
         prepared.w = prepared.u = None
-    h, vn, ht = state_fwd(k, w, u, gc, h0, output_final_state=output_final_state)
+    h, vn, ht = state_fwd(k, w, u, gc, h0, output_final_state=output_final_state, resets=resets)
     o = o_fwd(q, k, vn, h, gc, scale)
     return o, ht, gc, ai
 
 
-def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht):
+def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht, resets=None):
     """W, U (from the kept T), H and Vn are recomputed: keeping them would cost 3x the memory of q, k, v."""
     Hk = k.shape[2]
     V = v.shape[3]
     w, u = wu_fwd(k, v, beta, gc, ai)
-    h, vn, _ = state_fwd(k, w, u, gc, h0)
+    h, vn, _ = state_fwd(k, w, u, gc, h0, resets=resets)
     # dVn travels between kernels in the input dtype (it enters bf16 products anyway); dW stays fp32 (in bf16
     # the worst gradient rel-L2 at 8K rose from 4.0e-3 to 7.2e-3 on the H200). dq, dk, dv leave in the input
     # dtype unless value heads still have to be summed onto their key head (GVA), which stays fp32.
     lo = v.dtype
     out_qk = q.dtype if Hk == v.shape[2] else torch.float32
     dvl = dv_local(q, k, gc, do, scale, out_dtype=lo)
-    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=V, need_dh0=h0 is not None, dvn_dtype=lo)
+    dh, dvn, dh0 = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=V, need_dh0=h0 is not None, dvn_dtype=lo,
+                             resets=resets)
     dq, dk, dw, dg1 = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=out_qk)
     dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, dvn, dk, dk_dtype=out_qk, dv_dtype=v.dtype)
     dg = chunk_rev_cumsum(dg1 + dg2)
@@ -109,22 +117,23 @@ def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht):
 
 class ChunkGDNFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, prepared=None):
-        o, ht, gc, ai = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared)
+    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, prepared=None, resets=None):
+        o, ht, gc, ai = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared, resets)
         # T (fp32, [B, T, Hv, 64]) is kept: recomputing it (the 16x16 inverses and their merge) costs more
         # than reading it back, and the backward then rebuilds W, U exactly as the forward did.
         ctx.save_for_backward(q, k, v, gc, beta, ai, h0)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
+        ctx.resets = resets  # int32 flags (no gradient), or None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, gc, beta, ai, h0 = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, gc, beta, ai, ctx.scale, h0, do.contiguous(),
-                                                   None if dht is None else dht.contiguous().float())
+                                                   None if dht is None else dht.contiguous().float(), ctx.resets)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None,
-                None if dh0 is None else dh0.to(h0.dtype), None, None)
+                None if dh0 is None else dh0.to(h0.dtype), None, None, None)
 
 
 # Product precision of the summary's fp32 state recurrence and W. tf32 truncates operands, a bias that adds
@@ -143,10 +152,13 @@ def _summary_transition_w(k, v, beta, gc, ai):
     return w
 
 
-def state_summary_fwd(k, v, g, beta, prepared: PreparedChunks | None = None, need_transition: bool = True):
+def state_summary_fwd(k, v, g, beta, prepared: PreparedChunks | None = None, need_transition: bool = True,
+                      resets: torch.Tensor | None = None, any_reset: bool = False):
     """(M or None, S) of padded, normalised inputs. S is the final state from a zero entering state, by the
     output pass's own bf16 recurrence (and the same W, U); M = the final state from I with values 0, an fp32
-    recurrence of width K with SUMMARY_DOT_PRECISION products."""
+    recurrence of width K with SUMMARY_DOT_PRECISION products.
+    resets/any_reset (packed documents): S restarts at each document; once any chunk resets, the entering state
+    reaches nothing after it and M is exactly 0 (returned as zeros without running its recurrence)."""
     if prepared is None:
         prepared = prepare_chunks_fwd(k, v, g, beta)
     else:
@@ -154,11 +166,14 @@ def state_summary_fwd(k, v, g, beta, prepared: PreparedChunks | None = None, nee
     w, u = prepared.w, prepared.u
     if w is None:  # an output pass consumed them already
         w, u = wu_fwd(k, v, beta, prepared.gc, prepared.ai)
-    _, _, s = state_fwd(k, w, u, prepared.gc, None, store_h=False, store_vn=False, output_final_state=True)
+    _, _, s = state_fwd(k, w, u, prepared.gc, None, store_h=False, store_vn=False, output_final_state=True,
+                        resets=resets)
     if not need_transition:
         return None, s
     B, _, Hv, _ = v.shape
     K = k.shape[3]
+    if any_reset:
+        return torch.zeros(B, Hv, K, K, device=k.device, dtype=torch.float32), s
     w32 = _summary_transition_w(k, v, beta, prepared.gc, prepared.ai)
     eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, Hv, K, K).contiguous()
     _, _, m = state_fwd(k, w32, None, prepared.gc, eye, store_h=False, store_vn=False, output_final_state=True,
@@ -180,42 +195,65 @@ def _pad_t(x: torch.Tensor, pad: int) -> torch.Tensor:
     return F.pad(x, widths).contiguous()
 
 
+def _to_layout(layout: VarlenLayout | None, T: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """[B, T, ...] -> [B, Tp, ...]: end-padded to a multiple of 64 (layout None), or the packed row's documents
+    laid out chunk-aligned (differentiable either way)."""
+    if layout is None:
+        pad = (-T) % BT
+        return [_pad_t(x, pad) for x in xs]
+    return [layout.to_chunks(x).contiguous() for x in xs]
+
+
+def _resets(layout: VarlenLayout | None, device) -> torch.Tensor | None:
+    """The state kernels' per-chunk reset flags; None when no chunk resets (the kernels then load none)."""
+    return layout.resets_tensor(device) if layout is not None and layout.any_reset else None
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, prepared: PreparedChunks | None = None):
+                           use_qk_l2norm_in_kernel=False, prepared: PreparedChunks | None = None, cu_seqlens=None):
     """o [B, T, Hv, V] (dtype of v), final state [B, Hv, K, V] fp32 or None.
 
-    prepared: from `prepare_chunks` on the same k, v, g, beta: its T, W, U are used instead of rebuilt (W, U are
-    consumed)."""
+    prepared: from `prepare_chunks` on the same k, v, g, beta (and cu_seqlens): its T, W, U are used instead of
+    rebuilt (W, U are consumed).
+    cu_seqlens: None, or for one packed row (B = 1) document offsets [0, ..., T] or a `VarlenLayout`: the state
+    restarts at each document; initial_state feeds the first one only if the layout says it continues (else its
+    gradient is 0); the final state is the last document's."""
     T, K = q.shape[1], q.shape[3]
+    layout = as_layout(cu_seqlens, T)
     if scale is None:
         scale = K ** -0.5
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    pad = (-T) % BT
-    q, k, v, g, beta = (_pad_t(x, pad) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = _to_layout(layout, T, q, k, v, g.float(), beta)
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht = ChunkGDNFunction.apply(q, k, v, g.float(), beta, float(scale), h0, output_final_state, prepared)
-    if pad:
+    o, ht = ChunkGDNFunction.apply(q, k, v, g, beta, float(scale), h0, output_final_state, prepared,
+                                   _resets(layout, q.device))
+    if layout is not None:
+        o = layout.from_chunks(o)
+    elif o.shape[1] != T:
         o = o[:, :T]
     return o, ht
 
 
 @torch.no_grad()
-def prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel=False) -> PreparedChunks:
-    """The stage before the summary: normalised k, gate cumsum, T = (I + A)^-1, W, U (no autograd)."""
+def prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, cu_seqlens=None) -> PreparedChunks:
+    """The stage before the summary: normalised k, gate cumsum, T = (I + A)^-1, W, U (no autograd); with
+    cu_seqlens in the chunk-aligned layout of the documents (per-chunk work: no resets needed here)."""
+    T = k.shape[1]
+    layout = as_layout(cu_seqlens, T)
     if use_qk_l2norm_in_kernel:
         k = l2norm(k)
-    pad = (-k.shape[1]) % BT
-    k, v, g, beta = (_pad_t(x, pad) for x in (k, v, g, beta))
+    k, v, g, beta = _to_layout(layout, T, k, v, g, beta)
     return prepare_chunks_fwd(k, v, g, beta)
 
 
 def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared: PreparedChunks | None = None,
-                  need_transition=True):
+                  need_transition=True, cu_seqlens=None):
     """(M [B, Hv, K, K] or None, S [B, Hv, K, V]), fp32: H_out = M @ H_in + S over this segment. Forward only.
 
     need_transition=False: M is not computed (the first rank has no H_in). prepared: from `prepare_chunks`
-    on the same inputs (its normalised k is then used and released).
+    on the same inputs (its normalised k is then used and released). cu_seqlens: packed documents (S is the last
+    document's final state; M = 0 once a chunk resets, i.e. whenever the entering state cannot reach the end).
     p2p needs no gradient through the summary (the local GDN backward with dH_out gives it, see
     parallel/p2p.py), so this backend has none: differentiating it raises instead of returning a silent zero.
     (Its former backward, an fp32 recurrence over [M | S] of width K + V, cost twice the forward and reached
@@ -223,31 +261,38 @@ def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared: Pre
     if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
         raise RuntimeError("the Triton GDN backend's state_summary has no backward; call it under torch.no_grad() "
                            "or on detached inputs (backend='eager' differentiates it)")
+    T = v.shape[1]
+    layout = as_layout(cu_seqlens, T)
     with torch.no_grad():
         if prepared is None:
-            prepared = prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            prepared = prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                      cu_seqlens=layout)
         kn = prepared.k
         if kn is None:
             raise ValueError("prepared chunks already used by a summary (their normalised k was released)")
         prepared.k = None
-        pad = (-v.shape[1]) % BT
-        v, beta = _pad_t(v, pad), _pad_t(beta, pad)
-        return state_summary_fwd(kn, v, None, beta, prepared=prepared, need_transition=need_transition)
+        v, beta = _to_layout(layout, T, v, beta)
+        return state_summary_fwd(kn, v, None, beta, prepared=prepared, need_transition=need_transition,
+                                 resets=_resets(layout, v.device), any_reset=layout is not None and layout.any_reset)
 
 
 @torch.no_grad()
 def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False,
-                       prepared: PreparedChunks | None = None):
+                       prepared: PreparedChunks | None = None, cu_seqlens=None):
     """d sum(o * grad_o) / dH0 [B, Hv, K, V] fp32: W (from the WY form), dVn_local, then the state backward
     with nothing stored but dH0 (the rest of the backward needs dH_out, which p2p does not have yet).
-    prepared: its gc and T are used instead of rebuilt (only W is computed)."""
+    prepared: its gc and T are used instead of rebuilt (only W is computed). cu_seqlens: packed documents (the
+    gradient reaches the entering state through the first document only, and not at all when it does not
+    continue: zeros then, nothing run)."""
     T, K, V = q.shape[1], q.shape[3], v.shape[3]
+    layout = as_layout(cu_seqlens, T)
+    if layout is not None and layout.chunk_resets[0]:
+        return torch.zeros(v.shape[0], v.shape[2], K, V, device=v.device, dtype=torch.float32)
     if scale is None:
         scale = K ** -0.5
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    pad = (-T) % BT
-    q, k, v, g, beta, do = (_pad_t(x, pad) for x in (q, k, v, g, beta, grad_o))
+    q, k, v, g, beta, do = _to_layout(layout, T, q, k, v, g, beta, grad_o)
     if prepared is None:
         gc = chunk_cumsum(g.float())
         _, w, _ = wy_fwd(k, v, beta, gc, need_u=False)
@@ -256,5 +301,6 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         gc = prepared.gc
         w, _ = wu_fwd(k, v, beta, gc, prepared.ai, need_u=False)
     dvl = dv_local(q, k, gc, do, scale, out_dtype=v.dtype)
-    _, _, dh0 = state_bwd(q, k, w, gc, do, dvl, None, scale=scale, V=V, need_dh0=True, store=False)
+    _, _, dh0 = state_bwd(q, k, w, gc, do, dvl, None, scale=scale, V=V, need_dh0=True, store=False,
+                          resets=_resets(layout, q.device))
     return dh0

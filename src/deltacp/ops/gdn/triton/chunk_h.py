@@ -8,6 +8,11 @@ Backward, chunks in reverse, dH = dH_{c+1} on entry:
 Layouts: k, q [B,T,Hk,K]; w [B,T,Hv,K]; u, vn, do [B,T,Hv,V]; gc [B,T,Hv];
 h, dh [B, NT, Hv, K, V] (state entering chunk c / gradient of the state leaving chunk c); h0, ht [B,Hv,K,V] fp32.
 The state width V is generic: the affine summary runs it on [M | S] (width K + V).
+
+Packed documents (`varlen.py`): `resets` [NT] int32, 1 where a document starts at chunk c. Forward: the state
+entering such a chunk is 0 (h0 is ignored when chunk 0 resets). Backward: the state gradient does not flow back
+across it (dh0 = 0 when chunk 0 resets). USE_RESETS is a compile-time flag: without resets nothing is loaded.
+T and NT are runtime values (`do_not_specialize`): one compiled kernel serves every length.
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ from deltacp.ops.gdn.triton.launch import launch_config
 from deltacp.ops.gdn.triton.wy import BT
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def state_fwd_kernel(
-    k, w, u, gc, h0, h, vn, ht,
-    T, NT: tl.constexpr,
+    k, w, u, gc, h0, h, vn, ht, resets,
+    T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, USE_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
-    STORE_HT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_HT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, USE_RESETS: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -44,6 +49,8 @@ def state_fwd_kernel(
     p_g = gc + i_b * T * Hv + i_h
     for i_t in range(NT):
         o_r = i_t * BT + o_t
+        if USE_RESETS:  # a document starts here: nothing before it reaches it
+            b_h = tl.where(tl.load(resets + i_t) != 0, 0., b_h)
         if STORE_H:
             p_h = h + ((i_b * NT + i_t) * Hv + i_h) * K * V
             tl.store(p_h + o_k[:, None] * V + o_v[None, :], b_h.to(h.dtype.element_ty))
@@ -71,12 +78,12 @@ def state_fwd_kernel(
         tl.store(ht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def state_bwd_kernel(
-    q, k, w, gc, do, dvl, dht, dh, dvn, dh0,
-    scale, T, NT: tl.constexpr,
+    q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets,
+    scale, T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr, USE_RESETS: tl.constexpr,
 ):
     """The gate factors go on the [BT, BV] side (the product k dH, and dO), not on the loaded [BT, K] tiles of k
     and q, which enter the MMAs as loaded: 0.82 vs 1.41 ms at 32K on the H200 (2026-12-02), and k dH is no longer
@@ -118,46 +125,57 @@ def state_bwd_kernel(
         b_do = tl.load(p_do + o_r[:, None] * (Hv * V) + o_v[None, :])
         b_dos = (b_do.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
         b_dh += tl.dot(tl.trans(b_q), b_dos)
+        if USE_RESETS:  # the state entering a document's first chunk is a constant 0: no gradient flows on
+            b_dh = tl.where(tl.load(resets + i_t) != 0, 0., b_dh)
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
 
 
 def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final_state=False, fp32_dot=False,
-              dot_precision="tf32"):
+              dot_precision="tf32", resets=None):
     """-> h [B,NT,Hv,K,V] (or None), vn [B,T,Hv,V] (or None), ht [B,Hv,K,V] fp32 (or None).
 
     u None: values U = 0 (state width V from h0), the recurrence of the transition M from h0 = I.
     fp32_dot: fp32-operand products (`dot_precision`: tf32 or tf32x3) on the fp32 state, for the summary's M,
-    which cancels strongly (bf16 operands cost ~1.5e-2 rel-L2 on M at 8K tokens)."""
+    which cancels strongly (bf16 operands cost ~1.5e-2 rel-L2 on M at 8K tokens).
+    resets: None, or [NT] int32 (1: the state entering that chunk is 0)."""
     B, T, Hk, K = k.shape
     Hv = w.shape[2]
     V = h0.shape[3] if u is None else u.shape[3]
     NT = T // BT
+    _check_resets(resets, NT, k.device)
     dev = k.device
     h = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store_h else None
     vn = torch.empty(B, T, Hv, V, device=dev, dtype=w.dtype if u is None else u.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V)
     state_fwd_kernel[(V // blocks["BV"], B * Hv)](
-        k, w, u, gc, h0, h, vn, ht, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+        k, w, u, gc, h0, h, vn, ht, resets, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
         USE_H0=h0 is not None, USE_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        FP32_DOT=fp32_dot, DOT_PREC=dot_precision, **blocks, **opts)
+        FP32_DOT=fp32_dot, DOT_PREC=dot_precision, USE_RESETS=resets is not None, **blocks, **opts)
     return h, vn, ht
 
 
-def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32, store=True):
+def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32, store=True, resets=None):
     """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] (dvn_dtype), dh0 (or None).
 
-    store=False: dh and dvn are neither written nor returned (None), only dh0."""
+    store=False: dh and dvn are neither written nor returned (None), only dh0. resets: as in state_fwd."""
     B, T, Hk, K = k.shape
     Hv = w.shape[2]
     NT = T // BT
+    _check_resets(resets, NT, k.device)
     dev = k.device
     dh = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store else None
     dvn = torch.empty(B, T, Hv, V, device=dev, dtype=dvn_dtype) if store else None
     dh0 = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     blocks, opts = launch_config("state_bwd", V=V)
     state_bwd_kernel[(V // blocks["BV"], B * Hv)](
-        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, **blocks, **opts)
+        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, USE_RESETS=resets is not None, **blocks, **opts)
     return dh, dvn, dh0
+
+
+def _check_resets(resets, NT, device):
+    if resets is not None and (resets.shape != (NT,) or resets.dtype != torch.int32 or resets.device != device):
+        raise ValueError(f"chunk resets must be [{NT}] int32 on {device}; got {tuple(resets.shape)} {resets.dtype} "
+                         f"on {resets.device}")

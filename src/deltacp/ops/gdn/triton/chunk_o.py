@@ -20,7 +20,7 @@ from deltacp.ops.gdn.triton.launch import launch_config
 from deltacp.ops.gdn.triton.wy import BT
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def o_fwd_kernel(
     q, k, vn, h, gc, o,
     scale, T, NT,
@@ -47,7 +47,7 @@ def o_fwd_kernel(
     tl.store(o + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :], b_o.to(o.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def dv_local_kernel(
     q, k, gc, do, dvl,
     scale, T,
@@ -72,7 +72,7 @@ def dv_local_kernel(
     tl.store(dvl + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :], b_dv.to(dvl.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def dqkwg_kernel(
     q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg,
     scale, T, NT, B,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from deltacp.ops.gdn.contract import CHUNK_SIZE
-
 # Triton versions the kernels were verified on (tests/gpu/test_triton_gdn.py on an H200): [min, max).
 TRITON_VERSION_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((3, 6), (3, 7))
 HEAD_DIM = 128
@@ -62,7 +60,5 @@ def check_triton_contract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                          f"head_k_dim={K}, head_v_dim={V}")
     if Hv % Hk != 0:
         raise ValueError(f"backend='triton' needs value heads divisible by key heads; got Hv={Hv}, Hk={Hk}")
-    if mode == "p2p" and T % CHUNK_SIZE != 0:
-        raise ValueError(f"mode='p2p' with backend='triton' needs the local sequence length divisible by the "
-                         f"chunk size {CHUNK_SIZE}; got T={T}")
+    # No length condition: the op pads every sequence (and lays packed documents out) to whole chunks itself.
     check_triton_version(triton_version)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def l2norm_fwd_kernel(x, y, r, N, eps, D: tl.constexpr, BR: tl.constexpr):
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, D)
@@ -19,7 +19,7 @@ def l2norm_fwd_kernel(x, y, r, N, eps, D: tl.constexpr, BR: tl.constexpr):
     tl.store(r + o_r, b_r, mask=m_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def l2norm_bwd_kernel(x, r, dy, dx, N, D: tl.constexpr, BR: tl.constexpr):
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, D)

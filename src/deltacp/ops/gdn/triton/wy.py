@@ -86,7 +86,7 @@ def _dot_split(a_hi, a_lo, b):
     return tl.dot(a_lo, b, tl.dot(a_hi, b))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def kkt_inv_diag_kernel(
     k, beta, gc, ai,
     T,
@@ -105,7 +105,7 @@ def kkt_inv_diag_kernel(
     _store_rows(ai + (i_b * T * Hv + i_h) * BT + i_s * BS, r0, Hv * BT, b_t, BS, BS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def tril_merge_kernel(
     k, beta, gc, ai,
     T,
@@ -174,7 +174,7 @@ def tril_merge_kernel(
 
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def wu_fwd_kernel(
     k, v, beta, gc, ai, w, u,
     T,
@@ -215,7 +215,7 @@ def wu_fwd_kernel(
             _store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def wy_bwd_kernel(
     k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch,
     T,
