@@ -41,6 +41,17 @@ def test_main_config_loads_and_round_trips():
     ("train.steps=0", ConfigError, r"train\.steps must be > 0"),
     ("train.schedule.kind=linear", ConfigError, r"train\.schedule\.kind='linear' is not supported"),
     ("train.checkpoint.resume=maybe", ConfigError, r"train\.checkpoint\.resume must be true or false"),
+    ("train.optimizer.grad_clip=.nan", ConfigError, r"^train\.optimizer\.grad_clip must be a finite number, got nan"),
+    ("train.optimizer.lr=.inf", ConfigError, r"^train\.optimizer\.lr must be a finite number, got inf"),
+    ("train.optimizer.lr=nan", ConfigError, r"^train\.optimizer\.lr must be a finite number, got nan"),
+    ("train.optimizer.weight_decay=-.inf", ConfigError, r"^train\.optimizer\.weight_decay must be a finite number"),
+    ("train.distributed.timeout_s=.nan", ConfigError, r"^train\.distributed\.timeout_s must be a finite number"),
+    ("train.optimizer.betas=[0.9, .nan]", ConfigError, r"^train\.optimizer\.betas must be two numbers in \[0, 1\)"),
+    ("train.model.config.rms_norm_eps=.nan", ConfigError, r"^train\.model\.config\.rms_norm_eps must be a finite number"),
+    ("train.model.attn_implementation=eager", ConfigError,
+     r"^train\.model\.attn_implementation: unknown key \(removed: the trainer always applies CP"),
+    ("train.model.config.attn_implementation=eager", ConfigError,
+     r"^train\.model\.config\.attn_implementation: unknown key \(removed"),
 ])
 def test_bad_values_name_the_key(override, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -70,6 +81,53 @@ def test_cli_reports_config_errors_in_one_line(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("deltacp.train: config error: train.optimizer.lr2: unknown key")
+
+
+def test_nccl_with_spawn_is_a_config_error(capsys):
+    from deltacp.train.cli import main
+
+    with pytest.raises(SystemExit) as exc:  # --spawn runs gloo CPU ranks: it must not silently replace nccl
+        main(["--config", str(MAIN), "--set", "train.distributed.backend=nccl", "--spawn", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deltacp.train: config error: train.distributed.backend='nccl' cannot "
+                                               "be used with --spawn"), err
+
+
+@pytest.mark.parametrize("files", [
+    {"empty.txt": ""},
+    {"a.txt": "", "b.md": " \n\n\t", "c.py": ""},
+    {"docs.jsonl": '{"text": ""}\n{"text": "  "}\n'},
+])
+def test_data_without_usable_text_is_an_error(tmp_path, files):
+    from deltacp.train.data import TokenStream
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    cfg = _load("train.data.source=files", f"train.data.paths=[{tmp_path}]")
+    with pytest.raises(ConfigError, match=r"^train\.data\.paths .* hold no usable text"):
+        TokenStream(cfg.data, 0)
+
+
+def test_data_stream_refuses_to_stream_separators_forever(tmp_path):
+    from deltacp.train.data import TokenStream
+
+    (tmp_path / "a.txt").write_text("usable text")
+    cfg = _load("train.data.source=files", f"train.data.paths=[{tmp_path}]", "train.data.seq_len=64")
+    stream = TokenStream(cfg.data, 0)
+    (tmp_path / "a.txt").write_text("")  # emptied after the start-up check
+    with pytest.raises(ConfigError, match=r"^train\.data: the 1 data file\(s\) hold no usable text"):
+        for _ in range(10):
+            stream.next_batch()
+
+
+def test_jsonl_without_the_field_names_the_key(tmp_path):
+    from deltacp.train.data import TokenStream
+
+    (tmp_path / "docs.jsonl").write_text('{"body": "text"}\n')
+    cfg = _load("train.data.source=files", f"train.data.paths=[{tmp_path}]")
+    with pytest.raises(ConfigError, match=r"^train\.data\.jsonl_field='text': .*docs\.jsonl:1 has no string field"):
+        TokenStream(cfg.data, 0)
 
 
 def test_data_stream_is_deterministic_and_resumable():

@@ -1,21 +1,36 @@
 """Spawn a CPU process group over gloo and run one function on every rank, with a hard deadline.
 
-Used by the tests and the README demo. A rank that raises fails the whole run with its traceback; a run
-that outlives `timeout_s` is killed and reported as a hang instead of blocking forever.
+Used by the tests, the README demo and `python -m deltacp.train --spawn N`. A rank that raises fails the
+whole run with its traceback; a run that outlives `timeout_s` is killed and reported as a hang instead of
+blocking forever. No rank outlives the process that spawned it:
+
+- if run_distributed is left by any exception (a failed rank, a timeout, KeyboardInterrupt, or an
+  exception raised by a signal handler of the caller), every rank still alive gets SIGTERM, then SIGKILL
+  after `stop_grace_s`, before the exception propagates;
+- every rank asks the kernel for SIGKILL when its parent dies (Linux prctl PR_SET_PDEATHSIG; elsewhere a
+  thread that watches the parent pid), so even a SIGKILLed parent takes its ranks with it;
+- ranks ignore SIGINT: a Ctrl-C in a terminal reaches the whole process group, and the parent alone decides
+  (it stops the ranks as above), so the ranks print nothing of their own.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -24,7 +39,50 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s: float) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process die (SIGKILL) when `parent_pid`, its parent, dies; exit now if it already has."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            armed = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent_pid:  # the parent died before the request above
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="deltacp-parent-watch", daemon=True).start()
+
+
+def stop_processes(processes, grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM every live process, wait up to grace_s for all, then SIGKILL the rest; returns how many were
+    killed with SIGKILL."""
+    live = [p for p in processes if p is not None and p.is_alive()]
+    for proc in live:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    stubborn = [p for p in live if p.is_alive()]
+    for proc in stubborn:
+        proc.kill()
+    for proc in stubborn:
+        proc.join(5)
+    return len(stubborn)
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s: float, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the ranks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     faulthandler.enable()  # a hard crash (SIGSEGV/SIGABRT) prints every thread's Python stack
@@ -43,15 +101,26 @@ def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s
     os._exit(0)
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 600, collective_timeout_s: float = 120) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; raise if any rank fails or it hangs."""
-    ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, collective_timeout_s),
-                             nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)} on {world_size} ranks did not "
-                               f"finish in {timeout_s:.0f} s (a hang)")
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 600, collective_timeout_s: float = 120,
+                    stop_grace_s: float = STOP_GRACE_S) -> None:
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; raise if any rank fails or it hangs.
+
+    Whatever ends the wait (a failure, the timeout, KeyboardInterrupt, an exception from a signal handler),
+    the ranks still alive are stopped (SIGTERM, SIGKILL after stop_grace_s) before it propagates."""
+    started_before = {p.pid for p in multiprocessing.active_children()}
+    ctx = None
+    try:
+        ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, collective_timeout_s, os.getpid()),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)} on {world_size} ranks did not "
+                                   f"finish in {timeout_s:.0f} s (a hang)")
+    except BaseException:
+        if ctx is not None:
+            ranks = ctx.processes
+        else:  # interrupted while starting them: the ranks started so far
+            ranks = [p for p in multiprocessing.active_children() if p.pid not in started_before]
+        stop_processes(ranks, stop_grace_s)
+        raise

@@ -1,25 +1,54 @@
-"""Atomic, resumable checkpoints with torch.distributed.checkpoint (DCP).
+"""Atomic, verified, resumable checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: `<dir>/step_00000050/` holds the DCP shards of the model and optimizer (sharded FSDP2 state, any
-world size can load it) and `trainer_rank{r}.pt` per rank (step, scheduler, data position, RNG states).
-Every rank writes into `<dir>/step_00000050.tmp/`; after all ranks have finished, rank 0 renames it to its
-final name. A rename is atomic, so a crash while saving leaves only a `.tmp` directory, which loading
-ignores (and the next save on rank 0 removes): a checkpoint either loads completely or is not there.
+Layout of a checkpoint directory `dir` (train.checkpoint.dir):
+
+    dir/run.json                    the run that owns dir: run_id, start time, host, pid
+    dir/step_00000050/.metadata     DCP: the model and optimizer state (sharded FSDP2 state)
+    dir/step_00000050/__R_0.distcp  DCP shards, one per saving rank
+    dir/step_00000050/trainer_rankR.pt   step, scheduler, data position, RNG state of rank R
+    dir/step_00000050/manifest.json run_id, step, world size, and the size and sha256 of every file above
+
+Saving: every rank writes into `step_00000050.tmp/`; the ranks hash the files (each a share of them) and rank 0
+writes manifest.json there; after all ranks have finished, rank 0 renames the directory to its final name. A
+rename is atomic, so a crash while saving leaves only a `.tmp` directory, which loading ignores (and the next
+save on rank 0 removes): a checkpoint either loads completely or is not there. Retention (`keep`) deletes
+only checkpoints whose manifest names this run.
+
+Loading verifies every file against the manifest first (a truncated or flipped file is an error naming it),
+then loads. Any world size can load a checkpoint: DCP reshards the model and optimizer state, and the
+per-rank trainer state (identical on every rank except the RNG state, and every rank's RNG is seeded alike)
+of rank r comes from `trainer_rank{r % saved_world}.pt`. So a run saved at cp=2 resumes at cp=4 and back.
+
+Failures are `CheckpointError`: one line naming the file (or the checkpoint directory) and the cause, raised
+alike on every rank (DCP's CheckpointException is unwrapped to the first failing rank's exception).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
+import socket
+import time
+import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+RUN_FILE = "run.json"
+_MODEL_MISMATCH = re.compile(r"size mismatch|missing key|unexpected key|shape", re.IGNORECASE)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded: one line naming the file and the cause (same on every rank)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -52,9 +81,156 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Run identity, manifests, checksums
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in path, or None if the file is missing; unreadable JSON raises CheckpointError."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {_first_line(exc)})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: unreadable (not a JSON object)")
+    return data
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def run_owner(root: str | Path) -> dict | None:
+    """The identity in root/run.json (the run that owns the checkpoint directory), or None."""
+    return read_json(Path(root) / RUN_FILE)
+
+
+def claim_directory(root: str | Path, run_id: str, resumed_from: str | None) -> None:
+    """Rank 0: record `run_id` as the owner of the checkpoint directory root."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(root / RUN_FILE, dict(run_id=run_id, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+                                            host=socket.gethostname(), pid=os.getpid(), resumed_from=resumed_from))
+
+
+def checkpoint_run_id(path: str | Path) -> str | None:
+    """The run id in a checkpoint's manifest (None if it has none or it is unreadable)."""
+    try:
+        manifest = read_json(Path(path) / MANIFEST)
+    except CheckpointError:
+        return None
+    return None if manifest is None else manifest.get("run_id")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _share(names: list[str]) -> list[str]:
+    """This rank's share of the files to hash."""
+    return names[dist.get_rank()::dist.get_world_size()]
+
+
+def _hash_files(directory: Path, names: list[str]) -> dict:
+    """Collective: {name: {bytes, sha256}} of every file in names, each rank hashing a share."""
+    mine = {name: dict(bytes=(directory / name).stat().st_size, sha256=_sha256(directory / name))
+            for name in _share(names)}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {name: entry for part in gathered for name, entry in part.items()}
+
+
+def _check_file(directory: Path, name: str, expected: dict) -> str | None:
+    path = directory / name
+    if not path.is_file():
+        return f"checkpoint file {path} is missing (listed in {MANIFEST})"
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        kind = "truncated" if size < expected["bytes"] else "longer than saved"
+        return f"checkpoint file {path} is {kind}: {size} bytes, {MANIFEST} says {expected['bytes']}"
+    digest = _sha256(path)
+    if digest != expected["sha256"]:
+        return (f"checkpoint file {path} is corrupted: sha256 {digest[:16]}..., {MANIFEST} says "
+                f"{expected['sha256'][:16]}...")
+    return None
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Collective: check every file of the checkpoint against its manifest (each rank a share of the files);
+    returns the manifest, or raises CheckpointError naming the first bad file on every rank."""
+    path = Path(path)
+    try:
+        manifest = read_json(path / MANIFEST)
+        if manifest is None:
+            raise CheckpointError(f"checkpoint {path} has no {MANIFEST}, so it cannot be verified (saved by a deltacp "
+                                  f"without checksums, or not by deltacp)")
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            raise CheckpointError(f"{path / MANIFEST}: unreadable (no file list)")
+        errors = [e for e in (_check_file(path, name, files[name]) for name in _share(sorted(files))) if e]
+    except CheckpointError as exc:
+        errors = [str(exc)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    errors = sorted(e for part in gathered for e in part)
+    if errors:
+        raise CheckpointError(errors[0])
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
+    """DCP's CheckpointException -> the exception of its lowest failing rank (itself otherwise)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        cause = failures[min(failures)]
+        return cause[0] if isinstance(cause, tuple) else cause
+    return exc
+
+
+def _load_failure(path: Path, exc: BaseException, action: str) -> CheckpointError:
+    cause = unwrap_checkpoint_exception(exc)
+    text = f"{type(cause).__name__}: {_first_line(cause)}"
+    hint = ""
+    if action == "load" and _MODEL_MISMATCH.search(text):
+        hint = (" (this model or optimizer differs from the run that saved it; resuming needs the same train.model: "
+                "point train.checkpoint.dir to a fresh directory to start over)")
+    return CheckpointError(f"checkpoint {path}: {action} failed: {text}{hint}")
+
+
 def save_checkpoint(root: str | Path, step: int, model, optimizer, trainer_state: dict, keep: int = 0,
-                    before_commit=None) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
+                    before_commit=None, run_id: str | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final directory.
+
+    With `run_id`, the save refuses (CheckpointError, every rank) if root/run.json names another run (two runs
+    writing one directory), and retention (`keep`) deletes only this run's older checkpoints."""
     root = Path(root)
     rank = dist.get_rank()
     final = root / step_dir_name(step)
@@ -65,9 +241,26 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, trainer_state
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except CheckpointException as exc:
+        raise _load_failure(tmp, exc, "save") from None
     torch.save({**trainer_state, "rng": rng_state()}, tmp / f"trainer_rank{rank}.pt")
     dist.barrier()
+    files = _hash_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+    problem = [None]
+    if rank == 0:
+        owner = run_owner(root) if run_id is not None else None
+        if owner is not None and owner.get("run_id") != run_id:
+            problem[0] = (f"train.checkpoint.dir {root} now belongs to run {owner.get('run_id')} (pid {owner.get('pid')} "
+                          f"on {owner.get('host')}), not to this run {run_id}: two runs write to one directory; "
+                          f"not saving step {step}")
+        else:
+            write_json_atomic(tmp / MANIFEST, dict(format=1, run_id=run_id, step=step,
+                                                   world_size=dist.get_world_size(), files=files))
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
     if before_commit is not None:
         before_commit(step)  # test hook: a crash here must leave no loadable checkpoint
     if rank == 0:
@@ -77,25 +270,34 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, trainer_state
         os.rename(tmp, final)
         _fsync_dir(root)
         if keep:
-            for _, old in complete_checkpoints(root)[:-keep]:
+            own = [p for _, p in complete_checkpoints(root) if checkpoint_run_id(p) == run_id]
+            for old in own[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
 def load_checkpoint(path: str | Path, model, optimizer) -> dict:
-    """Collective. Loads model and optimizer in place, sets this rank's RNG, returns its trainer state."""
+    """Collective. Verifies the checkpoint, loads model and optimizer in place (resharded to this world size),
+    sets this rank's RNG, returns its trainer state (with `manifest`: the checkpoint's manifest)."""
     path = Path(path)
+    manifest = verify_checkpoint(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rank_file = path / f"trainer_rank{dist.get_rank()}.pt"
-    if not rank_file.is_file():
-        raise RuntimeError(f"checkpoint {path} has no {rank_file.name}: it was written by fewer ranks than this run "
-                           f"has ({dist.get_world_size()}); resume with the same cp")
-    trainer_state = torch.load(rank_file, weights_only=False)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except (CheckpointException, Exception) as exc:  # noqa: BLE001  (CheckpointException is a BaseException)
+        raise _load_failure(path, exc, "load") from None
+    saved_world = int(manifest.get("world_size") or dist.get_world_size())
+    rank_file = path / f"trainer_rank{dist.get_rank() % saved_world}.pt"
+    try:
+        trainer_state = torch.load(rank_file, weights_only=False)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint file {rank_file}: load failed: {type(exc).__name__}: "
+                              f"{_first_line(exc)}") from None
     set_rng_state(trainer_state.pop("rng"))
+    trainer_state["manifest"] = manifest
     return trainer_state
 
 

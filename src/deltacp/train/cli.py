@@ -7,6 +7,10 @@
 A bad config is one line naming the key (exit 2). A failed rank prints one line, `deltacp.train: rank R
 failed: ...`; a dead peer or a collective that outlives train.distributed.timeout_s says so (exit 1).
 Set DELTACP_TRACEBACK=1 for full tracebacks.
+
+With --spawn, SIGINT (Ctrl-C) or SIGTERM to the launcher stops the job: the launcher sends SIGTERM to every
+rank, waits for them (SIGKILL after 10 s), prints one line and exits 128 + the signal number (130, 143). The
+ranks ignore SIGINT themselves and die with the launcher even if it is SIGKILLed (deltacp.testing.spawn).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 
 import torch.distributed as dist
 
+from deltacp.train.checkpoint import CheckpointError
 from deltacp.train.config import ConfigError, TrainConfig, load_config
 
 _COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset|refused)|closed by peer|broken pipe|"
@@ -36,7 +42,7 @@ def describe_failure(exc: BaseException, rank: int, cfg: TrainConfig | None) -> 
         timeout = cfg.distributed.timeout_s if cfg is not None else "?"
         return (f"deltacp.train: rank {rank} failed in a collective (a peer died, or no progress within "
                 f"train.distributed.timeout_s={timeout} s): {type(exc).__name__}: {first[:300]}")
-    return f"deltacp.train: rank {rank} failed: {type(exc).__name__}: {first[:300]}"
+    return f"deltacp.train: rank {rank} failed: {type(exc).__name__}: {first[:500]}"
 
 
 def _setup_logging(rank: int) -> None:
@@ -54,7 +60,7 @@ def run_rank(cfg: TrainConfig) -> None:
     except BaseException as exc:  # noqa: BLE001  (one line per failed rank, then a hard exit)
         if os.environ.get("DELTACP_TRACEBACK"):
             traceback.print_exc()
-        if not (isinstance(exc, ConfigError) and rank != 0):
+        if not (isinstance(exc, (ConfigError, CheckpointError)) and rank != 0):  # the same on every rank
             print(describe_failure(exc, rank, cfg), file=sys.stderr, flush=True)
         os._exit(2 if isinstance(exc, ConfigError) else 1)
 
@@ -63,23 +69,52 @@ def _spawned(rank: int, world: int, cfg: TrainConfig) -> None:
     run_rank(cfg)
 
 
+class Stopped(BaseException):
+    """The launcher received SIGINT or SIGTERM (raised by its signal handler)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not interrupt stopping the ranks
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def spawn(fn, world_size: int, cfg: TrainConfig, *args) -> None:
-    """Run fn(rank, world, cfg, *args) on `world_size` gloo ranks; exit 1 with one line if a rank failed."""
+    """Run fn(rank, world, cfg, *args) on `world_size` gloo ranks; exit 1 with one line if a rank failed.
+
+    SIGINT/SIGTERM: the ranks are stopped (run_distributed's clean-up: SIGTERM, SIGKILL after a grace
+    period), one line is printed and the launcher exits 128 + signum."""
     from deltacp.testing.spawn import run_distributed
 
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         run_distributed(fn, world_size, cfg, *args, timeout_s=10 ** 7,
                         collective_timeout_s=cfg.distributed.timeout_s)
+    except Stopped as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"deltacp.train: stopped by {name}: terminated the {world_size} ranks (a checkpoint being saved is "
+              f"left as .tmp, never loaded)", file=sys.stderr, flush=True)
+        sys.exit(128 + stop.signum)
     except Exception as exc:  # the failed rank has printed its line already
         print(f"deltacp.train: the {world_size}-rank run failed ({type(exc).__name__}: "
               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
     try:
         cfg = load_config(args.config, args.set)
         if args.spawn is not None:
+            if cfg.distributed.backend == "nccl":
+                raise ConfigError("train.distributed.backend='nccl' cannot be used with --spawn, which runs gloo "
+                                  "ranks: set train.distributed.backend to auto or gloo, or launch with torchrun")
             cfg.validate_world(args.spawn)
         elif "WORLD_SIZE" in os.environ:
             cfg.validate_world(int(os.environ["WORLD_SIZE"]))

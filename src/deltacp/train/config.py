@@ -10,18 +10,20 @@
       data: {source: stdlib, seq_len: 512}
       optimizer: {lr: 3.0e-3, weight_decay: 0.1, grad_clip: 1.0}
       schedule: {kind: cosine, warmup_steps: 10}
-      checkpoint: {dir: runs/x/ckpt, interval: 50, resume: true}
+      checkpoint: {dir: runs/x/ckpt, interval: 50, resume: true, keep: 2}   # overwrite: false
       logging: {interval: 1}
       distributed: {backend: auto, timeout_s: 300}
 
 `load_config(path, overrides)` reads the file, applies `--set train.a.b=value` overrides (values are YAML)
-and validates everything that needs no process group; `TrainConfig.validate_world(world_size)` runs on
-every rank before the first collective.
+and validates everything that needs no process group (numbers must be finite; removed keys such as
+train.model.attn_implementation say why); `TrainConfig.validate_world(world_size)` runs on every rank before
+the first collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -47,8 +49,6 @@ class ModelConfig:
     """Qwen3_5TextConfig fields (e.g. hidden_size, layer_types); keys are checked against the class."""
     gate_init: Literal["default", "long_memory"] = "default"
     """long_memory: slowly decaying GDN heads (deltacp.testing.gates), so state hand-over between ranks matters."""
-    attn_implementation: str = "sdpa"
-    """transformers attention function of the full attention layers (sdpa | eager)."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,12 @@ class CheckpointConfig:
     interval: int = 0
     """Save every `interval` steps (and at the last step); 0: only at the last step (if dir is set)."""
     resume: bool = True
-    """Resume from the newest complete checkpoint in `dir`, if there is one."""
+    """Resume from the newest complete checkpoint in `dir`, if there is one (the run continues under its run id)."""
     keep: int = 2
-    """Complete checkpoints kept (older ones are deleted); 0 keeps all."""
+    """Complete checkpoints of this run kept (its older ones are deleted); 0 keeps all."""
+    overwrite: bool = False
+    """With resume false: delete the checkpoints already in `dir` at start. Without it, resume false into a `dir`
+    that holds checkpoints is an error (they belong to another run: never deleted nor resumed silently)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ def _check_scalar(key: str, value: Any, hint: Any) -> Any:
                 pass
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
@@ -237,6 +242,34 @@ def _build(cls, raw: Any, prefix: str):
     return cls(**values)
 
 
+_OWN_ATTENTION = ("the trainer always applies CP, whose full attention layers run deltacp's Ulysses attention "
+                  "(torch scaled_dot_product_attention) whatever transformers' attention implementation says")
+REMOVED_KEYS = {"train.model.attn_implementation": _OWN_ATTENTION,
+                "train.model.config.attn_implementation": _OWN_ATTENTION}
+
+
+def _check_removed(raw: dict) -> None:
+    for dotted, why in REMOVED_KEYS.items():
+        *parents, last = dotted.split(".")[1:]
+        node = raw
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            raise ConfigError(f"{dotted}: unknown key (removed: {why}); delete it")
+
+
+def _check_finite(value, key: str) -> None:
+    """Every number in a nested mapping/list (e.g. train.model.config) is finite."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+
+
 def _positive(key: str, value, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
@@ -245,7 +278,7 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 def check_model_config_keys(fields_: dict, prefix: str = "train.model.config") -> None:
     from transformers import Qwen3_5TextConfig
 
-    known = set(Qwen3_5TextConfig().to_dict()) | {"attn_implementation"}
+    known = set(Qwen3_5TextConfig().to_dict()) - {"attn_implementation", "_attn_implementation"}
     unknown = sorted(set(fields_) - known)
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown Qwen3_5TextConfig field")
@@ -255,6 +288,8 @@ def config_from_dict(raw: dict) -> TrainConfig:
     if not isinstance(raw, dict) or set(raw) != {"train"}:
         extra = sorted(set(raw) - {"train"}) if isinstance(raw, dict) else raw
         raise ConfigError(f"the config must have exactly one top-level key 'train' (got {extra})")
+    if isinstance(raw["train"], dict):
+        _check_removed(raw["train"])
     cfg = _build(TrainConfig, raw["train"], "train")
     _positive("train.steps", cfg.steps)
     _positive("train.data.seq_len", cfg.data.seq_len)
@@ -267,13 +302,19 @@ def config_from_dict(raw: dict) -> TrainConfig:
     _positive("train.distributed.timeout_s", cfg.distributed.timeout_s)
     if cfg.optimizer.grad_clip is not None:
         _positive("train.optimizer.grad_clip", cfg.optimizer.grad_clip)
-    if len(cfg.optimizer.betas) != 2:
-        raise ConfigError(f"train.optimizer.betas must be two numbers, got {list(cfg.optimizer.betas)}")
+    betas = cfg.optimizer.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                  for b in betas):
+        raise ConfigError(f"train.optimizer.betas must be two numbers in [0, 1), got {list(betas)}")
+    _check_finite(cfg.model.config, "train.model.config")
     if not 0 <= cfg.schedule.min_lr_ratio <= 1:
         raise ConfigError(f"train.schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
     if cfg.model.pretrained is not None and cfg.model.config:
         raise ConfigError("train.model: give either pretrained (a local directory) or config (fields), not both")
     check_model_config_keys(cfg.model.config)
+    if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
+        raise ConfigError("train.checkpoint.overwrite=true needs train.checkpoint.resume=false (overwrite deletes the "
+                          "checkpoints in train.checkpoint.dir instead of resuming them)")
     if cfg.data.source == "files" and not cfg.data.paths:
         raise ConfigError("train.data.paths must list files or directories when train.data.source is 'files'")
     cp = cfg.accelerator.cp

@@ -83,10 +83,30 @@ def _documents(path: Path, jsonl_field: str) -> list[bytes]:
     if path.suffix != ".jsonl":
         return [path.read_bytes()]
     docs = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            docs.append(json.loads(line)[jsonl_field].encode("utf-8"))
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"train.data.paths: {path}:{number} is not JSON ({exc})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(jsonl_field), str):
+            raise ConfigError(f"train.data.jsonl_field={jsonl_field!r}: {path}:{number} has no string field "
+                              f"{jsonl_field!r}")
+        docs.append(record[jsonl_field].encode("utf-8"))
     return docs
+
+
+def check_usable_text(files: list[Path], cfg: DataConfig) -> None:
+    """Raise ConfigError naming train.data.paths unless some document holds text that is not just whitespace.
+
+    Reads files in order until one does (normally the first), so it is cheap for real data."""
+    for path in files:
+        if any(doc.strip() for doc in _documents(path, cfg.jsonl_field)):
+            return
+    shown = ", ".join(str(p) for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    raise ConfigError(f"train.data.paths {list(cfg.paths)} hold no usable text: every document is empty or "
+                      f"whitespace ({len(files)} file(s): {shown})")
 
 
 class TokenStream:
@@ -96,9 +116,11 @@ class TokenStream:
         self.cfg, self.seed = cfg, seed
         self.tokenizer = make_tokenizer(cfg)
         self.files = stdlib_files() if cfg.source == "stdlib" else listed_files(cfg.paths)
+        if cfg.source == "files":
+            check_usable_text(self.files, cfg)
         self.epoch, self.file_index, self.offset = 0, 0, 0
         self._order = self._order_for(0)
-        self._cache: tuple[int, list[int]] | None = None
+        self._cache: tuple[tuple[int, int], list[int], int] | None = None
 
     def _order_for(self, epoch: int) -> list[int]:
         order = list(range(len(self.files)))
@@ -108,13 +130,19 @@ class TokenStream:
     def _tokens_of(self, file_index: int) -> list[int]:
         if self._cache is None or self._cache[0] != (self.epoch, file_index):
             path = self.files[self._order[file_index]]
-            tokens = []
+            tokens, text_tokens = [], 0
             for doc in _documents(path, self.cfg.jsonl_field):
-                tokens += self.tokenizer.encode(doc)
+                encoded = self.tokenizer.encode(doc)
+                tokens += encoded
+                text_tokens += len(encoded) if doc.strip() else 0
                 if isinstance(self.tokenizer, ByteTokenizer):
                     tokens += list(SEPARATOR)
-            self._cache = ((self.epoch, file_index), tokens)
+            self._cache = ((self.epoch, file_index), tokens, text_tokens)
         return self._cache[1]
+
+    def _has_text(self, file_index: int) -> bool:
+        self._tokens_of(file_index)
+        return self._cache[2] > 0
 
     def _take(self, n: int) -> list[int]:
         out: list[int] = []
@@ -124,9 +152,11 @@ class TokenStream:
             piece = tokens[self.offset: self.offset + n - len(out)]
             out += piece
             self.offset += len(piece)
-            empty_files = 0 if piece else empty_files + 1
+            # Separators alone are no text: a source whose every document is empty must not stream them forever.
+            empty_files = 0 if self._has_text(self.file_index) else empty_files + 1
             if empty_files > len(self.files):
-                raise RuntimeError("the data source holds no tokens")
+                raise ConfigError(f"train.data: the {len(self.files)} data file(s) hold no usable text (every "
+                                  f"document is empty or whitespace)")
             if self.offset >= len(tokens):
                 self.file_index, self.offset = self.file_index + 1, 0
                 if self.file_index == len(self.files):

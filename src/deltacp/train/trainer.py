@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -33,7 +34,14 @@ from deltacp.models.qwen3_5 import (
     parallelize_qwen3_5_cp,
     shard_batch_for_cp,
 )
-from deltacp.train.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from deltacp.train.checkpoint import (
+    claim_directory,
+    complete_checkpoints,
+    load_checkpoint,
+    new_run_id,
+    run_owner,
+    save_checkpoint,
+)
 from deltacp.train.config import ConfigError, TrainConfig
 from deltacp.train.data import TokenStream
 from deltacp.train.progress import Progress
@@ -70,10 +78,13 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 
 def init_distributed(cfg: TrainConfig, device: torch.device) -> None:
     """Create the default process group (torchrun's env://) unless one exists; the timeout turns a dead peer or
-    a stuck collective into an error instead of a hang."""
-    if dist.is_initialized():
-        return
+    a stuck collective into an error instead of a hang. An existing group must use the backend the config names."""
     backend = cfg.distributed.backend
+    if dist.is_initialized():
+        if backend != "auto" and dist.get_backend() != backend:
+            raise ConfigError(f"train.distributed.backend is {backend!r} but this process group uses "
+                              f"{dist.get_backend()!r} (--spawn runs gloo ranks; use torchrun for nccl)")
+        return
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
@@ -95,16 +106,11 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
 
     torch.manual_seed(cfg.seed)
     if cfg.model.pretrained is not None:
-        model = Qwen3_5ForCausalLM.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32,
-                                                   attn_implementation=cfg.model.attn_implementation)
+        model = Qwen3_5ForCausalLM.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32)
     else:
         if not cfg.model.config:
             raise ConfigError("train.model: give config (Qwen3_5TextConfig fields) or pretrained (a local directory)")
-        fields = dict(cfg.model.config)
-        attn = fields.pop("attn_implementation", cfg.model.attn_implementation)
-        config = Qwen3_5TextConfig(**fields)
-        config._attn_implementation = attn
-        model = Qwen3_5ForCausalLM(config)
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg.model.config))
     if model.config.vocab_size < vocab_size:
         raise ConfigError(f"train.model vocab_size ({model.config.vocab_size}) is smaller than the tokenizer's "
                           f"({vocab_size})")
@@ -215,6 +221,7 @@ class Trainer:
                                            weight_decay=opt.weight_decay, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_lambda, cfg))
         self.step_count = 0
+        self.run_id: str | None = None  # set when the checkpoint directory is prepared (fit)
         self.progress = Progress(cfg.steps, mode=cfg.logging.progress, interval=cfg.logging.interval,
                                  metrics_file=cfg.logging.metrics_file, enabled=progress and self.rank == 0)
 
@@ -255,22 +262,37 @@ class Trainer:
     def save(self) -> None:
         path = save_checkpoint(self.cfg.checkpoint.dir, self.step_count, self.model, self.optimizer,
                                self.trainer_state(), keep=self.cfg.checkpoint.keep,
-                               before_commit=self.hooks.before_checkpoint_commit)
+                               before_commit=self.hooks.before_checkpoint_commit, run_id=self.run_id)
         self.progress.message(f"saved checkpoint {path}")
 
     def maybe_resume(self) -> None:
+        """Once per trainer, before the first step: decide (rank 0, broadcast) what the checkpoint directory
+        means for this run, resume if it says so, and record this run as the directory's owner."""
         ck = self.cfg.checkpoint
-        if not (ck.dir and ck.resume):
+        if not ck.dir or self.run_id is not None:
             return
-        found = complete_checkpoints(ck.dir)
-        if not found:
-            return
-        step, path = found[-1]
-        state = load_checkpoint(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.data.load_state_dict(state["data"])
-        self.step_count = state["step"]
-        self.progress.message(f"resumed from {path} (step {step})")
+        plan = [plan_checkpoint_dir(self.cfg) if self.rank == 0 else None]
+        dist.broadcast_object_list(plan, src=0)
+        plan = plan[0]
+        if plan["error"]:
+            raise ConfigError(plan["error"])
+        if self.rank == 0:
+            for old in plan["delete"]:
+                shutil.rmtree(old, ignore_errors=True)
+        if plan["resume"] is not None:
+            state = load_checkpoint(plan["resume"], self.model, self.optimizer)
+            manifest = state.pop("manifest")
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.data.load_state_dict(state["data"])
+            self.step_count = state["step"]
+            saved_world = manifest.get("world_size")
+            reshard = f", resharded from cp={saved_world} to cp={self.world}" if saved_world != self.world else ""
+            self.progress.message(f"resumed run {plan['run_id']} from {plan['resume']} (step {self.step_count}"
+                                  f"{reshard})")
+        self.run_id = plan["run_id"]
+        if self.rank == 0:
+            claim_directory(ck.dir, self.run_id, plan["resume"])
+        dist.barrier()
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -300,6 +322,39 @@ class Trainer:
                 self.save()
         self.progress.close()
         return rows
+
+
+def plan_checkpoint_dir(cfg: TrainConfig) -> dict:
+    """What train.checkpoint.dir means for a starting run (rank 0 decides, from the files alone):
+    {error, resume (path or None), run_id, delete (paths)}.
+
+    resume true: the newest complete checkpoint is resumed and the run continues under its run id.
+    resume false: a directory holding checkpoints is an error unless overwrite is true (then they are deleted);
+    a fresh run gets a new run id."""
+    from deltacp.train.checkpoint import checkpoint_run_id
+
+    ck = cfg.checkpoint
+    found = complete_checkpoints(ck.dir)
+    plan = dict(error=None, resume=None, run_id=new_run_id(), delete=[])
+    if ck.resume:
+        if found:
+            plan["resume"] = str(found[-1][1])
+            plan["run_id"] = checkpoint_run_id(found[-1][1]) or plan["run_id"]
+        return plan
+    if found and not ck.overwrite:
+        try:
+            owner = (run_owner(ck.dir) or {}).get("run_id", "unknown")
+        except Exception:  # noqa: BLE001  (an unreadable run.json: the message still stands)
+            owner = "unknown"
+        steps = [s for s, _ in found]
+        plan["error"] = (f"train.checkpoint.dir={ck.dir!r} holds {len(found)} checkpoint(s) of run {owner} (steps "
+                         f"{steps[0]}..{steps[-1]}) and train.checkpoint.resume is false: this run would neither "
+                         f"resume nor keep them; point train.checkpoint.dir to a fresh directory, set "
+                         f"train.checkpoint.resume=true to continue that run, or set "
+                         f"train.checkpoint.overwrite=true to delete them")
+    else:
+        plan["delete"] = [str(p) for _, p in found]
+    return plan
 
 
 def with_cp(cfg: TrainConfig, cp: int, mode: str | None = None) -> TrainConfig:

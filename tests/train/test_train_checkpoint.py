@@ -1,0 +1,177 @@
+"""Checkpoint faults: corrupted or mismatched checkpoints are one-line errors naming the file and the cause;
+a run never deletes or silently resumes another run's checkpoints; a checkpoint resumes at another CP size.
+
+Most tests run the trainer in this process on a 1-rank gloo group (cp=1: no spawn start-up cost)."""
+
+import os
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch.distributed as dist
+
+from deltacp.testing.spawn import free_port, run_distributed
+from deltacp.train.checkpoint import MANIFEST, RUN_FILE, CheckpointError, complete_checkpoints, read_json
+from deltacp.train.cli import describe_failure
+from deltacp.train.config import CheckpointConfig, ConfigError, load_config
+from test_train_parity import MAIN
+
+SMALL = ["train.logging.progress=none", "train.data.seq_len=64", "train.schedule.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _cfg(ckpt, *overrides):
+    return load_config(MAIN, SMALL + ["train.accelerator.cp=1", f"train.checkpoint.dir={ckpt}", *overrides])
+
+
+def _fit(cfg, max_steps=None):
+    from deltacp.train.trainer import Trainer
+
+    return Trainer(cfg, progress=False).fit(max_steps)
+
+
+@pytest.fixture(scope="module")
+def saved(one_rank, tmp_path_factory):
+    """A 2-step run's checkpoint directory (copy it before changing it)."""
+    ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
+    _fit(_cfg(ckpt, "train.steps=2"))
+    return ckpt
+
+
+def _one_line_error(exc_info) -> str:
+    line = describe_failure(exc_info.value, 0, None)
+    assert "\n" not in line and "CheckpointException" not in line and "Traceback" not in line, line
+    return line
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage, name, cause", [
+    (_flip_byte, "__0_0.distcp", "is corrupted: sha256"),
+    (_truncate, "__0_0.distcp", "is truncated"),
+    (_truncate, ".metadata", "is truncated"),
+    (_flip_byte, "trainer_rank0.pt", "is corrupted: sha256"),
+    (os.remove, MANIFEST, f"has no {MANIFEST}"),
+    (_truncate, MANIFEST, f"{MANIFEST}: unreadable"),
+])
+def test_damaged_checkpoint_is_one_line_naming_the_file(one_rank, saved, tmp_path, damage, name, cause):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    (_, path), = complete_checkpoints(ckpt)
+    damage(path / name)
+    with pytest.raises(CheckpointError) as exc:
+        _fit(_cfg(ckpt, "train.steps=3"))
+    line = _one_line_error(exc)
+    assert str(path / name) in line or (name == MANIFEST and str(path) in line), line
+    assert cause in line, line
+
+
+def test_resume_after_the_model_changed_names_checkpoint_and_cause(one_rank, saved, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    with pytest.raises(CheckpointError) as exc:
+        _fit(_cfg(ckpt, "train.steps=3", "train.model.config.hidden_size=32"))
+    line = _one_line_error(exc)
+    assert f"checkpoint {ckpt / 'step_00000002'}: load failed: ValueError: Size mismatch" in line, line
+    assert "embed_tokens" in line and "train.model" in line, line
+
+
+def test_a_run_never_deletes_or_resumes_another_runs_checkpoints(one_rank, tmp_path):
+    from deltacp.train.trainer import Trainer
+
+    ckpt = tmp_path / "ckpt"
+    first = _cfg(ckpt, "train.steps=6", "train.checkpoint.interval=1", "train.checkpoint.keep=2")
+    a = Trainer(first, progress=False)
+    a.fit(2)
+    run_a = read_json(ckpt / RUN_FILE)["run_id"]
+    assert [s for s, _ in complete_checkpoints(ckpt)] == [1, 2] and a.run_id == run_a
+    assert all(read_json(p / MANIFEST)["run_id"] == run_a for _, p in complete_checkpoints(ckpt))
+
+    # resume: false into a directory with another run's checkpoints: refused, nothing touched.
+    with pytest.raises(ConfigError) as exc:
+        _fit(replace(first, checkpoint=replace(first.checkpoint, resume=False)))
+    line = _one_line_error(exc)
+    for words in (f"train.checkpoint.dir={str(ckpt)!r} holds 2 checkpoint(s) of run {run_a}",
+                  "train.checkpoint.resume is false", "train.checkpoint.overwrite=true"):
+        assert words in line, line
+    assert [s for s, _ in complete_checkpoints(ckpt)] == [1, 2]
+
+    # resume: true continues run A (same run id).
+    cont = Trainer(first, progress=False)
+    assert [r["step"] for r in cont.fit(1)] == [3] and cont.run_id == run_a
+
+    # overwrite: true deletes them, and the directory belongs to the new run B ...
+    b = Trainer(replace(first, checkpoint=replace(first.checkpoint, resume=False, overwrite=True)), progress=False)
+    b.fit(1)
+    run_b = read_json(ckpt / RUN_FILE)["run_id"]
+    assert run_b not in (None, run_a) and [s for s, _ in complete_checkpoints(ckpt)] == [1]
+    # ... so run A, still running, refuses to save into it (and its retention deletes nothing of B's).
+    with pytest.raises(CheckpointError, match=f"now belongs to run {run_b}"):
+        a.fit(1)
+    assert [s for s, _ in complete_checkpoints(ckpt)] == [1]
+    assert read_json(ckpt / "step_00000001" / MANIFEST)["run_id"] == run_b
+
+
+def test_overwrite_needs_resume_false():
+    with pytest.raises(ConfigError, match=r"^train\.checkpoint\.overwrite=true needs train\.checkpoint\.resume=false"):
+        load_config(MAIN, ["train.checkpoint.overwrite=true"])
+
+
+def test_a_backend_other_than_the_process_groups_is_an_error(one_rank):
+    from deltacp.train.trainer import Trainer
+
+    cfg = load_config(MAIN, SMALL + ["train.accelerator.cp=1", "train.distributed.backend=nccl", "train.device=cpu"])
+    with pytest.raises(ConfigError, match=r"^train\.distributed\.backend is 'nccl' but this process group uses 'gloo'"):
+        Trainer(cfg, progress=False)
+
+
+# -- resume at another CP size ----------------------------------------------------------------------------------
+
+
+def save_at_cp2_worker(rank, world, cfg):
+    from deltacp.train.trainer import Trainer, with_cp
+
+    Trainer(with_cp(cfg, world), progress=False).fit(4)  # saves step 4 (interval 4), stops there
+
+
+def resume_at_cp4_worker(rank, world, cfg, results):
+    from deltacp.train.trainer import Trainer, with_cp
+
+    full = Trainer(with_cp(replace(cfg, checkpoint=CheckpointConfig()), world), progress=False).fit()
+    resumed = Trainer(with_cp(cfg, world), progress=False).fit()
+    if rank == 0:
+        results["full"], results["resumed"] = full, resumed
+
+
+def test_a_cp2_checkpoint_resumes_at_cp4_with_the_losses_of_an_uninterrupted_cp4_run(tmp_path):
+    import torch.multiprocessing as mp
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config(MAIN, SMALL + ["train.steps=8", f"train.checkpoint.dir={ckpt}", "train.checkpoint.interval=4"])
+    run_distributed(save_at_cp2_worker, 2, cfg, timeout_s=300)
+    assert [s for s, _ in complete_checkpoints(ckpt)] == [4]
+    assert read_json(ckpt / "step_00000004" / MANIFEST)["world_size"] == 2
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_distributed(resume_at_cp4_worker, 4, cfg, results, timeout_s=300)
+        full, resumed = results["full"], results["resumed"]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    for ref, row in zip(full[4:], resumed, strict=True):  # same weights, optimizer, data; cp2 vs cp4 rounding only
+        assert abs(row["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (ref, row)
+        assert abs(row["grad_norm"] - ref["grad_norm"]) <= 1e-4 * abs(ref["grad_norm"]), (ref, row)
+        assert row["lr"] == ref["lr"]
+    assert read_json(ckpt / "step_00000008" / MANIFEST)["world_size"] == 4
