@@ -64,3 +64,75 @@ def fail_fast_worker(rank, world):
 
 def test_fail_fast_cp4():
     run_distributed(fail_fast_worker, 4, timeout_s=300)
+
+
+def one_rank_fails_worker(rank, world, failing_rank):
+    """A check that fails on one rank only: every rank raises, within the collective timeout's fraction."""
+    import time
+
+    mesh = cp_mesh()
+    # the failing rank's model has 5 attention heads (not divisible by the CP degree); the others are fine
+    heads = 5 if rank == failing_rank else 8
+    model = Qwen3_5ForCausalLM(tiny_config(num_attention_heads=heads, num_key_value_heads=1))
+    start = time.monotonic()
+    if rank == failing_rank:
+        _expect(ValueError, r"num_attention_heads \(5\) divisible by the CP degree",
+                lambda: parallelize_qwen3_5_cp(model, mesh))
+    else:
+        _expect(RuntimeError, rf"checks failed on rank\(s\) \[{failing_rank}\].*num_attention_heads \(5\)",
+                lambda: parallelize_qwen3_5_cp(model, mesh))
+    elapsed = time.monotonic() - start
+    assert elapsed < 20, f"rank {rank} took {elapsed:.1f} s to raise (the others waited?)"
+    # the same for the single-layer style
+    heads = 5 if rank == failing_rank else 8
+    gdn = Qwen3_5GatedDeltaNet(tiny_config(linear_num_key_heads=1, linear_num_value_heads=heads), 0)
+    error = ValueError if rank == failing_rank else RuntimeError
+    _expect(error, "divisible by the CP degree", lambda: LinearAttentionContextParallel(mode="ulysses").apply(gdn, mesh))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_check_failing_on_one_rank_raises_on_all(world):
+    # collective timeout 120 s: a rank left waiting in the exchange would fail the 20 s bound above
+    run_distributed(one_rank_fails_worker, world, world - 1, timeout_s=300)
+
+
+def keywords_worker(rank, world):
+    """Every keyword a CP'd forward receives is honoured or refused, naming it."""
+    mesh = cp_mesh()
+    model = parallelize_qwen3_5_cp(Qwen3_5ForCausalLM(tiny_config()), mesh, linear_attention_cp_mode="p2p")
+    ids = torch.randint(0, 256, (1, 16))
+    _expect(NotImplementedError, r"does not support the keyword\(s\) \[('cache'|'cache_params'|'past_key_values'), 'use_cache'\]",
+            lambda: model(input_ids=ids))  # use_cache defaults to True: an inference cache
+    _expect(NotImplementedError, r"\['output_attentions'\]",
+            lambda: model(input_ids=ids, use_cache=False, output_attentions=True))
+    _expect(NotImplementedError, r"\['made_up_keyword'\]",
+            lambda: model(input_ids=ids, use_cache=False, made_up_keyword=1))
+    _expect(ValueError, "labels under CP", lambda: model(input_ids=ids, labels=ids, use_cache=False))
+    _expect(ValueError, "logits_to_keep", lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False))
+    S = 16 * world
+    _expect(ValueError, r"cu_seq_lens_q .* must start at 0 and end at the row length",
+            lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, 16]), use_cache=False))
+    _expect(ValueError, "strictly increasing",
+            lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, 5, S]), use_cache=False))
+    _expect(ValueError, r"max_length_q=3 does not match the longest document of cu_seq_lens_q \(" + str(S - 5) + r"\)",
+            lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, S]), max_length_q=3, use_cache=False))
+    _expect(ValueError, "cu_seq_lens_k must equal cu_seq_lens_q",
+            lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, S]), cu_seq_lens_k=torch.tensor([0, 6, S]),
+                          use_cache=False))
+    # ranks that received different batches (here: different document offsets) all raise
+    cut = 5 if rank == 0 else 6
+    _expect(ValueError, "ranks received different kinds of CP inputs",
+            lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, cut, S]), use_cache=False))
+    # a padding mask with a hole cannot be expressed as documents: refused
+    mask = torch.ones(1, 16, dtype=torch.long)
+    if rank == 0:
+        mask[0, 3] = 0
+    _expect(NotImplementedError, "padding between valid tokens",
+            lambda: model(input_ids=ids, attention_mask=mask, use_cache=False))
+    # a GDN layer applied on its own refuses unknown keywords too
+    gdn = LinearAttentionContextParallel(mode="ulysses").apply(Qwen3_5GatedDeltaNet(tiny_config(), 0), mesh)
+    _expect(NotImplementedError, r"\['seq_idx'\]", lambda: gdn(torch.randn(1, 16, 64), seq_idx=torch.zeros(1, 16)))
+
+
+def test_unhonoured_keywords_raise_cp2():
+    run_distributed(keywords_worker, 2, timeout_s=300)

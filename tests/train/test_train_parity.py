@@ -61,7 +61,6 @@ def cp4_worker(rank, world, results):
         # Full activation checkpointing: same first steps, bit for bit, and the same p2p messages.
         ac = Trainer(replace(cfg, activation_checkpointing="full"), progress=False)
         passings = _record_logs(ac)
-        assert all(p.record_for_recompute for p in passings)
         rows_ac = ac.fit(1)
         logs_full = [list(p.log) for p in passings]
         rows_ac += ac.fit(AC_STEPS - 1)
@@ -76,8 +75,6 @@ def cp4_worker(rank, world, results):
                        ([f"send dH_in ->{rank - 1}"] if rank > 0 else [])
             if len(logs_off) != 3 or any(log != expected for log in logs_off):
                 failures.append(f"{label}: unexpected p2p messages {logs_off}, expected {expected} per layer")
-            if any(p.replay_states for p in passings):
-                failures.append(f"{label}: recorded states left unreplayed")
         if rank == 0:
             results[label] = rows
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)

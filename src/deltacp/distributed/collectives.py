@@ -11,8 +11,6 @@ head group, C conv channels, K/V state dims.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -136,13 +134,35 @@ def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup) -> t
 # ---------------------------------------------------------------------------------------------
 
 
+def dedicated_cp_groups(cp_mesh) -> ProcessGroup:
+    """A second process group over this rank's CP ranks, for point-to-point state traffic only.
+
+    On NCCL a communicator serialises its operations: a receive posted on the communicator that also carries
+    the CP collectives could hold up a collective that its sender must finish first. With the state hops on
+    their own communicator, no collective ever waits behind a point-to-point operation or the reverse. Only
+    the ranks of one CP group take part in creating its group (local synchronisation).
+    """
+    names = cp_mesh.mesh_dim_names
+    layout = cp_mesh.mesh
+    if cp_mesh.ndim > 1:
+        layout = layout.movedim(names.index("cp"), -1)
+    rows = layout.reshape(-1, layout.shape[-1]).tolist()
+    me = dist.get_rank()
+    mine = None
+    for ranks in rows:
+        if me in ranks:
+            mine = dist.new_group(ranks, use_local_synchronization=True)
+    if mine is None:
+        raise RuntimeError(f"rank {me} is not in the CP mesh {rows}")
+    return mine
+
+
 class StatePassing:
     """Point-to-point state traffic of one P2P layer on one rank.
 
-    Every rank posts its receive from rank-1 before it computes its summary, sends to rank+1 as soon as
-    `M @ H_in + S` exists, and defers waiting on its sends (their buffers are kept here until then).
-    For activation checkpointing, `replay_states` keeps what each forward received (H_in, with M) so that
-    the recompute replays it instead of posting another receive; message order is unchanged.
+    Every rank posts its receive from rank-1 after the layer's collectives and checks, sends to rank+1 as
+    soon as `M @ H_in + S` exists, and defers waiting on its sends (their buffers are kept here until then).
+    `group` should be a group that carries no collective (`dedicated_cp_groups`).
     """
 
     def __init__(self, group: ProcessGroup):
@@ -151,13 +171,11 @@ class StatePassing:
         self.size = dist.get_world_size(group)
         self.is_first = self.rank == 0
         self.is_last = self.rank == self.size - 1
-        self.record_for_recompute = False
-        self.replay_states: deque[torch.Tensor] = deque()
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.log: list[str] | None = None  # when a list, every message is appended ("send fwd ->1", ...)
 
     # -- primitives ------------------------------------------------------------------------------
-    def _send(self, t: torch.Tensor, peer: int, what: str) -> None:
+    def send(self, t: torch.Tensor, peer: int, what: str) -> None:
         with torch.profiler.record_function(f"deltacp::send {what}"):
             buf = t.cpu() if _needs_host_staging(t, self.group) else t.contiguous()
             work = dist.isend(buf, group=self.group, group_dst=peer)

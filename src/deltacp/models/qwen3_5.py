@@ -22,7 +22,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from deltacp.ops.gdn.varlen import check_cu_seqlens
 from deltacp.parallel.attention import check_attention_module, install_ulysses_attention
+from deltacp.parallel.documents import (
+    PACKING_KEYWORDS,
+    AttentionDocuments,
+    CPForwardContext,
+    PackedDocuments,
+    cu_seqlens_from_padding,
+    cu_seqlens_from_position_ids,
+    documents_from_keywords,
+    position_ids_from_cu_seqlens,
+)
 from deltacp.parallel.fingerprint import check_same_config_across_ranks
 from deltacp.parallel.style import LinearAttentionContextParallel, cp_group_of
 
@@ -40,10 +51,6 @@ def _text_model(model: nn.Module) -> nn.Module:
                               f"{type(model).__name__}")
 
 
-def _cp_size(cp_mesh: DeviceMesh) -> int:
-    return cp_mesh.size() if cp_mesh.ndim == 1 else cp_mesh["cp"].size()
-
-
 def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
                            linear_attention_cp_mode: str = "ulysses",
                            linear_attention_gdn_backend: str = "eager") -> nn.Module:
@@ -52,35 +59,40 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
     On each rank, `model(input_ids=<rank's contiguous slice>, position_ids=<its global positions>,
     use_cache=False).logits` is that slice of the single-device logits.
     """
-    style = LinearAttentionContextParallel(mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend)
     group = cp_group_of(cp_mesh)
-    cp = _cp_size(cp_mesh)
-    if ulysses_degree is not None and ulysses_degree != cp:
-        raise NotImplementedError(f"ulysses_degree={ulysses_degree} is not supported: it must be None or equal to "
-                                  f"cp ({cp}); full attention CP is Ulysses over the whole CP mesh")
-    text = _text_model(model)
-    if getattr(text, "_deltacp_parallelized", False):
-        raise ValueError("parallelize_qwen3_5_cp: this model is already parallelized; apply CP once, to the "
-                         "single-device model")
-    layers = list(text.layers)
+    cp = group.size()
     config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
                   linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=cp,
-                  model=type(model).__name__, layer_types=tuple(text.config.layer_types[: len(layers)]),
-                  hidden_size=text.config.hidden_size)
-    for i, layer in enumerate(layers):
-        if hasattr(layer, "linear_attn"):
-            layer_config = style.check_module(layer.linear_attn, cp)
-        elif hasattr(layer, "self_attn"):
-            layer_config = check_attention_module(layer.self_attn, cp)
-        else:
-            raise NotImplementedError(f"decoder layer {i} has neither linear_attn nor self_attn")
-        config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
-    check_same_config_across_ranks(config, group, "parallelize_qwen3_5_cp")
+                  model=type(model).__name__)
+    error = None
+    try:  # validate, then exchange: a check failing on some ranks only must not leave the others waiting
+        style = LinearAttentionContextParallel(mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend)
+        if ulysses_degree is not None and ulysses_degree != cp:
+            raise NotImplementedError(f"ulysses_degree={ulysses_degree} is not supported: it must be None or equal "
+                                      f"to cp ({cp}); full attention CP is Ulysses over the whole CP mesh")
+        text = _text_model(model)
+        if getattr(text, "_deltacp_parallelized", False):
+            raise ValueError("parallelize_qwen3_5_cp: this model is already parallelized; apply CP once, to the "
+                             "single-device model")
+        layers = list(text.layers)
+        config.update(layer_types=tuple(text.config.layer_types[: len(layers)]), hidden_size=text.config.hidden_size)
+        for i, layer in enumerate(layers):
+            if hasattr(layer, "linear_attn"):
+                layer_config = style.check_module(layer.linear_attn, cp)
+            elif hasattr(layer, "self_attn"):
+                layer_config = check_attention_module(layer.self_attn, cp)
+            else:
+                raise NotImplementedError(f"decoder layer {i} has neither linear_attn nor self_attn")
+            config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
+    except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
+        error = e
+    check_same_config_across_ranks(config, group, "parallelize_qwen3_5_cp", error)
 
+    p2p_group = style.p2p_group(cp_mesh)
     n_linear = n_full = 0
     for layer in layers:
         if hasattr(layer, "linear_attn"):
-            style.install(layer.linear_attn, group)
+            style.install(layer.linear_attn, group, p2p_group)
             n_linear += 1
     logger.info("Applied %s linear attention CP (%s backend) to %d GDN layers", linear_attention_cp_mode,
                 linear_attention_gdn_backend, n_linear)
@@ -90,16 +102,40 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
             n_full += 1
     logger.info("Applied Ulysses CP (degree %d) to %d full attention layers", cp, n_full)
     text.register_forward_pre_hook(_make_cp_inputs_hook(group), with_kwargs=True)
+    if model is not text:
+        model.register_forward_pre_hook(_refuse_local_loss, with_kwargs=True)
     text._deltacp_parallelized = True
-    logger.info("Applied the CP input hook (global positions, per-layer masks) to %s", type(text).__name__)
+    logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(text).__name__)
     return model
 
 
-def _make_cp_inputs_hook(group):
-    """Hands each layer type the mask it needs under CP, and fills missing positions with global ones.
+def _refuse_local_loss(module, args, kwargs):
+    """The causal-LM head's own loss and logit slicing would act on one rank's slice as if it were the row."""
+    if kwargs.get("labels") is not None:
+        raise ValueError("labels under CP: the model's own loss would shift targets within each rank's slice; use "
+                         "shard_batch_for_cp(...)['target_ids'] with cp_cross_entropy instead")
+    keep = kwargs.get("logits_to_keep", 0)
+    if not (isinstance(keep, int) and keep == 0):
+        raise ValueError(f"logits_to_keep={keep!r} under CP: each rank holds a slice of the row; keep all logits "
+                         f"(logits_to_keep=0)")
+    return args, kwargs
 
-    GDN layers take the local 2-D padding mask; full attention layers take the global 2-D padding mask
-    (all-gathered, a few bytes per token) and build the causal mask over the whole sequence themselves.
+
+def _all_gather_cat(x_BS: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[B, s] int64 on every rank -> [B, S] (rank order)."""
+    parts = [torch.empty_like(x_BS) for _ in range(cp)]
+    dist.all_gather(parts, x_BS.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _make_cp_inputs_hook(group):
+    """Builds the forward's `CPForwardContext` (documents, padding, activation-checkpoint replay) and hands it to
+    every layer as its attention mask; fills missing position ids.
+
+    Documents come from transformers' packing keywords (`cu_seq_lens_q/k`, `max_length_q/k`: GLOBAL offsets
+    under CP), or from position ids that restart inside the row; padding masks are local [B, s]. One small
+    all-gather of what every rank received comes first, so ranks that disagree all raise together; then, only
+    where needed, one all-gather of the position ids or the padding mask (a few bytes per token).
     """
 
     def hook(module, args, kwargs):
@@ -108,48 +144,128 @@ def _make_cp_inputs_hook(group):
         local = input_ids if input_ids is not None else embeds
         B, s = local.shape[:2]
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = (torch.arange(s, device=local.device) + rank * s).expand(B, s)
-        mask = kwargs.get("attention_mask")
+        S = s * cp
+        packing = {key: kwargs.pop(key, None) for key in PACKING_KEYWORDS}
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         if isinstance(mask, dict):
-            return args, kwargs
+            raise ValueError("under CP, attention_mask must be None or the local 2-D padding mask [B, s]; a "
+                             "per-layer-type dict is built by deltacp itself")
         if mask is not None and (mask.ndim != 2 or tuple(mask.shape) != (B, s)):
             raise ValueError(f"under CP, attention_mask must be the local 2-D padding mask [B, s] = {(B, s)}, got "
                              f"{tuple(mask.shape)}")
-        if mask is None:
-            kwargs["attention_mask"] = {"linear_attention": None, "full_attention": None}
-        else:
-            local_mask = mask.to(torch.int64)  # gloo gathers no bool tensors
-            parts = [torch.empty_like(local_mask) for _ in range(cp)]
-            dist.all_gather(parts, local_mask, group=group)
-            kwargs["attention_mask"] = {"linear_attention": mask, "full_attention": torch.cat(parts, dim=1)}
+        cu = packing["cu_seq_lens_q"]
+        header = torch.tensor([B, s, mask is not None, positions is not None, cu is not None,
+                               -1 if cu is None else cu.numel(),
+                               -1 if cu is None else int(cu.detach().to("cpu", torch.int64).sum()),
+                               -1 if cu is None else int((cu.detach().to("cpu", torch.int64) ** 2).sum())],
+                              dtype=torch.int64, device=local.device)
+        headers = _all_gather_cat(header[None], group, cp).view(cp, -1)
+        if not bool((headers == header).all()):
+            raise ValueError(f"ranks received different kinds of CP inputs (per rank: B, s, has attention_mask, "
+                             f"has position_ids, has cu_seq_lens_q, its length and checksums): "
+                             f"{headers.tolist()}; every rank must get its slice of the same batch")
+        docs = documents_from_keywords(S, **packing)
+        if docs is not None and mask is not None:
+            raise NotImplementedError("packed documents with a padding mask: pad a packed row with a padding "
+                                      "document instead (shard_batch_for_cp's pad_to_multiple_of)")
+        if docs is None and positions is not None:
+            text_positions = positions if positions.ndim == 2 else positions[0]
+            cu_pos = cu_seqlens_from_position_ids(_all_gather_cat(text_positions.to(torch.int64), group, cp))
+            docs = None if cu_pos is None else PackedDocuments.build(cu_pos, S, "position_ids")
+        if positions is None:
+            positions = (position_ids_from_cu_seqlens(docs.cu_seqlens)[:, rank * s:(rank + 1) * s].to(local.device)
+                         if docs is not None else torch.arange(rank * s, (rank + 1) * s, device=local.device)[None])
+            kwargs["position_ids"] = positions.expand(B, s)
+        attention = None
+        if docs is not None:
+            attention = AttentionDocuments.build(docs.cu_seqlens)
+        elif mask is not None:
+            cu_pad = cu_seqlens_from_padding(_all_gather_cat(mask.to(torch.int64), group, cp))
+            attention = None if cu_pad is None else AttentionDocuments.build(cu_pad)
+        context = CPForwardContext(padding=mask, documents=docs, attention=attention)
+        kwargs["attention_mask"] = {"linear_attention": context, "full_attention": context}
         return args, kwargs
 
     return hook
 
 
-def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attention_mask: torch.Tensor | None = None,
-                       labels: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
-    """Cut a global batch [B, S] into this rank's contiguous slice.
+def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int, pad_token_id: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad a packed row [1, S] to a multiple of `multiple` (the CP degree) with one padding document.
 
-    Returns input_ids, position_ids (global), attention_mask (local padding mask or None) and target_ids:
-    the next-token targets, shifted over the whole sequence before cutting (so no rank needs its
-    neighbour's tokens), IGNORE_INDEX at the last position and wherever the target token is padding.
+    The padding tokens form a document of their own, so no real document reads them or is read by them;
+    `shard_batch_for_cp(pad_to_multiple_of=)` calls this and ignores their targets.
+    """
+    S = input_ids.shape[1]
+    extra = (-S) % multiple
+    if extra == 0:
+        return input_ids, cu_seqlens
+    pad = input_ids.new_full((input_ids.shape[0], extra), pad_token_id)
+    cu = torch.cat([cu_seqlens.to(torch.int64).cpu(), torch.tensor([S + extra])]).to(cu_seqlens.dtype)
+    return torch.cat([input_ids, pad], dim=1), cu
+
+
+def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attention_mask: torch.Tensor | None = None,
+                       labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None, pad_to_multiple_of: int | None = None,
+                       pad_token_id: int = 0) -> dict[str, torch.Tensor | int | None]:
+    """Cut a global batch [B, S] into this rank's contiguous slice: keyword arguments of the CP'd model, plus
+    `target_ids` for `cp_cross_entropy`.
+
+    Packed documents (one row, B = 1): give `cu_seqlens` (global offsets [0, ..., S]) or `position_ids` that
+    restart at each document (transformers' convention). The result then carries the rank's per-document
+    position ids and transformers' packing keywords `cu_seq_lens_q/k`, `max_length_q/k` (global), and no
+    target crosses a document boundary. Padded rows (B >= 1): `attention_mask`, left or right padding.
+
+    S must be divisible by the CP degree: `pad_to_multiple_of=cp` appends a padding document of
+    `pad_token_id` tokens to a packed row (targets ignored) so that it is.
+    Targets are shifted over the whole row before cutting (no rank needs its neighbour's tokens):
+    IGNORE_INDEX at each document's last token, and wherever the target token is padding.
     """
     group = cp_group_of(cp_mesh)
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     B, S = input_ids.shape
-    if S % cp:
-        raise ValueError(f"the global sequence length ({S}) must be divisible by cp ({cp})")
     labels = input_ids if labels is None else labels
+    if cu_seqlens is None and position_ids is not None:
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        if cu_seqlens is None:  # one document
+            cu_seqlens = torch.tensor([0, S])
+    if cu_seqlens is not None and pad_to_multiple_of is None and check_cu_seqlens(cu_seqlens, S).numel() == 2:
+        cu_seqlens = None  # one document: an unpacked row
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("shard_batch_for_cp: a packed row (cu_seqlens / position_ids) takes no attention_mask; "
+                             "use pad_to_multiple_of to pad it")
+        cu = check_cu_seqlens(cu_seqlens, S)
+        if B != 1:
+            raise ValueError(f"shard_batch_for_cp: packed documents need one row (B = 1), got B = {B}")
+        if pad_to_multiple_of:
+            real = S
+            input_ids, cu = pad_packed_row(input_ids, cu, pad_to_multiple_of, pad_token_id)
+            labels = torch.cat([labels, labels.new_full((1, input_ids.shape[1] - real), IGNORE_INDEX)], dim=1)
+            S = input_ids.shape[1]
+    elif pad_to_multiple_of:
+        raise ValueError("shard_batch_for_cp: pad_to_multiple_of pads packed rows (give cu_seqlens or position_ids);"
+                         " pad unpacked rows yourself with an attention_mask")
+    if S % cp:
+        raise ValueError(f"the global sequence length ({S}) must be divisible by cp ({cp})"
+                         + ("; pass pad_to_multiple_of=cp to append a padding document" if cu_seqlens is not None
+                            else ""))
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
     if attention_mask is not None:
         targets[:, :-1][attention_mask[:, 1:] == 0] = IGNORE_INDEX
-    positions = torch.arange(S, device=input_ids.device).expand(B, S)
     cut = slice(rank * (S // cp), (rank + 1) * (S // cp))
+    if cu_seqlens is None:
+        positions = torch.arange(S, device=input_ids.device).expand(B, S)
+        return dict(input_ids=input_ids[:, cut], position_ids=positions[:, cut], target_ids=targets[:, cut],
+                    attention_mask=None if attention_mask is None else attention_mask[:, cut])
+    targets[:, (cu[1:] - 1).to(targets.device)] = IGNORE_INDEX  # a document's last token predicts nothing
+    positions = position_ids_from_cu_seqlens(cu).to(input_ids.device)
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu_dev = cu.to(device=input_ids.device, dtype=torch.int32)
     return dict(input_ids=input_ids[:, cut], position_ids=positions[:, cut], target_ids=targets[:, cut],
-                attention_mask=None if attention_mask is None else attention_mask[:, cut])
+                cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest, max_length_k=longest)
 
 
 def cp_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
@@ -159,7 +275,9 @@ def cp_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, cp_mesh: De
     summed over CP ranks are the single-device gradients (see `fully_shard_qwen3_5` for FSDP).
     """
     group = cp_group_of(cp_mesh)
-    local_sum = F.cross_entropy(logits.flatten(0, -2).float(), target_ids.flatten(), ignore_index=IGNORE_INDEX,
+    # float32 for bf16/fp16/fp32 logits, float64 stays float64 (the precision policy of every deltacp op)
+    logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
+    local_sum = F.cross_entropy(logits, target_ids.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
     stats = torch.stack([local_sum.detach(), (target_ids != IGNORE_INDEX).sum().to(local_sum.dtype)])
     dist.all_reduce(stats, group=group)

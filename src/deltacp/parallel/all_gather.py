@@ -11,7 +11,8 @@ import torch
 from deltacp.distributed.collectives import all_gather_autograd
 from deltacp.ops.gdn.eager import apply_summary
 from deltacp.parallel.conv import halo_conv_silu
-from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_gate, split_qkv
+from deltacp.parallel.documents import CPForwardContext
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
 
 
 def _compose_prefix(packed_PBHKX: torch.Tensor, rank: int, K: int) -> torch.Tensor:
@@ -45,16 +46,43 @@ class _EnteringState(torch.autograd.Function):
         return grad, None, None
 
 
-def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor
-                     ) -> torch.Tensor:
+class _AnchorBackward(torch.autograd.Function):
+    """Identity on o whose backward also reaches `unused` (with a zero gradient)."""
+
+    @staticmethod
+    def forward(ctx, o, unused):
+        ctx.unused = (unused.shape, unused.dtype)
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        shape, dtype = ctx.unused
+        return grad_o, grad_o.new_zeros(shape, dtype=dtype)
+
+
+def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+                     ctx: CPForwardContext) -> torch.Tensor:
     m = layer.module
-    x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group)
+    rank = torch.distributed.get_rank(layer.group)
+    s = qkv_BsC.shape[1]
+    docs = document_segment(layer, ctx, rank * s, (rank + 1) * s)
+    layout = None if docs is None else docs.layout
+    x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group,
+                           doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
     q, k, v = split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim)
     g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="all_gather")
 
-    summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    # with documents, M = 0 wherever the entering state cannot reach the end of the slice (varlen.py)
+    summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                       cu_seqlens=layout)
     packed_PBHKX = all_gather_autograd(torch.cat([summary_m, summary_s], dim=-1), layer.group)
-    state = _EnteringState.apply(packed_PBHKX, torch.distributed.get_rank(layer.group), m.head_k_dim)
-    o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True)
+    state = _EnteringState.apply(packed_PBHKX, rank, m.head_k_dim)
+    if layout is not None and not layout.first_continues:
+        # the first document starts on this rank: the entering state reaches no output, but its backward (and
+        # with it the all-gather's collective) must still run here as on every other rank
+        o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
+        return _AnchorBackward.apply(o, state)
+    o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True,
+                                                cu_seqlens=layout)
     return o

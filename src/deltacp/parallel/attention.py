@@ -5,14 +5,18 @@ all-to-all to head shards over the whole sequence, causal attention, all-to-all 
 projection. Key/value heads that do not divide by the CP degree are repeated to the query heads first
 (exact: query head j reads kv head j // groups either way).
 
-The `attention_mask` this forward takes is None (causal) or the global 2-D padding mask [B, S]; the
-model-level pre-hook of `parallelize_qwen3_5_cp` supplies it.
+The `attention_mask` this forward takes is None (causal over the whole row) or the model pre-hook's
+`CPForwardContext`, whose `attention` describes per-document causal attention over the flattened [B * S]
+stream (packed documents, or padded rows as valid + padding documents). No [S, S] mask is ever built: on CUDA
+with bf16/fp16 one varlen flash-attention call (`torch.nn.attention.varlen.varlen_attn`) covers every
+document; elsewhere (CPU, float32/float64) each document runs through causal SDPA on its own.
 
 Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads.
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -23,6 +27,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
 from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
 
 
 def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[int, int]:
@@ -42,18 +47,47 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return (h * (1.0 + weight.to(dt))).type_as(x)
 
 
-def _causal_padding_mask(padding_BS: torch.Tensor | None, S: int, device) -> torch.Tensor | None:
-    if padding_BS is None:
-        return None
-    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-    return causal[None, None] & padding_BS.bool()[:, None, None, :]
+def _varlen_flash(q_THD, k_THD, v_THD, docs: AttentionDocuments, scale: float, gqa: bool) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = docs.on(q_THD.device)
+    causal = ({"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters
+              else {"is_causal": True})
+    return varlen_attn(q_THD, k_THD, v_THD, cu, cu, docs.max_len, docs.max_len, scale=scale, enable_gqa=gqa,
+                       **causal)
+
+
+def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                              docs: AttentionDocuments | None, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """Causal attention within each document of the flattened [B * S] stream (all of it when docs is None)."""
+    gqa = k_BHSD.shape[1] != q_BHSD.shape[1]
+    if docs is None:
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale,
+                                              dropout_p=dropout_p, enable_gqa=gqa)
+    if dropout_p:
+        raise NotImplementedError(f"attention_dropout={dropout_p} with packed documents or padding under CP is not "
+                                  f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
+    B, H, S, D = q_BHSD.shape
+    q_THD, k_THD, v_THD = (x.transpose(1, 2).reshape(B * S, x.shape[1], D) for x in (q_BHSD, k_BHSD, v_BHSD))
+    if q_THD.is_cuda and q_THD.dtype in (torch.float16, torch.bfloat16):
+        o_THD = _varlen_flash(q_THD, k_THD, v_THD, docs, scale, gqa)
+    else:
+        bounds = docs.cu_seqlens.tolist()
+        o_THD = torch.cat([
+            F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD)),
+                                           is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])])
+    return o_THD.reshape(B, S, H, -1).transpose(1, 2)
 
 
 def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Tensor,
                               position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                              attention_mask: torch.Tensor | None = None, cache=None, **_: object):
-    if cache is not None:
-        raise NotImplementedError("inference cache is out of scope under context parallelism (use_cache=False)")
+                              attention_mask: CPForwardContext | None = None, cache=None, past_key_values=None,
+                              use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
+                              **unsupported):
+    """position_ids: read upstream (the rotary embedding, and the model hook for document starts), not here."""
+    refuse_unsupported("Qwen3.5 full attention", dict(unsupported, cache=cache, past_key_values=past_key_values,
+                                                       use_cache=use_cache))
     if hasattr(hidden_states, "to_local"):
         hidden_states = hidden_states.to_local()
     cp = dist.get_world_size(group)
@@ -62,10 +96,11 @@ def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Ten
     B, s, _ = hidden_states.shape
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     heads_local, kv_local = attention_head_layout(heads, kv_heads, cp)
-    if attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape[1] != s * cp):
-        raise ValueError(f"Ulysses full attention takes None or the global 2-D padding mask [B, {s * cp}], got "
-                         f"attention_mask of shape {tuple(attention_mask.shape)}; call the model through "
-                         f"parallelize_qwen3_5_cp, which supplies it")
+    if attention_mask is not None and not isinstance(attention_mask, CPForwardContext):
+        raise ValueError(f"Ulysses full attention takes None or the model hook's CPForwardContext as attention_mask, "
+                         f"got {type(attention_mask).__name__}; call the model through parallelize_qwen3_5_cp, "
+                         f"which builds it from the padding mask or the packed documents")
+    docs = None if attention_mask is None else attention_mask.attention
 
     q_BsHD, gate = torch.chunk(module.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
     gate = gate.reshape(B, s, heads * D)
@@ -83,10 +118,8 @@ def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Ten
     full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
     q_BSX, k_BSX, v_BSX = torch.split(full_BSX, [heads_local * D, kv_local * D, kv_local * D], dim=-1)
     q_BHSD, k_BHSD, v_BHSD = (x.reshape(B, s * cp, -1, D).transpose(1, 2) for x in (q_BSX, k_BSX, v_BSX))
-    mask = _causal_padding_mask(attention_mask, s * cp, hidden_states.device)
-    o_BHSD = F.scaled_dot_product_attention(
-        q_BHSD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=mask is None, scale=module.scaling,
-        dropout_p=module.attention_dropout if module.training else 0.0, enable_gqa=kv_local != heads_local)
+    o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=module.scaling,
+                                       dropout_p=module.attention_dropout if module.training else 0.0)
     o_BSX = o_BHSD.transpose(1, 2).reshape(B, s * cp, heads_local * D)
     o_BsX = all_to_all_head_to_seq(o_BSX, group).reshape(B, s, heads * D)
     return module.o_proj(o_BsX * torch.sigmoid(gate)), None

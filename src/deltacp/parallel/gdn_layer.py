@@ -14,12 +14,19 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.parallel.documents import (
+    CPForwardContext,
+    DocumentSegment,
+    documents_from_keywords,
+    refuse_unsupported,
+)
 
 
 @dataclass
@@ -30,7 +37,7 @@ class GDNLayerCP:
     group: ProcessGroup
     mode: str
     backend: GDNBackend
-    mixer: Callable[["GDNLayerCP", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    mixer: Callable[["GDNLayerCP", torch.Tensor, torch.Tensor, torch.Tensor, CPForwardContext], torch.Tensor]
     extra: dict = field(default_factory=dict)  # per-mode state (e.g. the p2p StatePassing)
 
     @property
@@ -71,17 +78,56 @@ def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int
             v.reshape(B, T, -1, head_v_dim))
 
 
-def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   **_: object) -> torch.Tensor:
+def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
+    """The forward context of this call: the model hook's, or one built from a padding mask / packing keywords
+    (a layer applied on its own, without `parallelize_qwen3_5_cp`)."""
+    if isinstance(attention_mask, CPForwardContext):
+        if any(v is not None for v in packing.values()):
+            raise ValueError(f"packing keywords {sorted(k for k, v in packing.items() if v is not None)} reached a "
+                             f"GDN layer whose model hook already described the documents; pass them to the model "
+                             f"once")
+        return attention_mask
+    B, s = hidden_states.shape[:2]
+    if attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape != (B, s)):
+        raise ValueError(f"linear attention CP takes a 2-D padding mask of the local tokens [B, s] = {(B, s)}, got "
+                         f"attention_mask of shape {tuple(attention_mask.shape)}")
+    docs = documents_from_keywords(s * dist.get_world_size(layer.group), **packing)
+    if docs is not None and attention_mask is not None:
+        raise NotImplementedError("packed documents (cu_seq_lens_q) with a padding mask: pad a packed row with a "
+                                  "padding document instead (see shard_batch_for_cp)")
+    return CPForwardContext(padding=attention_mask, documents=docs)
+
+
+def document_segment(layer: GDNLayerCP, ctx: CPForwardContext, lo: int, hi: int) -> DocumentSegment | None:
+    """This layer's view of the documents of tokens [lo, hi) (None: an unpacked row)."""
+    if ctx.documents is None:
+        return None
+    if ctx.documents.seq_len != (hi - lo) * (dist.get_world_size(layer.group) if layer.mode != "ulysses" else 1):
+        raise ValueError(f"the packed documents cover {ctx.documents.seq_len} tokens, but this rank's slice of "
+                         f"{hi - lo} tokens is not 1/cp of that row")
+    kernel = layer.module.conv1d.kernel_size[0]
+    return ctx.documents.segment(lo, hi, kernel, layer.conv_dilation)
+
+
+def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
+                   cache_params=None, use_cache: bool | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                   max_length_q=None, max_length_k=None, **unsupported) -> torch.Tensor:
+    """The CP forward of one GDN layer on this rank's slice [B, s, hidden] of the sequence.
+
+    attention_mask: the model hook's `CPForwardContext`, or the local 2-D padding mask, or None.
+    cu_seq_lens_q/k, max_length_q/k: transformers' packing keywords with GLOBAL offsets (layer used on its own).
+    Inference caches (cache, cache_params, use_cache=True) and any other keyword raise.
+    """
+    refuse_unsupported("Qwen3.5 GatedDeltaNet", dict(unsupported, cache=cache, cache_params=cache_params,
+                                                     use_cache=use_cache))
     m = layer.module
     if hasattr(hidden_states, "to_local"):  # DTensor input: this rank's slice is its local tensor
         hidden_states = hidden_states.to_local()
-    if attention_mask is not None:
-        if attention_mask.ndim != 2 or attention_mask.shape != hidden_states.shape[:2]:
-            raise ValueError(
-                f"linear attention CP takes a 2-D padding mask of the local tokens [B, s] = "
-                f"{tuple(hidden_states.shape[:2])}, got attention_mask of shape {tuple(attention_mask.shape)}")
-        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    ctx = gdn_context(layer, hidden_states, attention_mask,
+                      dict(cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
+                           max_length_k=max_length_k))
+    if ctx.padding is not None:
+        hidden_states = (hidden_states * ctx.padding[:, :, None]).to(hidden_states.dtype)
     B, s, _ = hidden_states.shape
     if layer.mode != "ulysses" and s < layer.halo:
         raise ValueError(f"linear_attention_cp_mode={layer.mode!r} needs a local sequence of at least the conv halo "
@@ -92,7 +138,7 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
     b_BsH = m.in_proj_b(hidden_states)
     a_BsH = m.in_proj_a(hidden_states)
 
-    o_BsHV = layer.mixer(layer, qkv_BsC, b_BsH, a_BsH)
+    o_BsHV = layer.mixer(layer, qkv_BsC, b_BsH, a_BsH, ctx)
 
     o = gated_rms_norm(o_BsHV.reshape(-1, m.head_v_dim), z_BsHV.reshape(-1, m.head_v_dim), m.norm.weight,
                        m.norm.variance_epsilon)

@@ -1,10 +1,16 @@
 """State-P2P linear attention CP: every rank keeps all heads and its contiguous tokens; only the fp32
 state [B, H, K, V] travels, rank to rank.
 
-Forward on rank r: post the receive from r-1, prepare the chunks (the backend's WY form, shared by the
-stages below), compute the local summary (M, S) (S alone on rank 0, none on the last rank, whose H_out
-nobody reads), on receipt send H_out = M @ H_in + S on at once, then compute the local outputs from H_in,
-and the local final state.
+Forward on rank r: the conv halo (a collective over the CP group) and every check that can raise, then
+prepare the chunks (the backend's WY form, shared by the stages below), post the receive from r-1 (on the
+dedicated point-to-point group), compute the local summary (M, S) (S alone on rank 0, none on the last rank,
+whose H_out nobody reads), on receipt send H_out = M @ H_in + S on at once, then compute the local outputs
+from H_in, and the local final state.
+
+Packed documents: the entering state reaches the outputs only if the slice's first document began on an
+earlier rank, and reaches H_out only if no document starts inside the slice; otherwise M = 0 and H_out = S
+(the last document's state from zero). Every rank still receives and sends one state each way, so the
+message pattern never depends on the data.
 
 Backward on rank r, in the node `_StateGradHop` that sits on the outputs (so it runs before the local GDN
 backward): dH_in_local, the entering state's gradient from the local outputs alone (one state-backward pass
@@ -24,22 +30,25 @@ from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.ops.gdn.eager import apply_summary, summary_grad
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.conv import halo_conv_silu
-from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_gate, split_qkv
+from deltacp.parallel.documents import CPForwardContext
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
 
 
 class _StateGradHop(torch.autograd.Function):
     """Identity on o (and a sink for the final state ht); its backward is this rank's backward hop."""
 
     @staticmethod
-    def forward(ctx, o, ht, q, k, v, g, beta, m, prepared, passing: StatePassing, backend: GDNBackend):
-        ctx.passing, ctx.backend = passing, backend
+    def forward(ctx, o, ht, q, k, v, g, beta, m, prepared, passing: StatePassing, backend: GDNBackend, layout,
+                reads_state_in: bool):
+        ctx.passing, ctx.backend, ctx.layout = passing, backend, layout
         ctx.state_shape = (v.shape[0], v.shape[2], k.shape[3], v.shape[3])
         ctx.state_dtype = compute_dtype(v)
-        ctx.staged = prepared is not None and not passing.is_first
-        # only ranks with an entering state run the dH_in pass; what it needs goes through save_for_backward
-        # (the prepared tensors too), so that activation checkpointing frees it
-        if passing.is_first:
-            ctx.save_for_backward(None, None, None, None, None, None)
+        # only ranks whose outputs read the entering state run the dH_in pass; what it needs goes through
+        # save_for_backward (the prepared tensors too), so that activation checkpointing frees it
+        ctx.reads_state_in = reads_state_in
+        ctx.staged = prepared is not None and reads_state_in
+        if not reads_state_in:
+            ctx.save_for_backward(None, None, None, None, None, m)
         else:
             ctx.save_for_backward(q, k, v, g, beta, m, *(prepared.tensors_for_backward() if ctx.staged else ()))
         return o.view_as(o)
@@ -48,75 +57,90 @@ class _StateGradHop(torch.autograd.Function):
     def backward(ctx, grad_o):
         passing: StatePassing = ctx.passing
         q, k, v, g, beta, m, *staged = ctx.saved_tensors
-        grad_state_in = grad_state_out = None
-        if not passing.is_first:
+        grad_state_out = None
+        grad_state_in = grad_o.new_zeros(ctx.state_shape, dtype=ctx.state_dtype)
+        if ctx.reads_state_in:
             prepared = ctx.backend.prepared_from_saved(tuple(staged)) if ctx.staged else None
             grad_state_in = ctx.backend.initial_state_grad(q, k, v, g, beta, grad_o, use_qk_l2norm_in_kernel=True,
-                                                           prepared=prepared)
+                                                           prepared=prepared, cu_seqlens=ctx.layout)
         if not passing.is_last:
             like = grad_o.new_empty(ctx.state_shape, dtype=ctx.state_dtype)
             grad_state_out = passing.post_recv(like, passing.rank + 1, "dH_out").wait()
-            if grad_state_in is not None:
+            if m is not None:
                 grad_state_in = summary_grad(m, grad_state_out, grad_state_in)
-        if grad_state_in is not None:
-            passing._send(grad_state_in, passing.rank - 1, "dH_in")
+        if not passing.is_first:
+            passing.send(grad_state_in, passing.rank - 1, "dH_in")
             # Wait for the send when this backward pass ends, past the rest of the local backward compute.
             torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
-        return grad_o, grad_state_out, None, None, None, None, None, None, None, None, None
+        return grad_o, grad_state_out, None, None, None, None, None, None, None, None, None, None, None
 
 
-def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor) -> torch.Tensor:
+def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+              ctx: CPForwardContext) -> torch.Tensor:
     m = layer.module
     passing: StatePassing = layer.extra["passing"]
     passing.wait_sends()  # buffers of the previous step's sends
-    B = qkv_BsC.shape[0]
+    B, s = qkv_BsC.shape[:2]
     state_shape = (B, m.num_v_heads, m.head_k_dim, m.head_v_dim)
     state_dtype = compute_dtype(qkv_BsC)
     grad_enabled = torch.is_grad_enabled()
     recompute = in_backward_pass() and grad_enabled  # a checkpoint recompute replays H_in: no receive
-    if recompute and not passing.record_for_recompute:
-        raise RuntimeError(
-            "p2p linear attention CP was recomputed in backward (activation checkpointing) without "
-            "record_for_recompute; apply checkpointing through deltacp so the recompute replays the "
-            "received state instead of posting another receive")
-    recv = None
-    if not (passing.is_first or recompute):
-        recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
-                                 passing.rank - 1, "H_in")
+    docs = document_segment(layer, ctx, passing.rank * s, (passing.rank + 1) * s)
+    layout = None if docs is None else docs.layout
+    # the entering state reaches this rank's outputs unless a document starts at its first token (rank 0: none)
+    reads_state_in = not passing.is_first and (layout is None or layout.first_continues)
+    # ... and its final state unless a document starts anywhere in the slice (then M = 0: H_out = S)
+    need_transition = not passing.is_first and (layout is None or not layout.any_reset)
 
-    x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group)
+    # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
+    # message is posted (the state hops run on their own process group besides; see docs/design.md).
+    x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group,
+                           doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
     # contiguous once here: the backend's saves (l2norm input, the op's v) and _StateGradHop's then share these
     # tensors instead of the hop's views keeping the whole conv output alive through the backward
     q, k, v = (t.contiguous() for t in split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim))
     g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="p2p")
+    replay_key = id(layer)
+    if recompute and replay_key not in ctx.replay:
+        raise RuntimeError(
+            "p2p linear attention CP was recomputed in backward (activation checkpointing) but its forward left "
+            "no record in this forward's context: checkpoint the decoder layers of a model parallelized with "
+            "parallelize_qwen3_5_cp (its forward context carries the received states), or pass the same "
+            "deltacp CPForwardContext as attention_mask to the forward and its recompute")
     # what the summary, the output pass and the dH_in pass would each build from k, v, g, beta (T, W, U), once
     with torch.no_grad():
-        prepared = layer.backend.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        prepared = layer.backend.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
 
     if recompute:
-        state_in, summary_m = passing.replay_states.popleft()
+        state_in, summary_m = ctx.replay[replay_key]
     else:
+        recv = None
+        if not passing.is_first:
+            recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
+                                     passing.rank - 1, "H_in")
         summary_m = summary_s = None
         if not passing.is_last:
             # no autograd: the gradient that would flow through (M, S) reaches k, v, g, beta through the local
             # GDN's final state instead (see _StateGradHop)
             with torch.no_grad(), torch.profiler.record_function("deltacp::p2p summary"):
-                # the first rank has no H_in: S alone
                 summary_m, summary_s = layer.backend.state_summary(
                     k.detach(), v.detach(), g.detach(), beta.detach(), use_qk_l2norm_in_kernel=True,
-                    prepared=prepared, need_transition=not passing.is_first)
+                    prepared=prepared, need_transition=need_transition, cu_seqlens=layout)
         state_in = None if recv is None else recv.wait()
         if not passing.is_last:
-            h_out = summary_s if state_in is None else apply_summary(summary_m, summary_s, state_in)
-            passing._send(h_out, passing.rank + 1, "H_out")
-        if passing.record_for_recompute and grad_enabled:
-            passing.replay_states.append((state_in, summary_m))
+            h_out = summary_s if summary_m is None else apply_summary(summary_m, summary_s, state_in)
+            passing.send(h_out, passing.rank + 1, "H_out")
+        if grad_enabled:
+            ctx.replay[replay_key] = (state_in, summary_m)
 
     with torch.profiler.record_function("deltacp::p2p output"):
-        o, ht = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state_in,
+        o, ht = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta,
+                                                     initial_state=state_in if reads_state_in else None,
                                                      output_final_state=grad_enabled and not passing.is_last,
-                                                     use_qk_l2norm_in_kernel=True, prepared=prepared)
+                                                     use_qk_l2norm_in_kernel=True, prepared=prepared,
+                                                     cu_seqlens=layout)
     if not grad_enabled:
         return o
-    return _StateGradHop.apply(o, ht, q, k, v, g, beta, summary_m, prepared, passing, layer.backend)
+    return _StateGradHop.apply(o, ht, q, k, v, g, beta, summary_m, prepared, passing, layer.backend, layout,
+                               reads_state_in)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from deltacp.distributed.collectives import StatePassing
+from deltacp.distributed.collectives import StatePassing, dedicated_cp_groups
 from deltacp.ops.gdn.contract import GDN_BACKENDS, get_gdn_backend
 from deltacp.parallel.fingerprint import check_same_config_across_ranks
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
@@ -68,10 +68,19 @@ class LinearAttentionContextParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = cp_group_of(device_mesh)
-        config = self.check_module(module, device_mesh.size() if device_mesh.ndim == 1 else
-                                   device_mesh["cp"].size())
-        check_same_config_across_ranks(config, group, "LinearAttentionContextParallel")
-        return self.install(module, group)
+        config, error = {}, None
+        try:
+            config = self.check_module(module, group.size())
+        except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
+            error = e  # raised below, on every rank together
+        check_same_config_across_ranks(config, group, "LinearAttentionContextParallel", error)
+        return self.install(module, group, self.p2p_group(device_mesh))
+
+    def p2p_group(self, cp_mesh: DeviceMesh):
+        """The process group of the state hops (p2p mode only; None otherwise). Collective over the CP group."""
+        if self.mode != "p2p":
+            return None
+        return dedicated_cp_groups(cp_mesh) if cp_group_of(cp_mesh).size() > 1 else cp_group_of(cp_mesh)
 
     def check_module(self, module: nn.Module, cp: int) -> dict:
         """Validate the module for this mode and return the configuration every rank must share."""
@@ -97,7 +106,9 @@ class LinearAttentionContextParallel(ParallelStyle):
                     num_v_heads=module.num_v_heads, head_k_dim=module.head_k_dim, head_v_dim=module.head_v_dim,
                     conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
 
-    def install(self, module: nn.Module, group) -> nn.Module:
+    def install(self, module: nn.Module, group, p2p_group=None) -> nn.Module:
+        """Install the CP forward (after `check_module` and the configuration exchange). p2p: the state hops run
+        on `p2p_group` (from `p2p_group`)."""
         match self.mode:
             case "ulysses":
                 from deltacp.parallel.ulysses import ulysses_mixer as mixer
@@ -108,7 +119,9 @@ class LinearAttentionContextParallel(ParallelStyle):
         layer = GDNLayerCP(module=module, group=group, mode=self.mode, backend=self.gdn_backend,
                            mixer=mixer)
         if self.mode == "p2p":
-            layer.extra["passing"] = StatePassing(group)
+            if p2p_group is None:
+                raise ValueError("linear_attention_cp_mode='p2p' installs with its state-hop group (p2p_group)")
+            layer.extra["passing"] = StatePassing(p2p_group)
         module._deltacp_cp = layer
         module.forward = partial(gdn_forward_cp, layer)
         return module

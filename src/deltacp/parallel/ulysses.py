@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
 from deltacp.parallel.conv import causal_conv_silu
-from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_gate, split_qkv
+from deltacp.parallel.documents import CPForwardContext
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
 
 
 def ulysses_head_layout(num_k_heads: int, num_v_heads: int, cp: int) -> tuple[int, int]:
@@ -43,8 +44,8 @@ def _rank_channels(layer: GDNLayerCP, rank: int, cp: int, device) -> torch.Tenso
     return torch.cat([q_ch, Hk * K + q_ch, 2 * Hk * K + v_ch])
 
 
-def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor
-                  ) -> torch.Tensor:
+def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+                  ctx: CPForwardContext) -> torch.Tensor:
     m = layer.module
     group = layer.group
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -68,12 +69,15 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
         layer.extra[key] = _rank_channels(layer, rank, cp, qkv_BsC.device)
     channels = layer.extra[key]
     bias = None if m.conv1d.bias is None else m.conv1d.bias[channels]
-    x_BSC = causal_conv_silu(qkv_BSC, layer.conv_weight_CK[channels], bias, layer.conv_dilation)
+    docs = document_segment(layer, ctx, 0, S)  # packed row: the whole row's documents
+    x_BSC = causal_conv_silu(qkv_BSC, layer.conv_weight_CK[channels], bias, layer.conv_dilation,
+                             doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
     q, k, v = split_qkv(x_BSC, qk_local, K, V)
     heads = slice(rank * v_local, (rank + 1) * v_local)
     g, beta = gdn_gate(a_BSH, m.A_log[heads], m.dt_bias[heads]), b_BSH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="ulysses")
 
-    o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                     cu_seqlens=None if docs is None else docs.layout)
     o_BsPX = all_to_all_head_to_seq(o_BSHV.reshape(B, S, v_local * V), group)
     return o_BsPX.reshape(B, s, Hv, V)

@@ -126,15 +126,13 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
 def apply_activation_checkpointing(model: torch.nn.Module) -> int:
     """Full activation checkpointing per decoder layer (non-reentrant); p2p layers replay received states.
 
-    Applied after CP and before FSDP, inside the FSDP unit's forward, so FSDP's unshard hooks run once.
+    Applied after CP and before FSDP, inside the FSDP unit's forward, so FSDP's unshard hooks run once. The
+    recompute of a p2p layer replays the H_in its forward received, found in that forward's context (the
+    attention_mask argument the checkpoint keeps), instead of posting another receive.
     """
     n = 0
     for layer in _text_model(model).layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-        cp_layer = getattr(getattr(layer, "linear_attn", None), "_deltacp_cp", None)
-        if cp_layer is not None and "passing" in cp_layer.extra:
-            # The recompute replays the received H_in instead of posting another receive (same message order).
-            cp_layer.extra["passing"].record_for_recompute = True
         n += 1
     logger.info("Applied full activation checkpointing to %d decoder layers", n)
     return n

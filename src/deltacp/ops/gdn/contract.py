@@ -11,27 +11,33 @@ Shape legend (all backends):
     S      [B, Hv, K, V]
 
 A backend offers these operations; the CP modes are built from them and never see kernels, and backends
-never see ranks:
+never see ranks. Every operation takes `cu_seqlens`: None (each row is one sequence), or, for one packed row
+(B = 1), the document offsets [0, ..., T] or a prebuilt `varlen.VarlenLayout` (what a CP step builds once and
+hands to every layer). The state restarts at each document start; the entering state feeds the first document
+only when it continues from before the row (`VarlenLayout.first_continues`; True for plain offsets); final
+states and S are the last document's; M is zero when the entering state cannot reach the end. Documents need
+not align to the chunk size, and T is never a compile-time constant.
 
     chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel, prepared) -> (o, final_state | None)     (differentiable)
+                           use_qk_l2norm_in_kernel, prepared, cu_seqlens) -> (o, final_state | None)  (differentiable)
         The whole local GDN, optionally from an entering state (ulysses: H_in = None; p2p and
         all_gather: H_in from the previous rank, with gradient flowing back into it).
 
-    prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel) -> prepared | None
+    prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel, cu_seqlens) -> prepared | None
         SPEC section 4's "prepare" stage: what the summary, the output pass and the dH_in pass of one p2p step
         would each compute from k, v, g, beta alone (Triton: gate cumsum, T = (I + A)^-1, W, U), computed
         once without autograd and passed as `prepared=` to those three calls on the same inputs. None: the
         backend stages nothing (eager). Opaque to CP modes but for `prepared.tensors_for_backward()` (what the
         dH_in pass needs, to go through save_for_backward) and `backend.prepared_from_saved(tensors)`.
 
-    state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel, prepared, need_transition) -> (M | None, S)
+    state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel, prepared, need_transition, cu_seqlens)
+        -> (M | None, S)
         The affine effect of the local segment on the entering state (SPEC section 2); M is None when
         need_transition=False (the first rank, which has no entering state). p2p uses its value only;
         all_gather differentiates it (eager backend; the Triton one is forward-only and raises if
         differentiated).
 
-    initial_state_grad(q, k, v, g, beta, grad_o, *, scale, use_qk_l2norm_in_kernel, prepared) -> dH0
+    initial_state_grad(q, k, v, g, beta, grad_o, *, scale, use_qk_l2norm_in_kernel, prepared, cu_seqlens) -> dH0
         The entering state's gradient from the outputs alone, d sum(o * grad_o) / dH0 (o is affine in H0
         with a coefficient that does not depend on H0, so no H0 is needed). p2p needs it before dH_out
         arrives: dH_in = Mᵀ dH_out + dH0.
@@ -71,11 +77,12 @@ class GDNBackend(Protocol):
         output_final_state: bool = False,
         use_qk_l2norm_in_kernel: bool = False,
         prepared: Any = None,
+        cu_seqlens: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def prepare_chunks(
         self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-        use_qk_l2norm_in_kernel: bool = False,
+        use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Any = None,
     ) -> Any: ...
 
     def prepared_from_saved(self, tensors: tuple[torch.Tensor, ...]) -> Any: ...
@@ -90,6 +97,7 @@ class GDNBackend(Protocol):
         use_qk_l2norm_in_kernel: bool = False,
         prepared: Any = None,
         need_transition: bool = True,
+        cu_seqlens: Any = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]: ...
 
     def initial_state_grad(
@@ -104,6 +112,7 @@ class GDNBackend(Protocol):
         scale: float | None = None,
         use_qk_l2norm_in_kernel: bool = False,
         prepared: Any = None,
+        cu_seqlens: Any = None,
     ) -> torch.Tensor: ...
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from deltacp.ops.gdn.contract import CHUNK_SIZE
 from deltacp.ops.gdn.naive import compute_dtype, l2norm
+from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 
 
 @dataclass
@@ -87,18 +88,35 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | VarlenLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked (C=64) gated delta rule; same arguments and results as `naive.recurrent_gated_delta_rule`."""
-    c = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, need_output=True)
+    """Chunked (C=64) gated delta rule; same arguments and results as `naive.recurrent_gated_delta_rule`.
+
+    With `cu_seqlens` (one packed row, B = 1; offsets or a `VarlenLayout`) the state restarts at every document
+    start; `initial_state` feeds the first document (when the layout says it continues) and the final state is
+    the last document's (`varlen.py`).
+    """
+    layout = as_layout(cu_seqlens, v.shape[1])
+    if layout is not None:
+        q, k, v_in, g, beta = (layout.to_chunks(x) for x in (q, k, v, g, beta))
+    else:
+        v_in = v
+    c = _prepare(q, k, v_in, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                 need_output=True)
     B, Hv, N, C, K = c.w.shape
     V = c.u.shape[-1]
     h = c.u.new_zeros(B, Hv, K, V) if initial_state is None else initial_state.to(c.u.dtype)
+    resets = layout.chunk_resets if layout is not None else [False] * N
     outs = []
     for n in range(N):
+        if resets[n]:  # a document starts here: nothing before it reaches it
+            h = torch.zeros_like(h)
         v_new = c.u[:, :, n] - c.w[:, :, n] @ h  # the part of U the entering state does not predict
         outs.append(c.q[:, :, n] @ h + c.qk[:, :, n] @ v_new)
         h = c.chunk_decay[:, :, n, None, None] * h + c.k_tail[:, :, n].transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2).reshape(B, Hv, N * C, V)[:, :, : c.T].transpose(1, 2)
+    if layout is not None:
+        o = layout.from_chunks(o)
     return o.to(v.dtype), (h if output_final_state else None)
 
 
@@ -109,18 +127,28 @@ def state_summary(
     beta: torch.Tensor,
     *,
     use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | VarlenLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, S) with H_out = M @ H_in + S for this segment.
 
     One scan over chunks of X = [M | S], X_0 = [I | 0]:  X <- (exp(gamma_C) I - K~ᵀ W) X + [0 | K~ᵀ U].
+    With `cu_seqlens`, X <- [0 | 0] where a document starts, so M = 0 once the entering state cannot reach the
+    end (a document starts inside the segment, or the first one does not continue) and S is the last
+    document's final state.
     """
+    layout = as_layout(cu_seqlens, v.shape[1])
+    if layout is not None:
+        k, v, g, beta = (layout.to_chunks(x) for x in (k, v, g, beta))
     c = _prepare(None, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  need_output=False)
     B, Hv, N, C, K = c.w.shape
     eye = torch.eye(K, dtype=c.w.dtype, device=c.w.device)
     m = eye.expand(B, Hv, K, K)
     s = c.u.new_zeros(B, Hv, K, c.u.shape[-1])
+    resets = layout.chunk_resets if layout is not None else [False] * N
     for n in range(N):
+        if resets[n]:
+            m, s = torch.zeros_like(m), torch.zeros_like(s)
         k_tail_t = c.k_tail[:, :, n].transpose(-1, -2)
         transition = c.chunk_decay[:, :, n, None, None] * eye - k_tail_t @ c.w[:, :, n]
         m = transition @ m
@@ -128,13 +156,17 @@ def state_summary(
     return m, s
 
 
-def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
+def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None
+                       ) -> torch.Tensor:
     """d sum(o * grad_o) / dH0, by autograd through the chunked op from a zero H0 (o is affine in H0)."""
     B, Hv, K, V = v.shape[0], v.shape[2], k.shape[3], v.shape[3]
+    layout = as_layout(cu_seqlens, v.shape[1])
+    if layout is not None and layout.chunk_resets[0]:  # the entering state reaches no output
+        return torch.zeros(B, Hv, K, V, dtype=compute_dtype(v), device=v.device)
     with torch.enable_grad():
         h0 = torch.zeros(B, Hv, K, V, dtype=compute_dtype(v), device=v.device, requires_grad=True)
         o, _ = chunk_gated_delta_rule(*(x.detach() for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=layout)
         return torch.autograd.grad(o, h0, grad_o)[0]
 
 

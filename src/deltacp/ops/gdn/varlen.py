@@ -1,0 +1,119 @@
+"""Packed documents in one row (B = 1): the chunk-aligned layout every GDN backend runs them in.
+
+A packed row holds documents back to back, described by `cu_seqlens` = [0, end_0, end_1, ..., T] (int, strictly
+increasing: every document has at least one token). The gated delta rule restarts its state at each document
+start. Backends run such a row by laying the documents out chunk-aligned: each document starts at a multiple of
+the chunk size C = 64, its tail is zero-padded to the next multiple (a zero token has k = v = q = 0, beta = 0,
+g = 0 and leaves the state unchanged), so no chunk ever straddles two documents and the intra-chunk work is the
+dense op's, unchanged. Only the chunk-to-chunk recurrence needs to know where documents start: `chunk_resets`
+marks the chunks whose entering state is zero.
+
+The entering state of the row (`initial_state` of the op) feeds the first document only, and only when it
+continues a document from before the row (`first_continues`: under CP, a document that began on an earlier
+rank). Otherwise chunk 0 resets too, and the entering state has no effect (its gradient is zero). The final
+state is the last document's.
+
+Shape legend: x_1TX a packed row [1, T, ...]; x_1PX its chunk-aligned layout [1, Tp, ...], Tp = padded length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltacp.ops.gdn.contract import CHUNK_SIZE
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> torch.Tensor:
+    """Validate document offsets of a row of `total` tokens; return them as int64 on the CPU."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor of document offsets [0, ..., {total}], got "
+                         f"{cu_seqlens if not isinstance(cu_seqlens, torch.Tensor) else tuple(cu_seqlens.shape)}"
+                         f"{'' if not isinstance(cu_seqlens, torch.Tensor) else ' ' + str(cu_seqlens.dtype)}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if cu.numel() < 2 or cu[0].item() != 0 or cu[-1].item() != total:
+        raise ValueError(f"{name} must start at 0 and end at the row length {total}, got {cu.tolist()[:8]}"
+                         f"{'...' if cu.numel() > 8 else ''} (length {cu.numel()}, last {cu[-1].item()})")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"{name} must be strictly increasing (every document has at least one token); got "
+                         f"{cu.tolist()[:16]}{'...' if cu.numel() > 16 else ''}")
+    return cu
+
+
+@dataclass
+class VarlenLayout:
+    """Where each token of a packed row sits in the chunk-aligned layout, and where the state resets.
+
+    Built once per row (and per step under CP) on the host; `on(device)` caches the index tensors per device.
+    """
+
+    cu_seqlens: torch.Tensor  # int64, CPU, [N + 1]
+    first_continues: bool = True  # the entering state feeds the first document
+    padded: int = 0  # Tp, a multiple of CHUNK_SIZE
+    chunk_resets: list[bool] = field(default_factory=list)  # per chunk of the layout: entering state is zero
+    _index: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, total: int, first_continues: bool = True) -> "VarlenLayout":
+        cu = check_cu_seqlens(cu_seqlens, total)
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        chunks = [-(-n // CHUNK_SIZE) for n in lengths]
+        resets = []
+        for d, n in enumerate(chunks):
+            resets += [d > 0 or not first_continues] + [False] * (n - 1)
+        return cls(cu, first_continues, CHUNK_SIZE * sum(chunks), resets)
+
+    @property
+    def total(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def num_documents(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def any_reset(self) -> bool:
+        """Whether the final state depends on anything but the entering state's path (M = 0 if so)."""
+        return any(self.chunk_resets)
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """[T] int64: the layout position of every token."""
+        device = torch.device(device)
+        if device not in self._index:
+            cu = self.cu_seqlens
+            lengths = cu[1:] - cu[:-1]
+            starts = torch.cumsum(torch.nn.functional.pad((lengths + CHUNK_SIZE - 1) // CHUNK_SIZE * CHUNK_SIZE,
+                                                          (1, 0))[:-1], 0)
+            idx = torch.arange(self.total) - torch.repeat_interleave(cu[:-1] - starts, lengths)
+            self._index[device] = idx.to(device)
+        return self._index[device]
+
+    def resets_tensor(self, device: torch.device) -> torch.Tensor:
+        """[Tp / C] int32: 1 where the chunk's entering state is zero (for kernels)."""
+        key = ("resets", torch.device(device))
+        if key not in self._index:
+            self._index[key] = torch.tensor(self.chunk_resets, dtype=torch.int32).to(device)
+        return self._index[key]
+
+    def to_chunks(self, x_1TX: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [1, Tp, ...], documents chunk-aligned, zeros between them (differentiable)."""
+        if x_1TX.shape[0] != 1 or x_1TX.shape[1] != self.total:
+            raise ValueError(f"packed documents need one row of {self.total} tokens (B = 1), got a tensor of "
+                             f"shape {tuple(x_1TX.shape)}")
+        out = x_1TX.new_zeros((1, self.padded, *x_1TX.shape[2:]))
+        return out.index_copy(1, self.index(x_1TX.device), x_1TX)
+
+    def from_chunks(self, y_1PX: torch.Tensor) -> torch.Tensor:
+        """[1, Tp, ...] -> [1, T, ...] (differentiable)."""
+        return y_1PX.index_select(1, self.index(y_1PX.device))
+
+
+def as_layout(cu_seqlens: "torch.Tensor | VarlenLayout | None", total: int) -> VarlenLayout | None:
+    """A backend's `cu_seqlens` argument as a layout: None (one sequence per row), offsets, or a built layout."""
+    if cu_seqlens is None or isinstance(cu_seqlens, VarlenLayout):
+        if cu_seqlens is not None and cu_seqlens.total != total:
+            raise ValueError(f"the varlen layout covers {cu_seqlens.total} tokens, the inputs {total}")
+        return cu_seqlens
+    return VarlenLayout.build(cu_seqlens, total)

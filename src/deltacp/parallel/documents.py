@@ -1,0 +1,213 @@
+"""Document structure of a CP step: packed documents, padding, and what each layer kind needs of them.
+
+A packed row (B = 1) holds documents back to back; under CP each rank holds a contiguous slice of it, and a
+document may start and end anywhere relative to the rank boundaries. Described by the global offsets
+`cu_seqlens` = [0, ..., S]. From them:
+
+- a GDN layer in p2p / all_gather mode needs its slice's local offsets, whether its first document continues
+  from the previous rank (`DocumentSegment.layout.first_continues`), and the tokens whose causal conv window
+  would reach into an earlier document (`conv_fix`: the first (kernel-1)*dilation tokens of every document);
+- a GDN layer in Ulysses mode needs the same for the whole row;
+- full attention needs per-document causal masking (`AttentionDocuments`: offsets over the flattened
+  [B * S] token stream, so padded batches of B > 1 rows are documents too: valid tokens, then padding).
+
+One `CPForwardContext` is built per model forward by the model pre-hook and handed to every layer; it also
+holds what p2p layers record for activation-checkpoint replay, so a recompute finds the states of its own
+forward (a forward without backward leaves nothing behind that a later one could pick up).
+
+Shape legend: S global tokens of a row, s local tokens, B rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltacp.ops.gdn.varlen import VarlenLayout, check_cu_seqlens
+
+
+def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor | None:
+    """Document offsets of a packed row from position ids that restart per document (transformers'
+    convention: a document starts wherever the position does not follow on from the previous token).
+
+    Returns None when the row is one document (positions 0, 1, ..., S-1 or any run of consecutive values).
+    """
+    pos = position_ids_BS.detach().to("cpu", torch.int64)
+    if pos.dim() != 2:
+        raise ValueError(f"position_ids must be [B, S], got shape {tuple(pos.shape)}")
+    starts_BS = torch.ones_like(pos, dtype=torch.bool)
+    starts_BS[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    starts_BS[:, 0] = True
+    if not bool(starts_BS[:, 1:].any()):
+        return None
+    if pos.shape[0] != 1:
+        raise NotImplementedError(f"packed documents (position_ids restarting inside a row) need one packed row "
+                                  f"per batch (B = 1), got B = {pos.shape[0]}; pack every document into one row")
+    S = pos.shape[1]
+    return torch.cat([starts_BS[0].nonzero().flatten(), torch.tensor([S])])
+
+
+def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[1, S] positions restarting at 0 at every document start."""
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    S = int(cu[-1])
+    return (torch.arange(S) - torch.repeat_interleave(cu[:-1], lengths))[None]
+
+
+def cu_seqlens_from_padding(mask_BS: torch.Tensor) -> torch.Tensor | None:
+    """Offsets over the flattened [B * S] stream that make full attention of a padded batch per-document
+    causal attention: each row's valid tokens form one document, its padding another.
+
+    transformers masks padded keys; a query only ever sees valid keys of its own row at or before it, which is
+    causal attention within the row's run of valid tokens, provided that run is contiguous (left or right
+    padding). Outputs at padded positions are not defined (they attend to padding only). None: no padding.
+    """
+    valid = mask_BS.detach().to("cpu").bool()
+    if bool(valid.all()):
+        return None
+    B, S = valid.shape
+    bounds = [0]
+    for b in range(B):
+        row = valid[b]
+        idx = row.nonzero().flatten()
+        if idx.numel() and int(idx[-1] - idx[0] + 1) != idx.numel():
+            raise NotImplementedError(
+                f"attention_mask row {b} has padding between valid tokens; under CP a padding mask must be left "
+                f"or right padding (each row's valid tokens contiguous). Pack documents with cu_seqlens or "
+                f"restarting position_ids instead")
+        cuts = [0, S] if idx.numel() == 0 else [0, int(idx[0]), int(idx[-1]) + 1, S]
+        bounds += [b * S + c for c in sorted(set(cuts)) if c > 0]
+    return torch.tensor(bounds, dtype=torch.int64)
+
+
+@dataclass
+class AttentionDocuments:
+    """Per-document causal full attention over the flattened [B * S] stream."""
+
+    cu_seqlens: torch.Tensor  # int64, CPU
+    max_len: int
+    _device: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor) -> "AttentionDocuments":
+        return cls(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+    def on(self, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device not in self._device:
+            self._device[device] = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        return self._device[device]
+
+
+@dataclass
+class DocumentSegment:
+    """The documents of tokens [lo, hi) of a packed row, as one GDN layer on one rank sees them."""
+
+    layout: VarlenLayout  # local offsets; first_continues: the first document began before lo
+    conv_index: torch.Tensor  # [n] local tokens whose conv window reaches back past their document's start
+    conv_valid: torch.Tensor  # [n, kernel] bool: tap j of that token reads a token of its own document
+    _device: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, lo: int, hi: int, kernel: int, dilation: int) -> "DocumentSegment":
+        cu = cu_seqlens
+        inner = cu[(cu > lo) & (cu < hi)]
+        local = torch.cat([torch.tensor([0]), inner - lo, torch.tensor([hi - lo])])
+        continues = not bool((cu == lo).any())
+        layout = VarlenLayout.build(local, hi - lo, first_continues=continues)
+        # start (local, may be negative) of each token's document; only tokens near a start need a fix
+        t = torch.arange(hi - lo)
+        doc = torch.searchsorted(cu, t + lo, right=True) - 1
+        start = cu[doc] - lo
+        halo = (kernel - 1) * dilation
+        fix = (t - start < halo).nonzero().flatten()
+        shifts = (kernel - 1 - torch.arange(kernel)) * dilation  # tap j reads token t - shifts[j]
+        valid = fix[:, None] - shifts[None, :] >= start[fix][:, None]
+        return cls(layout, fix, valid)
+
+    def conv_fix(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        device = torch.device(device)
+        if device not in self._device:
+            self._device[device] = (self.conv_index.to(device), self.conv_valid.to(device))
+        return self._device[device]
+
+
+@dataclass
+class PackedDocuments:
+    """The global document offsets of one packed row under CP, and the per-layer views built from them."""
+
+    cu_seqlens: torch.Tensor  # int64, CPU, [N + 1], last = S
+    _segments: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, seq_len: int, name: str = "cu_seqlens") -> "PackedDocuments":
+        return cls(check_cu_seqlens(cu_seqlens, seq_len, name))
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    def segment(self, lo: int, hi: int, kernel: int, dilation: int) -> DocumentSegment:
+        key = (lo, hi, kernel, dilation)
+        if key not in self._segments:
+            self._segments[key] = DocumentSegment.build(self.cu_seqlens, lo, hi, kernel, dilation)
+        return self._segments[key]
+
+
+@dataclass
+class CPForwardContext:
+    """Everything a CP'd layer needs of one model forward beyond its hidden states (see module docstring).
+
+    padding: the local 2-D padding mask [B, s] (GDN layers zero padded tokens), or None.
+    documents: the packed row's documents (B = 1), or None.
+    attention: per-document causal attention over the flattened batch (documents or padding), or None
+        (plain causal).
+    replay: per p2p layer, what its forward received (H_in and M), for an activation-checkpoint recompute.
+    """
+
+    padding: torch.Tensor | None = None
+    documents: PackedDocuments | None = None
+    attention: AttentionDocuments | None = None
+    replay: dict = field(default_factory=dict, repr=False)
+
+
+PACKING_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def documents_from_keywords(seq_len: int, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None,
+                            max_length_k=None) -> PackedDocuments | None:
+    """transformers' packing keywords (as DataCollatorWithFlattening makes them) -> the row's documents.
+
+    Under CP the offsets are GLOBAL: over the whole packed row of `seq_len` tokens, not the rank's slice.
+    Self-attention only: cu_seq_lens_k must equal cu_seq_lens_q, and max_length_q/k (if given) must be the
+    longest document's length.
+    """
+    given = {k: v for k, v in zip(PACKING_KEYWORDS, (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k))
+             if v is not None}
+    if not given:
+        return None
+    if cu_seq_lens_q is None:
+        raise ValueError(f"{sorted(given)} given without cu_seq_lens_q: packed documents are described by "
+                         f"cu_seq_lens_q (global document offsets [0, ..., {seq_len}])")
+    docs = PackedDocuments.build(cu_seq_lens_q, seq_len, "cu_seq_lens_q (global offsets under CP)")
+    one = docs.cu_seqlens.numel() == 2  # one document: an unpacked row (checked below all the same)
+    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.detach().to("cpu", torch.int64),
+                                                     docs.cu_seqlens):
+        raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (causal self-attention over the same documents)")
+    longest = int((docs.cu_seqlens[1:] - docs.cu_seqlens[:-1]).max())
+    for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+        if value is not None and int(value) != longest:
+            raise ValueError(f"{name}={int(value)} does not match the longest document of cu_seq_lens_q "
+                             f"({longest})")
+    return None if one else docs
+
+
+def refuse_unsupported(what: str, keywords: dict) -> None:
+    """A CP'd forward honours every keyword it takes or raises, naming the rest (never drops one silently)."""
+    unsupported = sorted(k for k, v in keywords.items() if v is not None and v is not False)
+    if unsupported:
+        raise NotImplementedError(f"{what} under context parallelism does not support the keyword(s) "
+                                  f"{unsupported}; remove them (inference caches are out of scope: "
+                                  f"use_cache=False)")
