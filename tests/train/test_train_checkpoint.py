@@ -110,9 +110,11 @@ def test_a_run_never_deletes_or_resumes_another_runs_checkpoints(one_rank, tmp_p
         assert words in line, line
     assert [s for s, _ in complete_checkpoints(ckpt)] == [1, 2]
 
-    # resume: true continues run A (same run id).
+    # resume: true continues run A (same run id); the directory is now this process's: A's trainer may not save.
     cont = Trainer(first, progress=False)
     assert [r["step"] for r in cont.fit(1)] == [3] and cont.run_id == run_a
+    with pytest.raises(CheckpointError, match=f"was claimed by another process since this run started .run {run_a},"):
+        a.fit(1)
 
     # overwrite: true deletes them, and the directory belongs to the new run B ...
     b = Trainer(replace(first, checkpoint=replace(first.checkpoint, resume=False, overwrite=True)), progress=False)
@@ -120,8 +122,8 @@ def test_a_run_never_deletes_or_resumes_another_runs_checkpoints(one_rank, tmp_p
     run_b = read_json(ckpt / RUN_FILE)["run_id"]
     assert run_b not in (None, run_a) and [s for s, _ in complete_checkpoints(ckpt)] == [1]
     # ... so run A, still running, refuses to save into it (and its retention deletes nothing of B's).
-    with pytest.raises(CheckpointError, match=f"now belongs to run {run_b}"):
-        a.fit(1)
+    with pytest.raises(CheckpointError, match=f"was claimed by another process since this run started .run {run_b},"):
+        cont.fit(1)
     assert [s for s, _ in complete_checkpoints(ckpt)] == [1]
     assert read_json(ckpt / "step_00000001" / MANIFEST)["run_id"] == run_b
 

@@ -54,7 +54,9 @@ def test_signals_to_the_launcher_stop_every_rank(tmp_path):
         pending = dict(runs)
         while pending:  # signal each launcher once its run has saved its first checkpoint (the ranks are training)
             for name, (proc, ckpt) in list(pending.items()):
-                assert proc.poll() is None, f"{name}: the launcher ended early: {proc.communicate()[1][-2000:]}"
+                if proc.poll() is not None:
+                    err = proc.communicate()[1]
+                    raise AssertionError(f"{name}: the launcher ended early:\n{err[err.find('Traceback'):][-6000:]}")
                 if complete_checkpoints(ckpt):
                     members = group_members(proc.pid)
                     assert len(members) >= 3, f"{name}: launcher and 2 ranks expected, found pids {members}"

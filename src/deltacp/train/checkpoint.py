@@ -119,12 +119,15 @@ def run_owner(root: str | Path) -> dict | None:
     return read_json(Path(root) / RUN_FILE)
 
 
-def claim_directory(root: str | Path, run_id: str, resumed_from: str | None) -> None:
-    """Rank 0: record `run_id` as the owner of the checkpoint directory root."""
+def claim_directory(root: str | Path, run_id: str, resumed_from: str | None) -> str:
+    """Rank 0: record this process as the owner of the checkpoint directory root, running `run_id`; returns the
+    claim's session id (new for every start, so two processes resuming the same run are told apart)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(root / RUN_FILE, dict(run_id=run_id, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    session = uuid.uuid4().hex
+    write_json_atomic(root / RUN_FILE, dict(run_id=run_id, session=session, started=time.strftime("%Y-%m-%d %H:%M:%S"),
                                             host=socket.gethostname(), pid=os.getpid(), resumed_from=resumed_from))
+    return session
 
 
 def checkpoint_run_id(path: str | Path) -> str | None:
@@ -226,11 +229,12 @@ def _load_failure(path: Path, exc: BaseException, action: str) -> CheckpointErro
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, trainer_state: dict, keep: int = 0,
-                    before_commit=None, run_id: str | None = None) -> Path:
+                    before_commit=None, run_id: str | None = None, session: str | None = None) -> Path:
     """Collective: every rank calls it. Returns the final directory.
 
-    With `run_id`, the save refuses (CheckpointError, every rank) if root/run.json names another run (two runs
-    writing one directory), and retention (`keep`) deletes only this run's older checkpoints."""
+    The manifest records `run_id`; retention (`keep`) deletes only older checkpoints of that run. With `session`
+    (from claim_directory), the save refuses (CheckpointError, every rank) once root/run.json holds another
+    claim: another process has taken the directory over since (two runs writing one directory)."""
     root = Path(root)
     rank = dist.get_rank()
     final = root / step_dir_name(step)
@@ -250,11 +254,11 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, trainer_state
     files = _hash_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
     problem = [None]
     if rank == 0:
-        owner = run_owner(root) if run_id is not None else None
-        if owner is not None and owner.get("run_id") != run_id:
-            problem[0] = (f"train.checkpoint.dir {root} now belongs to run {owner.get('run_id')} (pid {owner.get('pid')} "
-                          f"on {owner.get('host')}), not to this run {run_id}: two runs write to one directory; "
-                          f"not saving step {step}")
+        owner = run_owner(root) if session is not None else None
+        if owner is not None and owner.get("session") != session:
+            problem[0] = (f"train.checkpoint.dir {root} was claimed by another process since this run started (run "
+                          f"{owner.get('run_id')}, pid {owner.get('pid')} on {owner.get('host')}, "
+                          f"{owner.get('started')}): two runs write to one directory; not saving step {step}")
         else:
             write_json_atomic(tmp / MANIFEST, dict(format=1, run_id=run_id, step=step,
                                                    world_size=dist.get_world_size(), files=files))

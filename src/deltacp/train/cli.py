@@ -57,6 +57,10 @@ def run_rank(cfg: TrainConfig) -> None:
     _setup_logging(rank)
     try:
         Trainer(cfg).fit()
+    except KeyboardInterrupt:  # Ctrl-C under torchrun or a plain one-rank run: one line from rank 0
+        if rank == 0:
+            print("deltacp.train: stopped by SIGINT", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGINT)
     except BaseException as exc:  # noqa: BLE001  (one line per failed rank, then a hard exit)
         if os.environ.get("DELTACP_TRACEBACK"):
             traceback.print_exc()

@@ -220,6 +220,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_lambda, cfg))
         self.step_count = 0
         self.run_id: str | None = None  # set when the checkpoint directory is prepared (fit)
+        self.session: str | None = None  # this process's claim on the checkpoint directory (rank 0)
         self.progress = Progress(cfg.steps, mode=cfg.logging.progress, interval=cfg.logging.interval,
                                  metrics_file=cfg.logging.metrics_file, enabled=progress and self.rank == 0)
 
@@ -260,7 +261,8 @@ class Trainer:
     def save(self) -> None:
         path = save_checkpoint(self.cfg.checkpoint.dir, self.step_count, self.model, self.optimizer,
                                self.trainer_state(), keep=self.cfg.checkpoint.keep,
-                               before_commit=self.hooks.before_checkpoint_commit, run_id=self.run_id)
+                               before_commit=self.hooks.before_checkpoint_commit, run_id=self.run_id,
+                               session=self.session)
         self.progress.message(f"saved checkpoint {path}")
 
     def maybe_resume(self) -> None:
@@ -289,7 +291,7 @@ class Trainer:
                                   f"{reshard})")
         self.run_id = plan["run_id"]
         if self.rank == 0:
-            claim_directory(ck.dir, self.run_id, plan["resume"])
+            self.session = claim_directory(ck.dir, self.run_id, plan["resume"])
         dist.barrier()
 
     # -- the loop ------------------------------------------------------------------------------------------------
