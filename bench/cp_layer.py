@@ -157,10 +157,10 @@ class LoopbackStatePassing:
 
     def __init__(self, state_in, grad_state_out, is_last=False, is_first=False):
         self.rank, self.size, self.is_first, self.is_last = 1, 3, is_first, is_last
-        self.record_for_recompute, self.log = False, None
+        self.log = None
         self.state_in, self.grad_state_out, self.sent = state_in, grad_state_out, []
 
-    def _send(self, t, peer, what):
+    def send(self, t, peer, what):
         self.sent.append(t)
 
     def post_recv(self, like, peer, what):

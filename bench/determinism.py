@@ -57,6 +57,8 @@ def main():
             diff = (x.double() - y.double()).abs().max().item()
             print(f"  {label:<8} {n:<6} bitwise equal: {same}  max abs diff {diff:.3e}")
     print("all bitwise reproducible" if bad == 0 else f"{bad} tensors NOT reproducible")
+    if bad:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

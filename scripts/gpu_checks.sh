@@ -11,87 +11,102 @@
 #                                      8K-64K before (.whl/before/src, when carried) and after, 128K packed-row bench
 #                                      ours vs FLA varlen, unpacked op regression tests at 8K (about 8 minutes);
 #                                      exits non-zero when any of its checks fails
+#   bash scripts/gpu_checks.sh packed  packed documents end to end: per-document flash attention vs SDPA, CP triton layer
+#                                      parity on packed rows (2/4 ranks on one GPU), 128K packed-row op bench vs FLA
+#   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
+#                                      20 steps with and without activation checkpointing, FSDP2 on
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|op|cp|ncu|sweep|varlen) ;; *) echo "usage: $0 tests|quick|op|cp|ncu|sweep|varlen" >&2; exit 2 ;; esac
+case "$part" in tests|quick|op|cp|ncu|sweep|varlen|packed|multi) ;;
+  *) echo "usage: $0 tests|quick|op|cp|ncu|sweep|varlen|packed|multi" >&2; exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+# Every check runs through `check NAME LIMIT_S CMD...`: its output goes to $OUT/NAME.log (shown without
+# transformers' fallback notices and JSON rows), its exit status is kept, and the part exits non-zero naming
+# every check that failed or timed out. No part can pass a failed check.
+failed=()
+check() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -vE '^\[transformers\]|^\{' "$OUT/$name.log"
+  echo "=== $name rc=$rc"
+  [ $rc -eq 0 ] || failed+=("$name (rc=$rc$([ $rc -eq 124 ] && echo ', timed out'))")
+}
+finish() {
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "=== part '$part': ${#failed[@]} check(s) FAILED:"; printf '  - %s\n' "${failed[@]}"; exit 1
+  fi
+  echo "=== part '$part': all checks passed"; exit 0
+}
 # flash-linear-attention as a timing reference, when its wheels were carried in .whl/ (fetch them on a machine
 # with PyPI: pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops -d .whl)
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | grep -v WARNING
 fi
-if [ "$part" = tests ] || [ "$part" = quick ]; then
-# `quick`: the summary cases of the op tests only (the op tests at 8K-32K take about 3 minutes).
-if [ "$part" = "quick" ]; then op_filter=(-k summary); else op_filter=(); fi
-step "determinism" 90 python bench/determinism.py --length 8192 2>&1 | tee "$OUT/determinism.log" \
-  | grep -vE "^\[transformers\]"
-step "gdn op tests" 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}" \
-  2>&1 | tee "$OUT/gdn_op_tests.log"
-step "cp triton tests" 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider 2>&1 \
-  | tee "$OUT/cp_tests.log" | grep -vE "^\[transformers\]"
-exit 0
-fi
-if [ "$part" = op ]; then
-step "op bench" 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl" \
-  2>&1 | tee "$OUT/op_bench.log" | grep -vE "^\[transformers\]|^\{"
-step "stage times" 120 python bench/gdn_kernels.py --time prepare summary_prepared summary_s_only summary_state_fwd \
-  initial_state_grad wy_bwd --length 16384 \
-  2>&1 | tee "$OUT/summary_time.log" | grep -vE "^\[transformers\]"
-step "long-memory accuracy" 90 python bench/long_memory_accuracy.py --lengths 8192 32768 \
-  2>&1 | tee "$OUT/long_memory.log" | grep -vE "^\[transformers\]"
-exit 0
-fi
-if [ "$part" = varlen ]; then
-# Self-contained: every check's exit status is kept (each logs to $OUT/varlen_<name>.log); non-zero exit if any failed.
-vfail=0
-vrun() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name"
-  timeout "$limit" "$@" > "$OUT/varlen_$name.log" 2>&1
-  local rc=$?
-  grep -vE '^\[transformers\]|^\{' "$OUT/varlen_$name.log"
-  echo "=== $name rc=$rc"
-  if [ $rc -ne 0 ]; then vfail=$((vfail + 1)); fi
-}
-vrun gpu_tests 240 python -m pytest tests/gpu/test_triton_varlen.py -q -s -ra -p no:cacheprovider
-if [ -d .whl/before/src ]; then  # the unpacked op before this change (git archive of the previous commit's src)
-  vrun bench_before 100 env PYTHONPATH=.whl/before/src:tests python bench/gdn_op.py --lengths 8192 16384 32768 65536 \
-    --no-eager --repeat 30
-fi
-vrun bench_after 100 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --repeat 30 \
-  --json "$OUT/bench.jsonl"
-vrun bench_varlen 150 python bench/gdn_op.py --varlen --fla --json "$OUT/bench.jsonl"
-vrun unpacked_tests 100 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider \
-  -k "8192 or unaligned or prepared or repeated"
-echo "=== varlen: $vfail failed check(s)"
-exit $((vfail > 0))
-fi
-if [ "$part" = sweep ]; then
-# one process per kernel: an illegal memory access (some launch shapes on Triton 3.6) poisons the CUDA context
-for kern in ${SWEEP_KERNELS:-wy_bwd wu_fwd tril_merge state_bwd state_fwd}; do
-  step "sweep $kern" 150 python bench/gdn_kernels.py --sweep --length 32768 --kernels $kern --budget-s 75 --top 8 \
-    2>&1 | tee -a "$OUT/sweep.log" | grep -vE "^\[transformers\]|illegal memory access"
-done
-exit 0
-fi
-if [ "$part" = ncu ]; then
-step "ncu" 150 ncu --kernel-name regex:"wy_bwd_kernel|dqkwg_kernel|state_bwd_kernel" --launch-count 3 \
-  --section SpeedOfLight --section Occupancy --section LaunchStats \
-  python bench/gdn_kernels.py --time wy_bwd --length 32768 --warmup 0 --repeat 1 2>&1 | tee "$OUT/ncu.log" \
-  | grep -E "_kernel|Throughput|Duration|Registers|Occupancy|Block Limit|Shared Memory Per|Waves|ERR"
-exit 0
-fi
-step "per-rank cost" 150 python bench/cp_layer.py --per-rank-cost --cp 4 8 --global-len 32768 131072 \
-  --backend triton --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/per_rank.log" | grep -vE "^\[transformers\]"
-step "cp2 layer job + trace" 120 torchrun --standalone --nproc-per-node 2 bench/cp_layer.py --global-len 32768 \
-  --modes ulysses p2p --backend triton --trace "$OUT/trace" --json "$OUT/bench.jsonl" 2>&1 \
-  | tee "$OUT/cp2_layer.log" | grep -vE "^\[transformers\]"
-step "model step" 200 python bench/model.py --layers 4 --local-len 16384 --warmup 3 --repeat 10 --json "$OUT/bench.jsonl" 2>&1 \
-  | tee "$OUT/model.log" | grep -vE "^\[transformers\]"
+case "$part" in
+tests|quick)
+  # `quick`: the summary cases of the op tests only (the op tests at 8K-32K take about 3 minutes).
+  if [ "$part" = "quick" ]; then op_filter=(-k summary); else op_filter=(); fi
+  check determinism 90 python bench/determinism.py --length 8192
+  check gdn_op_tests 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}"
+  check cp_tests 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k "not packed"
+  ;;
+op)
+  check op_bench 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl"
+  check stage_times 120 python bench/gdn_kernels.py --time prepare summary_prepared summary_s_only summary_state_fwd \
+    initial_state_grad wy_bwd --length 16384
+  check long_memory 90 python bench/long_memory_accuracy.py --lengths 8192 32768
+  ;;
+varlen)
+  check varlen_gpu_tests 240 python -m pytest tests/gpu/test_triton_varlen.py -q -s -ra -p no:cacheprovider
+  if [ -d .whl/before/src ]; then  # the unpacked op before a change (git archive of an earlier commit's src)
+    check bench_before 100 env PYTHONPATH=.whl/before/src:tests python bench/gdn_op.py \
+      --lengths 8192 16384 32768 65536 --no-eager --repeat 30
+  fi
+  check bench_after 100 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --repeat 30 \
+    --json "$OUT/bench.jsonl"
+  check bench_varlen 150 python bench/gdn_op.py --varlen --fla --json "$OUT/bench.jsonl"
+  check unpacked_tests 100 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider \
+    -k "8192 or unaligned or prepared or repeated"
+  ;;
+packed)
+  check document_attention 90 python -m pytest tests/gpu/test_document_attention.py -q -s -ra -p no:cacheprovider
+  check cp_packed 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k packed
+  check bench_varlen 180 python bench/gdn_op.py --varlen --fla --json "$OUT/bench.jsonl"
+  ;;
+multi)
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$ngpu" -lt 2 ]; then echo "multi needs 2-8 GPUs, found $ngpu"; exit 2; fi
+  for cp in 2 4 8; do
+    [ "$cp" -le "$ngpu" ] || continue
+    check "multi_cp$cp" 300 torchrun --standalone --nproc-per-node "$cp" tests/gpu/multi_gpu_checks.py --steps 20
+  done
+  ;;
+sweep)
+  # one process per kernel: an illegal memory access (some launch shapes on Triton 3.6) poisons the CUDA context
+  for kern in ${SWEEP_KERNELS:-wy_bwd wu_fwd tril_merge state_bwd state_fwd}; do
+    check "sweep_$kern" 150 python bench/gdn_kernels.py --sweep --length 32768 --kernels $kern --budget-s 75 --top 8
+  done
+  ;;
+ncu)
+  check ncu 150 ncu --kernel-name regex:"wy_bwd_kernel|dqkwg_kernel|state_bwd_kernel" --launch-count 3 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats \
+    python bench/gdn_kernels.py --time wy_bwd --length 32768 --warmup 0 --repeat 1
+  ;;
+cp)
+  check per_rank_cost 150 python bench/cp_layer.py --per-rank-cost --cp 4 8 --global-len 32768 131072 \
+    --backend triton --json "$OUT/bench.jsonl"
+  check cp2_layer_trace 120 torchrun --standalone --nproc-per-node 2 bench/cp_layer.py --global-len 32768 \
+    --modes ulysses p2p --backend triton --trace "$OUT/trace" --json "$OUT/bench.jsonl"
+  check model_step 200 python bench/model.py --layers 4 --local-len 16384 --warmup 3 --repeat 10 \
+    --json "$OUT/bench.jsonl"
+  ;;
+esac
+finish

@@ -33,9 +33,9 @@ def _config():
                        linear_value_head_dim=128)
 
 
-def _run(module, x, d_out):
+def _run(module, x, d_out, cu=None):
     x = x.clone().requires_grad_()
-    out = module(x)
+    out = module(x) if cu is None else module(x, cu_seq_lens_q=cu)
     (out.float() * d_out).sum().backward()
     return out.detach().float(), x.grad.float()
 
@@ -44,7 +44,7 @@ def _mesh(group):
     return DeviceMesh.from_group(group, "cuda", mesh_dim_names=("cp",))
 
 
-def cp_triton_worker(rank, world, seq):
+def cp_triton_worker(rank, world, seq, cu=None):
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     base = long_memory_gates_(Qwen3_5GatedDeltaNet(_config(), 0)).cuda()
@@ -59,16 +59,16 @@ def cp_triton_worker(rank, world, seq):
     for mode in ("ulysses", "p2p"):
         ref32 = LinearAttentionContextParallel(mode=mode, backend="eager").apply(copy.deepcopy(base).float(),
                                                                                 _mesh(self_group))
-        out32, dx32 = _run(ref32, x, d_out)
+        out32, dx32 = _run(ref32, x, d_out, cu)
         g32 = grads_of(ref32)
         ref16 = LinearAttentionContextParallel(mode=mode, backend="triton").apply(
             copy.deepcopy(base).bfloat16(), _mesh(self_group))
-        out16, dx16 = _run(ref16, x.bfloat16(), d_out)
+        out16, dx16 = _run(ref16, x.bfloat16(), d_out, cu)
         g16 = grads_of(ref16)
         cp = LinearAttentionContextParallel(mode=mode, backend="triton").apply(copy.deepcopy(base).bfloat16(),
                                                                               _mesh(dist.group.WORLD))
         xl, dl = local_slice(x, rank, world).bfloat16(), local_slice(d_out, rank, world)
-        out, dx = _run(cp, xl, dl)
+        out, dx = _run(cp, xl, dl, cu)
         grads = {n: g.float() for n, g in grads_of(cp).items()}
         for g in grads.values():
             dist.all_reduce(g)
@@ -92,7 +92,7 @@ def cp_triton_worker(rank, world, seq):
         memory = []
         for _ in range(20):
             cp.zero_grad(set_to_none=True)
-            out, dx = _run(cp, xl, dl)
+            out, dx = _run(cp, xl, dl, cu)
             if not (torch.isfinite(out).all() and torch.isfinite(dx).all()):
                 failures.append(f"CP{world} {mode}: non-finite values in repeated runs")
                 break
@@ -103,7 +103,8 @@ def cp_triton_worker(rank, world, seq):
         rows.append((mode, figures))
     if rank == 0:
         for mode, figures in rows:
-            print(f"\nCP{world} {mode}+triton, 1x{seq} tokens, Hk/Hv 2/4, K=V=128:")
+            docs = "" if cu is None else f", {cu.numel() - 1} packed documents"
+            print(f"\nCP{world} {mode}+triton, 1x{seq} tokens{docs}, Hk/Hv 2/4, K=V=128:")
             for name, value in figures.items():
                 print(f"  {name:<45} {value:.3e}")
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
@@ -112,3 +113,13 @@ def cp_triton_worker(rank, world, seq):
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_layer_parity_triton_on_one_gpu(world):
     run_distributed(cp_triton_worker, world, 4096, timeout_s=600)
+
+
+# Packed documents: boundaries inside ranks, on a rank boundary (2048 at CP2/CP4), lengths 1 and 3, a document
+# crossing every rank boundary of CP4 but the middle one.
+PACKED_CU = torch.tensor([0, 1, 4, 700, 2048, 2049, 3000, 4096])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_layer_parity_triton_packed_on_one_gpu(world):
+    run_distributed(cp_triton_worker, world, 4096, PACKED_CU, timeout_s=600)

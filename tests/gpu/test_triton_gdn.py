@@ -175,9 +175,10 @@ def test_state_summary_vs_fp32_reference(T, Hk, prec, monkeypatch):
     with pytest.raises(RuntimeError, match="no backward"):
         be.state_summary(inputs[0].clone().requires_grad_(), *inputs[1:])
     assert errs["S"] < TOL, f"S: rel-L2 {errs['S']:.3e} >= {TOL}"
-    if errs["M"] >= TOL and T == 8192 and prec == "tf32":
-        pytest.xfail(f"M rel-L2 {errs['M']:.2e} at 8K with tf32 products: known (H200, 2026-12-02: 2.1e-2)")
-    assert errs["M"] < (1e-4 if prec == "tf32x3" else TOL), f"M: rel-L2 {errs['M']:.3e}"
+    # tf32 is not the shipped precision (tf32x3 is): its M is held to the error it is known to have (2.1e-2 at 8K
+    # on the H200, 2026-12-02), so a regression of either variant fails here instead of turning into an xfail
+    bound = 1e-4 if prec == "tf32x3" else 3e-2
+    assert errs["M"] < bound, f"M ({prec}): rel-L2 {errs['M']:.3e} >= {bound}"
 
 
 @pytest.mark.parametrize("T", [8192, 32768])

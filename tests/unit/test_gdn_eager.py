@@ -134,3 +134,49 @@ def test_eager_backend_stage_contract():
         be.state_summary(k, v, g, beta, prepared=object())
     with pytest.raises(TypeError, match="no prepared chunks"):
         be.initial_state_grad(q, k, v, g, beta, torch.randn_like(v), prepared=object())
+
+
+@pytest.mark.parametrize("first_continues", [True, False])
+def test_eager_varlen_equals_token_recurrence_per_document(first_continues):
+    """Packed row: each document from its own start (the first from H0 only when it continues), final state
+    and S the last document's, M zero once a document starts in the row; float64 token recurrence as reference."""
+    from deltacp.ops.gdn import eager, naive
+    from deltacp.ops.gdn.varlen import VarlenLayout
+
+    torch.manual_seed(0)
+    T, Hk, Hv, K, V = 200, 2, 4, 16, 8
+    q, k = (torch.randn(1, T, Hk, K, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, T, Hv, V, dtype=torch.float64)
+    g = -torch.rand(1, T, Hv, dtype=torch.float64) * 0.05
+    beta = torch.rand(1, T, Hv, dtype=torch.float64)
+    h0 = torch.randn(1, Hv, K, V, dtype=torch.float64)
+    cu = torch.tensor([0, 1, 5, 70, 128, 129, 200])
+    layout = VarlenLayout.build(cu, T, first_continues=first_continues)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, ht = eager.chunk_gated_delta_rule(*inputs, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
+    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    outs = []
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        oo, hh = naive.recurrent_gated_delta_rule(*(x[:, a:b] for x in ref_inputs),
+                                                  initial_state=h0 if i == 0 and first_continues else None,
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(oo)
+    ref = torch.cat(outs, 1)
+    assert rel_l2(o, ref) < 1e-12 and rel_l2(ht, hh) < 1e-12
+    d_o = torch.randn_like(o)
+    (o * d_o).sum().backward()
+    (ref * d_o).sum().backward()
+    for x, r in zip(inputs, ref_inputs):
+        assert rel_l2(x.grad, r.grad) < 1e-11
+    m, s = eager.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
+    assert m.abs().max() == 0 and rel_l2(s, hh) < 1e-12
+    dh0 = eager.initial_state_grad(q, k, v, g, beta, d_o, use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
+    if first_continues:  # only the first document reads H0
+        h = h0.clone().requires_grad_()
+        o1, _ = naive.recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=h,
+                                                 use_qk_l2norm_in_kernel=True)
+        (o1 * d_o[:, :1]).sum().backward()
+        assert rel_l2(dh0, h.grad) < 1e-12
+    else:
+        assert dh0.abs().max() == 0

@@ -46,7 +46,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
 class VarlenLayout:
     """Where each token of a packed row sits in the chunk-aligned layout, and where the state resets.
 
-    Built once per row (and per step under CP) on the host; `on(device)` caches the index tensors per device.
+    Built once per row (and per step under CP) on the host; the copy plans and per-device reset flags are cached.
     """
 
     cu_seqlens: torch.Tensor  # int64, CPU, [N + 1]
@@ -78,18 +78,6 @@ class VarlenLayout:
         """Whether the final state depends on anything but the entering state's path (M = 0 if so)."""
         return any(self.chunk_resets)
 
-    def index(self, device: torch.device) -> torch.Tensor:
-        """[T] int64: the layout position of every token."""
-        device = torch.device(device)
-        if device not in self._index:
-            cu = self.cu_seqlens
-            lengths = cu[1:] - cu[:-1]
-            starts = torch.cumsum(torch.nn.functional.pad((lengths + CHUNK_SIZE - 1) // CHUNK_SIZE * CHUNK_SIZE,
-                                                          (1, 0))[:-1], 0)
-            idx = torch.arange(self.total) - torch.repeat_interleave(cu[:-1] - starts, lengths)
-            self._index[device] = idx.to(device)
-        return self._index[device]
-
     def resets_tensor(self, device: torch.device) -> torch.Tensor:
         """[Tp / C] int32: 1 where the chunk's entering state is zero (for kernels)."""
         key = ("resets", torch.device(device))
@@ -97,17 +85,54 @@ class VarlenLayout:
             self._index[key] = torch.tensor(self.chunk_resets, dtype=torch.int32).to(device)
         return self._index[key]
 
+    def plans(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Copy plans of the two re-layouts as (source start or -1 for zeros, length) runs along tokens."""
+        if "plans" not in self._index:
+            cu = self.cu_seqlens.tolist()
+            to, back, at = [], [], 0
+            for a, b in zip(cu[:-1], cu[1:]):
+                n, pad = b - a, (-(b - a)) % CHUNK_SIZE
+                to += [(a, n)] + ([(-1, pad)] if pad else [])
+                back.append((at, n))
+                at += n + pad
+            self._index["plans"] = (to, back)
+        return self._index["plans"]
+
     def to_chunks(self, x_1TX: torch.Tensor) -> torch.Tensor:
-        """[1, T, ...] -> [1, Tp, ...], documents chunk-aligned, zeros between them (differentiable)."""
+        """[1, T, ...] -> [1, Tp, ...], documents chunk-aligned, zeros between them (differentiable; one
+        concatenation of contiguous runs each way, backward = `from_chunks` of the gradient)."""
         if x_1TX.shape[0] != 1 or x_1TX.shape[1] != self.total:
             raise ValueError(f"packed documents need one row of {self.total} tokens (B = 1), got a tensor of "
                              f"shape {tuple(x_1TX.shape)}")
-        out = x_1TX.new_zeros((1, self.padded, *x_1TX.shape[2:]))
-        return out.index_copy(1, self.index(x_1TX.device), x_1TX)
+        return _Relayout.apply(x_1TX, self, True)
 
     def from_chunks(self, y_1PX: torch.Tensor) -> torch.Tensor:
-        """[1, Tp, ...] -> [1, T, ...] (differentiable)."""
-        return y_1PX.index_select(1, self.index(y_1PX.device))
+        """[1, Tp, ...] -> [1, T, ...] (differentiable; backward = `to_chunks` of the gradient)."""
+        if y_1PX.shape[0] != 1 or y_1PX.shape[1] != self.padded:
+            raise ValueError(f"expected the chunk-aligned layout [1, {self.padded}, ...], got {tuple(y_1PX.shape)}")
+        return _Relayout.apply(y_1PX, self, False)
+
+
+def _copy_runs(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """Concatenate runs of x's tokens (dim 1) and zero runs: one copy kernel instead of a fill and a scatter."""
+    longest_zero = max((n for start, n in runs if start < 0), default=0)
+    zeros = x.new_zeros((x.shape[0], longest_zero, *x.shape[2:])) if longest_zero else None
+    return torch.cat([x.narrow(1, start, n) if start >= 0 else zeros.narrow(1, 0, n) for start, n in runs], dim=1)
+
+
+class _Relayout(torch.autograd.Function):
+    """to_chunks (forward=True) or from_chunks; the backward of each is the other, applied to the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, layout: VarlenLayout, forward: bool):
+        ctx.layout, ctx.forward_dir = layout, forward
+        to, back = layout.plans()
+        return _copy_runs(x.contiguous(), to if forward else back)
+
+    @staticmethod
+    def backward(ctx, grad):
+        to, back = ctx.layout.plans()
+        return _copy_runs(grad.contiguous(), back if ctx.forward_dir else to), None, None
 
 
 def as_layout(cu_seqlens: "torch.Tensor | VarlenLayout | None", total: int) -> VarlenLayout | None:
