@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from deltacp.train.config import ConfigError, config_from_dict, config_to_dict, load_config
 
@@ -164,3 +165,29 @@ def test_builtin_png_writer(tmp_path):
                           ("rel", {"a": [(1, 1e-7), (2, 1e-10)]}, True)], "T", {"a": (255, 0, 0)})
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and data.endswith(b"IEND\xaeB`\x82")
+
+
+def test_packed_rows_hold_whole_documents_and_their_offsets(tmp_path):
+    from deltacp.train.data import TokenStream
+
+    lengths = [5, 1, 30, 2, 70, 0, 9]  # bytes; the empty document is skipped
+    docs = [bytes([97 + i]) * n for i, n in enumerate(lengths)]
+    (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "{d.decode()}"}}\n' for d in docs))
+    cfg = _load("train.data.source=files", f"train.data.paths=[{tmp_path}]", "train.data.seq_len=32",
+                "train.data.packing=true")
+    stream = TokenStream(cfg.data, 0)
+    rows = [stream.next_packed_row() for _ in range(4)]
+    ids = torch.cat([r[0] for r in rows], dim=1)[0]
+    # 117 tokens of text, then the stream starts over (epoch 1): the documents appear in order, no separators
+    text = b"".join(docs)
+    assert bytes(ids[: len(text)].tolist()) == text
+    for row, cu in rows:
+        assert row.shape == (1, 32) and cu[0] == 0 and cu[-1] == 32 and bool((cu[1:] > cu[:-1]).all())
+        # every document of a row is one byte value (one source document, or a piece of one)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            assert len(set(row[0, a:b].tolist())) == 1
+    # the document ends inside the first row: after 5, 6 and 32 (the 30-byte document continues in row 2)
+    assert rows[0][1].tolist() == [0, 5, 6, 32]
+    assert rows[1][1].tolist() == [0, 4, 6, 32]
+    with pytest.raises(ConfigError, match=r"train\.data\.packing: true .*batch_size must be 1"):
+        _load("train.data.packing=true", "train.data.batch_size=2")

@@ -7,16 +7,14 @@ projection. Key/value heads that do not divide by the CP degree are repeated to 
 
 The `attention_mask` this forward takes is None (causal over the whole row) or the model pre-hook's
 `CPForwardContext`, whose `attention` describes per-document causal attention over the flattened [B * S]
-stream (packed documents, or padded rows as valid + padding documents). No [S, S] mask is ever built: on CUDA
-with bf16/fp16 one varlen flash-attention call (`torch.nn.attention.varlen.varlen_attn`) covers every
-document; elsewhere (CPU, float32/float64) each document runs through causal SDPA on its own.
+stream (packed documents, or padded rows as valid + padding documents). No [S, S] mask is ever built: each
+document runs through causal SDPA on its own (fused kernels on CPU and CUDA).
 
 Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads.
 """
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
 
 import torch
@@ -47,16 +45,6 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return (h * (1.0 + weight.to(dt))).type_as(x)
 
 
-def _varlen_flash(q_THD, k_THD, v_THD, docs: AttentionDocuments, scale: float, gqa: bool) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    cu = docs.on(q_THD.device)
-    causal = ({"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters
-              else {"is_causal": True})
-    return varlen_attn(q_THD, k_THD, v_THD, cu, cu, docs.max_len, docs.max_len, scale=scale, enable_gqa=gqa,
-                       **causal)
-
-
 def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                               docs: AttentionDocuments | None, *, scale: float, dropout_p: float) -> torch.Tensor:
     """Causal attention within each document of the flattened [B * S] stream (all of it when docs is None)."""
@@ -67,16 +55,16 @@ def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD
     if dropout_p:
         raise NotImplementedError(f"attention_dropout={dropout_p} with packed documents or padding under CP is not "
                                   f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
+    # One causal SDPA per document (its fused kernels build no mask); rows of a batch are documents of the
+    # flattened stream. torch's varlen flash attention could do this in one call (torch 2.11, the verified GPU
+    # stack, has it without enable_gqa); it is not used until measured and verified here.
     B, H, S, D = q_BHSD.shape
     q_THD, k_THD, v_THD = (x.transpose(1, 2).reshape(B * S, x.shape[1], D) for x in (q_BHSD, k_BHSD, v_BHSD))
-    if q_THD.is_cuda and q_THD.dtype in (torch.float16, torch.bfloat16):
-        o_THD = _varlen_flash(q_THD, k_THD, v_THD, docs, scale, gqa)
-    else:
-        bounds = docs.cu_seqlens.tolist()
-        o_THD = torch.cat([
-            F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD)),
-                                           is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:])])
+    bounds = docs.cu_seqlens.tolist()
+    o_THD = torch.cat([
+        F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD)),
+                                       is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:])])
     return o_THD.reshape(B, S, H, -1).transpose(1, 2)
 
 

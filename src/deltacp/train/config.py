@@ -65,6 +65,11 @@ class DataConfig:
     """Global sequence length (tokens per sequence, before the CP split); divisible by cp."""
     batch_size: int = 1
     """Sequences per step (global batch; every CP rank sees all of them, its slice of each)."""
+    packing: bool = False
+    """true: each row of seq_len tokens holds whole documents back to back (one split at the row end continues in
+    the next row as a new document), described by cu_seqlens: no token attends to or carries state from another
+    document, and no target crosses a document boundary. Needs batch_size 1 (one packed row per step).
+    false: documents joined with a separator into one stream, cut into rows."""
 
 
 @dataclass(frozen=True)
@@ -294,6 +299,9 @@ def config_from_dict(raw: dict) -> TrainConfig:
     _positive("train.steps", cfg.steps)
     _positive("train.data.seq_len", cfg.data.seq_len)
     _positive("train.data.batch_size", cfg.data.batch_size)
+    if cfg.data.packing and cfg.data.batch_size != 1:
+        raise ConfigError(f"train.data.packing: true packs documents into one row per step; train.data.batch_size "
+                          f"must be 1, got {cfg.data.batch_size} (raise seq_len instead)")
     _positive("train.optimizer.lr", cfg.optimizer.lr, allow_zero=True)
     _positive("train.schedule.warmup_steps", cfg.schedule.warmup_steps, allow_zero=True)
     _positive("train.checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)

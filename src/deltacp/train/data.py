@@ -2,8 +2,10 @@
 
 Default source: the .py files of this interpreter's standard library (sysconfig's stdlib path), read as
 bytes (vocab 256). Documents are visited in an order shuffled from the seed (a fresh order each epoch),
-joined with a separator and cut into [batch_size, seq_len] global batches, a new one every step. Every
-rank reads the same stream and takes its CP slice later. `state_dict()` is the stream position (epoch,
+joined with a separator and cut into [batch_size, seq_len] global batches, a new one every step; or, with
+`packing`, laid back to back into rows of seq_len tokens with their offsets (cu_seqlens), a document that does
+not fit continuing as a new document in the next row. Every rank reads the same stream and takes its CP slice
+later. `state_dict()` is the stream position (epoch,
 document, offset), so a resumed run reads exactly the tokens an uninterrupted one would have read.
 """
 
@@ -130,28 +132,38 @@ class TokenStream:
     def _tokens_of(self, file_index: int) -> list[int]:
         if self._cache is None or self._cache[0] != (self.epoch, file_index):
             path = self.files[self._order[file_index]]
-            tokens, text_tokens = [], 0
+            tokens, text_tokens, starts = [], 0, []
             for doc in _documents(path, self.cfg.jsonl_field):
                 encoded = self.tokenizer.encode(doc)
+                if self.cfg.packing and not encoded:
+                    continue
+                starts.append(len(tokens))
                 tokens += encoded
                 text_tokens += len(encoded) if doc.strip() else 0
-                if isinstance(self.tokenizer, ByteTokenizer):
+                if isinstance(self.tokenizer, ByteTokenizer) and not self.cfg.packing:
                     tokens += list(SEPARATOR)
-            self._cache = ((self.epoch, file_index), tokens, text_tokens)
+            self._cache = ((self.epoch, file_index), tokens, text_tokens, starts + [len(tokens)])
         return self._cache[1]
 
     def _has_text(self, file_index: int) -> bool:
         self._tokens_of(file_index)
         return self._cache[2] > 0
 
-    def _take(self, n: int) -> list[int]:
+    def _take(self, n: int, boundaries: list[int] | None = None) -> list[int]:
+        """The next n tokens; with `boundaries`, append the offset (within the result) of every document end."""
         out: list[int] = []
         empty_files = 0
         while len(out) < n:
             tokens = self._tokens_of(self.file_index)
-            piece = tokens[self.offset: self.offset + n - len(out)]
+            end = self.offset + n - len(out)
+            if boundaries is not None:  # stop at the end of the current document
+                doc_ends = self._cache[3]
+                end = min(end, next(e for e in doc_ends if e > self.offset)) if self.offset < len(tokens) else end
+            piece = tokens[self.offset: end]
             out += piece
             self.offset += len(piece)
+            if boundaries is not None and piece:
+                boundaries.append(len(out))
             # Separators alone are no text: a source whose every document is empty must not stream them forever.
             empty_files = 0 if self._has_text(self.file_index) else empty_files + 1
             if empty_files > len(self.files):
@@ -168,6 +180,12 @@ class TokenStream:
         """The next global batch [batch_size, seq_len] (int64)."""
         B, S = self.cfg.batch_size, self.cfg.seq_len
         return torch.tensor(self._take(B * S), dtype=torch.long).view(B, S)
+
+    def next_packed_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next packed row [1, seq_len] (int64) and its document offsets cu_seqlens [0, ..., seq_len]."""
+        ends: list[int] = []
+        ids = self._take(self.cfg.seq_len, boundaries=ends)
+        return torch.tensor(ids, dtype=torch.long)[None], torch.tensor([0] + ends, dtype=torch.long)
 
     def state_dict(self) -> dict:
         return dict(epoch=self.epoch, file_index=self.file_index, offset=self.offset, seed=self.seed,

@@ -232,9 +232,12 @@ class Trainer:
     def train_step(self) -> dict:
         self._sync()
         start = time.perf_counter()
-        ids = self.data.next_batch().to(self.device)
-        batch = shard_batch_for_cp(ids, self.mesh)
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        if self.cfg.data.packing:
+            ids, cu_seqlens = self.data.next_packed_row()
+            batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens)
+        else:
+            batch = shard_batch_for_cp(self.data.next_batch().to(self.device), self.mesh)
+        logits = self.model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
         loss = cp_cross_entropy(logits, batch["target_ids"], self.mesh)
         loss.backward()
         if not self.cfg.distributed.fsdp:
@@ -302,7 +305,8 @@ class Trainer:
                 f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} | {cfg.dtype} | "
                 f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
-                f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step")
+                f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
+                f"{' (packed documents)' if cfg.data.packing else ''}")
 
     def fit(self, max_steps: int | None = None) -> list[dict]:
         """Train to cfg.steps (or stop after `max_steps` more steps, same schedule); returns this call's rows."""
