@@ -121,8 +121,16 @@ def keywords_worker(rank, world):
                           use_cache=False))
     # ranks that received different batches (here: different document offsets) all raise
     cut = 5 if rank == 0 else 6
-    _expect(ValueError, "ranks received different kinds of CP inputs",
+    _expect(ValueError, "ranks received different CP inputs",
             lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, cut, S]), use_cache=False))
+    # a malformed mask on one rank only: that rank raises its error, the others raise too (nobody waits)
+    bad = torch.ones(1, 15 if rank == 0 else 16, dtype=torch.long)
+    _expect(ValueError, r"local 2-D padding mask \[B, s\] = \(1, 16\), got \(1, 15\)" if rank == 0 else
+            r"inputs of rank\(s\) \[0\] were refused", lambda: model(input_ids=ids, attention_mask=bad, use_cache=False))
+    # max_length_q differing on one rank
+    _expect(ValueError, r"does not match the longest document|inputs of rank\(s\) \[1\] were refused",
+            lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, S]), max_length_q=S - 5 + rank,
+                          use_cache=False))
     # a padding mask with a hole cannot be expressed as documents: refused
     mask = torch.ones(1, 16, dtype=torch.long)
     if rank == 0:

@@ -128,6 +128,16 @@ def _all_gather_cat(x_BS: torch.Tensor, group, cp: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def _fingerprint(value) -> tuple[int, int, int, int, int]:
+    """(given, count, sum, sum of squares, index-weighted sum) of a packing keyword's value: equal on ranks that
+    received the same offsets."""
+    if value is None:
+        return (0, 0, 0, 0, 0)
+    x = value.detach().to("cpu", torch.int64).flatten() if isinstance(value, torch.Tensor) else torch.tensor(
+        [int(value)])
+    return (1, x.numel(), int(x.sum()), int((x * x).sum()), int((x * torch.arange(1, x.numel() + 1)).sum()))
+
+
 def _make_cp_inputs_hook(group):
     """Builds the forward's `CPForwardContext` (documents, padding, activation-checkpoint replay) and hands it to
     every layer as its attention mask; fills missing position ids.
@@ -147,28 +157,35 @@ def _make_cp_inputs_hook(group):
         S = s * cp
         packing = {key: kwargs.pop(key, None) for key in PACKING_KEYWORDS}
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        if isinstance(mask, dict):
-            raise ValueError("under CP, attention_mask must be None or the local 2-D padding mask [B, s]; a "
-                             "per-layer-type dict is built by deltacp itself")
-        if mask is not None and (mask.ndim != 2 or tuple(mask.shape) != (B, s)):
-            raise ValueError(f"under CP, attention_mask must be the local 2-D padding mask [B, s] = {(B, s)}, got "
-                             f"{tuple(mask.shape)}")
-        cu = packing["cu_seq_lens_q"]
-        header = torch.tensor([B, s, mask is not None, positions is not None, cu is not None,
-                               -1 if cu is None else cu.numel(),
-                               -1 if cu is None else int(cu.detach().to("cpu", torch.int64).sum()),
-                               -1 if cu is None else int((cu.detach().to("cpu", torch.int64) ** 2).sum())],
+        docs, error = None, None
+        try:  # local checks first; their outcome travels in the header, so all ranks raise together
+            if isinstance(mask, dict):
+                raise ValueError("under CP, attention_mask must be None or the local 2-D padding mask [B, s]; a "
+                                 "per-layer-type dict is built by deltacp itself")
+            if mask is not None and (mask.ndim != 2 or tuple(mask.shape) != (B, s)):
+                raise ValueError(f"under CP, attention_mask must be the local 2-D padding mask [B, s] = {(B, s)}, "
+                                 f"got {tuple(mask.shape)}")
+            docs = documents_from_keywords(S, **packing)
+            if docs is not None and mask is not None:
+                raise NotImplementedError("packed documents with a padding mask: pad a packed row with a padding "
+                                          "document instead (shard_batch_for_cp's pad_to_multiple_of)")
+        except (ValueError, NotImplementedError, TypeError) as e:
+            error = e
+        header = torch.tensor([B, s, mask is not None, positions is not None, error is not None,
+                               *(x for value in packing.values() for x in _fingerprint(value))],
                               dtype=torch.int64, device=local.device)
         headers = _all_gather_cat(header[None], group, cp).view(cp, -1)
+        if error is not None:
+            raise error
+        refused = headers[:, 4].nonzero().flatten().tolist()
+        if refused:
+            raise ValueError(f"the CP inputs of rank(s) {refused} were refused (see their error); every rank stops")
         if not bool((headers == header).all()):
-            raise ValueError(f"ranks received different kinds of CP inputs (per rank: B, s, has attention_mask, "
-                             f"has position_ids, has cu_seq_lens_q, its length and checksums): "
+            raise ValueError(f"ranks received different CP inputs (per rank: B, s, has attention_mask, has "
+                             f"position_ids, refused, then count and checksums of cu_seq_lens_q/k, max_length_q/k): "
                              f"{headers.tolist()}; every rank must get its slice of the same batch")
-        docs = documents_from_keywords(S, **packing)
-        if docs is not None and mask is not None:
-            raise NotImplementedError("packed documents with a padding mask: pad a packed row with a padding "
-                                      "document instead (shard_batch_for_cp's pad_to_multiple_of)")
-        if docs is None and positions is not None:
+        # transformers' convention: restarting position ids describe documents only when no padding mask is given
+        if docs is None and positions is not None and mask is None:
             text_positions = positions if positions.ndim == 2 else positions[0]
             cu_pos = cu_seqlens_from_position_ids(_all_gather_cat(text_positions.to(torch.int64), group, cp))
             docs = None if cu_pos is None else PackedDocuments.build(cu_pos, S, "position_ids")
