@@ -1,0 +1,204 @@
+"""Multi-GPU checks over NCCL, one GPU per rank (`scripts/gpu_checks.sh multi`; torchrun, 2-8 GPUs):
+
+    torchrun --standalone --nproc-per-node 4 tests/gpu/multi_gpu_checks.py --steps 20
+
+- layer parity: a GDN layer in every mode (eager float64; triton bf16 for ulysses/p2p) against the same layer
+  on a one-rank mesh of this rank, unpacked and on a packed row;
+- model parity: the 3-linear + 1-full hybrid in float64, every mode, FSDP2 on, logits, loss and gradients against
+  the one-rank computation, unpacked and packed;
+- training: `--steps` consecutive steps per mode with and without activation checkpointing, FSDP2 on, a packed
+  row each step: finite, no growth of allocated memory after the first steps, and identical losses with and
+  without checkpointing.
+Every check prints one row; the script exits 1 if any failed. A hang ends in the process-group timeout
+(`--timeout-s`), so nothing waits forever. `--device cpu` runs the same over gloo (to check the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, tiny_config  # noqa: E402
+
+MODES = ("ulysses", "p2p", "all_gather")
+PACKED = [0, 1, 4, 37, 100, 101, 180, 256]  # boundaries inside ranks, lengths 1 and 3, on rank boundaries of CP2
+
+
+def _self_mesh(device_type: str) -> DeviceMesh:
+    mine = None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r])
+        if r == dist.get_rank():
+            mine = group
+    return DeviceMesh.from_group(mine, device_type, mesh_dim_names=("cp",))
+
+
+def _sum_grads(module) -> torch.Tensor:
+    g = flat({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in
+              module.named_parameters() if p.grad is not None})
+    return g
+
+
+def layer_checks(device, mesh, self_mesh, rows):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from deltacp import LinearAttentionContextParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    S = 256
+    for backend, dtype, bound in (("eager", torch.float64, 1e-8), ("triton", torch.bfloat16, 2e-2)):
+        if backend == "triton" and device.type != "cuda":
+            continue
+        config = tiny_config() if backend == "eager" else tiny_config(
+            hidden_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+            linear_value_head_dim=128)
+        base = long_memory_gates_(Qwen3_5GatedDeltaNet(config, 0)).to(device)
+        hidden = config.hidden_size
+        x = torch.randn(1, S, hidden, device=device, dtype=torch.float64)
+        d_out = torch.randn(1, S, hidden, device=device, dtype=torch.float64)
+        for mode in MODES:
+            if backend == "triton" and mode == "all_gather":
+                continue
+            for cu in (None, torch.tensor(PACKED)):
+                kw = {} if cu is None else {"cu_seq_lens_q": cu}
+                # the reference: eager float64 on this rank alone
+                ref = LinearAttentionContextParallel(mode=mode, backend="eager").apply(
+                    copy.deepcopy(base).double(), self_mesh)
+                xr = x.clone().requires_grad_()
+                out_ref = ref(xr, **kw)
+                (out_ref * d_out).sum().backward()
+                cp = LinearAttentionContextParallel(mode=mode, backend=backend).apply(
+                    copy.deepcopy(base).to(dtype), mesh)
+                xl = local_slice(x, rank, world).to(dtype).requires_grad_()
+                out = cp(xl, **kw)
+                (out.double() * local_slice(d_out, rank, world)).sum().backward()
+                grads = {n: g.double() for n, g in grads_of(cp).items()}
+                for g in grads.values():
+                    dist.all_reduce(g)
+                figures = {"output": rel_l2(out, local_slice(out_ref, rank, world)),
+                           "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
+                           "param grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+                label = f"layer {mode}+{backend} {'packed' if cu is not None else 'unpacked'}"
+                rows.append((label, max(figures.values()), bound))
+
+
+def model_checks(device, mesh, self_mesh, rows):
+    from transformers import Qwen3_5ForCausalLM
+
+    from deltacp import cp_cross_entropy, fully_shard_qwen3_5, parallelize_qwen3_5_cp, shard_batch_for_cp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config()).double()).to(device)
+    ids = torch.randint(0, 256, (1, 256), device=device)
+    for mode in MODES:
+        for cu in (None, torch.tensor(PACKED)):
+            results = []
+            for m, fsdp in ((self_mesh, False), (mesh, True)):
+                model = parallelize_qwen3_5_cp(copy.deepcopy(base), m, linear_attention_cp_mode=mode)
+                if fsdp:
+                    fully_shard_qwen3_5(model, m)
+                batch = shard_batch_for_cp(ids, m, cu_seqlens=cu)
+                logits = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
+                loss = cp_cross_entropy(logits, batch["target_ids"], m)
+                loss.backward()
+                results.append((logits.detach(), loss.detach(), _sum_grads(model)))
+            (logits_ref, loss_ref, g_ref), (logits, loss, g) = results
+            label = f"model {mode} fsdp {'packed' if cu is not None else 'unpacked'}"
+            worst = max(rel_l2(logits, local_slice(logits_ref, rank, world)), abs(loss / loss_ref - 1).item(),
+                        rel_l2(g, g_ref))
+            rows.append((label, worst, 1e-7))
+
+
+def training_checks(device, mesh, steps, rows):
+    from transformers import Qwen3_5ForCausalLM
+
+    from deltacp import cp_cross_entropy, fully_shard_qwen3_5, parallelize_qwen3_5_cp, shard_batch_for_cp
+    from deltacp.train.trainer import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config())).to(device)
+    data = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 256, (1, 512), generator=data),
+                torch.tensor([0] + sorted(torch.randperm(510, generator=data)[:6].add(1).tolist()) + [512]))
+               for _ in range(steps)]
+    for mode in MODES:
+        losses = {}
+        for ac in (False, True):
+            model = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode)
+            if ac:
+                apply_activation_checkpointing(model)
+            fully_shard_qwen3_5(model, mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            memory, run = [], []
+            for ids, cu in batches:
+                batch = shard_batch_for_cp(ids.to(device), mesh, cu_seqlens=cu)
+                logits = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
+                loss = cp_cross_entropy(logits, batch["target_ids"], mesh)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                run.append(loss.item())
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    memory.append(torch.cuda.memory_allocated())
+            losses[ac] = run
+            finite = all(torch.isfinite(torch.tensor(run)))
+            grew = bool(memory) and memory[-1] > memory[min(2, len(memory) - 1)]
+            rows.append((f"train {mode} {steps} steps AC={'full' if ac else 'none'} finite, no memory growth",
+                         0.0 if finite and not grew else 1.0, 0.5))
+        diff = max(abs(a / b - 1) for a, b in zip(losses[True], losses[False]))
+        rows.append((f"train {mode}: AC full vs none, max loss rel diff", diff, 1e-6))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--timeout-s", type=float, default=120)
+    args = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=args.timeout_s))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    self_mesh = _self_mesh(device.type)
+    rows = []
+    try:
+        layer_checks(device, mesh, self_mesh, rows)
+        model_checks(device, mesh, self_mesh, rows)
+        training_checks(device, mesh, args.steps, rows)
+    finally:
+        worst = torch.tensor([value for _, value, _ in rows], dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank's figure per check
+        failed = 0
+        if rank == 0:
+            print(f"\nCP{world} over {dist.get_backend()} ({device.type})")
+            print(f"{'check':<70} {'worst':>10} {'bound':>8}  verdict")
+            for (label, _, bound), value in zip(rows, worst.tolist()):
+                ok = value < bound
+                failed += not ok
+                print(f"{label:<70} {value:>10.2e} {bound:>8.0e}  {'ok' if ok else 'FAILED'}")
+            print(f"{len(rows) - failed} passed, {failed} failed")
+        verdict = torch.tensor([failed], device=device)
+        dist.broadcast(verdict, 0)
+        dist.destroy_process_group()
+    sys.exit(1 if verdict.item() else 0)
+
+
+if __name__ == "__main__":
+    main()
