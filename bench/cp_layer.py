@@ -1,4 +1,4 @@
-"""Full linear attention layer under CP: forward+backward time per mode and backend (SPEC section 7).
+"""Full linear attention layer under CP: forward+backward time per mode and backend (timing method: bench/timing.py).
 
 The layer is transformers' Qwen3_5GatedDeltaNet (hidden 2048, QK/V heads 16/32, K = V = 128, bf16 by
 default): projections, conv (with halo), q/k norm, GDN, gated norm, out projection.

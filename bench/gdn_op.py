@@ -1,4 +1,4 @@
-"""GDN op benchmark: eager fp32 PyTorch reference vs the Triton backend (SPEC section 7, "GDN op"/"performance").
+"""GDN op benchmark: eager fp32 PyTorch reference vs the Triton backend (timing method: bench/timing.py).
 
 B=1, H=32, K=V=128 by default; forward, backward, fwd+bwd (median/min/p90 ms over CUDA events after warm-up),
 peak allocated memory, rel-L2 of the Triton outputs and gradients vs eager, and a per-stage time breakdown.

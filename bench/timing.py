@@ -1,4 +1,4 @@
-"""Shared timing helper (SPEC section 7): warm-up, CUDA events per iteration, median / min / p90, peak memory.
+"""Shared timing helper: warm-up, CUDA events per iteration, median / min / p90, peak memory.
 
 Single-process helper: where several ranks run, take the max over ranks of each iteration before the
 statistics (`reduce_max_over_ranks`). First compile/autotune is excluded by the warm-up.

@@ -1,4 +1,4 @@
-"""The `train.accelerator` section of the trainer YAML (SPEC section 3), typed and validated early.
+"""The `train.accelerator` section of the trainer YAML (docs/design.md and README), typed and validated early.
 
     train:
       accelerator:

@@ -4,7 +4,7 @@ One spawn per world size runs every check (spawning is the expensive part). Each
 global tensors and modules from one seed, computes the single-device reference itself, and compares its
 own output and input-gradient slices plus the rank-summed parameter gradients:
 - tight bounds (fp64 1e-8, fp32 1e-4) against deltacp's own single-device computation (same code on a
-  one-rank mesh), per SPEC section 8;
+  one-rank mesh), as docs/design.md ("Precision policy") explains;
 - float32-accuracy bounds of deltacp's single-device computation against the transformers module.
 """
 

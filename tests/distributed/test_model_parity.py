@@ -82,7 +82,7 @@ def model_parity_worker(rank, world):
             }
             failures += [f"{tag} {k}: {v:.2e}" for k, v in checks.items() if not v < 1e-7]
             # Per parameter a little looser: the decoder's own RMSNorms are transformers' code, which
-            # computes in float32 even in a float64 model (SPEC section 8), so their weight gradients
+            # computes in float32 even in a float64 model (docs/design.md, "Precision policy"), so their weight gradients
             # carry float32 rounding of float64-level differences in their inputs.
             per_param = {n: rel_l2(grads[n], grads_ref[n]) for n in grads_ref}
             failures += [f"{tag} grad {n}: {v:.2e}" for n, v in per_param.items() if not v < 1e-6]
@@ -101,7 +101,7 @@ def padding_worker(rank, world):
     x = torch.randn(B, S, 32, dtype=torch.float64)
     d_out = torch.randn(B, S, 32, dtype=torch.float64)
     mask = torch.zeros(B, S, dtype=torch.long)
-    mask[:, :valid] = 1
+    mask[:,:valid] = 1
     failures = []
     single_mesh = self_meshes()
     for mode in MODES:

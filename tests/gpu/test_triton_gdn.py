@@ -1,4 +1,4 @@
-"""Triton GDN backend vs an fp32 PyTorch reference on CUDA (SPEC section 7, "GDN op" row).
+"""Triton GDN backend vs an fp32 PyTorch reference on CUDA.
 
 B=1, H=32, K=V=128, T in 8K/16K/32K, Hk in {32, 16}; random H0, dO, dHT; every gradient by name, rel-L2 < 1e-2.
 The reference is a self-contained fp32 chunked WY implementation (differentiated by torch.autograd), checked
@@ -41,13 +41,13 @@ def ref_recurrent(q, k, v, g, beta, *, scale=None, h0=None, l2=True):
     for t in range(T):
         h = h * g[:, t].exp()[..., None, None]
         r = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], h)
-        h = h + torch.einsum("bhk,bhv->bhkv", k[:, t], r * beta[:, t, :, None])
+        h = h + torch.einsum("bhk,bhv->bhkv", k[:, t], r * beta[:, t,:, None])
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], h))
     return torch.stack(out, 1), h
 
 
 def ref_chunk(q, k, v, g, beta, *, scale=None, h0=None, l2=True, v_zero=False):
-    """fp32 chunked WY form (SPEC section 2); T must be a multiple of 64. Returns o [B,T,H,V], H_T."""
+    """fp32 chunked WY form (docs/design.md); T must be a multiple of 64. Returns o [B,T,H,V], H_T."""
     q, k, v, g, beta = _prep(q, k, v, g, beta, scale, l2)
     if v_zero:
         v = torch.zeros_like(v)
@@ -57,8 +57,8 @@ def ref_chunk(q, k, v, g, beta, *, scale=None, h0=None, l2=True, v_zero=False):
     g, beta = (x.transpose(1, 2).reshape(B, H, N, C) for x in (g, beta))
     gc = g.cumsum(-1)
     tri = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    dexp = (gc[..., :, None] - gc[..., None, :]).masked_fill(~tri, float("-inf")).exp()
-    A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * dexp).tril(-1)
+    dexp = (gc[...,:, None] - gc[..., None,:]).masked_fill(~tri, float("-inf")).exp()
+    A = (beta[...,:, None] * (k @ k.transpose(-1, -2)) * dexp).tril(-1)
     eye = torch.eye(C, device=q.device)
     Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)
     W = Tinv @ (k * (beta * gc.exp())[..., None])
@@ -67,10 +67,10 @@ def ref_chunk(q, k, v, g, beta, *, scale=None, h0=None, l2=True, v_zero=False):
     h = q.new_zeros(B, H, K, V) if h0 is None else h0.float()
     out = []
     for n in range(N):
-        vn = U[:, :, n] - W[:, :, n] @ h
-        out.append((q[:, :, n] * gc[:, :, n, :, None].exp()) @ h + P[:, :, n] @ vn)
-        gl = gc[:, :, n, -1:]
-        h = gl[..., None].exp() * h + (k[:, :, n] * (gl - gc[:, :, n]).exp()[..., None]).transpose(-1, -2) @ vn
+        vn = U[:,:, n] - W[:,:, n] @ h
+        out.append((q[:,:, n] * gc[:,:, n,:, None].exp()) @ h + P[:,:, n] @ vn)
+        gl = gc[:,:, n, -1:]
+        h = gl[..., None].exp() * h + (k[:,:, n] * (gl - gc[:,:, n]).exp()[..., None]).transpose(-1, -2) @ vn
     o = torch.stack(out, 2).reshape(B, H, T, V).transpose(1, 2)
     return o, h
 
@@ -150,7 +150,7 @@ def summary_case(T, Hk, seed):
     qz = torch.zeros_like(kk)
     _, RS = ref_chunk(qz, kk, vv, gg, bb, l2=False)
     eye = torch.eye(128, device="cuda").expand(1, 32, 128, 128)
-    _, RM = ref_chunk(qz, kk, vv[..., :128], gg, bb, h0=eye, v_zero=True, l2=False)
+    _, RM = ref_chunk(qz, kk, vv[...,:128], gg, bb, h0=eye, v_zero=True, l2=False)
     return (k, v, g, beta), RM, RS
 
 
@@ -217,7 +217,7 @@ def test_unaligned_length_no_initial_state():
     rl = [x.detach().float().clone().requires_grad_() for x in (q, k, v, g, beta)]
     padded = [F.pad(x, [0, 0] * (x.dim() - 2) + [0, Tp - T]) for x in rl]
     ro, _ = ref_chunk(*padded)
-    ro = ro[:, :T]
+    ro = ro[:,:T]
     rg = torch.autograd.grad((ro * do).sum(), rl)
     assert rel_l2(o, ro) < TOL
     for n, a, b in zip(NAMES, gr, rg):

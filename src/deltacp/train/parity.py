@@ -4,7 +4,7 @@
     python -m deltacp.train.parity --config configs/tiny_cp4.yaml --spawn 4 --steps 100 --modes ulysses p2p all_gather
 
 The single-device job is the same trainer with world size 1 (cp=1: deltacp's own single-device computation,
-SPEC section 8), spawned first; then the CP job runs every requested mode on `--spawn` gloo ranks. Both
+docs/design.md, "Precision policy"), spawned first; then the CP job runs every requested mode on `--spawn` gloo ranks. Both
 build the model from the config's seed and read the same data stream. Prints per-step loss and grad norm
 with absolute and relative differences and their maxima, and writes parity.csv and parity.png to --out.
 """

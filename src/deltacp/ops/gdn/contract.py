@@ -24,7 +24,7 @@ not align to the chunk size, and T is never a compile-time constant.
         all_gather: H_in from the previous rank, with gradient flowing back into it).
 
     prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel, cu_seqlens) -> prepared | None
-        SPEC section 4's "prepare" stage: what the summary, the output pass and the dH_in pass of one p2p step
+        The "prepare" stage of p2p (docs/design.md): what the summary, the output pass and the dH_in pass of one p2p step
         would each compute from k, v, g, beta alone (Triton: gate cumsum, T = (I + A)^-1, W, U), computed
         once without autograd and passed as `prepared=` to those three calls on the same inputs. None: the
         backend stages nothing (eager). Opaque to CP modes but for `prepared.tensors_for_backward()` (what the
@@ -32,7 +32,7 @@ not align to the chunk size, and T is never a compile-time constant.
 
     state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel, prepared, need_transition, cu_seqlens)
         -> (M | None, S)
-        The affine effect of the local segment on the entering state (SPEC section 2); M is None when
+        The affine effect of the local segment on the entering state (docs/design.md, "The math"); M is None when
         need_transition=False (the first rank, which has no entering state). p2p uses its value only;
         all_gather differentiates it (eager backend; the Triton one is forward-only and raises if
         differentiated).

@@ -1,8 +1,8 @@
 """Launch configurations of the GDN kernels (block widths, warps, pipeline stages), one entry per kernel.
 
-Fixed per kernel rather than autotuned at run time: autotuning would re-run for every new sequence length
-(the state kernels take the chunk count as a compile-time constant) and would have to restore the buffers
-that kernels update in place. The values were chosen on one H200 by `bench/gdn_kernels.py --sweep`
+Fixed per kernel rather than autotuned at run time: an autotune key on the sequence length would re-tune for
+every new length (a packed stream has a new one every step; the lengths are runtime values of the kernels), and
+autotuning would have to restore the buffers that kernels update in place. The values were chosen on one H200 by `bench/gdn_kernels.py --sweep`
 (figures and date in NOTES.md); `bench/gdn_kernels.py` rewrites entries of this table to measure others.
 """
 
