@@ -65,7 +65,7 @@ op)
   check long_memory 90 python bench/long_memory_accuracy.py --lengths 8192 32768
   ;;
 varlen)
-  check varlen_gpu_tests 240 python -m pytest tests/gpu/test_triton_varlen.py -q -s -ra -p no:cacheprovider
+  check varlen_gpu_tests 240 python -m pytest tests/gpu/test_triton_varlen_gpu.py -q -s -ra -p no:cacheprovider
   if [ -d .whl/before/src ]; then  # the unpacked op before a change (git archive of an earlier commit's src)
     check bench_before 100 env PYTHONPATH=.whl/before/src:tests python bench/gdn_op.py \
       --lengths 8192 16384 32768 65536 --no-eager --repeat 30
@@ -79,7 +79,7 @@ varlen)
 packed)
   check document_attention 90 python -m pytest tests/gpu/test_document_attention.py -q -s -ra -p no:cacheprovider
   check cp_packed 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k packed
-  check bench_varlen 180 python bench/gdn_op.py --varlen --fla --json "$OUT/bench.jsonl"
+  check bench_varlen 300 python bench/gdn_op.py --varlen --fla --json "$OUT/bench.jsonl"
   ;;
 multi)
   ngpu=$(nvidia-smi -L | wc -l)
