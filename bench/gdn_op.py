@@ -195,8 +195,7 @@ def varlen_main(a):
     """One packed row: our varlen op, FLA's varlen op (--fla, when installed), our unpacked op on the same row (as
     one sequence: a reference for the cost of the re-layout and resets, not the same result). Accuracy of both
     varlen ops vs the eager backend's fp32 varlen result (--no-eager skips it)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
-    from test_triton_varlen import cu_of, doc_lengths
+    from deltacp.testing.documents import cu_of, doc_lengths
 
     from deltacp.ops.gdn.triton import TritonGDNBackend
     from deltacp.ops.gdn.varlen import VarlenLayout

@@ -10,7 +10,6 @@ Every output and gradient within the unpacked op's bound (rel-L2 < 1e-2, tests/g
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -18,44 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deltacp.testing.documents import cu_of, doc_lengths
+from helpers import rel_l2
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (Triton GDN kernels); the CPU interpreter test of varlen is "
                                        "tests/unit/test_triton_varlen.py")
 
 TOL = 1e-2
 NAMES = ("q", "k", "v", "g", "beta", "h0")
-
-
-def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    n = ref.norm()
-    return ((x - ref).norm() / n).item() if n > 0 else x.norm().item()
-
-
-def doc_lengths(total: int, median: float, sigma: float, seed: int, big: tuple[int, ...] = (),
-                singles: int = 2) -> list[int]:
-    """Log-normal document lengths (fixed seed) filling `total` tokens exactly; `big` documents inserted at random
-    places, `singles` length-1 documents (one second, one last), the last drawn document cut to fit."""
-    gen = torch.Generator().manual_seed(seed)
-    fixed = list(big) + [1] * singles
-    room = total - sum(fixed)
-    lens = []
-    while room > 0:
-        n = max(1, int(round(math.exp(math.log(median) + sigma * torch.randn(1, generator=gen).item()))))
-        n = min(n, room)
-        lens.append(n)
-        room -= n
-    for b in big:
-        lens.insert(int(torch.randint(0, len(lens) + 1, (1,), generator=gen)), b)
-    if singles:
-        lens.insert(1, 1)
-        lens += [1] * (singles - 1)
-    assert sum(lens) == total
-    return lens
-
-
-def cu_of(lens: list[int], device="cpu") -> torch.Tensor:
-    return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(device)
 
 
 def gates(kind: str, T: int, Hv: int, gen: torch.Generator) -> torch.Tensor:
