@@ -155,8 +155,8 @@ class LoopbackStatePassing:
     with no communication. is_first and is_last together: a layer with no state passing at all.
     """
 
-    def __init__(self, state_in, grad_state_out, is_last=False, is_first=False):
-        self.rank, self.size, self.is_first, self.is_last = 1, 3, is_first, is_last
+    def __init__(self, state_in, grad_state_out, is_last=False, is_first=False, rank=1, size=3):
+        self.rank, self.size, self.is_first, self.is_last = rank, size, is_first, is_last
         self.log = None
         self.state_in, self.grad_state_out, self.sent = state_in, grad_state_out, []
 
@@ -258,6 +258,79 @@ def run_per_rank_cost(args):
           " model: compute + bytes/bw + latency terms, p2p adding its serial chain of P-1 hops each way)")
 
 
+def run_packed_per_rank_cost(args):
+    """Per-rank cost of a packed row (log-normal document mix): every rank's own slice is timed (its documents
+    decide what it computes), and a step costs the slowest rank. ulysses: H/P heads over the whole row; p2p: the
+    slice of rank r with the state passing of rank r (loopback, no communication)."""
+    from deltacp import LinearAttentionContextParallel
+    from deltacp.parallel.documents import CPForwardContext, PackedDocuments
+    from deltacp.testing.documents import cu_of, doc_lengths
+
+    device = torch.device("cuda", 0)
+    mesh = self_mesh("cuda")
+    dtype = getattr(torch, args.dtype)
+    Hk, Hv, D, B, K, V = args.qk_heads, args.v_heads, args.hidden, 1, args.head_dim, args.head_dim
+    rows = []
+    for S in args.global_len:
+        big = (33 * 1024 + 517, 40 * 1024 + 3) if S >= 3 * 40 * 1024 else ()
+        lens = doc_lengths(S, median=args.median, sigma=1.3, seed=args.seed, big=big)
+        cu = cu_of(lens)
+        print(f"packed row: {S} tokens, {len(lens)} documents, median {sorted(lens)[len(lens) // 2]}, "
+              f"max {max(lens)}")
+        for P in args.cp:
+            s = S // P
+            ctx = CPForwardContext(documents=PackedDocuments.build(cu, S))
+            qk_local = Hk // P if Hk % P == 0 else Hv // P
+            uly = LinearAttentionContextParallel(mode="ulysses", backend=args.backend).apply(
+                build_layer(args, device, qk_heads=qk_local, v_heads=Hv // P), mesh)
+            x = torch.randn(B, S, D, device=device, dtype=dtype, requires_grad=True)
+            d_out = torch.randn_like(x)
+
+            def uly_step():
+                uly(x, attention_mask=ctx).backward(d_out)
+                x.grad = None
+                uly.zero_grad(set_to_none=True)
+
+            u = time_cuda(uly_step, warmup=args.warmup, repeat=args.repeat)
+            del uly, x, d_out
+            torch.cuda.empty_cache()
+            p2p = LinearAttentionContextParallel(mode="p2p", backend=args.backend).apply(build_layer(args, device),
+                                                                                        mesh)
+            state = torch.randn(B, Hv, K, V, device=device)
+            per_rank = []
+            for r in range(P):
+                p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(
+                    state, torch.randn_like(state), is_first=r == 0, is_last=r == P - 1, rank=r, size=P)
+                x = torch.randn(B, s, D, device=device, dtype=dtype, requires_grad=True)
+                d_out = torch.randn_like(x)
+
+                def p2p_step():
+                    p2p(x, attention_mask=CPForwardContext(documents=ctx.documents)).backward(d_out)
+                    x.grad = None
+                    p2p.zero_grad(set_to_none=True)
+
+                per_rank.append(time_cuda(p2p_step, warmup=args.warmup, repeat=args.repeat))
+            del p2p
+            torch.cuda.empty_cache()
+            worst = max(per_rank, key=lambda t: t["median_ms"])
+            row = dict(bench="cp_layer_per_rank_packed", cp=P, global_len=S, documents=len(lens),
+                       backend=args.backend, ulysses_ms=u["median_ms"], ulysses_peak_gib=u["peak_gib"],
+                       p2p_slowest_rank_ms=worst["median_ms"], p2p_fastest_rank_ms=min(t["median_ms"] for t in per_rank),
+                       p2p_peak_gib=max(t["peak_gib"] for t in per_rank))
+            rows.append(row)
+            if args.json:
+                emit(row, args.json)
+    print(f"\nPer-rank compute of a packed row (fwd+bwd, one GPU, no communication): hidden {D}, QK/V heads "
+          f"{Hk}/{Hv}, K=V={K}, {args.dtype}, backend {args.backend}")
+    print(f"{'CP':>3} {'global':>7} {'docs':>5} | {'uly ms':>8} {'uly GiB':>8} | {'p2p slowest':>11} "
+          f"{'p2p fastest':>11} {'p2p GiB':>8} | {'p2p/uly':>7}")
+    for r in rows:
+        print(f"{r['cp']:>3} {r['global_len']:>7} {r['documents']:>5} | {r['ulysses_ms']:>8.2f} "
+              f"{r['ulysses_peak_gib']:>8.2f} | {r['p2p_slowest_rank_ms']:>11.2f} {r['p2p_fastest_rank_ms']:>11.2f} "
+              f"{r['p2p_peak_gib']:>8.2f} | {r['p2p_slowest_rank_ms'] / r['ulysses_ms']:>7.3f}")
+    print("(all_gather is eager-only, a comparison mode: not timed here)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=["ulysses", "p2p"], choices=["ulysses", "p2p", "all_gather"])
@@ -265,6 +338,10 @@ def main():
     parser.add_argument("--global-len", type=int, nargs="+", default=[32768])
     parser.add_argument("--cp", type=int, nargs="+", default=[4, 8], help="CP degrees (per-rank cost mode)")
     parser.add_argument("--per-rank-cost", action="store_true", help="one process: per-rank computation by mode")
+    parser.add_argument("--packed", action="store_true",
+                        help="with --per-rank-cost: a packed row of log-normal documents (--median, --seed)")
+    parser.add_argument("--median", type=float, default=2048, help="median document length (--packed)")
+    parser.add_argument("--seed", type=int, default=7, help="document mix seed (--packed)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--qk-heads", type=int, default=16)
@@ -291,7 +368,10 @@ def main():
     dist.init_process_group("gloo" if shared_gpu else "nccl")
     start = time.time()
     try:
-        run_per_rank_cost(args) if args.per_rank_cost else run_cp_job(args)
+        if args.per_rank_cost:
+            run_packed_per_rank_cost(args) if args.packed else run_per_rank_cost(args)
+        else:
+            run_cp_job(args)
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0:

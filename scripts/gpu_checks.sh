@@ -11,8 +11,9 @@
 #                                      8K-64K before (.whl/before/src, when carried) and after, 128K packed-row bench
 #                                      ours vs FLA varlen, unpacked op regression tests at 8K (about 8 minutes);
 #                                      exits non-zero when any of its checks fails
-#   bash scripts/gpu_checks.sh packed  packed documents end to end: per-document flash attention vs SDPA, CP triton layer
-#                                      parity on packed rows (2/4 ranks on one GPU), 128K packed-row op bench vs FLA
+#   bash scripts/gpu_checks.sh packed  packed documents end to end: per-document attention (bf16 vs fp32, no dense mask
+#                                      at 128K), CP triton layer parity on packed rows (2/4 ranks on one GPU), 128K
+#                                      packed-row op bench vs FLA varlen, per-rank cost of a packed 128K row at CP4/CP8
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
 #                                      20 steps with and without activation checkpointing, FSDP2 on
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
@@ -80,6 +81,8 @@ packed)
   check document_attention 90 python -m pytest tests/gpu/test_document_attention.py -q -s -ra -p no:cacheprovider
   check cp_packed 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k packed
   check bench_varlen 300 python bench/gdn_op.py --varlen --fla --json "$OUT/bench.jsonl"
+  check per_rank_packed 240 python bench/cp_layer.py --per-rank-cost --packed --cp 4 8 --global-len 131072 \
+    --backend triton --json "$OUT/bench.jsonl"
   ;;
 multi)
   ngpu=$(nvidia-smi -L | wc -l)

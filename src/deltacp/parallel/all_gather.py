@@ -65,7 +65,7 @@ def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tens
     m = layer.module
     rank = torch.distributed.get_rank(layer.group)
     s = qkv_BsC.shape[1]
-    docs = document_segment(layer, ctx, rank * s, (rank + 1) * s)
+    docs = document_segment(layer, ctx, rank, torch.distributed.get_world_size(layer.group), s)
     layout = None if docs is None else docs.layout
     x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group,
                            doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))

@@ -98,13 +98,16 @@ def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, 
     return CPForwardContext(padding=attention_mask, documents=docs)
 
 
-def document_segment(layer: GDNLayerCP, ctx: CPForwardContext, lo: int, hi: int) -> DocumentSegment | None:
-    """This layer's view of the documents of tokens [lo, hi) (None: an unpacked row)."""
+def document_segment(layer: GDNLayerCP, ctx: CPForwardContext, rank: int, parts: int, s: int
+                     ) -> DocumentSegment | None:
+    """This layer's view of the documents of tokens [rank * s, (rank + 1) * s) of a row cut into `parts` slices
+    (ulysses: the whole row, rank 0 of 1). None: an unpacked row."""
     if ctx.documents is None:
         return None
-    if ctx.documents.seq_len != (hi - lo) * (dist.get_world_size(layer.group) if layer.mode != "ulysses" else 1):
+    if ctx.documents.seq_len != parts * s:
         raise ValueError(f"the packed documents cover {ctx.documents.seq_len} tokens, but this rank's slice of "
-                         f"{hi - lo} tokens is not 1/cp of that row")
+                         f"{s} tokens is not 1/{parts} of that row")
+    lo, hi = rank * s, (rank + 1) * s
     kernel = layer.module.conv1d.kernel_size[0]
     return ctx.documents.segment(lo, hi, kernel, layer.conv_dilation)
 

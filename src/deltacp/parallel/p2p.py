@@ -85,7 +85,7 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
     state_dtype = compute_dtype(qkv_BsC)
     grad_enabled = torch.is_grad_enabled()
     recompute = in_backward_pass() and grad_enabled  # a checkpoint recompute replays H_in: no receive
-    docs = document_segment(layer, ctx, passing.rank * s, (passing.rank + 1) * s)
+    docs = document_segment(layer, ctx, passing.rank, passing.size, s)
     layout = None if docs is None else docs.layout
     # the entering state reaches this rank's outputs unless a document starts at its first token (rank 0: none)
     reads_state_in = not passing.is_first and (layout is None or layout.first_continues)

@@ -69,7 +69,7 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
         layer.extra[key] = _rank_channels(layer, rank, cp, qkv_BsC.device)
     channels = layer.extra[key]
     bias = None if m.conv1d.bias is None else m.conv1d.bias[channels]
-    docs = document_segment(layer, ctx, 0, S)  # packed row: the whole row's documents
+    docs = document_segment(layer, ctx, 0, 1, S)  # packed row: the whole row's documents
     x_BSC = causal_conv_silu(qkv_BSC, layer.conv_weight_CK[channels], bias, layer.conv_dilation,
                              doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
     q, k, v = split_qkv(x_BSC, qk_local, K, V)
