@@ -3,7 +3,6 @@ values, raised before any collective."""
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -82,59 +81,107 @@ def test_mesh_errors(single_rank_group):
         parallelize_qwen3_5_cp(model, mesh)
 
 
-def test_triton_backend_errors_clearly_without_cuda(single_rank_group):
-    """backend='triton' on a machine without CUDA/Triton raises at once; it never runs eager instead."""
-    model = _tiny_model()
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
-    try:
-        model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode="p2p",
-                                       linear_attention_gdn_backend="triton")
-    except (NotImplementedError, RuntimeError, ValueError, ImportError) as err:
-        assert "triton" in str(err).lower() or "cuda" in str(err).lower()
-        return
-    with pytest.raises((RuntimeError, ValueError), match="(?i)cuda"):
-        model(input_ids=torch.randint(0, 256, (1, 64)), use_cache=False)
+TRITON_DEVICE_ERROR = "backend='triton' needs CUDA tensors; got q on device 'cpu'"
+TRITON_MISSING_ERROR = ("linear_attention_gdn_backend='triton' needs the `triton` package (>=3.6,<4), which is not "
+                        "installed; pip install \"deltacp[triton]\" or use backend='eager'")
+
+
+def test_triton_backend_errors_clearly_without_cuda(single_rank_group, monkeypatch):
+    """backend='triton' on CPU tensors: the first forward raises the documented device error (README: "requires a
+    CUDA GPU"), with triton installed or not (the device is checked first), and never runs eager instead. Without
+    triton (simulated: `import triton` raises ImportError), CUDA inputs would meet the documented not-installed
+    error next."""
+    from deltacp.ops.gdn.eager import EagerGDNBackend
+    from deltacp.ops.gdn.triton.contract_check import check_triton_contract
+    from test_triton_contract import _cuda_like
+
+    def eager_ran(*a, **kw):
+        raise AssertionError("backend='triton' fell back to the eager backend")
+
+    for op in ("chunk_gated_delta_rule", "state_summary", "initial_state_grad"):
+        monkeypatch.setattr(EagerGDNBackend, op, eager_ran)
+    model = parallelize_qwen3_5_cp(_tiny_model(), init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)),
+                                   linear_attention_cp_mode="p2p", linear_attention_gdn_backend="triton")
+    ids = torch.randint(0, 256, (1, 64))
+    with pytest.raises(RuntimeError) as err:
+        model(input_ids=ids, use_cache=False)
+    assert type(err.value) is RuntimeError and str(err.value) == TRITON_DEVICE_ERROR
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton missing: every `import triton` raises ImportError
+    with pytest.raises(RuntimeError) as err:
+        model(input_ids=ids, use_cache=False)
+    assert type(err.value) is RuntimeError and str(err.value) == TRITON_DEVICE_ERROR
+    with pytest.raises(RuntimeError) as err:
+        check_triton_contract(*_cuda_like(), mode="p2p")
+    assert type(err.value) is RuntimeError and str(err.value) == TRITON_MISSING_ERROR
+    assert isinstance(err.value.__cause__, ImportError)
+
+
+_NO_TRITON_CODE = r"""
+import builtins, importlib, sys
+
+# Records, without blocking, every import statement and import_module call naming triton or a triton submodule,
+# with the module that executes it; a name already in sys.modules is recorded too (torch itself imports triton
+# where it is installed, so "triton in sys.modules" proves nothing about deltacp).
+records = []
+_import, _import_module = builtins.__import__, importlib.import_module
+
+
+def is_triton(name):
+    return name == "triton" or name.startswith("triton.")
+
+
+def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and is_triton(name):
+        records.append(((globals or {}).get("__name__", "?"), name))
+    return _import(name, globals, locals, fromlist, level)
+
+
+def recording_import_module(name, package=None):
+    if is_triton(name):
+        records.append((sys._getframe(1).f_globals.get("__name__", "?"), name))
+    return _import_module(name, package)
+
+
+builtins.__import__, importlib.import_module = recording_import, recording_import_module
+
+import torch, deltacp
+sys.path.insert(0, sys.argv[1])
+from helpers import tiny_config
+from transformers import Qwen3_5ForCausalLM
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+for mode in ("ulysses", "p2p", "all_gather"):
+    model = deltacp.parallelize_qwen3_5_cp(Qwen3_5ForCausalLM(tiny_config()),
+                                           init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)),
+                                           linear_attention_cp_mode=mode)
+    model(input_ids=torch.randint(0, 256, (1, 80)), use_cache=False).logits.sum().backward()
+dist.destroy_process_group()
+offenders = sorted({r for r in records if r[0].split(".")[0] == "deltacp"})
+kernels = sorted(m for m in sys.modules if m.startswith("deltacp.ops.gdn.triton."))
+# the recorder works: an import from a deltacp module is recorded, even of a module already imported
+try:
+    exec("import triton.language", {"__name__": "deltacp.probe"})
+except ImportError:
+    pass
+assert records[-1] == ("deltacp.probe", "triton.language"), records[-3:]
+print("offenders", offenders)
+print("kernel modules", kernels)
+print("other importers", sorted({r[0] for r in records[:-1] if r[0].split(".")[0] != "deltacp"}))
+"""
 
 
 def test_importing_and_running_eager_never_imports_triton():
-    """A guard on the import system records who imports triton; no deltacp module may be the importer."""
-    code = textwrap.dedent("""
-        import sys, os
-        offenders = []
-        class Guard:
-            def find_spec(self, name, path=None, target=None):
-                if name == "triton" or name.startswith("triton."):
-                    frame = sys._getframe(1)
-                    while frame and "importlib" in frame.f_code.co_filename:
-                        frame = frame.f_back
-                    if frame and os.sep + "deltacp" + os.sep in frame.f_code.co_filename:
-                        offenders.append(frame.f_code.co_filename)
-                    raise ImportError("triton blocked by test")
-                return None
-        sys.meta_path.insert(0, Guard())
-        import torch, deltacp
-        from deltacp.testing.spawn import run_distributed
-        sys.path.insert(0, sys.argv[1])
-        from helpers import tiny_config
-        from transformers import Qwen3_5ForCausalLM
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
-        for mode in ("ulysses", "p2p", "all_gather"):
-            model = deltacp.parallelize_qwen3_5_cp(Qwen3_5ForCausalLM(tiny_config()),
-                                                   init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)),
-                                                   linear_attention_cp_mode=mode)
-            model(input_ids=torch.randint(0, 256, (1, 80)), use_cache=False).logits.sum().backward()
-        dist.destroy_process_group()
-        assert not offenders, offenders
-        assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules), "triton was imported"
-        print("no triton")
-    """)
+    """Importing deltacp and running every eager mode forward and backward executes no import of triton from a
+    deltacp module and loads none of the Triton backend's modules; imports are recorded, not blocked."""
     import os
 
     from deltacp.testing.spawn import free_port
 
     tests_dir = os.path.dirname(os.path.dirname(__file__))
-    result = subprocess.run([sys.executable, "-c", code, tests_dir, str(free_port())], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0 and "no triton" in result.stdout, result.stderr[-3000:]
+    result = subprocess.run([sys.executable, "-c", _NO_TRITON_CODE, tests_dir, str(free_port())],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout)
+    assert "offenders []\n" in result.stdout and "kernel modules []\n" in result.stdout, result.stdout

@@ -1,10 +1,13 @@
 """CPU tests of the Triton GDN backend: capability errors, laziness, and (with triton installed) an interpreter
-parity test of the kernels in fp32 against the token recurrence. CI installs no triton: those tests skip."""
+parity test of the kernels in fp32 against the token recurrence. CI installs no triton: those tests skip.
+The Triton version policy (verified versions at once, others after the self-check) is tested here with the self-check
+stubbed; the self-check itself in test_triton_selfcheck.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -79,12 +82,45 @@ def test_mode_error():
         check_triton_contract(*_cuda_like(), mode="all_gather", triton_version="3.6.0")
 
 
-@pytest.mark.parametrize("ver", ["3.3.1", "3.7.0", "4.0.0"])
-def test_version_errors(ver):
-    with pytest.raises(RuntimeError, match=rf"triton=={ver} is outside the range.*>=3\.6,<3\.7"):
-        check_triton_version(ver)
-    check_triton_version("3.6.0")
-    check_triton_version("3.6.0+git1234")
+@pytest.mark.parametrize("ver", ["3.3.1", "3.4.0", "3.5.9", "4.0.0", "4.1.0+git1234"])
+def test_version_outside_range_errors(ver):
+    with pytest.raises(RuntimeError, match=rf"^triton=={re.escape(ver)} is outside the range the Triton GDN kernels "
+                                           r"accept \(>=3\.6,<4; verified on a GPU: 3\.6; any other version in "
+                                           r"the range after a first-use self-check\)"):
+        check_triton_version(ver, device="cuda:0")
+
+
+@pytest.fixture
+def self_check_calls(monkeypatch):
+    """Records the self-check runs instead of running them."""
+    from deltacp.ops.gdn.triton import selfcheck
+
+    calls = []
+    monkeypatch.setattr(selfcheck, "run_self_check", lambda device, **kw: calls.append((str(device), kw)))
+    return calls
+
+
+@pytest.mark.parametrize("ver", ["3.6.0", "3.6.1", "3.6.0+git1234"])
+def test_verified_version_accepted_without_self_check(ver, self_check_calls):
+    check_triton_contract(*_cuda_like(), mode="p2p", triton_version=ver)
+    assert self_check_calls == []
+
+
+@pytest.mark.parametrize("ver", ["3.7.0", "3.8.2", "3.9.0", "3.10.0"])
+def test_unverified_version_runs_the_self_check_on_the_inputs_device(ver, self_check_calls):
+    check_triton_contract(*_cuda_like(), mode="p2p", triton_version=ver)
+    assert self_check_calls == [("cuda:0", {"triton_version": ver})]
+
+
+def test_self_check_refusal_propagates(monkeypatch):
+    from deltacp.ops.gdn.triton import selfcheck
+
+    def refuse(device, **kw):
+        raise selfcheck.TritonSelfCheckError("triton==3.8.0 failed deltacp's self-check ...")
+
+    monkeypatch.setattr(selfcheck, "run_self_check", refuse)
+    with pytest.raises(selfcheck.TritonSelfCheckError, match=r"^triton==3\.8\.0 failed"):
+        check_triton_contract(*_cuda_like(), mode="p2p", triton_version="3.8.0")
 
 
 def test_version_checked_from_installed(monkeypatch):
@@ -93,6 +129,19 @@ def test_version_checked_from_installed(monkeypatch):
     monkeypatch.setattr(cc, "_triton_version", lambda: "3.2.0")
     with pytest.raises(RuntimeError, match=r"triton==3\.2\.0 is outside"):
         check_triton_contract(*_cuda_like(), mode="p2p")
+
+
+def test_pyproject_triton_extra_is_the_accepted_range():
+    """pyproject's `triton` extra and the runtime check say the same range."""
+    import tomllib
+    from pathlib import Path
+
+    from deltacp.ops.gdn.triton.contract_check import TRITON_VERIFIED_ON_GPU, TRITON_VERSION_RANGE, triton_requirement
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["triton"]
+    assert extra == [f"triton{triton_requirement()}"] == ["triton>=3.6,<4"]
+    assert TRITON_VERSION_RANGE[0] == min(TRITON_VERIFIED_ON_GPU)
 
 
 def test_import_is_lazy():

@@ -7,6 +7,7 @@ Importing this package imports no Triton: the kernels load on first use. Kernels
     l2norm.py    q/k l2 normalisation (fp32 inside, input dtype out), forward and backward
     chunk.py     `_fwd`/`_bwd` compositions, autograd Functions, public ops
     contract_check.py  `check_triton_contract` (device, dtypes, head dims, head ratio, Triton version)
+    selfcheck.py       first-use self-check of a Triton version not verified on a GPU, against eager (cached)
 
 Every operation takes `cu_seqlens` (None, document offsets of one packed row, or a `varlen.VarlenLayout`): the
 row is laid out chunk-aligned outside the kernels, and the state kernels restart at each document's first chunk.

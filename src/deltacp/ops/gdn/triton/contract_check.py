@@ -1,4 +1,5 @@
-"""`check_triton_contract`: what the Triton GDN backend accepts (SPEC section 5). Imports no Triton kernel.
+"""`check_triton_contract`: what the Triton GDN backend accepts (SPEC section 5). Imports no Triton kernel
+(but for the first-use self-check of an unverified Triton version, `selfcheck.py`).
 
 Never falls back: anything outside the contract raises with the setting's name and the allowed values.
 """
@@ -7,32 +8,65 @@ from __future__ import annotations
 
 import torch
 
-# Triton versions the kernels were verified on (tests/gpu/test_triton_gdn.py on an H200): [min, max).
-TRITON_VERSION_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((3, 6), (3, 7))
+# Triton versions (major.minor) the kernels were verified on, on a GPU: tests/gpu/test_triton_gdn.py,
+# test_triton_varlen.py, test_cp_triton.py and bench/determinism.py on an H200. These are accepted at once.
+TRITON_VERIFIED_ON_GPU: tuple[tuple[int, int], ...] = ((3, 6),)
+# Every Triton in [min, max) is accepted: a verified one at once, any other only after `selfcheck.py` passed on
+# this GPU model (first use, verdict cached). 3.6 is the oldest the kernels run on; torch up to 2.15 ships
+# Triton up to 3.9. The bound is the next major release: minor releases keep the `tl` language our kernels use
+# (tl.dot input_precision, do_not_specialize, constexpr launch tables), a major one may change it, and a
+# small-shape numerical check cannot vouch for a new language (races and launch configurations only show
+# at scale). pyproject's `triton` extra says the same range (tests/unit/test_triton_contract.py holds them equal).
+TRITON_VERSION_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((3, 6), (4, 0))
 HEAD_DIM = 128
 MODES: tuple[str, ...] = ("ulysses", "p2p")
+
+
+def _fmt(v: tuple[int, int]) -> str:
+    return f"{v[0]}.{v[1]}"
+
+
+def triton_requirement() -> str:
+    """The accepted range as a pip specifier, e.g. ">=3.6,<4" (what pyproject's `triton` extra says)."""
+    lo, hi = TRITON_VERSION_RANGE
+    return f">={_fmt(lo)},<{hi[0]}" if hi[1] == 0 else f">={_fmt(lo)},<{_fmt(hi)}"
 
 
 def _triton_version() -> str:
     try:
         import triton
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("linear_attention_gdn_backend='triton' needs the `triton` package, which is not "
-                           "installed; use backend='eager'") from e
+    except ImportError as e:
+        raise RuntimeError(f"linear_attention_gdn_backend='triton' needs the `triton` package "
+                           f"({triton_requirement()}), which is not installed; pip install \"deltacp[triton]\" "
+                           f"or use backend='eager'") from e
     return triton.__version__
 
 
-def check_triton_version(version: str | None = None) -> None:
-    version = _triton_version() if version is None else version
+def parse_triton_version(version: str) -> tuple[int, int]:
     try:
-        major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+        return tuple(int(x) for x in version.split("+")[0].split(".")[:2])  # type: ignore[return-value]
     except ValueError as e:
         raise RuntimeError(f"cannot parse triton version {version!r}") from e
+
+
+def check_triton_version(version: str | None = None, device: torch.device | str | None = None) -> None:
+    """Refuse a Triton outside TRITON_VERSION_RANGE; accept a verified one; any other one only once the first-use
+    self-check (`selfcheck.py`) has passed on `device` (cached per Triton version, GPU model, deltacp version).
+    device None: the range is checked, the self-check is not (nothing to run it on)."""
+    version = _triton_version() if version is None else version
+    major_minor = parse_triton_version(version)
     lo, hi = TRITON_VERSION_RANGE
+    verified = ", ".join(_fmt(v) for v in TRITON_VERIFIED_ON_GPU)
     if not (lo <= major_minor < hi):
-        raise RuntimeError(f"triton=={version} is outside the range the Triton GDN kernels were tested on "
-                           f"(>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}); use backend='eager' or run "
-                           f"tests/gpu/test_triton_gdn.py on this version and widen TRITON_VERSION_RANGE")
+        raise RuntimeError(f"triton=={version} is outside the range the Triton GDN kernels accept "
+                           f"({triton_requirement()}; verified on a GPU: {verified}; any other version in the "
+                           f"range after a first-use self-check); install one with pip install "
+                           f"\"deltacp[triton]\" or use backend='eager'")
+    if major_minor in TRITON_VERIFIED_ON_GPU or device is None:
+        return
+    from deltacp.ops.gdn.triton.selfcheck import run_self_check
+
+    run_self_check(device, triton_version=version)
 
 
 def check_triton_contract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -61,4 +95,4 @@ def check_triton_contract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     if Hv % Hk != 0:
         raise ValueError(f"backend='triton' needs value heads divisible by key heads; got Hv={Hv}, Hk={Hk}")
     # No length condition: the op pads every sequence (and lays packed documents out) to whole chunks itself.
-    check_triton_version(triton_version)
+    check_triton_version(triton_version, q.device)

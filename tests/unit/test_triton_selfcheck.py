@@ -1,0 +1,191 @@
+"""The first-use self-check of the Triton GDN kernels (`deltacp.ops.gdn.triton.selfcheck`), on the CPU under
+TRITON_INTERPRET=1 (needs triton; CI installs none: those tests skip), and its cache without any kernel.
+
+Interpreter runs (each in a fresh process: the interpreter must be chosen before the kernels are imported; each
+check takes about 15 s here at K = V = 128, T = 80):
+  - pass: through `check_triton_version` (the installed Triton is not in TRITON_VERIFIED_ON_GPU), every figure
+    within its bound, the verdict cached; a second call in a fresh state reads the file and recomputes nothing.
+  - failure: the output kernel's result scaled by 1.25 (a wrong kernel); the refusal names the version, the failed
+    figures with their bounds and the cache file, and never runs eager; afterwards, with the kernel restored, the
+    cached failure still refuses without recomputing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltacp.ops.gdn.triton import selfcheck
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 "
+                                                         "self-check runs only where triton is (CI installs none)")
+
+_CODE = r"""
+import json, sys
+sys.path.insert(0, {testdir!r})
+import test_triton_contract as t
+t._patch_interpreter_bf16_dot()  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6 to 3.9)
+import triton
+from deltacp.ops.gdn.triton import chunk, selfcheck
+from deltacp.ops.gdn.triton.contract_check import check_triton_version
+
+
+def no_recompute(*a, **kw):
+    raise AssertionError("recomputed instead of using the cached verdict")
+
+
+out = {{"version": triton.__version__}}
+if sys.argv[1] == "pass":
+    check_triton_version(device="cpu")  # accepted only through the self-check
+    (record,) = selfcheck._VERDICTS.values()
+    out["record"] = record
+    selfcheck._VERDICTS.clear()
+    selfcheck.measure = no_recompute
+    out["again"] = selfcheck.run_self_check("cpu")
+else:
+    o_fwd = chunk.o_fwd
+    chunk.o_fwd = lambda *a, **kw: o_fwd(*a, **kw) * 1.25
+    try:
+        check_triton_version(device="cpu")
+    except selfcheck.TritonSelfCheckError as e:
+        out["error"] = str(e)
+    chunk.o_fwd = o_fwd
+    selfcheck.measure = no_recompute
+    try:
+        selfcheck.run_self_check("cpu")
+    except selfcheck.TritonSelfCheckError as e:
+        out["cached_error"] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _interpreter_run(scenario: str, cache: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", DELTACP_CACHE_DIR=cache)
+    code = _CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, scenario], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@needs_triton
+def test_interpreter_self_check_passes_and_is_cached(tmp_path):
+    out = _interpreter_run("pass", str(tmp_path))
+    record = out["record"]
+    print("\n".join(f"{f['name']:40s} {f['value']:.2e} (bound {f['bound']:.1e})" for f in record["figures"]))
+    assert record["passed"] and record["key"]["triton"] == out["version"]
+    names = [f["name"] for f in record["figures"]]
+    assert len(names) == 44 and len(set(names)) == 44
+    for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
+        for q in ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO", "S"):
+            assert f"{case} {q} rel-L2" in names
+    assert "unpacked M rel-L2" in names and "packed M max |x| (must be 0)" in names
+    assert all(f["value"] <= f["bound"] for f in record["figures"])
+    assert out["again"] == record  # read back from the file, nothing recomputed
+    (path,) = tmp_path.glob("triton-selfcheck-*.json")
+    assert json.loads(path.read_text()) == record
+
+
+@needs_triton
+def test_interpreter_self_check_refuses_a_wrong_kernel_and_caches_the_failure(tmp_path):
+    out = _interpreter_run("fail", str(tmp_path))
+    (path,) = tmp_path.glob("triton-selfcheck-*.json")
+    err = out["error"]
+    assert err.startswith(f"triton=={out['version']} failed deltacp's self-check of the Triton GDN kernels on cpu ")
+    # o is off by about 0.25 in rel-L2 (the output kernel's result scaled by 1.25), in all four cases; the
+    # backward recomputes its own outputs, so nothing else fails
+    for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
+        assert re.search(rf"[:;] {case} o rel-L2 = 2\.\d\de-01 > bound 3\.0e-02[;.]", err), (case, err)
+    assert err.count(" > bound ") == 4
+    assert "refuses to run and does not fall back to eager" in err
+    assert f"Verdict cached in {path}; delete it to re-run the check." in err
+    cached = out["cached_error"]
+    assert cached == err.replace("Verdict cached in", "Cached verdict in")
+    assert json.loads(path.read_text())["passed"] is False
+
+
+# ---- without kernels ---------------------------------------------------------------------------------------
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv(selfcheck.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert selfcheck.cache_dir() == tmp_path / "xdg" / "deltacp"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert selfcheck.cache_dir() == tmp_path / "home" / ".cache" / "deltacp"
+    monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path / "mine"))
+    assert selfcheck.cache_dir() == tmp_path / "mine"
+
+
+def test_cache_key_names_triton_device_and_deltacp(monkeypatch, tmp_path):
+    monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
+    key = selfcheck.cache_key("cpu", "3.8.0")
+    assert key["triton"] == "3.8.0" and key["device"].startswith("cpu")
+    assert key["deltacp"].startswith("0.") and "+src." in key["deltacp"]
+    paths = {selfcheck.cache_path(k) for k in (key, {**key, "triton": "3.8.1"}, {**key, "device": "NVIDIA H200"},
+                                                {**key, "deltacp": "0.2.0"})}
+    assert len(paths) == 4 and all(p.parent == tmp_path for p in paths)
+
+
+def _fake_record(key, passed, value):
+    return {"key": key, "passed": passed, "figures": [{"name": "unpacked o rel-L2", "value": value, "bound": 3e-2}]}
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_cached_verdict_is_used_without_running(monkeypatch, tmp_path, passed):
+    monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(selfcheck, "_VERDICTS", {})
+    monkeypatch.setattr(selfcheck, "measure", lambda *a, **kw: pytest.fail("recomputed"))
+    key = selfcheck.cache_key("cpu", "3.8.0")
+    selfcheck._write_verdict(selfcheck.cache_path(key), _fake_record(key, passed, 1e-2 if passed else 0.5))
+    if passed:
+        assert selfcheck.run_self_check("cpu", triton_version="3.8.0")["passed"]
+        return
+    with pytest.raises(selfcheck.TritonSelfCheckError,
+                       match=r"^triton==3\.8\.0 failed .* on cpu .*: unpacked o rel-L2 = 5\.00e-01 > bound 3\.0e-02\. "
+                             r".*Cached verdict in .*triton-selfcheck-\w+\.json"):
+        selfcheck.run_self_check("cpu", triton_version="3.8.0")
+
+
+def test_cache_for_another_key_is_not_used(monkeypatch, tmp_path):
+    """A file whose key does not match (another Triton, say) is ignored: the check runs."""
+    monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(selfcheck, "_VERDICTS", {})
+    key = selfcheck.cache_key("cpu", "3.8.0")
+    selfcheck._write_verdict(selfcheck.cache_path(key), _fake_record({**key, "triton": "3.7.0"}, True, 0.0))
+    figures = [selfcheck.Figure("unpacked o rel-L2", float("nan"), 3e-2)]
+    monkeypatch.setattr(selfcheck, "measure", lambda *a, **kw: figures)
+    with pytest.raises(selfcheck.TritonSelfCheckError, match=r"unpacked o rel-L2 = nan > bound 3\.0e-02"):
+        selfcheck.run_self_check("cpu", triton_version="3.8.0")  # a NaN fails
+
+
+def test_exception_in_check_refuses_and_is_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(selfcheck, "_VERDICTS", {})
+
+    def broken(*a, **kw):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(selfcheck, "measure", broken)
+    with pytest.raises(selfcheck.TritonSelfCheckError,
+                       match=r"^triton==3\.8\.0 failed .*: RuntimeError: PassManager::run failed\. .*not cached"):
+        selfcheck.run_self_check("cpu", triton_version="3.8.0")
+    assert not list(tmp_path.iterdir())
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"CUDA device, or on the CPU under TRITON_INTERPRET=1; got device 'cpu'"):
+        selfcheck.run_self_check(torch.device("cpu"), triton_version="3.8.0")
