@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200, in parts that each fit one device call (10 minutes). Logs go to $OUT
 # (or ./out).
-#   bash scripts/gpu_checks.sh tests   bitwise reproducibility, GPU op tests (8K-32K), CP triton tests (about 5 min)
+#   bash scripts/gpu_checks.sh tests   bitwise reproducibility, Triton self-check, GPU op tests (8K-32K), CP triton
+#                                      tests (about 5 min)
 #   bash scripts/gpu_checks.sh quick   the same with the op tests cut to the summary cases   (about 3 minutes)
 #   bash scripts/gpu_checks.sh op      op bench 8K-64K (+ FLA when its wheels are in .whl/; FLA autotunes about
 #                                      a minute per length), p2p stage times, long-memory accuracy (about 6 minutes)
@@ -56,6 +57,7 @@ tests|quick)
   # `quick`: the summary cases of the op tests only (the op tests at 8K-32K take about 3 minutes).
   if [ "$part" = "quick" ]; then op_filter=(-k summary); else op_filter=(); fi
   check determinism 90 python bench/determinism.py --length 8192
+  check triton_selfcheck 90 python -m pytest tests/gpu/test_triton_selfcheck_gpu.py -q -s -ra -p no:cacheprovider
   check gdn_op_tests 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}"
   check cp_tests 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k "not packed"
   ;;
