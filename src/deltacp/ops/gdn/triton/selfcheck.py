@@ -49,7 +49,7 @@ import torch
 from deltacp.ops.gdn.triton.contract_check import (
     TRITON_VERIFIED_ON_GPU, _fmt, _triton_version, triton_requirement)
 
-# Worst figures measured at SHAPE: H200, Triton 3.6 (tests/gpu/test_triton_selfcheck.py): 4.6e-3 (dg), M 1.0e-4;
+# Worst figures measured at SHAPE: H200, Triton 3.6 (tests/gpu/test_triton_selfcheck_gpu.py): 4.6e-3 (dg), M 1.0e-4;
 # CPU interpreter, Triton 3.9 (bf16 dot widened to fp32, tests/unit/test_triton_selfcheck.py): 1.6e-2 (o), M 3.1e-4.
 BOUND_BF16 = 3e-2
 BOUND_FP32 = 3e-3
