@@ -1,13 +1,14 @@
 """Context parallelism for transformers' Qwen3.5 hybrid models (`Qwen3_5ForCausalLM`, `Qwen3_5TextModel`).
 
     model = parallelize_qwen3_5_cp(model, cp_mesh, linear_attention_cp_mode="p2p")
-    batch = shard_batch_for_cp(input_ids, cp_mesh, attention_mask=mask)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                   attention_mask=batch["attention_mask"], use_cache=False).logits
+    batch = shard_batch_for_cp(input_ids, cp_mesh, attention_mask=mask)    # or cu_seqlens= for packed rows
+    logits = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
     loss = cp_cross_entropy(logits, batch["target_ids"], cp_mesh)   # global mean over all tokens
 
-Order of application (one log line each): the GDN style on every `linear_attn`, Ulysses on every
-`self_attn`, then a pre-hook on the text model that hands each layer the mask it needs. Parameters are
+Order of application (one log line each), after validating every rank's configuration together: the GDN
+style on every `linear_attn`, Ulysses on every `self_attn`, then a pre-hook on the text model that builds each
+forward's `CPForwardContext` (documents, padding, checkpoint replay) for every layer, and on a causal-LM
+wrapper a pre-hook refusing `labels` and `logits_to_keep` (both would act on one rank's slice). Parameters are
 not sharded: compose FSDP2 on top with `fully_shard_qwen3_5`, or sum gradients over the CP group with
 `all_reduce_cp_grads` when parameters are replicated.
 """
@@ -56,8 +57,8 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
                            linear_attention_gdn_backend: str = "eager") -> nn.Module:
     """Apply CP in place to every layer of a Qwen3.5 hybrid by its type; return the model.
 
-    On each rank, `model(input_ids=<rank's contiguous slice>, position_ids=<its global positions>,
-    use_cache=False).logits` is that slice of the single-device logits.
+    On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
+    slice of the single-device logits (per document, for packed rows).
     """
     group = cp_group_of(cp_mesh)
     cp = group.size()
