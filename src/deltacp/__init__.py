@@ -10,12 +10,15 @@ from deltacp.models.qwen3_5 import (
     parallelize_qwen3_5_cp,
     shard_batch_for_cp,
 )
+from deltacp.models.loss import cp_causal_lm_loss, cp_linear_cross_entropy
 from deltacp.parallel.style import LinearAttentionContextParallel
 
 __all__ = [
     "LinearAttentionContextParallel",
     "all_reduce_cp_grads",
+    "cp_causal_lm_loss",
     "cp_cross_entropy",
+    "cp_linear_cross_entropy",
     "fully_shard_qwen3_5",
     "parallelize_qwen3_5_cp",
     "shard_batch_for_cp",

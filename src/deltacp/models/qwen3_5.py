@@ -291,16 +291,16 @@ def cp_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, cp_mesh: De
 
     The value is the global mean on every rank; the gradient is this rank's share only, so gradients
     summed over CP ranks are the single-device gradients (see `fully_shard_qwen3_5` for FSDP).
+    It needs the full [tokens, vocab] logits, upcast: at a large vocabulary use `cp_linear_cross_entropy`
+    (deltacp.models.loss; the same value and gradients from the hidden states, chunk by chunk).
     """
-    group = cp_group_of(cp_mesh)
+    from deltacp.models.loss import cp_global_mean  # loss.py imports this module
+
     # float32 for bf16/fp16/fp32 logits, float64 stays float64 (the precision policy of every deltacp op)
     logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
     local_sum = F.cross_entropy(logits, target_ids.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
-    stats = torch.stack([local_sum.detach(), (target_ids != IGNORE_INDEX).sum().to(local_sum.dtype)])
-    dist.all_reduce(stats, group=group)
-    global_sum, count = stats[0], stats[1].clamp(min=1)
-    return (local_sum + (global_sum - local_sum.detach())) / count
+    return cp_global_mean(local_sum, (target_ids != IGNORE_INDEX).sum(), cp_mesh)
 
 
 def all_reduce_cp_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:

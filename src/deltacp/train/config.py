@@ -5,6 +5,7 @@
       steps: 100
       dtype: float32                 # float32 | float64 | bfloat16 (fp32 master weights, bf16 compute, fp32 reduce)
       activation_checkpointing: none # none | full (per decoder layer)
+      loss: linear_cross_entropy     # | cross_entropy (full logits): the same value and gradients
       accelerator: {cp: 4, linear_attention_cp_mode: p2p}   # deltacp.config.AcceleratorConfig, exactly
       model: {config: {hidden_size: 64, ...}, gate_init: long_memory}   # or {pretrained: /local/dir}
       data: {source: stdlib, seq_len: 512}
@@ -138,6 +139,9 @@ class TrainConfig:
     """auto: cuda when available (one GPU per local rank, shared round-robin if fewer), else cpu."""
     activation_checkpointing: Literal["none", "full"] = "none"
     """full: recompute every decoder layer in backward (non-reentrant torch.utils.checkpoint)."""
+    loss: Literal["linear_cross_entropy", "cross_entropy"] = "linear_cross_entropy"
+    """linear_cross_entropy: `cp_causal_lm_loss`, the LM head and the loss chunk by chunk of tokens, no [tokens,
+    vocab] logits; cross_entropy: the model's logits, then `cp_cross_entropy`. Same value and gradients."""
     accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -34,6 +34,7 @@ from deltacp.models.qwen3_5 import (
     parallelize_qwen3_5_cp,
     shard_batch_for_cp,
 )
+from deltacp.models.loss import cp_causal_lm_loss
 from deltacp.train.checkpoint import (
     claim_directory,
     complete_checkpoints,
@@ -237,8 +238,11 @@ class Trainer:
             batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens)
         else:
             batch = shard_batch_for_cp(self.data.next_batch().to(self.device), self.mesh)
-        logits = self.model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
-        loss = cp_cross_entropy(logits, batch["target_ids"], self.mesh)
+        inputs = {k: v for k, v in batch.items() if k != "target_ids"}
+        if self.cfg.loss == "linear_cross_entropy":  # the LM head and the loss chunk by chunk: no full logits
+            loss = cp_causal_lm_loss(self.model, batch["target_ids"], self.mesh, **inputs, use_cache=False)
+        else:
+            loss = cp_cross_entropy(self.model(**inputs, use_cache=False).logits, batch["target_ids"], self.mesh)
         loss.backward()
         if not self.cfg.distributed.fsdp:
             all_reduce_cp_grads(self.model, self.mesh)

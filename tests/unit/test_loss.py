@@ -1,0 +1,132 @@
+"""cp_linear_cross_entropy on one rank: value and every gradient against F.cross_entropy on full logits,
+ignored targets, bf16, memory (no [tokens, vocab] tensor), argument errors, and the trainer's `train.loss` key."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deltacp import cp_cross_entropy, cp_linear_cross_entropy
+from deltacp.testing.spawn import free_port
+from deltacp.train.config import ConfigError, config_from_dict
+from helpers import rel_l2
+
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    dist.destroy_process_group()
+
+
+def _problem(dtype, tokens=37, hidden=16, vocab=50, ignored=(0, 5, 36), bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g, dtype=torch.float64).to(dtype).requires_grad_() if bias else None
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    t[list(ignored)] = IGNORE
+    return h, w, b, t
+
+
+def _grads(loss, *tensors):
+    return [g for g in torch.autograd.grad(loss, [x for x in tensors if x is not None])]
+
+
+def _reference(h, w, b, t):
+    """F.cross_entropy on the full logits, upcast as cp_cross_entropy does."""
+    logits = F.linear(h, w, b).to(torch.promote_types(h.dtype, torch.float32))
+    loss = F.cross_entropy(logits, t, ignore_index=IGNORE)
+    return loss, _grads(loss, h, w, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_value_and_gradients_match_full_logits(mesh, dtype, tol, bias):
+    h, w, b, t = _problem(dtype, bias=bias)
+    ref, ref_grads = _reference(h, w, b, t)
+    for chunk in (8, 37, 1000):  # 37 tokens: 5 chunks with a partial last one, exactly one, one larger
+        loss = cp_linear_cross_entropy(h[None], w, t[None], mesh, chunk_size=chunk, lm_head_bias=b)
+        assert loss.dtype == ref.dtype
+        assert abs(loss.item() - ref.item()) <= tol * abs(ref.item()), (chunk, loss.item(), ref.item())
+        for name, got, want in zip(("hidden", "weight", "bias"), _grads(loss, h, w, b), ref_grads):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert rel_l2(got, want) <= tol, (chunk, name, rel_l2(got, want))
+    # the same as the logits path of deltacp (cp_cross_entropy)
+    assert abs(cp_cross_entropy(F.linear(h, w, b)[None], t[None], mesh).item() - ref.item()) <= tol * ref.item()
+
+
+def test_all_targets_ignored(mesh):
+    """0 / 0 as cp_cross_entropy: value 0, every gradient 0."""
+    h, w, b, t = _problem(torch.float64, tokens=20, ignored=range(20))
+    loss = cp_linear_cross_entropy(h, w, t, mesh, chunk_size=8, lm_head_bias=b)
+    old = cp_cross_entropy(F.linear(h, w, b), t, mesh)
+    assert loss.item() == 0.0 and old.item() == 0.0
+    assert all(g.abs().max().item() == 0.0 for g in _grads(loss, h, w, b))
+
+
+def test_bf16_within_bf16_accuracy(mesh):
+    """bf16 inputs: the chunked loss is as close to float64 math on the same bf16 numbers as the logits path."""
+    h, w, b, t = _problem(torch.bfloat16, tokens=300, hidden=64, vocab=500, ignored=range(0, 300, 7))
+    exact = [x.detach().double().requires_grad_() for x in (h, w, b)]
+    ref, ref_grads = _reference(*exact, t)
+    loss = cp_linear_cross_entropy(h, w, t, mesh, chunk_size=64, lm_head_bias=b)
+    old = cp_cross_entropy(F.linear(h, w, b), t, mesh)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - ref.item()) <= 1e-2 * ref.item()
+    for name, got, via_logits, want in zip(("hidden", "weight", "bias"), _grads(loss, h, w, b),
+                                           _grads(old, h, w, b), ref_grads):
+        assert got.dtype == torch.bfloat16
+        err, err_old = rel_l2(got, want), rel_l2(via_logits, want)
+        assert err <= max(2 * err_old, 1e-2), (name, err, err_old)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out
+
+
+def test_no_tokens_by_vocab_tensor(mesh):
+    """Every tensor made in forward + backward has at most chunk x vocab elements (tokens x vocab = 16x that)."""
+    tokens, vocab, chunk = 1024, 300, 64
+    h, w, b, t = _problem(torch.float32, tokens=tokens, vocab=vocab, ignored=range(0, tokens, 5))
+    with _LargestTensor() as probe:
+        loss = cp_linear_cross_entropy(h, w, t, mesh, chunk_size=chunk, lm_head_bias=b)
+        loss.backward()
+    assert chunk * vocab >= probe.largest > tokens * 16, probe.largest
+    with _LargestTensor() as probe:  # the probe sees full logits where they exist
+        cp_cross_entropy(F.linear(h, w, b), t, mesh).backward()
+    assert probe.largest == tokens * vocab
+
+
+def test_argument_errors(mesh):
+    h, w, b, t = _problem(torch.float32)
+    with pytest.raises(ValueError, match="target 50 is out of bounds for vocab 50"):
+        cp_linear_cross_entropy(h, w, torch.full_like(t, 50), mesh)
+    with pytest.raises(ValueError, match="target -3 is out of bounds"):
+        cp_linear_cross_entropy(h, w, torch.full_like(t, -3), mesh)
+    with pytest.raises(ValueError, match="share one dtype"):
+        cp_linear_cross_entropy(h, w.double(), t, mesh)
+    with pytest.raises(ValueError, match="37 hidden states but 36 targets"):
+        cp_linear_cross_entropy(h, w, t[1:], mesh)
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        cp_linear_cross_entropy(h, w, t, mesh, chunk_size=0)
+
+
+def test_train_loss_key():
+    assert config_from_dict({"train": {}}).loss == "linear_cross_entropy"
+    assert config_from_dict({"train": {"loss": "cross_entropy"}}).loss == "cross_entropy"
+    with pytest.raises(ConfigError, match=r"train\.loss='fused' is not supported"):
+        config_from_dict({"train": {"loss": "fused"}})
