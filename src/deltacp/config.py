@@ -2,6 +2,7 @@
 
     train:
       accelerator:
+        dp: null          # data-parallel degree: null derives world // (cp * tp); given, world = dp x cp x tp
         cp: 4
         tp: 1
         ulysses_degree: null
@@ -26,6 +27,9 @@ class AcceleratorConfig:
     """Context-parallel degree (>= 1): ranks that share one sequence."""
     tp: int = 1
     """Tensor-parallel degree; must be 1 while linear attention CP is on (linear attention TP+CP is out of scope)."""
+    dp: int | None = None
+    """Data-parallel degree: groups of cp ranks that each read their share of the global batch. None: derived as
+    world_size // (cp * tp); given: world_size must equal dp x cp x tp."""
     ulysses_degree: int | None = None
     """Full attention Ulysses degree: None or equal to cp."""
     linear_attention_cp_mode: str = "ulysses"
@@ -49,6 +53,8 @@ class AcceleratorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"train.accelerator.{name} must be an integer >= 1, got {value!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
+            raise ValueError(f"train.accelerator.dp must be null or an integer >= 1, got {self.dp!r}")
         if self.linear_attention_cp_mode not in LINEAR_ATTENTION_CP_MODES:
             raise ValueError(f"train.accelerator.linear_attention_cp_mode={self.linear_attention_cp_mode!r} is not "
                              f"supported; expected one of {LINEAR_ATTENTION_CP_MODES}")
@@ -61,6 +67,16 @@ class AcceleratorConfig:
         if self.ulysses_degree is not None and self.ulysses_degree != self.cp:
             raise NotImplementedError(f"train.accelerator.ulysses_degree={self.ulysses_degree} is not supported: it "
                                       f"must be null or equal to cp ({self.cp})")
-        if world_size is not None and world_size % (self.cp * self.tp):
+        if world_size is None:
+            return
+        if self.dp is None and world_size % (self.cp * self.tp):
             raise ValueError(f"train.accelerator.cp ({self.cp}) x tp ({self.tp}) must divide the world size "
-                             f"({world_size})")
+                             f"({world_size}) (train.accelerator.dp is null: derived as world // (cp x tp))")
+        if self.dp is not None and self.dp * self.cp * self.tp != world_size:
+            raise ValueError(f"train.accelerator.dp ({self.dp}) x cp ({self.cp}) x tp ({self.tp}) = "
+                             f"{self.dp * self.cp * self.tp} must equal the world size ({world_size}); set "
+                             f"train.accelerator.dp to null to derive it")
+
+    def data_parallel(self, world_size: int) -> int:
+        """The dp degree at this world size (after `validate(world_size)`)."""
+        return self.dp if self.dp is not None else world_size // (self.cp * self.tp)

@@ -68,8 +68,19 @@ def test_all_gather_with_triton_is_not_implemented():
 def test_world_size_rules():
     cfg = _load()
     cfg.validate_world(4)
-    with pytest.raises(ConfigError, match=re.escape("train.accelerator.cp (4) must equal the world size (8)")):
+    # dp derived as world // cp: 8 ranks at cp 4 are dp 2, whose global batch must split into 2 groups
+    with pytest.raises(ConfigError, match=re.escape("train.data.batch_size (1) must be divisible by "
+                                                    "train.accelerator.dp (2, derived as world // cp)")):
         cfg.validate_world(8)
+    _load("train.data.batch_size=2").validate_world(8)
+    with pytest.raises(ValueError, match=re.escape("train.accelerator.dp (2) x cp (4) x tp (1) = 8 must equal the "
+                                                   "world size (4)")):
+        _load("train.data.batch_size=2", "train.accelerator.dp=2").validate_world(4)
+    with pytest.raises(ConfigError, match=re.escape("train.data.batch_size (3) must be divisible by "
+                                                    "train.accelerator.dp (2)")):
+        _load("train.data.batch_size=3", "train.accelerator.dp=2")
+    with pytest.raises(ValueError, match=re.escape("train.accelerator.dp must be null or an integer >= 1")):
+        _load("train.accelerator.dp=0")
     with pytest.raises(ValueError, match=re.escape("cp (4) x tp (1) must divide the world size (6)")):
         cfg.validate_world(6)
 
@@ -189,5 +200,4 @@ def test_packed_rows_hold_whole_documents_and_their_offsets(tmp_path):
     # the document ends inside the first row: after 5, 6 and 32 (the 30-byte document continues in row 2)
     assert rows[0][1].tolist() == [0, 5, 6, 32]
     assert rows[1][1].tolist() == [0, 4, 6, 32]
-    with pytest.raises(ConfigError, match=r"train\.data\.packing: true .*batch_size must be 1"):
-        _load("train.data.packing=true", "train.data.batch_size=2")
+    _load("train.data.packing=true", "train.data.batch_size=2")  # two packed rows per step (one per dp group at dp 2)

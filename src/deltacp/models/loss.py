@@ -17,21 +17,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.models.qwen3_5 import IGNORE_INDEX
-from deltacp.parallel.style import cp_group_of
+from deltacp.parallel.style import batch_group_of
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per chunk: the transient logits are chunk x vocab (1024 x 248,320: 0.5 GB bf16, 1 GB fp32)."""
 
 
 def cp_global_mean(local_sum: torch.Tensor, n_valid: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
-    """`local_sum` (this rank's summed loss) -> the mean over every valid target of the CP group.
+    """`local_sum` (this rank's summed loss) -> the mean over every valid target of every rank of the mesh: the CP
+    group, or dp x cp for a ("dp", "cp") mesh (each dp group holds other rows of the global batch). This
+    all-reduce is the one place the loss is scaled for dp x cp: FSDP2 / `all_reduce_cp_grads` then sum.
 
     The value is the global sum over the global count on every rank (0 when nothing is valid anywhere); the
     gradient reaches only this rank's `local_sum`, scaled by 1 / global count, so gradients summed over the CP
     ranks are the single-device gradients.
     """
     stats = torch.stack([local_sum.detach(), n_valid.to(local_sum.dtype)])
-    dist.all_reduce(stats, group=cp_group_of(cp_mesh))
+    dist.all_reduce(stats, group=batch_group_of(cp_mesh))
     global_sum, count = stats[0], stats[1].clamp(min=1)
     return (local_sum + (global_sum - local_sum.detach())) / count
 

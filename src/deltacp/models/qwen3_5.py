@@ -36,7 +36,7 @@ from deltacp.parallel.documents import (
     position_ids_from_cu_seqlens,
 )
 from deltacp.parallel.fingerprint import check_same_config_across_ranks
-from deltacp.parallel.style import LinearAttentionContextParallel, cp_group_of
+from deltacp.parallel.style import LinearAttentionContextParallel, batch_group_of, batch_mesh_of, cp_group_of
 
 logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -304,8 +304,9 @@ def cp_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, cp_mesh: De
 
 
 def all_reduce_cp_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Sum replicated parameters' gradients over the CP group (without FSDP)."""
-    group = cp_group_of(cp_mesh)
+    """Sum replicated parameters' gradients over every rank of the mesh (without FSDP): the CP group, or dp x cp
+    for a ("dp", "cp") mesh, whose ranks together hold the global batch the loss averages over."""
+    group = batch_group_of(cp_mesh)
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, group=group)
@@ -313,15 +314,17 @@ def all_reduce_cp_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 
 def fully_shard_qwen3_5(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_after_forward: bool = True
                         ) -> nn.Module:
-    """FSDP2 on each decoder layer, then the root, over `mesh` (the CP ranks, or dp x cp flattened).
+    """FSDP2 on each decoder layer, then the root, over every rank of `mesh`: a CP mesh, or a ("dp", "cp") mesh
+    flattened to one dimension (parameters sharded over dp x cp, not HSDP).
 
-    Gradient scaling lives here: FSDP2 averages over its mesh, but under CP each rank's loss
-    (`cp_cross_entropy`) already carries only its share of the global mean, so the reduction must be a
-    plain sum. Setting the divide factor to 1 makes the reduced gradient the single-device gradient.
+    FSDP2 would average over its mesh, but each rank's loss (`cp_cross_entropy`) already carries only its share
+    of the mean over the global batch (its all-reduce spans the whole mesh, dp x cp: the one place the loss is
+    scaled), so the reduction here must be a plain sum. With the divide factor set to 1 the reduced gradient
+    is the single-device gradient of the global batch.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    kwargs = dict(mesh=batch_mesh_of(mesh), reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy if isinstance(mp_policy, MixedPrecisionPolicy) else MixedPrecisionPolicy(
             **mp_policy)

@@ -54,6 +54,20 @@ def cp_group_of(mesh: DeviceMesh):
     return mesh["cp"].get_group()
 
 
+def batch_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh over every rank of `mesh` (ranks that together hold one global batch): the mesh itself when
+    1-D, else its dimensions flattened (e.g. ("dp", "cp") -> "dp_cp", created once and cached by torch)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    cp_group_of(mesh)  # the same checks (a CP dimension, tp 1)
+    return mesh if mesh.ndim == 1 else mesh._flatten()
+
+
+def batch_group_of(mesh: DeviceMesh):
+    """The process group over every rank of `mesh`: dp x cp for a ("dp", "cp") mesh, the CP group for a CP mesh."""
+    return batch_mesh_of(mesh).get_group()
+
+
 class LinearAttentionContextParallel(ParallelStyle):
     def __init__(self, mode: LinearAttentionCPMode = "ulysses", backend: str = "eager"):
         super().__init__()

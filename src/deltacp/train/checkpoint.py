@@ -17,7 +17,8 @@ only checkpoints whose manifest names this run.
 Loading verifies every file against the manifest first (a truncated or flipped file is an error naming it),
 then loads. Any world size can load a checkpoint: DCP reshards the model and optimizer state, and the
 per-rank trainer state (identical on every rank except the RNG state, and every rank's RNG is seeded alike)
-of rank r comes from `trainer_rank{r % saved_world}.pt`. So a run saved at cp=2 resumes at cp=4 and back.
+of rank r comes from `trainer_rank{r % saved_world}.pt`. So a run saved at cp=2 resumes at cp=4 and back, and
+one saved at dp1 x cp4 at dp2 x cp2: the data position in it is global (every rank reads the whole global batch).
 
 Failures are `CheckpointError`: one line naming the file (or the checkpoint directory) and the cause, raised
 alike on every rank (DCP's CheckpointException is unwrapped to the first failing rank's exception).

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 -m deltacp.train --config configs/tiny_cp4.yaml      # GPUs: NCCL; CPU: gloo
     python -m deltacp.train --config configs/tiny_cp4.yaml --spawn 4                # no launcher, gloo ranks
     python -m deltacp.train --config configs/tiny_cp4.yaml --set train.steps=20 --set train.accelerator.cp=2 --spawn 2
+    python -m deltacp.train --config configs/tiny_cp4.yaml --set train.data.batch_size=2 --spawn 8   # dp 2 x cp 4
 
 A bad config is one line naming the key (exit 2). A failed rank prints one line, `deltacp.train: rank R
 failed: ...`; a dead peer or a collective that outlives train.distributed.timeout_s says so (exit 1).

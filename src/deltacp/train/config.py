@@ -6,7 +6,8 @@
       dtype: float32                 # float32 | float64 | bfloat16 (fp32 master weights, bf16 compute, fp32 reduce)
       activation_checkpointing: none # none | full (per decoder layer)
       loss: linear_cross_entropy     # | cross_entropy (full logits): the same value and gradients
-      accelerator: {cp: 4, linear_attention_cp_mode: p2p}   # deltacp.config.AcceleratorConfig, exactly
+      accelerator: {cp: 4, linear_attention_cp_mode: p2p}   # deltacp.config.AcceleratorConfig, exactly; dp: null
+                                                             # derives dp = world // cp (8 ranks, cp 4: dp 2)
       model: {config: {hidden_size: 64, ...}, gate_init: long_memory}   # or {pretrained: /local/dir}
       data: {source: stdlib, seq_len: 512}
       optimizer: {lr: 3.0e-3, weight_decay: 0.1, grad_clip: 1.0}
@@ -65,12 +66,16 @@ class DataConfig:
     seq_len: int = 512
     """Global sequence length (tokens per sequence, before the CP split); divisible by cp."""
     batch_size: int = 1
-    """Sequences per step (global batch; every CP rank sees all of them, its slice of each)."""
+    """Rows per step over all dp groups: the GLOBAL batch, the same at every (dp, cp), so a run's data does not
+    depend on its layout. Divisible by dp: dp group g trains on rows [g*b, (g+1)*b), b = batch_size / dp, each
+    CP rank of the group on its slice of every row."""
     packing: bool = False
     """true: each row of seq_len tokens holds whole documents back to back (one split at the row end continues in
     the next row as a new document), described by cu_seqlens: no token attends to or carries state from another
-    document, and no target crosses a document boundary. Needs batch_size 1 (one packed row per step).
-    false: documents joined with a separator into one stream, cut into rows."""
+    document, and no target crosses a document boundary. A dp group's b packed rows are trained as one row of
+    b x seq_len tokens (the rows' cu_seqlens joined: the same documents, so the same loss and gradients);
+    batch_size = dp gives one packed row per dp group. false: documents joined with a separator into one
+    stream, cut into rows."""
 
 
 @dataclass(frozen=True)
@@ -157,9 +162,12 @@ class TrainConfig:
             self.accelerator.validate(world_size)
         except (ValueError, NotImplementedError) as exc:
             raise type(exc)(str(exc)) from None
-        if self.accelerator.cp != world_size:
-            raise ConfigError(f"train.accelerator.cp ({self.accelerator.cp}) must equal the world size ({world_size}): "
-                              f"the trainer uses one 1-D CP mesh over all ranks (data parallelism is not supported)")
+        dp = self.accelerator.data_parallel(world_size)
+        derived = ", derived as world // cp" if self.accelerator.dp is None else ""
+        if self.data.batch_size % dp:
+            raise ConfigError(f"train.data.batch_size ({self.data.batch_size}) must be divisible by "
+                              f"train.accelerator.dp ({dp}{derived}): batch_size is the global batch, "
+                              f"batch_size / dp rows per dp group")
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
@@ -303,9 +311,9 @@ def config_from_dict(raw: dict) -> TrainConfig:
     _positive("train.steps", cfg.steps)
     _positive("train.data.seq_len", cfg.data.seq_len)
     _positive("train.data.batch_size", cfg.data.batch_size)
-    if cfg.data.packing and cfg.data.batch_size != 1:
-        raise ConfigError(f"train.data.packing: true packs documents into one row per step; train.data.batch_size "
-                          f"must be 1, got {cfg.data.batch_size} (raise seq_len instead)")
+    if cfg.accelerator.dp is not None and cfg.data.batch_size % cfg.accelerator.dp:
+        raise ConfigError(f"train.data.batch_size ({cfg.data.batch_size}) must be divisible by train.accelerator.dp "
+                          f"({cfg.accelerator.dp}): batch_size is the global batch, batch_size / dp rows per dp group")
     _positive("train.optimizer.lr", cfg.optimizer.lr, allow_zero=True)
     _positive("train.schedule.warmup_steps", cfg.schedule.warmup_steps, allow_zero=True)
     _positive("train.checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)

@@ -4,9 +4,11 @@ Default source: the .py files of this interpreter's standard library (sysconfig'
 bytes (vocab 256). Documents are visited in an order shuffled from the seed (a fresh order each epoch),
 joined with a separator and cut into [batch_size, seq_len] global batches, a new one every step; or, with
 `packing`, laid back to back into rows of seq_len tokens with their offsets (cu_seqlens), a document that does
-not fit continuing as a new document in the next row. Every rank reads the same stream and takes its CP slice
-later. `state_dict()` is the stream position (epoch,
-document, offset), so a resumed run reads exactly the tokens an uninterrupted one would have read.
+not fit continuing as a new document in the next row. Every rank reads the same stream, the whole global
+batch, and keeps its dp group's rows (`next_step`), whose CP slice it takes later: the data order is the global
+batch's, not a rank's, so every (dp, cp) layout trains on the same batches. `state_dict()` is the stream
+position (epoch, document, offset), the same on every rank, so a resumed run reads exactly the tokens an
+uninterrupted one would have read, at any (dp, cp).
 """
 
 from __future__ import annotations
@@ -187,6 +189,19 @@ class TokenStream:
         ids = self._take(self.cfg.seq_len, boundaries=ends)
         return torch.tensor(ids, dtype=torch.long)[None], torch.tensor([0] + ends, dtype=torch.long)
 
+    def next_step(self, part: int = 0, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dp group `part` of `parts`: its rows of the next global batch (batch_size rows, all read here).
+
+        Unpacked: ([batch_size / parts, seq_len], None). Packed: its rows joined into one row
+        [1, batch_size / parts * seq_len] with their cu_seqlens joined (each row's documents stay documents)."""
+        B = self.cfg.batch_size
+        if B % parts:
+            raise ConfigError(f"train.data.batch_size ({B}) must be divisible by train.accelerator.dp ({parts})")
+        mine = slice(part * (B // parts), (part + 1) * (B // parts))
+        if not self.cfg.packing:
+            return self.next_batch()[mine], None
+        return join_packed_rows([self.next_packed_row() for _ in range(B)][mine])
+
     def state_dict(self) -> dict:
         return dict(epoch=self.epoch, file_index=self.file_index, offset=self.offset, seed=self.seed,
                     num_files=len(self.files))
@@ -198,3 +213,15 @@ class TokenStream:
         self.epoch, self.file_index, self.offset = state["epoch"], state["file_index"], state["offset"]
         self._order = self._order_for(self.epoch)
         self._cache = None
+
+
+def join_packed_rows(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows ([1, S], cu_seqlens) -> one row [1, n*S] with the joined cu_seqlens (documents unchanged)."""
+    if len(rows) == 1:
+        return rows[0]
+    ids, cus, offset = [], [rows[0][1][:1]], 0
+    for row, cu in rows:
+        ids.append(row)
+        cus.append(cu[1:] + offset)
+        offset += row.shape[1]
+    return torch.cat(ids, dim=1), torch.cat(cus)

@@ -2,10 +2,14 @@
 
     python -m deltacp.train.parity --config configs/tiny_cp4.yaml --spawn 4 --steps 100
     python -m deltacp.train.parity --config configs/tiny_cp4.yaml --spawn 4 --steps 100 --modes ulysses p2p all_gather
+    python -m deltacp.train.parity --config configs/tiny_cp4.yaml --spawn 8 --cp 4     # dp 2 x cp 4
 
 The single-device job is the same trainer with world size 1 (cp=1: deltacp's own single-device computation,
-docs/design.md, "Precision policy"), spawned first; then the CP job runs every requested mode on `--spawn` gloo ranks. Both
-build the model from the config's seed and read the same data stream. Prints per-step loss and grad norm
+docs/design.md, "Precision policy"), spawned first; then the CP job runs every requested mode on `--spawn` gloo
+ranks as dp = spawn / cp groups of `--cp` ranks (default: cp = spawn, dp 1), rows labelled with the layout
+(`dp2xcp4-p2p`). Both build the model from the config's seed and read the same data stream, the same global
+batch: the config's train.data.batch_size is taken as the rows per dp group, so both runs train on
+dp x batch_size rows per step (with packing, dp packed rows; one device trains them as one joined row). Prints per-step loss and grad norm
 with absolute and relative differences and their maxima, and writes parity.csv and parity.png to --out.
 """
 
@@ -58,15 +62,31 @@ def run_jobs(world_size: int, jobs: list[tuple[str, TrainConfig]], timeout_s: fl
 
 
 def reference_config(cfg: TrainConfig, steps: int) -> TrainConfig:
+    """The single-device job: world 1 (dp 1, cp 1), the same global batch (train.data.batch_size)."""
     from deltacp.train.trainer import with_cp
 
-    return with_cp(_quiet(cfg, steps), 1)
+    return with_cp(_quiet(cfg, steps), 1, dp=1)
 
 
-def cp_configs(cfg: TrainConfig, world_size: int, steps: int, modes) -> list[tuple[str, TrainConfig]]:
+def layout_label(dp: int, cp: int, mode: str) -> str:
+    return f"dp{dp}xcp{cp}-{mode}"
+
+
+def cp_configs(cfg: TrainConfig, world_size: int, steps: int, modes, cp: int | None = None
+               ) -> list[tuple[str, TrainConfig]]:
+    """(label, config) of each mode at dp = world_size / cp x cp (cp default: world_size), the same global batch."""
     from deltacp.train.trainer import with_cp
 
-    return [(f"cp{world_size}-{mode}", with_cp(_quiet(cfg, steps), world_size, mode)) for mode in modes]
+    cp = cp or world_size
+    if world_size % cp:
+        raise ValueError(f"--cp {cp} must divide the number of ranks ({world_size})")
+    dp = world_size // cp
+    return [(layout_label(dp, cp, mode), with_cp(_quiet(cfg, steps), cp, mode, dp=dp)) for mode in modes]
+
+
+def per_group_batch(cfg: TrainConfig, dp: int) -> TrainConfig:
+    """The config's batch_size read as rows per dp group: the global batch becomes dp x batch_size."""
+    return replace(cfg, data=replace(cfg.data, batch_size=cfg.data.batch_size * dp))
 
 
 def compare(reference: list[dict], rows: list[dict]) -> dict:
@@ -86,16 +106,18 @@ def compare(reference: list[dict], rows: list[dict]) -> dict:
     return dict(per_step=per_step, **summary)
 
 
-def run_parity(cfg: TrainConfig, world_size: int, steps: int, modes=None, reference: list[dict] | None = None
-               ) -> tuple[list[dict], dict[str, dict]]:
-    """Returns (single-device rows, {label: compare(...)}). Spawns 1 rank, then `world_size` ranks."""
+def run_parity(cfg: TrainConfig, world_size: int, steps: int, modes=None, reference: list[dict] | None = None,
+               cp: int | None = None) -> tuple[list[dict], dict[str, dict]]:
+    """Returns (single-device rows, {label: compare(...)}). Spawns 1 rank, then `world_size` ranks as
+    dp = world_size / cp x cp (cp default: world_size). Both train on cfg's global batch (train.data.batch_size)."""
+    cp = cp or world_size
     modes = list(modes or [cfg.accelerator.linear_attention_cp_mode])
     if reference is None:
         print(f"single device (world size 1, mode {cfg.accelerator.linear_attention_cp_mode}), {steps} steps",
               flush=True)
         reference = run_jobs(1, [("single", reference_config(cfg, steps))])["single"]
-    print(f"CP{world_size} ({', '.join(modes)}), {steps} steps each", flush=True)
-    runs = run_jobs(world_size, cp_configs(cfg, world_size, steps, modes))
+    print(f"dp{world_size // cp} x cp{cp} ({', '.join(modes)}), {steps} steps each", flush=True)
+    runs = run_jobs(world_size, cp_configs(cfg, world_size, steps, modes, cp))
     return reference, {label: compare(reference, rows) for label, rows in runs.items()}
 
 
@@ -158,25 +180,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps of each run (default 100)")
     parser.add_argument("--modes", nargs="+", choices=(*MODES, "all"), default=None,
                         help="linear attention CP modes to run (default: the config's; 'all' = all three)")
-    parser.add_argument("--out", default=None, help="output folder (default runs/parity/<config>_cp<N>)")
+    parser.add_argument("--cp", type=int, default=None,
+                        help="CP degree (default: --spawn); the --spawn ranks run dp = spawn / cp groups")
+    parser.add_argument("--out", default=None, help="output folder (default runs/parity/<config>_dp<D>xcp<C>)")
     parser.add_argument("--print-every", type=int, default=1, help="print every k-th step (maxima use all steps)")
     args = parser.parse_args(argv)
     if args.spawn is None:
         parser.error("--spawn N is required (the CP job runs on N spawned gloo ranks)")
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    args.set = [*args.set, f"train.accelerator.cp={args.spawn}", "train.accelerator.ulysses_degree=null"]
-    cfg = parse_config(parser, args)
-    modes = list(MODES) if args.modes and "all" in args.modes else args.modes
-    out = Path(args.out or f"runs/parity/{Path(args.config).stem}_cp{args.spawn}")
+    cp = args.cp or args.spawn
+    if cp < 1 or args.spawn % cp:
+        parser.error(f"--cp {cp} must divide --spawn {args.spawn}")
+    dp = args.spawn // cp
+    args.set = [*args.set, f"train.accelerator.cp={cp}", "train.accelerator.dp=null",
+                "train.accelerator.ulysses_degree=null"]
+    cfg = parse_config(parser, argparse.Namespace(**{**vars(args), "spawn": None}))
+    cfg = per_group_batch(cfg, dp)  # both runs: the global batch dp x rows
     try:
-        reference, comparisons = run_parity(cfg, args.spawn, args.steps, modes)
+        if cfg.distributed.backend == "nccl":
+            raise ValueError("train.distributed.backend='nccl' cannot be used with --spawn (gloo ranks)")
+        cfg.validate_world(args.spawn)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if cfg.device == "auto":
+        cfg = cfg.replace(device="cpu")  # gloo CPU ranks (parse_config's --spawn rule)
+    modes = list(MODES) if args.modes and "all" in args.modes else args.modes
+    out = Path(args.out or f"runs/parity/{Path(args.config).stem}_dp{dp}xcp{cp}")
+    try:
+        reference, comparisons = run_parity(cfg, args.spawn, args.steps, modes, cp=cp)
     except Exception as exc:  # a failed rank has printed its traceback
         print(f"deltacp.train.parity: run failed: {type(exc).__name__}: {str(exc).strip().splitlines()[:1]}",
               file=sys.stderr)
         sys.exit(1)
     print_report(comparisons, args.print_every)
-    title = (f"{Path(args.config).stem}: CP{args.spawn} vs single device, {args.steps} steps, {cfg.dtype}, "
+    title = (f"{Path(args.config).stem}: dp{dp} x cp{cp} vs single device, {args.steps} steps, {cfg.dtype}, "
              f"AC {cfg.activation_checkpointing}")
     csv_path, png_path, how = write_outputs(out, reference, comparisons, title)
     print(f"\nwrote {csv_path} and {png_path} ({how} PNG writer)")

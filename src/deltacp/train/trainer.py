@@ -2,8 +2,11 @@
 
 Order of application (one log line each, as in torchtitan): CP on every layer (`parallelize_qwen3_5_cp`),
 activation checkpointing per decoder layer, FSDP2 last (`fully_shard_qwen3_5`, gradient divide factor 1).
-The mesh is 1-D over all ranks (cp = world size). The loss is the mean over every token of the global batch
-(`cp_cross_entropy`), so the reduced gradients are the single-device gradients.
+The mesh is 2-D, ("dp", "cp"), dp = world // cp unless train.accelerator.dp is given: CP modules use its "cp"
+dimension, FSDP2 shards over dp x cp flattened. Each dp group trains on its rows of the global batch (the data
+order is the global batch's, not a rank's). The loss is the mean over every valid token of the global batch:
+its all-reduce spans dp x cp (`cp_global_mean`, shared by both train.loss choices: the one place the loss is
+scaled) and FSDP2 sums (divide factor 1), so the reduced gradients are the single-device gradients of the global batch.
 
     trainer = Trainer(cfg)      # after the process group exists; validates before the first collective
     rows = trainer.fit()        # [{step, loss, grad_norm, lr, tokens_per_s, ...}, ...]
@@ -194,7 +197,11 @@ class Trainer:
                               "CUDA tensors crash (SIGSEGV, torch 2.11, H200); for CP ranks sharing one GPU over "
                               "gloo set train.distributed.fsdp=false (and dtype float32)")
         acc = cfg.accelerator
-        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("cp",))
+        # dp groups of cp consecutive ranks; CP modules use the "cp" dimension, FSDP2 and the loss's all-reduce
+        # the whole mesh (dp x cp flattened)
+        self.dp, self.cp = acc.data_parallel(self.world), acc.cp
+        self.mesh = init_device_mesh(self.device.type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        self.dp_rank = self.mesh.get_local_rank("dp")
         self.data = TokenStream(cfg.data, cfg.seed)
 
         model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
@@ -208,7 +215,8 @@ class Trainer:
             if cfg.dtype == "bfloat16":
                 mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             fully_shard_qwen3_5(model, self.mesh, mp_policy=mp_policy)
-            logger.info("Applied FSDP2 over %d CP ranks (mixed precision: %s)", self.world, mp_policy)
+            logger.info("Applied FSDP2 over dp %d x cp %d = %d ranks, flattened (mixed precision: %s)", self.dp,
+                        self.cp, self.world, mp_policy)
         self.model = model
         self.n_params = sum(p.numel() for p in model.parameters())  # sharded: local numel; fixed below
         if cfg.distributed.fsdp:
@@ -233,11 +241,9 @@ class Trainer:
     def train_step(self) -> dict:
         self._sync()
         start = time.perf_counter()
-        if self.cfg.data.packing:
-            ids, cu_seqlens = self.data.next_packed_row()
-            batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens)
-        else:
-            batch = shard_batch_for_cp(self.data.next_batch().to(self.device), self.mesh)
+        # this dp group's rows of the global batch (packed: joined into one row), then this rank's CP slice
+        ids, cu_seqlens = self.data.next_step(self.dp_rank, self.dp)
+        batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens)
         inputs = {k: v for k, v in batch.items() if k != "target_ids"}
         if self.cfg.loss == "linear_cross_entropy":  # the LM head and the loss chunk by chunk: no full logits
             loss = cp_causal_lm_loss(self.model, batch["target_ids"], self.mesh, **inputs, use_cache=False)
@@ -259,11 +265,12 @@ class Trainer:
             raise FloatingPointError(f"non-finite loss ({loss_value}) or grad norm ({norm_value}) at step "
                                      f"{self.step_count}")
         return dict(step=self.step_count, loss=loss_value, grad_norm=norm_value, lr=lr, seconds=seconds,
-                    tokens_per_s=ids.numel() / seconds)
+                    tokens_per_s=ids.numel() * self.dp / seconds)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
-        return dict(step=self.step_count, scheduler=self.scheduler.state_dict(), data=self.data.state_dict())
+        return dict(step=self.step_count, scheduler=self.scheduler.state_dict(), data=self.data.state_dict(),
+                    layout=dict(dp=self.dp, cp=self.cp))
 
     def save(self) -> None:
         path = save_checkpoint(self.cfg.checkpoint.dir, self.step_count, self.model, self.optimizer,
@@ -292,8 +299,10 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             self.data.load_state_dict(state["data"])
             self.step_count = state["step"]
-            saved_world = manifest.get("world_size")
-            reshard = f", resharded from cp={saved_world} to cp={self.world}" if saved_world != self.world else ""
+            # the data position is global (the same on every rank), so any (dp, cp) continues the same stream
+            saved = state.get("layout") or dict(dp=1, cp=manifest.get("world_size"))  # older checkpoints: cp only
+            saved, now = f"dp{saved['dp']}xcp{saved['cp']}", f"dp{self.dp}xcp{self.cp}"
+            reshard = f", resharded from {saved} to {now}" if saved != now else ""
             self.progress.message(f"resumed run {plan['run_id']} from {plan['resume']} (step {self.step_count}"
                                   f"{reshard})")
         self.run_id = plan["run_id"]
@@ -305,7 +314,8 @@ class Trainer:
     def describe(self) -> str:
         cfg, acc = self.cfg, self.cfg.accelerator
         kinds = "".join("L" if t == "linear_attention" else "F" for t in self.model.config.layer_types)
-        return (f"deltacp.train: Qwen3.5 hybrid {kinds} ({self.n_params / 1e6:.2f} M params) | cp={self.world} "
+        return (f"deltacp.train: Qwen3.5 hybrid {kinds} ({self.n_params / 1e6:.2f} M params) "
+                f"| dp={self.dp} x cp={self.cp} "
                 f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} | {cfg.dtype} | "
                 f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
@@ -365,9 +375,10 @@ def plan_checkpoint_dir(cfg: TrainConfig) -> dict:
     return plan
 
 
-def with_cp(cfg: TrainConfig, cp: int, mode: str | None = None) -> TrainConfig:
-    """The same job at another CP degree (and optionally another mode); ulysses_degree follows cp."""
-    acc = replace(cfg.accelerator, cp=cp, ulysses_degree=None,
+def with_cp(cfg: TrainConfig, cp: int, mode: str | None = None, dp: int | None = None) -> TrainConfig:
+    """The same job at another CP degree (and optionally another mode and dp; dp None: derived from the world
+    size); ulysses_degree follows cp."""
+    acc = replace(cfg.accelerator, cp=cp, dp=dp, ulysses_degree=None,
                   linear_attention_cp_mode=mode or cfg.accelerator.linear_attention_cp_mode)
     acc.validate()
     return replace(cfg, accelerator=acc)
