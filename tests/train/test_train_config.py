@@ -201,3 +201,12 @@ def test_packed_rows_hold_whole_documents_and_their_offsets(tmp_path):
     assert rows[0][1].tolist() == [0, 5, 6, 32]
     assert rows[1][1].tolist() == [0, 4, 6, 32]
     _load("train.data.packing=true", "train.data.batch_size=2")  # two packed rows per step (one per dp group at dp 2)
+
+
+def test_long_memory_gates_on_a_pretrained_model_are_refused(tmp_path):
+    from deltacp.train.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  model: {pretrained: /some/dir, gate_init: long_memory}\n")
+    with pytest.raises(ConfigError, match=r"train\.model\.gate_init='long_memory' would overwrite the gates"):
+        load_config(path, [])

@@ -50,7 +50,8 @@ class ModelConfig:
     config: dict = field(default_factory=dict)
     """Qwen3_5TextConfig fields (e.g. hidden_size, layer_types); keys are checked against the class."""
     gate_init: Literal["default", "long_memory"] = "default"
-    """long_memory: slowly decaying GDN heads (deltacp.testing.gates), so state hand-over between ranks matters."""
+    """long_memory: slowly decaying GDN heads (deltacp.testing.gates), so state hand-over between ranks matters;
+    models built from `config` only (with `pretrained` it is an error: it would overwrite trained gates)."""
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,9 @@ def config_from_dict(raw: dict) -> TrainConfig:
         raise ConfigError(f"train.schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
     if cfg.model.pretrained is not None and cfg.model.config:
         raise ConfigError("train.model: give either pretrained (a local directory) or config (fields), not both")
+    if cfg.model.pretrained is not None and cfg.model.gate_init != "default":
+        raise ConfigError(f"train.model.gate_init={cfg.model.gate_init!r} would overwrite the gates (A_log, dt_bias) "
+                          f"of the pretrained model in train.model.pretrained; use gate_init: default")
     check_model_config_keys(cfg.model.config)
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
         raise ConfigError("train.checkpoint.overwrite=true needs train.checkpoint.resume=false (overwrite deletes the "
