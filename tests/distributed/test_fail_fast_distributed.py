@@ -140,6 +140,12 @@ def keywords_worker(rank, world):
     # a GDN layer applied on its own refuses unknown keywords too
     gdn = LinearAttentionContextParallel(mode="ulysses").apply(Qwen3_5GatedDeltaNet(tiny_config(), 0), mesh)
     _expect(NotImplementedError, r"\['seq_idx'\]", lambda: gdn(torch.randn(1, 16, 64), seq_idx=torch.zeros(1, 16)))
+    # ... and exchanges an input header too: different offsets or a malformed mask on one rank raise everywhere
+    p2p = LinearAttentionContextParallel(mode="p2p").apply(Qwen3_5GatedDeltaNet(tiny_config(), 0), mesh)
+    _expect(ValueError, "ranks received different CP inputs",
+            lambda: p2p(torch.randn(1, 16, 64), cu_seq_lens_q=torch.tensor([0, cut, S])))
+    _expect(ValueError, r"2-D padding mask of the local tokens" if rank == 0 else r"inputs of rank\(s\) \[0\]",
+            lambda: p2p(torch.randn(1, 16, 64), attention_mask=bad))
 
 
 def test_unhonoured_keywords_raise_cp2():

@@ -30,6 +30,8 @@ from deltacp.parallel.documents import (
     AttentionDocuments,
     CPForwardContext,
     PackedDocuments,
+    agree_on_inputs,
+    all_gather_tokens,
     cu_seqlens_from_padding,
     cu_seqlens_from_position_ids,
     documents_from_keywords,
@@ -122,23 +124,6 @@ def _refuse_local_loss(module, args, kwargs):
     return args, kwargs
 
 
-def _all_gather_cat(x_BS: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """[B, s] int64 on every rank -> [B, S] (rank order)."""
-    parts = [torch.empty_like(x_BS) for _ in range(cp)]
-    dist.all_gather(parts, x_BS.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
-
-def _fingerprint(value) -> tuple[int, int, int, int, int]:
-    """(given, count, sum, sum of squares, index-weighted sum) of a packing keyword's value: equal on ranks that
-    received the same offsets."""
-    if value is None:
-        return (0, 0, 0, 0, 0)
-    x = value.detach().to("cpu", torch.int64).flatten() if isinstance(value, torch.Tensor) else torch.tensor(
-        [int(value)])
-    return (1, x.numel(), int(x.sum()), int((x * x).sum()), int((x * torch.arange(1, x.numel() + 1)).sum()))
-
-
 def _make_cp_inputs_hook(group):
     """Builds the forward's `CPForwardContext` (documents, padding, activation-checkpoint replay) and hands it to
     every layer as its attention mask; fills missing position ids.
@@ -172,23 +157,11 @@ def _make_cp_inputs_hook(group):
                                           "document instead (shard_batch_for_cp's pad_to_multiple_of)")
         except (ValueError, NotImplementedError, TypeError) as e:
             error = e
-        header = torch.tensor([B, s, mask is not None, positions is not None, error is not None,
-                               *(x for value in packing.values() for x in _fingerprint(value))],
-                              dtype=torch.int64, device=local.device)
-        headers = _all_gather_cat(header[None], group, cp).view(cp, -1)
-        if error is not None:
-            raise error
-        refused = headers[:, 4].nonzero().flatten().tolist()
-        if refused:
-            raise ValueError(f"the CP inputs of rank(s) {refused} were refused (see their error); every rank stops")
-        if not bool((headers == header).all()):
-            raise ValueError(f"ranks received different CP inputs (per rank: B, s, has attention_mask, has "
-                             f"position_ids, refused, then count and checksums of cu_seq_lens_q/k, max_length_q/k): "
-                             f"{headers.tolist()}; every rank must get its slice of the same batch")
+        agree_on_inputs(group, local.device, [B, s, mask is not None, positions is not None], packing, error)
         # transformers' convention: restarting position ids describe documents only when no padding mask is given
         if docs is None and positions is not None and mask is None:
             text_positions = positions if positions.ndim == 2 else positions[0]
-            cu_pos = cu_seqlens_from_position_ids(_all_gather_cat(text_positions.to(torch.int64), group, cp))
+            cu_pos = cu_seqlens_from_position_ids(all_gather_tokens(text_positions.to(torch.int64), group, cp))
             docs = None if cu_pos is None else PackedDocuments.build(cu_pos, S, "position_ids")
         if positions is None:
             positions = (position_ids_from_cu_seqlens(docs.cu_seqlens)[:, rank * s:(rank + 1) * s].to(local.device)
@@ -198,7 +171,7 @@ def _make_cp_inputs_hook(group):
         if docs is not None:
             attention = AttentionDocuments.build(docs.cu_seqlens)
         elif mask is not None:
-            cu_pad = cu_seqlens_from_padding(_all_gather_cat(mask.to(torch.int64), group, cp))
+            cu_pad = cu_seqlens_from_padding(all_gather_tokens(mask.to(torch.int64), group, cp))
             attention = None if cu_pad is None else AttentionDocuments.build(cu_pad)
         context = CPForwardContext(padding=mask, documents=docs, attention=attention)
         kwargs["attention_mask"] = {"linear_attention": context, "full_attention": context}

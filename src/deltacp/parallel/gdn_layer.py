@@ -23,6 +23,7 @@ from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.documents import (
     CPForwardContext,
+    agree_on_inputs,
     DocumentSegment,
     documents_from_keywords,
     refuse_unsupported,
@@ -80,7 +81,8 @@ def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int
 
 def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
     """The forward context of this call: the model hook's, or one built from a padding mask / packing keywords
-    (a layer applied on its own, without `parallelize_qwen3_5_cp`)."""
+    (a layer applied on its own, without `parallelize_qwen3_5_cp`: then after the same input-header exchange as
+    the model hook's, one small all-gather per call)."""
     if isinstance(attention_mask, CPForwardContext):
         if any(v is not None for v in packing.values()):
             raise ValueError(f"packing keywords {sorted(k for k, v in packing.items() if v is not None)} reached a "
@@ -88,13 +90,18 @@ def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, 
                              f"once")
         return attention_mask
     B, s = hidden_states.shape[:2]
-    if attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape != (B, s)):
-        raise ValueError(f"linear attention CP takes a 2-D padding mask of the local tokens [B, s] = {(B, s)}, got "
-                         f"attention_mask of shape {tuple(attention_mask.shape)}")
-    docs = documents_from_keywords(s * dist.get_world_size(layer.group), **packing)
-    if docs is not None and attention_mask is not None:
-        raise NotImplementedError("packed documents (cu_seq_lens_q) with a padding mask: pad a packed row with a "
-                                  "padding document instead (see shard_batch_for_cp)")
+    docs, error = None, None
+    try:  # local checks, then one header exchange so that every rank raises together (as the model hook does)
+        if attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape != (B, s)):
+            raise ValueError(f"linear attention CP takes a 2-D padding mask of the local tokens [B, s] = {(B, s)}, "
+                             f"got attention_mask of shape {tuple(attention_mask.shape)}")
+        docs = documents_from_keywords(s * dist.get_world_size(layer.group), **packing)
+        if docs is not None and attention_mask is not None:
+            raise NotImplementedError("packed documents (cu_seq_lens_q) with a padding mask: pad a packed row with "
+                                      "a padding document instead (see shard_batch_for_cp)")
+    except (ValueError, NotImplementedError, TypeError) as e:
+        error = e
+    agree_on_inputs(layer.group, hidden_states.device, [B, s, attention_mask is not None], packing, error)
     return CPForwardContext(padding=attention_mask, documents=docs)
 
 
