@@ -15,6 +15,9 @@
 #   bash scripts/gpu_checks.sh packed  packed documents end to end: per-document attention (bf16 vs fp32, no dense mask
 #                                      at 128K), CP triton layer parity on packed rows (2/4 ranks on one GPU), 128K
 #                                      packed-row op bench vs FLA varlen, per-rank cost of a packed 128K row at CP4/CP8
+#   bash scripts/gpu_checks.sh shapes  the released Qwen3.5 sizes (vocabulary 248,320): peak memory of one training step at
+#                                      4K-16K, deltacp vs transformers, longest sequence projected and verified, tokens/s;
+#                                      fails unless deltacp's step runs a 4-layer hidden-2048 model at 32K (about 5 min)
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
 #                                      20 steps with and without activation checkpointing, FSDP2 on
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
@@ -22,8 +25,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|op|cp|ncu|sweep|varlen|packed|multi) ;;
-  *) echo "usage: $0 tests|quick|op|cp|ncu|sweep|varlen|packed|multi" >&2; exit 2 ;; esac
+case "$part" in tests|quick|op|cp|ncu|sweep|varlen|packed|shapes|multi) ;;
+  *) echo "usage: $0 tests|quick|op|cp|ncu|sweep|varlen|packed|shapes|multi" >&2; exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -66,6 +69,11 @@ op)
   check stage_times 120 python bench/gdn_kernels.py --time prepare summary_prepared summary_s_only summary_state_fwd \
     initial_state_grad wy_bwd --length 16384
   check long_memory 90 python bench/long_memory_accuracy.py --lengths 8192 32768
+  ;;
+shapes)
+  check vocab_32k 120 python bench/real_shapes.py --sizes 2B --layers 4 --lengths 32768 --repeat 3 \
+    --require-deltacp --verify-budget-s 0 --json "$OUT/shapes.jsonl"
+  check real_shapes 420 python bench/real_shapes.py --json "$OUT/shapes.jsonl"
   ;;
 varlen)
   check varlen_gpu_tests 240 python -m pytest tests/gpu/test_triton_varlen_gpu.py -q -s -ra -p no:cacheprovider

@@ -210,3 +210,40 @@ def test_long_memory_gates_on_a_pretrained_model_are_refused(tmp_path):
     path.write_text("train:\n  model: {pretrained: /some/dir, gate_init: long_memory}\n")
     with pytest.raises(ConfigError, match=r"train\.model\.gate_init='long_memory' would overwrite the gates"):
         load_config(path, [])
+
+
+def test_presets_are_the_released_shapes():
+    """The 9B preset is transformers' default Qwen3_5TextConfig (the released 9B text model) up to the rope theta
+    and context of the release; every size builds and has its published text-model parameter count."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from deltacp.models.presets import QWEN3_5_PRESETS, qwen3_5_preset
+
+    default = Qwen3_5TextConfig().to_dict()
+    nine = Qwen3_5TextConfig(**qwen3_5_preset("9B")).to_dict()
+    differ = sorted(k for k in default if k not in ("rope_parameters", "max_position_embeddings") and
+                    default[k] != nine[k])
+    assert differ == [], differ
+    billions = {}
+    for size in QWEN3_5_PRESETS:
+        with torch.device("meta"):
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**qwen3_5_preset(size)))
+        billions[size] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
+        assert model.config.vocab_size == 248_320 and model.config.layer_types[3::4] == ["full_attention"] * (
+            model.config.num_hidden_layers // 4)
+    assert billions == {"0.8B": 0.75, "2B": 1.88, "4B": 4.21, "9B": 8.95, "27B": 26.9}
+    with pytest.raises(ValueError, match=r"preset '3B' is not known; expected one of \('0\.8B'"):
+        qwen3_5_preset("3B")
+
+
+def test_trainer_preset_with_overrides():
+    from deltacp.train.config import model_config_fields
+
+    cfg = _load("train.model.config={num_hidden_layers: 4, vocab_size: 256}", "train.model.preset=2B")
+    fields = model_config_fields(cfg.model)
+    assert fields["hidden_size"] == 2048 and fields["vocab_size"] == 256 and fields["num_hidden_layers"] == 4
+    assert fields["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    with pytest.raises(ConfigError, match=r"^train\.model\.preset='2b' is not known; expected one of \['0\.8B'"):
+        _load("train.model.preset=2b")
+    with pytest.raises(ConfigError, match=r"give either pretrained .* or preset/config"):
+        _load("train.model.config={}", "train.model.preset=2B", "train.model.pretrained=/nonexistent")

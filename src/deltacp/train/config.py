@@ -47,6 +47,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     pretrained: str | None = None
     """A local directory with a Qwen3.5 text checkpoint (config.json + weights); no network. Excludes `config`."""
+    preset: str | None = None
+    """A released Qwen3.5 dense size (0.8B, 2B, 4B, 9B, 27B; deltacp.models.presets): its Qwen3_5TextConfig
+    fields (vocabulary 248,320), randomly initialised; `config` fields override them. Excludes `pretrained`."""
     config: dict = field(default_factory=dict)
     """Qwen3_5TextConfig fields (e.g. hidden_size, layer_types); keys are checked against the class."""
     gate_init: Literal["default", "long_memory"] = "default"
@@ -302,6 +305,17 @@ def check_model_config_keys(fields_: dict, prefix: str = "train.model.config") -
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown Qwen3_5TextConfig field")
 
 
+def model_config_fields(model: ModelConfig) -> dict:
+    """The Qwen3_5TextConfig fields of a model built from `preset` and/or `config` (config wins)."""
+    from deltacp.models.presets import qwen3_5_preset
+
+    base = qwen3_5_preset(model.preset) if model.preset is not None else {}
+    fields_ = {**base, **model.config}
+    if model.preset is not None and "num_hidden_layers" in model.config and "layer_types" not in model.config:
+        fields_["layer_types"] = base["layer_types"][: model.config["num_hidden_layers"]]
+    return fields_
+
+
 def config_from_dict(raw: dict) -> TrainConfig:
     if not isinstance(raw, dict) or set(raw) != {"train"}:
         extra = sorted(set(raw) - {"train"}) if isinstance(raw, dict) else raw
@@ -330,8 +344,15 @@ def config_from_dict(raw: dict) -> TrainConfig:
     _check_finite(cfg.model.config, "train.model.config")
     if not 0 <= cfg.schedule.min_lr_ratio <= 1:
         raise ConfigError(f"train.schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
-    if cfg.model.pretrained is not None and cfg.model.config:
-        raise ConfigError("train.model: give either pretrained (a local directory) or config (fields), not both")
+    if cfg.model.pretrained is not None and (cfg.model.config or cfg.model.preset is not None):
+        raise ConfigError("train.model: give either pretrained (a local directory) or preset/config (fields), not "
+                          "both")
+    if cfg.model.preset is not None:
+        from deltacp.models.presets import QWEN3_5_PRESETS
+
+        if cfg.model.preset not in QWEN3_5_PRESETS:
+            raise ConfigError(f"train.model.preset={cfg.model.preset!r} is not known; expected one of "
+                              f"{list(QWEN3_5_PRESETS)}")
     if cfg.model.pretrained is not None and cfg.model.gate_init != "default":
         raise ConfigError(f"train.model.gate_init={cfg.model.gate_init!r} would overwrite the gates (A_log, dt_bias) "
                           f"of the pretrained model in train.model.pretrained; use gate_init: default")

@@ -46,7 +46,7 @@ from deltacp.train.checkpoint import (
     run_owner,
     save_checkpoint,
 )
-from deltacp.train.config import ConfigError, TrainConfig
+from deltacp.train.config import ConfigError, TrainConfig, model_config_fields
 from deltacp.train.data import TokenStream
 from deltacp.train.progress import Progress
 
@@ -112,9 +112,10 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     if cfg.model.pretrained is not None:
         model = Qwen3_5ForCausalLM.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32)
     else:
-        if not cfg.model.config:
-            raise ConfigError("train.model: give config (Qwen3_5TextConfig fields) or pretrained (a local directory)")
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg.model.config))
+        if not cfg.model.config and cfg.model.preset is None:
+            raise ConfigError("train.model: give preset (a released size), config (Qwen3_5TextConfig fields) or "
+                              "pretrained (a local directory)")
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**model_config_fields(cfg.model)))
     if model.config.vocab_size < vocab_size:
         raise ConfigError(f"train.model vocab_size ({model.config.vocab_size}) is smaller than the tokenizer's "
                           f"({vocab_size})")
