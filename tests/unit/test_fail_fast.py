@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from deltacp import LinearAttentionContextParallel, parallelize_qwen3_5_cp
@@ -46,15 +45,6 @@ def test_accelerator_config_defaults_and_world_size():
     assert (config.linear_attention_cp_mode, config.linear_attention_gdn_backend) == ("ulysses", "eager")
     with pytest.raises(ValueError, match=r"cp \(3\) x tp \(1\) must divide the world size \(4\)"):
         AcceleratorConfig(cp=3).validate(world_size=4)
-
-
-@pytest.fixture
-def single_rank_group():
-    from deltacp.testing.spawn import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _tiny_model():
