@@ -27,8 +27,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|op|cp|ncu|sweep|varlen|packed|shapes|multi) ;;
-  *) echo "usage: $0 tests|quick|op|cp|ncu|sweep|varlen|packed|shapes|multi" >&2; exit 2 ;; esac
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi" >&2; exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -65,6 +65,10 @@ tests|quick)
   check triton_selfcheck 90 python -m pytest tests/gpu/test_triton_selfcheck_gpu.py -q -s -ra -p no:cacheprovider
   check gdn_op_tests 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}"
   check cp_tests 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k "not packed"
+  ;;
+families)
+  # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)
+  check family_shapes 420 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider
   ;;
 op)
   check op_bench 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl"

@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny Qwen3.5 configs, rel-L2, single-rank reference meshes."""
+"""Shared test helpers: tiny Qwen3.5 configs (and tiny models of every supported family), rel-L2, single-rank
+reference meshes."""
 
 from __future__ import annotations
 
@@ -71,3 +72,77 @@ def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.flatten() for _, g in sorted(grads.items())])
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny models of every supported family (3 GDN + 1 full attention layers, hidden 32)
+# ---------------------------------------------------------------------------------------------------------------
+
+FAMILY_CLASSES = ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                  "Qwen3_5MoeForConditionalGeneration")
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 250, 251, 252, 253
+TEXT_VOCAB = 240  # text tokens drawn below the vision special tokens
+
+
+def tiny_text_fields(**overrides) -> dict:
+    fields = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                  max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    fields.update(overrides)
+    return fields
+
+
+MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  router_aux_loss_coef=0.25)
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32, patch_size=2,
+                   temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)
+
+
+def tiny_family_model(name: str, dtype=torch.float64) -> torch.nn.Module:
+    """A tiny random model of class `name` as transformers builds it (sdpa attention; eager experts, which
+    run in float64 on the CPU where grouped_mm does not)."""
+    import transformers
+
+    text = tiny_text_fields()
+    if name == "Qwen3_5MoeForCausalLM":
+        config = transformers.Qwen3_5MoeTextConfig(**text, **MOE_FIELDS)
+    elif name == "Qwen3NextForCausalLM":
+        config = transformers.Qwen3NextConfig(**text, **MOE_FIELDS, decoder_sparse_step=1, mlp_only_layers=[1],
+                                              norm_topk_prob=True)
+    elif name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        moe = name.startswith("Qwen3_5Moe")
+        config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+        config = config_cls(text_config=dict(text, **(MOE_FIELDS if moe else {})), vision_config=dict(TINY_VISION),
+                            image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
+                            vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID,
+                            tie_word_embeddings=False)
+    else:
+        raise ValueError(name)
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        cfg._attn_implementation = "sdpa"
+        cfg._experts_implementation = "eager"
+    if hasattr(config, "vision_config"):
+        config.vision_config._attn_implementation = "sdpa"
+    model = getattr(transformers, name)(config)
+    return long_memory_gates_(model).to(dtype)
+
+
+def image_batch(B: int, S: int, grid=(1, 4, 4), starts=(5,), seed: int = 0):
+    """Token ids [B, S] with one image (grid t, h, w patches; merged 2x2) per entry of `starts` in row 0 (a
+    vision-start token, the image tokens, a vision-end token), the processor's mm_token_type_ids, pixel_values
+    [patches, 3 * 2 * 2 * 2] and image_grid_thw."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TEXT_VOCAB, (B, S), generator=gen)
+    types = torch.zeros(B, S, dtype=torch.long)
+    t, h, w = grid
+    n = t * h * w // 4
+    for start in starts:
+        ids[0, start - 1], ids[0, start + n] = VISION_START_ID, VISION_END_ID
+        ids[0, start:start + n] = IMAGE_TOKEN_ID
+        types[0, start:start + n] = 1
+    patches = len(starts) * t * h * w
+    pixel_values = torch.randn(patches, 3 * 2 * 2 * 2, generator=gen, dtype=torch.float64)
+    grid_thw = torch.tensor([list(grid)] * len(starts))
+    return ids, types, pixel_values, grid_thw

@@ -168,6 +168,9 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     hidden state against `target_ids` with the head's weight and bias. Inside the forward the head's weight is
     the unsharded one under FSDP2 (the root module holds it): FSDP2 frees it after the forward and gathers it
     again before the loss's backward, exactly as for nn.Linear. Tied embeddings work the same.
+
+    With routed experts whose forward returns `aux_loss` (output_router_logits), the result is the loss plus
+    `router_aux_loss_coef * aux_loss` (the global auxiliary loss, `models/moe.py`), as transformers adds it.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
@@ -181,7 +184,16 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     own_forward = head.__dict__.get("forward")
     head.forward = loss_head
     try:
-        return model(**model_kwargs).logits
+        output = model(**model_kwargs)
+        loss = output.logits
+        aux = getattr(output, "aux_loss", None)
+        if aux is not None:
+            cfg = model.config
+            coef = getattr(cfg, "router_aux_loss_coef", None)
+            if coef is None:  # a multimodal config keeps it in its text config
+                coef = cfg.get_text_config().router_aux_loss_coef
+            loss = loss + coef * aux.to(loss.dtype)
+        return loss
     finally:
         if own_forward is None:
             del head.forward

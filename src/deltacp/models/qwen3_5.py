@@ -1,14 +1,18 @@
-"""Context parallelism for transformers' Qwen3.5 hybrid models (`Qwen3_5ForCausalLM`, `Qwen3_5TextModel`).
+"""Context parallelism for transformers' GDN hybrid models: the Qwen3.5 family (dense, MoE, multimodal) and
+Qwen3-Next, through their model adapters (`models/adapters.py`; the supported classes are listed there).
 
-    model = parallelize_qwen3_5_cp(model, cp_mesh, linear_attention_cp_mode="p2p")
+    model = parallelize_cp(model, cp_mesh, linear_attention_cp_mode="p2p")   # parallelize_qwen3_5_cp: same
     batch = shard_batch_for_cp(input_ids, cp_mesh, attention_mask=mask)    # or cu_seqlens= for packed rows
     logits = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
     loss = cp_cross_entropy(logits, batch["target_ids"], cp_mesh)   # global mean over all tokens
 
 Order of application (one log line each), after validating every rank's configuration together: the GDN
 style on every `linear_attn`, Ulysses on every `self_attn`, then a pre-hook on the text model that builds each
-forward's `CPForwardContext` (documents, padding, checkpoint replay) for every layer, and on a causal-LM
-wrapper a pre-hook refusing `labels` and `logits_to_keep` (both would act on one rank's slice). Parameters are
+forward's `CPForwardContext` (documents, padding, checkpoint replay) for every layer, on a multimodal model a
+pre-hook that runs the vision tower and forms the mRoPE positions over the whole row (`models/multimodal.py`),
+on a causal-LM / conditional-generation wrapper a pre-hook refusing `labels` and `logits_to_keep` (both would
+act on one rank's slice) and, for routed experts, a hook making `aux_loss` global (`models/moe.py`). Experts
+are per-token work and stay as they are. Parameters are
 not sharded: compose FSDP2 on top with `fully_shard_qwen3_5`, or sum gradients over the CP group with
 `all_reduce_cp_grads` when parameters are replicated.
 """
@@ -23,6 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from deltacp.models.adapters import ModelAdapter, adapter_for
+from deltacp.models.moe import make_aux_loss_hook
+from deltacp.models.multimodal import make_multimodal_hook
 from deltacp.ops.gdn.varlen import check_cu_seqlens
 from deltacp.parallel.attention import check_attention_module, install_ulysses_attention
 from deltacp.parallel.documents import (
@@ -45,22 +52,16 @@ IGNORE_INDEX = -100
 
 
 def _text_model(model: nn.Module) -> nn.Module:
-    if type(model).__name__ == "Qwen3_5TextModel":
-        return model
-    inner = getattr(model, "model", None)
-    if inner is not None and type(inner).__name__ == "Qwen3_5TextModel":
-        return inner
-    raise NotImplementedError(f"parallelize_qwen3_5_cp takes a Qwen3_5ForCausalLM or Qwen3_5TextModel, got "
-                              f"{type(model).__name__}")
+    """The text model (decoder layers) of any supported model; NotImplementedError naming an unsupported class."""
+    return adapter_for(model).text
 
 
-def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
-                           linear_attention_cp_mode: str = "ulysses",
-                           linear_attention_gdn_backend: str = "eager") -> nn.Module:
-    """Apply CP in place to every layer of a Qwen3.5 hybrid by its type; return the model.
+def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
+                   linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager") -> nn.Module:
+    """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
 
     On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
-    slice of the single-device logits (per document, for packed rows).
+    slice of the single-device logits (per document, for packed rows). `parallelize_qwen3_5_cp` is this function.
     """
     group = cp_group_of(cp_mesh)
     cp = group.size()
@@ -73,43 +74,59 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
         if ulysses_degree is not None and ulysses_degree != cp:
             raise NotImplementedError(f"ulysses_degree={ulysses_degree} is not supported: it must be None or equal "
                                       f"to cp ({cp}); full attention CP is Ulysses over the whole CP mesh")
-        text = _text_model(model)
+        adapter = adapter_for(model)
+        text = adapter.text
         if getattr(text, "_deltacp_parallelized", False):
-            raise ValueError("parallelize_qwen3_5_cp: this model is already parallelized; apply CP once, to the "
+            raise ValueError("parallelize_cp: this model is already parallelized; apply CP once, to the "
                              "single-device model")
-        layers = list(text.layers)
-        config.update(layer_types=tuple(text.config.layer_types[: len(layers)]), hidden_size=text.config.hidden_size)
+        layers = adapter.layers()
+        config.update(family=adapter.family.name, layer_types=tuple(text.config.layer_types[: len(layers)]),
+                      hidden_size=text.config.hidden_size, moe=adapter.moe is not None)
         for i, layer in enumerate(layers):
-            if hasattr(layer, "linear_attn"):
-                layer_config = style.check_module(layer.linear_attn, cp)
-            elif hasattr(layer, "self_attn"):
-                layer_config = check_attention_module(layer.self_attn, cp)
+            linear, full = adapter.linear_attention(layer), adapter.full_attention(layer)
+            if linear is not None:
+                layer_config = style.check_module(linear, cp)
+            elif full is not None:
+                layer_config = check_attention_module(full, cp)
             else:
-                raise NotImplementedError(f"decoder layer {i} has neither linear_attn nor self_attn")
+                raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} has neither linear_attn nor "
+                                          f"self_attn (layer type {text.config.layer_types[i]!r})")
             config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
     except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
         error = e
-    check_same_config_across_ranks(config, group, "parallelize_qwen3_5_cp", error)
+    check_same_config_across_ranks(config, group, "parallelize_cp", error)
 
     p2p_group = style.p2p_group(cp_mesh)
     n_linear = n_full = 0
     for layer in layers:
-        if hasattr(layer, "linear_attn"):
-            style.install(layer.linear_attn, group, p2p_group)
+        if adapter.linear_attention(layer) is not None:
+            style.install(adapter.linear_attention(layer), group, p2p_group)
             n_linear += 1
     logger.info("Applied %s linear attention CP (%s backend) to %d GDN layers", linear_attention_cp_mode,
                 linear_attention_gdn_backend, n_linear)
     for layer in layers:
-        if hasattr(layer, "self_attn"):
-            install_ulysses_attention(layer.self_attn, group)
+        if adapter.full_attention(layer) is not None:
+            install_ulysses_attention(adapter.full_attention(layer), group)
             n_full += 1
     logger.info("Applied Ulysses CP (degree %d) to %d full attention layers", cp, n_full)
-    text.register_forward_pre_hook(_make_cp_inputs_hook(group), with_kwargs=True)
-    if model is not text:
-        model.register_forward_pre_hook(_refuse_local_loss, with_kwargs=True)
-    text._deltacp_parallelized = True
+    text.register_forward_pre_hook(_make_cp_inputs_hook(group, adapter), with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(text).__name__)
+    if adapter.multimodal is not None:
+        adapter.multimodal.register_forward_pre_hook(make_multimodal_hook(group), with_kwargs=True)
+        logger.info("Applied the multimodal CP hook (vision on the whole batch, global mRoPE positions) to %s",
+                    type(adapter.multimodal).__name__)
+    if adapter.head is not None:
+        adapter.head.register_forward_pre_hook(_refuse_local_loss, with_kwargs=True)
+        if adapter.moe is not None:
+            adapter.head.register_forward_hook(make_aux_loss_hook(adapter.moe.num_experts, adapter.moe.top_k,
+                                                                  batch_group_of(cp_mesh)), with_kwargs=True)
+            logger.info("Applied the global MoE auxiliary loss hook (%d experts, top %d) to %s",
+                        adapter.moe.num_experts, adapter.moe.top_k, type(adapter.head).__name__)
+    text._deltacp_parallelized = True
     return model
+
+
+parallelize_qwen3_5_cp = parallelize_cp
 
 
 def _refuse_local_loss(module, args, kwargs):
@@ -124,7 +141,7 @@ def _refuse_local_loss(module, args, kwargs):
     return args, kwargs
 
 
-def _make_cp_inputs_hook(group):
+def _make_cp_inputs_hook(group, adapter: ModelAdapter):
     """Builds the forward's `CPForwardContext` (documents, padding, activation-checkpoint replay) and hands it to
     every layer as its attention mask; fills missing position ids.
 
@@ -143,8 +160,10 @@ def _make_cp_inputs_hook(group):
         S = s * cp
         packing = {key: kwargs.pop(key, None) for key in PACKING_KEYWORDS}
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        docs, error = None, None
+        docs, error, text_positions = None, None, None
         try:  # local checks first; their outcome travels in the header, so all ranks raise together
+            if positions is not None:
+                text_positions = adapter.text_positions(positions)
             if isinstance(mask, dict):
                 raise ValueError("under CP, attention_mask must be None or the local 2-D padding mask [B, s]; a "
                                  "per-layer-type dict is built by deltacp itself")
@@ -157,10 +176,12 @@ def _make_cp_inputs_hook(group):
                                           "document instead (shard_batch_for_cp's pad_to_multiple_of)")
         except (ValueError, NotImplementedError, TypeError) as e:
             error = e
-        agree_on_inputs(group, local.device, [B, s, mask is not None, positions is not None], packing, error)
+        agree_on_inputs(group, local.device, [B, s, mask is not None, positions is not None,
+                                              text_positions is not None, bool(kwargs.get("output_router_logits"))],
+                        packing, error)
         # transformers' convention: restarting position ids describe documents only when no padding mask is given
-        if docs is None and positions is not None and mask is None:
-            text_positions = positions if positions.ndim == 2 else positions[0]
+        # (and only text positions do: the mRoPE rows of an image do not follow on by one)
+        if docs is None and text_positions is not None and mask is None:
             cu_pos = cu_seqlens_from_position_ids(all_gather_tokens(text_positions.to(torch.int64), group, cp))
             docs = None if cu_pos is None else PackedDocuments.build(cu_pos, S, "position_ids")
         if positions is None:
@@ -199,7 +220,8 @@ def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, multiple: 
 def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attention_mask: torch.Tensor | None = None,
                        labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                        position_ids: torch.Tensor | None = None, pad_to_multiple_of: int | None = None,
-                       pad_token_id: int = 0) -> dict[str, torch.Tensor | int | None]:
+                       pad_token_id: int = 0, mm_token_type_ids: torch.Tensor | None = None
+                       ) -> dict[str, torch.Tensor | int | None]:
     """Cut a global batch [B, S] into this rank's contiguous slice: keyword arguments of the CP'd model, plus
     `target_ids` for `cp_cross_entropy`.
 
@@ -212,6 +234,10 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     `pad_token_id` tokens to a packed row (targets ignored) so that it is.
     Targets are shifted over the whole row before cutting (no rank needs its neighbour's tokens):
     IGNORE_INDEX at each document's last token, and wherever the target token is padding.
+
+    Multimodal batches (images): give the processor's `mm_token_type_ids` [B, S]; the result carries its slice
+    and no position_ids (the model's multimodal hook forms the mRoPE positions over the whole row). Pass the
+    batch's `pixel_values` and `image_grid_thw` whole to every rank's model call. Not with packed documents.
     """
     group = cp_group_of(cp_mesh)
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -238,6 +264,10 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     elif pad_to_multiple_of:
         raise ValueError("shard_batch_for_cp: pad_to_multiple_of pads packed rows (give cu_seqlens or position_ids);"
                          " pad unpacked rows yourself with an attention_mask")
+    if mm_token_type_ids is not None and (cu_seqlens is not None or tuple(mm_token_type_ids.shape) != (B, S)):
+        raise ValueError(f"shard_batch_for_cp: mm_token_type_ids must be [B, S] = {(B, S)} of an unpacked batch, got "
+                         f"{tuple(mm_token_type_ids.shape)}" + (" with packed documents" if cu_seqlens is not None
+                                                               else ""))
     if S % cp:
         raise ValueError(f"the global sequence length ({S}) must be divisible by cp ({cp})"
                          + ("; pass pad_to_multiple_of=cp to append a padding document" if cu_seqlens is not None
@@ -247,6 +277,10 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     if attention_mask is not None:
         targets[:, :-1][attention_mask[:, 1:] == 0] = IGNORE_INDEX
     cut = slice(rank * (S // cp), (rank + 1) * (S // cp))
+    if mm_token_type_ids is not None:  # positions: the model's multimodal hook forms mRoPE over the whole row
+        return dict(input_ids=input_ids[:, cut], mm_token_type_ids=mm_token_type_ids[:, cut],
+                    target_ids=targets[:, cut],
+                    attention_mask=None if attention_mask is None else attention_mask[:, cut])
     if cu_seqlens is None:
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         return dict(input_ids=input_ids[:, cut], position_ids=positions[:, cut], target_ids=targets[:, cut],
@@ -301,7 +335,7 @@ def fully_shard_qwen3_5(model: nn.Module, mesh: DeviceMesh, mp_policy=None, resh
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy if isinstance(mp_policy, MixedPrecisionPolicy) else MixedPrecisionPolicy(
             **mp_policy)
-    for layer in _text_model(model).layers:
+    for layer in _text_model(model).layers:  # any supported class (the vision tower goes with the root)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():

@@ -62,7 +62,7 @@ class _AnchorBackward(torch.autograd.Function):
 
 def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                      ctx: CPForwardContext) -> torch.Tensor:
-    m = layer.module
+    m = layer.view
     rank = torch.distributed.get_rank(layer.group)
     s = qkv_BsC.shape[1]
     docs = document_segment(layer, ctx, rank, torch.distributed.get_world_size(layer.group), s)

@@ -1,4 +1,5 @@
-"""Ulysses CP for transformers' full attention `Qwen3_5Attention` over the same 1-D CP mesh.
+"""Ulysses CP for a gated full attention (Qwen3.5 dense/MoE, Qwen3-Next: through the family's
+`AttentionView`) over the same 1-D CP mesh.
 
 Local projections, q/k norms and rotary (position embeddings of the rank's global positions), then
 all-to-all to head shards over the whole sequence, causal attention, all-to-all back, output gate and
@@ -21,11 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
-
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
+from deltacp.parallel.views import AttentionView, attention_view_of
 
 
 def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[int, int]:
@@ -68,21 +68,22 @@ def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD
     return o_THD.reshape(B, S, H, -1).transpose(1, 2)
 
 
-def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Tensor,
+def ulysses_attention_forward(view: AttentionView, group, hidden_states: torch.Tensor,
                               position_embeddings: tuple[torch.Tensor, torch.Tensor],
                               attention_mask: CPForwardContext | None = None, cache=None, past_key_values=None,
                               use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
-                              **unsupported):
-    """position_ids: read upstream (the rotary embedding, and the model hook for document starts), not here."""
-    refuse_unsupported("Qwen3.5 full attention", dict(unsupported, cache=cache, past_key_values=past_key_values,
+                              output_router_logits: bool | None = None, **unsupported):
+    """position_ids: read upstream (the rotary embedding, and the model hook for document starts), not here.
+    output_router_logits: passed down every decoder layer of an MoE model, honoured by transformers' recording of
+    the routers' outputs; nothing to do here."""
+    refuse_unsupported(type(view.module).__name__, dict(unsupported, cache=cache, past_key_values=past_key_values,
                                                        use_cache=use_cache))
     if hasattr(hidden_states, "to_local"):
         hidden_states = hidden_states.to_local()
     cp = dist.get_world_size(group)
-    cfg = module.config
-    D = module.head_dim
+    D = view.head_dim
     B, s, _ = hidden_states.shape
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    heads, kv_heads = view.num_heads, view.num_kv_heads
     heads_local, kv_local = attention_head_layout(heads, kv_heads, cp)
     if attention_mask is not None and not isinstance(attention_mask, CPForwardContext):
         raise ValueError(f"Ulysses full attention takes None or the model hook's CPForwardContext as attention_mask, "
@@ -90,14 +91,13 @@ def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Ten
                          f"which builds it from the padding mask or the packed documents")
     docs = None if attention_mask is None else attention_mask.attention
 
-    q_BsHD, gate = torch.chunk(module.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
+    q_BsHD, gate = torch.chunk(view.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
     gate = gate.reshape(B, s, heads * D)
-    q_BsHD = zero_centered_rms_norm(q_BsHD, module.q_norm.weight, module.q_norm.eps)
-    k_BsHD = zero_centered_rms_norm(module.k_proj(hidden_states).view(B, s, kv_heads, D), module.k_norm.weight,
-                                    module.k_norm.eps)
-    v_BsHD = module.v_proj(hidden_states).view(B, s, kv_heads, D)
+    q_BsHD = zero_centered_rms_norm(q_BsHD, *view.q_norm)
+    k_BsHD = zero_centered_rms_norm(view.k_proj(hidden_states).view(B, s, kv_heads, D), *view.k_norm)
+    v_BsHD = view.v_proj(hidden_states).view(B, s, kv_heads, D)
     cos, sin = position_embeddings
-    q_BsHD, k_BsHD = apply_rotary_pos_emb(q_BsHD, k_BsHD, cos, sin, unsqueeze_dim=2)
+    q_BsHD, k_BsHD = view.apply_rotary(q_BsHD, k_BsHD, cos, sin)
     if kv_heads % cp:
         k_BsHD, v_BsHD = (x.repeat_interleave(heads // kv_heads, dim=2) for x in (k_BsHD, v_BsHD))
 
@@ -106,23 +106,21 @@ def ulysses_attention_forward(module: nn.Module, group, hidden_states: torch.Ten
     full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
     q_BSX, k_BSX, v_BSX = torch.split(full_BSX, [heads_local * D, kv_local * D, kv_local * D], dim=-1)
     q_BHSD, k_BHSD, v_BHSD = (x.reshape(B, s * cp, -1, D).transpose(1, 2) for x in (q_BSX, k_BSX, v_BSX))
-    o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=module.scaling,
-                                       dropout_p=module.attention_dropout if module.training else 0.0)
+    o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=view.scaling, dropout_p=view.dropout)
     o_BSX = o_BHSD.transpose(1, 2).reshape(B, s * cp, heads_local * D)
     o_BsX = all_to_all_head_to_seq(o_BSX, group).reshape(B, s, heads * D)
-    return module.o_proj(o_BsX * torch.sigmoid(gate)), None
+    return view.o_proj(o_BsX * torch.sigmoid(gate)), None
 
 
 def check_attention_module(module: nn.Module, cp: int) -> dict:
-    if type(module).__name__ != "Qwen3_5Attention":
-        raise NotImplementedError(f"Ulysses full attention CP applies to transformers' Qwen3_5Attention, got "
-                                  f"{type(module).__name__}")
-    cfg = module.config
-    attention_head_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cp)
-    return dict(num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                head_dim=module.head_dim)
+    """Validate a full attention module (through its family's view); the configuration every rank must share."""
+    view = attention_view_of(module)
+    attention_head_layout(view.num_heads, view.num_kv_heads, cp)
+    return dict(family=view.family, num_attention_heads=view.num_heads, num_key_value_heads=view.num_kv_heads,
+                head_dim=view.head_dim)
 
 
 def install_ulysses_attention(module: nn.Module, group) -> nn.Module:
-    module.forward = partial(ulysses_attention_forward, module, group)
+    """Install the Ulysses forward on the module instance (class, parameters and state_dict keys unchanged)."""
+    module.forward = partial(ulysses_attention_forward, attention_view_of(module), group)
     return module

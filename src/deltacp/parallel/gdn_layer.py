@@ -1,8 +1,9 @@
-"""The CP forward of transformers' `Qwen3_5GatedDeltaNet`: model semantics around a CP token mixer.
+"""The CP forward of a GDN layer (any family, through its `GDNView`): model semantics around a CP token mixer.
 
 Projections, gates, gated RMSNorm and the out projection are the module's own (its parameters, its
-order of operations, transformers' upcasting policy for bf16); only the conv + GDN core between them
-is replaced by the mode's token mixer, which owns the layout and the communication.
+order of operations, transformers' upcasting policy for bf16), handed over by the family's view
+(`parallel/views.py`); only the conv + GDN core between them is replaced by the mode's token mixer, which
+owns the layout and the communication.
 
 Shape legend: x_BsD local hidden states; qkv_BsC pre-conv [q | k | v] channels of the local tokens;
 b_BsH / a_BsH per-value-head beta and gate inputs; o_BsHV core output of the local tokens.
@@ -21,6 +22,7 @@ from torch.distributed import ProcessGroup
 
 from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.parallel.views import GDNView
 from deltacp.parallel.documents import (
     CPForwardContext,
     agree_on_inputs,
@@ -34,7 +36,7 @@ from deltacp.parallel.documents import (
 class GDNLayerCP:
     """What a CP token mixer needs of one GDN layer on one rank."""
 
-    module: nn.Module
+    view: GDNView
     group: ProcessGroup
     mode: str
     backend: GDNBackend
@@ -42,16 +44,20 @@ class GDNLayerCP:
     extra: dict = field(default_factory=dict)  # per-mode state (e.g. the p2p StatePassing)
 
     @property
+    def module(self) -> nn.Module:
+        return self.view.module
+
+    @property
     def conv_weight_CK(self) -> torch.Tensor:
-        return self.module.conv1d.weight.squeeze(1)
+        return self.view.conv1d.weight.squeeze(1)
 
     @property
     def conv_dilation(self) -> int:
-        return self.module.conv1d.dilation[0]
+        return self.view.conv1d.dilation[0]
 
     @property
     def halo(self) -> int:
-        return (self.module.conv1d.kernel_size[0] - 1) * self.conv_dilation
+        return (self.view.conv1d.kernel_size[0] - 1) * self.conv_dilation
 
 
 def gdn_gate(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
@@ -115,22 +121,25 @@ def document_segment(layer: GDNLayerCP, ctx: CPForwardContext, rank: int, parts:
         raise ValueError(f"the packed documents cover {ctx.documents.seq_len} tokens, but this rank's slice of "
                          f"{s} tokens is not 1/{parts} of that row")
     lo, hi = rank * s, (rank + 1) * s
-    kernel = layer.module.conv1d.kernel_size[0]
+    kernel = layer.view.conv1d.kernel_size[0]
     return ctx.documents.segment(lo, hi, kernel, layer.conv_dilation)
 
 
 def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
                    cache_params=None, use_cache: bool | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                   max_length_q=None, max_length_k=None, **unsupported) -> torch.Tensor:
+                   max_length_q=None, max_length_k=None, output_router_logits: bool | None = None,
+                   **unsupported) -> torch.Tensor:
     """The CP forward of one GDN layer on this rank's slice [B, s, hidden] of the sequence.
 
     attention_mask: the model hook's `CPForwardContext`, or the local 2-D padding mask, or None.
     cu_seq_lens_q/k, max_length_q/k: transformers' packing keywords with GLOBAL offsets (layer used on its own).
+    output_router_logits: passed down every decoder layer of an MoE model; transformers' output recording of the
+    routers honours it, this layer has nothing to do with it.
     Inference caches (cache, cache_params, use_cache=True) and any other keyword raise.
     """
-    refuse_unsupported("Qwen3.5 GatedDeltaNet", dict(unsupported, cache=cache, cache_params=cache_params,
-                                                     use_cache=use_cache))
-    m = layer.module
+    refuse_unsupported(f"{type(layer.module).__name__}", dict(unsupported, cache=cache, cache_params=cache_params,
+                                                             use_cache=use_cache))
+    v = layer.view
     if hasattr(hidden_states, "to_local"):  # DTensor input: this rank's slice is its local tensor
         hidden_states = hidden_states.to_local()
     ctx = gdn_context(layer, hidden_states, attention_mask,
@@ -143,13 +152,9 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
         raise ValueError(f"linear_attention_cp_mode={layer.mode!r} needs a local sequence of at least the conv halo "
                          f"((kernel-1)*dilation = {layer.halo}) tokens, got {s}")
 
-    qkv_BsC = m.in_proj_qkv(hidden_states)
-    z_BsHV = m.in_proj_z(hidden_states).reshape(B, s, -1, m.head_v_dim)
-    b_BsH = m.in_proj_b(hidden_states)
-    a_BsH = m.in_proj_a(hidden_states)
+    qkv_BsC, z_BsHV, b_BsH, a_BsH = v.project(hidden_states)
 
     o_BsHV = layer.mixer(layer, qkv_BsC, b_BsH, a_BsH, ctx)
 
-    o = gated_rms_norm(o_BsHV.reshape(-1, m.head_v_dim), z_BsHV.reshape(-1, m.head_v_dim), m.norm.weight,
-                       m.norm.variance_epsilon)
-    return m.out_proj(o.reshape(B, s, -1))
+    o = gated_rms_norm(o_BsHV.reshape(-1, v.head_v_dim), z_BsHV.reshape(-1, v.head_v_dim), v.norm_weight, v.norm_eps)
+    return v.out_proj(o.reshape(B, s, -1))

@@ -77,7 +77,7 @@ class _StateGradHop(torch.autograd.Function):
 
 def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
               ctx: CPForwardContext) -> torch.Tensor:
-    m = layer.module
+    m = layer.view
     passing: StatePassing = layer.extra["passing"]
     passing.wait_sends()  # buffers of the previous step's sends
     B, s = qkv_BsC.shape[:2]

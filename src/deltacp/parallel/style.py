@@ -1,5 +1,6 @@
-"""`LinearAttentionContextParallel`: the ParallelStyle that makes a transformers `Qwen3_5GatedDeltaNet`
-compute its rank's slice of the single-device output under context parallelism.
+"""`LinearAttentionContextParallel`: the ParallelStyle that makes a transformers GDN module (Qwen3.5 dense or
+MoE, Qwen3-Next: any class a model adapter registered a view for) compute its rank's slice of the
+single-device output under context parallelism.
 
     LinearAttentionContextParallel(mode="p2p", backend="eager").apply(layer.linear_attn, cp_mesh)
 
@@ -22,6 +23,7 @@ from deltacp.distributed.collectives import StatePassing, dedicated_cp_groups
 from deltacp.ops.gdn.contract import GDN_BACKENDS, get_gdn_backend
 from deltacp.parallel.fingerprint import check_same_config_across_ranks
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
+from deltacp.parallel.views import GDNView, gdn_view_of
 
 LinearAttentionCPMode = Literal["ulysses", "p2p", "all_gather"]
 LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = ("ulysses", "p2p", "all_gather")
@@ -77,7 +79,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
 
     def apply(self, module: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
-        """Apply in place to one `Qwen3_5GatedDeltaNet` and return it."""
+        """Apply in place to one GDN module (e.g. `layer.linear_attn` of any supported family) and return it."""
         return self._apply(module, cp_mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -96,28 +98,28 @@ class LinearAttentionContextParallel(ParallelStyle):
             return None
         return dedicated_cp_groups(cp_mesh) if cp_group_of(cp_mesh).size() > 1 else cp_group_of(cp_mesh)
 
-    def check_module(self, module: nn.Module, cp: int) -> dict:
-        """Validate the module for this mode and return the configuration every rank must share."""
-        if type(module).__name__ != "Qwen3_5GatedDeltaNet":
-            raise NotImplementedError(f"LinearAttentionContextParallel applies to transformers' Qwen3_5GatedDeltaNet "
-                                      f"(layer.linear_attn), got {type(module).__name__}")
-        conv = module.conv1d
-        if conv.stride[0] != 1 or conv.groups != module.conv_dim or conv.in_channels != conv.out_channels:
+    def check_module(self, module: nn.Module | GDNView, cp: int) -> dict:
+        """Validate the module (through its family's view) for this mode and return the configuration every rank
+        must share."""
+        view = gdn_view_of(module)
+        conv = view.conv1d
+        conv_dim = 2 * view.num_k_heads * view.head_k_dim + view.num_v_heads * view.head_v_dim
+        if conv.stride[0] != 1 or conv.groups != conv_dim or conv.in_channels != conv.out_channels:
             raise ValueError(f"linear attention CP needs a depthwise causal conv with stride 1 and groups == "
-                             f"conv_dim ({module.conv_dim}); got stride {conv.stride[0]}, groups {conv.groups}")
+                             f"conv_dim ({conv_dim}); got stride {conv.stride[0]}, groups {conv.groups}")
         if conv.padding[0] != (conv.kernel_size[0] - 1) * conv.dilation[0]:
             raise ValueError(f"linear attention CP needs a causal conv with padding (kernel-1)*dilation = "
                              f"{(conv.kernel_size[0] - 1) * conv.dilation[0]}, got padding {conv.padding[0]}")
-        if module.num_v_heads % module.num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({module.num_v_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({module.num_k_heads})")
+        if view.num_v_heads % view.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({view.num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({view.num_k_heads})")
         if self.mode == "ulysses":
             from deltacp.parallel.ulysses import ulysses_head_layout
 
-            ulysses_head_layout(module.num_k_heads, module.num_v_heads, cp)
-        param = next(module.parameters())
-        return dict(mode=self.mode, backend=self.backend, cp=cp, num_k_heads=module.num_k_heads,
-                    num_v_heads=module.num_v_heads, head_k_dim=module.head_k_dim, head_v_dim=module.head_v_dim,
+            ulysses_head_layout(view.num_k_heads, view.num_v_heads, cp)
+        param = view.parameter()
+        return dict(mode=self.mode, backend=self.backend, cp=cp, family=view.family, num_k_heads=view.num_k_heads,
+                    num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim, head_v_dim=view.head_v_dim,
                     conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
 
     def install(self, module: nn.Module, group, p2p_group=None) -> nn.Module:
@@ -130,12 +132,14 @@ class LinearAttentionContextParallel(ParallelStyle):
                 from deltacp.parallel.p2p import p2p_mixer as mixer
             case "all_gather":
                 from deltacp.parallel.all_gather import all_gather_mixer as mixer
-        layer = GDNLayerCP(module=module, group=group, mode=self.mode, backend=self.gdn_backend,
+        layer = GDNLayerCP(view=gdn_view_of(module), group=group, mode=self.mode, backend=self.gdn_backend,
                            mixer=mixer)
         if self.mode == "p2p":
             if p2p_group is None:
                 raise ValueError("linear_attention_cp_mode='p2p' installs with its state-hop group (p2p_group)")
             layer.extra["passing"] = StatePassing(p2p_group)
+        # The instance's forward only: the class, parameters, state_dict keys and save_pretrained stay
+        # transformers' own (a forward hook cannot replace a computation; see docs/design.md, adapters).
         module._deltacp_cp = layer
         module.forward = partial(gdn_forward_cp, layer)
         return module

@@ -30,7 +30,7 @@ def ulysses_head_layout(num_k_heads: int, num_v_heads: int, cp: int) -> tuple[in
 
 def _rank_channels(layer: GDNLayerCP, rank: int, cp: int, device) -> torch.Tensor:
     """Indices of this rank's [q | k | v] conv channels in the module's channel order."""
-    m = layer.module
+    m = layer.view
     K, V, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
     qk_local, v_local = ulysses_head_layout(Hk, Hv, cp)
     v_heads = torch.arange(rank * v_local, (rank + 1) * v_local, device=device)
@@ -46,7 +46,7 @@ def _rank_channels(layer: GDNLayerCP, rank: int, cp: int, device) -> torch.Tenso
 
 def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                   ctx: CPForwardContext) -> torch.Tensor:
-    m = layer.module
+    m = layer.view
     group = layer.group
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     B, s, _ = qkv_BsC.shape

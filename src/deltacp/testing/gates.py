@@ -15,7 +15,7 @@ def long_memory_gates_(model: torch.nn.Module) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for module in model.modules():
-            if type(module).__name__ == "Qwen3_5GatedDeltaNet":
+            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):  # a GDN module of any family
                 module.A_log.copy_(torch.empty(module.A_log.shape, device="cpu").uniform_(-5, -1, generator=gen))
                 module.dt_bias.copy_(torch.empty(module.dt_bias.shape, device="cpu").uniform_(-1, 1, generator=gen))
     return model

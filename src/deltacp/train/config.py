@@ -9,6 +9,8 @@
       accelerator: {cp: 4, linear_attention_cp_mode: p2p}   # deltacp.config.AcceleratorConfig, exactly; dp: null
                                                              # derives dp = world // cp (8 ranks, cp 4: dp 2)
       model: {config: {hidden_size: 64, ...}, gate_init: long_memory}   # or {pretrained: /local/dir}
+                                     # model_class: Qwen3_5ForCausalLM (default) | Qwen3_5MoeForCausalLM |
+                                     # Qwen3NextForCausalLM | Qwen3_5ForConditionalGeneration | ...Moe...
       data: {source: stdlib, seq_len: 512}
       optimizer: {lr: 3.0e-3, weight_decay: 0.1, grad_clip: 1.0}
       schedule: {kind: cosine, warmup_steps: 10}
@@ -43,8 +45,28 @@ class ConfigError(ValueError):
     """A bad trainer configuration; the message names the key (e.g. train.optimizer.lr2)."""
 
 
+MODEL_CLASSES = {  # trainable class -> the config class its `config` fields belong to (text fields)
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
+    "Qwen3NextForCausalLM": "Qwen3NextConfig",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5TextConfig",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeTextConfig",
+}
+MULTIMODAL_CONFIGS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5Config",
+                      "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeConfig"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
+    model_class: Literal["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
+                         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"] = "Qwen3_5ForCausalLM"
+    """The transformers class to train (any class parallelize_cp supports). `config` holds its text config's
+    fields (Qwen3_5TextConfig, Qwen3_5MoeTextConfig, Qwen3NextConfig); the multimodal classes train on text and
+    take their vision tower's fields in `vision_config`. MoE: set `output_router_logits: true` in `config` to add
+    router_aux_loss_coef x the (global) auxiliary loss to the loss."""
+    vision_config: dict = field(default_factory=dict)
+    """Vision tower fields (Qwen3_5VisionConfig) of a ...ForConditionalGeneration model; empty: transformers'
+    defaults. An error for the text-only classes."""
     pretrained: str | None = None
     """A local directory with a Qwen3.5 text checkpoint (config.json + weights); no network. Excludes `config`."""
     preset: str | None = None
@@ -296,17 +318,18 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
-def check_model_config_keys(fields_: dict, prefix: str = "train.model.config") -> None:
-    from transformers import Qwen3_5TextConfig
+def check_model_config_keys(fields_: dict, prefix: str = "train.model.config",
+                            config_class: str = "Qwen3_5TextConfig") -> None:
+    import transformers
 
-    known = set(Qwen3_5TextConfig().to_dict()) - {"attn_implementation", "_attn_implementation"}
+    known = set(getattr(transformers, config_class)().to_dict()) - {"attn_implementation", "_attn_implementation"}
     unknown = sorted(set(fields_) - known)
     if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]}: unknown Qwen3_5TextConfig field")
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown {config_class} field")
 
 
 def model_config_fields(model: ModelConfig) -> dict:
-    """The Qwen3_5TextConfig fields of a model built from `preset` and/or `config` (config wins)."""
+    """The text-config fields of a model built from `preset` and/or `config` (config wins)."""
     from deltacp.models.presets import qwen3_5_preset
 
     base = qwen3_5_preset(model.preset) if model.preset is not None else {}
@@ -350,13 +373,22 @@ def config_from_dict(raw: dict) -> TrainConfig:
     if cfg.model.preset is not None:
         from deltacp.models.presets import QWEN3_5_PRESETS
 
+        if MODEL_CLASSES[cfg.model.model_class] != "Qwen3_5TextConfig":
+            raise ConfigError(f"train.model.preset: the presets are the dense Qwen3.5 sizes (model_class "
+                              f"Qwen3_5ForCausalLM or Qwen3_5ForConditionalGeneration), not "
+                              f"{cfg.model.model_class}")
         if cfg.model.preset not in QWEN3_5_PRESETS:
             raise ConfigError(f"train.model.preset={cfg.model.preset!r} is not known; expected one of "
                               f"{list(QWEN3_5_PRESETS)}")
     if cfg.model.pretrained is not None and cfg.model.gate_init != "default":
         raise ConfigError(f"train.model.gate_init={cfg.model.gate_init!r} would overwrite the gates (A_log, dt_bias) "
                           f"of the pretrained model in train.model.pretrained; use gate_init: default")
-    check_model_config_keys(cfg.model.config)
+    check_model_config_keys(cfg.model.config, config_class=MODEL_CLASSES[cfg.model.model_class])
+    if cfg.model.vision_config:
+        if cfg.model.model_class not in MULTIMODAL_CONFIGS:
+            raise ConfigError(f"train.model.vision_config is for the multimodal classes "
+                              f"({', '.join(MULTIMODAL_CONFIGS)}), not model_class {cfg.model.model_class}")
+        check_model_config_keys(cfg.model.vision_config, "train.model.vision_config", "Qwen3_5VisionConfig")
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
         raise ConfigError("train.checkpoint.overwrite=true needs train.checkpoint.resume=false (overwrite deletes the "
                           "checkpoints in train.checkpoint.dir instead of resuming them)")

@@ -105,20 +105,33 @@ def init_distributed(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
-    """The single-device transformers model, fp32 (fp64 for float64), on CPU, identical on every rank."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    """The single-device transformers model of class `train.model.model_class`, fp32 (fp64 for float64), on CPU,
+    identical on every rank. Routed experts use transformers' eager experts in float64 (grouped_mm has no float64
+    kernel)."""
+    import transformers
 
+    from deltacp.train.config import MODEL_CLASSES, MULTIMODAL_CONFIGS
+
+    model_cls = getattr(transformers, cfg.model.model_class)
     torch.manual_seed(cfg.seed)
     if cfg.model.pretrained is not None:
-        model = Qwen3_5ForCausalLM.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32)
+        model = model_cls.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32)
     else:
         if not cfg.model.config and cfg.model.preset is None:
-            raise ConfigError("train.model: give preset (a released size), config (Qwen3_5TextConfig fields) or "
-                              "pretrained (a local directory)")
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**model_config_fields(cfg.model)))
-    if model.config.vocab_size < vocab_size:
-        raise ConfigError(f"train.model vocab_size ({model.config.vocab_size}) is smaller than the tokenizer's "
-                          f"({vocab_size})")
+            raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
+                              f"({MODEL_CLASSES[cfg.model.model_class]} fields) or pretrained (a local directory)")
+        config = getattr(transformers, MODEL_CLASSES[cfg.model.model_class])(**model_config_fields(cfg.model))
+        if cfg.model.model_class in MULTIMODAL_CONFIGS:
+            config = getattr(transformers, MULTIMODAL_CONFIGS[cfg.model.model_class])(
+                text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
+                tie_word_embeddings=config.tie_word_embeddings)
+        if cfg.dtype == "float64" and getattr(config.get_text_config(), "num_experts", 0):
+            config.get_text_config()._experts_implementation = "eager"
+            config._experts_implementation = "eager"
+        model = model_cls(config)
+    vocab = model.config.get_text_config().vocab_size
+    if vocab < vocab_size:
+        raise ConfigError(f"train.model vocab_size ({vocab}) is smaller than the tokenizer's ({vocab_size})")
     if cfg.model.gate_init == "long_memory":
         from deltacp.testing.gates import long_memory_gates_
 
@@ -249,7 +262,10 @@ class Trainer:
         if self.cfg.loss == "linear_cross_entropy":  # the LM head and the loss chunk by chunk: no full logits
             loss = cp_causal_lm_loss(self.model, batch["target_ids"], self.mesh, **inputs, use_cache=False)
         else:
-            loss = cp_cross_entropy(self.model(**inputs, use_cache=False).logits, batch["target_ids"], self.mesh)
+            output = self.model(**inputs, use_cache=False)
+            loss = cp_cross_entropy(output.logits, batch["target_ids"], self.mesh)
+            if getattr(output, "aux_loss", None) is not None:  # routed experts: as cp_causal_lm_loss adds it
+                loss = loss + self.model.config.get_text_config().router_aux_loss_coef * output.aux_loss
         loss.backward()
         if not self.cfg.distributed.fsdp:
             all_reduce_cp_grads(self.model, self.mesh)
@@ -314,8 +330,8 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------
     def describe(self) -> str:
         cfg, acc = self.cfg, self.cfg.accelerator
-        kinds = "".join("L" if t == "linear_attention" else "F" for t in self.model.config.layer_types)
-        return (f"deltacp.train: Qwen3.5 hybrid {kinds} ({self.n_params / 1e6:.2f} M params) "
+        kinds = "".join("L" if t == "linear_attention" else "F" for t in self.model.config.get_text_config().layer_types)
+        return (f"deltacp.train: {cfg.model.model_class} {kinds} ({self.n_params / 1e6:.2f} M params) "
                 f"| dp={self.dp} x cp={self.cp} "
                 f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} | {cfg.dtype} | "
                 f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "

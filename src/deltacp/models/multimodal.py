@@ -1,0 +1,103 @@
+"""Multimodal Qwen3.5 (dense and MoE `...ForConditionalGeneration`) under CP: vision on the whole batch, the
+language model on the rank's slice.
+
+Each rank receives its slice of the token row (`input_ids` [B, s], `mm_token_type_ids` [B, s], the padding
+mask [B, s]: what `shard_batch_for_cp` cuts) and the batch's images whole (`pixel_values`, `image_grid_thw`:
+the same on every rank). A forward pre-hook on the multimodal model (vision tower + language model):
+
+1. exchanges a header (shapes, image grid checksum, what was given) so that ranks with different inputs all
+   raise together, then all-gathers the token ids, token types and mask (a few bytes per token);
+2. forms the 3-D mRoPE position ids over the WHOLE row with the model's own `get_rope_index` and cuts the
+   rank's slice (an image's positions depend on everything before it);
+3. runs the vision tower on every image of the batch (as the single device does; each rank's backward carries
+   only its tokens' share of the vision gradients, so gradients summed over ranks are the single-device ones),
+   picks the features of the image tokens in its slice (their order in the whole row), and places them into
+   its slice's token embeddings exactly as transformers does (`masked_scatter`);
+4. hands the language model `inputs_embeds` and the position ids: the text model then runs under CP as for
+   text (its own pre-hook: documents, padding).
+
+Text-only batches (no pixel_values) pass through unchanged. Videos (`pixel_values_videos`) and precomputed
+encoder outputs are refused by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from deltacp.parallel.documents import agree_on_inputs, all_gather_tokens
+
+_REFUSED = ("pixel_values_videos", "video_grid_thw", "mm_encoder_outputs", "cache", "past_key_values")
+
+
+def _image_features(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    """All images' merged features [n_image_tokens, hidden], in image order (as transformers concatenates them)."""
+    out = model.get_image_features(pixel_values, image_grid_thw)
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    if isinstance(feats, (tuple, list)):
+        feats = torch.cat(list(feats), dim=0)
+    return feats
+
+
+def make_multimodal_hook(group):
+    def hook(module, args, kwargs):
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        pixel_values, grid = kwargs.get("pixel_values"), kwargs.get("image_grid_thw")
+        types, mask, positions = kwargs.get("mm_token_type_ids"), kwargs.get("attention_mask"), kwargs.get("position_ids")
+        error = None
+        try:
+            refused = [k for k in _REFUSED if kwargs.get(k) is not None]
+            if refused:
+                raise NotImplementedError(f"{type(module).__name__} under CP does not support {refused} (videos and "
+                                          f"precomputed encoder outputs are not supported; images are)")
+            if pixel_values is not None:
+                if input_ids is None or kwargs.get("inputs_embeds") is not None:
+                    raise ValueError("images under CP need input_ids (the rank's slice, where the image tokens are) "
+                                     "and no inputs_embeds")
+                if grid is None:
+                    raise ValueError("pixel_values under CP need image_grid_thw")
+                if types is None and positions is None:
+                    raise ValueError("images under CP need mm_token_type_ids (the rank's slice, as the processor "
+                                     "returns it; shard_batch_for_cp cuts it) to form the mRoPE position ids")
+                if types is not None and tuple(types.shape) != tuple(input_ids.shape):
+                    raise ValueError(f"mm_token_type_ids must be the rank's slice {tuple(input_ids.shape)}, got "
+                                     f"{tuple(types.shape)}")
+        except (ValueError, NotImplementedError) as e:
+            error = e
+        local = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        B, s = local.shape[:2]
+        fingerprints = {"image_grid_thw": grid, "pixel_values_shape": None if pixel_values is None else
+                        torch.tensor(pixel_values.shape)}
+        agree_on_inputs(group, local.device, [B, s, pixel_values is not None, types is not None, mask is not None,
+                                              positions is not None], fingerprints, error)
+        if pixel_values is None:
+            return args, kwargs  # text only: the language model's own CP hook does the rest
+
+        ids = all_gather_tokens(input_ids.to(torch.int64), group, cp)
+        full_mask = None if mask is None else all_gather_tokens(mask.to(torch.int64), group, cp)
+        if positions is None:
+            extra = dict(image_grid_thw=grid, video_grid_thw=None, attention_mask=full_mask)
+            if "mm_token_type_ids" in inspect.signature(module.get_rope_index).parameters:
+                extra["mm_token_type_ids"] = all_gather_tokens(types.to(torch.int64), group, cp)
+            full_positions, _ = module.get_rope_index(ids, **extra)
+            kwargs["position_ids"] = full_positions[..., rank * s:(rank + 1) * s]
+
+        embeds = module.get_input_embeddings()(input_ids)
+        feats = _image_features(module, pixel_values, grid).to(embeds.device, embeds.dtype)
+        is_image = ids == module.config.image_token_id  # [B, S], the whole row
+        if int(is_image.sum()) != feats.shape[0]:
+            raise ValueError(f"image features and image tokens do not match: {int(is_image.sum())} image tokens in "
+                             f"the whole batch, {feats.shape[0]} features")
+        # feature index of each image token in the row-major order of the whole batch, then this slice's tokens
+        order = (is_image.flatten().cumsum(0) - 1).view(B, -1)[:, rank * s:(rank + 1) * s]
+        mine = is_image[:, rank * s:(rank + 1) * s].to(embeds.device)
+        embeds = embeds.masked_scatter(mine[..., None], feats[order[mine].to(feats.device)])
+        for key in ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
+            kwargs.pop(key, None)
+        kwargs["inputs_embeds"] = embeds
+        return (), kwargs
+
+    return hook

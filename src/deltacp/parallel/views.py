@@ -1,0 +1,169 @@
+"""What a CP algorithm sees of a model's layer: a view, never the model class.
+
+The CP algorithms (GDN modes, Ulysses attention) read a layer only through these two views. A model family's
+adapter (`deltacp.models.adapters`) subclasses them for its module classes and registers a factory per class
+here (importing deltacp registers every family); `parallel/` itself knows no model class. Views read the module's parameters at call time (FSDP2 swaps a
+module's parameters between sharded and unsharded tensors around each forward).
+
+GDNView hands over, per call, the pre-conv channels in the order [q | k | v] (key heads, then value heads),
+the output gate z, and the per-value-head beta and gate inputs b, a; plus the conv, A_log, dt_bias, the gated
+norm's weight and epsilon, and the out projection. AttentionView hands over the projections of a gated full
+attention (q_proj emits query and output gate per head), its q/k norms, head counts and the family's rotary
+embedding.
+
+Shape legend: x_BsD local hidden states; qkv_BsC pre-conv channels [q | k | v]; z_BsHV per value head;
+b_BsH, a_BsH per value head.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class GDNView:
+    """One GDN module as the CP algorithms need it (subclassed per model family)."""
+
+    family = "generic"
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    # head layout ---------------------------------------------------------------------------------------------
+    @property
+    def num_k_heads(self) -> int:
+        return self.module.num_k_heads
+
+    @property
+    def num_v_heads(self) -> int:
+        return self.module.num_v_heads
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.module.head_k_dim
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.module.head_v_dim
+
+    # parameters, read at call time -----------------------------------------------------------------------------
+    @property
+    def conv1d(self) -> nn.Conv1d:
+        return self.module.conv1d
+
+    @property
+    def A_log(self) -> torch.Tensor:
+        return self.module.A_log
+
+    @property
+    def dt_bias(self) -> torch.Tensor:
+        return self.module.dt_bias
+
+    @property
+    def norm_weight(self) -> torch.Tensor:
+        return self.module.norm.weight
+
+    @property
+    def norm_eps(self) -> float:
+        return self.module.norm.variance_epsilon
+
+    def out_proj(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module.out_proj(x)
+
+    def project(self, x_BsD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, s, hidden] -> qkv_BsC [B, s, q|k|v channels], z_BsHV [B, s, Hv, V], b_BsH, a_BsH [B, s, Hv]."""
+        raise NotImplementedError
+
+    def parameter(self) -> torch.Tensor:
+        """Any parameter (dtype and device of the module)."""
+        return next(self.module.parameters())
+
+
+class AttentionView:
+    """One gated full-attention module (q_proj emits query and output gate per head) as Ulysses CP needs it."""
+
+    family = "generic"
+
+    def __init__(self, module: nn.Module, apply_rotary: Callable):
+        self.module = module
+        self._apply_rotary = apply_rotary
+
+    @property
+    def num_heads(self) -> int:
+        return self.module.config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.module.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.module.head_dim
+
+    @property
+    def scaling(self) -> float:
+        return self.module.scaling
+
+    @property
+    def dropout(self) -> float:
+        return self.module.attention_dropout if self.module.training else 0.0
+
+    def q_proj(self, x):
+        return self.module.q_proj(x)
+
+    def k_proj(self, x):
+        return self.module.k_proj(x)
+
+    def v_proj(self, x):
+        return self.module.v_proj(x)
+
+    def o_proj(self, x):
+        return self.module.o_proj(x)
+
+    @property
+    def q_norm(self) -> tuple[torch.Tensor, float]:
+        return self.module.q_norm.weight, self.module.q_norm.eps
+
+    @property
+    def k_norm(self) -> tuple[torch.Tensor, float]:
+        return self.module.k_norm.weight, self.module.k_norm.eps
+
+    def apply_rotary(self, q_BsHD: torch.Tensor, k_BsHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The family's rotary embedding of the local tokens (partial rotary and mRoPE are in cos/sin)."""
+        return self._apply_rotary(q_BsHD, k_BsHD, cos, sin, unsqueeze_dim=2)
+
+
+_GDN_VIEWS: dict[type, Callable[[nn.Module], GDNView]] = {}
+_ATTENTION_VIEWS: dict[type, Callable[[nn.Module], AttentionView]] = {}
+
+
+def register_gdn_view(module_class: type, factory: Callable[[nn.Module], GDNView]) -> None:
+    _GDN_VIEWS[module_class] = factory
+
+
+def register_attention_view(module_class: type, factory: Callable[[nn.Module], AttentionView]) -> None:
+    _ATTENTION_VIEWS[module_class] = factory
+
+
+def _lookup(registry: dict, module: nn.Module, what: str):
+    for cls in type(module).__mro__:
+        if cls in registry:
+            return registry[cls](module)
+    known = ", ".join(sorted(cls.__name__ for cls in registry))
+    raise NotImplementedError(f"{what} applies to transformers' {known}; got {type(module).__name__}")
+
+
+def gdn_view_of(module: nn.Module) -> GDNView:
+    """The registered view of a GDN module, or NotImplementedError naming its class and the supported ones."""
+    if isinstance(module, GDNView):
+        return module
+    return _lookup(_GDN_VIEWS, module, "LinearAttentionContextParallel")
+
+
+def attention_view_of(module: nn.Module) -> AttentionView:
+    if isinstance(module, AttentionView):
+        return module
+    return _lookup(_ATTENTION_VIEWS, module, "Ulysses full attention CP")
+

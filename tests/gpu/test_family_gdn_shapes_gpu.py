@@ -1,0 +1,111 @@
+"""The Triton backend on each family's GDN layer at its released head shapes (one GPU, CP2 over gloo).
+
+For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
+Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
+hidden size and linear-attention heads (K = V = 128), bf16, long-memory gates, 4096 tokens, B = 1; two ranks share
+the GPU over gloo (as tests/gpu/test_cp_triton.py). Modes ulysses and p2p with the triton backend against the
+single-device eager layer in float32 (the reference): output, input gradient, all parameter gradients together
+(rank-summed) within bf16 bounds, all finite.
+
+Head shapes (hidden, linear_num_key_heads, linear_num_value_heads), K = V = 128 everywhere: Qwen3-Next-80B-A3B
+(transformers' Qwen3NextConfig defaults), Qwen3.5-35B-A3B (2048, 16, 32), Qwen3.5-9B (4096, 16, 32) and Qwen3.5-27B
+(5120, 16, 48) match published configs and model cards (the dense ones as deltacp.models.presets); Qwen3.5-122B-A10B
+(3072, 16, 64) and Qwen3.5-397B-A17B (4096, 16, 64) were not checked against their config.json (NOTES.md, gaps).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from deltacp import LinearAttentionContextParallel
+from deltacp.testing.spawn import run_distributed
+from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, tiny_text_fields
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (Triton backend at released head shapes)")
+
+SEQ = 4096
+BF16_BOUND = 2e-2  # bf16 projections and kernels against an fp32 layer (as test_cp_triton.py)
+SHAPES = {  # model: (family module class, hidden, key heads, value heads)
+    "Qwen3.5-9B": ("qwen3_5", 4096, 16, 32),
+    "Qwen3.5-27B": ("qwen3_5", 5120, 16, 48),
+    "Qwen3.5-35B-A3B": ("qwen3_5_moe", 2048, 16, 32),
+    "Qwen3.5-122B-A10B": ("qwen3_5_moe", 3072, 16, 64),
+    "Qwen3.5-397B-A17B": ("qwen3_5_moe", 4096, 16, 64),
+    "Qwen3-Next-80B-A3B": ("qwen3_next", 2048, 16, 32),
+}
+
+
+def _gdn(family, hidden, hk, hv):
+    import transformers
+
+    fields = tiny_text_fields(hidden_size=hidden, linear_num_key_heads=hk, linear_num_value_heads=hv,
+                              linear_key_head_dim=128, linear_value_head_dim=128)
+    match family:
+        case "qwen3_5":
+            config, cls = transformers.Qwen3_5TextConfig(**fields), "Qwen3_5GatedDeltaNet"
+            module = transformers.models.qwen3_5.modeling_qwen3_5
+        case "qwen3_5_moe":
+            fields.pop("intermediate_size")
+            config, cls = transformers.Qwen3_5MoeTextConfig(**fields), "Qwen3_5MoeGatedDeltaNet"
+            module = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe
+        case "qwen3_next":
+            config, cls = transformers.Qwen3NextConfig(**fields), "Qwen3NextGatedDeltaNet"
+            module = transformers.models.qwen3_next.modeling_qwen3_next
+    return long_memory_gates_(getattr(module, cls)(config, 0))
+
+
+def _run(module, x, d_out):
+    x = x.clone().requires_grad_()
+    out = module(x)
+    (out.float() * d_out).sum().backward()
+    return out.detach().float(), x.grad.float()
+
+
+def family_shapes_worker(rank, world, name):
+    torch.cuda.set_device(0)
+    self_group = None
+    for r in range(world):
+        group = dist.new_group([r])
+        if r == rank:
+            self_group = group
+    single = DeviceMesh.from_group(self_group, "cuda", mesh_dim_names=("cp",))
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("cp",))
+    failures, rows = [], []
+    for family, hidden, hk, hv in [SHAPES[name]]:
+        torch.manual_seed(0)
+        base = _gdn(family, hidden, hk, hv).cuda()
+        x = torch.randn(1, SEQ, hidden, device="cuda")
+        d_out = torch.randn(1, SEQ, hidden, device="cuda")
+        ref = LinearAttentionContextParallel(mode="p2p", backend="eager").apply(copy.deepcopy(base).float(), single)
+        out_ref, dx_ref = _run(ref, x, d_out)
+        grads_ref = grads_of(ref)
+        for mode in ("ulysses", "p2p"):
+            cp = LinearAttentionContextParallel(mode=mode, backend="triton").apply(
+                copy.deepcopy(base).to(torch.bfloat16), mesh)
+            out, dx = _run(cp, local_slice(x, rank, world).to(torch.bfloat16), local_slice(d_out, rank, world))
+            grads = {n: g.float() for n, g in grads_of(cp).items()}
+            for g in grads.values():
+                dist.all_reduce(g)
+            checks = {"output": rel_l2(out, local_slice(out_ref, rank, world)),
+                      "input grad": rel_l2(dx, local_slice(dx_ref, rank, world)),
+                      "param grads": rel_l2(flat(grads), flat(grads_ref))}
+            finite = all(torch.isfinite(t).all() for t in (out, dx, flat(grads)))
+            rows.append(f"{name:20s} {family:12s} {mode:8s} " + " ".join(f"{k} {v:.2e}" for k, v in checks.items()))
+            failures += [f"{name} {mode} {k}: {v:.2e}" for k, v in checks.items() if not v < BF16_BOUND]
+            if not finite:
+                failures.append(f"{name} {mode}: non-finite values")
+            del cp
+        del ref, base
+        torch.cuda.empty_cache()
+    if rank == 0:
+        print("\n" + "\n".join(rows))
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_triton_on_released_family_head_shapes(name):
+    run_distributed(family_shapes_worker, 2, name, timeout_s=600)

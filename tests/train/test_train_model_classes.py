@@ -1,0 +1,56 @@
+"""The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
+float32, packed rows) with the single-device losses and grad norms, 3 steps; bad class settings name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from deltacp.train.config import ConfigError, config_from_dict, config_to_dict, load_config
+from deltacp.train.parity import compare, cp_configs, reference_config, run_jobs
+
+MAIN = Path(__file__).resolve().parents[2] / "configs" / "tiny_cp4.yaml"
+STEPS = 3
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+           output_router_logits=True)
+VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=2,
+              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+CLASSES = {  # class -> (text config fields added to the main config's, removed ones, vision_config)
+    "Qwen3_5MoeForCausalLM": (MOE, ["intermediate_size"], {}),
+    "Qwen3NextForCausalLM": (dict(MOE, decoder_sparse_step=1), [], {}),
+    "Qwen3_5ForConditionalGeneration": ({}, [], VISION),
+    "Qwen3_5MoeForConditionalGeneration": (MOE, ["intermediate_size"], VISION),
+}
+
+
+def _cfg(name):
+    raw = config_to_dict(load_config(MAIN, ["train.data.seq_len=128", "train.logging.progress=none",
+                                            f"train.steps={STEPS}"]))
+    added, removed, vision = CLASSES[name]
+    model = raw["train"]["model"]
+    model["config"] = {k: v for k, v in {**model["config"], **added}.items() if k not in removed}
+    model.update(model_class=name, vision_config=vision)
+    return config_from_dict(raw)
+
+
+def test_every_model_class_trains_at_cp2():
+    jobs = {name: _cfg(name) for name in CLASSES}
+    reference = run_jobs(1, [(name, reference_config(cfg, STEPS)) for name, cfg in jobs.items()])
+    cp_jobs = [(name, cp_configs(cfg, 2, STEPS, ["p2p"])[0][1]) for name, cfg in jobs.items()]
+    rows = run_jobs(2, cp_jobs)
+    for name in CLASSES:
+        comp = compare(reference[name], rows[name])
+        assert comp["finite"], name
+        assert comp["max_loss_rel"] < 1e-5 and comp["max_grad_norm_rel"] < 1e-4, (name, comp)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["train.model.model_class=Qwen3_5ForTokenClassification"], r"train\.model\.model_class"),
+    (["train.model.model_class=Qwen3_5MoeForCausalLM"],
+     r"^train\.model\.config\.intermediate_size: unknown Qwen3_5MoeTextConfig field"),
+    (["train.model.vision_config={depth: 1}"], r"^train\.model\.vision_config is for the multimodal classes"),
+    (["train.model.model_class=Qwen3_5ForConditionalGeneration", "train.model.vision_config={dept: 1}"],
+     r"^train\.model\.vision_config\.dept: unknown Qwen3_5VisionConfig field"),
+])
+def test_model_class_errors_name_the_key(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(MAIN, overrides)
