@@ -24,7 +24,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.ops.gdn.varlen import check_cu_seqlens
-from deltacp.parallel.attention import check_attention_module, install_ulysses_attention
+from deltacp.parallel.attention import (
+    attention_cp_plan,
+    check_attention_module,
+    install_kv_cp_attention,
+    install_ulysses_attention,
+)
+from deltacp.parallel.layout import attention_two_d_degree, validate_cp_layout
 from deltacp.parallel.documents import (
     PACKING_KEYWORDS,
     AttentionDocuments,
@@ -56,23 +62,29 @@ def _text_model(model: nn.Module) -> nn.Module:
 
 def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
                            linear_attention_cp_mode: str = "ulysses",
-                           linear_attention_gdn_backend: str = "eager") -> nn.Module:
+                           linear_attention_gdn_backend: str = "eager",
+                           full_attention_cp: str = "ulysses") -> nn.Module:
     """Apply CP in place to every layer of a Qwen3.5 hybrid by its type; return the model.
 
     On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
     slice of the single-device logits (per document, for packed rows).
+
+    full_attention_cp: 'ulysses' (heads split cp ways: the heads must divide by cp), 'allgather' (KV all-gather,
+    no head limit) or 'ring' (KV ring). ulysses_degree: None / cp (1-D layout) or u < cp dividing cp: the 2-D
+    layout, Ulysses inside groups of u consecutive ranks, linear_attention_cp_mode (p2p | all_gather) and
+    full_attention_cp (allgather | ring) across groups (deltacp.parallel.layout).
     """
     group = cp_group_of(cp_mesh)
     cp = group.size()
     config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
-                  linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=cp,
-                  model=type(model).__name__)
+                  linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=ulysses_degree,
+                  full_attention_cp=full_attention_cp, model=type(model).__name__)
     error = None
     try:  # validate, then exchange: a check failing on some ranks only must not leave the others waiting
-        style = LinearAttentionContextParallel(mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend)
-        if ulysses_degree is not None and ulysses_degree != cp:
-            raise NotImplementedError(f"ulysses_degree={ulysses_degree} is not supported: it must be None or equal "
-                                      f"to cp ({cp}); full attention CP is Ulysses over the whole CP mesh")
+        validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
+        style = LinearAttentionContextParallel(mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend,
+                                               ulysses_degree=ulysses_degree)
+        attention_degree = attention_two_d_degree(cp, ulysses_degree, full_attention_cp)
         text = _text_model(model)
         if getattr(text, "_deltacp_parallelized", False):
             raise ValueError("parallelize_qwen3_5_cp: this model is already parallelized; apply CP once, to the "
@@ -83,7 +95,7 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
             if hasattr(layer, "linear_attn"):
                 layer_config = style.check_module(layer.linear_attn, cp)
             elif hasattr(layer, "self_attn"):
-                layer_config = check_attention_module(layer.self_attn, cp)
+                layer_config = check_attention_module(layer.self_attn, cp, full_attention_cp, attention_degree)
             else:
                 raise NotImplementedError(f"decoder layer {i} has neither linear_attn nor self_attn")
             config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
@@ -99,11 +111,20 @@ def parallelize_qwen3_5_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree
             n_linear += 1
     logger.info("Applied %s linear attention CP (%s backend) to %d GDN layers", linear_attention_cp_mode,
                 linear_attention_gdn_backend, n_linear)
+    plan = None
+    if full_attention_cp != "ulysses":
+        shared = p2p_group if getattr(p2p_group, "ulysses", None) is not None else None
+        plan = attention_cp_plan(cp_mesh, full_attention_cp, attention_degree,
+                                 shared if attention_degree > 1 else None)
     for layer in layers:
         if hasattr(layer, "self_attn"):
-            install_ulysses_attention(layer.self_attn, group)
+            if plan is None:
+                install_ulysses_attention(layer.self_attn, group)
+            else:
+                install_kv_cp_attention(layer.self_attn, plan)
             n_full += 1
-    logger.info("Applied Ulysses CP (degree %d) to %d full attention layers", cp, n_full)
+    logger.info("Applied %s CP (Ulysses degree %d) to %d full attention layers", full_attention_cp,
+                attention_degree, n_full)
     text.register_forward_pre_hook(_make_cp_inputs_hook(group), with_kwargs=True)
     if model is not text:
         model.register_forward_pre_hook(_refuse_local_loss, with_kwargs=True)
