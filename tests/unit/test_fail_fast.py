@@ -27,7 +27,14 @@ def test_all_gather_with_triton_is_not_implemented():
 
 @pytest.mark.parametrize("raw, error, pattern", [
     ({"cp": 4, "tp": 2}, ValueError, r"tp=2 .*tp must be 1"),
-    ({"cp": 4, "ulysses_degree": 2}, NotImplementedError, r"ulysses_degree=2 .*null or equal to cp \(4\)"),
+    ({"cp": 4, "ulysses_degree": 3}, ValueError, r"ulysses_degree=3 is not supported at cp=4: .*null or a divisor "
+                                                 r"of cp, one of \[1, 2, 4\]"),
+    ({"cp": 4, "ulysses_degree": 2}, ValueError, r"linear_attention_cp_mode='ulysses' with train\.accelerator\."
+                                                 r"ulysses_degree=2 < cp \(4\).*one of \('p2p', 'all_gather'\)"),
+    ({"cp": 4, "ulysses_degree": 2, "linear_attention_cp_mode": "p2p"}, ValueError,
+     r"full_attention_cp='ulysses' with train\.accelerator\.ulysses_degree=2 < cp \(4\).*\('allgather', 'ring'\)"),
+    ({"full_attention_cp": "zigzag"}, ValueError, r"train\.accelerator\.full_attention_cp='zigzag' is not supported; "
+                                                  r"expected one of \('ulysses', 'allgather', 'ring'\)"),
     ({"cp": 0}, ValueError, r"cp must be an integer >= 1"),
     ({"linear_attention_cp_mode": "ring"}, ValueError, r"linear_attention_cp_mode='ring'"),
     ({"linear_attention_gdn_backend": "cuda"}, ValueError, r"linear_attention_gdn_backend='cuda'"),
@@ -72,8 +79,10 @@ def test_mesh_errors(single_rank_group):
     with pytest.raises(TypeError, match="cp_mesh must be a torch DeviceMesh"):
         parallelize_qwen3_5_cp(model, "cp")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
-    with pytest.raises(NotImplementedError, match=r"ulysses_degree=2 .*None or equal to cp \(1\)"):
+    with pytest.raises(ValueError, match=r"ulysses_degree=2 is not supported at cp=1: .*None or a divisor of cp"):
         parallelize_qwen3_5_cp(model, mesh, ulysses_degree=2)
+    with pytest.raises(ValueError, match=r"full_attention_cp='zigzag' is not supported"):
+        parallelize_qwen3_5_cp(model, mesh, full_attention_cp="zigzag")
     with pytest.raises(NotImplementedError, match="applies to transformers' Qwen3_5GatedDeltaNet"):
         LinearAttentionContextParallel().apply(torch.nn.Linear(2, 2), mesh)
     parallelize_qwen3_5_cp(model, mesh)
