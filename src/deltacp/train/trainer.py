@@ -317,7 +317,9 @@ class Trainer:
         kinds = "".join("L" if t == "linear_attention" else "F" for t in self.model.config.layer_types)
         return (f"deltacp.train: Qwen3.5 hybrid {kinds} ({self.n_params / 1e6:.2f} M params) "
                 f"| dp={self.dp} x cp={self.cp} "
-                f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} | {cfg.dtype} | "
+                f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} "
+                f"attention={acc.full_attention_cp}"
+                f"{'' if acc.ulysses_degree is None else f' ulysses_degree={acc.ulysses_degree}'} | {cfg.dtype} | "
                 f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
                 f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
