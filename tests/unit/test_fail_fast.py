@@ -194,3 +194,33 @@ def test_importing_and_running_eager_never_imports_triton():
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout)
     assert "offenders []\n" in result.stdout and "kernel modules []\n" in result.stdout, result.stdout
+
+
+def test_two_d_head_and_mode_rules_name_the_settings():
+    """The 2-D layout's rules (no process group needed: checked before the configuration exchange)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5GatedDeltaNet
+
+    from deltacp.parallel.attention import check_attention_module
+    from deltacp.parallel.layout import validate_cp_layout
+    from helpers import tiny_config
+
+    gdn = Qwen3_5GatedDeltaNet(tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), 0)
+    with pytest.raises(ValueError, match=r"ulysses_degree=4 must divide linear_num_value_heads \(6\)"):
+        LinearAttentionContextParallel(mode="p2p", ulysses_degree=4).check_module(gdn, 8)
+    assert LinearAttentionContextParallel(mode="p2p", ulysses_degree=2).check_module(gdn, 8)["ulysses_degree"] == 2
+    with pytest.raises(ValueError, match=r"linear_attention_cp_mode='ulysses' with ulysses_degree=2 < cp \(8\)"):
+        LinearAttentionContextParallel(mode="ulysses", ulysses_degree=2).check_module(gdn, 8)
+    with pytest.raises(ValueError, match=r"ulysses_degree=0 is not supported"):
+        LinearAttentionContextParallel(mode="p2p", ulysses_degree=0)
+    attention = Qwen3_5Attention(tiny_config(num_attention_heads=6, num_key_value_heads=2), 3)
+    with pytest.raises(ValueError, match=r"ulysses_degree=4 must divide num_attention_heads \(6\)"):
+        check_attention_module(attention, 8, "allgather", 4)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) divisible by the CP degree \(8\); "
+                                         r"full_attention_cp='allgather' or 'ring' has no head limit"):
+        check_attention_module(attention, 8, "ulysses", 8)
+    check_attention_module(attention, 8, "ring", 1)  # no head limit
+    validate_cp_layout(8, None, "ulysses", "allgather")  # 1-D: any mode with any method
+    validate_cp_layout(8, 8, "p2p", "ulysses")  # u = cp: the 1-D layout, as before
+    validate_cp_layout(8, 1, "all_gather", "ring")
+    with pytest.raises(ValueError, match=r"ulysses_degree=3 is not supported at cp=8: .*\[1, 2, 4, 8\]"):
+        validate_cp_layout(8, 3, "p2p", "ring")

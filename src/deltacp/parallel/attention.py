@@ -1,16 +1,20 @@
-"""Ulysses CP for transformers' full attention `Qwen3_5Attention` over the same 1-D CP mesh.
+"""Full attention CP for transformers' `Qwen3_5Attention`: Ulysses, KV all-gather, ring, and the 2-D layout.
 
-Local projections, q/k norms and rotary (position embeddings of the rank's global positions), then
-all-to-all to head shards over the whole sequence, causal attention, all-to-all back, output gate and
-projection. Key/value heads that do not divide by the CP degree are repeated to the query heads first
-(exact: query head j reads kv head j // groups either way).
+Every method: local projections, q/k norms and rotary (position embeddings of the rank's global positions),
+then its exchange and causal attention, then the output gate and projection.
+- ulysses: all-to-all to head shards over the whole sequence (each rank gets its query heads and the KV heads
+  they read, `ulysses_kv_heads`), causal attention, all-to-all back;
+- allgather / ring (`kv_cp_attention_forward`): optionally Ulysses inside a group of u consecutive ranks (the
+  2-D layout), then the queries of the group's slice against every earlier key, K and V coming from the other
+  groups by all-gather or around a ring; attention tile by tile (`attention_tiles.py`).
 
 The `attention_mask` this forward takes is None (causal over the whole row) or the model pre-hook's
 `CPForwardContext`, whose `attention` describes per-document causal attention over the flattened [B * S]
-stream (packed documents, or padded rows as valid + padding documents). No [S, S] mask is ever built: each
-document runs through causal SDPA on its own (fused kernels on CPU and CUDA).
+stream (packed documents, or padded rows as valid + padding documents). No [S, S] (or [s, S]) mask is ever
+built: Ulysses runs each document through causal SDPA on its own, allgather / ring run fused attention per tile.
 
-Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads.
+Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads;
+q_BHLD the L = u*s tokens of a Ulysses group, local heads.
 """
 
 from __future__ import annotations
@@ -42,12 +46,11 @@ DEFAULT_BLOCK = {"flash_cuda": 65536, "flash_cpu": 65536, "math": 2048}
 
 
 def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[int, int]:
-    """(query heads, kv heads) per rank, or ValueError naming the setting."""
+    """(query heads, KV heads) per rank under Ulysses over `cp` ranks, or ValueError naming the setting."""
     if num_heads % cp:
         raise ValueError(f"Ulysses full attention needs num_attention_heads ({num_heads}) divisible by the CP "
-                         f"degree ({cp})")
-    kv = num_kv_heads if num_kv_heads % cp == 0 else num_heads
-    return num_heads // cp, kv // cp
+                         f"degree ({cp}); full_attention_cp='allgather' or 'ring' has no head limit")
+    return num_heads // cp, ulysses_kv_heads(num_heads, num_kv_heads, cp).shape[1]
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

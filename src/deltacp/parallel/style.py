@@ -130,16 +130,13 @@ class LinearAttentionContextParallel(ParallelStyle):
             raise ValueError(f"linear_num_value_heads ({module.num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({module.num_k_heads})")
         u = linear_two_d_degree(cp, self.ulysses_degree, self.mode)
-        if self.mode == "ulysses" or u is not None:
+        if u is not None and module.num_v_heads % u:
+            raise ValueError(f"ulysses_degree={u} must divide linear_num_value_heads ({module.num_v_heads}): in the "
+                             f"2-D layout GDN layers split their heads over each Ulysses group of {u} ranks")
+        if self.mode == "ulysses":
             from deltacp.parallel.ulysses import ulysses_head_layout
 
-            degree = cp if u is None else u
-            try:
-                ulysses_head_layout(module.num_k_heads, module.num_v_heads, degree)
-            except ValueError as e:
-                if u is None:
-                    raise
-                raise ValueError(f"ulysses_degree={u}: {e}") from None
+            ulysses_head_layout(module.num_k_heads, module.num_v_heads, cp)
         param = next(module.parameters())
         return dict(mode=self.mode, backend=self.backend, cp=cp, ulysses_degree=u, num_k_heads=module.num_k_heads,
                     num_v_heads=module.num_v_heads, head_k_dim=module.head_k_dim, head_v_dim=module.head_v_dim,
