@@ -97,27 +97,30 @@ def tile_kernel(q) -> str:
     return "flash_cpu"
 
 
-def tile_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [b, H, lq, D], k/v [b, H, lk, D] (heads already matched) -> o [b, H, lq, D], lse [b, H, lq]."""
+def tile_forward(q, k, v, causal: bool, scale: float):
+    """q [b, H, lq, D], k/v [b, H, lk, D] (heads already matched) -> o [b, H, lq, D], lse [b, H, lq], and what the
+    kernel's backward needs of its forward besides (CUDA flash: sequence metadata and RNG state, passed back
+    as the forward returned them, as torch's own ring attention does; None otherwise)."""
     kernel = tile_kernel(q)
     if kernel == "flash_cuda":
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return out[0], out[1]
+        return out[0], out[1], tuple(out[2:8])
     if kernel == "flash_cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return o, lse, None
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return (s - lse[..., None]).exp() @ v, lse
+    return (s - lse[..., None]).exp() @ v, lse, None
 
 
-def tile_backward(do, q, k, v, o, lse, causal: bool, scale: float):
+def tile_backward(do, q, k, v, o, lse, causal: bool, scale: float, meta=None):
     kernel = tile_kernel(q)
     if kernel == "flash_cuda":
-        empty = q.new_empty(0, dtype=torch.int64)
+        cum_q, cum_k, max_q, max_k, seed, offset = meta
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale)
+            do, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     if kernel == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
                                                                                    scale=scale)
@@ -162,23 +165,28 @@ class TileAccumulator:
         self.lse[r, :, qs] = new
 
 
-def forward_tiles(acc: TileAccumulator, tiles, q, k, v, scale):
+def forward_tiles(acc: TileAccumulator, tiles, q, k, v, scale) -> list:
+    """Merge every tile into `acc`; returns each tile's kernel metadata for `backward_tiles`."""
     groups = q.shape[1] // k.shape[1]
+    metas = []
     for t in tiles:
-        acc.add(t, *tile_forward(*_tile_views(t, q, k, v, groups), t.causal, scale))
+        o_t, lse_t, meta = tile_forward(*_tile_views(t, q, k, v, groups), t.causal, scale)
+        acc.add(t, o_t, lse_t)
+        metas.append(meta)
+    return metas
 
 
-def backward_tiles(tiles, do, q, k, v, o, lse, scale, dq, dk, dv):
+def backward_tiles(tiles, metas, do, q, k, v, o, lse, scale, dq, dk, dv):
     """Accumulate every tile's dq, dk, dv (in place; dk/dv have k's heads)."""
     groups = q.shape[1] // k.shape[1]
-    for t in tiles:
+    for t, meta in zip(tiles, metas, strict=True):
         r, qs, ks = slice(*t.rows), slice(*t.q), slice(*t.k)
         qt, kt, vt = _tile_views(t, q, k, v, groups)
         lse_t = lse[r, :, qs]
         if tile_kernel(q) == "flash_cuda":
             lse_t = lse_t.float()
         dq_t, dk_t, dv_t = tile_backward(do[r, :, qs].contiguous(), qt, kt, vt, o[r, :, qs].contiguous(),
-                                         lse_t.contiguous(), t.causal, scale)
+                                         lse_t.contiguous(), t.causal, scale, meta)
         dq[r, :, qs] += dq_t.to(dq.dtype)
         dk[r, :, ks] += _reduce(dk_t, groups).to(dk.dtype)
         dv[r, :, ks] += _reduce(dv_t, groups).to(dv.dtype)
@@ -188,7 +196,7 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tiles, scale):
         acc = TileAccumulator(q)
-        forward_tiles(acc, tiles, q, k, v, scale)
+        ctx.metas = forward_tiles(acc, tiles, q, k, v, scale)
         o = acc.o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, acc.lse)
         ctx.tiles, ctx.scale = tiles, scale
@@ -199,7 +207,7 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dt = compute_dtype(q)
         dq, dk, dv = (torch.zeros_like(x, dtype=dt) for x in (q, k, v))
-        backward_tiles(ctx.tiles, do.contiguous(), q, k, v, o, lse, ctx.scale, dq, dk, dv)
+        backward_tiles(ctx.tiles, ctx.metas, do.contiguous(), q, k, v, o, lse, ctx.scale, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -227,10 +235,11 @@ class _RingAttention(torch.autograd.Function):
         G, g = ring.size, ring.rank
         acc = TileAccumulator(q)
         kv = torch.stack([k, v])
+        ctx.metas = {}
         for t in range(G):
             src = (g - t) % G
             pending = ring.exchange(kv, "kv") if t < G - 1 else None
-            forward_tiles(acc, buckets.get(src, ()), q, kv[0], kv[1], scale)
+            ctx.metas[src] = forward_tiles(acc, buckets.get(src, ()), q, kv[0], kv[1], scale)
             if pending is not None:
                 kv = pending.wait()
         o = acc.o.to(q.dtype)
@@ -251,7 +260,8 @@ class _RingAttention(torch.autograd.Function):
         for t in range(G):
             src = (g - t) % G
             pending = ring.exchange(kv, "kv bwd") if t < G - 1 else None
-            backward_tiles(ctx.buckets.get(src, ()), do, q, kv[0], kv[1], o, lse, ctx.scale, dq, dkv[0], dkv[1])
+            backward_tiles(ctx.buckets.get(src, ()), ctx.metas[src], do, q, kv[0], kv[1], o, lse, ctx.scale, dq,
+                           dkv[0], dkv[1])
             if pending is not None:
                 kv = pending.wait()
             if G > 1:  # the accumulator of block src follows it to rank g + 1 (its owner after the last step)
