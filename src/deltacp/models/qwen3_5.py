@@ -9,9 +9,8 @@ Order of application (one log line each), after validating every rank's configur
 style on every `linear_attn`, the full attention method (Ulysses, KV all-gather or ring; in the 2-D layout
 Ulysses inside groups and all-gather or ring across them) on every `self_attn`, then a pre-hook on the text
 model that builds each forward's `CPForwardContext` (documents, padding, checkpoint replay) for every layer, and
-on a causal-LM
-wrapper a pre-hook refusing `labels` and `logits_to_keep` (both would act on one rank's slice). Parameters are
-not sharded: compose FSDP2 on top with `fully_shard_qwen3_5`, or sum gradients over the CP group with
+on a causal-LM wrapper a pre-hook refusing `labels` and `logits_to_keep` (both would act on one rank's slice).
+Parameters are not sharded: compose FSDP2 on top with `fully_shard_qwen3_5`, or sum gradients over the CP group with
 `all_reduce_cp_grads` when parameters are replicated.
 """
 
