@@ -227,8 +227,9 @@ class _RingAttention(torch.autograd.Function):
     and its queries are those same positions. Forward: G steps; at step t the rank holds block (g - t) mod G,
     posts the exchange that brings the next block, computes its tiles on the held block (causal: only blocks
     <= g have any), waits. Backward: the same walk recomputing each tile from the merged o and lse, with the
-    block's dk/dv accumulator travelling behind the block; after G exchanges of the accumulator every block's
-    gradient is back on its owner. Memory: two blocks of k/v (and of their gradient), never the gathered row."""
+    block's dk/dv accumulator travelling behind the block (its hop overlapping the next step's tiles); after G
+    exchanges of the accumulator every block's gradient is back on its owner. Exchanges are issued in the same
+    order on every rank (K|V of step t, then dK|dV of step t), so each neighbour pair matches them in order. Memory: two blocks of k/v (and of their gradient), never the gathered row."""
 
     @staticmethod
     def forward(ctx, q, k, v, buckets, scale, ring):
@@ -255,17 +256,23 @@ class _RingAttention(torch.autograd.Function):
         dt = compute_dtype(q)
         dq = torch.zeros_like(q, dtype=dt)
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv, dtype=dt)
         do = do.contiguous()
+        incoming = None  # the accumulator of the block held now, from the ranks that held it before
         for t in range(G):
             src = (g - t) % G
             pending = ring.exchange(kv, "kv bwd") if t < G - 1 else None
+            dkv = torch.zeros_like(kv, dtype=dt)
             backward_tiles(ctx.buckets.get(src, ()), ctx.metas[src], do, q, kv[0], kv[1], o, lse, ctx.scale, dq,
                            dkv[0], dkv[1])
+            if incoming is not None:
+                dkv += incoming.wait()
+            # the accumulator of block src follows it to rank g + 1 (after the last step: its owner); the hop
+            # overlaps the next step's tiles
+            incoming = ring.exchange(dkv, "dkv") if G > 1 else None
             if pending is not None:
                 kv = pending.wait()
-            if G > 1:  # the accumulator of block src follows it to rank g + 1 (its owner after the last step)
-                dkv = ring.exchange(dkv, "dkv").wait()
+        if incoming is not None:
+            dkv = incoming.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
