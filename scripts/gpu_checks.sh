@@ -20,15 +20,20 @@
 #                                      per length), longest sequence projected, tokens/s; fails unless deltacp's step runs
 #                                      a 4-layer hidden-2048 model at 32K. SIZES="9B 27B" for the large ones (each
 #                                      part about 9 minutes)
+#   bash scripts/gpu_checks.sh attention       full attention per-rank cost (Ulysses, KV all-gather, ring, 2-D u=2/4)
+#                                      at CP8/16/32 and 128K-512K, after a bf16 flash-tile vs fp32 check (about 5 min)
+#   bash scripts/gpu_checks.sh attention_long  the same at 1M tokens                      (about 6 minutes)
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
-#                                      20 steps with and without activation checkpointing, FSDP2 on
+#                                      full attention allgather/ring and the 2-D layouts, 20 steps with and without
+#                                      activation checkpointing, FSDP2 on
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi" >&2; exit 2 ;; esac
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long" >&2
+     exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -107,6 +112,14 @@ multi)
     [ "$cp" -le "$ngpu" ] || continue
     check "multi_cp$cp" 300 torchrun --standalone --nproc-per-node "$cp" tests/gpu/multi_gpu_checks.py --steps 20
   done
+  ;;
+attention)
+  check attention_per_rank 560 python bench/attention_cp.py --per-rank-cost --cp 8 16 32 \
+    --global-len 131072 262144 524288 --json "$OUT/bench.jsonl"
+  ;;
+attention_long)
+  check attention_per_rank_1m 580 python bench/attention_cp.py --per-rank-cost --cp 8 16 32 --global-len 1048576 \
+    --warmup 1 --repeat 2 --json "$OUT/bench.jsonl"
   ;;
 sweep)
   # one process per kernel: an illegal memory access (some launch shapes on Triton 3.6) poisons the CUDA context

@@ -5,9 +5,10 @@
         dp: null          # data-parallel degree: null derives world // (cp * tp); given, world = dp x cp x tp
         cp: 4
         tp: 1
-        ulysses_degree: null
+        ulysses_degree: null          # null / cp: 1-D; u < cp dividing cp: the 2-D layout (parallel/layout.py)
         linear_attention_cp_mode: p2p
         linear_attention_gdn_backend: triton
+        full_attention_cp: ulysses    # ulysses | allgather | ring
 
 `validate()` runs on every rank before the first collective, so a bad value is an error everywhere,
 never a hang.
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from deltacp.ops.gdn.contract import GDN_BACKENDS
+from deltacp.parallel.layout import validate_cp_layout
 from deltacp.parallel.style import LINEAR_ATTENTION_CP_MODES, validate_mode_and_backend
 
 
@@ -31,11 +33,17 @@ class AcceleratorConfig:
     """Data-parallel degree: groups of cp ranks that each read their share of the global batch. None: derived as
     world_size // (cp * tp); given: world_size must equal dp x cp x tp."""
     ulysses_degree: int | None = None
-    """Full attention Ulysses degree: None or equal to cp."""
+    """null (or cp): the 1-D layout, every layer over the whole CP group. u < cp dividing cp: the 2-D layout, cp / u
+    groups of u consecutive ranks; every layer runs Ulysses inside a group (its heads must divide by u) and across
+    groups linear_attention_cp_mode (p2p | all_gather) and full_attention_cp (allgather | ring)."""
     linear_attention_cp_mode: str = "ulysses"
-    """One of ulysses | p2p | all_gather."""
+    """One of ulysses | p2p | all_gather (with ulysses_degree < cp: p2p | all_gather, the across-group method)."""
     linear_attention_gdn_backend: str = "eager"
     """One of eager | triton."""
+    full_attention_cp: str = "ulysses"
+    """Full attention CP: ulysses (heads split cp ways: num_attention_heads must divide by cp), allgather (KV
+    all-gather, no head limit) or ring (KV blocks passed around a ring; memory of two blocks). With ulysses_degree
+    < cp: allgather | ring, the across-group method."""
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "AcceleratorConfig":
@@ -64,9 +72,8 @@ class AcceleratorConfig:
         validate_mode_and_backend(self.linear_attention_cp_mode, self.linear_attention_gdn_backend)
         if self.tp != 1:
             raise ValueError(f"train.accelerator.tp={self.tp} is not supported with linear attention CP: tp must be 1")
-        if self.ulysses_degree is not None and self.ulysses_degree != self.cp:
-            raise NotImplementedError(f"train.accelerator.ulysses_degree={self.ulysses_degree} is not supported: it "
-                                      f"must be null or equal to cp ({self.cp})")
+        validate_cp_layout(self.cp, self.ulysses_degree, self.linear_attention_cp_mode, self.full_attention_cp,
+                           prefix="train.accelerator.")
         if world_size is None:
             return
         if self.dp is None and world_size % (self.cp * self.tp):

@@ -6,9 +6,13 @@
   on a one-rank mesh of this rank, unpacked and on a packed row;
 - model parity: the 3-linear + 1-full hybrid in float64, every mode, FSDP2 on, logits, loss and gradients against
   the one-rank computation, unpacked and packed;
-- training: `--steps` consecutive steps per mode with and without activation checkpointing, FSDP2 on, a packed
-  row each step: finite, no growth of allocated memory after the first steps, and identical losses with and
-  without checkpointing.
+- full attention past the head count: a Qwen3_5Attention layer with full_attention_cp allgather / ring at Ulysses
+  degree 1 and every 2-D degree the world size allows (eager float64; bf16 flash tiles on CUDA), unpacked and
+  packed; the model in the 2-D layouts (ulysses_degree 1 and every u < world dividing it; p2p / all_gather with
+  ring / allgather);
+- training: `--steps` consecutive steps per mode (and for the ring / 2-D layouts) with and without activation
+  checkpointing, FSDP2 on, a packed row each step: finite, no growth of allocated memory after the first steps,
+  and identical losses with and without checkpointing (a ring recompute re-sends its blocks on every rank).
 Every check prints one row; the script exits 1 if any failed. A hang ends in the process-group timeout
 (`--timeout-s`), so nothing waits forever. `--device cpu` runs the same over gloo (to check the script itself).
 """
@@ -91,6 +95,64 @@ def layer_checks(device, mesh, self_mesh, rows):
                 rows.append((label, max(figures.values()), bound))
 
 
+def two_d_degrees(world: int) -> list[int]:
+    """Ulysses degrees of the 2-D layout at this world size (1: groups of one rank)."""
+    return [u for u in (1, 2, 4) if u < world and world % u == 0]
+
+
+def two_d_layouts(world: int) -> list[dict]:
+    layouts = []
+    for u in two_d_degrees(world):
+        layouts += [dict(ulysses_degree=u, linear_attention_cp_mode="p2p", full_attention_cp="ring"),
+                    dict(ulysses_degree=u, linear_attention_cp_mode="all_gather", full_attention_cp="allgather")]
+    return layouts
+
+
+def _layout_label(kw: dict) -> str:
+    return f"u={kw['ulysses_degree']} {kw['linear_attention_cp_mode']}+{kw['full_attention_cp']}"
+
+
+def attention_checks(device, mesh, self_mesh, rows):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5TextRotaryEmbedding
+
+    from deltacp.parallel.attention import attention_cp_plan, install_kv_cp_attention
+    from deltacp.parallel.documents import AttentionDocuments, CPForwardContext
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    S = 256
+    for dtype, bound in ((torch.float64, 1e-8), (torch.bfloat16, 2e-2)):
+        if dtype == torch.bfloat16 and device.type != "cuda":
+            continue
+        config = tiny_config() if dtype == torch.float64 else tiny_config(hidden_size=512, head_dim=128)
+        base = Qwen3_5Attention(config, 3).to(device)
+        rotary = Qwen3_5TextRotaryEmbedding(config).to(device)
+        x = torch.randn(1, S, config.hidden_size, device=device, dtype=torch.float64)
+        d_out = torch.randn_like(x)
+        cos, sin = rotary(x, torch.arange(S, device=device)[None, None].expand(3, 1, -1))
+        for cu in (None, torch.tensor(PACKED)):
+            ctx = None if cu is None else CPForwardContext(attention=AttentionDocuments.build(cu))
+            ref = install_kv_cp_attention(copy.deepcopy(base).double(), attention_cp_plan(self_mesh, "allgather", 1))
+            xr = x.clone().requires_grad_()
+            out_ref, _ = ref(xr, (cos.double(), sin.double()), ctx)
+            (out_ref * d_out).sum().backward()
+            for method in ("allgather", "ring"):
+                for u in two_d_degrees(world):
+                    cp = install_kv_cp_attention(copy.deepcopy(base).to(dtype), attention_cp_plan(mesh, method, u))
+                    xl = local_slice(x, rank, world).to(dtype).requires_grad_()
+                    out, _ = cp(xl, (local_slice(cos, rank, world).to(dtype), local_slice(sin, rank, world).to(dtype)),
+                                ctx)
+                    (out.double() * local_slice(d_out, rank, world)).sum().backward()
+                    grads = {n: g.double() for n, g in grads_of(cp).items()}
+                    for g in grads.values():
+                        dist.all_reduce(g)
+                    figures = {"output": rel_l2(out, local_slice(out_ref, rank, world)),
+                               "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
+                               "param grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+                    label = (f"attention {method} u={u} {str(dtype)[6:]} {'packed' if cu is not None else 'unpacked'}")
+                    rows.append((label, max(figures.values()), bound))
+
+
 def model_checks(device, mesh, self_mesh, rows):
     from transformers import Qwen3_5ForCausalLM
 
@@ -100,11 +162,14 @@ def model_checks(device, mesh, self_mesh, rows):
     torch.manual_seed(0)
     base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config()).double()).to(device)
     ids = torch.randint(0, 256, (1, 256), device=device)
-    for mode in MODES:
+    layouts = [dict(linear_attention_cp_mode=mode) for mode in MODES] + two_d_layouts(world)
+    for kw in layouts:
+        mode = kw["linear_attention_cp_mode"] if len(kw) == 1 else _layout_label(kw)
         for cu in (None, torch.tensor(PACKED)):
             results = []
             for m, fsdp in ((self_mesh, False), (mesh, True)):
-                model = parallelize_qwen3_5_cp(copy.deepcopy(base), m, linear_attention_cp_mode=mode)
+                model = parallelize_qwen3_5_cp(copy.deepcopy(base), m, **(kw if fsdp else dict(
+                    linear_attention_cp_mode=kw["linear_attention_cp_mode"])))
                 if fsdp:
                     fully_shard_qwen3_5(model, m)
                 batch = shard_batch_for_cp(ids, m, cu_seqlens=cu)
@@ -131,10 +196,15 @@ def training_checks(device, mesh, steps, rows):
     batches = [(torch.randint(0, 256, (1, 512), generator=data),
                 torch.tensor([0] + sorted(torch.randperm(510, generator=data)[:6].add(1).tolist()) + [512]))
                for _ in range(steps)]
-    for mode in MODES:
+    world = dist.get_world_size()
+    layouts = [dict(linear_attention_cp_mode=mode) for mode in MODES] + [
+        dict(linear_attention_cp_mode="p2p", full_attention_cp="ring"), two_d_layouts(world)[-1]]
+    for kw in layouts:
+        mode = kw["linear_attention_cp_mode"] if len(kw) == 1 else (
+            _layout_label(kw) if "ulysses_degree" in kw else f"p2p+{kw['full_attention_cp']}")
         losses = {}
         for ac in (False, True):
-            model = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode)
+            model = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, **kw)
             if ac:
                 apply_activation_checkpointing(model)
             fully_shard_qwen3_5(model, mesh)
@@ -180,6 +250,7 @@ def main():
     rows = []
     try:
         layer_checks(device, mesh, self_mesh, rows)
+        attention_checks(device, mesh, self_mesh, rows)
         model_checks(device, mesh, self_mesh, rows)
         training_checks(device, mesh, args.steps, rows)
     finally:

@@ -34,7 +34,10 @@ def test_main_config_loads_and_round_trips():
     ("train.accelerator.linear_attention_gdn_backend=auto", ValueError,
      r"train\.accelerator\.linear_attention_gdn_backend='auto' is not supported"),
     ("train.accelerator.tp=2", ValueError, r"train\.accelerator\.tp=2 is not supported .*tp must be 1"),
-    ("train.accelerator.ulysses_degree=2", NotImplementedError, r"train\.accelerator\.ulysses_degree=2 is not supported"),
+    ("train.accelerator.ulysses_degree=3", ValueError, r"train\.accelerator\.ulysses_degree=3 is not supported at "
+                                                       r"cp=4"),
+    ("train.accelerator.full_attention_cp=zigzag", ValueError,
+     r"train\.accelerator\.full_attention_cp='zigzag' is not supported"),
     ("train.data.seq_len=510", ConfigError, r"train\.data\.seq_len \(510\) must be divisible by train\.accelerator\.cp \(4\)"),
     ("train.dtype=float16", ConfigError, r"train\.dtype='float16' is not supported"),
     ("train.activation_checkpointing=selective", ConfigError, r"train\.activation_checkpointing='selective'"),

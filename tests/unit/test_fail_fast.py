@@ -26,7 +26,14 @@ def test_all_gather_with_triton_is_not_implemented():
 
 @pytest.mark.parametrize("raw, error, pattern", [
     ({"cp": 4, "tp": 2}, ValueError, r"tp=2 .*tp must be 1"),
-    ({"cp": 4, "ulysses_degree": 2}, NotImplementedError, r"ulysses_degree=2 .*null or equal to cp \(4\)"),
+    ({"cp": 4, "ulysses_degree": 3}, ValueError, r"ulysses_degree=3 is not supported at cp=4: .*null or a divisor "
+                                                 r"of cp, one of \[1, 2, 4\]"),
+    ({"cp": 4, "ulysses_degree": 2}, ValueError, r"linear_attention_cp_mode='ulysses' with train\.accelerator\."
+                                                 r"ulysses_degree=2 < cp \(4\).*one of \('p2p', 'all_gather'\)"),
+    ({"cp": 4, "ulysses_degree": 2, "linear_attention_cp_mode": "p2p"}, ValueError,
+     r"full_attention_cp='ulysses' with train\.accelerator\.ulysses_degree=2 < cp \(4\).*\('allgather', 'ring'\)"),
+    ({"full_attention_cp": "zigzag"}, ValueError, r"train\.accelerator\.full_attention_cp='zigzag' is not supported; "
+                                                  r"expected one of \('ulysses', 'allgather', 'ring'\)"),
     ({"cp": 0}, ValueError, r"cp must be an integer >= 1"),
     ({"linear_attention_cp_mode": "ring"}, ValueError, r"linear_attention_cp_mode='ring'"),
     ({"linear_attention_gdn_backend": "cuda"}, ValueError, r"linear_attention_gdn_backend='cuda'"),
@@ -62,8 +69,10 @@ def test_mesh_errors(single_rank_group):
     with pytest.raises(TypeError, match="cp_mesh must be a torch DeviceMesh"):
         parallelize_qwen3_5_cp(model, "cp")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
-    with pytest.raises(NotImplementedError, match=r"ulysses_degree=2 .*None or equal to cp \(1\)"):
+    with pytest.raises(ValueError, match=r"ulysses_degree=2 is not supported at cp=1: .*None or a divisor of cp"):
         parallelize_qwen3_5_cp(model, mesh, ulysses_degree=2)
+    with pytest.raises(ValueError, match=r"full_attention_cp='zigzag' is not supported"):
+        parallelize_qwen3_5_cp(model, mesh, full_attention_cp="zigzag")
     with pytest.raises(NotImplementedError, match=r"applies to transformers' .*Qwen3_5GatedDeltaNet.*got Linear"):
         LinearAttentionContextParallel().apply(torch.nn.Linear(2, 2), mesh)
     parallelize_qwen3_5_cp(model, mesh)
@@ -175,3 +184,33 @@ def test_importing_and_running_eager_never_imports_triton():
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout)
     assert "offenders []\n" in result.stdout and "kernel modules []\n" in result.stdout, result.stdout
+
+
+def test_two_d_head_and_mode_rules_name_the_settings():
+    """The 2-D layout's rules (no process group needed: checked before the configuration exchange)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5GatedDeltaNet
+
+    from deltacp.parallel.attention import check_attention_module
+    from deltacp.parallel.layout import validate_cp_layout
+    from helpers import tiny_config
+
+    gdn = Qwen3_5GatedDeltaNet(tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), 0)
+    with pytest.raises(ValueError, match=r"ulysses_degree=4 must divide linear_num_value_heads \(6\)"):
+        LinearAttentionContextParallel(mode="p2p", ulysses_degree=4).check_module(gdn, 8)
+    assert LinearAttentionContextParallel(mode="p2p", ulysses_degree=2).check_module(gdn, 8)["ulysses_degree"] == 2
+    with pytest.raises(ValueError, match=r"linear_attention_cp_mode='ulysses' with ulysses_degree=2 < cp \(8\)"):
+        LinearAttentionContextParallel(mode="ulysses", ulysses_degree=2).check_module(gdn, 8)
+    with pytest.raises(ValueError, match=r"ulysses_degree=0 is not supported"):
+        LinearAttentionContextParallel(mode="p2p", ulysses_degree=0)
+    attention = Qwen3_5Attention(tiny_config(num_attention_heads=6, num_key_value_heads=2), 3)
+    with pytest.raises(ValueError, match=r"ulysses_degree=4 must divide num_attention_heads \(6\)"):
+        check_attention_module(attention, 8, "allgather", 4)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) divisible by the CP degree \(8\); "
+                                         r"full_attention_cp='allgather' or 'ring' has no head limit"):
+        check_attention_module(attention, 8, "ulysses", 8)
+    check_attention_module(attention, 8, "ring", 1)  # no head limit
+    validate_cp_layout(8, None, "ulysses", "allgather")  # 1-D: any mode with any method
+    validate_cp_layout(8, 8, "p2p", "ulysses")  # u = cp: the 1-D layout, as before
+    validate_cp_layout(8, 1, "all_gather", "ring")
+    with pytest.raises(ValueError, match=r"ulysses_degree=3 is not supported at cp=8: .*\[1, 2, 4, 8\]"):
+        validate_cp_layout(8, 3, "p2p", "ring")

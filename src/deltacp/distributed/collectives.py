@@ -134,6 +134,26 @@ def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup) -> t
 # ---------------------------------------------------------------------------------------------
 
 
+def cp_subgroup(cp_mesh, split) -> ProcessGroup:
+    """A new process group over the ranks that `split(row)` puts together with this rank, `row` being this rank's
+    CP ranks in CP order (`split` partitions it into lists of global ranks). Only the members take part in
+    creating a group (local synchronisation); every rank must call this in the same order."""
+    names = cp_mesh.mesh_dim_names
+    layout = cp_mesh.mesh
+    if cp_mesh.ndim > 1:
+        layout = layout.movedim(names.index("cp"), -1)
+    rows = layout.reshape(-1, layout.shape[-1]).tolist()
+    me = dist.get_rank()
+    mine = None
+    for row in rows:
+        for ranks in split(row):
+            if me in ranks:
+                mine = dist.new_group(ranks, use_local_synchronization=True)
+    if mine is None:
+        raise RuntimeError(f"rank {me} is not in the CP mesh {rows}")
+    return mine
+
+
 def dedicated_cp_groups(cp_mesh) -> ProcessGroup:
     """A second process group over this rank's CP ranks, for point-to-point state traffic only.
 
@@ -142,19 +162,18 @@ def dedicated_cp_groups(cp_mesh) -> ProcessGroup:
     their own communicator, no collective ever waits behind a point-to-point operation or the reverse. Only
     the ranks of one CP group take part in creating its group (local synchronisation).
     """
-    names = cp_mesh.mesh_dim_names
-    layout = cp_mesh.mesh
-    if cp_mesh.ndim > 1:
-        layout = layout.movedim(names.index("cp"), -1)
-    rows = layout.reshape(-1, layout.shape[-1]).tolist()
-    me = dist.get_rank()
-    mine = None
-    for ranks in rows:
-        if me in ranks:
-            mine = dist.new_group(ranks, use_local_synchronization=True)
-    if mine is None:
-        raise RuntimeError(f"rank {me} is not in the CP mesh {rows}")
-    return mine
+    return cp_subgroup(cp_mesh, lambda row: [row])
+
+
+def ulysses_subgroup(cp_mesh, degree: int) -> ProcessGroup:
+    """2-D layout: this rank's Ulysses group, `degree` consecutive CP ranks (so its tokens are contiguous)."""
+    return cp_subgroup(cp_mesh, lambda row: [row[i:i + degree] for i in range(0, len(row), degree)])
+
+
+def across_subgroup(cp_mesh, degree: int) -> ProcessGroup:
+    """2-D layout: rank j of every Ulysses group of `degree` ranks (CP ranks j, j + degree, ...), in group order.
+    Each call creates a new communicator (one for collectives, one per kind of point-to-point traffic)."""
+    return cp_subgroup(cp_mesh, lambda row: [row[j::degree] for j in range(degree)])
 
 
 class StatePassing:
@@ -242,3 +261,86 @@ def all_gather_autograd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     Backward: sum of the gradients over ranks, each rank keeping its own slot (a reduce-scatter).
     """
     return _AllGather.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence all-gather (full attention KV) and the ring (full attention KV blocks)
+# ---------------------------------------------------------------------------------------------
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        staged = _needs_host_staging(x, group)
+        src = (x.detach().cpu() if staged else x.detach()).movedim(dim, 0).contiguous()
+        size = dist.get_world_size(group)
+        out = src.new_empty((size * src.shape[0], *src.shape[1:]))
+        if dist.get_backend(group) == "gloo":
+            parts = list(out.chunk(size))
+            dist.all_gather(parts, src, group=group)
+            out = torch.cat(parts)
+        else:
+            dist.all_gather_into_tensor(out, src, group=group)
+        return out.movedim(0, dim).to(x.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim = ctx.group, ctx.dim
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        staged = _needs_host_staging(grad, group)
+        g = (grad.detach().cpu() if staged else grad.detach()).movedim(dim, 0).contiguous()
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep my slot
+            dist.all_reduce(g, group=group)
+            mine = g.chunk(size)[rank]
+        else:
+            mine = g.new_empty((g.shape[0] // size, *g.shape[1:]))
+            dist.reduce_scatter_tensor(mine, g, group=group)
+        return mine.movedim(0, dim).contiguous().to(grad.device), None, None
+
+
+def all_gather_seq_autograd(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's x concatenated along `dim` in rank order (e.g. [B, s, H, D] -> [B, P*s, H, D]).
+
+    Backward: reduce-scatter of the gradient along `dim` (over gloo: all-reduce, each rank keeping its slice).
+    """
+    return _AllGatherSeq.apply(x, dim, group)
+
+
+class RingPassing:
+    """Point-to-point traffic of a ring over `group` (a group that carries nothing else: `dedicated_cp_groups`).
+
+    `exchange(t)` sends t to rank+1 and receives the same shape from rank-1 (modulo the group size), as one batched
+    isend/irecv pair: on NCCL the pair is one group call, so the cycle of sends around the ring cannot deadlock.
+    Every rank calls `exchange` the same number of times in the same order.
+    """
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.log: list[str] | None = None
+
+    def exchange(self, t: torch.Tensor, what: str = "kv") -> "PendingRing":
+        staged = _needs_host_staging(t, self.group)
+        send = t.detach().cpu() if staged else t.detach().contiguous()
+        recv = torch.empty_like(send)
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=nxt),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=prv)]
+        if self.log is not None:
+            self.log.append(f"ring {what} ->{nxt} <-{prv}")
+        with torch.profiler.record_function(f"deltacp::ring {what}"):
+            works = dist.batch_isend_irecv(ops)
+        return PendingRing(works, send, recv, t.device)
+
+
+class PendingRing:
+    def __init__(self, works, send, recv, device):
+        self.works, self.send, self.recv, self.device = works, send, recv, device
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.send = None
+        return self.recv.to(self.device)

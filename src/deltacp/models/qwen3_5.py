@@ -7,13 +7,14 @@ Qwen3-Next, through their model adapters (`models/adapters.py`; the supported cl
     loss = cp_cross_entropy(logits, batch["target_ids"], cp_mesh)   # global mean over all tokens
 
 Order of application (one log line each), after validating every rank's configuration together: the GDN
-style on every `linear_attn`, Ulysses on every `self_attn`, then a pre-hook on the text model that builds each
-forward's `CPForwardContext` (documents, padding, checkpoint replay) for every layer, on a multimodal model a
-pre-hook that runs the vision tower and forms the mRoPE positions over the whole row (`models/multimodal.py`),
-on a causal-LM / conditional-generation wrapper a pre-hook refusing `labels` and `logits_to_keep` (both would
-act on one rank's slice) and, for routed experts, a hook making `aux_loss` global (`models/moe.py`). Experts
-are per-token work and stay as they are. Parameters are
-not sharded: compose FSDP2 on top with `fully_shard_qwen3_5`, or sum gradients over the CP group with
+style on every `linear_attn`, the full attention method (Ulysses, KV all-gather or ring; in the 2-D layout
+Ulysses inside groups and all-gather or ring across them) on every `self_attn`, then a pre-hook on the text
+model that builds each forward's `CPForwardContext` (documents, padding, checkpoint replay) for every layer, on a
+multimodal model a pre-hook that runs the vision tower and forms the mRoPE positions over the whole row
+(`models/multimodal.py`), on a causal-LM / conditional-generation wrapper a pre-hook refusing `labels` and
+`logits_to_keep` (both would act on one rank's slice) and, for routed experts, a hook making `aux_loss` global
+(`models/moe.py`). Experts are per-token work and stay as they are. Parameters are not sharded: compose FSDP2 on
+top with `fully_shard_qwen3_5`, or sum gradients over the CP group with
 `all_reduce_cp_grads` when parameters are replicated.
 """
 
@@ -31,7 +32,13 @@ from deltacp.models.adapters import ModelAdapter, adapter_for
 from deltacp.models.moe import make_aux_loss_hook
 from deltacp.models.multimodal import make_multimodal_hook
 from deltacp.ops.gdn.varlen import check_cu_seqlens
-from deltacp.parallel.attention import check_attention_module, install_ulysses_attention
+from deltacp.parallel.attention import (
+    attention_cp_plan,
+    check_attention_module,
+    install_kv_cp_attention,
+    install_ulysses_attention,
+)
+from deltacp.parallel.layout import attention_two_d_degree, validate_cp_layout
 from deltacp.parallel.documents import (
     PACKING_KEYWORDS,
     AttentionDocuments,
@@ -57,23 +64,29 @@ def _text_model(model: nn.Module) -> nn.Module:
 
 
 def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
-                   linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager") -> nn.Module:
+                   linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager",
+                   full_attention_cp: str = "ulysses") -> nn.Module:
     """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
 
     On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
     slice of the single-device logits (per document, for packed rows). `parallelize_qwen3_5_cp` is this function.
+
+    full_attention_cp: 'ulysses' (heads split cp ways: the heads must divide by cp), 'allgather' (KV all-gather,
+    no head limit) or 'ring' (KV ring). ulysses_degree: None / cp (1-D layout) or u < cp dividing cp: the 2-D
+    layout, Ulysses inside groups of u consecutive ranks, linear_attention_cp_mode (p2p | all_gather) and
+    full_attention_cp (allgather | ring) across groups (deltacp.parallel.layout).
     """
     group = cp_group_of(cp_mesh)
     cp = group.size()
     config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
-                  linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=cp,
-                  model=type(model).__name__)
+                  linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=ulysses_degree,
+                  full_attention_cp=full_attention_cp, model=type(model).__name__)
     error = None
     try:  # validate, then exchange: a check failing on some ranks only must not leave the others waiting
-        style = LinearAttentionContextParallel(mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend)
-        if ulysses_degree is not None and ulysses_degree != cp:
-            raise NotImplementedError(f"ulysses_degree={ulysses_degree} is not supported: it must be None or equal "
-                                      f"to cp ({cp}); full attention CP is Ulysses over the whole CP mesh")
+        validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
+        style = LinearAttentionContextParallel(mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend,
+                                               ulysses_degree=ulysses_degree)
+        attention_degree = attention_two_d_degree(cp, ulysses_degree, full_attention_cp)
         adapter = adapter_for(model)
         text = adapter.text
         if getattr(text, "_deltacp_parallelized", False):
@@ -87,7 +100,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
             if linear is not None:
                 layer_config = style.check_module(linear, cp)
             elif full is not None:
-                layer_config = check_attention_module(full, cp)
+                layer_config = check_attention_module(full, cp, full_attention_cp, attention_degree)
             else:
                 raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} has neither linear_attn nor "
                                           f"self_attn (layer type {text.config.layer_types[i]!r})")
@@ -104,11 +117,21 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
             n_linear += 1
     logger.info("Applied %s linear attention CP (%s backend) to %d GDN layers", linear_attention_cp_mode,
                 linear_attention_gdn_backend, n_linear)
+    plan = None
+    if full_attention_cp != "ulysses":
+        shared = p2p_group if getattr(p2p_group, "ulysses", None) is not None else None
+        plan = attention_cp_plan(cp_mesh, full_attention_cp, attention_degree,
+                                 shared if attention_degree > 1 else None)
     for layer in layers:
-        if adapter.full_attention(layer) is not None:
-            install_ulysses_attention(adapter.full_attention(layer), group)
+        full = adapter.full_attention(layer)
+        if full is not None:
+            if plan is None:
+                install_ulysses_attention(full, group)
+            else:
+                install_kv_cp_attention(full, plan)
             n_full += 1
-    logger.info("Applied Ulysses CP (degree %d) to %d full attention layers", cp, n_full)
+    logger.info("Applied %s CP (Ulysses degree %d) to %d full attention layers", full_attention_cp,
+                attention_degree, n_full)
     text.register_forward_pre_hook(_make_cp_inputs_hook(group, adapter), with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(text).__name__)
     if adapter.multimodal is not None:

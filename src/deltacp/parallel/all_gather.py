@@ -13,6 +13,7 @@ from deltacp.ops.gdn.eager import apply_summary
 from deltacp.parallel.conv import halo_conv_silu
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
+from deltacp.parallel.shard import GDNShard
 
 
 def _compose_prefix(packed_PBHKX: torch.Tensor, rank: int, K: int) -> torch.Tensor:
@@ -62,21 +63,27 @@ class _AnchorBackward(torch.autograd.Function):
 
 def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                      ctx: CPForwardContext) -> torch.Tensor:
+    return all_gather_scan(layer, GDNShard.whole(layer), layer.group, qkv_BsC, b_BsH, a_BsH, ctx)
+
+
+def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, group, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
+                    a_BsH: torch.Tensor, ctx: CPForwardContext) -> torch.Tensor:
+    """The all_gather scan of `shard`'s heads over this rank's contiguous tokens, slice `rank` of `group`."""
     m = layer.view
-    rank = torch.distributed.get_rank(layer.group)
+    rank = torch.distributed.get_rank(group)
     s = qkv_BsC.shape[1]
-    docs = document_segment(layer, ctx, rank, torch.distributed.get_world_size(layer.group), s)
+    docs = document_segment(layer, ctx, rank, torch.distributed.get_world_size(group), s)
     layout = None if docs is None else docs.layout
-    x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group,
+    x_BsC = halo_conv_silu(qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, layer.conv_dilation, shard.halo_group,
                            doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
-    q, k, v = split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim)
-    g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
+    q, k, v = split_qkv(x_BsC, shard.qk_heads, m.head_k_dim, m.head_v_dim)
+    g, beta = gdn_gate(a_BsH, shard.A_log, shard.dt_bias), b_BsH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="all_gather")
 
     # with documents, M = 0 wherever the entering state cannot reach the end of the slice (varlen.py)
     summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                        cu_seqlens=layout)
-    packed_PBHKX = all_gather_autograd(torch.cat([summary_m, summary_s], dim=-1), layer.group)
+    packed_PBHKX = all_gather_autograd(torch.cat([summary_m, summary_s], dim=-1), group)
     state = _EnteringState.apply(packed_PBHKX, rank, m.head_k_dim)
     if layout is not None and not layout.first_continues:
         # the first document starts on this rank: the entering state reaches no output, but its backward (and

@@ -1,40 +1,57 @@
-"""Ulysses CP for a gated full attention (Qwen3.5 dense/MoE, Qwen3-Next: through the family's
-`AttentionView`) over the same 1-D CP mesh.
+"""Full attention CP for a gated full attention (Qwen3.5 dense/MoE, Qwen3-Next: through the family's
+`AttentionView`): Ulysses, KV all-gather, ring, and the 2-D layout.
 
-Local projections, q/k norms and rotary (position embeddings of the rank's global positions), then
-all-to-all to head shards over the whole sequence, causal attention, all-to-all back, output gate and
-projection. Key/value heads that do not divide by the CP degree are repeated to the query heads first
-(exact: query head j reads kv head j // groups either way).
+Every method: local projections, q/k norms and rotary (position embeddings of the rank's global positions),
+then its exchange and causal attention, then the output gate and projection.
+- ulysses: all-to-all to head shards over the whole sequence (each rank gets its query heads and the KV heads
+  they read, `ulysses_kv_heads`), causal attention, all-to-all back;
+- allgather / ring (`kv_cp_attention_forward`): optionally Ulysses inside a group of u consecutive ranks (the
+  2-D layout), then the queries of the group's slice against every earlier key, K and V coming from the other
+  groups by all-gather or around a ring; attention tile by tile (`attention_tiles.py`).
 
 The `attention_mask` this forward takes is None (causal over the whole row) or the model pre-hook's
 `CPForwardContext`, whose `attention` describes per-document causal attention over the flattened [B * S]
-stream (packed documents, or padded rows as valid + padding documents). No [S, S] mask is ever built: each
-document runs through causal SDPA on its own (fused kernels on CPU and CUDA).
+stream (packed documents, or padded rows as valid + padding documents). No [S, S] (or [s, S]) mask is ever
+built: Ulysses runs each document through causal SDPA on its own, allgather / ring run fused attention per tile.
 
-Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads.
+Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads;
+q_BHLD the L = u*s tokens of a Ulysses group, local heads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
+
+from deltacp.distributed.collectives import (
+    RingPassing,
+    all_gather_seq_autograd,
+    all_to_all_head_to_seq,
+    all_to_all_seq_to_head,
+)
 from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tile_kernel, tiled_attention
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
 from deltacp.parallel.views import AttentionView, attention_view_of
 
+FULL_ATTENTION_CP = ("ulysses", "allgather", "ring")
+# Tile bound per kernel (tokens on each side of a tile): the fused kernels keep no [queries, keys] scores, so a
+# tile only bounds the head-expanded K/V copy (GQA) of one call; the math kernel (CUDA fp32/fp64) holds
+# block x block scores.
+DEFAULT_BLOCK = {"flash_cuda": 65536, "flash_cpu": 65536, "math": 2048}
+
 
 def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[int, int]:
-    """(query heads, kv heads) per rank, or ValueError naming the setting."""
+    """(query heads, KV heads) per rank under Ulysses over `cp` ranks, or ValueError naming the setting."""
     if num_heads % cp:
         raise ValueError(f"Ulysses full attention needs num_attention_heads ({num_heads}) divisible by the CP "
-                         f"degree ({cp})")
-    kv = num_kv_heads if num_kv_heads % cp == 0 else num_heads
-    return num_heads // cp, kv // cp
+                         f"degree ({cp}); full_attention_cp='allgather' or 'ring' has no head limit")
+    return num_heads // cp, ulysses_kv_heads(num_heads, num_kv_heads, cp).shape[1]
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,6 +85,79 @@ def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD
     return o_THD.reshape(B, S, H, -1).transpose(1, 2)
 
 
+def ulysses_kv_heads(num_heads: int, num_kv_heads: int, degree: int) -> torch.Tensor:
+    """[degree, n] the KV heads that Ulysses sends to each rank of a group of `degree`: the heads its query heads
+    read (query head i reads KV head i // (Hq / Hkv)). Whole KV heads when the mapping stays grouped (each rank
+    then runs GQA with its own KV heads); otherwise one KV head per query head (a repeat, exact)."""
+    hq, groups = num_heads // degree, num_heads // num_kv_heads
+    rows = []
+    for j in range(degree):
+        reads = [(j * hq + i) // groups for i in range(hq)]
+        unique = sorted(set(reads))
+        grouped = hq % len(unique) == 0 and reads == [h for h in unique for _ in range(hq // len(unique))]
+        rows.append(unique if grouped else reads)
+    if len({len(r) for r in rows}) != 1:
+        rows = [[(j * hq + i) // groups for i in range(hq)] for j in range(degree)]
+    return torch.tensor(rows)
+
+
+def project_qkv(view: AttentionView, hidden_states: torch.Tensor, position_embeddings):
+    """Local q (with its output gate), k, v of a gated full attention: projections, q/k norms, the family's
+    rotary."""
+    D = view.head_dim
+    B, s, _ = hidden_states.shape
+    heads, kv_heads = view.num_heads, view.num_kv_heads
+    q_BsHD, gate = torch.chunk(view.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
+    gate = gate.reshape(B, s, heads * D)
+    q_BsHD = zero_centered_rms_norm(q_BsHD, *view.q_norm)
+    k_BsHD = zero_centered_rms_norm(view.k_proj(hidden_states).view(B, s, kv_heads, D), *view.k_norm)
+    v_BsHD = view.v_proj(hidden_states).view(B, s, kv_heads, D)
+    cos, sin = position_embeddings
+    q_BsHD, k_BsHD = view.apply_rotary(q_BsHD, k_BsHD, cos, sin)
+    return q_BsHD, k_BsHD, v_BsHD, gate
+
+
+def seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group):
+    """Ulysses over `group` (degree P): local tokens, all heads -> the group's P*s tokens, this rank's query heads
+    and the KV heads they read (`ulysses_kv_heads`); one all-to-all. Returns q, k, v as [B, H, P*s, D]."""
+    P = 1 if group is None else dist.get_world_size(group)
+    B, s, heads, D = q_BsHD.shape
+    if P == 1:
+        return tuple(x.transpose(1, 2) for x in (q_BsHD, k_BsHD, v_BsHD))
+    index = ulysses_kv_heads(heads, k_BsHD.shape[2], P)
+    n_kv = index.shape[1]
+    k_sel, v_sel = (x[:, :, index.flatten().to(x.device)] for x in (k_BsHD, v_BsHD))
+    # [B, s, P, (Hq/P + 2 n_kv) D] -> [B, P*s, (Hq/P + 2 n_kv) D]
+    packed_BsPX = torch.cat([x.reshape(B, s, P, -1) for x in (q_BsHD, k_sel, v_sel)], dim=-1)
+    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
+    q_BSX, k_BSX, v_BSX = torch.split(full_BSX, [heads // P * D, n_kv * D, n_kv * D], dim=-1)
+    return tuple(x.reshape(B, s * P, -1, D).transpose(1, 2) for x in (q_BSX, k_BSX, v_BSX))
+
+
+def heads_to_seq(o_BHSD: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of `seq_to_heads` for the output: [B, H/P, P*s, D] -> [B, s, H * D]."""
+    P = 1 if group is None else dist.get_world_size(group)
+    B, h, S, D = o_BHSD.shape
+    o_BSX = o_BHSD.transpose(1, 2).reshape(B, S, h * D)
+    if P == 1:
+        return o_BSX
+    return all_to_all_head_to_seq(o_BSX, group).reshape(B, S // P, P * h * D)
+
+
+def _attention_inputs(view: AttentionView, hidden_states, attention_mask, unsupported, cache, past_key_values,
+                      use_cache, what):
+    refuse_unsupported(type(view.module).__name__, dict(unsupported, cache=cache, past_key_values=past_key_values,
+                                                        use_cache=use_cache))
+    if hasattr(hidden_states, "to_local"):
+        hidden_states = hidden_states.to_local()
+    if attention_mask is not None and not isinstance(attention_mask, CPForwardContext):
+        raise ValueError(f"{what} full attention takes None or the model hook's CPForwardContext as attention_mask, "
+                         f"got {type(attention_mask).__name__}; call the model through parallelize_qwen3_5_cp, "
+                         f"which builds it from the padding mask or the packed documents")
+    docs = None if attention_mask is None else attention_mask.attention
+    return hidden_states, docs
+
+
 def ulysses_attention_forward(view: AttentionView, group, hidden_states: torch.Tensor,
                               position_embeddings: tuple[torch.Tensor, torch.Tensor],
                               attention_mask: CPForwardContext | None = None, cache=None, past_key_values=None,
@@ -76,51 +166,107 @@ def ulysses_attention_forward(view: AttentionView, group, hidden_states: torch.T
     """position_ids: read upstream (the rotary embedding, and the model hook for document starts), not here.
     output_router_logits: passed down every decoder layer of an MoE model, honoured by transformers' recording of
     the routers' outputs; nothing to do here."""
-    refuse_unsupported(type(view.module).__name__, dict(unsupported, cache=cache, past_key_values=past_key_values,
-                                                       use_cache=use_cache))
-    if hasattr(hidden_states, "to_local"):
-        hidden_states = hidden_states.to_local()
-    cp = dist.get_world_size(group)
-    D = view.head_dim
-    B, s, _ = hidden_states.shape
-    heads, kv_heads = view.num_heads, view.num_kv_heads
-    heads_local, kv_local = attention_head_layout(heads, kv_heads, cp)
-    if attention_mask is not None and not isinstance(attention_mask, CPForwardContext):
-        raise ValueError(f"Ulysses full attention takes None or the model hook's CPForwardContext as attention_mask, "
-                         f"got {type(attention_mask).__name__}; call the model through parallelize_qwen3_5_cp, "
-                         f"which builds it from the padding mask or the packed documents")
-    docs = None if attention_mask is None else attention_mask.attention
-
-    q_BsHD, gate = torch.chunk(view.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
-    gate = gate.reshape(B, s, heads * D)
-    q_BsHD = zero_centered_rms_norm(q_BsHD, *view.q_norm)
-    k_BsHD = zero_centered_rms_norm(view.k_proj(hidden_states).view(B, s, kv_heads, D), *view.k_norm)
-    v_BsHD = view.v_proj(hidden_states).view(B, s, kv_heads, D)
-    cos, sin = position_embeddings
-    q_BsHD, k_BsHD = view.apply_rotary(q_BsHD, k_BsHD, cos, sin)
-    if kv_heads % cp:
-        k_BsHD, v_BsHD = (x.repeat_interleave(heads // kv_heads, dim=2) for x in (k_BsHD, v_BsHD))
-
-    # One all-to-all for q, k and v: [B, s, P, (Hq/P + 2 Hkv/P) D] -> [B, S, (Hq/P + 2 Hkv/P) D].
-    packed_BsPX = torch.cat([x.reshape(B, s, cp, -1) for x in (q_BsHD, k_BsHD, v_BsHD)], dim=-1)
-    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
-    q_BSX, k_BSX, v_BSX = torch.split(full_BSX, [heads_local * D, kv_local * D, kv_local * D], dim=-1)
-    q_BHSD, k_BHSD, v_BHSD = (x.reshape(B, s * cp, -1, D).transpose(1, 2) for x in (q_BSX, k_BSX, v_BSX))
+    hidden_states, docs = _attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
+                                            past_key_values, use_cache, "Ulysses")
+    attention_head_layout(view.num_heads, view.num_kv_heads, dist.get_world_size(group))
+    q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
+    q_BHSD, k_BHSD, v_BHSD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group)
     o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=view.scaling, dropout_p=view.dropout)
-    o_BSX = o_BHSD.transpose(1, 2).reshape(B, s * cp, heads_local * D)
-    o_BsX = all_to_all_head_to_seq(o_BSX, group).reshape(B, s, heads * D)
-    return view.o_proj(o_BsX * torch.sigmoid(gate)), None
+    return view.o_proj(heads_to_seq(o_BHSD, group) * torch.sigmoid(gate)), None
 
 
-def check_attention_module(module: nn.Module, cp: int) -> dict:
-    """Validate a full attention module (through its family's view); the configuration every rank must share."""
+@dataclass
+class AttentionCP:
+    """How one full attention layer runs under CP on this rank (see `kv_cp_attention_forward`)."""
+
+    method: str  # "allgather" | "ring"
+    ulysses_group: object  # the rank's Ulysses group (size u), or None: no Ulysses
+    across_group: object  # rank j of every Ulysses group, in group order (size cp / u)
+    ring: RingPassing | None = None  # ring: on its own group over the same ranks as across_group
+    block: int | None = None  # tile size bound in tokens (None: per kernel default, see attention_tiles)
+
+
+def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_states: torch.Tensor,
+                            position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                            attention_mask: CPForwardContext | None = None, cache=None, past_key_values=None,
+                            use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
+                            output_router_logits: bool | None = None, **unsupported):
+    """Full attention without a head limit: Ulysses inside a group of u ranks (u = 1: none), then the group's
+    queries against every earlier key, the keys and values coming from the other groups by all-gather or ring.
+
+    Group g of G holds row positions [g L, (g + 1) L), L = u * s (consecutive CP ranks form a group, so the
+    group's slice is contiguous); after the Ulysses all-to-all each rank of it holds those L tokens for Hq / u
+    query heads and the KV heads they read, and rank j of group g exchanges KV with rank j of every other group
+    (the same heads). Causal per document, tile by tile (`attention_tiles`), no mask built."""
+    hidden_states, docs = _attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
+                                            past_key_values, use_cache, f"{plan.method}")
+    if view.dropout:
+        raise NotImplementedError(f"attention_dropout={view.dropout} with full_attention_cp={plan.method!r} is not "
+                                  f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
+    q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
+    q_BHLD, k_BHLD, v_BHLD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, plan.ulysses_group)
+    B, _, L, D = q_BHLD.shape
+    G, g = dist.get_world_size(plan.across_group), dist.get_rank(plan.across_group)
+    S = G * L
+    cu = None if docs is None else docs.cu_seqlens
+    block = plan.block if plan.block is not None else DEFAULT_BLOCK[tile_kernel(q_BHLD)]
+    tiles = plan_tiles(B, S, g * L, L, cu, block)
+    match plan.method:
+        case "allgather":
+            # K and V in one collective: [B, L, h, 2D] -> [B, S, h, 2D]
+            kv_BLHX = torch.cat([k_BHLD, v_BHLD], dim=-1).transpose(1, 2)
+            kv_BHSX = all_gather_seq_autograd(kv_BLHX, 1, plan.across_group).transpose(1, 2)
+            k_BHSD, v_BHSD = kv_BHSX.split(D, dim=-1)
+            o_BHLD = tiled_attention(q_BHLD, k_BHSD, v_BHSD, tiles, view.scaling)
+        case "ring":
+            o_BHLD = ring_attention(q_BHLD, k_BHLD.contiguous(), v_BHLD.contiguous(), tiles, view.scaling,
+                                    plan.ring)
+    return view.o_proj(heads_to_seq(o_BHLD, plan.ulysses_group) * torch.sigmoid(gate)), None
+
+
+def check_attention_module(module: nn.Module, cp: int, method: str = "ulysses", ulysses_degree: int = 1) -> dict:
+    """Validate a full attention module for `method` over `cp` ranks (Ulysses degree `ulysses_degree` inside
+    groups for allgather / ring), through its family's view; return the configuration every rank must share."""
     view = attention_view_of(module)
-    attention_head_layout(view.num_heads, view.num_kv_heads, cp)
+    if method == "ulysses":
+        attention_head_layout(view.num_heads, view.num_kv_heads, cp)
+    elif view.num_heads % ulysses_degree:
+        raise ValueError(f"ulysses_degree={ulysses_degree} must divide num_attention_heads "
+                         f"({view.num_heads}): full attention splits its heads over each Ulysses group")
     return dict(family=view.family, num_attention_heads=view.num_heads, num_key_value_heads=view.num_kv_heads,
-                head_dim=view.head_dim)
+                head_dim=view.head_dim, full_attention_cp=method)
 
 
 def install_ulysses_attention(module: nn.Module, group) -> nn.Module:
     """Install the Ulysses forward on the module instance (class, parameters and state_dict keys unchanged)."""
     module.forward = partial(ulysses_attention_forward, attention_view_of(module), group)
     return module
+
+
+def install_kv_cp_attention(module: nn.Module, plan: AttentionCP) -> nn.Module:
+    """Install the KV all-gather / ring forward on the module instance (class, parameters, state_dict unchanged)."""
+    module.forward = partial(kv_cp_attention_forward, attention_view_of(module), plan)
+    return module
+
+
+def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int | None = None) -> AttentionCP:
+    """The groups of KV all-gather / ring full attention with Ulysses degree `degree` inside groups (1: none).
+    `shared`: the GDN layers' `TwoDGroups` of the same degree, whose Ulysses and across groups (collectives only)
+    attention reuses. The ring always gets its own communicator. Collective: every rank calls it at one point."""
+    from deltacp.distributed.collectives import across_subgroup, dedicated_cp_groups, ulysses_subgroup
+    from deltacp.parallel.style import cp_group_of
+
+    cp_group = cp_group_of(cp_mesh)
+    if degree == 1:
+        ulysses, across = None, cp_group
+    elif shared is not None:
+        ulysses, across = shared.ulysses, shared.across
+    else:
+        ulysses, across = ulysses_subgroup(cp_mesh, degree), across_subgroup(cp_mesh, degree)
+    ring = None
+    if method == "ring":
+        if across.size() == 1:
+            ring = RingPassing(across)
+        else:
+            ring = RingPassing(dedicated_cp_groups(cp_mesh) if degree == 1 else across_subgroup(cp_mesh, degree))
+    return AttentionCP(method=method, ulysses_group=ulysses, across_group=across, ring=ring, block=block)

@@ -32,6 +32,7 @@ from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.conv import halo_conv_silu
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
+from deltacp.parallel.shard import GDNShard
 
 
 class _StateGradHop(torch.autograd.Function):
@@ -77,11 +78,18 @@ class _StateGradHop(torch.autograd.Function):
 
 def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
               ctx: CPForwardContext) -> torch.Tensor:
+    return p2p_scan(layer, GDNShard.whole(layer), qkv_BsC, b_BsH, a_BsH, ctx)
+
+
+def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+             ctx: CPForwardContext) -> torch.Tensor:
+    """The p2p scan of `shard`'s heads over this rank's contiguous tokens, the state passing on
+    layer.extra["passing"] (its rank and size say which slice of the row these tokens are)."""
     m = layer.view
     passing: StatePassing = layer.extra["passing"]
     passing.wait_sends()  # buffers of the previous step's sends
     B, s = qkv_BsC.shape[:2]
-    state_shape = (B, m.num_v_heads, m.head_k_dim, m.head_v_dim)
+    state_shape = (B, shard.v_heads, m.head_k_dim, m.head_v_dim)
     state_dtype = compute_dtype(qkv_BsC)
     grad_enabled = torch.is_grad_enabled()
     recompute = in_backward_pass() and grad_enabled  # a checkpoint recompute replays H_in: no receive
@@ -94,12 +102,12 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
 
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
-    x_BsC = halo_conv_silu(qkv_BsC, layer.conv_weight_CK, m.conv1d.bias, layer.conv_dilation, layer.group,
+    x_BsC = halo_conv_silu(qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, layer.conv_dilation, shard.halo_group,
                            doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
     # contiguous once here: the backend's saves (l2norm input, the op's v) and _StateGradHop's then share these
     # tensors instead of the hop's views keeping the whole conv output alive through the backward
-    q, k, v = (t.contiguous() for t in split_qkv(x_BsC, m.num_k_heads, m.head_k_dim, m.head_v_dim))
-    g, beta = gdn_gate(a_BsH, m.A_log, m.dt_bias), b_BsH.sigmoid()
+    q, k, v = (t.contiguous() for t in split_qkv(x_BsC, shard.qk_heads, m.head_k_dim, m.head_v_dim))
+    g, beta = gdn_gate(a_BsH, shard.A_log, shard.dt_bias), b_BsH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="p2p")
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:

@@ -19,10 +19,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from deltacp.distributed.collectives import StatePassing, dedicated_cp_groups
+from deltacp.distributed.collectives import StatePassing, across_subgroup, dedicated_cp_groups, ulysses_subgroup
 from deltacp.ops.gdn.contract import GDN_BACKENDS, get_gdn_backend
 from deltacp.parallel.fingerprint import check_same_config_across_ranks
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
+from deltacp.parallel.layout import linear_two_d_degree
 from deltacp.parallel.views import GDNView, gdn_view_of
 
 LinearAttentionCPMode = Literal["ulysses", "p2p", "all_gather"]
@@ -71,11 +72,19 @@ def batch_group_of(mesh: DeviceMesh):
 
 
 class LinearAttentionContextParallel(ParallelStyle):
-    def __init__(self, mode: LinearAttentionCPMode = "ulysses", backend: str = "eager"):
+    """ulysses_degree: None (1-D: `mode` over the whole CP group) or u dividing cp; u < cp is the 2-D layout,
+    Ulysses inside groups of u consecutive CP ranks and `mode` (p2p | all_gather) across them (`layout.py`)."""
+
+    def __init__(self, mode: LinearAttentionCPMode = "ulysses", backend: str = "eager",
+                 ulysses_degree: int | None = None):
         super().__init__()
         validate_mode_and_backend(mode, backend)
+        if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or isinstance(ulysses_degree, bool)
+                                           or ulysses_degree < 1):
+            raise ValueError(f"ulysses_degree={ulysses_degree!r} is not supported: None or an integer >= 1 dividing cp")
         self.mode = mode
         self.backend = backend
+        self.ulysses_degree = ulysses_degree
         self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
 
     def apply(self, module: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
@@ -93,10 +102,19 @@ class LinearAttentionContextParallel(ParallelStyle):
         return self.install(module, group, self.p2p_group(device_mesh))
 
     def p2p_group(self, cp_mesh: DeviceMesh):
-        """The process group of the state hops (p2p mode only; None otherwise). Collective over the CP group."""
+        """The process groups `install` needs besides the CP group (after `check_module` and the configuration
+        exchange; every rank calls it at the same point). 1-D: the state-hop group of p2p mode (None in the other
+        modes). 2-D: a `TwoDGroups` (Ulysses group, across group, and for p2p the across state-hop group)."""
+        cp = cp_group_of(cp_mesh).size()
+        u = linear_two_d_degree(cp, self.ulysses_degree, self.mode)
+        if u is not None:
+            from deltacp.parallel.two_d import TwoDGroups
+
+            return TwoDGroups(ulysses=ulysses_subgroup(cp_mesh, u), across=across_subgroup(cp_mesh, u),
+                              across_p2p=across_subgroup(cp_mesh, u) if self.mode == "p2p" else None)
         if self.mode != "p2p":
             return None
-        return dedicated_cp_groups(cp_mesh) if cp_group_of(cp_mesh).size() > 1 else cp_group_of(cp_mesh)
+        return dedicated_cp_groups(cp_mesh) if cp > 1 else cp_group_of(cp_mesh)
 
     def check_module(self, module: nn.Module | GDNView, cp: int) -> dict:
         """Validate the module (through its family's view) for this mode and return the configuration every rank
@@ -113,13 +131,18 @@ class LinearAttentionContextParallel(ParallelStyle):
         if view.num_v_heads % view.num_k_heads:
             raise ValueError(f"linear_num_value_heads ({view.num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({view.num_k_heads})")
+        u = linear_two_d_degree(cp, self.ulysses_degree, self.mode)
+        if u is not None and view.num_v_heads % u:
+            raise ValueError(f"ulysses_degree={u} must divide linear_num_value_heads ({view.num_v_heads}): in the "
+                             f"2-D layout GDN layers split their heads over each Ulysses group of {u} ranks")
         if self.mode == "ulysses":
             from deltacp.parallel.ulysses import ulysses_head_layout
 
             ulysses_head_layout(view.num_k_heads, view.num_v_heads, cp)
         param = view.parameter()
-        return dict(mode=self.mode, backend=self.backend, cp=cp, family=view.family, num_k_heads=view.num_k_heads,
-                    num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim, head_v_dim=view.head_v_dim,
+        return dict(mode=self.mode, backend=self.backend, cp=cp, ulysses_degree=u, family=view.family,
+                    num_k_heads=view.num_k_heads, num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim,
+                    head_v_dim=view.head_v_dim,
                     conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
 
     def install(self, module: nn.Module, group, p2p_group=None) -> nn.Module:
@@ -132,9 +155,16 @@ class LinearAttentionContextParallel(ParallelStyle):
                 from deltacp.parallel.p2p import p2p_mixer as mixer
             case "all_gather":
                 from deltacp.parallel.all_gather import all_gather_mixer as mixer
+        two_d = linear_two_d_degree(group.size(), self.ulysses_degree, self.mode) is not None
+        if two_d:
+            from deltacp.parallel.two_d import two_d_mixer as mixer
         layer = GDNLayerCP(view=gdn_view_of(module), group=group, mode=self.mode, backend=self.gdn_backend,
                            mixer=mixer)
-        if self.mode == "p2p":
+        if two_d:
+            layer.extra["two_d"] = p2p_group
+            if self.mode == "p2p":
+                layer.extra["passing"] = StatePassing(p2p_group.across_p2p)
+        elif self.mode == "p2p":
             if p2p_group is None:
                 raise ValueError("linear_attention_cp_mode='p2p' installs with its state-hop group (p2p_group)")
             layer.extra["passing"] = StatePassing(p2p_group)

@@ -221,7 +221,8 @@ class Trainer:
         model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
         model = parallelize_qwen3_5_cp(model, self.mesh, ulysses_degree=acc.ulysses_degree,
                                        linear_attention_cp_mode=acc.linear_attention_cp_mode,
-                                       linear_attention_gdn_backend=acc.linear_attention_gdn_backend)
+                                       linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
+                                       full_attention_cp=acc.full_attention_cp)
         if cfg.activation_checkpointing == "full":
             apply_activation_checkpointing(model)
         if cfg.distributed.fsdp:
@@ -333,7 +334,9 @@ class Trainer:
         kinds = "".join("L" if t == "linear_attention" else "F" for t in self.model.config.get_text_config().layer_types)
         return (f"deltacp.train: {cfg.model.model_class} {kinds} ({self.n_params / 1e6:.2f} M params) "
                 f"| dp={self.dp} x cp={self.cp} "
-                f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} | {cfg.dtype} | "
+                f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} "
+                f"attention={acc.full_attention_cp}"
+                f"{'' if acc.ulysses_degree is None else f' ulysses_degree={acc.ulysses_degree}'} | {cfg.dtype} | "
                 f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
                 f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
@@ -394,8 +397,10 @@ def plan_checkpoint_dir(cfg: TrainConfig) -> dict:
 
 def with_cp(cfg: TrainConfig, cp: int, mode: str | None = None, dp: int | None = None) -> TrainConfig:
     """The same job at another CP degree (and optionally another mode and dp; dp None: derived from the world
-    size); ulysses_degree follows cp."""
-    acc = replace(cfg.accelerator, cp=cp, dp=dp, ulysses_degree=None,
+    size); ulysses_degree is kept where it still names a 2-D layout at this cp (divides it, below it), else
+    null."""
+    u = cfg.accelerator.ulysses_degree
+    acc = replace(cfg.accelerator, cp=cp, dp=dp, ulysses_degree=u if u is not None and u < cp and cp % u == 0 else None,
                   linear_attention_cp_mode=mode or cfg.accelerator.linear_attention_cp_mode)
     acc.validate()
     return replace(cfg, accelerator=acc)

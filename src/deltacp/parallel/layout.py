@@ -1,0 +1,74 @@
+"""The CP layout: 1-D (every layer over the whole CP group) or 2-D (`ulysses_degree` = u < cp).
+
+2-D: the cp ranks of a CP group form cp / u groups of u consecutive ranks (group g = CP ranks g u .. g u + u - 1,
+so its tokens are one contiguous slice of the row). Every layer runs Ulysses inside its group (heads split u
+ways) and a sequence algorithm across groups, between rank j of each group (CP ranks j, j + u, ...):
+
+    layer            inside a group     across groups
+    GDN              Ulysses            linear_attention_cp_mode: p2p | all_gather
+    full attention   Ulysses            full_attention_cp: allgather | ring
+
+ulysses_degree None or cp is the 1-D layout, as before: GDN by linear_attention_cp_mode and full attention by
+full_attention_cp, each over the whole CP group (full_attention_cp 'ulysses' needs the attention heads to divide
+by cp; 'allgather' and 'ring' have no head limit). ulysses_degree = 1 is the 1-D layout of the across-group
+methods (groups of one rank). Every check here runs before any collective.
+"""
+
+from __future__ import annotations
+
+FULL_ATTENTION_CP: tuple[str, ...] = ("ulysses", "allgather", "ring")
+ACROSS_GROUP_LINEAR_MODES: tuple[str, ...] = ("p2p", "all_gather")
+ACROSS_GROUP_ATTENTION: tuple[str, ...] = ("allgather", "ring")
+
+
+def check_ulysses_degree(cp: int, ulysses_degree, prefix: str = "") -> None:
+    if ulysses_degree is None:
+        return
+    divisors = [d for d in range(1, cp + 1) if cp % d == 0]
+    if not isinstance(ulysses_degree, int) or isinstance(ulysses_degree, bool) or ulysses_degree not in divisors:
+        raise ValueError(f"{prefix}ulysses_degree={ulysses_degree!r} is not supported at cp={cp}: it must be "
+                         f"{'null' if prefix else 'None'} or a divisor of cp, one of {divisors}")
+
+
+def check_full_attention_cp(full_attention_cp, prefix: str = "") -> None:
+    if full_attention_cp not in FULL_ATTENTION_CP:
+        raise ValueError(f"{prefix}full_attention_cp={full_attention_cp!r} is not supported; expected one of "
+                         f"{FULL_ATTENTION_CP}")
+
+
+def is_two_d(cp: int, ulysses_degree) -> bool:
+    """Whether the layers run across groups (ulysses_degree < cp; u = 1: groups of one rank)."""
+    return ulysses_degree is not None and ulysses_degree < cp
+
+
+def linear_two_d_degree(cp: int, ulysses_degree, mode: str, prefix: str = "") -> int | None:
+    """u for a 2-D GDN layer (1 < u < cp), None for the 1-D modes; raises naming the settings."""
+    check_ulysses_degree(cp, ulysses_degree, prefix)
+    if not is_two_d(cp, ulysses_degree):
+        return None
+    if mode not in ACROSS_GROUP_LINEAR_MODES:
+        raise ValueError(f"{prefix}linear_attention_cp_mode={mode!r} with {prefix}ulysses_degree={ulysses_degree} < "
+                         f"cp ({cp}): in the 2-D layout the mode names the across-group method, one of "
+                         f"{ACROSS_GROUP_LINEAR_MODES} (Ulysses runs inside each group of ulysses_degree ranks)")
+    return ulysses_degree if ulysses_degree > 1 else None
+
+
+def attention_two_d_degree(cp: int, ulysses_degree, full_attention_cp: str, prefix: str = "") -> int:
+    """The Ulysses degree of full attention with allgather / ring (1: none), after checking the settings; the
+    ulysses method returns cp."""
+    check_full_attention_cp(full_attention_cp, prefix)
+    check_ulysses_degree(cp, ulysses_degree, prefix)
+    if full_attention_cp == "ulysses":
+        if is_two_d(cp, ulysses_degree):
+            raise ValueError(f"{prefix}full_attention_cp='ulysses' with {prefix}ulysses_degree={ulysses_degree} < cp "
+                             f"({cp}): in the 2-D layout full_attention_cp names the across-group method, one of "
+                             f"{ACROSS_GROUP_ATTENTION}")
+        return cp
+    return ulysses_degree if is_two_d(cp, ulysses_degree) else 1
+
+
+def validate_cp_layout(cp: int, ulysses_degree, linear_attention_cp_mode: str, full_attention_cp: str,
+                       prefix: str = "") -> None:
+    """Every layout rule that needs no model (the trainer's config check and parallelize_qwen3_5_cp's)."""
+    linear_two_d_degree(cp, ulysses_degree, linear_attention_cp_mode, prefix)
+    attention_two_d_degree(cp, ulysses_degree, full_attention_cp, prefix)

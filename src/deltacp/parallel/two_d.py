@@ -1,0 +1,78 @@
+"""2-D linear attention CP (`ulysses_degree` = u < cp): Ulysses inside a group of u consecutive CP ranks,
+p2p (or all_gather) across the cp / u groups on the head-sharded state.
+
+Group g holds the contiguous tokens [g L, (g + 1) L), L = u * s, because its ranks are consecutive CP ranks.
+One all-to-all inside the group gives rank j of it those L tokens for value heads [j Hv/u, (j + 1) Hv/u) (and
+the q/k heads they read; repeated to the value heads when the key heads do not divide by u, with their conv
+kernels, as in `ulysses.py`). Across groups it is the 1-D algorithm on that head shard: rank j of group g takes
+its conv halo from, and its entering state from, rank j of group g - 1 (same heads), over the `across` group
+(CP ranks j, j + u, ...). The inverse all-to-all brings the outputs back to the rank's own tokens.
+
+Shape legend: s local tokens, L = u*s the group's tokens, u the Ulysses degree; *_BsPX packed per destination.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
+from deltacp.parallel.documents import CPForwardContext
+from deltacp.parallel.gdn_layer import GDNLayerCP, split_qkv
+from deltacp.parallel.shard import GDNShard
+from deltacp.parallel.ulysses import _rank_channels, ulysses_head_layout
+
+
+@dataclass
+class TwoDGroups:
+    """The process groups of one rank in the 2-D layout (besides the CP group)."""
+
+    ulysses: object  # u consecutive CP ranks: the all-to-alls
+    across: object  # rank j of every group, in group order: conv halo, all_gather's summary all-gather
+    across_p2p: object | None = None  # the same ranks, a communicator for the p2p state hops only
+
+
+def two_d_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+                ctx: CPForwardContext) -> torch.Tensor:
+    m = layer.view
+    groups: TwoDGroups = layer.extra["two_d"]
+    u, j = dist.get_world_size(groups.ulysses), dist.get_rank(groups.ulysses)
+    B, s, _ = qkv_BsC.shape
+    K, V, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
+    qk_local, v_local = ulysses_head_layout(Hk, Hv, u)
+
+    q, k, v = split_qkv(qkv_BsC, Hk, K, V)
+    if Hk % u:  # repeat q/k to the value heads so that they split evenly
+        q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    packed_BsPX = torch.cat([
+        q.reshape(B, s, u, qk_local * K), k.reshape(B, s, u, qk_local * K), v.reshape(B, s, u, v_local * V),
+        b_BsH.reshape(B, s, u, v_local), a_BsH.reshape(B, s, u, v_local),
+    ], dim=-1)
+    full_BLX = all_to_all_seq_to_head(packed_BsPX, groups.ulysses)
+    L = full_BLX.shape[1]
+    qkv_BLC, b_BLH, a_BLH = torch.split(full_BLX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
+
+    key = ("channels", qkv_BsC.device)
+    if key not in layer.extra:  # index tensors built once per device
+        layer.extra[key] = _rank_channels(layer, j, u, qkv_BsC.device)
+    channels = layer.extra[key]
+    heads = slice(j * v_local, (j + 1) * v_local)
+    shard = GDNShard(qk_local, v_local, layer.conv_weight_CK[channels],
+                     None if m.conv1d.bias is None else m.conv1d.bias[channels], m.A_log[heads], m.dt_bias[heads],
+                     groups.across)
+    match layer.mode:
+        case "p2p":
+            from deltacp.parallel.p2p import p2p_scan
+
+            o_BLHV = p2p_scan(layer, shard, qkv_BLC, b_BLH, a_BLH, ctx)
+        case "all_gather":
+            from deltacp.parallel.all_gather import all_gather_scan
+
+            o_BLHV = all_gather_scan(layer, shard, groups.across, qkv_BLC, b_BLH, a_BLH, ctx)
+        case _:
+            raise ValueError(f"the 2-D layout runs linear_attention_cp_mode 'p2p' or 'all_gather' across groups, got "
+                             f"{layer.mode!r}")
+    o_BsPX = all_to_all_head_to_seq(o_BLHV.reshape(B, L, v_local * V), groups.ulysses)
+    return o_BsPX.reshape(B, s, Hv, V)

@@ -1,0 +1,80 @@
+"""Tile-by-tile attention (parallel/attention_tiles.py) against one causal SDPA per document, float64, every
+kernel (the CPU flash op and the explicit math kernel that CUDA fp32/fp64 uses), output and gradients; the KV
+heads Ulysses sends each rank."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deltacp.parallel.attention_tiles as tiles_mod
+from deltacp.parallel.attention import ulysses_kv_heads
+from deltacp.parallel.attention_tiles import plan_tiles, split_tiles_by_block, tiled_attention
+
+
+def _reference(q, k, v, cu, scale):
+    """Causal attention per document of the flattened [B * S] stream, one SDPA each."""
+    B, H, S, D = q.shape
+    flat = [x.transpose(1, 2).reshape(B * S, x.shape[1], D) for x in (q, k, v)]
+    bounds = cu.tolist()
+    o = torch.cat([F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in flat), is_causal=True,
+                                                  scale=scale, enable_gqa=True)[0].transpose(0, 1)
+                   for a, b in zip(bounds[:-1], bounds[1:])])
+    return o.reshape(B, S, H, D).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
+@pytest.mark.parametrize("B, cu", [(2, None), (1, [0, 1, 4, 30, 31, 57, 64]), (2, [0, 50, 64, 70, 128])])
+@pytest.mark.parametrize("q0, L, block", [(0, 64, None), (16, 16, None), (24, 40, 5), (40, 24, 8)])
+def test_tiles_match_per_document_sdpa(monkeypatch, kernel, B, cu, q0, L, block):
+    monkeypatch.setattr(tiles_mod, "tile_kernel", lambda q: kernel)
+    torch.manual_seed(0)
+    S, H, Hk, D, scale = 64, 4, 2, 8, 0.37
+    plan_cu = None if cu is None else torch.tensor(cu)
+    cu = plan_cu if cu is not None else torch.arange(B + 1) * S  # no documents: one per row
+    q, k, v = (torch.randn(B, h, S, D, dtype=torch.float64, requires_grad=True) for h in (H, Hk, Hk))
+    ref = _reference(q, k, v, cu, scale)[:, :, q0:q0 + L]
+    d_out = torch.randn_like(ref)
+    grads_ref = torch.autograd.grad((ref * d_out).sum(), (q, k, v))
+    tiles = plan_tiles(B, S, q0, L, plan_cu, block)
+    if block is not None:
+        assert all(t.q[1] - t.q[0] <= block and t.k[1] - t.k[0] <= block for t in tiles)
+    out = tiled_attention(q[:, :, q0:q0 + L], k, v, tiles, scale)
+    grads = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    assert (out - ref).abs().max() < 1e-12
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        assert (g - g_ref).abs().max() < 1e-12, name
+
+
+def test_ring_blocks_cover_each_pair_once():
+    tiles = plan_tiles(1, 64, 32, 16, torch.tensor([0, 5, 40, 64]), 7)
+    covered = torch.zeros(16, 64, dtype=torch.int64)
+    for block, part in split_tiles_by_block(tiles, 16).items():
+        for t in part:
+            assert 0 <= t.k[0] < t.k[1] <= 16
+            ks = slice(block * 16 + t.k[0], block * 16 + t.k[1])
+            if t.causal:
+                covered[t.q[0]:t.q[1], ks] += torch.ones(t.q[1] - t.q[0], t.k[1] - t.k[0], dtype=torch.int64).tril()
+            else:
+                covered[t.q[0]:t.q[1], ks] += 1
+    pos = torch.arange(64)
+    qpos = torch.arange(32, 48)[:, None]
+    doc = torch.searchsorted(torch.tensor([0, 5, 40, 64]), pos, right=True)
+    expected = (pos[None] <= qpos) & (doc[None] == doc[qpos])
+    assert torch.equal(covered, expected.long())
+
+
+def test_plan_refuses_documents_of_another_batch_shape():
+    with pytest.raises(ValueError, match="cover 64 tokens, expected the flattened batch B \\* S = 2 \\* 64"):
+        plan_tiles(2, 64, 0, 64, torch.tensor([0, 64]), None)
+
+
+@pytest.mark.parametrize("heads, kv, degree, expected", [
+    (8, 2, 8, [[0], [0], [0], [0], [1], [1], [1], [1]]),  # one KV head per rank (was: repeated, the same here)
+    (8, 2, 4, [[0], [0], [1], [1]]),  # 2 query heads read one KV head: sent once, not repeated
+    (8, 2, 2, [[0], [1]]),
+    (24, 4, 4, [[0], [1], [2], [3]]),
+    (16, 4, 2, [[0, 1], [2, 3]]),
+    (12, 4, 6, [[0, 0], [0, 1], [1, 1], [2, 2], [2, 3], [3, 3]]),  # not grouped: one KV head per query head
+])
+def test_ulysses_kv_heads(heads, kv, degree, expected):
+    assert ulysses_kv_heads(heads, kv, degree).tolist() == expected
