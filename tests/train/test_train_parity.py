@@ -4,6 +4,8 @@
   max grad-norm rel diff < 1e-3, all finite; in the same spawn, full activation checkpointing reproduces
   the first steps bit for bit, and the p2p layers' message logs are identical (no extra receive);
 - CP2 and CP8, every mode, the first 10 steps of the same schedule, same bounds;
+- CP4 with train.accelerator.full_attention_cp = allgather (1-D) and ring with ulysses_degree 2 (2-D), the
+  first 10 steps, same bounds, the attention layers running the configured method;
 - kill while saving a checkpoint, then resume: the same losses as an uninterrupted run.
 """
 
@@ -96,6 +98,41 @@ def test_cp4_main_config_every_mode_100_steps_and_activation_checkpointing(refer
 @pytest.mark.parametrize("world", [2, 8])
 def test_cp2_cp8_every_mode_short(reference, world):
     runs = run_jobs(world, cp_configs(_main_cfg(), world, STEPS, MODES), timeout_s=600, max_steps=SHORT)
+    for label, rows in runs.items():
+        assert len(rows) == SHORT
+        comp = _check(reference, rows, label)
+        print(f"{label}: max loss rel {comp['max_loss_rel']:.2e}, max grad-norm rel {comp['max_grad_norm_rel']:.2e}")
+
+
+def attention_cp_worker(rank, world, results):
+    from functools import partial
+
+    from deltacp.parallel.attention import kv_cp_attention_forward
+    from deltacp.train.trainer import Trainer, _text_model
+
+    base = _main_cfg()
+    for u, method in ((None, "allgather"), (2, "ring")):
+        acc = replace(base.accelerator, ulysses_degree=u, full_attention_cp=method)
+        label, cfg = cp_configs(replace(base, accelerator=acc), world, STEPS, ["p2p"])[0]
+        trainer = Trainer(cfg, progress=False)
+        installed = [layer.self_attn.forward for layer in _text_model(trainer.model).layers
+                     if hasattr(layer, "self_attn")]
+        assert installed and all(isinstance(f, partial) and f.func is kv_cp_attention_forward for f in installed)
+        plan = installed[0].args[1]
+        assert plan.method == method and (plan.ulysses_group is None if u is None else plan.ulysses_group.size() == u)
+        rows = trainer.fit(SHORT)
+        if rank == 0:
+            results[f"{label}-{method}-u{u or 1}"] = rows
+
+
+def test_full_attention_cp_and_two_d_through_the_trainer(reference):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_distributed(attention_cp_worker, 4, results, timeout_s=600)
+        runs = dict(results)
+    assert len(runs) == 2
     for label, rows in runs.items():
         assert len(rows) == SHORT
         comp = _check(reference, rows, label)
