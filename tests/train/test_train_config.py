@@ -248,5 +248,8 @@ def test_trainer_preset_with_overrides():
     assert fields["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     with pytest.raises(ConfigError, match=r"^train\.model\.preset='2b' is not known; expected one of \['0\.8B'"):
         _load("train.model.preset=2b")
+    with pytest.raises(ConfigError, match=r"^train\.model\.preset: the presets are the dense Qwen3\.5 sizes .* not "
+                                          r"Qwen3NextForCausalLM"):
+        _load("train.model.preset=2B", "train.model.model_class=Qwen3NextForCausalLM")
     with pytest.raises(ConfigError, match=r"give either pretrained .* or preset/config"):
         _load("train.model.config={}", "train.model.preset=2B", "train.model.pretrained=/nonexistent")
