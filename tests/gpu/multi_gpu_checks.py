@@ -51,6 +51,17 @@ def _sum_grads(module) -> torch.Tensor:
     return g
 
 
+def _layer_figures(cp, ref, out, out_ref, xl, xr, rank: int, world: int) -> dict[str, float]:
+    """rel-L2 of a CP'd layer's output, input gradient and rank-summed parameter gradients against the
+    single-device layer `ref` (its output out_ref and input xr)."""
+    grads = {n: g.double() for n, g in grads_of(cp).items()}
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"output": rel_l2(out, local_slice(out_ref, rank, world)),
+            "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
+            "param grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+
+
 def layer_checks(device, mesh, self_mesh, rows):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -85,12 +96,7 @@ def layer_checks(device, mesh, self_mesh, rows):
                 xl = local_slice(x, rank, world).to(dtype).requires_grad_()
                 out = cp(xl, **kw)
                 (out.double() * local_slice(d_out, rank, world)).sum().backward()
-                grads = {n: g.double() for n, g in grads_of(cp).items()}
-                for g in grads.values():
-                    dist.all_reduce(g)
-                figures = {"output": rel_l2(out, local_slice(out_ref, rank, world)),
-                           "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
-                           "param grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+                figures = _layer_figures(cp, ref, out, out_ref, xl, xr, rank, world)
                 label = f"layer {mode}+{backend} {'packed' if cu is not None else 'unpacked'}"
                 rows.append((label, max(figures.values()), bound))
 
@@ -143,12 +149,7 @@ def attention_checks(device, mesh, self_mesh, rows):
                     out, _ = cp(xl, (local_slice(cos, rank, world).to(dtype), local_slice(sin, rank, world).to(dtype)),
                                 ctx)
                     (out.double() * local_slice(d_out, rank, world)).sum().backward()
-                    grads = {n: g.double() for n, g in grads_of(cp).items()}
-                    for g in grads.values():
-                        dist.all_reduce(g)
-                    figures = {"output": rel_l2(out, local_slice(out_ref, rank, world)),
-                               "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
-                               "param grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+                    figures = _layer_figures(cp, ref, out, out_ref, xl, xr, rank, world)
                     label = (f"attention {method} u={u} {str(dtype)[6:]} {'packed' if cu is not None else 'unpacked'}")
                     rows.append((label, max(figures.values()), bound))
 

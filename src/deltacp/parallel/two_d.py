@@ -16,13 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
+from deltacp.distributed.collectives import all_to_all_head_to_seq
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, split_qkv
+from deltacp.parallel.gdn_layer import GDNLayerCP
 from deltacp.parallel.shard import GDNShard
-from deltacp.parallel.ulysses import _rank_channels, ulysses_head_layout
+from deltacp.parallel.ulysses import seq_to_head_shard
 
 
 @dataclass
@@ -38,30 +37,14 @@ def two_d_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a
                 ctx: CPForwardContext) -> torch.Tensor:
     m = layer.view
     groups: TwoDGroups = layer.extra["two_d"]
-    u, j = dist.get_world_size(groups.ulysses), dist.get_rank(groups.ulysses)
     B, s, _ = qkv_BsC.shape
-    K, V, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
-    qk_local, v_local = ulysses_head_layout(Hk, Hv, u)
-
-    q, k, v = split_qkv(qkv_BsC, Hk, K, V)
-    if Hk % u:  # repeat q/k to the value heads so that they split evenly
-        q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
-    packed_BsPX = torch.cat([
-        q.reshape(B, s, u, qk_local * K), k.reshape(B, s, u, qk_local * K), v.reshape(B, s, u, v_local * V),
-        b_BsH.reshape(B, s, u, v_local), a_BsH.reshape(B, s, u, v_local),
-    ], dim=-1)
-    full_BLX = all_to_all_seq_to_head(packed_BsPX, groups.ulysses)
-    L = full_BLX.shape[1]
-    qkv_BLC, b_BLH, a_BLH = torch.split(full_BLX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
-
-    key = ("channels", qkv_BsC.device)
-    if key not in layer.extra:  # index tensors built once per device
-        layer.extra[key] = _rank_channels(layer, j, u, qkv_BsC.device)
-    channels = layer.extra[key]
-    heads = slice(j * v_local, (j + 1) * v_local)
-    shard = GDNShard(qk_local, v_local, layer.conv_weight_CK[channels],
-                     None if m.conv1d.bias is None else m.conv1d.bias[channels], m.A_log[heads], m.dt_bias[heads],
-                     groups.across)
+    V, Hv = m.head_v_dim, m.num_v_heads
+    sh = seq_to_head_shard(layer, qkv_BsC, b_BsH, a_BsH, groups.ulysses)
+    qkv_BLC, b_BLH, a_BLH = sh.qkv_BSC, sh.b_BSH, sh.a_BSH
+    L = qkv_BLC.shape[1]
+    shard = GDNShard(sh.qk_local, sh.v_local, layer.conv_weight_CK[sh.channels],
+                     None if m.conv1d.bias is None else m.conv1d.bias[sh.channels], m.A_log[sh.heads],
+                     m.dt_bias[sh.heads], groups.across)
     match layer.mode:
         case "p2p":
             from deltacp.parallel.p2p import p2p_scan
@@ -74,5 +57,5 @@ def two_d_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a
         case _:
             raise ValueError(f"the 2-D layout runs linear_attention_cp_mode 'p2p' or 'all_gather' across groups, got "
                              f"{layer.mode!r}")
-    o_BsPX = all_to_all_head_to_seq(o_BLHV.reshape(B, L, v_local * V), groups.ulysses)
+    o_BsPX = all_to_all_head_to_seq(o_BLHV.reshape(B, L, sh.v_local * V), groups.ulysses)
     return o_BsPX.reshape(B, s, Hv, V)

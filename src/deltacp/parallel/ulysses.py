@@ -10,6 +10,8 @@ Shape legend: s local tokens, S = P*s all tokens, P CP degree; *_BsPX packed per
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -44,40 +46,63 @@ def _rank_channels(layer: GDNLayerCP, rank: int, cp: int, device) -> torch.Tenso
     return torch.cat([q_ch, Hk * K + q_ch, 2 * Hk * K + v_ch])
 
 
+@dataclass
+class HeadShard:
+    """One rank's heads after the Ulysses all-to-all over a group of P ranks: the group's P*s tokens of its
+    [q | k | v] channels, beta and gate inputs, and which channels / value heads of the module those are."""
+
+    qkv_BSC: torch.Tensor
+    b_BSH: torch.Tensor
+    a_BSH: torch.Tensor
+    qk_local: int  # q/k heads here (after any repeat to the value heads)
+    v_local: int
+    channels: torch.Tensor  # this rank's conv channels, in the module's [q | k | v] order
+    heads: slice  # this rank's value heads
+
+
+def seq_to_head_shard(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+                      group) -> HeadShard:
+    """One all-to-all over `group` (Ulysses degree P): the local tokens, all heads -> the group's tokens, this
+    rank's heads (shared by the 1-D Ulysses mixer and the 2-D layout's groups)."""
+    m = layer.view
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, s, _ = qkv_BsC.shape
+    K, V, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
+    qk_local, v_local = ulysses_head_layout(Hk, Hv, P)
+
+    q, k, v = split_qkv(qkv_BsC, Hk, K, V)
+    if Hk % P:  # repeat q/k to the value heads so that they split evenly
+        q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    packed_BsPX = torch.cat([
+        q.reshape(B, s, P, qk_local * K), k.reshape(B, s, P, qk_local * K), v.reshape(B, s, P, v_local * V),
+        b_BsH.reshape(B, s, P, v_local), a_BsH.reshape(B, s, P, v_local),
+    ], dim=-1)
+    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
+    qkv_BSC, b_BSH, a_BSH = torch.split(full_BSX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
+
+    key = ("channels", P, qkv_BsC.device)
+    if key not in layer.extra:  # index tensors built once per device
+        layer.extra[key] = _rank_channels(layer, rank, P, qkv_BsC.device)
+    return HeadShard(qkv_BSC, b_BSH, a_BSH, qk_local, v_local, layer.extra[key],
+                     slice(rank * v_local, (rank + 1) * v_local))
+
+
 def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                   ctx: CPForwardContext) -> torch.Tensor:
     m = layer.view
-    group = layer.group
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     B, s, _ = qkv_BsC.shape
-    K, V, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
-    qk_local, v_local = ulysses_head_layout(Hk, Hv, cp)
-
-    q, k, v = split_qkv(qkv_BsC, Hk, K, V)
-    if Hk % cp:  # repeat q/k to the value heads so that they split evenly
-        q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
-    packed_BsPX = torch.cat([
-        q.reshape(B, s, cp, qk_local * K), k.reshape(B, s, cp, qk_local * K), v.reshape(B, s, cp, v_local * V),
-        b_BsH.reshape(B, s, cp, v_local), a_BsH.reshape(B, s, cp, v_local),
-    ], dim=-1)
-    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
-    S = full_BSX.shape[1]
-    qkv_BSC, b_BSH, a_BSH = torch.split(full_BSX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
-
-    key = ("channels", qkv_BsC.device)
-    if key not in layer.extra:  # index tensors built once per device
-        layer.extra[key] = _rank_channels(layer, rank, cp, qkv_BsC.device)
-    channels = layer.extra[key]
-    bias = None if m.conv1d.bias is None else m.conv1d.bias[channels]
+    K, V, Hv = m.head_k_dim, m.head_v_dim, m.num_v_heads
+    sh = seq_to_head_shard(layer, qkv_BsC, b_BsH, a_BsH, layer.group)
+    S = sh.qkv_BSC.shape[1]
+    bias = None if m.conv1d.bias is None else m.conv1d.bias[sh.channels]
     docs = document_segment(layer, ctx, 0, 1, S)  # packed row: the whole row's documents
-    x_BSC = causal_conv_silu(qkv_BSC, layer.conv_weight_CK[channels], bias, layer.conv_dilation,
+    x_BSC = causal_conv_silu(sh.qkv_BSC, layer.conv_weight_CK[sh.channels], bias, layer.conv_dilation,
                              doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
-    q, k, v = split_qkv(x_BSC, qk_local, K, V)
-    heads = slice(rank * v_local, (rank + 1) * v_local)
-    g, beta = gdn_gate(a_BSH, m.A_log[heads], m.dt_bias[heads]), b_BSH.sigmoid()
+    q, k, v = split_qkv(x_BSC, sh.qk_local, K, V)
+    g, beta = gdn_gate(sh.a_BSH, m.A_log[sh.heads], m.dt_bias[sh.heads]), sh.b_BSH.sigmoid()
     layer.backend.check(q, k, v, g, beta, mode="ulysses")
 
     o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                      cu_seqlens=None if docs is None else docs.layout)
-    o_BsPX = all_to_all_head_to_seq(o_BSHV.reshape(B, S, v_local * V), group)
+    o_BsPX = all_to_all_head_to_seq(o_BSHV.reshape(B, S, sh.v_local * V), layer.group)
     return o_BsPX.reshape(B, s, Hv, V)
