@@ -12,6 +12,8 @@ The state width V is generic: the affine summary runs it on [M | S] (width K + V
 Packed documents (`varlen.py`): `resets` [NT] int32, 1 where a document starts at chunk c. Forward: the state
 entering such a chunk is 0 (h0 is ignored when chunk 0 resets). Backward: the state gradient does not flow back
 across it (dh0 = 0 when chunk 0 resets). USE_RESETS is a compile-time flag: without resets nothing is loaded.
+The token tensors (k, q, do) are then the packed row, read through the chunk table `cidx` (VARLEN, wy.py); w, u,
+vn, dvl, dvn, gc are per chunk.
 T and NT are runtime values (`do_not_specialize`): one compiled kernel serves every length.
 """
 
@@ -22,16 +24,17 @@ import triton
 import triton.language as tl
 
 from deltacp.ops.gdn.triton.launch import launch_config
-from deltacp.ops.gdn.triton.wy import BT
+from deltacp.ops.gdn.triton.wy import BT, chunk_rows, chunk_span, load_tok
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_fwd_kernel(
-    k, w, u, gc, h0, h, vn, ht, resets,
+    k, w, u, gc, h0, h, vn, ht, resets, cidx,
     T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, USE_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
     STORE_HT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, USE_RESETS: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -67,7 +70,8 @@ def state_fwd_kernel(
             tl.store(p_vn + o_r[:, None] * (Hv * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty))
         b_g = tl.load(p_g + o_r * Hv)
         b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
-        b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
+        tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
+        b_k = load_tok(p_k + tok0 * (Hk * K) + o_t[:, None] * (Hk * K) + o_k[None, :], (o_t < n)[:, None], VARLEN)
         b_vs = b_vn * tl.exp(b_gl - b_g)[:, None]
         if FP32_DOT:
             b_kt = tl.trans(b_k.to(tl.float32))
@@ -80,10 +84,11 @@ def state_fwd_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_bwd_kernel(
-    q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets,
+    q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets, cidx,
     scale, T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr, USE_RESETS: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """The gate factors go on the [BT, BV] side (the product k dH, and dO), not on the loaded [BT, K] tiles of k
     and q, which enter the MMAs as loaded: 0.82 vs 1.41 ms at 32K on the H200 (2026-12-02), and k dH is no longer
@@ -110,7 +115,9 @@ def state_bwd_kernel(
             tl.store(p_dh + o_k[:, None] * V + o_v[None, :], b_dh.to(dh.dtype.element_ty))
         b_g = tl.load(p_g + o_r * Hv)
         b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
-        b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
+        tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
+        m_t = (o_t < n)[:, None]
+        b_k = load_tok(p_k + tok0 * (Hk * K) + o_t[:, None] * (Hk * K) + o_k[None, :], m_t, VARLEN)
         b_dvn = tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.exp(b_gl - b_g)[:, None]
         p_dvl = dvl + (i_b * T * Hv + i_h) * V
         b_dvn += tl.load(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
@@ -121,8 +128,8 @@ def state_bwd_kernel(
         b_dh = b_dh * tl.exp(b_gl) - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype))
         p_q = q + (i_b * T * Hk + i_hk) * K
         p_do = do + (i_b * T * Hv + i_h) * V
-        b_q = tl.load(p_q + o_r[:, None] * (Hk * K) + o_k[None, :])
-        b_do = tl.load(p_do + o_r[:, None] * (Hv * V) + o_v[None, :])
+        b_q = load_tok(p_q + tok0 * (Hk * K) + o_t[:, None] * (Hk * K) + o_k[None, :], m_t, VARLEN)
+        b_do = load_tok(p_do + tok0 * (Hv * V) + o_t[:, None] * (Hv * V) + o_v[None, :], m_t, VARLEN)
         b_dos = (b_do.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
         b_dh += tl.dot(tl.trans(b_q), b_dos)
         if USE_RESETS:  # the state entering a document's first chunk is a constant 0: no gradient flows on
@@ -132,16 +139,18 @@ def state_bwd_kernel(
 
 
 def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final_state=False, fp32_dot=False,
-              dot_precision="tf32", resets=None):
+              dot_precision="tf32", resets=None, chunks=None):
     """-> h [B,NT,Hv,K,V] (or None), vn [B,T,Hv,V] (or None), ht [B,Hv,K,V] fp32 (or None).
 
     u None: values U = 0 (state width V from h0), the recurrence of the transition M from h0 = I.
     fp32_dot: fp32-operand products (`dot_precision`: tf32 or tf32x3) on the fp32 state, for the summary's M,
     which cancels strongly (bf16 operands cost ~1.5e-2 rel-L2 on M at 8K tokens).
-    resets: None, or [NT] int32 (1: the state entering that chunk is 0)."""
-    B, T, Hk, K = k.shape
+    resets: None, or [NT] int32 (1: the state entering that chunk is 0). chunks: the chunk table of packed
+    documents (k is then the packed row; w, u, gc, vn per chunk), or None."""
+    B, _, Hk, K = k.shape
     Hv = w.shape[2]
     V = h0.shape[3] if u is None else u.shape[3]
+    T, varlen = chunk_rows(gc, chunks)
     NT = T // BT
     _check_resets(resets, NT, k.device)
     dev = k.device
@@ -150,18 +159,21 @@ def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final
     ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V)
     state_fwd_kernel[(V // blocks["BV"], B * Hv)](
-        k, w, u, gc, h0, h, vn, ht, resets, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+        k, w, u, gc, h0, h, vn, ht, resets, chunks, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
         USE_H0=h0 is not None, USE_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        FP32_DOT=fp32_dot, DOT_PREC=dot_precision, USE_RESETS=resets is not None, **blocks, **opts)
+        FP32_DOT=fp32_dot, DOT_PREC=dot_precision, USE_RESETS=resets is not None, VARLEN=varlen, **blocks, **opts)
     return h, vn, ht
 
 
-def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32, store=True, resets=None):
+def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32, store=True, resets=None,
+              chunks=None):
     """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] (dvn_dtype), dh0 (or None).
 
-    store=False: dh and dvn are neither written nor returned (None), only dh0. resets: as in state_fwd."""
-    B, T, Hk, K = k.shape
+    store=False: dh and dvn are neither written nor returned (None), only dh0. resets, chunks: as in state_fwd
+    (q, k, do are then the packed row)."""
+    B, _, Hk, K = k.shape
     Hv = w.shape[2]
+    T, varlen = chunk_rows(gc, chunks)
     NT = T // BT
     _check_resets(resets, NT, k.device)
     dev = k.device
@@ -170,8 +182,9 @@ def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.
     dh0 = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     blocks, opts = launch_config("state_bwd", V=V)
     state_bwd_kernel[(V // blocks["BV"], B * Hv)](
-        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, USE_RESETS=resets is not None, **blocks, **opts)
+        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets, chunks, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, USE_RESETS=resets is not None, VARLEN=varlen,
+        **blocks, **opts)
     return dh, dvn, dh0
 
 
