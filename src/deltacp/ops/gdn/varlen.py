@@ -80,11 +80,16 @@ class VarlenLayout:
         """Whether the final state depends on anything but the entering state's path (M = 0 if so)."""
         return any(self.chunk_resets)
 
-    def resets_tensor(self, device: torch.device) -> torch.Tensor:
-        """[Tp / C] int32: 1 where the chunk's entering state is zero (for kernels)."""
-        key = ("resets", torch.device(device))
+    def doc_table(self, device: torch.device) -> torch.Tensor:
+        """[N + 1, 2] int32 (for kernels): per document its first token in the packed row and its first chunk of
+        the layout; row N holds the totals (T, Tp / C)."""
+        key = ("docs", torch.device(device))
         if key not in self._index:
-            self._index[key] = torch.tensor(self.chunk_resets, dtype=torch.int32).to(device)
+            cu = self.cu_seqlens.tolist()
+            first_chunk = [0]
+            for a, b in zip(cu[:-1], cu[1:]):
+                first_chunk.append(first_chunk[-1] + -(-(b - a) // CHUNK_SIZE))
+            self._index[key] = torch.tensor(list(zip(cu, first_chunk)), dtype=torch.int32).to(device)
         return self._index[key]
 
     def chunk_table(self, device: torch.device) -> torch.Tensor:

@@ -13,8 +13,8 @@ packed row itself, through the chunk table (`layout.chunk_table`: each chunk's f
 document's last chunk partial, wy.py); the per-chunk tensors between kernels (gate cumsum, T, W, U, Vn, H, ...)
 keep 64 rows per chunk, i.e. the chunk-aligned layout, so every chunk computes what the zero-padded document
 would. Only g ([T, Hv], 1/128 of v's bytes) is re-laid out (`VarlenLayout.to_chunks`, its gradient back with
-`from_chunks`). The state kernels also take the per-chunk reset flags (`layout.resets_tensor`; None when no chunk
-resets).
+`from_chunks`). The state kernels run one program per document (`layout.doc_table`), so the state restarts at
+each document start by construction (chunk_h.py).
 """
 
 from __future__ import annotations
@@ -82,66 +82,95 @@ class PreparedChunks:
                              f"belong to inputs of shape {(B, rows, Hv)} on {v.device}")
 
 
+@dataclass(frozen=True)
+class PackedRow:
+    """What the kernels need of a packed row (`varlen.VarlenLayout`): the chunk table (per-chunk kernels), the
+    document table (state kernels) and whether the entering state feeds document 0."""
+
+    chunks: torch.Tensor  # [Tp / 64, 2] int32: first token, token count
+    docs: torch.Tensor  # [N + 1, 2] int32: first token, first chunk
+    first_continues: bool
+
+    @classmethod
+    def of(cls, layout: VarlenLayout | None, device) -> PackedRow | None:
+        if layout is None:
+            return None
+        return cls(layout.chunk_table(device), layout.doc_table(device), layout.first_continues)
+
+
+def _chunk_kw(packed: PackedRow | None) -> dict:
+    """Keywords of the per-chunk kernels' launchers."""
+    return {} if packed is None else {"chunks": packed.chunks}
+
+
+def _state_kw(packed: PackedRow | None) -> dict:
+    """Keywords of the state kernels' launchers."""
+    if packed is None:
+        return {}
+    return {"chunks": packed.chunks, "docs": packed.docs, "first_continues": packed.first_continues}
+
+
 def chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared: PreparedChunks | None = None,
-                  resets: torch.Tensor | None = None, chunks: torch.Tensor | None = None):
+                  packed: PackedRow | None = None):
     """-> o, final state, and what the backward keeps: the chunk-local gate cumsum gc and T = (I + A)^-1.
 
-    g is per chunk (Tp rows); q, k, v, beta have the same rows, or with `chunks` (the chunk table) the packed row."""
+    g is per chunk (Tp rows); q, k, v, beta have the same rows, or the packed row's (`packed`)."""
+    ck = _chunk_kw(packed)
     if prepared is None:
         gc = chunk_cumsum(g)
-        ai, w, u = wy_fwd(k, v, beta, gc, chunks=chunks)
+        ai, w, u = wy_fwd(k, v, beta, gc, **ck)
     else:
         prepared.check_matches(v, g.shape[1])
         gc, ai, w, u = prepared.gc, prepared.ai, prepared.w, prepared.u
         if w is None:  # already consumed by another output pass
-            w, u = wu_fwd(k, v, beta, gc, ai, chunks=chunks)
+            w, u = wu_fwd(k, v, beta, gc, ai, **ck)
         prepared.w = prepared.u = None
-    h, vn, ht = state_fwd(k, w, u, gc, h0, output_final_state=output_final_state, resets=resets, chunks=chunks)
-    o = o_fwd(q, k, vn, h, gc, scale, chunks=chunks)
+    h, vn, ht = state_fwd(k, w, u, gc, h0, output_final_state=output_final_state, **_state_kw(packed))
+    o = o_fwd(q, k, vn, h, gc, scale, **ck)
     return o, ht, gc, ai
 
 
-def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht, resets=None, chunks=None):
+def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht, packed: PackedRow | None = None):
     """W, U (from the kept T), H and Vn are recomputed: keeping them would cost 3x the memory of q, k, v.
     dg comes back per chunk (as g went in), the other gradients with the rows of their inputs."""
     Hk = k.shape[2]
     V = v.shape[3]
-    w, u = wu_fwd(k, v, beta, gc, ai, chunks=chunks)
-    h, vn, _ = state_fwd(k, w, u, gc, h0, resets=resets, chunks=chunks)
+    ck, sk = _chunk_kw(packed), _state_kw(packed)
+    w, u = wu_fwd(k, v, beta, gc, ai, **ck)
+    h, vn, _ = state_fwd(k, w, u, gc, h0, **sk)
     # dVn travels between kernels in the input dtype (it enters bf16 products anyway); dW stays fp32 (in bf16
     # the worst gradient rel-L2 at 8K rose from 4.0e-3 to 7.2e-3 on the H200). dq, dk, dv leave in the input
     # dtype unless value heads still have to be summed onto their key head (GVA), which stays fp32.
     lo = v.dtype
     out_qk = q.dtype if Hk == v.shape[2] else torch.float32
-    dvl = dv_local(q, k, gc, do, scale, out_dtype=lo, chunks=chunks)
+    dvl = dv_local(q, k, gc, do, scale, out_dtype=lo, **ck)
     dh, dvn, dh0 = state_bwd(q, k, w, gc, do, dvl, dht, scale=scale, V=V, need_dh0=h0 is not None, dvn_dtype=lo,
-                             resets=resets, chunks=chunks)
-    dq, dk, dw, dg1 = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=out_qk, chunks=chunks)
-    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, dvn, dk, dk_dtype=out_qk, dv_dtype=v.dtype, chunks=chunks)
+                             **sk)
+    dq, dk, dw, dg1 = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=out_qk, **ck)
+    dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, dvn, dk, dk_dtype=out_qk, dv_dtype=v.dtype, **ck)
     dg = chunk_rev_cumsum(dg1 + dg2)
     return _reduce_heads(dq, Hk), _reduce_heads(dk, Hk), dv, dg, dbeta, dh0
 
 
 class ChunkGDNFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, prepared=None, resets=None, chunks=None):
-        o, ht, gc, ai = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared, resets, chunks)
+    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, prepared=None, packed=None):
+        o, ht, gc, ai = chunk_gdn_fwd(q, k, v, g, beta, scale, h0, output_final_state, prepared, packed)
         # T (fp32, [B, T, Hv, 64]) is kept: recomputing it (the 16x16 inverses and their merge) costs more
         # than reading it back, and the backward then rebuilds W, U exactly as the forward did.
         ctx.save_for_backward(q, k, v, gc, beta, ai, h0)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
-        ctx.resets, ctx.chunks = resets, chunks  # int32 flags and chunk table (no gradient), or None
+        ctx.packed = packed  # chunk and document tables (no gradient), or None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, gc, beta, ai, h0 = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(q, k, v, gc, beta, ai, ctx.scale, h0, do.contiguous(),
-                                                   None if dht is None else dht.contiguous().float(), ctx.resets,
-                                                   ctx.chunks)
+                                                   None if dht is None else dht.contiguous().float(), ctx.packed)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None,
-                None if dh0 is None else dh0.to(h0.dtype), None, None, None, None)
+                None if dh0 is None else dh0.to(h0.dtype), None, None, None)
 
 
 # Product precision of the summary's fp32 state recurrence and W. tf32 truncates operands, a bias that adds
@@ -153,42 +182,43 @@ if SUMMARY_DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
     raise ValueError(f"DELTACP_SUMMARY_DOT_PRECISION={SUMMARY_DOT_PRECISION!r}; expected tf32, tf32x3 or ieee")
 
 
-def _summary_transition_w(k, v, beta, gc, ai, chunks=None):
+def _summary_transition_w(k, v, beta, gc, ai, **ck):
     """W in fp32 with SUMMARY_DOT_PRECISION products, for M: M is a product of per-chunk factors (I - K~^T W)
     that cancel strongly; bf16 W costs ~2e-2 rel-L2 on M at 8K tokens."""
-    w, _ = wu_fwd(k, v, beta, gc, ai, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION, need_u=False,
-                  chunks=chunks)
+    w, _ = wu_fwd(k, v, beta, gc, ai, w_dtype=torch.float32, dot_precision=SUMMARY_DOT_PRECISION, need_u=False, **ck)
     return w
 
 
 def state_summary_fwd(k, v, g, beta, prepared: PreparedChunks | None = None, need_transition: bool = True,
-                      resets: torch.Tensor | None = None, any_reset: bool = False, chunks: torch.Tensor | None = None):
-    """(M or None, S) of padded, normalised inputs (g per chunk; with `chunks`, k, v, beta the packed row). S is
+                      any_reset: bool = False, packed: PackedRow | None = None):
+    """(M or None, S) of padded, normalised inputs (g per chunk; with `packed`, k, v, beta the packed row). S is
     the final state from a zero entering state, by the output pass's own bf16 recurrence (and the same W, U);
     M = the final state from I with values 0, an fp32 recurrence of width K with SUMMARY_DOT_PRECISION products.
-    resets/any_reset (packed documents): S restarts at each document; once any chunk resets, the entering state
-    reaches nothing after it and M is exactly 0 (returned as zeros without running its recurrence)."""
+    packed/any_reset: S restarts at each document; once any chunk resets (a document starts inside the row, or
+    the first does not continue), the entering state reaches nothing after it and M is exactly 0 (returned as
+    zeros without running its recurrence)."""
+    ck = _chunk_kw(packed)
     if prepared is None:
-        prepared = prepare_chunks_fwd(k, v, g, beta, chunks=chunks)
+        prepared = prepare_chunks_fwd(k, v, g, beta, **ck)
     w, u = prepared.w, prepared.u
     if w is None:  # an output pass consumed them already
-        w, u = wu_fwd(k, v, beta, prepared.gc, prepared.ai, chunks=chunks)
+        w, u = wu_fwd(k, v, beta, prepared.gc, prepared.ai, **ck)
     _, _, s = state_fwd(k, w, u, prepared.gc, None, store_h=False, store_vn=False, output_final_state=True,
-                        resets=resets, chunks=chunks)
+                        **_state_kw(packed))
     if not need_transition:
         return None, s
     B, _, Hv, _ = v.shape
     K = k.shape[3]
     if any_reset:
         return torch.zeros(B, Hv, K, K, device=k.device, dtype=torch.float32), s
-    w32 = _summary_transition_w(k, v, beta, prepared.gc, prepared.ai, chunks=chunks)
+    w32 = _summary_transition_w(k, v, beta, prepared.gc, prepared.ai, **ck)
     eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, Hv, K, K).contiguous()
     _, _, m = state_fwd(k, w32, None, prepared.gc, eye, store_h=False, store_vn=False, output_final_state=True,
-                        fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION, chunks=chunks)
+                        fp32_dot=True, dot_precision=SUMMARY_DOT_PRECISION, **_state_kw(packed))
     return m, s
 
 
-def prepare_chunks_fwd(k, v, g, beta, chunks=None) -> PreparedChunks:
+def prepare_chunks_fwd(k, v, g, beta, chunks: torch.Tensor | None = None) -> PreparedChunks:
     gc = chunk_cumsum(g.float())
     ai = wy_inverse(k, beta, gc, v.shape[2], chunks=chunks)
     w, u = wu_fwd(k, v, beta, gc, ai, chunks=chunks)
@@ -222,16 +252,6 @@ def _gates_per_chunk(layout: VarlenLayout | None, T: int, g: torch.Tensor) -> to
     return _to_layout(None, T, g)[0] if layout is None else layout.to_chunks(g)
 
 
-def _resets(layout: VarlenLayout | None, device) -> torch.Tensor | None:
-    """The state kernels' per-chunk reset flags; None when no chunk resets (the kernels then load none)."""
-    return layout.resets_tensor(device) if layout is not None and layout.any_reset else None
-
-
-def _chunks(layout: VarlenLayout | None, device) -> torch.Tensor | None:
-    """The kernels' chunk table of packed documents ([Tp / 64, 2] int32), or None (one sequence per row)."""
-    return None if layout is None else layout.chunk_table(device)
-
-
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, prepared: PreparedChunks | None = None, cu_seqlens=None):
     """o [B, T, Hv, V] (dtype of v), final state [B, Hv, K, V] fp32 or None.
@@ -251,7 +271,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     g = _gates_per_chunk(layout, T, g)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o, ht = ChunkGDNFunction.apply(q, k, v, g, beta, float(scale), h0, output_final_state, prepared,
-                                   _resets(layout, q.device), _chunks(layout, q.device))
+                                   PackedRow.of(layout, q.device))
     if o.shape[1] != T:
         o = o[:, :T]
     return o, ht
@@ -266,7 +286,7 @@ def prepare_chunks(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, cu_seqlens=N
     if use_qk_l2norm_in_kernel:
         k = l2norm(k)
     k, v, beta = _to_layout(layout, T, k, v, beta)
-    return prepare_chunks_fwd(k, v, _gates_per_chunk(layout, T, g), beta, chunks=_chunks(layout, k.device))
+    return prepare_chunks_fwd(k, v, _gates_per_chunk(layout, T, g), beta, **_chunk_kw(PackedRow.of(layout, k.device)))
 
 
 def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared: PreparedChunks | None = None,
@@ -296,8 +316,8 @@ def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared: Pre
         v, beta = _to_layout(layout, T, v, beta)
         prepared.check_matches(v, T + (-T) % BT if layout is None else layout.padded)
         return state_summary_fwd(kn, v, None, beta, prepared=prepared, need_transition=need_transition,
-                                 resets=_resets(layout, v.device), any_reset=layout is not None and layout.any_reset,
-                                 chunks=_chunks(layout, v.device))
+                                 any_reset=layout is not None and layout.any_reset,
+                                 packed=PackedRow.of(layout, v.device))
 
 
 @torch.no_grad()
@@ -317,15 +337,16 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     q, k, v, beta, do = _to_layout(layout, T, q, k, v, beta, grad_o)
-    chunks = _chunks(layout, q.device)
+    packed = PackedRow.of(layout, q.device)
+    ck = _chunk_kw(packed)
     if prepared is None:
         gc = chunk_cumsum(_gates_per_chunk(layout, T, g))
-        _, w, _ = wy_fwd(k, v, beta, gc, need_u=False, chunks=chunks)
+        _, w, _ = wy_fwd(k, v, beta, gc, need_u=False, **ck)
     else:
         prepared.check_matches(v, T + (-T) % BT if layout is None else layout.padded)
         gc = prepared.gc
-        w, _ = wu_fwd(k, v, beta, gc, prepared.ai, need_u=False, chunks=chunks)
-    dvl = dv_local(q, k, gc, do, scale, out_dtype=v.dtype, chunks=chunks)
+        w, _ = wu_fwd(k, v, beta, gc, prepared.ai, need_u=False, **ck)
+    dvl = dv_local(q, k, gc, do, scale, out_dtype=v.dtype, **ck)
     _, _, dh0 = state_bwd(q, k, w, gc, do, dvl, None, scale=scale, V=V, need_dh0=True, store=False,
-                          resets=_resets(layout, q.device), chunks=chunks)
+                          **_state_kw(packed))
     return dh0

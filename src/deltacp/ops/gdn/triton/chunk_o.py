@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from deltacp.ops.gdn.triton.launch import launch_config
-from deltacp.ops.gdn.triton.wy import BT, chunk_rows, chunk_span, load_tok, store_tok
+from deltacp.ops.gdn.triton.wy import BT, chunk_rows, chunk_tokens, load_tok, store_tok
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -38,12 +38,12 @@ def o_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     o_r = i_t * BT + o_t
-    tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
-    m_t = (o_t < n)[:, None]
-    o_qk = (i_b * T * Hk + i_hk) * K + tok0 * (Hk * K) + o_t[:, None] * (Hk * K) + o_k[None, :]  # token rows
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, i_t * BT, BT, VARLEN)
+    o_x = rx + o_t  # token rows x0 + o_x
+    m_x = (o_x < n)[:, None]
 
-    b_q = load_tok(q + o_qk, m_t, VARLEN)
-    b_k = load_tok(k + o_qk, m_t, VARLEN)
+    b_q = load_tok(q + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
+    b_k = load_tok(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_h = tl.load(h + ((i_b * NT + i_t) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
     b_vn = tl.load(vn + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
     b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
@@ -52,8 +52,8 @@ def o_fwd_kernel(
     b_a = tl.dot(b_q, tl.trans(b_k))
     b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * tl.exp(b_g[:, None] - b_g[None, :]), 0.)
     b_o = (b_o + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
-    p_o = o + (i_b * T * Hv + i_h) * V + tok0 * (Hv * V)
-    store_tok(p_o + o_t[:, None] * (Hv * V) + o_v[None, :], b_o.to(o.dtype.element_ty), m_t, VARLEN)
+    p_o = o + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + o_x[:, None] * (Hv * V) + o_v[None, :]
+    store_tok(p_o, b_o.to(o.dtype.element_ty), m_x, VARLEN)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -70,14 +70,14 @@ def dv_local_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     o_r = i_t * BT + o_t
-    tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
-    m_t = (o_t < n)[:, None]
-    o_qk = (i_b * T * Hk + i_hk) * K + tok0 * (Hk * K) + o_t[:, None] * (Hk * K) + o_k[None, :]  # token rows
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, i_t * BT, BT, VARLEN)
+    o_x = rx + o_t  # token rows x0 + o_x
+    m_x = (o_x < n)[:, None]
 
-    b_q = load_tok(q + o_qk, m_t, VARLEN)
-    b_k = load_tok(k + o_qk, m_t, VARLEN)
+    b_q = load_tok(q + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
+    b_k = load_tok(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
-    b_do = load_tok(do + (i_b * T * Hv + i_h) * V + tok0 * (Hv * V) + o_t[:, None] * (Hv * V) + o_v[None, :], m_t,
+    b_do = load_tok(do + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + o_x[:, None] * (Hv * V) + o_v[None, :], m_x,
                     VARLEN)
     # transposed scores: row j (key), column i (query), kept where i >= j
     b_at = tl.dot(b_k, tl.trans(b_q))
@@ -99,13 +99,13 @@ def dqkwg_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     o_t = tl.arange(0, BT)
     o_r = i_t * BT + o_t
-    tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
-    m_t = (o_t < n)[:, None]
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, i_t * BT, BT, VARLEN)
+    o_x = rx + o_t  # token rows x0 + o_x
+    m_x = (o_x < n)[:, None]
     p_h = h + ((i_b * NT + i_t) * Hv + i_h) * K * V
     p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
     p_vn = vn + (i_b * T * Hv + i_h) * V
     p_dvn = dvn + (i_b * T * Hv + i_h) * V
-    p_do = do + (i_b * T * Hv + i_h) * V + tok0 * (Hv * V)
 
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -121,19 +121,19 @@ def dqkwg_kernel(
         b_dk += tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)))
         b_dw += tl.dot(b_dvn.to(b_vn.dtype), tl.trans(b_h.to(b_vn.dtype)))
         b_hdh += b_h.to(tl.float32) * b_dh.to(tl.float32)
-        b_do = load_tok(p_do + o_t[:, None] * (Hv * V) + o_v[None, :], m_t, VARLEN)
+        b_do = load_tok(do + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + o_x[:, None] * (Hv * V) + o_v[None, :], m_x,
+                        VARLEN)
         b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)))
         b_ds += tl.dot(b_do, tl.trans(b_vn.to(b_do.dtype)))
 
     b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
     b_gl = tl.load(gc + (i_b * T + i_t * BT + BT - 1) * Hv + i_h)
-    o_qk = (i_b * T * Hk + i_hk) * K + tok0 * (Hk * K) + o_t[:, None] * (Hk * K) + o_k[None, :]  # token rows
-    b_k = load_tok(k + o_qk, m_t, VARLEN)
+    b_k = load_tok(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_kf = b_k.to(tl.float32)
     b_dk = b_dk * tl.exp(b_gl - b_g)[:, None]
     b_dgl = tl.sum(tl.sum(b_hdh, 1), 0) * tl.exp(b_gl) + tl.sum(tl.sum(b_dk * b_kf, 1), 0)
     b_dg = -tl.sum(b_dk * b_kf, 1)
-    b_q = load_tok(q + o_qk, m_t, VARLEN)
+    b_q = load_tok(q + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_qf = b_q.to(tl.float32)
     b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
     b_ds = tl.where(o_t[:, None] >= o_t[None, :], b_ds * tl.exp(b_g[:, None] - b_g[None, :]), 0.) * scale
@@ -143,8 +143,8 @@ def dqkwg_kernel(
     b_dki = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q)
     b_dk += b_dki
     b_dg += tl.sum(b_dq * b_qf, 1) - tl.sum(b_dki * b_kf, 1)
-    p_dq = dq + (i_b * T * Hv + i_h) * K + tok0 * (Hv * K)
-    store_tok(p_dq + o_t[:, None] * (Hv * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty), m_t, VARLEN)
+    p_dq = dq + (i_b * T * Hv + i_h) * K + x0 * (Hv * K) + o_x[:, None] * (Hv * K) + o_k[None, :]
+    store_tok(p_dq, b_dq.to(dq.dtype.element_ty), m_x, VARLEN)
     b_dg += tl.where(o_t == BT - 1, b_dgl, 0.)
     tl.store(dk + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dk)
     tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], -b_dw)

@@ -51,12 +51,15 @@ def _load_vec(base, row0, stride, BR: tl.constexpr):
 
 
 @triton.jit
-def chunk_span(cidx, i_t, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """(first token, token count) of chunk i_t: from the chunk table (VARLEN), else i_t * BT, BT."""
+def chunk_tokens(cidx, i_t, r_packed, r_dense, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """Where rows of chunk i_t lie in a token tensor: (x0, r, n), the rows being x0 + r + arange.
+    VARLEN: x0 = the chunk's first token (chunk table), r = r_packed (a row within the chunk), n = its token count
+    (masks compare r + arange with n). Dense: x0 = 0, r = r_dense (the row in the tensor), n = BT (no masks): the
+    address arithmetic is then exactly the dense kernel's."""
     if VARLEN:
-        return tl.load(cidx + 2 * i_t).to(tl.int64), tl.load(cidx + 2 * i_t + 1)
+        return tl.load(cidx + 2 * i_t).to(tl.int64), r_packed, tl.load(cidx + 2 * i_t + 1)
     else:
-        return i_t * BT, BT
+        return 0, r_dense, BT
 
 
 @triton.jit
@@ -78,7 +81,7 @@ def store_tok(p, x, m, VARLEN: tl.constexpr):
 
 @triton.jit
 def _load_tok_rows(base, row0, n, stride, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
-    """Rows row0 .. row0+BR of a chunk's token tile (base at its first token); rows >= n are 0 (VARLEN)."""
+    """Rows row0 .. row0+BR of a token tensor (base and row0 from `chunk_tokens`); rows >= n are 0 (VARLEN)."""
     o_r = row0 + tl.arange(0, BR)
     o_c = tl.arange(0, D)
     return load_tok(base + o_r[:, None] * stride + o_c[None, :], (o_r < n)[:, None], VARLEN)
@@ -154,10 +157,10 @@ def kkt_inv_diag_kernel(
     i_hk = i_h // (Hv // Hk)
     i_s = i_ts % (BT // BS)
     r0 = i_ts * BS
-    tok0, n = chunk_span(cidx, i_ts // (BT // BS), BT, VARLEN)
-    b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + tok0 * (Hk * K), i_s * BS, n, Hk * K, BS, K, VARLEN)
+    x0, rx, n = chunk_tokens(cidx, i_ts // (BT // BS), i_s * BS, r0, BT, VARLEN)
+    b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K), rx, n, Hk * K, BS, K, VARLEN)
     b_g = _load_vec(gc + i_b * T * Hv + i_h, r0, Hv, BS)
-    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + tok0 * Hv, i_s * BS, n, Hv, BS, VARLEN)
+    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BS, VARLEN)
     b_t = _inv_unit_lower(_a_block(b_k, b_k, b_b, b_g, b_g, True, BS), BS)
     _store_rows(ai + (i_b * T * Hv + i_h) * BT + i_s * BS, r0, Hv * BT, b_t, BS, BS)
 
@@ -176,23 +179,23 @@ def tril_merge_kernel(
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
-    tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
 
-    p_k = k + (i_b * T * Hk + i_hk) * K + tok0 * (Hk * K)
+    p_k = k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K)
     p_g = gc + i_b * T * Hv + i_h
-    p_b = beta + i_b * T * Hv + i_h + tok0 * Hv
+    p_b = beta + i_b * T * Hv + i_h + x0 * Hv
 
-    b_k0 = _load_tok_rows(p_k, 0 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k1 = _load_tok_rows(p_k, 1 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k2 = _load_tok_rows(p_k, 2 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k3 = _load_tok_rows(p_k, 3 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k0 = _load_tok_rows(p_k, rx + 0 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k1 = _load_tok_rows(p_k, rx + 1 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k2 = _load_tok_rows(p_k, rx + 2 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k3 = _load_tok_rows(p_k, rx + 3 * BS, n, Hk * K, BS, K, VARLEN)
     b_g0 = _load_vec(p_g, t0 + 0 * BS, Hv, BS)
     b_g1 = _load_vec(p_g, t0 + 1 * BS, Hv, BS)
     b_g2 = _load_vec(p_g, t0 + 2 * BS, Hv, BS)
     b_g3 = _load_vec(p_g, t0 + 3 * BS, Hv, BS)
-    b_b1 = _load_tok_vec(p_b, 1 * BS, n, Hv, BS, VARLEN)
-    b_b2 = _load_tok_vec(p_b, 2 * BS, n, Hv, BS, VARLEN)
-    b_b3 = _load_tok_vec(p_b, 3 * BS, n, Hv, BS, VARLEN)
+    b_b1 = _load_tok_vec(p_b, rx + 1 * BS, n, Hv, BS, VARLEN)
+    b_b2 = _load_tok_vec(p_b, rx + 2 * BS, n, Hv, BS, VARLEN)
+    b_b3 = _load_tok_vec(p_b, rx + 3 * BS, n, Hv, BS, VARLEN)
 
     # A blocks (i > j full, i == j strictly lower)
     b_a10 = _a_block(b_k1, b_k0, b_b1, b_g1, b_g0, False, BS)
@@ -249,15 +252,15 @@ def wu_fwd_kernel(
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
-    tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
     b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
     b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
-    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + tok0 * Hv, 0, n, Hv, BT, VARLEN)
+    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
     b_s = b_b * tl.exp(b_g)
     if SPLIT:
         b_tw_hi, b_tw_lo = _split_bf16(b_T * b_s[None, :])
     for i_k in range(K // BK):
-        b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + tok0 * (Hk * K) + i_k * BK, 0, n, Hk * K, BT, BK,
+        b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + i_k * BK, rx, n, Hk * K, BT, BK,
                              VARLEN)
         if SPLIT:
             b_w = _dot_split(b_tw_hi, b_tw_lo, b_k)
@@ -268,7 +271,7 @@ def wu_fwd_kernel(
         if SPLIT:
             b_tu_hi, b_tu_lo = _split_bf16(b_T * b_b[None, :])
         for i_v in range(V // BV):
-            b_v = _load_tok_rows(v + (i_b * T * Hv + i_h) * V + tok0 * (Hv * V) + i_v * BV, 0, n, Hv * V, BT, BV,
+            b_v = _load_tok_rows(v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + i_v * BV, rx, n, Hv * V, BT, BV,
                                  VARLEN)
             if SPLIT:
                 b_u = _dot_split(b_tu_hi, b_tu_lo, b_v)
@@ -300,19 +303,19 @@ def wy_bwd_kernel(
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
-    tok0, n = chunk_span(cidx, i_t, BT, VARLEN)
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
 
-    p_k = k + (i_b * T * Hk + i_hk) * K + tok0 * (Hk * K)  # token tensors: at the chunk's first token
-    p_v = v + (i_b * T * Hv + i_h) * V + tok0 * (Hv * V)
-    p_dk = dk + (i_b * T * Hv + i_h) * K + tok0 * (Hv * K)
-    p_dv = dv + (i_b * T * Hv + i_h) * V + tok0 * (Hv * V)
+    p_k = k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K)  # token tensors (rows rx + ...)
+    p_v = v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V)
     p_dw = dw + (i_b * T * Hv + i_h) * K
     p_dk_in = dk_in + (i_b * T * Hv + i_h) * K
+    p_dk = dk + (i_b * T * Hv + i_h) * K + x0 * (Hv * K)
     p_du = du + (i_b * T * Hv + i_h) * V
+    p_dv = dv + (i_b * T * Hv + i_h) * V + x0 * (Hv * V)
 
     o_t = tl.arange(0, BT)
     b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
-    b_beta = _load_tok_vec(beta + i_b * T * Hv + i_h + tok0 * Hv, 0, n, Hv, BT, VARLEN)
+    b_beta = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
     b_eg = tl.exp(b_g)
     b_s = b_beta * b_eg  # W's row scale
     b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
@@ -323,7 +326,7 @@ def wy_bwd_kernel(
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(K // BK):
-        b_k = _load_tok_rows(p_k + i_k * BK, 0, n, Hk * K, BT, BK, VARLEN)
+        b_k = _load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
@@ -336,7 +339,7 @@ def wy_bwd_kernel(
         b_dTv = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(V // BV):
-        b_v = _load_tok_rows(p_v + i_v * BV, 0, n, Hv * V, BT, BV, VARLEN)
+        b_v = _load_tok_rows(p_v + i_v * BV, rx, n, Hv * V, BT, BV, VARLEN)
         b_du = _load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV)
         if SPLIT:
             b_dTv += tl.dot(b_du, tl.trans(b_v))
@@ -345,7 +348,7 @@ def wy_bwd_kernel(
             b_dT += tl.dot(b_du.to(tl.float32), tl.trans(b_v.to(tl.float32) * b_beta[:, None]))
             b_dvb = tl.dot(tl.trans(b_T), b_du.to(tl.float32))
         b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        _store_tok_rows(p_dv + i_v * BV, 0, n, Hv * V, b_dvb * b_beta[:, None], BT, BV, VARLEN)
+        _store_tok_rows(p_dv + i_v * BV, rx, n, Hv * V, b_dvb * b_beta[:, None], BT, BV, VARLEN)
     if SPLIT:
         b_dT += b_dTv * b_beta[None, :]
 
@@ -365,7 +368,7 @@ def wy_bwd_kernel(
     if SPLIT:
         b_dgs_hi, b_dgs_lo = _split_bf16(b_dGs)
     for i_k in range(K // BK):
-        b_k = _load_tok_rows(p_k + i_k * BK, 0, n, Hk * K, BT, BK, VARLEN)
+        b_k = _load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
@@ -380,10 +383,12 @@ def wy_bwd_kernel(
             b_dk += _dot_split(b_dgs_hi, b_dgs_lo, b_k)
         else:
             b_dk += tl.dot(b_dGs, b_k.to(tl.float32))
-        _store_tok_rows(p_dk + i_k * BK, 0, n, Hv * K, b_dk, BT, BK, VARLEN)
+        _store_tok_rows(p_dk + i_k * BK, rx, n, Hv * K, b_dk, BT, BK, VARLEN)
 
-    store_tok(dbeta + i_b * T * Hv + i_h + (tok0 + o_t) * Hv, b_dbeta, o_t < n, VARLEN)
-    tl.store(dg + (i_b * T + t0 + o_t) * Hv + i_h, b_dg)
+    o_r = t0 + o_t
+    o_x = rx + o_t
+    store_tok(dbeta + (i_b * T + x0 + o_x) * Hv + i_h, b_dbeta, o_x < n, VARLEN)
+    tl.store(dg + (i_b * T + o_r) * Hv + i_h, b_dg)
 
 
 def _bf16(*xs: torch.Tensor) -> bool:
