@@ -207,3 +207,22 @@ def test_lengths_are_runtime_values():
     out = subprocess.run([sys.executable, "-c", _NO_RESPECIALISE_CODE.format()], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_kernel_tables():
+    """The Triton kernels' view of a packed row (no triton needed): per chunk of the chunk-aligned layout its first
+    token and token count, per document its first token and first chunk (last row: the totals)."""
+    import torch
+
+    from deltacp.ops.gdn.varlen import VarlenLayout
+
+    lens = [1, 69, 1, 129, 3]
+    lay = VarlenLayout.build(torch.tensor([0] + lens).cumsum(0), sum(lens))
+    chunks, docs = lay.chunk_table("cpu"), lay.doc_table("cpu")
+    assert chunks.dtype == docs.dtype == torch.int32
+    assert chunks.tolist() == [[0, 1], [1, 64], [65, 5], [70, 1], [71, 64], [135, 64], [199, 1], [200, 3]]
+    assert docs.tolist() == [[0, 0], [1, 1], [70, 3], [71, 4], [200, 7], [203, 8]]
+    assert chunks.shape[0] * 64 == lay.padded and int(chunks[:, 1].sum()) == lay.total
+    # a chunk starts a document exactly where the layout's state resets (first_continues: not chunk 0)
+    starts = {int(t) for t in lay.cu_seqlens[:-1]}
+    assert [int(t) in starts and i > 0 for i, t in enumerate(chunks[:, 0])] == lay.chunk_resets

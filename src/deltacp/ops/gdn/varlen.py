@@ -1,12 +1,14 @@
-"""Packed documents in one row (B = 1): the chunk-aligned layout every GDN backend runs them in.
+"""Packed documents in one row (B = 1): the chunks every GDN backend runs them in.
 
 A packed row holds documents back to back, described by `cu_seqlens` = [0, end_0, end_1, ..., T] (int, strictly
 increasing: every document has at least one token). The gated delta rule restarts its state at each document
-start. Backends run such a row by laying the documents out chunk-aligned: each document starts at a multiple of
-the chunk size C = 64, its tail is zero-padded to the next multiple (a zero token has k = v = q = 0, beta = 0,
-g = 0 and leaves the state unchanged), so no chunk ever straddles two documents and the intra-chunk work is the
-dense op's, unchanged. Only the chunk-to-chunk recurrence needs to know where documents start: `chunk_resets`
-marks the chunks whose entering state is zero.
+start. Backends run such a row in chunks that never straddle two documents: each document is cut into chunks of
+C = 64 tokens from its start, its last chunk partial. In the chunk-aligned layout (`to_chunks`: each document from
+a multiple of C, its tail zero-padded to the next; a zero token has k = v = q = 0, beta = 0, g = 0 and leaves the
+state unchanged) the intra-chunk work is the dense op's, unchanged. The eager backend copies the row into that
+layout; the Triton kernels read and write the packed row in place through `chunk_table` (each chunk's first token
+and token count), masking a partial chunk's tail to the same zeros. Only the chunk-to-chunk recurrence needs to
+know where documents start: `chunk_resets` marks the chunks whose entering state is zero.
 
 The entering state of the row (`initial_state` of the op) feeds the first document only, and only when it
 continues a document from before the row (`first_continues`: under CP, a document that began on an earlier
@@ -78,11 +80,27 @@ class VarlenLayout:
         """Whether the final state depends on anything but the entering state's path (M = 0 if so)."""
         return any(self.chunk_resets)
 
-    def resets_tensor(self, device: torch.device) -> torch.Tensor:
-        """[Tp / C] int32: 1 where the chunk's entering state is zero (for kernels)."""
-        key = ("resets", torch.device(device))
+    def doc_table(self, device: torch.device) -> torch.Tensor:
+        """[N + 1, 2] int32 (for kernels): per document its first token in the packed row and its first chunk of
+        the layout; row N holds the totals (T, Tp / C)."""
+        key = ("docs", torch.device(device))
         if key not in self._index:
-            self._index[key] = torch.tensor(self.chunk_resets, dtype=torch.int32).to(device)
+            cu = self.cu_seqlens.tolist()
+            first_chunk = [0]
+            for a, b in zip(cu[:-1], cu[1:]):
+                first_chunk.append(first_chunk[-1] + -(-(b - a) // CHUNK_SIZE))
+            self._index[key] = torch.tensor(list(zip(cu, first_chunk)), dtype=torch.int32).to(device)
+        return self._index[key]
+
+    def chunk_table(self, device: torch.device) -> torch.Tensor:
+        """[Tp / C, 2] int32 (for kernels): per chunk of the layout, its first token in the packed row and its
+        token count (C, or less for a document's last chunk)."""
+        key = ("chunks", torch.device(device))
+        if key not in self._index:
+            rows = []
+            for a, b in zip(self.cu_seqlens[:-1].tolist(), self.cu_seqlens[1:].tolist()):
+                rows += [(t, min(CHUNK_SIZE, b - t)) for t in range(a, b, CHUNK_SIZE)]
+            self._index[key] = torch.tensor(rows, dtype=torch.int32).to(device)
         return self._index[key]
 
     def plans(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

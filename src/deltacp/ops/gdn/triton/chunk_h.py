@@ -9,10 +9,16 @@ Layouts: k, q [B,T,Hk,K]; w [B,T,Hv,K]; u, vn, do [B,T,Hv,V]; gc [B,T,Hv];
 h, dh [B, NT, Hv, K, V] (state entering chunk c / gradient of the state leaving chunk c); h0, ht [B,Hv,K,V] fp32.
 The state width V is generic: the affine summary runs it on [M | S] (width K + V).
 
-Packed documents (`varlen.py`): `resets` [NT] int32, 1 where a document starts at chunk c. Forward: the state
-entering such a chunk is 0 (h0 is ignored when chunk 0 resets). Backward: the state gradient does not flow back
-across it (dh0 = 0 when chunk 0 resets). USE_RESETS is a compile-time flag: without resets nothing is loaded.
-T and NT are runtime values (`do_not_specialize`): one compiled kernel serves every length.
+Packed documents (`varlen.py`, VARLEN): one program per document and value block, as for a batch of sequences.
+The document table `docs` [N + 1, 2] int32 holds each document's first token and first chunk (row N: the totals),
+read once per program: within the loop every address is arithmetic, as in the dense kernel. (Reading a chunk
+table inside the loop puts a global-memory round trip on the sequential chain: with it the 128K packed op ran in
+38.86 ms against 37.05 with the old re-layout copies, NOTES.md.) A document's chain is only its own chunks. The token
+tensors (k, q, do) are the packed row (a document's last chunk partial: its missing rows load as 0); w, u, vn,
+dvl, dvn, gc and h, dh are per chunk (wy.py). h0 enters document 0 and ht is the last document's (dht enters the
+last, dh0 leaves document 0); the launchers leave h0 out when document 0 does not continue it.
+T and NT are runtime values (`do_not_specialize`) and the document count only sizes the grid: one compiled kernel
+serves every length and document mix.
 """
 
 from __future__ import annotations
@@ -22,35 +28,54 @@ import triton
 import triton.language as tl
 
 from deltacp.ops.gdn.triton.launch import launch_config
-from deltacp.ops.gdn.triton.wy import BT
+from deltacp.ops.gdn.triton.wy import BT, chunk_rows, load_tok
+
+
+@triton.jit
+def _document(docs, i_n, T, NT, VARLEN: tl.constexpr):
+    """(first token, first chunk, end token, chunk count) of document i_n, or of the whole row (not VARLEN)."""
+    if VARLEN:
+        bos, c0 = tl.load(docs + 2 * i_n).to(tl.int64), tl.load(docs + 2 * i_n + 1)
+        eos, c1 = tl.load(docs + 2 * i_n + 2).to(tl.int64), tl.load(docs + 2 * i_n + 3)
+        return bos, c0, eos, c1 - c0
+    else:
+        return 0, 0, T, NT
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_fwd_kernel(
-    k, w, u, gc, h0, h, vn, ht, resets,
+    k, w, u, gc, h0, h, vn, ht, docs,
     T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, USE_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
-    STORE_HT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, USE_RESETS: tl.constexpr,
+    STORE_HT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
+    bos, c0, eos, nc = _document(docs, i_b, T, NT, VARLEN)
+    if VARLEN:  # program row i_b is document i_b of the one packed row
+        first, last = i_b == 0, c0 + nc == NT
+        i_b, i_bh = i_b * 0, i_h
 
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
-        b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :])
+        p_h0 = h0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        if VARLEN:
+            if first:
+                b_h += tl.load(p_h0)
+        else:
+            b_h += tl.load(p_h0)
 
-    p_k = k + (i_b * T * Hk + i_hk) * K
+    p_k = k + (i_b * T * Hk + i_hk) * K + bos * (Hk * K)
     p_w = w + (i_b * T * Hv + i_h) * K
     p_g = gc + i_b * T * Hv + i_h
-    for i_t in range(NT):
+    for i_c in range(nc):
+        i_t = c0 + i_c
         o_r = i_t * BT + o_t
-        if USE_RESETS:  # a document starts here: nothing before it reaches it
-            b_h = tl.where(tl.load(resets + i_t) != 0, 0., b_h)
         if STORE_H:
             p_h = h + ((i_b * NT + i_t) * Hv + i_h) * K * V
             tl.store(p_h + o_k[:, None] * V + o_v[None, :], b_h.to(h.dtype.element_ty))
@@ -67,7 +92,8 @@ def state_fwd_kernel(
             tl.store(p_vn + o_r[:, None] * (Hv * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty))
         b_g = tl.load(p_g + o_r * Hv)
         b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
-        b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
+        o_x = i_c * BT + o_t  # token rows from the document's first token
+        b_k = load_tok(p_k + o_x[:, None] * (Hk * K) + o_k[None, :], (o_x < eos - bos)[:, None], VARLEN)
         b_vs = b_vn * tl.exp(b_gl - b_g)[:, None]
         if FP32_DOT:
             b_kt = tl.trans(b_k.to(tl.float32))
@@ -75,15 +101,20 @@ def state_fwd_kernel(
         else:
             b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_vs.to(b_k.dtype))
     if STORE_HT:
-        tl.store(ht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_h)
+        p_ht = ht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        if VARLEN:
+            if last:
+                tl.store(p_ht, b_h)
+        else:
+            tl.store(p_ht, b_h)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_bwd_kernel(
-    q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets,
+    q, k, w, gc, do, dvl, dht, dh, dvn, dh0, docs,
     scale, T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr, USE_RESETS: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """The gate factors go on the [BT, BV] side (the product k dH, and dO), not on the loaded [BT, K] tiles of k
     and q, which enter the MMAs as loaded: 0.82 vs 1.41 ms at 32K on the H200 (2026-12-02), and k dH is no longer
@@ -91,26 +122,38 @@ def state_bwd_kernel(
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
+    bos, c0, eos, nc = _document(docs, i_b, T, NT, VARLEN)
+    if VARLEN:  # program row i_b is document i_b of the one packed row
+        first, last = i_b == 0, c0 + nc == NT
+        i_b, i_bh = i_b * 0, i_h
 
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
-        b_dh += tl.load(dht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :])
+        p_dht = dht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        if VARLEN:
+            if last:
+                b_dh += tl.load(p_dht)
+        else:
+            b_dh += tl.load(p_dht)
 
-    p_k = k + (i_b * T * Hk + i_hk) * K
+    p_k = k + (i_b * T * Hk + i_hk) * K + bos * (Hk * K)
     p_w = w + (i_b * T * Hv + i_h) * K
     p_g = gc + i_b * T * Hv + i_h
-    for i_s in range(NT):
-        i_t = NT - 1 - i_s
+    for i_s in range(nc):
+        i_c = nc - 1 - i_s
+        i_t = c0 + i_c
         o_r = i_t * BT + o_t
         if STORE:
             p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
             tl.store(p_dh + o_k[:, None] * V + o_v[None, :], b_dh.to(dh.dtype.element_ty))
         b_g = tl.load(p_g + o_r * Hv)
         b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
-        b_k = tl.load(p_k + o_r[:, None] * (Hk * K) + o_k[None, :])
+        o_x = i_c * BT + o_t  # token rows from the document's first token
+        m_x = (o_x < eos - bos)[:, None]
+        b_k = load_tok(p_k + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
         b_dvn = tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.exp(b_gl - b_g)[:, None]
         p_dvl = dvl + (i_b * T * Hv + i_h) * V
         b_dvn += tl.load(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
@@ -119,63 +162,83 @@ def state_bwd_kernel(
             tl.store(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
         b_w = tl.load(p_w + o_r[:, None] * (Hv * K) + o_k[None, :])
         b_dh = b_dh * tl.exp(b_gl) - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype))
-        p_q = q + (i_b * T * Hk + i_hk) * K
-        p_do = do + (i_b * T * Hv + i_h) * V
-        b_q = tl.load(p_q + o_r[:, None] * (Hk * K) + o_k[None, :])
-        b_do = tl.load(p_do + o_r[:, None] * (Hv * V) + o_v[None, :])
+        p_q = q + (i_b * T * Hk + i_hk) * K + bos * (Hk * K)
+        p_do = do + (i_b * T * Hv + i_h) * V + bos * (Hv * V)
+        b_q = load_tok(p_q + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
+        b_do = load_tok(p_do + o_x[:, None] * (Hv * V) + o_v[None, :], m_x, VARLEN)
         b_dos = (b_do.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
         b_dh += tl.dot(tl.trans(b_q), b_dos)
-        if USE_RESETS:  # the state entering a document's first chunk is a constant 0: no gradient flows on
-            b_dh = tl.where(tl.load(resets + i_t) != 0, 0., b_dh)
     if STORE_DH0:
-        tl.store(dh0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
+        p_dh0 = dh0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+        if VARLEN:
+            if first:
+                tl.store(p_dh0, b_dh)
+        else:
+            tl.store(p_dh0, b_dh)
 
 
 def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final_state=False, fp32_dot=False,
-              dot_precision="tf32", resets=None):
+              dot_precision="tf32", chunks=None, docs=None, first_continues=True):
     """-> h [B,NT,Hv,K,V] (or None), vn [B,T,Hv,V] (or None), ht [B,Hv,K,V] fp32 (or None).
 
     u None: values U = 0 (state width V from h0), the recurrence of the transition M from h0 = I.
     fp32_dot: fp32-operand products (`dot_precision`: tf32 or tf32x3) on the fp32 state, for the summary's M,
     which cancels strongly (bf16 operands cost ~1.5e-2 rel-L2 on M at 8K tokens).
-    resets: None, or [NT] int32 (1: the state entering that chunk is 0)."""
-    B, T, Hk, K = k.shape
+    Packed documents: `chunks` (the chunk table, for its checks) and `docs` (the document table), k the packed row,
+    w, u, gc, vn per chunk; the state restarts at each document, h0 enters document 0 only if `first_continues`,
+    ht is the last document's."""
+    B, _, Hk, K = k.shape
     Hv = w.shape[2]
     V = h0.shape[3] if u is None else u.shape[3]
+    T, varlen = chunk_rows(gc, chunks)
     NT = T // BT
-    _check_resets(resets, NT, k.device)
+    rows = _check_docs(docs, varlen, NT, B)
+    if varlen and not first_continues:
+        h0 = None  # document 0 starts from 0
     dev = k.device
     h = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store_h else None
     vn = torch.empty(B, T, Hv, V, device=dev, dtype=w.dtype if u is None else u.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V)
-    state_fwd_kernel[(V // blocks["BV"], B * Hv)](
-        k, w, u, gc, h0, h, vn, ht, resets, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+    state_fwd_kernel[(V // blocks["BV"], rows * Hv)](
+        k, w, u, gc, h0, h, vn, ht, docs, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
         USE_H0=h0 is not None, USE_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        FP32_DOT=fp32_dot, DOT_PREC=dot_precision, USE_RESETS=resets is not None, **blocks, **opts)
+        FP32_DOT=fp32_dot, DOT_PREC=dot_precision, VARLEN=varlen, **blocks, **opts)
     return h, vn, ht
 
 
-def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32, store=True, resets=None):
+def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.float32, store=True, chunks=None,
+              docs=None, first_continues=True):
     """-> dh [B,NT,Hv,K,V] (gradient of the state leaving each chunk), dvn [B,T,Hv,V] (dvn_dtype), dh0 (or None).
 
-    store=False: dh and dvn are neither written nor returned (None), only dh0. resets: as in state_fwd."""
-    B, T, Hk, K = k.shape
+    store=False: dh and dvn are neither written nor returned (None), only dh0. chunks, docs, first_continues: as
+    in state_fwd (q, k, do are then the packed row; dht enters the last document, dh0 is document 0's, or 0 when
+    it does not continue)."""
+    B, _, Hk, K = k.shape
     Hv = w.shape[2]
+    T, varlen = chunk_rows(gc, chunks)
     NT = T // BT
-    _check_resets(resets, NT, k.device)
+    rows = _check_docs(docs, varlen, NT, B)
     dev = k.device
     dh = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store else None
     dvn = torch.empty(B, T, Hv, V, device=dev, dtype=dvn_dtype) if store else None
     dh0 = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    store_dh0 = need_dh0
+    if varlen and not first_continues and need_dh0:
+        dh0.zero_()
+        store_dh0 = False
     blocks, opts = launch_config("state_bwd", V=V)
-    state_bwd_kernel[(V // blocks["BV"], B * Hv)](
-        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, resets, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, USE_RESETS=resets is not None, **blocks, **opts)
+    state_bwd_kernel[(V // blocks["BV"], rows * Hv)](
+        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, docs, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+        USE_DHT=dht is not None, STORE_DH0=store_dh0, STORE=store, VARLEN=varlen, **blocks, **opts)
     return dh, dvn, dh0
 
 
-def _check_resets(resets, NT, device):
-    if resets is not None and (resets.shape != (NT,) or resets.dtype != torch.int32 or resets.device != device):
-        raise ValueError(f"chunk resets must be [{NT}] int32 on {device}; got {tuple(resets.shape)} {resets.dtype} "
-                         f"on {resets.device}")
+def _check_docs(docs, varlen, NT, B) -> int:
+    """Rows of the launch grid: documents (packed) or sequences."""
+    if not varlen:
+        return B
+    if docs is None or docs.dim() != 2 or docs.shape[1] != 2 or docs.dtype != torch.int32:
+        raise ValueError(f"packed documents need the document table [N + 1, 2] int32 with the chunk table; got "
+                         f"{None if docs is None else (tuple(docs.shape), docs.dtype)}")
+    return docs.shape[0] - 1

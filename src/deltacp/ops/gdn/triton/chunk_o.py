@@ -8,6 +8,10 @@ Backward (dH' = gradient of the state leaving the chunk):
     dK = e^{gC - g} (Vn dH'^T) + Ds^T Q          (the WY part is added by wy_bwd)
     dW = -dVn H_c^T
     dg = sum(Q dQ) - sum(K dK) + [last row] (e^{gC} <H_c, dH'> + sum(K * e^{gC-g} Vn dH'^T))
+
+Token tensors (q, k, do, o, dq) and per-chunk tensors (vn, h, dh, dvn, gc, dvl, dk before wy_bwd, dw, dg): wy.py.
+The last-row term of dg goes on row BT - 1 of the chunk, a padding row for a document's partial last chunk (the
+gate cumsum's backward, per chunk, sums it into every row as the zero-padded layout did).
 """
 
 from __future__ import annotations
@@ -17,14 +21,15 @@ import triton
 import triton.language as tl
 
 from deltacp.ops.gdn.triton.launch import launch_config
-from deltacp.ops.gdn.triton.wy import BT
+from deltacp.ops.gdn.triton.wy import BT, chunk_rows, chunk_tokens, load_tok, store_tok
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def o_fwd_kernel(
-    q, k, vn, h, gc, o,
+    q, k, vn, h, gc, o, cidx,
     scale, T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -33,9 +38,12 @@ def o_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     o_r = i_t * BT + o_t
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, i_t * BT, BT, VARLEN)
+    o_x = rx + o_t  # token rows x0 + o_x
+    m_x = (o_x < n)[:, None]
 
-    b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
-    b_k = tl.load(k + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_q = load_tok(q + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
+    b_k = load_tok(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_h = tl.load(h + ((i_b * NT + i_t) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
     b_vn = tl.load(vn + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
     b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
@@ -44,14 +52,16 @@ def o_fwd_kernel(
     b_a = tl.dot(b_q, tl.trans(b_k))
     b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a * tl.exp(b_g[:, None] - b_g[None, :]), 0.)
     b_o = (b_o + tl.dot(b_a.to(b_vn.dtype), b_vn)) * scale
-    tl.store(o + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :], b_o.to(o.dtype.element_ty))
+    p_o = o + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + o_x[:, None] * (Hv * V) + o_v[None, :]
+    store_tok(p_o, b_o.to(o.dtype.element_ty), m_x, VARLEN)
 
 
 @triton.jit(do_not_specialize=["T"])
 def dv_local_kernel(
-    q, k, gc, do, dvl,
+    q, k, gc, do, dvl, cidx,
     scale, T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -60,11 +70,15 @@ def dv_local_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     o_r = i_t * BT + o_t
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, i_t * BT, BT, VARLEN)
+    o_x = rx + o_t  # token rows x0 + o_x
+    m_x = (o_x < n)[:, None]
 
-    b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
-    b_k = tl.load(k + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_q = load_tok(q + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
+    b_k = load_tok(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
-    b_do = tl.load(do + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
+    b_do = load_tok(do + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + o_x[:, None] * (Hv * V) + o_v[None, :], m_x,
+                    VARLEN)
     # transposed scores: row j (key), column i (query), kept where i >= j
     b_at = tl.dot(b_k, tl.trans(b_q))
     b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at * tl.exp(b_g[None, :] - b_g[:, None]), 0.) * scale
@@ -74,10 +88,10 @@ def dv_local_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def dqkwg_kernel(
-    q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg,
+    q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg, cidx,
     scale, T, NT, B,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
@@ -85,6 +99,9 @@ def dqkwg_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     o_t = tl.arange(0, BT)
     o_r = i_t * BT + o_t
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, i_t * BT, BT, VARLEN)
+    o_x = rx + o_t  # token rows x0 + o_x
+    m_x = (o_x < n)[:, None]
     p_h = h + ((i_b * NT + i_t) * Hv + i_h) * K * V
     p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
     p_vn = vn + (i_b * T * Hv + i_h) * V
@@ -104,18 +121,19 @@ def dqkwg_kernel(
         b_dk += tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)))
         b_dw += tl.dot(b_dvn.to(b_vn.dtype), tl.trans(b_h.to(b_vn.dtype)))
         b_hdh += b_h.to(tl.float32) * b_dh.to(tl.float32)
-        b_do = tl.load(do + (i_b * T * Hv + i_h) * V + o_r[:, None] * (Hv * V) + o_v[None, :])
+        b_do = load_tok(do + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + o_x[:, None] * (Hv * V) + o_v[None, :], m_x,
+                        VARLEN)
         b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)))
         b_ds += tl.dot(b_do, tl.trans(b_vn.to(b_do.dtype)))
 
     b_g = tl.load(gc + (i_b * T + o_r) * Hv + i_h)
     b_gl = tl.load(gc + (i_b * T + i_t * BT + BT - 1) * Hv + i_h)
-    b_k = tl.load(k + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_k = load_tok(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_kf = b_k.to(tl.float32)
     b_dk = b_dk * tl.exp(b_gl - b_g)[:, None]
     b_dgl = tl.sum(tl.sum(b_hdh, 1), 0) * tl.exp(b_gl) + tl.sum(tl.sum(b_dk * b_kf, 1), 0)
     b_dg = -tl.sum(b_dk * b_kf, 1)
-    b_q = tl.load(q + (i_b * T * Hk + i_hk) * K + o_r[:, None] * (Hk * K) + o_k[None, :])
+    b_q = load_tok(q + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
     b_qf = b_q.to(tl.float32)
     b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
     b_ds = tl.where(o_t[:, None] >= o_t[None, :], b_ds * tl.exp(b_g[:, None] - b_g[None, :]), 0.) * scale
@@ -125,44 +143,51 @@ def dqkwg_kernel(
     b_dki = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q)
     b_dk += b_dki
     b_dg += tl.sum(b_dq * b_qf, 1) - tl.sum(b_dki * b_kf, 1)
-    tl.store(dq + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty))
+    p_dq = dq + (i_b * T * Hv + i_h) * K + x0 * (Hv * K) + o_x[:, None] * (Hv * K) + o_k[None, :]
+    store_tok(p_dq, b_dq.to(dq.dtype.element_ty), m_x, VARLEN)
     b_dg += tl.where(o_t == BT - 1, b_dgl, 0.)
     tl.store(dk + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], b_dk)
     tl.store(dw + (i_b * T * Hv + i_h) * K + o_r[:, None] * (Hv * K) + o_k[None, :], -b_dw)
     tl.store(dg + ((i_k * B + i_b) * T + o_r) * Hv + i_h, b_dg)
 
 
-def o_fwd(q, k, vn, h, gc, scale):
-    B, T, Hk, K = q.shape
+def o_fwd(q, k, vn, h, gc, scale, chunks=None):
+    """-> o with the rows of q (the packed row's under `chunks`, the chunk table of packed documents)."""
+    B, Tq, Hk, K = q.shape
     Hv, V = vn.shape[2], vn.shape[3]
-    o = torch.empty(B, T, Hv, V, device=q.device, dtype=vn.dtype)
+    T, varlen = chunk_rows(gc, chunks)
+    o = torch.empty(B, Tq, Hv, V, device=q.device, dtype=vn.dtype)
     blocks, opts = launch_config("o_fwd", V=V)
-    o_fwd_kernel[(V // blocks["BV"], T // BT, B * Hv)](q, k, vn, h, gc, o, scale, T, T // BT, Hk=Hk, Hv=Hv, K=K,
-                                                        V=V, BT=BT, **blocks, **opts)
+    o_fwd_kernel[(V // blocks["BV"], T // BT, B * Hv)](q, k, vn, h, gc, o, chunks, scale, T, T // BT, Hk=Hk, Hv=Hv,
+                                                        K=K, V=V, BT=BT, VARLEN=varlen, **blocks, **opts)
     return o
 
 
-def dv_local(q, k, gc, do, scale, out_dtype=torch.float32):
-    B, T, Hk, K = q.shape
+def dv_local(q, k, gc, do, scale, out_dtype=torch.float32, chunks=None):
+    """-> dVn_local [B,Tc,Hv,V] per chunk (q, k, do: the packed row under `chunks`)."""
+    B, _, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
+    T, varlen = chunk_rows(gc, chunks)
     dvl = torch.empty(B, T, Hv, V, device=q.device, dtype=out_dtype)
     blocks, opts = launch_config("dv_local", V=V)
-    dv_local_kernel[(V // blocks["BV"], T // BT, B * Hv)](q, k, gc, do, dvl, scale, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-                                                           **blocks, **opts)
+    dv_local_kernel[(V // blocks["BV"], T // BT, B * Hv)](q, k, gc, do, dvl, chunks, scale, T, Hk=Hk, Hv=Hv, K=K, V=V,
+                                                           BT=BT, VARLEN=varlen, **blocks, **opts)
     return dvl
 
 
-def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32):
-    """-> dq [B,T,Hv,K] (dq_dtype), dk [B,T,Hv,K] fp32, dw [B,T,Hv,K] fp32, dg [B,T,Hv] fp32 (chunk-local)."""
-    B, T, Hk, K = k.shape
+def dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=torch.float32, chunks=None):
+    """-> dq [B,Tq,Hv,K] (dq_dtype, rows of q), dk [B,Tc,Hv,K] fp32, dw [B,Tc,Hv,K] fp32, dg [B,Tc,Hv] fp32
+    (chunk-local); dk, dw, dg per chunk (`chunks`: the chunk table of packed documents, q, k, do the packed row)."""
+    B, Tq, Hk, K = k.shape
     Hv, V = vn.shape[2], vn.shape[3]
+    T, varlen = chunk_rows(gc, chunks)
     blocks, opts = launch_config("dqkwg", K=K, V=V)
     NK = K // blocks["BK"]
     dev = k.device
-    dq = torch.empty(B, T, Hv, K, device=dev, dtype=dq_dtype)
+    dq = torch.empty(B, Tq, Hv, K, device=dev, dtype=dq_dtype)
     dk = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
     dw = torch.empty(B, T, Hv, K, device=dev, dtype=torch.float32)
     dg = torch.empty(NK, B, T, Hv, device=dev, dtype=torch.float32)
-    dqkwg_kernel[(NK, T // BT, B * Hv)](q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg, scale, T, T // BT, B,
-                                        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, **blocks, **opts)
+    dqkwg_kernel[(NK, T // BT, B * Hv)](q, k, vn, h, dh, do, dvn, gc, dq, dk, dw, dg, chunks, scale, T, T // BT, B,
+                                        Hk=Hk, Hv=Hv, K=K, V=V, BT=BT, VARLEN=varlen, **blocks, **opts)
     return dq, dk, dw, dg.sum(0)

@@ -5,6 +5,14 @@ Layouts (T divisible by BT=64, g is the chunk-local cumulative gate in fp32):
     ai [B, T, Hv, BT] fp32: row t of chunk c holds row (t mod BT) of T_c = (I + A_c)^-1 (upper part zero)
     w [B, T, Hv, K], u [B, T, Hv, V] in the dtype of k / v
 
+Two kinds of tensors (all kernels of the op): per-chunk tensors (gc, ai, w, u, and chunk_h/chunk_o's h, vn, dh,
+dvn, dvl, dw, dg) always have NT * BT rows, chunk c at rows c * BT ...; token tensors (the op's inputs q, k, v,
+beta, do and outputs o, dq, dk, dv, dbeta) have as many rows. Packed documents (VARLEN, B = 1): the token tensors
+are the packed row itself, and the chunk table `cidx` [NT, 2] int32 gives each chunk's first token and token count
+(1..BT, a chunk never crosses a document boundary); rows past the count load as 0 and are not stored, which
+equals the zero tail of a document laid out on its own. The per-chunk tensors keep BT rows per chunk, so a
+partial chunk computes exactly what its zero-padded copy would (gc holds the last token's gate in its tail).
+
 A_c = strict-lower(diag(beta) K K^T * Gamma), Gamma_ij = exp(g_i - g_j). The inverse is built from four
 16x16 diagonal blocks (forward substitution in registers) merged by block forward substitution.
 """
@@ -40,6 +48,56 @@ def _store_rows(base, row0, stride, b_x, BR: tl.constexpr, D: tl.constexpr):
 def _load_vec(base, row0, stride, BR: tl.constexpr):
     o_r = row0 + tl.arange(0, BR)
     return tl.load(base + o_r * stride).to(tl.float32)
+
+
+@triton.jit
+def chunk_tokens(cidx, i_t, r_packed, r_dense, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """Where rows of chunk i_t lie in a token tensor: (x0, r, n), the rows being x0 + r + arange.
+    VARLEN: x0 = the chunk's first token (chunk table), r = r_packed (a row within the chunk), n = its token count
+    (masks compare r + arange with n). Dense: x0 = 0, r = r_dense (the row in the tensor), n = BT (no masks): the
+    address arithmetic is then exactly the dense kernel's."""
+    if VARLEN:
+        return tl.load(cidx + 2 * i_t).to(tl.int64), r_packed, tl.load(cidx + 2 * i_t + 1)
+    else:
+        return 0, r_dense, BT
+
+
+@triton.jit
+def load_tok(p, m, VARLEN: tl.constexpr):
+    """A tile of a token tensor: rows outside the chunk's tokens (mask m, VARLEN only) load as 0."""
+    if VARLEN:
+        return tl.load(p, mask=m, other=0.)
+    else:
+        return tl.load(p)
+
+
+@triton.jit
+def store_tok(p, x, m, VARLEN: tl.constexpr):
+    if VARLEN:
+        tl.store(p, x, mask=m)
+    else:
+        tl.store(p, x)
+
+
+@triton.jit
+def _load_tok_rows(base, row0, n, stride, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
+    """Rows row0 .. row0+BR of a token tensor (base and row0 from `chunk_tokens`); rows >= n are 0 (VARLEN)."""
+    o_r = row0 + tl.arange(0, BR)
+    o_c = tl.arange(0, D)
+    return load_tok(base + o_r[:, None] * stride + o_c[None, :], (o_r < n)[:, None], VARLEN)
+
+
+@triton.jit
+def _store_tok_rows(base, row0, n, stride, b_x, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
+    o_r = row0 + tl.arange(0, BR)
+    o_c = tl.arange(0, D)
+    store_tok(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty), (o_r < n)[:, None], VARLEN)
+
+
+@triton.jit
+def _load_tok_vec(base, row0, n, stride, BR: tl.constexpr, VARLEN: tl.constexpr):
+    o_r = row0 + tl.arange(0, BR)
+    return load_tok(base + o_r * stride, o_r < n, VARLEN).to(tl.float32)
 
 
 @triton.jit
@@ -88,9 +146,10 @@ def _dot_split(a_hi, a_lo, b):
 
 @triton.jit(do_not_specialize=["T"])
 def kkt_inv_diag_kernel(
-    k, beta, gc, ai,
+    k, beta, gc, ai, cidx,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One 16x16 diagonal block of T per program: (I + A_ss)^-1, written into ai (one warp: cheap reductions)."""
     i_ts, i_bh = tl.program_id(0), tl.program_id(1)
@@ -98,19 +157,20 @@ def kkt_inv_diag_kernel(
     i_hk = i_h // (Hv // Hk)
     i_s = i_ts % (BT // BS)
     r0 = i_ts * BS
-    b_k = _load_rows(k + (i_b * T * Hk + i_hk) * K, r0, Hk * K, BS, K)
+    x0, rx, n = chunk_tokens(cidx, i_ts // (BT // BS), i_s * BS, r0, BT, VARLEN)
+    b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K), rx, n, Hk * K, BS, K, VARLEN)
     b_g = _load_vec(gc + i_b * T * Hv + i_h, r0, Hv, BS)
-    b_b = _load_vec(beta + i_b * T * Hv + i_h, r0, Hv, BS)
+    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BS, VARLEN)
     b_t = _inv_unit_lower(_a_block(b_k, b_k, b_b, b_g, b_g, True, BS), BS)
     _store_rows(ai + (i_b * T * Hv + i_h) * BT + i_s * BS, r0, Hv * BT, b_t, BS, BS)
 
 
 @triton.jit(do_not_specialize=["T"])
 def tril_merge_kernel(
-    k, beta, gc, ai,
+    k, beta, gc, ai, cidx,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BS: tl.constexpr, MERGE_PREC: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, MERGE_PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """T = (I + A)^-1 of one chunk from its four 16x16 diagonal inverses (kkt_inv_diag_kernel wrote them into ai;
     computing them here instead was slower at every warp count: 0.61 vs 0.52 ms at 32K, H200, 2026-12-02).
@@ -119,22 +179,23 @@ def tril_merge_kernel(
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
 
-    p_k = k + (i_b * T * Hk + i_hk) * K
+    p_k = k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K)
     p_g = gc + i_b * T * Hv + i_h
-    p_b = beta + i_b * T * Hv + i_h
+    p_b = beta + i_b * T * Hv + i_h + x0 * Hv
 
-    b_k0 = _load_rows(p_k, t0 + 0 * BS, Hk * K, BS, K)
-    b_k1 = _load_rows(p_k, t0 + 1 * BS, Hk * K, BS, K)
-    b_k2 = _load_rows(p_k, t0 + 2 * BS, Hk * K, BS, K)
-    b_k3 = _load_rows(p_k, t0 + 3 * BS, Hk * K, BS, K)
+    b_k0 = _load_tok_rows(p_k, rx + 0 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k1 = _load_tok_rows(p_k, rx + 1 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k2 = _load_tok_rows(p_k, rx + 2 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k3 = _load_tok_rows(p_k, rx + 3 * BS, n, Hk * K, BS, K, VARLEN)
     b_g0 = _load_vec(p_g, t0 + 0 * BS, Hv, BS)
     b_g1 = _load_vec(p_g, t0 + 1 * BS, Hv, BS)
     b_g2 = _load_vec(p_g, t0 + 2 * BS, Hv, BS)
     b_g3 = _load_vec(p_g, t0 + 3 * BS, Hv, BS)
-    b_b1 = _load_vec(p_b, t0 + 1 * BS, Hv, BS)
-    b_b2 = _load_vec(p_b, t0 + 2 * BS, Hv, BS)
-    b_b3 = _load_vec(p_b, t0 + 3 * BS, Hv, BS)
+    b_b1 = _load_tok_vec(p_b, rx + 1 * BS, n, Hv, BS, VARLEN)
+    b_b2 = _load_tok_vec(p_b, rx + 2 * BS, n, Hv, BS, VARLEN)
+    b_b3 = _load_tok_vec(p_b, rx + 3 * BS, n, Hv, BS, VARLEN)
 
     # A blocks (i > j full, i == j strictly lower)
     b_a10 = _a_block(b_k1, b_k0, b_b1, b_g1, b_g0, False, BS)
@@ -176,10 +237,11 @@ def tril_merge_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def wu_fwd_kernel(
-    k, v, beta, gc, ai, w, u,
+    k, v, beta, gc, ai, w, u, cidx,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, DO_U: tl.constexpr, SPLIT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """W = T (beta e^g K), U = T (beta V) (U only if DO_U) with the full 64x64 T.
 
@@ -190,14 +252,16 @@ def wu_fwd_kernel(
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
     b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
     b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
-    b_b = _load_vec(beta + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
     b_s = b_b * tl.exp(b_g)
     if SPLIT:
         b_tw_hi, b_tw_lo = _split_bf16(b_T * b_s[None, :])
     for i_k in range(K // BK):
-        b_k = _load_rows(k + (i_b * T * Hk + i_hk) * K + i_k * BK, t0, Hk * K, BT, BK)
+        b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + i_k * BK, rx, n, Hk * K, BT, BK,
+                             VARLEN)
         if SPLIT:
             b_w = _dot_split(b_tw_hi, b_tw_lo, b_k)
         else:
@@ -207,7 +271,8 @@ def wu_fwd_kernel(
         if SPLIT:
             b_tu_hi, b_tu_lo = _split_bf16(b_T * b_b[None, :])
         for i_v in range(V // BV):
-            b_v = _load_rows(v + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, BT, BV)
+            b_v = _load_tok_rows(v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + i_v * BV, rx, n, Hv * V, BT, BV,
+                                 VARLEN)
             if SPLIT:
                 b_u = _dot_split(b_tu_hi, b_tu_lo, b_v)
             else:
@@ -217,10 +282,10 @@ def wu_fwd_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def wy_bwd_kernel(
-    k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch,
+    k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch, cidx,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """From dW, dU: dk (dk_in, the non-WY part, plus the WY part), dv, dbeta, dg (chunk-local gate).
 
@@ -238,18 +303,19 @@ def wy_bwd_kernel(
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
+    x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
 
-    p_k = k + (i_b * T * Hk + i_hk) * K
-    p_v = v + (i_b * T * Hv + i_h) * V
+    p_k = k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K)  # token tensors (rows rx + ...)
+    p_v = v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V)
     p_dw = dw + (i_b * T * Hv + i_h) * K
     p_dk_in = dk_in + (i_b * T * Hv + i_h) * K
-    p_dk = dk + (i_b * T * Hv + i_h) * K
+    p_dk = dk + (i_b * T * Hv + i_h) * K + x0 * (Hv * K)
     p_du = du + (i_b * T * Hv + i_h) * V
-    p_dv = dv + (i_b * T * Hv + i_h) * V
+    p_dv = dv + (i_b * T * Hv + i_h) * V + x0 * (Hv * V)
 
     o_t = tl.arange(0, BT)
     b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
-    b_beta = _load_vec(beta + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_beta = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
     b_eg = tl.exp(b_g)
     b_s = b_beta * b_eg  # W's row scale
     b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
@@ -260,7 +326,7 @@ def wy_bwd_kernel(
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(K // BK):
-        b_k = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK)
+        b_k = _load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
@@ -273,7 +339,7 @@ def wy_bwd_kernel(
         b_dTv = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(V // BV):
-        b_v = _load_rows(p_v + i_v * BV, t0, Hv * V, BT, BV)
+        b_v = _load_tok_rows(p_v + i_v * BV, rx, n, Hv * V, BT, BV, VARLEN)
         b_du = _load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV)
         if SPLIT:
             b_dTv += tl.dot(b_du, tl.trans(b_v))
@@ -282,7 +348,7 @@ def wy_bwd_kernel(
             b_dT += tl.dot(b_du.to(tl.float32), tl.trans(b_v.to(tl.float32) * b_beta[:, None]))
             b_dvb = tl.dot(tl.trans(b_T), b_du.to(tl.float32))
         b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        _store_rows(p_dv + i_v * BV, t0, Hv * V, b_dvb * b_beta[:, None], BT, BV)
+        _store_tok_rows(p_dv + i_v * BV, rx, n, Hv * V, b_dvb * b_beta[:, None], BT, BV, VARLEN)
     if SPLIT:
         b_dT += b_dTv * b_beta[None, :]
 
@@ -302,7 +368,7 @@ def wy_bwd_kernel(
     if SPLIT:
         b_dgs_hi, b_dgs_lo = _split_bf16(b_dGs)
     for i_k in range(K // BK):
-        b_k = _load_rows(p_k + i_k * BK, t0, Hk * K, BT, BK)
+        b_k = _load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
         b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
@@ -317,10 +383,11 @@ def wy_bwd_kernel(
             b_dk += _dot_split(b_dgs_hi, b_dgs_lo, b_k)
         else:
             b_dk += tl.dot(b_dGs, b_k.to(tl.float32))
-        _store_rows(p_dk + i_k * BK, t0, Hv * K, b_dk, BT, BK)
+        _store_tok_rows(p_dk + i_k * BK, rx, n, Hv * K, b_dk, BT, BK, VARLEN)
 
     o_r = t0 + o_t
-    tl.store(dbeta + (i_b * T + o_r) * Hv + i_h, b_dbeta)
+    o_x = rx + o_t
+    store_tok(dbeta + (i_b * T + x0 + o_x) * Hv + i_h, b_dbeta, o_x < n, VARLEN)
     tl.store(dg + (i_b * T + o_r) * Hv + i_h, b_dg)
 
 
@@ -328,53 +395,73 @@ def _bf16(*xs: torch.Tensor) -> bool:
     return all(x.dtype == torch.bfloat16 for x in xs)
 
 
+def chunk_rows(gc: torch.Tensor, chunks: torch.Tensor | None) -> tuple[int, bool]:
+    """(rows of the per-chunk tensors, VARLEN) from the chunk-local gate cumsum (a per-chunk tensor) and the chunk
+    table of packed documents ([NT, 2] int32 on the device, or None)."""
+    Tc = gc.shape[1]
+    if chunks is not None and (gc.shape[0] != 1 or chunks.shape != (Tc // BT, 2) or chunks.dtype != torch.int32
+                               or chunks.device != gc.device):
+        raise ValueError(f"packed documents need B = 1 and a chunk table [{Tc // BT}, 2] int32 on {gc.device}; got "
+                         f"B = {gc.shape[0]}, {tuple(chunks.shape)} {chunks.dtype} on {chunks.device}")
+    return Tc, chunks is not None
+
+
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor,
-           w_dtype: torch.dtype | None = None, dot_precision: str = "tf32", need_u: bool = True):
-    """-> ai [B,T,Hv,BT] fp32, w [B,T,Hv,K] (dtype of k unless w_dtype), u [B,T,Hv,V] (None unless need_u)."""
-    ai = wy_inverse(k, beta, gc, v.shape[2])
-    w, u = wu_fwd(k, v, beta, gc, ai, w_dtype=w_dtype, dot_precision=dot_precision, need_u=need_u)
+           w_dtype: torch.dtype | None = None, dot_precision: str = "tf32", need_u: bool = True, chunks=None):
+    """-> ai [B,Tc,Hv,BT] fp32, w [B,Tc,Hv,K] (dtype of k unless w_dtype), u [B,Tc,Hv,V] (None unless need_u).
+
+    chunks: None (k, v, beta have the Tc rows of gc), or the chunk table of packed documents (k, v, beta are the
+    packed row; ai, w, u per chunk, as gc)."""
+    ai = wy_inverse(k, beta, gc, v.shape[2], chunks=chunks)
+    w, u = wu_fwd(k, v, beta, gc, ai, w_dtype=w_dtype, dot_precision=dot_precision, need_u=need_u, chunks=chunks)
     return ai, w, u
 
 
-def wy_inverse(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Hv: int) -> torch.Tensor:
-    """T = (I + A)^-1 per chunk -> ai [B,T,Hv,BT] fp32 (rows of each chunk's T, upper part zero)."""
-    B, T, Hk, K = k.shape
+def wy_inverse(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Hv: int, chunks=None) -> torch.Tensor:
+    """T = (I + A)^-1 per chunk -> ai [B,Tc,Hv,BT] fp32 (rows of each chunk's T, upper part zero)."""
+    B, _, Hk, K = k.shape
+    T, varlen = chunk_rows(gc, chunks)
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
     _, opts = launch_config("kkt_inv_diag")
-    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **opts)
+    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, chunks, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS,
+                                           VARLEN=varlen, **opts)
     blocks, opts = launch_config("tril_merge")
-    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, **blocks, **opts)
+    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, chunks, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, VARLEN=varlen,
+                                         **blocks, **opts)
     return ai
 
 
-def wu_fwd(k, v, beta, gc, ai, w_dtype=None, dot_precision="tf32", need_u=True):
+def wu_fwd(k, v, beta, gc, ai, w_dtype=None, dot_precision="tf32", need_u=True, chunks=None):
     """W, U from a T already computed (the forward keeps T for the backward); U is None unless need_u."""
-    B, T, Hk, K = k.shape
+    B, _, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
+    T, varlen = chunk_rows(gc, chunks)
     w = torch.empty(B, T, Hv, K, device=k.device, dtype=w_dtype or k.dtype)
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype) if need_u else None
     # the summary (fp32 W, tf32x3 products) keeps the block shape its accuracy was validated with
     blocks, opts = launch_config("wu_fwd" if dot_precision == "tf32" else "summary_wu_fwd", K=K, V=V)
     # the split needs K, V exact in bf16 and only replaces tf32 products (the summary's tf32x3 W keeps fp32)
     blocks["SPLIT"] = blocks.get("SPLIT", 0) if _bf16(k, v) and dot_precision == "tf32" else 0
-    wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
-                                     DOT_PREC=dot_precision, DO_U=need_u, **blocks, **opts)
+    wu_fwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, w, u, chunks, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+                                     DOT_PREC=dot_precision, DO_U=need_u, VARLEN=varlen, **blocks, **opts)
     return w, u
 
 
-def wy_bwd(k, v, beta, gc, ai, dw, du, dk_in, dk_dtype=torch.float32, dv_dtype=torch.float32):
-    """dk_in [B,T,Hv,K] fp32: the non-WY part of dk. -> dk (dk_dtype), dv (dv_dtype), dbeta, dg (fp32, chunk-local).
+def wy_bwd(k, v, beta, gc, ai, dw, du, dk_in, dk_dtype=torch.float32, dv_dtype=torch.float32, chunks=None):
+    """dk_in [B,Tc,Hv,K] fp32: the non-WY part of dk. -> dk (dk_dtype), dv (dv_dtype), dbeta (fp32) with the rows of
+    k (the packed row's under `chunks`), dg (fp32, chunk-local, per chunk).
 
     The caller picks bf16 outputs where nothing is summed after this kernel (a cast pass less over memory)."""
-    B, T, Hk, K = k.shape
+    B, Tk, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
-    dk = torch.empty(B, T, Hv, K, device=k.device, dtype=dk_dtype)
-    dv = torch.empty(B, T, Hv, V, device=k.device, dtype=dv_dtype)
-    dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
+    T, varlen = chunk_rows(gc, chunks)
+    dk = torch.empty(B, Tk, Hv, K, device=k.device, dtype=dk_dtype)
+    dv = torch.empty(B, Tk, Hv, V, device=k.device, dtype=dv_dtype)
+    dbeta = torch.empty(B, Tk, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     scratch = torch.empty(B * Hv * (T // BT), BT, BT, device=k.device, dtype=torch.float32)
     blocks, opts = launch_config("wy_bwd", K=K, V=V)
     blocks["SPLIT"] = blocks.get("SPLIT", 0) if _bf16(k, v, du) else 0
-    wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch, T, Hk=Hk,
-                                      Hv=Hv, K=K, V=V, BT=BT, **blocks, **opts)
+    wy_bwd_kernel[(T // BT, B * Hv)](k, v, beta, gc, ai, dw, du, dk_in, dk, dv, dbeta, dg, scratch, chunks, T, Hk=Hk,
+                                      Hv=Hv, K=K, V=V, BT=BT, VARLEN=varlen, **blocks, **opts)
     return dk, dv, dbeta, dg
