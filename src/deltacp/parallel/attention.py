@@ -208,9 +208,8 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     B, _, L, D = q_BHLD.shape
     G, g = dist.get_world_size(plan.across_group), dist.get_rank(plan.across_group)
     S = G * L
-    cu = None if docs is None else docs.cu_seqlens
     block = plan.block if plan.block is not None else DEFAULT_BLOCK[tile_kernel(q_BHLD)]
-    tiles = plan_tiles(B, S, g * L, L, cu, block)
+    tiles = plan_tiles(B, S, g * L, L, None, block) if docs is None else docs.tiles(B, S, g * L, L, block)
     match plan.method:
         case "allgather":
             # K and V in one collective: [B, L, h, 2D] -> [B, S, h, 2D]

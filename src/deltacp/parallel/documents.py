@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from deltacp.ops.gdn.varlen import VarlenLayout, check_cu_seqlens
+from deltacp.parallel.attention_tiles import Tile, plan_tiles
 
 
 def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor | None:
@@ -89,17 +90,25 @@ class AttentionDocuments:
 
     cu_seqlens: torch.Tensor  # int64, CPU
     max_len: int
-    _device: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)  # cu_seqlens per device; tile plans
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor) -> "AttentionDocuments":
         return cls(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
 
+    def tiles(self, B: int, S: int, q0: int, L: int, block: int) -> list[Tile]:
+        """`attention_tiles.plan_tiles` of these documents, planned once per forward (every full attention layer
+        of the step asks for the same plan; the context holding this object lives one forward)."""
+        key = ("tiles", B, S, q0, L, block)
+        if key not in self._cache:
+            self._cache[key] = plan_tiles(B, S, q0, L, self.cu_seqlens, block)
+        return self._cache[key]
+
     def on(self, device) -> torch.Tensor:
         device = torch.device(device)
-        if device not in self._device:
-            self._device[device] = self.cu_seqlens.to(device=device, dtype=torch.int32)
-        return self._device[device]
+        if device not in self._cache:
+            self._cache[device] = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        return self._cache[device]
 
 
 @dataclass
