@@ -10,7 +10,8 @@ single-device eager layer in float32 (the reference): output, input gradient, al
 Head shapes (hidden, linear_num_key_heads, linear_num_value_heads), K = V = 128 everywhere: Qwen3-Next-80B-A3B
 (transformers' Qwen3NextConfig defaults), Qwen3.5-35B-A3B (2048, 16, 32), Qwen3.5-9B (4096, 16, 32) and Qwen3.5-27B
 (5120, 16, 48) match published configs and model cards (the dense ones as deltacp.models.presets); Qwen3.5-122B-A10B
-(3072, 16, 64) and Qwen3.5-397B-A17B (4096, 16, 64) were not checked against their config.json (NOTES.md, gaps).
+(3072, 16, 64) and Qwen3.5-397B-A17B (4096, 16, 64) match their configs as quoted in public third-party code (not
+read from the config.json files themselves; NOTES.md, gaps).
 """
 
 import copy
