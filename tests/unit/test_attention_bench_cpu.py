@@ -19,3 +19,40 @@ def test_attention_bench_cpu_smoke():
     assert result.returncode == 0, out[-3000:]
     for scheme in ("ulysses", "allgather", "ring", "2d-u2", "2d-u4"):
         assert f" {scheme} " in out, out[-3000:]
+
+
+def test_per_rank_steps_leave_no_reference_cycles():
+    """A tensor caught in a reference cycle stays allocated until Python's cyclic collector runs, and counted into
+    the peak memory of whatever row is measured next (the ring's loopback once did that: 13 GiB on the H200)."""
+    import gc
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from attention_cp import LoopbackRing
+
+    from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tiled_attention
+
+    S, L, q0 = 256, 64, 192
+    tiles = plan_tiles(1, S, q0, L, None, 32)
+    q = torch.randn(1, 4, L, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, S, 16, requires_grad=True) for _ in range(2))
+    k_own, v_own = (t[:, :, q0:].detach().clone().requires_grad_() for t in (k, v))
+    steps = {"allgather": lambda: tiled_attention(q, k, v, tiles, 0.25),
+             "ring": lambda: ring_attention(q, k_own, v_own, tiles, 0.25, LoopbackRing(S // L, q0 // L))}
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for name, step in steps.items():
+            gc.collect()
+            step().sum().backward()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            caught = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+            gc.set_debug(0)
+            gc.garbage.clear()
+            assert not caught, f"{name}: tensors kept alive only by reference cycles: {caught}"
+    finally:
+        gc.set_debug(0)
+        if enabled:
+            gc.enable()
