@@ -23,6 +23,19 @@ import torch
 from torch import nn
 
 
+def _reads(path: str) -> property:
+    """A read-only property: `self.module.<path>`, read at every call (FSDP2 swaps parameters between calls)."""
+    names = path.split(".")
+
+    def get(self):
+        x = self.module
+        for name in names:
+            x = getattr(x, name)
+        return x
+
+    return property(get, doc=f"module.{path}, read at call time")
+
+
 class GDNView:
     """One GDN module as the CP algorithms need it (subclassed per model family)."""
 
@@ -31,46 +44,19 @@ class GDNView:
     def __init__(self, module: nn.Module):
         self.module = module
 
-    # head layout ---------------------------------------------------------------------------------------------
-    @property
-    def num_k_heads(self) -> int:
-        return self.module.num_k_heads
+    # head layout
+    num_k_heads = _reads("num_k_heads")
+    num_v_heads = _reads("num_v_heads")
+    head_k_dim = _reads("head_k_dim")
+    head_v_dim = _reads("head_v_dim")
 
-    @property
-    def num_v_heads(self) -> int:
-        return self.module.num_v_heads
-
-    @property
-    def head_k_dim(self) -> int:
-        return self.module.head_k_dim
-
-    @property
-    def head_v_dim(self) -> int:
-        return self.module.head_v_dim
-
-    # parameters, read at call time -----------------------------------------------------------------------------
-    @property
-    def conv1d(self) -> nn.Conv1d:
-        return self.module.conv1d
-
-    @property
-    def A_log(self) -> torch.Tensor:
-        return self.module.A_log
-
-    @property
-    def dt_bias(self) -> torch.Tensor:
-        return self.module.dt_bias
-
-    @property
-    def norm_weight(self) -> torch.Tensor:
-        return self.module.norm.weight
-
-    @property
-    def norm_eps(self) -> float:
-        return self.module.norm.variance_epsilon
-
-    def out_proj(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module.out_proj(x)
+    # parameters and submodules, read at call time
+    conv1d = _reads("conv1d")
+    A_log = _reads("A_log")
+    dt_bias = _reads("dt_bias")
+    norm_weight = _reads("norm.weight")
+    norm_eps = _reads("norm.variance_epsilon")
+    out_proj = _reads("out_proj")  # view.out_proj(x) calls the module's projection
 
     def project(self, x_BsD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, s, hidden] -> qkv_BsC [B, s, q|k|v channels], z_BsHV [B, s, Hv, V], b_BsH, a_BsH [B, s, Hv]."""
@@ -90,37 +76,19 @@ class AttentionView:
         self.module = module
         self._apply_rotary = apply_rotary
 
-    @property
-    def num_heads(self) -> int:
-        return self.module.config.num_attention_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.module.config.num_key_value_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.module.head_dim
-
-    @property
-    def scaling(self) -> float:
-        return self.module.scaling
+    num_heads = _reads("config.num_attention_heads")
+    num_kv_heads = _reads("config.num_key_value_heads")
+    head_dim = _reads("head_dim")
+    scaling = _reads("scaling")
 
     @property
     def dropout(self) -> float:
         return self.module.attention_dropout if self.module.training else 0.0
 
-    def q_proj(self, x):
-        return self.module.q_proj(x)
-
-    def k_proj(self, x):
-        return self.module.k_proj(x)
-
-    def v_proj(self, x):
-        return self.module.v_proj(x)
-
-    def o_proj(self, x):
-        return self.module.o_proj(x)
+    q_proj = _reads("q_proj")  # the module's projections, called as view.q_proj(x)
+    k_proj = _reads("k_proj")
+    v_proj = _reads("v_proj")
+    o_proj = _reads("o_proj")
 
     @property
     def q_norm(self) -> tuple[torch.Tensor, float]:
