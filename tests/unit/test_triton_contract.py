@@ -321,3 +321,35 @@ def test_interpreter_product_variants():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-4, out.stdout
+
+
+_INTERP_GROUP_SUM_CODE = r"""
+import torch
+from deltacp.ops.gdn.triton.heads import group_sum
+torch.manual_seed(0)
+for G in (1, 2, 3, 4):
+    for T in (1, 37):  # rows not a multiple of the kernel's row block
+        x = torch.randn(2, T, 3 * G, 32)
+        ref = x[:, :, 0::G]  # the fp32 sum, heads added in order: value head j belongs to key head j // G
+        for i in range(1, G):
+            ref = ref + x[:, :, i::G]
+        y = group_sum(x, G, torch.float32)
+        assert torch.equal(y, ref), (G, T, (y - ref).abs().max())
+        # rounded once to bf16: within one bf16 ulp (the interpreter truncates where the GPU rounds to nearest)
+        y = group_sum(x, G, torch.bfloat16)
+        assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+        err = ((y.float() - ref).abs() / ref.abs()).max().item()
+        assert err <= 2 ** -7, (G, T, err)
+        assert torch.equal(y, group_sum(x, G, torch.bfloat16)), "not deterministic"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 head-sum test needs it")
+def test_interpreter_gva_head_sum():
+    """The GVA head sum of dq/dk (value heads onto their key head, one rounding to the output dtype) vs the fp32
+    sum in head order, for 1-4 value heads per key head and row counts that do not fill the last block."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _INTERP_GROUP_SUM_CODE], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
 from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
+from deltacp.ops.gdn.triton.heads import group_sum
 from deltacp.ops.gdn.triton.l2norm import l2norm
 from deltacp.ops.gdn.triton.wy import BT, wu_fwd, wy_bwd, wy_fwd, wy_inverse
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
@@ -42,12 +43,6 @@ def chunk_rev_cumsum(dg: torch.Tensor) -> torch.Tensor:
     B, T, H = dg.shape
     x = dg.view(B, T // BT, BT, H)
     return (x.sum(2, keepdim=True) - x.cumsum(2) + x).view(B, T, H)
-
-
-def _reduce_heads(dx: torch.Tensor, Hk: int) -> torch.Tensor:
-    """[B, T, Hv, K] per value head -> [B, T, Hk, K] summed over the value heads sharing a key head."""
-    B, T, Hv, K = dx.shape
-    return dx.view(B, T, Hk, Hv // Hk, K).sum(3) if Hv != Hk else dx
 
 
 @dataclass
@@ -140,7 +135,7 @@ def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht, packed: PackedRow |
     h, vn, _ = state_fwd(k, w, u, gc, h0, **sk)
     # dVn travels between kernels in the input dtype (it enters bf16 products anyway); dW stays fp32 (in bf16
     # the worst gradient rel-L2 at 8K rose from 4.0e-3 to 7.2e-3 on the H200). dq, dk, dv leave in the input
-    # dtype unless value heads still have to be summed onto their key head (GVA), which stays fp32.
+    # dtype; under GVA the kernels write dq, dk per value head in fp32, rounded once after the head sum (heads.py).
     lo = v.dtype
     out_qk = q.dtype if Hk == v.shape[2] else torch.float32
     dvl = dv_local(q, k, gc, do, scale, out_dtype=lo, **ck)
@@ -149,7 +144,9 @@ def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht, packed: PackedRow |
     dq, dk, dw, dg1 = dqkwg(q, k, vn, h, dh, do, dvn, gc, scale, dq_dtype=out_qk, **ck)
     dk, dv, dbeta, dg2 = wy_bwd(k, v, beta, gc, ai, dw, dvn, dk, dk_dtype=out_qk, dv_dtype=v.dtype, **ck)
     dg = chunk_rev_cumsum(dg1 + dg2)
-    return _reduce_heads(dq, Hk), _reduce_heads(dk, Hk), dv, dg, dbeta, dh0
+    if Hk != v.shape[2]:
+        dq, dk = group_sum(dq, v.shape[2] // Hk, q.dtype), group_sum(dk, v.shape[2] // Hk, k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 class ChunkGDNFunction(torch.autograd.Function):
