@@ -142,10 +142,32 @@ def _reduce(dx, groups):
     return dx if groups == 1 else dx.unflatten(1, (-1, groups)).sum(2)
 
 
+def _folds(t: Tile, groups: int) -> bool:
+    """Whether a tile runs with its query heads folded into the query length (see `_tile_views`)."""
+    return groups > 1 and not t.causal
+
+
+def _fold(x_bHlX: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, H, l, ...] (H = Hk * groups, query head i reads KV head i // groups) -> [b, Hk, groups * l, ...]."""
+    b, H, l = x_bHlX.shape[:3]
+    return x_bHlX.reshape(b, H // groups, groups * l, *x_bHlX.shape[3:])
+
+
+def _unfold(x_bKmX: torch.Tensor, groups: int) -> torch.Tensor:
+    b, Hk, m = x_bKmX.shape[:3]
+    return x_bKmX.reshape(b, Hk * groups, m // groups, *x_bKmX.shape[3:])
+
+
 def _tile_views(t: Tile, q, k, v, groups):
+    """The tile's q, k, v for one kernel call, heads matched. A fully visible tile (no causal mask) folds the query
+    heads that read one KV head into its query length ([b, Hk, groups * lq, D] against [b, Hk, lk, D]): exact,
+    since every query sees every key of the tile, and K, V are neither repeated nor their gradients summed. The
+    causal diagonal keeps one query row per position (the kernel's mask is positional) and repeats K, V."""
     r = slice(*t.rows)
-    return (q[r, :, t.q[0]:t.q[1]].contiguous(), _expand(k[r, :, t.k[0]:t.k[1]], groups).contiguous(),
-            _expand(v[r, :, t.k[0]:t.k[1]], groups).contiguous())
+    q_t, k_t, v_t = q[r, :, t.q[0]:t.q[1]], k[r, :, t.k[0]:t.k[1]], v[r, :, t.k[0]:t.k[1]]
+    if _folds(t, groups):
+        return _fold(q_t, groups), k_t.contiguous(), v_t.contiguous()
+    return q_t.contiguous(), _expand(k_t, groups).contiguous(), _expand(v_t, groups).contiguous()
 
 
 class TileAccumulator:
@@ -171,6 +193,8 @@ def forward_tiles(acc: TileAccumulator, tiles, q, k, v, scale) -> list:
     metas = []
     for t in tiles:
         o_t, lse_t, meta = tile_forward(*_tile_views(t, q, k, v, groups), t.causal, scale)
+        if _folds(t, groups):
+            o_t, lse_t = _unfold(o_t, groups), _unfold(lse_t, groups)
         acc.add(t, o_t, lse_t)
         metas.append(meta)
     return metas
@@ -185,11 +209,14 @@ def backward_tiles(tiles, metas, do, q, k, v, o, lse, scale, dq, dk, dv):
         lse_t = lse[r, :, qs]
         if tile_kernel(q) == "flash_cuda":
             lse_t = lse_t.float()
-        dq_t, dk_t, dv_t = tile_backward(do[r, :, qs].contiguous(), qt, kt, vt, o[r, :, qs].contiguous(),
-                                         lse_t.contiguous(), t.causal, scale, meta)
-        dq[r, :, qs] += dq_t.to(dq.dtype)
-        dk[r, :, ks] += _reduce(dk_t, groups).to(dk.dtype)
-        dv[r, :, ks] += _reduce(dv_t, groups).to(dv.dtype)
+        do_t, o_t, lse_t = do[r, :, qs], o[r, :, qs], lse_t
+        if folded := _folds(t, groups):
+            do_t, o_t, lse_t = _fold(do_t, groups), _fold(o_t, groups), _fold(lse_t, groups)
+        dq_t, dk_t, dv_t = tile_backward(do_t.contiguous(), qt, kt, vt, o_t.contiguous(), lse_t.contiguous(),
+                                         t.causal, scale, meta)
+        dq[r, :, qs] += (_unfold(dq_t, groups) if folded else dq_t).to(dq.dtype)
+        dk[r, :, ks] += (dk_t if folded else _reduce(dk_t, groups)).to(dk.dtype)
+        dv[r, :, ks] += (dv_t if folded else _reduce(dv_t, groups)).to(dv.dtype)
 
 
 class _TiledAttention(torch.autograd.Function):
