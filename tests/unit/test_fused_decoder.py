@@ -15,8 +15,9 @@ values, and against float64:
 Model: a tiny Qwen3_5ForCausalLM (2 layers, hidden 64, 1 GDN + 1 attention, float32) with the fused forwards
 installed vs without: logits and every parameter gradient (rel-L2 of all gradients < 1e-6; per parameter < 1e-5,
 the GDN gate gradients being the worst-conditioned: a reordered fp32 sum in the norm moves them by ~1e-6);
-state_dict keys unchanged; remove_fused_decoder restores the classes' forwards; importing deltacp and
-the installer loads no kernel module.
+state_dict keys unchanged; under the trainer's activation checkpointing the same logits and gradients, bitwise;
+remove_fused_decoder restores the classes' forwards (and refuses while checkpointing wraps them); importing
+deltacp and the installer loads no kernel module. `parallelize_cp` installs the glue on the Triton backend only.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def ndiff(a, b):
 
 _OPS = _PRELUDE + r"""
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+import deltacp, deltacp.ops.fused, deltacp.models.fused_decoder  # noqa: E401
+assert "deltacp.ops.fused.decoder" not in sys.modules, "the kernels must load only at the first fused forward"
 from deltacp.ops.fused.decoder import add_rms_norm, rms_norm, swiglu
 
 SHAPE, H, EPS = (1, 37), 100, 1e-6      # 37 rows, H not a power of two
@@ -203,14 +206,12 @@ out["numel"] = [x0.numel(), g0.numel()]
 print(repr(out))
 """
 
-_MODEL = _PRELUDE + r"""
+_MODEL = r"""
 sys.path.insert(0, {testdir!r})
 import logging
 import transformers
 from helpers import long_memory_gates_, tiny_config
-import deltacp
 from deltacp.models.fused_decoder import fused_decoder_installed, install_fused_decoder, remove_fused_decoder
-assert "deltacp.ops.fused.decoder" not in sys.modules, "the kernels must load only when installed"
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 torch.manual_seed(0)
@@ -238,6 +239,24 @@ per = {{n: rel(a, b) for n, a, b in zip(names, ga, gb)}}
 flat = rel(torch.cat([g.flatten() for g in ga]), torch.cat([g.flatten() for g in gb]))
 worst = max(per, key=per.get)
 print("logits_rel", rel(lf, lr), "flat_grad_rel", flat, "worst", worst, per[worst])
+
+# under the trainer's activation checkpointing (applied after CP and the glue, wrapping layer.forward): the
+# recompute runs the same kernels, so logits and gradients are those of the fused model without it, bitwise
+from deltacp.train.trainer import apply_activation_checkpointing
+ac = copy.deepcopy(ref)
+ac.zero_grad()
+install_fused_decoder(ac)
+apply_activation_checkpointing(ac)
+la = ac(ids, use_cache=False).logits
+(la * w).sum().backward()
+assert torch.equal(la, lf), "checkpointed logits"
+assert all(torch.equal(p.grad, g) for p, g in zip(ac.parameters(), ga)), "checkpointed gradients"
+try:
+    remove_fused_decoder(ac)
+    raise AssertionError("remove_fused_decoder must refuse a checkpoint-wrapped fused forward")
+except ValueError as e:
+    assert "wrapped" in str(e)
+
 assert remove_fused_decoder(model) == 2 * 4 + 1 and not fused_decoder_installed(model)
 assert not any("forward" in m.__dict__ for m in model.modules())
 print("RESULT", rel(lf, lr), flat, per[worst])
@@ -245,34 +264,23 @@ print("RESULT", rel(lf, lr), flat, per[worst])
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Both interpreter scripts, started together (each spends most of its time importing and interpreting)."""
-    if not HAS_TRITON:
-        yield None
-        return
+def interpreter_run():
+    """One interpreter process for the op and model checks (most of its time goes to importing torch,
+    transformers and triton). Returns {"ops": stdout of the op checks, "model": that of the model checks}."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     testdir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = {name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=env)
-             for name, code in (("ops", _OPS), ("model", _MODEL.format(testdir=testdir)))}
-    yield procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _result(runs, name: str) -> str:
-    stdout, stderr = runs[name].communicate(timeout=600)
-    assert runs[name].returncode == 0, stdout[-3000:] + stderr[-5000:]
-    return stdout
+    code = _OPS + "\nprint('=== model')\n" + _MODEL.format(testdir=testdir)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ops, model = out.stdout.split("=== model\n")
+    return {"ops": ops, "model": model}
 
 
 @needs_triton
-def test_ops_vs_transformers_fp32_fp64_bf16(runs):
+def test_ops_vs_transformers_fp32_fp64_bf16(interpreter_run):
     import ast
 
-    stdout = _result(runs, "ops")
+    stdout = interpreter_run["ops"]
     out = ast.literal_eval(stdout.strip().splitlines()[-1])
     print(stdout)
     for key in ("norm fp32", "add_norm fp32", "add_norm fp32 dy only", "add_norm fp32 ds only", "swiglu fp32"):
@@ -294,10 +302,37 @@ def test_ops_vs_transformers_fp32_fp64_bf16(runs):
 
 
 @needs_triton
-def test_model_fused_vs_transformers_fp32(runs):
-    stdout = _result(runs, "model")
+def test_model_fused_vs_transformers_fp32(interpreter_run):
+    stdout = interpreter_run["model"]
     print(stdout)
     assert "Installed the fused Triton decoder glue" in stdout
     logits, flat, worst = (float(v) for v in stdout.strip().splitlines()[-1].split()[1:])
     assert logits < 1e-6 and flat < 1e-6 and worst < 1e-5, stdout
 
+
+
+def test_parallelize_cp_installs_on_the_triton_backend_only(single_rank_group, caplog):
+    """No forward runs here (the Triton GDN needs CUDA or the interpreter): installation only, which loads no
+    kernel (so this runs without triton too)."""
+    import logging
+
+    import torch
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from deltacp import parallelize_cp
+    from deltacp.models.fused_decoder import fused_decoder_installed
+    from helpers import tiny_config
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    for backend in ("eager", "triton"):
+        model = transformers.Qwen3_5ForCausalLM(tiny_config()).float()
+        keys = list(model.state_dict())
+        with caplog.at_level(logging.INFO, logger="deltacp"):
+            parallelize_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_gdn_backend=backend)
+        assert fused_decoder_installed(model) == (backend == "triton")
+        assert list(model.state_dict()) == keys and all(type(p) is torch.nn.Parameter for p in model.parameters())
+        layer = model.model.layers[0]
+        assert ("forward" in layer.mlp.__dict__) == ("forward" in layer.input_layernorm.__dict__) == (
+            backend == "triton")
+    assert sum("fused Triton decoder glue" in r.getMessage() for r in caplog.records) == 1

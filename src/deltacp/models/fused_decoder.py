@@ -14,7 +14,10 @@ Installed as instance `forward`s only (as the CP forwards are): classes, paramet
     residual add and post_attention_layernorm as one `add_rms_norm`. Every keyword the layer receives reaches
     the token mixer as transformers passes it; the cache (the layer's `cache` or `past_key_values`, by transformers
     version) goes under the name the mixer's forward takes.
-and the text model's final norm. Activation checkpointing (`train.trainer.apply_activation_checkpointing`) wraps
+and the text model's final norm. The kernels load at the first fused forward (the documented error there if triton
+is missing); on tensors they cannot run on (the CPU without TRITON_INTERPRET=1) these forwards run transformers'
+own computation, so a CPU forward on the Triton backend still meets the GDN layers' documented device error.
+Activation checkpointing (`train.trainer.apply_activation_checkpointing`) wraps
 whatever `layer.forward` is when it is applied: after this, so it checkpoints the fused forward.
 """
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import types
 
+import torch
 from torch import nn
 
 from deltacp.models.adapters import adapter_for
@@ -35,18 +40,31 @@ NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")  # (x
 MLP_CLASSES = ("Qwen3_5MLP", "Qwen3_5MoeMLP", "Qwen3NextMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
 
 
-def _ops():
+def _ops(x: torch.Tensor):
+    """The kernels' module where they can run on x (CUDA, or any device under TRITON_INTERPRET=1), else None:
+    transformers' own computation then (on the CPU the Triton GDN layers raise their documented device error)."""
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    from deltacp.ops.gdn.triton.contract_check import _triton_version
+
+    _triton_version()  # the documented error where triton is not installed
     from deltacp.ops.fused import decoder  # imports triton
 
     return decoder
 
 
 def _norm_forward(self, hidden_states):
-    return _ops().rms_norm(hidden_states, self.weight, self.eps)
+    ops = _ops(hidden_states)
+    if ops is None:
+        return type(self).forward(self, hidden_states)
+    return ops.rms_norm(hidden_states, self.weight, self.eps)
 
 
 def _mlp_forward(self, x):
-    return self.down_proj(_ops().swiglu(self.gate_proj(x), self.up_proj(x)))
+    ops = _ops(x)
+    if ops is None:
+        return type(self).forward(self, x)
+    return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _layer_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
@@ -66,7 +84,12 @@ def _layer_forward(self, hidden_states, position_embeddings=None, attention_mask
                                           position_ids=position_ids, position_embeddings=position_embeddings,
                                           **{self._deltacp_cache_keyword: cache}, **kwargs)
     norm = self.post_attention_layernorm
-    hidden_states, residual = _ops().add_rms_norm(hidden_states, residual, norm.weight, norm.eps)
+    ops = _ops(hidden_states)
+    if ops is None:
+        residual = residual + hidden_states
+        hidden_states = norm(residual)
+    else:
+        hidden_states, residual = ops.add_rms_norm(hidden_states, residual, norm.weight, norm.eps)
     hidden_states = self.mlp(hidden_states)
     if isinstance(hidden_states, tuple):  # MoE blocks of some versions return (hidden, router logits)
         hidden_states, _ = hidden_states
@@ -118,7 +141,6 @@ def install_fused_decoder(model: nn.Module) -> int:
                                           f"not one of {NORM_CLASSES}")
     if type(text.norm).__name__ not in NORM_CLASSES:
         raise NotImplementedError(f"final norm {type(text.norm).__name__} is not one of {NORM_CLASSES}")
-    _ops()  # triton must import before anything is changed
     n_mlp = 0
     for layer in layers:
         _install(layer.input_layernorm, _norm_forward)

@@ -8,7 +8,8 @@ Qwen3-Next, through their model adapters (`models/adapters.py`; the supported cl
 
 Order of application (one log line each), after validating every rank's configuration together: the GDN
 style on every `linear_attn`, the full attention method (Ulysses, KV all-gather or ring; in the 2-D layout
-Ulysses inside groups and all-gather or ring across them) on every `self_attn`, then a pre-hook on the text
+Ulysses inside groups and all-gather or ring across them) on every `self_attn`, on the Triton backend the fused
+decoder glue (RMSNorm, residual add + RMSNorm, SwiGLU: `models/fused_decoder.py`), then a pre-hook on the text
 model that builds each forward's `CPForwardContext` (documents, padding, checkpoint replay) for every layer, on a
 multimodal model a pre-hook that runs the vision tower and forms the mRoPE positions over the whole row
 (`models/multimodal.py`), on a causal-LM / conditional-generation wrapper a pre-hook refusing `labels` and
@@ -132,6 +133,10 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
             n_full += 1
     logger.info("Applied %s CP (Ulysses degree %d) to %d full attention layers", full_attention_cp,
                 attention_degree, n_full)
+    if linear_attention_gdn_backend == "triton":  # the eager backend keeps transformers' forwards (the reference)
+        from deltacp.models.fused_decoder import install_fused_decoder
+
+        install_fused_decoder(model)  # logs its line
     text.register_forward_pre_hook(_make_cp_inputs_hook(group, adapter), with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(text).__name__)
     if adapter.multimodal is not None:
