@@ -17,7 +17,9 @@ installed vs without: logits and every parameter gradient (rel-L2 of all gradien
 the GDN gate gradients being the worst-conditioned: a reordered fp32 sum in the norm moves them by ~1e-6);
 state_dict keys unchanged; under the trainer's activation checkpointing the same logits and gradients, bitwise;
 remove_fused_decoder restores the classes' forwards (and refuses while checkpointing wraps them); importing
-deltacp and the installer loads no kernel module. `parallelize_cp` installs the glue on the Triton backend only.
+deltacp and the installer loads no kernel module. Qwen3.5-MoE and Qwen3-Next (tiny, float32): logits, router
+logits, auxiliary loss and all gradients < 1e-6 (routed-expert blocks untouched, Qwen3-Next's dense MLP fused).
+`parallelize_cp` installs the glue on the Triton backend only.
 """
 
 from __future__ import annotations
@@ -233,8 +235,8 @@ w = torch.randn_like(lr)
 (lf * w).sum().backward()
 (lr * w).sum().backward()
 names = [n for n, _ in ref.named_parameters()]
-ga = [p.grad for p in model.parameters()]
-gb = [p.grad for p in ref.parameters()]
+ga = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+gb = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ref.parameters()]
 per = {{n: rel(a, b) for n, a, b in zip(names, ga, gb)}}
 flat = rel(torch.cat([g.flatten() for g in ga]), torch.cat([g.flatten() for g in gb]))
 worst = max(per, key=per.get)
@@ -250,7 +252,8 @@ apply_activation_checkpointing(ac)
 la = ac(ids, use_cache=False).logits
 (la * w).sum().backward()
 assert torch.equal(la, lf), "checkpointed logits"
-assert all(torch.equal(p.grad, g) for p, g in zip(ac.parameters(), ga)), "checkpointed gradients"
+assert all(torch.equal(p.grad if p.grad is not None else torch.zeros_like(p), g)
+           for p, g in zip(ac.parameters(), ga)), "checkpointed gradients"
 try:
     remove_fused_decoder(ac)
     raise AssertionError("remove_fused_decoder must refuse a checkpoint-wrapped fused forward")
@@ -259,7 +262,34 @@ except ValueError as e:
 
 assert remove_fused_decoder(model) == 2 * 4 + 1 and not fused_decoder_installed(model)
 assert not any("forward" in m.__dict__ for m in model.modules())
-print("RESULT", rel(lf, lr), flat, per[worst])
+
+# the MoE families: norms and residuals fused, routed-expert blocks as they are (Qwen3-Next's dense layer 1 fused);
+# router logits (recorded by transformers' hooks) and the auxiliary loss unchanged
+from helpers import tiny_family_model
+fam = {{}}
+for name in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
+    fref = tiny_family_model(name, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in fref.named_parameters():
+            if "layernorm" in n or n.endswith("model.norm.weight"):
+                p.normal_(0, 0.2)
+    fm = copy.deepcopy(fref)
+    install_fused_decoder(fm)
+    assert list(fm.state_dict()) == list(fref.state_dict())
+    fused_mlps = ["forward" in layer.mlp.__dict__ for layer in fm.model.layers]
+    assert fused_mlps == [name == "Qwen3NextForCausalLM" and i == 1 for i in range(4)], fused_mlps
+    fids = torch.randint(0, 240, (1, 23))
+    a = fm(fids, use_cache=False, output_router_logits=True)
+    b = fref(fids, use_cache=False, output_router_logits=True)
+    fw = torch.randn_like(b.logits)
+    ((a.logits * fw).sum() + a.aux_loss).backward()
+    ((b.logits * fw).sum() + b.aux_loss).backward()
+    grad = lambda m: torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()  # noqa: E731
+                                for p in m.parameters()])
+    fam[name] = max(rel(a.logits, b.logits), rel(torch.cat(a.router_logits), torch.cat(b.router_logits)),
+                    rel(a.aux_loss, b.aux_loss), rel(grad(fm), grad(fref)))
+print("families", fam)
+print("RESULT", rel(lf, lr), flat, per[worst], max(fam.values()))
 """
 
 
@@ -306,8 +336,9 @@ def test_model_fused_vs_transformers_fp32(interpreter_run):
     stdout = interpreter_run["model"]
     print(stdout)
     assert "Installed the fused Triton decoder glue" in stdout
-    logits, flat, worst = (float(v) for v in stdout.strip().splitlines()[-1].split()[1:])
+    logits, flat, worst, families = (float(v) for v in stdout.strip().splitlines()[-1].split()[1:])
     assert logits < 1e-6 and flat < 1e-6 and worst < 1e-5, stdout
+    assert families < 1e-6, stdout
 
 
 
