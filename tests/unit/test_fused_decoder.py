@@ -18,7 +18,8 @@ the GDN gate gradients being the worst-conditioned: a reordered fp32 sum in the 
 state_dict keys unchanged; under the trainer's activation checkpointing the same logits and gradients, bitwise;
 remove_fused_decoder restores the classes' forwards (and refuses while checkpointing wraps them); importing
 deltacp and the installer loads no kernel module. Qwen3.5-MoE and Qwen3-Next (tiny, float32): logits, router
-logits, auxiliary loss and all gradients < 1e-6 (routed-expert blocks untouched, Qwen3-Next's dense MLP fused).
+logits, auxiliary loss and all gradients < 1e-6 (routed-expert blocks untouched, Qwen3-Next's dense MLP fused);
+through deltacp's CP forwards (one rank, p2p, packed documents): logits and gradients < 1e-6, caches still refused.
 `parallelize_cp` installs the glue on the Triton backend only.
 """
 
@@ -289,7 +290,32 @@ for name in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
     fam[name] = max(rel(a.logits, b.logits), rel(torch.cat(a.router_logits), torch.cat(b.router_logits)),
                     rel(a.aux_loss, b.aux_loss), rel(grad(fm), grad(fref)))
 print("families", fam)
-print("RESULT", rel(lf, lr), flat, per[worst], max(fam.values()))
+
+# through deltacp's CP forwards (one rank, p2p, eager GDN: the mixers parallelize_cp installs, which take the CP
+# context as attention_mask and `cache=`), on packed documents: the glue installed vs not
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from deltacp import parallelize_cp, shard_batch_for_cp
+from deltacp.testing.spawn import free_port
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+cp_ref = parallelize_cp(copy.deepcopy(ref), mesh, linear_attention_cp_mode="p2p")
+cp_fused = parallelize_cp(copy.deepcopy(ref), mesh, linear_attention_cp_mode="p2p")
+install_fused_decoder(cp_fused)
+batch = shard_batch_for_cp(ids, mesh, cu_seqlens=torch.tensor([0, 5, 20, ids.shape[1]]))
+kw = {{k: v for k, v in batch.items() if k != "target_ids"}}
+ca, cb = cp_fused(**kw, use_cache=False).logits, cp_ref(**kw, use_cache=False).logits
+ca.sum().backward()
+cb.sum().backward()
+cp_err = max(rel(ca, cb), rel(grad(cp_fused), grad(cp_ref)))
+try:
+    cp_fused(**kw, use_cache=True)
+    raise AssertionError("the CP mixers must still refuse caches")
+except NotImplementedError:
+    pass
+dist.destroy_process_group()
+print("cp", cp_err)
+print("RESULT", rel(lf, lr), flat, per[worst], max(max(fam.values()), cp_err))
 """
 
 
