@@ -195,7 +195,7 @@ def _norm_backward(xs, weight, rstd, dy, dres, offset, shape, need_dw):
     n = xs.shape[0]
     cdt = rstd.dtype
     dy2 = _rows(dy)
-    dx = torch.empty_like(xs)
+    dx = torch.empty(xs.shape, device=xs.device, dtype=xs.dtype)  # contiguous rows, whatever xs's strides
     dres2 = _rows(dres) if dres is not None else None
     programs = _bwd_programs(n, xs.device)
     dwp = torch.empty(programs, H, device=xs.device, dtype=cdt)
