@@ -10,14 +10,17 @@ Gated RMSNorm (x, gate [..., H, V]; rows = tokens * H, counts not a multiple of 
   - fp32: y, dx, dgate, dweight vs eager fp32, rel-L2 < 1e-6; vs eager fp64 on the same values no worse than
     eager fp32 (x 2, + 1e-7).
   - fp64: vs eager fp64, rel-L2 < 1e-13.
-  - bf16 (x, gate, weight bf16): y BITWISE equal to the eager bf16 chain (same rounding points; the fp32 row
-    sums may differ in order, which a bf16 rounding has not exposed here; the GPU test allows 1 ulp). Gradients
+  - bf16 (x, gate, weight bf16): y vs the eager bf16 chain: at most 0.1% of the elements differ, by at most 2
+    bf16 ulp (same rounding points; the fp32 row sums may differ in the last bit, by their order, which can flip
+    the bf16 rounding of the normalised value, 1 ulp there being up to 2 ulp of y; on this CPU none differ: the
+    report prints the count; dropping a rounding point makes about 25% differ). Gradients
     vs eager fp64 on the same bf16 values: rel-L2 < 1e-2 and no worse than eager bf16's own (x 1.05), which
     rounds its intermediate gradients to bf16 (the fused kernel keeps them in fp32).
-  - bf16 x/gate with an fp32 weight (weight * h then in fp32, no rounding): y bitwise equal to eager.
+  - bf16 x/gate with an fp32 weight (weight * h then in fp32, no rounding): the same bound.
   - layouts: gate a strided slice of a wider projection (no copy: checked), head slice (token stride != H * V),
     column stride 2, leading dims that do not merge (copy path), V = 48 (masked columns), 2-D [N, V] input.
-  - the backward's program loop: with at most 3 programs, dx and dgate bitwise as with one block per program.
+  - the backward's program loop: with at most 3 programs, dx and dgate bitwise as with one block per program;
+    two identical calls give bitwise identical results.
 Gates (a, b [B, T, H] slices of a projection [B, T, 20], A_log, dt_bias [H]; T * B not a multiple of the block;
 a + dt_bias spans the softplus threshold 20, both sides, and large negative values):
   - fp32: g, beta and da, db, dA_log, ddt_bias vs eager fp32, rel-L2 < 1e-6; fp64 vs eager fp64 < 1e-13 (which
@@ -65,9 +68,9 @@ def rel(a, b):
     n = b.norm()
     return ((a - b).norm() / n).item() if n > 0 else a.norm().item()
 
-def ulps_bf16(a, b):  # largest difference in units of the bf16 spacing at b
+def ulps_bf16(a, b):  # largest difference in units of the bf16 spacing (at the larger magnitude)
     a, b = a.double(), b.double()
-    spacing = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - 7)
+    spacing = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(1e-30))) - 7)
     return ((a - b).abs() / spacing).max().item()
 
 def run(fn, xs, douts):
@@ -131,13 +134,15 @@ for wdt in (torch.bfloat16, torch.float32):
         dy = gen(200 + i)(*x.shape).bfloat16()
         fb, eb = run(norm_fused, (x, z, w), [dy]), run(norm_eager, (x, z, w), [dy])
         ref = run(norm_eager, [t.double() for t in (x, z, w)], [dy])
-        assert fb[0].dtype == torch.bfloat16 and torch.equal(fb[0], eb[0]), \
-            ("norm bf16 y not bitwise", layout, wdt, (fb[0] != eb[0]).sum().item(), ulps_bf16(fb[0], eb[0]))
+        differ = (fb[0] != eb[0]).sum().item()
+        assert fb[0].dtype == torch.bfloat16 and differ <= 1e-3 * fb[0].numel() and ulps_bf16(fb[0], eb[0]) <= 2, \
+            ("norm bf16 y vs eager bf16", layout, wdt, differ, ulps_bf16(fb[0], eb[0]))
         for n, a, b, c in zip(NORM_NAMES[1:], fb[1:], eb[1:], ref[1:]):
             assert a.dtype == b.dtype, (n, a.dtype, b.dtype)
             assert rel(a, c) < 1e-2 and rel(a, c) <= 1.05 * rel(b, c), ("norm bf16 grads vs fp64", layout, wdt, n,
                                                                       rel(a, c), rel(b, c))
-        report.append("norm bf16 w=%s %-10s y bitwise; vs fp64 fused/eager " % (str(wdt)[6:], layout)
+        report.append("norm bf16 w=%s %-10s y: %d of %d differ from eager; vs fp64 fused/eager "
+                      % (str(wdt)[6:], layout, differ, fb[0].numel())
                       + " ".join("%s=%.1e/%.1e" % (n, rel(a, c), rel(b, c))
                                  for n, a, b, c in zip(NORM_NAMES[1:], fb[1:], eb[1:], ref[1:])))
 
@@ -145,6 +150,7 @@ for wdt in (torch.bfloat16, torch.float32):
 x, z, w = norm_inputs("proj slice", torch.bfloat16, torch.bfloat16, 30)
 dy = gen(300)(*x.shape).bfloat16()
 one = run(norm_fused, (x, z, w), [dy])
+assert all(torch.equal(a, b) for a, b in zip(one, run(norm_fused, (x, z, w), [dy]))), "not deterministic"
 GN.MAX_PROGRAMS_BWD = 3
 few = run(norm_fused, (x, z, w), [dy])
 GN.MAX_PROGRAMS_BWD = 1024
