@@ -130,7 +130,7 @@ class _WeightGrad:
 
     acc_dtype == the weight's dtype (float32, float64, or `grad_accum_dtype=weight.dtype`): one tensor, returned
     as is. Otherwise (bf16/fp16 weight, fp32 accumulation) the accumulator is two fp32 tensors, rows [0, r) and
-    [r, vocab) with r = ceil(vocab / 2), so that the rounded result fits in the first one's storage (4 r hidden
+    [r, vocab) with r >= vocab / 2, so that the rounded result fits in the first one's storage (4 r hidden
     bytes >= 2 vocab hidden): `result()` writes the bf16 rows there block by block, each block read before any
     byte of it is overwritten, and frees the second. Peak: the fp32 accumulator plus one block, not fp32 + bf16.
     """
@@ -140,7 +140,8 @@ class _WeightGrad:
     def __init__(self, weight: torch.Tensor, acc_dtype: torch.dtype):
         vocab, hidden = weight.shape
         self.shape, self.dtype = (vocab, hidden), weight.dtype
-        r = vocab if acc_dtype == weight.dtype else (vocab + 1) // 2
+        # the split row r >= vocab / 2, a multiple of 8 (the second part's rows start 16-byte aligned)
+        r = vocab if acc_dtype == weight.dtype else min(vocab, ((vocab + 1) // 2 + 7) // 8 * 8)
         self.bounds = [(0, r), (r, vocab)] if r < vocab else [(0, vocab)]
         self.parts = [torch.zeros(hi - lo, hidden, dtype=acc_dtype, device=weight.device) for lo, hi in self.bounds]
 
