@@ -1,0 +1,5 @@
+"""Fused Triton kernels (forward and backward) around the model's large ops. Importing this package imports no
+Triton: each module imports it, and callers import a module lazily, only on the Triton path.
+
+    linear_ce.py  cross entropy of one chunk of logits: per-row loss and softmax - onehot written over the logits
+"""
