@@ -1,6 +1,7 @@
-"""Fused Triton kernels of the model glue around the GDN core (forward and backward). Importing this package
-imports no Triton: each module imports it and is imported on first use (by the Triton GDN backend).
+"""Fused Triton kernels (forward and backward) around the model's large ops. Importing this package imports no
+Triton: each module imports it, and callers import a module lazily, only on the Triton path.
 
-    gated_norm.py  gated RMSNorm of the GDN output (transformers' Qwen3_5RMSNormGated): y, dx, dgate, dweight
-    gates.py       the GDN gates g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), with their gradients
+    linear_ce.py  cross entropy of one chunk of logits: per-row loss and softmax - onehot written over the logits
+    gated_norm.py  the GDN layer's gated RMSNorm (transformers' Qwen3_5RMSNormGated): y; dx, dgate, dweight
+    gates.py       the GDN gates g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), and their gradients
 """
