@@ -26,13 +26,18 @@
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
 #                                      full attention allgather/ring and the 2-D layouts, 20 steps with and without
 #                                      activation checkpointing, FSDP2 on
+#   bash scripts/gpu_checks.sh step    the whole training step at cp = 1 against the public stack (transformers + FLA with
+#                                      its Hopper guard BYPASSED + liger-kernel fused linear CE + gradient checkpointing;
+#                                      wheels carried in .whl/): Qwen3.5-2B at 16K/32K/64K and 9B (8 layers) at 16K/64K,
+#                                      then a by-class kernel profile at 16K; fails if a stack fails or the step-0
+#                                      losses disagree (about 9 minutes; STEP_SIZES="2B" or "9B" for one)
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long" >&2
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step" >&2
      exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -70,6 +75,13 @@ tests|quick)
   check triton_selfcheck 90 python -m pytest tests/gpu/test_triton_selfcheck_gpu.py -q -s -ra -p no:cacheprovider
   check gdn_op_tests 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}"
   check cp_tests 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k "not packed"
+  ;;
+step)
+  for size in ${STEP_SIZES:-2B 9B}; do
+    if [ "$size" = "9B" ]; then args=(--size 9B --layers 8 --lengths 16384 65536); else args=(--size "$size"); fi
+    check "step_$size" 330 python bench/step.py "${args[@]}" --json "$OUT/step.jsonl"
+  done
+  check step_profile 200 python bench/step.py --size 2B --lengths 16384 --repeat 2 --profile
   ;;
 families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)

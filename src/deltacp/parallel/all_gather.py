@@ -12,7 +12,7 @@ from deltacp.distributed.collectives import all_gather_autograd
 from deltacp.ops.gdn.eager import apply_summary
 from deltacp.parallel.conv import halo_conv_silu
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, split_qkv
 from deltacp.parallel.shard import GDNShard
 
 
@@ -77,7 +77,7 @@ def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, group, qkv_BsC: torch.Te
     x_BsC = halo_conv_silu(qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, layer.conv_dilation, shard.halo_group,
                            doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
     q, k, v = split_qkv(x_BsC, shard.qk_heads, m.head_k_dim, m.head_v_dim)
-    g, beta = gdn_gate(a_BsH, shard.A_log, shard.dt_bias), b_BsH.sigmoid()
+    g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
     layer.backend.check(q, k, v, g, beta, mode="all_gather")
 
     # with documents, M = 0 wherever the entering state cannot reach the end of the slice (varlen.py)

@@ -3,7 +3,8 @@
 Projections, gates, gated RMSNorm and the out projection are the module's own (its parameters, its
 order of operations, transformers' upcasting policy for bf16), handed over by the family's view
 (`parallel/views.py`); only the conv + GDN core between them is replaced by the mode's token mixer, which
-owns the layout and the communication.
+owns the layout and the communication. The gates and the gated RMSNorm are computed by the layer's GDN backend
+(`backend.gates`, `backend.gated_rms_norm`: eager PyTorch, or fused Triton kernels with the same rounding points).
 
 Shape legend: x_BsD local hidden states; qkv_BsC pre-conv [q | k | v] channels of the local tokens;
 b_BsH / a_BsH per-value-head beta and gate inputs; o_BsHV core output of the local tokens.
@@ -16,12 +17,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from deltacp.ops.gdn.contract import GDNBackend
-from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.views import GDNView
 from deltacp.parallel.documents import (
     CPForwardContext,
@@ -58,21 +57,6 @@ class GDNLayerCP:
     @property
     def halo(self) -> int:
         return (self.view.conv1d.kernel_size[0] - 1) * self.conv_dilation
-
-
-def gdn_gate(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """g = -exp(A_log) * softplus(a + dt_bias), in float32 (float64 for float64 models)."""
-    dt = compute_dtype(a)
-    return -a_log.to(dt).exp() * F.softplus(a.to(dt) + dt_bias.to(dt))
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3_5RMSNormGated, with float32 upcasts widened to float64 for float64 inputs."""
-    dt = compute_dtype(x)
-    h = x.to(dt)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = weight * h.to(x.dtype)
-    return (h * F.silu(gate.to(dt))).to(x.dtype)
 
 
 def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int
@@ -156,5 +140,5 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
 
     o_BsHV = layer.mixer(layer, qkv_BsC, b_BsH, a_BsH, ctx)
 
-    o = gated_rms_norm(o_BsHV.reshape(-1, v.head_v_dim), z_BsHV.reshape(-1, v.head_v_dim), v.norm_weight, v.norm_eps)
-    return v.out_proj(o.reshape(B, s, -1))
+    o_BsHV = layer.backend.gated_rms_norm(o_BsHV, z_BsHV, v.norm_weight, v.norm_eps)
+    return v.out_proj(o_BsHV.reshape(B, s, -1))

@@ -31,7 +31,7 @@ from deltacp.ops.gdn.eager import apply_summary, summary_grad
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.conv import halo_conv_silu
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, split_qkv
 from deltacp.parallel.shard import GDNShard
 
 
@@ -107,7 +107,7 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
     # contiguous once here: the backend's saves (l2norm input, the op's v) and _StateGradHop's then share these
     # tensors instead of the hop's views keeping the whole conv output alive through the backward
     q, k, v = (t.contiguous() for t in split_qkv(x_BsC, shard.qk_heads, m.head_k_dim, m.head_v_dim))
-    g, beta = gdn_gate(a_BsH, shard.A_log, shard.dt_bias), b_BsH.sigmoid()
+    g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
     layer.backend.check(q, k, v, g, beta, mode="p2p")
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
 from deltacp.parallel.conv import causal_conv_silu
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, gdn_gate, split_qkv
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, split_qkv
 
 
 def ulysses_head_layout(num_k_heads: int, num_v_heads: int, cp: int) -> tuple[int, int]:
@@ -99,7 +99,7 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
     x_BSC = causal_conv_silu(sh.qkv_BSC, layer.conv_weight_CK[sh.channels], bias, layer.conv_dilation,
                              doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
     q, k, v = split_qkv(x_BSC, sh.qk_local, K, V)
-    g, beta = gdn_gate(sh.a_BSH, m.A_log[sh.heads], m.dt_bias[sh.heads]), sh.b_BSH.sigmoid()
+    g, beta = layer.backend.gates(sh.a_BSH, sh.b_BSH, m.A_log[sh.heads], m.dt_bias[sh.heads])
     layer.backend.check(q, k, v, g, beta, mode="ulysses")
 
     o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,

@@ -42,6 +42,15 @@ not align to the chunk size, and T is never a compile-time constant.
         with a coefficient that does not depend on H0, so no H0 is needed). p2p needs it before dH_out
         arrives: dH_in = Mᵀ dH_out + dH0.
 
+    gates(a, b, A_log, dt_bias) -> (g, beta)  (differentiable)
+        The model's gates of the local tokens: a, b [B, T, Hv] (views of a projection output), A_log, dt_bias
+        [Hv] (ulysses: this rank's head slice); g = -exp(A_log) softplus(a + dt_bias) in float32 (float64 for
+        float64), beta = sigmoid(b) in b's dtype (`eager.gdn_gates` is the reference).
+
+    gated_rms_norm(x, gate, weight, eps) -> y  (differentiable)
+        transformers' Qwen3_5RMSNormGated over the last dim of x = o and gate = z [..., V] (z may be a strided
+        view), y in x's dtype, with the eager chain's rounding points (`eager.gated_rms_norm` is the reference).
+
 Composition and application of summaries are tiny K x K matmuls shared by all backends
 (`compose_summaries`, `apply_summary` in `eager.py`).
 """
@@ -114,6 +123,12 @@ class GDNBackend(Protocol):
         prepared: Any = None,
         cu_seqlens: Any = None,
     ) -> torch.Tensor: ...
+
+    def gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> torch.Tensor: ...
 
 
 def get_gdn_backend(name: str) -> GDNBackend:

@@ -187,6 +187,24 @@ def summary_grad(m: torch.Tensor, grad_state_out: torch.Tensor, grad_state_local
     return m.transpose(-1, -2) @ grad_state_out + grad_state_local
 
 
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN gates as transformers' Qwen3.5 computes them: g = -exp(A_log) * softplus(a + dt_bias) in float32
+    (float64 for float64 inputs), beta = sigmoid(b) in b's dtype. a, b [..., Hv]; a_log, dt_bias [Hv]."""
+    dt = compute_dtype(a)
+    return -a_log.to(dt).exp() * F.softplus(a.to(dt) + dt_bias.to(dt)), b.sigmoid()
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5RMSNormGated over the last dim of x, gate [..., V], with float32 upcasts widened to
+    float64 for float64 inputs."""
+    dt = compute_dtype(x)
+    h = x.to(dt)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    return (h * F.silu(gate.to(dt))).to(x.dtype)
+
+
 class EagerGDNBackend:
     """Pure-PyTorch backend: any float dtype, any device, any length; backward by autograd."""
 
@@ -216,6 +234,12 @@ class EagerGDNBackend:
     def initial_state_grad(self, q, k, v, g, beta, grad_o, *, prepared=None, **kwargs):
         _no_prepared(prepared)
         return initial_state_grad(q, k, v, g, beta, grad_o, **kwargs)
+
+    def gates(self, a, b, a_log, dt_bias):
+        return gdn_gates(a, b, a_log, dt_bias)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        return gated_rms_norm(x, gate, weight, eps)
 
 
 def _no_prepared(prepared) -> None:

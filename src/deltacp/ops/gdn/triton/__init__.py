@@ -8,6 +8,7 @@ Importing this package imports no Triton: the kernels load on first use. Kernels
     chunk.py     `_fwd`/`_bwd` compositions, autograd Functions, public ops
     contract_check.py  `check_triton_contract` (device, dtypes, head dims, head ratio, Triton version)
     selfcheck.py       first-use self-check of a Triton version not verified on a GPU, against eager (cached)
+The model glue around the op (gates, gated RMSNorm) is `deltacp.ops.fused` (gates.py, gated_norm.py).
 
 Every operation takes `cu_seqlens` (None, document offsets of one packed row, or a `varlen.VarlenLayout`): the
 row is laid out chunk-aligned outside the kernels, and the state kernels restart at each document's first chunk.
@@ -55,6 +56,16 @@ class TritonGDNBackend:
         return initial_state_grad(q, k, v, g, beta, grad_o, scale=scale,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared,
                                   cu_seqlens=cu_seqlens)
+
+    def gates(self, a, b, a_log, dt_bias):
+        from deltacp.ops.fused.gates import gdn_gates
+
+        return gdn_gates(a, b, a_log, dt_bias)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        from deltacp.ops.fused.gated_norm import gated_rms_norm
+
+        return gated_rms_norm(x, gate, weight, eps)
 
     def prepared_from_saved(self, tensors):
         from deltacp.ops.gdn.triton.chunk import PreparedChunks
