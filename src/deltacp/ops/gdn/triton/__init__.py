@@ -8,6 +8,7 @@ Importing this package imports no Triton: the kernels load on first use. Kernels
     chunk.py     `_fwd`/`_bwd` compositions, autograd Functions, public ops
     contract_check.py  `check_triton_contract` (device, dtypes, head dims, head ratio, Triton version)
     selfcheck.py       first-use self-check of a Triton version not verified on a GPU, against eager (cached)
+The layer's conv + SiLU + q/k/v split (`conv_silu_split`) is the fused kernel of `deltacp.ops.fused.conv`.
 
 Every operation takes `cu_seqlens` (None, document offsets of one packed row, or a `varlen.VarlenLayout`): the
 row is laid out chunk-aligned outside the kernels, and the state kernels restart at each document's first chunk.
@@ -55,6 +56,17 @@ class TritonGDNBackend:
         return initial_state_grad(q, k, v, g, beta, grad_o, scale=scale,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, prepared=prepared,
                                   cu_seqlens=cu_seqlens)
+
+    def conv_silu_split(self, x_BsC, weight_CK, bias_C, dilation, *, left_BhC=None, doc_start_s=None, heads):
+        from deltacp.ops.fused.conv import conv_silu_split
+
+        qk_heads, head_k_dim, head_v_dim = heads
+        B, s, C = x_BsC.shape
+        key_dim = qk_heads * head_k_dim
+        q, k, v = conv_silu_split(x_BsC, weight_CK, bias_C, dilation, left_BhC=left_BhC, doc_start_s=doc_start_s,
+                                  split=(key_dim, key_dim, C - 2 * key_dim))
+        return (q.view(B, s, qk_heads, head_k_dim), k.view(B, s, qk_heads, head_k_dim),
+                v.view(B, s, -1, head_v_dim))
 
     def prepared_from_saved(self, tensors):
         from deltacp.ops.gdn.triton.chunk import PreparedChunks
