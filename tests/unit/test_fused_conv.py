@@ -3,18 +3,23 @@ the eager path (`deltacp.ops.gdn.eager.causal_conv_silu`, the reference the eage
 installs none: skip).
 
 Per case (B, s, channels and their q/k/v split, kernel, dilation, left context or zeros, bias or none, document
-starts, x a strided slice of a wider tensor or not): the three outputs and the gradients of x, weight, bias and the
-left context, for
+starts, x a strided slice of a wider tensor or not): the three outputs (contiguous, x's dtype) and the gradients of
+x, weight, bias and the left context, for
   - fp32 inputs: vs eager fp32 and vs eager fp64 on the same values, rel-L2 < 1e-6 (fp32 rounding only);
-  - fp64 inputs: vs eager fp64, rel-L2 < 1e-12 (the kernel computes in fp64);
-  - bf16 inputs (x, weight, bias, left, dy all bf16): vs eager bf16 on the same values. The forward rounds as eager
-    does (conv in fp32 -> bf16, SiLU in fp32 -> bf16), so outputs are within rel-L2 BF16_OUT and nearly all equal
-    bitwise; gradients within BF16_GRAD (eager rounds SiLU's derivative product to bf16 before the conv backward,
-    the kernel keeps it in fp32), and ours are no further from the fp64 result than eager's (x 1.1 + 1e-3).
+  - fp64 inputs (two cases): vs eager fp64, rel-L2 < 1e-12 (the kernel computes in fp64);
+  - bf16 inputs (x, weight, bias, left, dy all bf16; six cases): vs eager bf16 on the same values. The forward
+    rounds as eager does (conv in fp32 -> bf16, SiLU in fp32 -> bf16): outputs bitwise equal to eager's wherever
+    eager does not recompute a token for its document (>= 99% required; 100% seen), rel-L2 < BF16_OUT overall (eager's
+    per-document fix rounds its einsum and bias add separately); gradients within BF16_GRAD (eager rounds SiLU's
+    derivative product to bf16 before the conv backward, the kernel keeps it in fp32), and no further from the
+    fp64 result than eager's (x 1.1 + 1e-3). The interpreter's fp32 -> bf16 cast truncates; it is patched to
+    round to nearest even, as the GPU does (`_patch_interpreter_bf16_round`).
 Documents: starting at local 0 (with a left context: the halo is another document's), inside the halo
 (negative start > -halo), length-1 documents, a document that began long before the slice; s smaller than the
-halo, s = 1, s not a multiple of the block size, several token blocks per backward program (BWD_PROGRAMS = 1),
-channels spanning two channel blocks with q/k/v boundaries inside a block.
+halo, s = 1, s not a multiple of the block size, one backward program looping over all its token blocks
+(BWD_PROGRAMS = 1: same results as the default split into spans), channels spanning two channel blocks with q/k/v
+boundaries inside a block. Then the two backends' `conv_silu_split` (heads layout) on a packed row's middle slice
+with the document starts of `DocumentSegment`.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import pytest
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-BF16_OUT = 1e-2
-BF16_GRAD = 2e-2
+BF16_OUT = 6e-3
+BF16_GRAD = 1e-2
 
 
 
@@ -81,7 +86,7 @@ def starts_of(s, kind, halo):
         return None
     if kind == "zero":           # one document starting at local 0 (the left context is another document's)
         st = torch.zeros(s)
-    elif kind == "mixed":        # a document from long ago, one starting inside... see below
+    elif kind == "mixed":        # a document begun long before the slice, then documents of 1, 1, 4, ... tokens
         bounds = [b for b in (3, 4, 5, 9, s - 1) if 0 < b < s]   # 3, 4: length-1 documents
         st = torch.full((s,), -1000)
         for b in bounds:
@@ -122,7 +127,7 @@ def run(name, dt):
     B, s, split, KW, dil, with_left, with_bias, kind, strided = CASES[name]
     C = sum(split)
     halo = (KW - 1) * dil
-    g = torch.Generator().manual_seed(hash(name) % 1000)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
     r = lambda *sh: torch.randn(*sh, generator=g)  # noqa: E731
     wide = r(B, s, C + 7)
     x = wide[..., 3:3 + C] if strided else wide[..., :C].contiguous()
@@ -133,12 +138,14 @@ def run(name, dt):
     names = ["x", "weight", "bias", "left"]
 
     def leaves_of(dtype):
-        return [None if t is None else t.detach().to(dtype).requires_grad_() for t in inputs]
+        leaves = [None if t is None else t.detach().to(dtype).requires_grad_() for t in inputs]
+        if strided:  # x a view of a wider tensor of this dtype
+            leaves[0] = wide.to(dtype)[..., 3:3 + C].requires_grad_()
+            assert not leaves[0].is_contiguous()
+        return leaves
 
     def ours(dtype):
         lv = leaves_of(dtype)
-        if strided:
-            assert not lv[0].is_contiguous() or dtype != x.dtype or True
         outs = F.conv_silu_split(lv[0], lv[1], lv[2], dil, left_BhC=lv[3], doc_start_s=st, split=split)
         for o, n in zip(outs, split):
             assert o.is_contiguous() and o.shape == (B, s, n) and o.dtype == dtype, (name, o.shape, o.dtype)
@@ -202,6 +209,23 @@ for name in CASES:
     for dt in (torch.float32, torch.float64, torch.bfloat16):
         if dt == torch.float32 or name in (F64_CASES if dt == torch.float64 else BF16_CASES):
             run(name, dt)
+# the backends' contract method: the Triton one (this kernel, reshaped to heads) vs the eager one (conv + fix, then
+# split_qkv views), on a middle slice of a packed row with its document starts from DocumentSegment
+from deltacp.ops.gdn.eager import EagerGDNBackend
+from deltacp.ops.gdn.triton import TritonGDNBackend
+from deltacp.parallel.documents import DocumentSegment
+
+heads = (2, 8, 8)  # q/k: 2 heads of 8, v: 4 heads of 8
+seg = DocumentSegment.build(torch.tensor([0, 5, 30, 31, 32, 50, 90]), 29, 58)
+st = seg.doc_starts("cpu")
+assert st.dtype == torch.int32 and st[:3].tolist() == [-24, 1, 2] and st[-1].item() == 21
+wide = torch.randn(1, 29, 70)
+x, w, left = wide[..., 5:69], torch.randn(64, 4), torch.randn(1, 3, 64)
+outs = [be.conv_silu_split(x, w, None, 1, left_BhC=left, doc_start_s=st, heads=heads)
+        for be in (TritonGDNBackend(), EagerGDNBackend())]
+for a, e, shape in zip(*outs, [(1, 29, 2, 8), (1, 29, 2, 8), (1, 29, 4, 8)]):
+    assert a.shape == e.shape == shape and a.is_contiguous() and rel(a, e) < 1e-6, (a.shape, e.shape, rel(a, e))
+print("backends agree")
 print("worst", " ".join("%s/%s=%.2e" % (t, k, v) for (t, k), v in sorted(worst.items())))
 """
 

@@ -17,8 +17,9 @@ Backward recomputes a from x, left and the weights (nothing else is saved):
     dw[c, j] = sum_{b, t} da[b, t, c] * x~[b, t - (K-1-j)*d, c] * valid,   dbias[c] = sum_{b, t} da[b, t, c]
 dw and dbias are per-program partial sums in fp32 (fp64), then one fixed-order torch sum over programs: no
 atomics, the same bits every run. Every program of the backward recomputes a at the K shifted token blocks that
-read its tokens (K*K tap loads, L1/L2 hits: the kernel stays bound by its HBM traffic, x and dy read once, dx
-written once).
+read its tokens: K*K tap loads of x per block, nearly all L1/L2 hits, so the HBM traffic stays x and dy read once,
+dx written once (whether the loads' issue rate or HBM bounds it is measured by tests/gpu/test_fused_conv_gpu.py).
+Only blocks that reach before position 0 read the left context.
 
 The sequence length is a runtime argument (never specialised): a packed stream compiles once per model shape.
 
@@ -206,8 +207,9 @@ def conv_silu_bwd_left_kernel(x, left, w, bias, starts, dq, dk, dv, dleft, s, st
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    p = i_t * BT + tl.arange(0, BT) - HALO
-    b_dx, _, _ = _bwd_rows(x, left, w, bias, starts, dq, dk, dv, i_b, i_t * BT - HALO, o_c, m_c, s, stride_xb, stride_xt,
+    p0 = i_t * BT - HALO
+    p = p0 + tl.arange(0, BT)
+    b_dx, _, _ = _bwd_rows(x, left, w, bias, starts, dq, dk, dv, i_b, p0, o_c, m_c, s, stride_xb, stride_xt,
                            stride_xc, C, NQ, NK, KW, DIL, HALO, True, HAS_BIAS, HAS_DOCS, F64, False, BT, BC, KP)
     row = (i_b.to(tl.int64) * HALO + (p + HALO).to(tl.int64))[:, None]
     tl.store(dleft + row * C + o_c[None, :], b_dx.to(dleft.dtype.element_ty), mask=(p < 0)[:, None] & m_c[None, :])
