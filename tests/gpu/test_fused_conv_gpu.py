@@ -190,7 +190,8 @@ def test_block_sweep(s):
     keep = F.FWD_BLOCKS, F.BWD_BLOCKS
     lines = []
     try:
-        for blocks in ((32, 128, 4), (64, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 4), (128, 64, 8)):
+        for blocks in ((32, 128, 4), (16, 128, 4), (16, 128, 8), (32, 64, 4), (32, 64, 8), (16, 64, 4), (8, 128, 4),
+                       (64, 128, 8)):
             F.FWD_BLOCKS = F.BWD_BLOCKS = blocks
 
             def fwd():
