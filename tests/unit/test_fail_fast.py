@@ -80,7 +80,7 @@ def test_mesh_errors(single_rank_group):
         parallelize_qwen3_5_cp(model, mesh)
 
 
-TRITON_DEVICE_ERROR = "backend='triton' needs CUDA tensors; got q on device 'cpu'"
+TRITON_DEVICE_ERROR = "backend='triton' needs CUDA tensors; got hidden_states on device 'cpu'"  # the first fused op
 TRITON_MISSING_ERROR = ("linear_attention_gdn_backend='triton' needs the `triton` package (>=3.6,<4), which is not "
                         "installed; pip install \"deltacp[triton]\" or use backend='eager'")
 

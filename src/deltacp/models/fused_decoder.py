@@ -14,9 +14,9 @@ Installed as instance `forward`s only (as the CP forwards are): classes, paramet
     residual add and post_attention_layernorm as one `add_rms_norm`. Every keyword the layer receives reaches
     the token mixer as transformers passes it; the cache (the layer's `cache` or `past_key_values`, by transformers
     version) goes under the name the mixer's forward takes.
-and the text model's final norm. The kernels load at the first fused forward (the documented error there if triton
-is missing); on tensors they cannot run on (the CPU without TRITON_INTERPRET=1) these forwards run transformers'
-own computation, so a CPU forward on the Triton backend still meets the GDN layers' documented device error.
+and the text model's final norm. The kernels load at the first fused forward: on tensors they cannot run on (the CPU without
+TRITON_INTERPRET=1) that forward raises the Triton path's documented device error, where triton is missing its
+documented not-installed error; never transformers' computation instead.
 Activation checkpointing (`train.trainer.apply_activation_checkpointing`) wraps
 whatever `layer.forward` is when it is applied: after this, so it checkpoints the fused forward.
 """
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from deltacp.models.adapters import adapter_for
+from deltacp.ops.fused import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -40,31 +41,25 @@ NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")  # (x
 MLP_CLASSES = ("Qwen3_5MLP", "Qwen3_5MoeMLP", "Qwen3NextMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
 
 
-def _ops(x: torch.Tensor):
-    """The kernels' module where they can run on x (CUDA, or any device under TRITON_INTERPRET=1), else None:
-    transformers' own computation then (on the CPU the Triton GDN layers raise their documented device error)."""
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return None
+def _ops(name: str, x: torch.Tensor):
+    """The kernels' module, after the one device rule of the Triton path (`ops.fused.check_device`: CUDA, or any
+    device under TRITON_INTERPRET=1; elsewhere the documented device error, never transformers' code instead) and
+    the documented error where triton is not installed."""
+    check_device(name, x)
     from deltacp.ops.gdn.triton.contract_check import _triton_version
 
-    _triton_version()  # the documented error where triton is not installed
+    _triton_version()
     from deltacp.ops.fused import decoder  # imports triton
 
     return decoder
 
 
 def _norm_forward(self, hidden_states):
-    ops = _ops(hidden_states)
-    if ops is None:
-        return type(self).forward(self, hidden_states)
-    return ops.rms_norm(hidden_states, self.weight, self.eps)
+    return _ops("hidden_states", hidden_states).rms_norm(hidden_states, self.weight, self.eps)
 
 
 def _mlp_forward(self, x):
-    ops = _ops(x)
-    if ops is None:
-        return type(self).forward(self, x)
-    return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(_ops("hidden_states", x).swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _layer_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
@@ -84,12 +79,8 @@ def _layer_forward(self, hidden_states, position_embeddings=None, attention_mask
                                           position_ids=position_ids, position_embeddings=position_embeddings,
                                           **{self._deltacp_cache_keyword: cache}, **kwargs)
     norm = self.post_attention_layernorm
-    ops = _ops(hidden_states)
-    if ops is None:
-        residual = residual + hidden_states
-        hidden_states = norm(residual)
-    else:
-        hidden_states, residual = ops.add_rms_norm(hidden_states, residual, norm.weight, norm.eps)
+    hidden_states, residual = _ops("hidden_states", hidden_states).add_rms_norm(hidden_states, residual, norm.weight,
+                                                                               norm.eps)
     hidden_states = self.mlp(hidden_states)
     if isinstance(hidden_states, tuple):  # MoE blocks of some versions return (hidden, router logits)
         hidden_states, _ = hidden_states

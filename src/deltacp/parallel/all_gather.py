@@ -10,9 +10,9 @@ import torch
 
 from deltacp.distributed.collectives import all_gather_autograd
 from deltacp.ops.gdn.eager import apply_summary
-from deltacp.parallel.conv import halo_conv_silu
+from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, split_qkv
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
 from deltacp.parallel.shard import GDNShard
 
 
@@ -74,9 +74,8 @@ def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, group, qkv_BsC: torch.Te
     s = qkv_BsC.shape[1]
     docs = document_segment(layer, ctx, rank, torch.distributed.get_world_size(group), s)
     layout = None if docs is None else docs.layout
-    x_BsC = halo_conv_silu(qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, layer.conv_dilation, shard.halo_group,
-                           doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
-    q, k, v = split_qkv(x_BsC, shard.qk_heads, m.head_k_dim, m.head_v_dim)
+    q, k, v = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, docs,
+                            shard.halo_group)
     g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
     layer.backend.check(q, k, v, g, beta, mode="all_gather")
 

@@ -5,8 +5,8 @@ document may start and end anywhere relative to the rank boundaries. Described b
 `cu_seqlens` = [0, ..., S]. From them:
 
 - a GDN layer in p2p / all_gather mode needs its slice's local offsets, whether its first document continues
-  from the previous rank (`DocumentSegment.layout.first_continues`), and the tokens whose causal conv window
-  would reach into an earlier document (`conv_fix`: the first (kernel-1)*dilation tokens of every document);
+  from the previous rank (`DocumentSegment.layout.first_continues`), and each token's document start
+  (`doc_start`: the conv reads only taps of the token's own document);
 - a GDN layer in Ulysses mode needs the same for the whole row;
 - full attention needs per-document causal masking (`AttentionDocuments`: offsets over the flattened
   [B * S] token stream, so padded batches of B > 1 rows are documents too: valid tokens, then padding).
@@ -116,31 +116,26 @@ class DocumentSegment:
     """The documents of tokens [lo, hi) of a packed row, as one GDN layer on one rank sees them."""
 
     layout: VarlenLayout  # local offsets; first_continues: the first document began before lo
-    conv_index: torch.Tensor  # [n] local tokens whose conv window reaches back past their document's start
-    conv_valid: torch.Tensor  # [n, kernel] bool: tap j of that token reads a token of its own document
+    doc_start: torch.Tensor  # [s] int32: local index of each token's document start (negative: began before lo)
     _device: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, lo: int, hi: int, kernel: int, dilation: int) -> "DocumentSegment":
+    def build(cls, cu_seqlens: torch.Tensor, lo: int, hi: int) -> "DocumentSegment":
         cu = cu_seqlens
         inner = cu[(cu > lo) & (cu < hi)]
         local = torch.cat([torch.tensor([0]), inner - lo, torch.tensor([hi - lo])])
         continues = not bool((cu == lo).any())
         layout = VarlenLayout.build(local, hi - lo, first_continues=continues)
-        # start (local, may be negative) of each token's document; only tokens near a start need a fix
         t = torch.arange(hi - lo)
         doc = torch.searchsorted(cu, t + lo, right=True) - 1
         start = cu[doc] - lo
-        halo = (kernel - 1) * dilation
-        fix = (t - start < halo).nonzero().flatten()
-        shifts = (kernel - 1 - torch.arange(kernel)) * dilation  # tap j reads token t - shifts[j]
-        valid = fix[:, None] - shifts[None, :] >= start[fix][:, None]
-        return cls(layout, fix, valid)
+        return cls(layout, start.to(torch.int32))
 
-    def conv_fix(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def doc_starts(self, device) -> torch.Tensor:
+        """`doc_start` on `device` (the conv's per-document taps), moved once per device."""
         device = torch.device(device)
         if device not in self._device:
-            self._device[device] = (self.conv_index.to(device), self.conv_valid.to(device))
+            self._device[device] = self.doc_start.to(device)
         return self._device[device]
 
 
@@ -159,10 +154,10 @@ class PackedDocuments:
     def seq_len(self) -> int:
         return int(self.cu_seqlens[-1])
 
-    def segment(self, lo: int, hi: int, kernel: int, dilation: int) -> DocumentSegment:
-        key = (lo, hi, kernel, dilation)
+    def segment(self, lo: int, hi: int) -> DocumentSegment:
+        key = (lo, hi)
         if key not in self._segments:
-            self._segments[key] = DocumentSegment.build(self.cu_seqlens, lo, hi, kernel, dilation)
+            self._segments[key] = DocumentSegment.build(self.cu_seqlens, lo, hi)
         return self._segments[key]
 
 

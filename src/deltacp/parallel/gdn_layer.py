@@ -59,16 +59,6 @@ class GDNLayerCP:
         return (self.view.conv1d.kernel_size[0] - 1) * self.conv_dilation
 
 
-def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, T, channels = q | k | v] -> q, k [B, T, qk_heads, K] and v [B, T, Hv, V]."""
-    B, T, _ = qkv.shape
-    key_dim = qk_heads * head_k_dim
-    q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
-    return (q.reshape(B, T, qk_heads, head_k_dim), k.reshape(B, T, qk_heads, head_k_dim),
-            v.reshape(B, T, -1, head_v_dim))
-
-
 def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
     """The forward context of this call: the model hook's, or one built from a padding mask / packing keywords
     (a layer applied on its own, without `parallelize_qwen3_5_cp`: then after the same input-header exchange as
@@ -104,9 +94,7 @@ def document_segment(layer: GDNLayerCP, ctx: CPForwardContext, rank: int, parts:
     if ctx.documents.seq_len != parts * s:
         raise ValueError(f"the packed documents cover {ctx.documents.seq_len} tokens, but this rank's slice of "
                          f"{s} tokens is not 1/{parts} of that row")
-    lo, hi = rank * s, (rank + 1) * s
-    kernel = layer.view.conv1d.kernel_size[0]
-    return ctx.documents.segment(lo, hi, kernel, layer.conv_dilation)
+    return ctx.documents.segment(rank * s, (rank + 1) * s)
 
 
 def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,

@@ -29,9 +29,9 @@ from deltacp.distributed.collectives import StatePassing, in_backward_pass
 from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.ops.gdn.eager import apply_summary, summary_grad
 from deltacp.ops.gdn.naive import compute_dtype
-from deltacp.parallel.conv import halo_conv_silu
+from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, split_qkv
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
 from deltacp.parallel.shard import GDNShard
 
 
@@ -102,11 +102,12 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
 
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
-    x_BsC = halo_conv_silu(qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, layer.conv_dilation, shard.halo_group,
-                           doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
-    # contiguous once here: the backend's saves (l2norm input, the op's v) and _StateGradHop's then share these
-    # tensors instead of the hop's views keeping the whole conv output alive through the backward
-    q, k, v = (t.contiguous() for t in split_qkv(x_BsC, shard.qk_heads, m.head_k_dim, m.head_v_dim))
+    q, k, v = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, docs,
+                            shard.halo_group)
+    # contiguous once here (the Triton backend writes them so; eager's are views): the backend's saves (l2norm
+    # input, the op's v) and _StateGradHop's then share these tensors instead of the hop's views keeping the whole
+    # conv output alive through the backward
+    q, k, v = (t.contiguous() for t in (q, k, v))
     g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
     layer.backend.check(q, k, v, g, beta, mode="p2p")
     replay_key = id(layer)

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
-from deltacp.parallel.conv import causal_conv_silu
+from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment, split_qkv
+from deltacp.ops.gdn.eager import split_qkv
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
 
 
 def ulysses_head_layout(num_k_heads: int, num_v_heads: int, cp: int) -> tuple[int, int]:
@@ -91,14 +92,12 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
                   ctx: CPForwardContext) -> torch.Tensor:
     m = layer.view
     B, s, _ = qkv_BsC.shape
-    K, V, Hv = m.head_k_dim, m.head_v_dim, m.num_v_heads
+    V, Hv = m.head_v_dim, m.num_v_heads
     sh = seq_to_head_shard(layer, qkv_BsC, b_BsH, a_BsH, layer.group)
     S = sh.qkv_BSC.shape[1]
     bias = None if m.conv1d.bias is None else m.conv1d.bias[sh.channels]
     docs = document_segment(layer, ctx, 0, 1, S)  # packed row: the whole row's documents
-    x_BSC = causal_conv_silu(sh.qkv_BSC, layer.conv_weight_CK[sh.channels], bias, layer.conv_dilation,
-                             doc_fix=None if docs is None else docs.conv_fix(qkv_BsC.device))
-    q, k, v = split_qkv(x_BSC, sh.qk_local, K, V)
+    q, k, v = conv_silu_qkv(layer, sh.qkv_BSC, layer.conv_weight_CK[sh.channels], bias, sh.qk_local, docs)
     g, beta = layer.backend.gates(sh.a_BSH, sh.b_BSH, m.A_log[sh.heads], m.dt_bias[sh.heads])
     layer.backend.check(q, k, v, g, beta, mode="ulysses")
 

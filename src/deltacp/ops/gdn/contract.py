@@ -51,6 +51,16 @@ not align to the chunk size, and T is never a compile-time constant.
         transformers' Qwen3_5RMSNormGated over the last dim of x = o and gate = z [..., V] (z may be a strided
         view), y in x's dtype, with the eager chain's rounding points (`eager.gated_rms_norm` is the reference).
 
+    conv_silu_split(x_BsC, weight_CK, bias_C, dilation, *, left_BhC, doc_start_s, heads) -> (q, k, v)
+        (differentiable w.r.t. x, weight, bias, left) The layer's causal depthwise conv + SiLU of the pre-conv
+        [q | k | v] channels x_BsC [B, s, C] (any strides), split as `split_qkv` does with heads = (qk_heads,
+        head_k_dim, head_v_dim): q, k [B, s, qk_heads, K], v [B, s, Hv, V]. left_BhC: the (kernel-1)*dilation
+        tokens before x (the CP halo; None: zeros). doc_start_s: None, or int [s] the local index of each token's
+        document start (may be negative); a tap reading local position p counts only if p >= doc_start_s[t].
+        Numerics as transformers' eager path (conv in the weight dtype, rounded, SiLU, rounded, x's dtype out).
+        Eager: `eager.causal_conv_silu` then views; Triton: one fused kernel writing q, k, v contiguous
+        (`deltacp.ops.fused.conv`).
+
 Composition and application of summaries are tiny K x K matmuls shared by all backends
 (`compose_summaries`, `apply_summary` in `eager.py`).
 """
@@ -129,6 +139,13 @@ class GDNBackend(Protocol):
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
                        ) -> torch.Tensor: ...
+
+
+    def conv_silu_split(
+        self, x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int, *,
+        left_BhC: torch.Tensor | None = None, doc_start_s: torch.Tensor | None = None,
+        heads: tuple[int, int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def get_gdn_backend(name: str) -> GDNBackend:

@@ -187,6 +187,70 @@ def summary_grad(m: torch.Tensor, grad_state_out: torch.Tensor, grad_state_local
     return m.transpose(-1, -2) @ grad_state_out + grad_state_local
 
 
+def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, T, channels = q | k | v] -> q, k [B, T, qk_heads, K] and v [B, T, Hv, V] (views)."""
+    B, T, _ = qkv.shape
+    key_dim = qk_heads * head_k_dim
+    q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
+    return (q.reshape(B, T, qk_heads, head_k_dim), k.reshape(B, T, qk_heads, head_k_dim),
+            v.reshape(B, T, -1, head_v_dim))
+
+
+def conv_fix_from_starts(doc_start_s: torch.Tensor, kernel: int, dilation: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [n], valid [n, kernel]) of the tokens whose causal conv window reaches back past the start of their
+    document (`doc_start_s`: local index of each token's document start, may be negative): tap j of token t reads
+    token t - (kernel-1-j)*dilation, valid when that is >= its document's start. One host sync (nonzero)."""
+    t = torch.arange(doc_start_s.numel(), device=doc_start_s.device)
+    start = doc_start_s.to(torch.int64)
+    halo = (kernel - 1) * dilation
+    index = (t - start < halo).nonzero().flatten()
+    shifts = (kernel - 1 - torch.arange(kernel, device=t.device)) * dilation
+    return index, index[:, None] - shifts[None, :] >= start[index][:, None]
+
+
+def causal_conv_silu(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int,
+                     left_context_BhC: torch.Tensor | None = None,
+                     doc_start_s: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of x [B, s, C] -> [B, s, C]; `left_context` supplies the (kernel-1)*dilation
+    tokens before x (zeros when None). Casts to the weight dtype for the conv and back, as transformers' Qwen3.5
+    does (the conv rounds to the weight dtype, SiLU rounds again).
+
+    Packed documents (`doc_start_s` [s], the local index of each token's document start): no token of another
+    document may enter a conv window. Only the first (kernel-1)*dilation tokens of each document have windows
+    that reach back that far, so the conv runs as usual and those few outputs are recomputed from their own
+    document's taps (`conv_fix_from_starts`): exact, and the unpacked path is unchanged.
+    """
+    s, channels = x_BsC.shape[1], x_BsC.shape[2]
+    kernel = weight_CK.shape[-1]
+    halo = (kernel - 1) * dilation
+    x = x_BsC if left_context_BhC is None else torch.cat([left_context_BhC, x_BsC], dim=1)
+    x = x.transpose(1, 2).to(weight_CK.dtype)
+    if left_context_BhC is None:
+        x = F.pad(x, (halo, 0))
+    out = F.conv1d(x, weight_CK.unsqueeze(1), bias_C, dilation=dilation, groups=channels)[:, :, -s:]
+    if doc_start_s is not None:
+        index, valid = conv_fix_from_starts(doc_start_s, kernel, dilation)
+        if index.numel():
+            # x holds halo + s tokens: token t's tap j reads x[..., t + halo - (kernel-1-j)*dilation]
+            taps_nK = index[:, None] + halo - (kernel - 1 - torch.arange(kernel, device=x.device)) * dilation
+            x_BCnK = x[:, :, taps_nK] * valid.to(x.dtype)
+            fixed_BCn = torch.einsum("bcnk,ck->bcn", x_BCnK, weight_CK)
+            if bias_C is not None:
+                fixed_BCn = fixed_BCn + bias_C[:, None]
+            out = out.index_copy(2, index, fixed_BCn)
+    return F.silu(out).to(x_BsC.dtype).transpose(1, 2)
+
+
+def conv_silu_split(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int, *,
+                    left_BhC: torch.Tensor | None = None, doc_start_s: torch.Tensor | None = None,
+                    heads: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`causal_conv_silu`, then `split_qkv` by heads = (qk_heads, head_k_dim, head_v_dim): the contract's
+    `conv_silu_split` (views of one [B, s, C] output)."""
+    return split_qkv(causal_conv_silu(x_BsC, weight_CK, bias_C, dilation, left_BhC, doc_start_s), *heads)
+
+
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The GDN gates as transformers' Qwen3.5 computes them: g = -exp(A_log) * softplus(a + dt_bias) in float32
@@ -222,6 +286,10 @@ class EagerGDNBackend:
 
     def prepare_chunks(self, k, v, g, beta, **kwargs):
         return None  # nothing staged: each eager call computes what it needs
+
+    def conv_silu_split(self, x_BsC, weight_CK, bias_C, dilation, *, left_BhC=None, doc_start_s=None, heads):
+        return conv_silu_split(x_BsC, weight_CK, bias_C, dilation, left_BhC=left_BhC, doc_start_s=doc_start_s,
+                               heads=heads)
 
     def prepared_from_saved(self, tensors):
         raise TypeError("the eager GDN backend stages nothing (prepare_chunks returns None)")

@@ -9,6 +9,7 @@ Importing this package imports no Triton: the kernels load on first use. Kernels
     contract_check.py  `check_triton_contract` (device, dtypes, head dims, head ratio, Triton version)
     selfcheck.py       first-use self-check of a Triton version not verified on a GPU, against eager (cached)
 The model glue around the op (gates, gated RMSNorm) is `deltacp.ops.fused` (gates.py, gated_norm.py).
+The layer's conv + SiLU + q/k/v split (`conv_silu_split`) is the fused kernel of `deltacp.ops.fused.conv`.
 
 Every operation takes `cu_seqlens` (None, document offsets of one packed row, or a `varlen.VarlenLayout`): the
 row is laid out chunk-aligned outside the kernels, and the state kernels restart at each document's first chunk.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from deltacp.ops.fused import check_device
 from deltacp.ops.gdn.triton.contract_check import check_triton_contract
 
 
@@ -58,14 +60,28 @@ class TritonGDNBackend:
                                   cu_seqlens=cu_seqlens)
 
     def gates(self, a, b, a_log, dt_bias):
+        check_device("a", a)
         from deltacp.ops.fused.gates import gdn_gates
 
         return gdn_gates(a, b, a_log, dt_bias)
 
     def gated_rms_norm(self, x, gate, weight, eps):
+        check_device("o", x)
         from deltacp.ops.fused.gated_norm import gated_rms_norm
 
         return gated_rms_norm(x, gate, weight, eps)
+
+    def conv_silu_split(self, x_BsC, weight_CK, bias_C, dilation, *, left_BhC=None, doc_start_s=None, heads):
+        check_device("qkv", x_BsC)  # the first kernel of a GDN layer: the device error before any launch
+        from deltacp.ops.fused.conv import conv_silu_split
+
+        qk_heads, head_k_dim, head_v_dim = heads
+        B, s, C = x_BsC.shape
+        key_dim = qk_heads * head_k_dim
+        q, k, v = conv_silu_split(x_BsC, weight_CK, bias_C, dilation, left_BhC=left_BhC, doc_start_s=doc_start_s,
+                                  split=(key_dim, key_dim, C - 2 * key_dim))
+        return (q.view(B, s, qk_heads, head_k_dim), k.view(B, s, qk_heads, head_k_dim),
+                v.view(B, s, -1, head_v_dim))
 
     def prepared_from_saved(self, tensors):
         from deltacp.ops.gdn.triton.chunk import PreparedChunks

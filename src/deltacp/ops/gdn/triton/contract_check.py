@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from deltacp.ops.fused import device_error
+
 # Triton versions (major.minor) the kernels were verified on, on a GPU: tests/gpu/test_triton_gdn.py,
 # test_triton_varlen.py, test_cp_triton.py and bench/determinism.py on an H200. These are accepted at once.
 TRITON_VERIFIED_ON_GPU: tuple[tuple[int, int], ...] = ((3, 6),)
@@ -76,7 +78,7 @@ def check_triton_contract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         raise ValueError(f"mode={mode!r} is not supported by backend='triton'; expected one of {MODES}")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.device.type != "cuda":
-            raise RuntimeError(f"backend='triton' needs CUDA tensors; got {name} on device {str(x.device)!r}")
+            raise device_error(name, x)
     for name, x, want in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
                           ("beta", beta, torch.bfloat16), ("g", g, torch.float32)):
         if x.dtype != want:
