@@ -165,13 +165,16 @@ def _fp32_matmul_reductions(device: torch.device):
         yield
         return
     m = torch.backends.cuda.matmul
-    saved = m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction
-    m.allow_bf16_reduced_precision_reduction = False
-    m.allow_fp16_reduced_precision_reduction = False
+    names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    # newer torch keeps a split-K flag beside each (a bool set resets it to True): restore both
+    saved = [(getattr(m, n), getattr(m, n + "_split_k", None)) for n in names]
+    for n in names:
+        setattr(m, n, False)
     try:
         yield
     finally:
-        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = saved
+        for n, (allow, split_k) in zip(names, saved):
+            setattr(m, n, allow if split_k is None else (allow, split_k))
 
 
 def _linear_(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -206,7 +209,7 @@ def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_
     d_weight = None
     with _fp32_matmul_reductions(device):
         chunk = max(1, min(chunk_size, tokens))
-        buffer = torch.empty(chunk * vocab, dtype=hidden.dtype, device=device)
+        buffer, logits = torch.empty(chunk * vocab, dtype=hidden.dtype, device=device), None
         for start in range(0, tokens, chunk):
             rows = slice(start, min(start + chunk, tokens))
             h = hidden[rows]
@@ -218,7 +221,7 @@ def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_
                 torch.mm(logits, weight, out=d_hidden[rows])
             if need_bias:
                 d_bias += logits.sum(0, dtype=acc)
-        del buffer, logits
+        del buffer, logits  # pass 1's buffer is freed before d weight exists
         if need_weight:
             d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device)
             width = max(1, min(vocab_chunk_size, vocab))
