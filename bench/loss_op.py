@@ -1,5 +1,6 @@
-"""The loss op: deltacp's fused linear cross entropy (gradients in the forward) vs liger-kernel's
-LigerFusedLinearCrossEntropyLoss vs the previous deltacp op (logits recomputed in backward), bf16, on CUDA.
+"""The loss op: deltacp's fused linear cross entropy (gradients in the forward, two passes: token chunks for the
+loss, logsumexp and dh, vocabulary chunks for dW) vs liger-kernel's LigerFusedLinearCrossEntropyLoss vs an older
+deltacp op (logits recomputed in backward, kept here as a baseline), bf16, on CUDA.
 
 Per (hidden, tokens): forward+backward median ms (CUDA events after warm-up: bench/timing.py), the peak memory
 above the inputs (torch.cuda.max_memory_allocated after a reset, minus what was allocated before: gradients
@@ -9,6 +10,12 @@ liger-kernel is a benchmark-only extra: its rows are skipped when it is not inst
 
     PYTHONPATH=src python bench/loss_op.py                       # vocab 248,320; hidden 2048, 4096; 16K/32K/64K
     PYTHONPATH=src python bench/loss_op.py --hidden 2048 --tokens 16384 --json out.jsonl
+    PYTHONPATH=src python bench/loss_op.py --ops deltacp liger --vocab-chunk 8192   # pass 2's chunk forced
+
+Rows: "deltacp" (the default chunks: `deltacp.models.loss.chunk_sizes`), "deltacp bf16 split-K" (the same with
+cuBLAS's reduced-precision split-K reductions left to the global setting: FP32_MATMUL_REDUCTIONS = False),
+"old recompute" (the baseline below), "liger" (bf16 weight-grad accumulation, its default) and "liger
+fp32-accum" where that option exists.
 """
 
 from __future__ import annotations
@@ -24,13 +31,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 IGNORE = -100
 
 
-# ---- the previous deltacp op (main before the in-forward-gradient loss), kept here as a baseline ---------------
+# ---- an older deltacp op (main before the in-forward-gradient loss), kept here as a baseline --------------------
 class _OldChunkedSum(torch.autograd.Function):
-    """sum of CE over valid rows; forward keeps the per-row logsumexp, backward recomputes every chunk's logits,
-    forms softmax - onehot in fp32 and adds d_logits.T @ h (a bf16 [V, H] product) to an fp32 accumulator."""
+    """scale x sum of CE over valid rows; forward keeps the per-row logsumexp, backward recomputes every chunk's
+    logits, forms (softmax - onehot) x scale x grad_output in fp32, rounds it to bf16 and adds d_logits.T @ h to
+    the weight-grad accumulator: fp32 (a bf16 product added in fp32), or with weight_acc_dtype=bf16 a bf16
+    running sum (addmm in place: each chunk's fp32 product added and rounded once, liger-kernel's default)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
+    def forward(ctx, hidden, weight, targets, chunk_size, weight_acc_dtype, scale):
         acc = torch.promote_types(hidden.dtype, torch.float32)
         valid = targets != IGNORE
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
@@ -42,17 +51,18 @@ class _OldChunkedSum(torch.autograd.Function):
             target_logit = logits.gather(1, targets[rows].clamp(min=0)[:, None]).squeeze(1)
             total += torch.where(valid[rows], lse[rows] - target_logit, 0).sum()
             del logits
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_size = chunk_size
-        return total
+        scale = torch.ones((), dtype=acc, device=hidden.device) if scale is None else scale.to(acc)
+        ctx.save_for_backward(hidden, weight, targets, lse, scale)
+        ctx.chunk_size, ctx.weight_acc_dtype = chunk_size, weight_acc_dtype
+        return total * scale
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, scale = ctx.saved_tensors
         acc = lse.dtype
         d_hidden = torch.empty_like(hidden)
-        d_weight = torch.zeros_like(weight, dtype=acc)
-        row_scale = (targets != IGNORE).to(acc) * grad_total.to(acc)
+        d_weight = torch.zeros_like(weight, dtype=ctx.weight_acc_dtype or acc)
+        row_scale = (targets != IGNORE).to(acc) * (grad_total.to(acc) * scale)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]
@@ -61,29 +71,36 @@ class _OldChunkedSum(torch.autograd.Function):
             d_logits.mul_(row_scale[rows, None])
             d_logits = d_logits.to(hidden.dtype)
             torch.mm(d_logits, weight, out=d_hidden[rows])
-            d_weight += d_logits.T @ h
+            if d_weight.dtype == d_logits.dtype:
+                d_weight.addmm_(d_logits.T, h)
+            else:
+                d_weight += d_logits.T @ h
             del d_logits
-        return d_hidden, d_weight.to(weight.dtype), None, None
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
 
 
-def old_chunked_sum(hidden, weight, targets, chunk_size=1024):
-    return _OldChunkedSum.apply(hidden, weight, targets, chunk_size)
+def old_chunked_sum(hidden, weight, targets, chunk_size=1024, *, weight_acc_dtype=None, scale=None):
+    return _OldChunkedSum.apply(hidden, weight, targets, chunk_size, weight_acc_dtype, scale)
 
 
 # ---- the contenders: (hidden, weight, targets) -> mean loss -------------------------------------------------------
-def contenders(with_liger: bool):
-    from deltacp.models.loss import linear_cross_entropy_sum
+def contenders(with_liger: bool, chunk_size=None, vocab_chunk_size=None):
+    from deltacp.models import loss as L
 
-    def mean(sum_fn):
+    def deltacp(fp32_reductions):
         def run(h, w, t):
-            return sum_fn(h, w, t) / (t != IGNORE).sum()
+            saved, L.FP32_MATMUL_REDUCTIONS = L.FP32_MATMUL_REDUCTIONS, fp32_reductions
+            try:  # the mean: 1 / count folded into the gradients before rounding, as cp_linear_cross_entropy
+                return L.linear_cross_entropy_sum(h, w, None, t, chunk_size, vocab_chunk_size=vocab_chunk_size,
+                                                  scale=1.0 / (t != IGNORE).sum().float())
+            finally:
+                L.FP32_MATMUL_REDUCTIONS = saved
         return run
 
     out = {
-        "deltacp": mean(lambda h, w, t: linear_cross_entropy_sum(h, w, None, t)),
-        "deltacp bf16-accum": mean(lambda h, w, t: linear_cross_entropy_sum(h, w, None, t,
-                                                                            grad_accum_dtype=torch.bfloat16)),
-        "old chunked": mean(old_chunked_sum),
+        "deltacp": deltacp(True),
+        "deltacp bf16 split-K": deltacp(False),
+        "old recompute": lambda h, w, t: old_chunked_sum(h, w, t) / (t != IGNORE).sum(),
     }
     if with_liger:
         try:
@@ -156,9 +173,12 @@ def main():
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--accuracy-tokens", type=int, default=4096, help="0: skip the accuracy rows")
     p.add_argument("--no-liger", action="store_true")
+    p.add_argument("--chunk", type=int, default=None, help="deltacp's pass-1 token chunk (default: budgeted)")
+    p.add_argument("--vocab-chunk", type=int, default=None, help="deltacp's pass-2 vocabulary chunk (default: "
+                                                                 "budgeted)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    fns = contenders(not args.no_liger)
+    fns = contenders(not args.no_liger, args.chunk, args.vocab_chunk)
     if args.ops:
         fns = {k: v for k, v in fns.items() if k in args.ops}
     out = lambda row: emit(row, args.json)  # noqa: E731

@@ -99,11 +99,12 @@ class _LargestTensor(TorchDispatchMode):
 
 
 def test_no_tokens_by_vocab_tensor(mesh):
-    """Every tensor made in forward + backward has at most chunk x vocab elements (tokens x vocab = 16x that)."""
+    """Every tensor made in forward + backward has at most chunk x vocab elements (tokens x vocab = 16x that):
+    pass 2's [tokens, 16 columns] buffer included (a vocabulary chunk is at least 256 columns by default)."""
     tokens, vocab, chunk = 1024, 300, 64
     h, w, b, t = _problem(torch.float32, tokens=tokens, vocab=vocab, ignored=range(0, tokens, 5))
     with _LargestTensor() as probe:
-        loss = cp_linear_cross_entropy(h, w, t, mesh, chunk_size=chunk, lm_head_bias=b)
+        loss = cp_linear_cross_entropy(h, w, t, mesh, chunk_size=chunk, vocab_chunk_size=16, lm_head_bias=b)
         loss.backward()
     assert chunk * vocab >= probe.largest > tokens * 16, probe.largest
     with _LargestTensor() as probe:  # the probe sees full logits where they exist
@@ -123,6 +124,8 @@ def test_argument_errors(mesh):
         cp_linear_cross_entropy(h, w, t[1:], mesh)
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
         cp_linear_cross_entropy(h, w, t, mesh, chunk_size=0)
+    with pytest.raises(ValueError, match="vocab_chunk_size must be a positive integer"):
+        cp_linear_cross_entropy(h, w, t, mesh, vocab_chunk_size=2.0)
 
 
 def test_train_loss_key():

@@ -1,4 +1,4 @@
-"""Cross entropy under CP from the last hidden states: the LM head and the loss in token chunks.
+"""Cross entropy under CP from the last hidden states: the LM head and the loss without [tokens, vocab] logits.
 
     hidden = model.model(**inputs, use_cache=False).last_hidden_state      # this rank's slice, no logits
     loss = cp_linear_cross_entropy(hidden, model.lm_head.weight, target_ids, cp_mesh)
@@ -7,11 +7,13 @@
 Same contract as `cp_cross_entropy` (the mean over every valid target of the GLOBAL batch on every rank, each
 rank's gradient its share), same value and gradients, but [tokens, vocab] logits never exist: at 32K tokens and
 Qwen3.5's vocabulary (248,320) full logits are 16 GB in bf16 (32 GB in fp32) and their gradient as much again.
+The gradients are computed in the forward, in two passes over the logits (token chunks, then vocabulary chunks),
+each gradient element a single fp32-accumulated matmul rounded once: no [vocab, hidden] accumulator.
 """
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -22,17 +24,54 @@ from deltacp.models.qwen3_5 import IGNORE_INDEX
 from deltacp.parallel.style import batch_group_of
 
 LOGITS_CHUNK_BUDGET = 256 * 2**20
-"""Bytes of the one logits chunk buffer when `chunk_size` is None (vocab 248,320 in bf16: 512 tokens, 243 MiB)."""
+"""Bytes of a logits buffer when the chunk sizes are not given: pass 1's [chunk, vocab] buffer (vocab 248,320 in
+bf16: 512 tokens, 243 MiB); pass 2's [tokens, columns] buffer gets the smaller of this and the hidden states' bytes
+(`vocab_budget_bytes`)."""
 
 CHUNK_MULTIPLE = 256
-"""The budgeted chunk is a multiple of this many tokens (and at least one multiple)."""
+"""The budgeted token chunk (pass 1) and vocabulary chunk (pass 2) are multiples of this (and at least one)."""
+
+FP32_MATMUL_REDUCTIONS = True
+"""On CUDA, bf16 / fp16 matmuls of the loss run with cuBLAS's reduced-precision split-K reductions disallowed
+(`torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False` for the call): every gradient
+element is one fp32 sum over the whole reduced dimension, rounded once. False: the global setting applies."""
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def budget_chunk_size(vocab: int, dtype: torch.dtype, budget_bytes: int = LOGITS_CHUNK_BUDGET) -> int:
-    """Tokens per chunk so that chunk x vocab logits in `dtype` fit `budget_bytes`: rounded down to a multiple of
-    CHUNK_MULTIPLE, at least CHUNK_MULTIPLE (vocab 248,320: 512 tokens in bf16, 256 in fp32)."""
-    rows = budget_bytes // (vocab * torch.empty((), dtype=dtype).element_size())
+    """Tokens per pass-1 chunk so that chunk x vocab logits in `dtype` fit `budget_bytes`: rounded down to a
+    multiple of CHUNK_MULTIPLE, at least CHUNK_MULTIPLE (vocab 248,320: 512 tokens in bf16, 256 in fp32)."""
+    rows = budget_bytes // (vocab * _element_size(dtype))
     return max(CHUNK_MULTIPLE, rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+
+
+def vocab_budget_bytes(tokens: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes of pass 2's buffer by default: min(LOGITS_CHUNK_BUDGET, tokens x hidden x element size), the hidden
+    states' own size at most. The op's peak is d weight + d hidden + this buffer (pass 1's buffer is freed before
+    d weight exists), so it stays below liger-kernel's (whose logits chunk is about tokens x hidden, or up to
+    twice that)."""
+    return min(LOGITS_CHUNK_BUDGET, max(tokens, 1) * hidden * _element_size(dtype))
+
+
+def budget_vocab_chunk_size(tokens: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """Vocabulary columns per pass-2 chunk so that tokens x columns logits in `dtype` fit `budget_bytes`: rounded
+    down to a multiple of CHUNK_MULTIPLE, at least CHUNK_MULTIPLE. bf16, hidden 2048: 2048 columns (16K tokens,
+    64 MiB) to 2048 (64K tokens, 256 MiB); hidden 4096: 4096 at 16K, 2048 at 32K and 64K."""
+    cols = budget_bytes // (max(tokens, 1) * _element_size(dtype))
+    return max(CHUNK_MULTIPLE, cols // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+
+
+def chunk_sizes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, chunk_size: int | None = None,
+                vocab_chunk_size: int | None = None) -> tuple[int, int]:
+    """(token chunk of pass 1, vocabulary chunk of pass 2): the given ones, or the budgeted defaults."""
+    if chunk_size is None:
+        chunk_size = budget_chunk_size(vocab, dtype)
+    if vocab_chunk_size is None:
+        vocab_chunk_size = budget_vocab_chunk_size(tokens, dtype, vocab_budget_bytes(tokens, hidden, dtype))
+    return chunk_size, vocab_chunk_size
 
 
 def cp_global_mean(local_sum: torch.Tensor, n_valid: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
@@ -42,7 +81,8 @@ def cp_global_mean(local_sum: torch.Tensor, n_valid: torch.Tensor, cp_mesh: Devi
 
     The value is the global sum over the global count on every rank (0 when nothing is valid anywhere); the
     gradient reaches only this rank's `local_sum`, scaled by 1 / global count, so gradients summed over the CP
-    ranks are the single-device gradients.
+    ranks are the single-device gradients. (`cp_linear_cross_entropy` does the same in two all-reduces, the count
+    first, so that its gradients are scaled before they are rounded.)
     """
     stats = torch.stack([local_sum.detach(), n_valid.to(local_sum.dtype)])
     dist.all_reduce(stats, group=batch_group_of(cp_mesh))
@@ -50,163 +90,157 @@ def cp_global_mean(local_sum: torch.Tensor, n_valid: torch.Tensor, cp_mesh: Devi
     return (local_sum + (global_sum - local_sum.detach())) / count
 
 
-# ---- one chunk's cross entropy: two kernels of one contract ------------------------------------------------------
-# ce_rows_(logits [n, vocab], targets [n], loss_rows [n]) writes loss_rows[i] = lse_i - logits[i, t_i] (0 on
-# ignored rows) in the accumulation dtype and, with compute_grad, overwrites the logits by softmax - onehot
-# (0 on ignored rows) in their own dtype: the gradient of sum(loss_rows) with respect to the logits.
+# ---- the two kernels over the logits, each in two implementations of one contract -------------------------------
+# rows_(logits [n, vocab], targets [n], loss_rows [n], lse [n], scale, *, compute_grad)  (pass 1)
+#   loss_rows[i] = lse_i - logits[i, t_i] and lse[i] = lse_i in the accumulation dtype (0 on ignored rows) and,
+#   with compute_grad, the logits overwritten in their own dtype by (softmax - onehot) * scale (0 on ignored
+#   rows): scale x the gradient of sum(loss_rows) with respect to the logits.
+# cols_(logits [T, width], targets [T], lse [T], scale, col0)  (pass 2)
+#   logits holding the columns [col0, col0 + width) overwritten by (exp(logits - lse) - onehot) * scale, 0 on
+#   ignored rows: the same gradient, for those columns, from pass 1's lse.
 
-def _ce_rows_torch_(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, *, compute_grad: bool
-                    ) -> None:
-    """PyTorch kernel (CPU, float64, any device): the logits upcast to loss_rows' dtype, then written back."""
+def _ce_rows_torch_(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, lse: torch.Tensor,
+                    scale: torch.Tensor, *, compute_grad: bool) -> None:
+    """PyTorch pass 1 (CPU, float64, any device): the logits upcast to loss_rows' dtype, then written back."""
     x = logits.to(loss_rows.dtype)  # the logits themselves for float32 / float64 (the gradient then in place)
     valid = targets != IGNORE_INDEX
-    lse = torch.logsumexp(x, dim=-1)
+    row_lse = torch.logsumexp(x, dim=-1)
     safe_t = targets.clamp(min=0)[:, None]
     target_logit = x.gather(1, safe_t).squeeze(1)
-    loss_rows.copy_(torch.where(valid, lse - target_logit, 0))
+    loss_rows.copy_(torch.where(valid, row_lse - target_logit, 0))
+    lse.copy_(torch.where(valid, row_lse, 0))
     if compute_grad:
-        grad = x.sub_(lse[:, None]).exp_()
-        grad.scatter_add_(1, safe_t, torch.full_like(lse[:, None], -1.0))
-        grad.mul_(valid[:, None])
+        grad = x.sub_(row_lse[:, None]).exp_()
+        grad.scatter_add_(1, safe_t, torch.full_like(row_lse[:, None], -1.0))
+        grad.mul_(scale).masked_fill_(~valid[:, None], 0)
         if grad is not logits:
             logits.copy_(grad)
 
 
-def _ce_rows_triton_(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, *, compute_grad: bool
-                     ) -> None:
+def _ce_grad_cols_torch_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                         col0: int) -> None:
+    """PyTorch pass 2 (CPU, float64, any device): the logits upcast to lse's dtype, then written back."""
+    grad = logits.to(lse.dtype).sub_(lse[:, None]).exp_()  # ignored rows (lse 0) are overwritten below
+    valid = targets != IGNORE_INDEX
+    col = targets - col0
+    hit = valid & (col >= 0) & (col < logits.shape[1])
+    grad.scatter_add_(1, torch.where(hit, col, 0)[:, None], -hit.to(grad.dtype)[:, None])
+    grad.mul_(scale).masked_fill_(~valid[:, None], 0)
+    if grad is not logits:
+        logits.copy_(grad)
+
+
+def _ce_rows_triton_(logits, targets, loss_rows, lse, scale, *, compute_grad):
     from deltacp.ops.fused.linear_ce import ce_rows_  # imports triton: only on this path
 
-    ce_rows_(logits, targets, loss_rows, ignore_index=IGNORE_INDEX, compute_grad=compute_grad)
+    ce_rows_(logits, targets, loss_rows, lse, scale, ignore_index=IGNORE_INDEX, compute_grad=compute_grad)
 
 
-def _ce_kernel(device: torch.device, dtype: torch.dtype, impl: str | None):
-    """The Triton kernel for CUDA bf16 / fp16 / fp32 logits, PyTorch otherwise; `impl` ("torch" / "triton") forces
-    one (tests: "triton" on CPU tensors under TRITON_INTERPRET=1)."""
+def _ce_grad_cols_triton_(logits, targets, lse, scale, col0):
+    from deltacp.ops.fused.linear_ce import ce_grad_cols_
+
+    ce_grad_cols_(logits, targets, lse, scale, col0, ignore_index=IGNORE_INDEX)
+
+
+def _ce_kernels(device: torch.device, dtype: torch.dtype, impl: str | None):
+    """(pass 1, pass 2) kernels: Triton for CUDA bf16 / fp16 / fp32 logits, PyTorch otherwise; `impl` ("torch" /
+    "triton") forces one (tests: "triton" on CPU tensors under TRITON_INTERPRET=1)."""
     if impl is None:
         impl = "triton" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32) \
             else "torch"
     if impl not in ("torch", "triton"):
         raise ValueError(f"linear cross entropy: unknown kernel {impl!r} (torch or triton)")
     if impl == "triton" and dtype == torch.float64:
-        raise ValueError("linear cross entropy: the Triton kernel takes bf16 / fp16 / fp32 logits, not float64")
-    return _ce_rows_triton_ if impl == "triton" else _ce_rows_torch_
+        raise ValueError("linear cross entropy: the Triton kernels take bf16 / fp16 / fp32 logits, not float64")
+    if impl == "triton":
+        return _ce_rows_triton_, _ce_grad_cols_triton_
+    return _ce_rows_torch_, _ce_grad_cols_torch_
 
 
-# ---- the weight gradient, accumulated in fp32 in place -------------------------------------------------------
-
-_ADDMM_OUT_DTYPE: dict[str, bool] = {}
-"""Per device type: does torch.addmm(acc_fp32, a_bf16, b_bf16, out_dtype=float32, out=acc) run (CUDA, torch >=
-2.9)? Learned at the first call; without it the exact fallback upcasts the chunk's operands to fp32."""
-
-
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b in acc's dtype, in place: a, b in acc's dtype (plain addmm_), or bf16/fp16 into an fp32 acc.
-
-    bf16/fp16 into fp32: the product accumulates in fp32 inside the matmul and adds to acc in fp32, no
-    [vocab, hidden] temporary (CUDA `addmm.dtype_out`). Where that op is missing the operands are upcast to fp32
-    (their products are exact in fp32, so this is the same computation, slower, with chunk-sized temporaries),
-    never a low-precision product added to acc.
-    """
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+@contextlib.contextmanager
+def _fp32_matmul_reductions(device: torch.device):
+    """cuBLAS without reduced-precision (bf16 / fp16) split-K reductions, for this block (see
+    FP32_MATMUL_REDUCTIONS); nothing elsewhere."""
+    if device.type != "cuda" or not FP32_MATMUL_REDUCTIONS:
+        yield
         return
-    kind = acc.device.type
-    if kind == "cuda" and _ADDMM_OUT_DTYPE.get(kind, True):
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            _ADDMM_OUT_DTYPE[kind] = True
-            return
-        except (TypeError, RuntimeError, NotImplementedError) as err:
-            if kind in _ADDMM_OUT_DTYPE:  # it ran before: a real error
-                raise
-            _ADDMM_OUT_DTYPE[kind] = False
-            warnings.warn(f"linear cross entropy: torch.addmm(out_dtype=float32) is unavailable here ({err}); the "
-                          f"weight gradient accumulates from fp32-upcast operands (exact, slower)", stacklevel=2)
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    m = torch.backends.cuda.matmul
+    names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    # newer torch keeps a split-K flag beside each (a bool set resets it to True): restore both
+    saved = [(getattr(m, n), getattr(m, n + "_split_k", None)) for n in names]
+    for n in names:
+        setattr(m, n, False)
+    try:
+        yield
+    finally:
+        for n, (allow, split_k) in zip(names, saved):
+            setattr(m, n, allow if split_k is None else (allow, split_k))
 
 
-class _WeightGrad:
-    """The weight gradient [vocab, hidden], summed over chunks in `acc_dtype`, rounded once to the weight's dtype.
-
-    acc_dtype == the weight's dtype (float32, float64, or `grad_accum_dtype=weight.dtype`): one tensor, returned
-    as is. Otherwise (bf16/fp16 weight, fp32 accumulation) the accumulator is two fp32 tensors, rows [0, r) and
-    [r, vocab) with r >= vocab / 2, so that the rounded result fits in the first one's storage (4 r hidden
-    bytes >= 2 vocab hidden): `result()` writes the bf16 rows there block by block, each block read before any
-    byte of it is overwritten, and frees the second. Peak: the fp32 accumulator plus one block, not fp32 + bf16.
-    """
-
-    BLOCK_BYTES = 32 * 2**20
-
-    def __init__(self, weight: torch.Tensor, acc_dtype: torch.dtype):
-        vocab, hidden = weight.shape
-        self.shape, self.dtype = (vocab, hidden), weight.dtype
-        # the split row r >= vocab / 2, a multiple of 8 (the second part's rows start 16-byte aligned)
-        r = vocab if acc_dtype == weight.dtype else min(vocab, ((vocab + 1) // 2 + 7) // 8 * 8)
-        self.bounds = [(0, r), (r, vocab)] if r < vocab else [(0, vocab)]
-        self.parts = [torch.zeros(hi - lo, hidden, dtype=acc_dtype, device=weight.device) for lo, hi in self.bounds]
-
-    def add_(self, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """+= grad_logits[:, rows].T @ hidden for each part's vocabulary rows."""
-        for (lo, hi), part in zip(self.bounds, self.parts):
-            _addmm_fp32_(part, grad_logits[:, lo:hi].T, hidden)
-
-    def result(self) -> torch.Tensor:
-        parts, self.parts = self.parts, []
-        if parts[0].dtype == self.dtype:
-            return parts[0]
-        vocab, hidden = self.shape
-        out = parts[0].view(-1).view(self.dtype)[: vocab * hidden].view(vocab, hidden)  # parts[0]'s storage
-        step = max(1, self.BLOCK_BYTES // (hidden * parts[0].element_size()))
-        for (lo, hi), part in zip(self.bounds, parts):
-            # out rows [lo + i, lo + i + step) are the bytes of parts[0]'s fp32 rows below (lo + i + step) / 2:
-            # rows already read (earlier blocks, parts[0] entirely when lo > 0, or this block, read first)
-            for i in range(0, hi - lo, step):
-                j = min(i + step, hi - lo)
-                out[lo + i: lo + j].copy_(part[i:j].to(self.dtype))
-        return out  # the second part is freed on return
+def _linear_(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = h weight^T (+ bias), in out's (the input) dtype, as nn.Linear."""
+    if bias is None:
+        torch.mm(h, weight.T, out=out)
+    else:
+        torch.addmm(bias, h, weight.T, out=out)
 
 
-def _linear_ce_chunks(hidden, weight, bias, targets, chunk_size, *, need_hidden, need_weight, need_bias,
-                      ce_rows, grad_accum_dtype=None):
-    """The one algorithm: per chunk of tokens, logits = h W^T (+ b) in the input dtype into one reused buffer,
-    `ce_rows` (loss terms; the logits become softmax - onehot), then the chunk's contributions to the wanted
-    gradients: dh rows = dlogits W, dW += dlogits^T h (fp32 in place), db += column sums (fp32).
+def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, *, need_hidden,
+                        need_weight, need_bias, kernels):
+    """The one algorithm. Returns (scale x the sum of the loss terms in the accumulation dtype, dh, dW, db): the
+    gradients of that value (None where not wanted), each rounded once to its input's dtype.
 
-    Returns (sum of the loss terms in the accumulation dtype, dh, dW, db): the gradients of that sum (None where not
-    wanted); with no gradient wanted no gradient buffer exists and the logits are not overwritten.
+    Pass 1, token chunks of `chunk_size` (one reused [chunk, vocab] buffer): logits = h W^T (+ b) in the input
+    dtype, the rows kernel (loss terms, each row's logsumexp into lse [tokens]; the logits become scale x
+    (softmax - onehot)), then dh rows = dlogits W (one fp32-accumulating matmul straight into dh) and db += column
+    sums (fp32). Pass 2, only for dW, vocabulary chunks of `vocab_chunk_size` (one reused [tokens, columns]
+    buffer): logits_c = h W_c^T (+ b_c), the columns kernel (scale x (exp(logits - lse) - onehot)), then
+    dW[cols] = dlogits_c^T h, one matmul over all tokens accumulating in fp32, written into dW's rows. With no
+    gradient wanted only pass 1 runs, no gradient buffer exists and the logits are not overwritten.
     """
     tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    need_grad = need_hidden or need_weight or need_bias
-    loss_rows = torch.empty(tokens, dtype=acc, device=hidden.device)
+    device = hidden.device
+    rows_kernel, cols_kernel = kernels
+    loss_rows = torch.empty(tokens, dtype=acc, device=device)
+    lse = torch.empty(tokens, dtype=acc, device=device)
     d_hidden = torch.empty_like(hidden) if need_hidden else None
-    d_weight = _WeightGrad(weight, grad_accum_dtype or acc) if need_weight else None
-    d_bias = torch.zeros(vocab, dtype=acc, device=hidden.device) if need_bias else None
-    chunk = max(1, min(chunk_size, tokens))
-    buffer = torch.empty(chunk, vocab, dtype=hidden.dtype, device=hidden.device)
-    for start in range(0, tokens, chunk):
-        rows = slice(start, min(start + chunk, tokens))
-        h = hidden[rows]
-        logits = buffer[: h.shape[0]]
-        if bias is None:
-            torch.mm(h, weight.T, out=logits)
-        else:
-            torch.addmm(bias, h, weight.T, out=logits)
-        ce_rows(logits, targets[rows], loss_rows[rows], compute_grad=need_grad)
-        if need_hidden:
-            torch.mm(logits, weight, out=d_hidden[rows])
+    d_bias = torch.zeros(vocab, dtype=acc, device=device) if need_bias else None
+    d_weight = None
+    with _fp32_matmul_reductions(device):
+        chunk = max(1, min(chunk_size, tokens))
+        buffer, logits = torch.empty(chunk * vocab, dtype=hidden.dtype, device=device), None
+        for start in range(0, tokens, chunk):
+            rows = slice(start, min(start + chunk, tokens))
+            h = hidden[rows]
+            logits = buffer[: h.shape[0] * vocab].view(h.shape[0], vocab)
+            _linear_(h, weight, bias, out=logits)
+            rows_kernel(logits, targets[rows], loss_rows[rows], lse[rows], scale,
+                        compute_grad=need_hidden or need_bias)
+            if need_hidden:
+                torch.mm(logits, weight, out=d_hidden[rows])
+            if need_bias:
+                d_bias += logits.sum(0, dtype=acc)
+        del buffer, logits  # pass 1's buffer is freed before d weight exists
         if need_weight:
-            d_weight.add_(logits, h)
-        if need_bias:
-            d_bias += logits.sum(0, dtype=acc)
-    del buffer, logits
-    return (loss_rows.sum(), d_hidden, None if d_weight is None else d_weight.result(),
-            None if d_bias is None else d_bias.to(bias.dtype))
+            d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device)
+            width = max(1, min(vocab_chunk_size, vocab))
+            buffer = torch.empty(tokens * width, dtype=hidden.dtype, device=device)
+            for col0 in range(0, vocab, width):
+                cols = slice(col0, min(col0 + width, vocab))
+                n = cols.stop - col0
+                logits = buffer[: tokens * n].view(tokens, n)
+                _linear_(hidden, weight[cols], None if bias is None else bias[cols], out=logits)
+                cols_kernel(logits, targets, lse, scale, col0)
+                torch.mm(logits.T, hidden, out=d_weight[cols])
+            del buffer, logits
+    return (loss_rows.sum() * scale, d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype))
 
 
-class _LinearCrossEntropySum(torch.autograd.Function):
-    """sum over valid rows of logsumexp(h W^T + b) - (h W^T + b)[target], with its gradients computed in the
-    FORWARD (`_linear_ce_chunks`); backward only scales them by grad_output (no logits recompute).
+class _LinearCrossEntropy(torch.autograd.Function):
+    """scale x (sum over valid rows of logsumexp(h W^T + b) - (h W^T + b)[target]), with its gradients computed in
+    the FORWARD (`_linear_ce_two_pass`, scale folded in before rounding); backward only multiplies them by
+    grad_output (1.0 for the plain loss.backward(): exact), no logits recompute.
 
     The gradients are held on ctx until the one backward, which hands them over (in place scaled) and drops
     them: a second backward through the same graph (retain_graph=True) raises, and so does a backward with
@@ -214,11 +248,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, impl, grad_accum_dtype):
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        total, d_hidden, d_weight, d_bias = _linear_ce_chunks(
-            hidden, weight, bias, targets, chunk_size, need_hidden=need_h, need_weight=need_w, need_bias=need_b,
-            ce_rows=_ce_kernel(hidden.device, hidden.dtype, impl), grad_accum_dtype=grad_accum_dtype)
+        total, d_hidden, d_weight, d_bias = _linear_ce_two_pass(
+            hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, need_hidden=need_h,
+            need_weight=need_w, need_bias=need_b, kernels=_ce_kernels(hidden.device, hidden.dtype, impl))
         ctx.grads = (d_hidden, d_weight, d_bias)
         return total
 
@@ -234,38 +268,52 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                                "first backward: backward through the same loss twice (retain_graph=True) is not "
                                "supported; run the forward again")
         ctx.grads = None
-        # d (g * sum) = g * d sum, in place (no second [vocab, hidden] buffer); g = 1 / global count under CP
+        # d (g * value) = g * d value, in place (no second [vocab, hidden] buffer), a device op (no host sync)
         for g in grads:
             if g is not None:
                 g.mul_(grad_total)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             targets: torch.Tensor, chunk_size: int | None = None, *, impl: str | None = None,
-                             grad_accum_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """sum over valid rows of cross_entropy(hidden @ weight.T + bias, targets), one rank, no checks (callers check).
+                             targets: torch.Tensor, chunk_size: int | None = None, *,
+                             vocab_chunk_size: int | None = None, scale: torch.Tensor | None = None,
+                             impl: str | None = None) -> torch.Tensor:
+    """scale x the sum over valid rows of cross_entropy(hidden @ weight.T + bias, targets), one rank, no checks
+    (callers check).
 
-    hidden [tokens, hidden], targets [tokens] (IGNORE_INDEX rows count 0). With gradients wanted (grad mode on and
-    an input requiring grad) they are computed in this call; otherwise only the loss. `impl`: the per-chunk
-    kernel ("torch" / "triton"; None: Triton for CUDA tensors).
+    hidden [tokens, hidden], targets [tokens] (IGNORE_INDEX rows count 0); scale a one-element tensor on hidden's
+    device (None: 1), folded into every gradient before it is rounded (1 / count for a mean). With gradients
+    wanted (grad mode on and an input requiring grad) they are computed in this call; otherwise only the loss.
+    `chunk_size` / `vocab_chunk_size`: pass 1's token chunk / pass 2's vocabulary chunk (None: `chunk_sizes`).
+    `impl`: the kernels ("torch" / "triton"; None: Triton for CUDA tensors).
     """
-    if chunk_size is None:
-        chunk_size = budget_chunk_size(weight.shape[0], hidden.dtype)
+    chunk_size, vocab_chunk_size = chunk_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype,
+                                               chunk_size, vocab_chunk_size)
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    if scale is None:
+        scale = torch.ones((), dtype=acc, device=hidden.device)
+    else:
+        scale = scale.detach().to(device=hidden.device, dtype=acc).reshape(())
     wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     if not wants_grad:
         with torch.no_grad():
-            total, *_ = _linear_ce_chunks(hidden, weight, bias, targets, chunk_size, need_hidden=False,
-                                          need_weight=False, need_bias=False,
-                                          ce_rows=_ce_kernel(hidden.device, hidden.dtype, impl))
+            total, *_ = _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size,
+                                            need_hidden=False, need_weight=False, need_bias=False,
+                                            kernels=_ce_kernels(hidden.device, hidden.dtype, impl))
         return total
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_size, impl, grad_accum_dtype)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl)
+
+
+def _check_chunk(name: str, value) -> None:
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"cp_linear_cross_entropy: {name} must be a positive integer, got {value!r}")
 
 
 def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
                             cp_mesh: DeviceMesh, *, chunk_size: int | None = None,
-                            lm_head_bias: torch.Tensor | None = None,
-                            grad_accum_dtype: torch.dtype | None = None) -> torch.Tensor:
+                            vocab_chunk_size: int | None = None,
+                            lm_head_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross entropy of `hidden_states @ lm_head_weight.T (+ lm_head_bias)` over every valid target of the
     global batch, without ever holding [tokens, vocab] logits.
 
@@ -276,22 +324,29 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     Same value and gradients as `cp_cross_entropy(model(...).logits, target_ids, cp_mesh)`: the value is the
     global mean on every rank (0 when every target is ignored), the gradient this rank's share, so gradients
     summed over the CP ranks (FSDP2 via `fully_shard_qwen3_5`, or `all_reduce_cp_grads`) are the
-    single-device gradients.
+    single-device gradients. Two small all-reduces over the batch group: the valid-target count first (its
+    inverse scales the gradients before they are rounded, on the device: no host sync), then the loss sum.
 
-    The gradients are computed in the FORWARD (the loss is the last op of a training step), `chunk_size` tokens
-    at a time (None: as many as fit a 256 MiB logits buffer, a multiple of 256; vocab 248,320 in bf16: 512):
-    the chunk's logits in the input dtype (as nn.Linear), one kernel (Triton on CUDA) forming the loss terms
-    (logsumexp in float32; float64 stays float64) and, over the logits, softmax - onehot; then the chunk's
-    d hidden_states rows, and d weight / d bias accumulated in place in float32 (float64 for float64), rounded
-    to their dtype once. Backward only scales them by its grad_output (1 / global count): no recompute. Once:
-    a second backward through the same loss (retain_graph) raises, double backward too. Without gradients
-    (torch.no_grad, no input requiring grad) only the loss is computed.
+    The gradients are computed in the FORWARD (the loss is the last op of a training step), in two passes over
+    the logits, each computed in the input dtype (as nn.Linear) into one reused buffer:
+      pass 1, `chunk_size` tokens at a time (None: as many as fit 256 MiB, a multiple of 256; vocab 248,320 in
+        bf16: 512): one kernel (Triton on CUDA) forms the loss terms and each row's logsumexp (float32; float64
+        stays float64) and, over the logits, (softmax - onehot) / count; then the chunk's d hidden_states rows
+        (one matmul accumulating in fp32, rounded once) and d bias (column sums in fp32);
+      pass 2, only for d weight, `vocab_chunk_size` vocabulary rows at a time over all tokens (None: as many as
+        fit min(256 MiB, the hidden states' bytes), a multiple of 256, at least 256; bf16, hidden 2048: 2048
+        at 16K and at 64K tokens): the logits again, (exp(logits - logsumexp) - onehot) / count in place, and
+        those rows of d weight = that^T @ hidden_states, one matmul over all tokens accumulating in fp32,
+        rounded once to the weight's dtype, as nn.Linear's backward.
+    No [vocab, hidden] accumulator: 4 matmuls of tokens x vocab x hidden (liger-kernel: 3, plus a bf16
+    read-modify-write of its weight gradient per chunk). Backward only multiplies the gradients by its
+    grad_output (1.0 for loss.backward(): exact): no recompute. Once: a second backward through the same loss
+    (retain_graph) raises, double backward too. Without gradients (torch.no_grad, no input requiring grad)
+    only pass 1's loss is computed.
 
-    Memory (bf16 weight [V, H]): the logits chunk, d hidden_states [tokens, H], and a float32 [V, H] accumulator
-    (4 V H bytes, twice the weight) during the forward, rounded at its end into its own storage (the bf16
-    gradient, 2 V H bytes, is then held until backward). `grad_accum_dtype=torch.bfloat16` (the weight's dtype)
-    accumulates in bf16 instead: 2 V H bytes, each chunk's product rounded into the running sum (as liger-kernel
-    does by default), less exact.
+    Memory (bf16 weight [V, H], T tokens): during pass 1 d hidden_states (2 T H bytes) and pass 1's buffer;
+    during pass 2 d hidden_states, d weight (2 V H bytes, the gradient itself, held until backward) and pass 2's
+    buffer: the peak, above the inputs, is 2 V H + 2 T H + min(256 MiB, 2 T H) + 8 T bytes.
     From a Qwen3_5ForCausalLM (CP'd): the text model's last hidden state (after the final norm) and the head,
     `hidden = model.model(**kwargs).last_hidden_state` and `model.lm_head.weight` (tied embeddings work the
     same: the weight is the embedding matrix, both uses' gradients add up). Under FSDP2 the head's weight is
@@ -304,8 +359,8 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
         raise ValueError("cp_linear_cross_entropy: lm_head_weight is a DTensor (a sharded parameter); pass the "
                          "unsharded weight: under FSDP2 use cp_causal_lm_loss(model, target_ids, cp_mesh, "
                          "**inputs), which computes the loss inside the root module's forward")
-    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
-        raise ValueError(f"cp_linear_cross_entropy: chunk_size must be a positive integer, got {chunk_size!r}")
+    _check_chunk("chunk_size", chunk_size)
+    _check_chunk("vocab_chunk_size", vocab_chunk_size)
     hidden = hidden_states.flatten(0, -2)
     targets = target_ids.flatten().to(hidden.device)
     vocab = lm_head_weight.shape[0]
@@ -325,17 +380,21 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
         bad = targets[((targets < 0) & valid) | (targets >= vocab)][0].item()
         raise ValueError(f"cp_linear_cross_entropy: target {bad} is out of bounds for vocab {vocab} (ignored: "
                          f"{IGNORE_INDEX})")
+    group = batch_group_of(cp_mesh)
+    count = valid.sum().reshape(1)  # int64: exact at any batch size
+    dist.all_reduce(count, group=group)
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    if grad_accum_dtype not in (None, acc, hidden.dtype):
-        raise ValueError(f"cp_linear_cross_entropy: grad_accum_dtype must be None ({acc}) or the weight's dtype "
-                         f"({hidden.dtype}), got {grad_accum_dtype}")
-    local_sum = linear_cross_entropy_sum(hidden, lm_head_weight, lm_head_bias, targets, chunk_size,
-                                         grad_accum_dtype=grad_accum_dtype)
-    return cp_global_mean(local_sum, valid.sum(), cp_mesh)
+    scale = (1.0 / count.clamp(min=1).to(acc)).reshape(())  # on the device
+    local = linear_cross_entropy_sum(hidden, lm_head_weight, lm_head_bias, targets, chunk_size,
+                                     vocab_chunk_size=vocab_chunk_size, scale=scale)  # this rank's sum / count
+    global_mean = local.detach().clone()
+    dist.all_reduce(global_mean, group=group)
+    # the value: the global mean on every rank; the gradient: this rank's share (local's, already scaled)
+    return local + (global_mean - local.detach())
 
 
 def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *,
-                      chunk_size: int | None = None, grad_accum_dtype: torch.dtype | None = None,
+                      chunk_size: int | None = None, vocab_chunk_size: int | None = None,
                       **model_kwargs) -> torch.Tensor:
     """`cp_linear_cross_entropy` of a causal LM (Qwen3_5ForCausalLM, CP'd, with or without FSDP2): no logits.
 
@@ -358,7 +417,7 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
 
     def loss_head(hidden: torch.Tensor) -> torch.Tensor:
         return cp_linear_cross_entropy(hidden, head.weight, target_ids, cp_mesh, chunk_size=chunk_size,
-                                       lm_head_bias=head.bias, grad_accum_dtype=grad_accum_dtype)
+                                       vocab_chunk_size=vocab_chunk_size, lm_head_bias=head.bias)
 
     own_forward = head.__dict__.get("forward")
     head.forward = loss_head
