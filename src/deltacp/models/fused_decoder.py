@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import types
 
 import torch
