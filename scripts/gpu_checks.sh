@@ -31,13 +31,17 @@
 #                                      wheels carried in .whl/): Qwen3.5-2B at 16K/32K/64K and 9B (8 layers) at 16K/64K,
 #                                      then a by-class kernel profile at 16K; fails if a stack fails or the step-0
 #                                      losses disagree (about 9 minutes; STEP_SIZES="2B" or "9B" for one)
+#   bash scripts/gpu_checks.sh glue    the fused glue kernels on the GPU: conv + SiLU + q/k/v, gates and gated RMSNorm,
+#                                      decoder RMSNorm / add+RMSNorm / SwiGLU, the fused linear cross entropy (bf16 vs
+#                                      fp32 references, determinism, no recompiles, timings vs eager), then the loss op
+#                                      against liger-kernel (wheels in .whl/) at vocab 248,320 (about 7 minutes)
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step" >&2
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step|glue) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step|glue" >&2
      exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -75,6 +79,12 @@ tests|quick)
   check triton_selfcheck 90 python -m pytest tests/gpu/test_triton_selfcheck_gpu.py -q -s -ra -p no:cacheprovider
   check gdn_op_tests 330 python -m pytest tests/gpu/test_triton_gdn.py -q -s -ra -p no:cacheprovider "${op_filter[@]}"
   check cp_tests 240 python -m pytest tests/gpu/test_cp_triton.py -q -s -ra -p no:cacheprovider -k "not packed"
+  ;;
+glue)
+  for t in fused_conv fused_gdn_glue fused_decoder linear_ce; do
+    check "$t" 150 python -m pytest "tests/gpu/test_${t}_gpu.py" -q -s -ra -p no:cacheprovider
+  done
+  check loss_op 150 python bench/loss_op.py --tokens 16384 65536 --hidden 2048 --json "$OUT/loss_op.jsonl"
   ;;
 step)
   for size in ${STEP_SIZES:-2B 9B}; do

@@ -35,10 +35,10 @@ import triton.language as tl
 # (tokens, channels, warps) per program; channels last, so a row of BC bf16 channels is 2*BC contiguous bytes.
 # Chosen without a GPU from ptxas -v on sm_90 (Triton 3.9, bf16, kernel 4, documents): the forward at (32, 128, 4)
 # uses 165 registers, no spills; the backward holds the K*K + K shifted tap loads of its block in flight, and at
-# (32, 128, 4) spills (255 registers, 3 KB), while (16, 64, 4) uses 198 with none. tests/gpu/test_fused_conv_gpu.py
-# `test_block_sweep` times the alternatives.
+# (32, 128, 4) spills (255 registers, 3 KB), while (16, 64, 4) uses 198 with none. On the H200
+# (tests/gpu/test_fused_conv_gpu.py `test_block_sweep`, s = 64K packed) (32, 64, 4) ran the backward fastest.
 FWD_BLOCKS = (32, 128, 4)
-BWD_BLOCKS = (16, 64, 4)
+BWD_BLOCKS = (32, 64, 4)  # 11.6 ms vs 15.3 ms at (16, 64, 4)
 # The backward's token spans: about this many programs in all (B * spans * channel blocks), each looping over
 # its span in BT-token blocks and keeping its dw/dbias partial sums in registers (C = 8192: 32 spans, 128 channel
 # blocks; the partial sums are 32 x [C, K + 1] fp32).
