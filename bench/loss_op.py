@@ -14,7 +14,8 @@ liger-kernel is a benchmark-only extra: its rows are skipped when it is not inst
 
 Rows: "deltacp" (the default chunks: `deltacp.models.loss.chunk_sizes`), "deltacp bf16 split-K" (the same with
 cuBLAS's reduced-precision split-K reductions left to the global setting: FP32_MATMUL_REDUCTIONS = False),
-"old recompute" (the baseline below), "liger" (bf16 weight-grad accumulation, its default) and "liger
+"deltacp accumulate" (weight_grad="accumulate": no pass 2, d weight summed in place over token chunks in bf16;
+default chunk, and 1024 tokens as liger picks at 64K), "old recompute" (the baseline below), "liger" (bf16 weight-grad accumulation, its default) and "liger
 fp32-accum" where that option exists.
 """
 
@@ -87,12 +88,12 @@ def old_chunked_sum(hidden, weight, targets, chunk_size=1024, *, weight_acc_dtyp
 def contenders(with_liger: bool, chunk_size=None, vocab_chunk_size=None):
     from deltacp.models import loss as L
 
-    def deltacp(fp32_reductions):
+    def deltacp(fp32_reductions, weight_grad="two_pass", chunk=chunk_size):
         def run(h, w, t):
             saved, L.FP32_MATMUL_REDUCTIONS = L.FP32_MATMUL_REDUCTIONS, fp32_reductions
             try:  # the mean: 1 / count folded into the gradients before rounding, as cp_linear_cross_entropy
-                return L.linear_cross_entropy_sum(h, w, None, t, chunk_size, vocab_chunk_size=vocab_chunk_size,
-                                                  scale=1.0 / (t != IGNORE).sum().float())
+                return L.linear_cross_entropy_sum(h, w, None, t, chunk, vocab_chunk_size=vocab_chunk_size,
+                                                  scale=1.0 / (t != IGNORE).sum().float(), weight_grad=weight_grad)
             finally:
                 L.FP32_MATMUL_REDUCTIONS = saved
         return run
@@ -100,6 +101,8 @@ def contenders(with_liger: bool, chunk_size=None, vocab_chunk_size=None):
     out = {
         "deltacp": deltacp(True),
         "deltacp bf16 split-K": deltacp(False),
+        "deltacp accumulate": deltacp(True, "accumulate"),
+        "deltacp accumulate chunk 1024": deltacp(True, "accumulate", 1024),
         "old recompute": lambda h, w, t: old_chunked_sum(h, w, t) / (t != IGNORE).sum(),
     }
     if with_liger:

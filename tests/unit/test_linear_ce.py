@@ -74,15 +74,17 @@ def _check(v, grads, rv, rgrads, tol=1e-12):
 
 
 @pytest.mark.parametrize("chunk", [1, 8, 37, 1000])
-@pytest.mark.parametrize("vchunk", [1, 7, 50])  # 50 columns: 1 per chunk, 8 chunks (last: 1), one chunk
+# 50 columns: 1 per vocabulary chunk, 8 chunks (last: 1), one chunk; "accumulate" has no vocabulary chunk
+@pytest.mark.parametrize("vchunk, mode", [(1, "two_pass"), (7, "two_pass"), (50, "two_pass"), (7, "accumulate")])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 3.7])
-def test_in_forward_gradients_match_full_logits_fp64(chunk, vchunk, bias, scale):
+def test_in_forward_gradients_match_full_logits_fp64(chunk, vchunk, bias, scale, mode):
     # rows 8..15 all ignored: with chunk 8 one whole token chunk contributes nothing
     h, w, b, t = _problem(ignored=(0, 5, 36, *range(8, 16)))
     t[1], t[2] = 0, 49  # the first and the last column are targets
     b = b if bias else None
-    ours = lambda h, w, b, t: L.linear_cross_entropy_sum(h, w, b, t, chunk, vocab_chunk_size=vchunk)  # noqa: E731
+    ours = lambda h, w, b, t: L.linear_cross_entropy_sum(h, w, b, t, chunk, vocab_chunk_size=vchunk,  # noqa: E731
+                                                         weight_grad=mode)
     need = (True, True, bias)
     v, grads = _run(ours, h, w, b, t, scale, need)
     _check(v, grads, *_run(_full_logits, h, w, b, t, scale, need))
@@ -105,9 +107,11 @@ def test_scale_folded_in_the_forward(bias):
 @pytest.mark.parametrize("need", [(False, True, True), (True, False, False), (False, False, True),
                                   (False, True, False)],
                          ids=["hidden frozen", "weight and bias frozen", "only bias", "only weight"])
-def test_partial_requires_grad(need):
+@pytest.mark.parametrize("mode", L.WEIGHT_GRAD_MODES)
+def test_partial_requires_grad(need, mode):
     h, w, b, t = _problem()
-    ours = lambda h, w, b, t: L.linear_cross_entropy_sum(h, w, b, t, 8, vocab_chunk_size=16)  # noqa: E731
+    ours = lambda h, w, b, t: L.linear_cross_entropy_sum(h, w, b, t, 8, vocab_chunk_size=16,  # noqa: E731
+                                                         weight_grad=mode)
     v, grads = _run(ours, h, w, b, t, 2.0, need)
     rv, rgrads = _run(_full_logits, h, w, b, t, 2.0, need)
     _check(v, grads, rv, rgrads)

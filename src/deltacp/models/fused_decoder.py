@@ -8,8 +8,8 @@ transformers' own forwards, the readable reference.
 Installed as instance `forward`s only (as the CP forwards are): classes, parameters, state_dict keys and
 `save_pretrained` stay transformers' own. Per decoder layer:
   - input_layernorm, post_attention_layernorm: `rms_norm` (the (1 + w) Qwen3.5 form);
-  - a dense SwiGLU `mlp` (Qwen3.5, Qwen3-Next's dense layers): down_proj(swiglu(gate_proj(x), up_proj(x)));
-    routed-expert blocks stay as they are (router, experts and shared expert);
+  - the MLP stays transformers' own (dense SwiGLU and routed experts alike): the fused `swiglu` kernel measured
+    slower than transformers' two kernels on the H200 (NOTES.md), so it is not installed;
   - the layer: the same steps as transformers' decoder layer, calling the layer's own submodules, with the
     residual add and post_attention_layernorm as one `add_rms_norm`. Every keyword the layer receives reaches
     the token mixer as transformers passes it; the cache (the layer's `cache` or `past_key_values`, by transformers
@@ -37,7 +37,6 @@ from deltacp.ops.fused import check_device
 logger = logging.getLogger(__name__)
 
 NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")  # (x * rsqrt(...) * (1 + w)).type_as(x)
-MLP_CLASSES = ("Qwen3_5MLP", "Qwen3_5MoeMLP", "Qwen3NextMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
 
 
 def _ops(name: str, x: torch.Tensor):
@@ -55,10 +54,6 @@ def _ops(name: str, x: torch.Tensor):
 
 def _norm_forward(self, hidden_states):
     return _ops("hidden_states", hidden_states).rms_norm(hidden_states, self.weight, self.eps)
-
-
-def _mlp_forward(self, x):
-    return self.down_proj(_ops("hidden_states", x).swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _layer_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
@@ -86,7 +81,7 @@ def _layer_forward(self, hidden_states, position_embeddings=None, attention_mask
     return residual + hidden_states
 
 
-_FORWARDS = (_norm_forward, _mlp_forward, _layer_forward)
+_FORWARDS = (_norm_forward, _layer_forward)
 
 
 def _cache_keyword(mixer: nn.Module) -> str:
@@ -112,14 +107,8 @@ def _install(module: nn.Module, fn) -> None:
     module.forward = types.MethodType(fn, module)
 
 
-def _fusable_mlp(mlp: nn.Module) -> bool:
-    act = getattr(mlp, "act_fn", None)
-    return (type(mlp).__name__ in MLP_CLASSES and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"))
-
-
 def install_fused_decoder(model: nn.Module) -> int:
-    """Install the fused norm / residual-add + norm / SwiGLU forwards on every decoder layer and the final norm of
+    """Install the fused norm / residual-add + norm forwards on every decoder layer and the final norm of
     a supported model (in place). Returns the number of decoder layers. Installing twice is a no-op."""
     adapter = adapter_for(model)
     text = adapter.text
@@ -131,19 +120,15 @@ def install_fused_decoder(model: nn.Module) -> int:
                                           f"not one of {NORM_CLASSES}")
     if type(text.norm).__name__ not in NORM_CLASSES:
         raise NotImplementedError(f"final norm {type(text.norm).__name__} is not one of {NORM_CLASSES}")
-    n_mlp = 0
     for layer in layers:
         _install(layer.input_layernorm, _norm_forward)
         _install(layer.post_attention_layernorm, _norm_forward)
-        if _fusable_mlp(layer.mlp):
-            _install(layer.mlp, _mlp_forward)
-            n_mlp += 1
         mixer = adapter.linear_attention(layer)
         layer._deltacp_cache_keyword = _cache_keyword(mixer if mixer is not None else adapter.full_attention(layer))
         _install(layer, _layer_forward)
     _install(text.norm, _norm_forward)
-    logger.info("Installed the fused Triton decoder glue (rms_norm, add_rms_norm, swiglu) on %d decoder layers "
-                "(%d dense SwiGLU MLPs) and the final norm of %s", len(layers), n_mlp, type(text).__name__)
+    logger.info("Installed the fused Triton decoder glue (rms_norm, add_rms_norm) on %d decoder layers and the final "
+                "norm of %s", len(layers), type(text).__name__)
     return len(layers)
 
 
@@ -153,7 +138,7 @@ def remove_fused_decoder(model: nn.Module) -> int:
     adapter = adapter_for(model)
     modules = [adapter.text.norm]
     for layer in adapter.layers():
-        modules += [layer, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
+        modules += [layer, layer.input_layernorm, layer.post_attention_layernorm]
     for module in modules:
         forward = module.__dict__.get("forward")
         if isinstance(forward, functools.partial) and any(

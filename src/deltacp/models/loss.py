@@ -185,8 +185,11 @@ def _linear_(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
         torch.addmm(bias, h, weight.T, out=out)
 
 
+WEIGHT_GRAD_MODES = ("two_pass", "accumulate")
+
+
 def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, *, need_hidden,
-                        need_weight, need_bias, kernels):
+                        need_weight, need_bias, kernels, weight_grad="two_pass"):
     """The one algorithm. Returns (scale x the sum of the loss terms in the accumulation dtype, dh, dW, db): the
     gradients of that value (None where not wanted), each rounded once to its input's dtype.
 
@@ -197,6 +200,10 @@ def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_
     buffer): logits_c = h W_c^T (+ b_c), the columns kernel (scale x (exp(logits - lse) - onehot)), then
     dW[cols] = dlogits_c^T h, one matmul over all tokens accumulating in fp32, written into dW's rows. With no
     gradient wanted only pass 1 runs, no gradient buffer exists and the logits are not overwritten.
+
+    weight_grad="accumulate" skips pass 2: pass 1 adds each chunk's dlogits^T h into dW in place, in the weight's
+    dtype (liger-kernel's scheme: three head-sized matmuls instead of four, one rounding of the running sum per
+    chunk instead of one in all).
     """
     tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -206,7 +213,8 @@ def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_
     lse = torch.empty(tokens, dtype=acc, device=device)
     d_hidden = torch.empty_like(hidden) if need_hidden else None
     d_bias = torch.zeros(vocab, dtype=acc, device=device) if need_bias else None
-    d_weight = None
+    accumulate = need_weight and weight_grad == "accumulate"
+    d_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if accumulate else None
     with _fp32_matmul_reductions(device):
         chunk = max(1, min(chunk_size, tokens))
         buffer, logits = torch.empty(chunk * vocab, dtype=hidden.dtype, device=device), None
@@ -216,13 +224,15 @@ def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_
             logits = buffer[: h.shape[0] * vocab].view(h.shape[0], vocab)
             _linear_(h, weight, bias, out=logits)
             rows_kernel(logits, targets[rows], loss_rows[rows], lse[rows], scale,
-                        compute_grad=need_hidden or need_bias)
+                        compute_grad=need_hidden or need_bias or accumulate)
             if need_hidden:
                 torch.mm(logits, weight, out=d_hidden[rows])
+            if accumulate:
+                d_weight.addmm_(logits.T, h)
             if need_bias:
                 d_bias += logits.sum(0, dtype=acc)
-        del buffer, logits  # pass 1's buffer is freed before d weight exists
-        if need_weight:
+        del buffer, logits  # pass 1's buffer is freed before pass 2's d weight exists
+        if need_weight and not accumulate:
             d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device)
             width = max(1, min(vocab_chunk_size, vocab))
             buffer = torch.empty(tokens * width, dtype=hidden.dtype, device=device)
@@ -248,11 +258,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl):
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl, weight_grad):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         total, d_hidden, d_weight, d_bias = _linear_ce_two_pass(
             hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, need_hidden=need_h,
-            need_weight=need_w, need_bias=need_b, kernels=_ce_kernels(hidden.device, hidden.dtype, impl))
+            need_weight=need_w, need_bias=need_b, kernels=_ce_kernels(hidden.device, hidden.dtype, impl),
+            weight_grad=weight_grad)
         ctx.grads = (d_hidden, d_weight, d_bias)
         return total
 
@@ -272,13 +283,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for g in grads:
             if g is not None:
                 g.mul_(grad_total)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              targets: torch.Tensor, chunk_size: int | None = None, *,
                              vocab_chunk_size: int | None = None, scale: torch.Tensor | None = None,
-                             impl: str | None = None) -> torch.Tensor:
+                             impl: str | None = None, weight_grad: str = "two_pass") -> torch.Tensor:
     """scale x the sum over valid rows of cross_entropy(hidden @ weight.T + bias, targets), one rank, no checks
     (callers check).
 
@@ -286,8 +297,11 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     device (None: 1), folded into every gradient before it is rounded (1 / count for a mean). With gradients
     wanted (grad mode on and an input requiring grad) they are computed in this call; otherwise only the loss.
     `chunk_size` / `vocab_chunk_size`: pass 1's token chunk / pass 2's vocabulary chunk (None: `chunk_sizes`).
-    `impl`: the kernels ("torch" / "triton"; None: Triton for CUDA tensors).
+    `impl`: the kernels ("torch" / "triton"; None: Triton for CUDA tensors). `weight_grad`: "two_pass" (dW rounded
+    once) or "accumulate" (dW summed in place over token chunks in the weight's dtype; see `_linear_ce_two_pass`).
     """
+    if weight_grad not in WEIGHT_GRAD_MODES:
+        raise ValueError(f"linear cross entropy: weight_grad={weight_grad!r}; expected one of {WEIGHT_GRAD_MODES}")
     chunk_size, vocab_chunk_size = chunk_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype,
                                                chunk_size, vocab_chunk_size)
     acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -302,7 +316,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
                                             need_hidden=False, need_weight=False, need_bias=False,
                                             kernels=_ce_kernels(hidden.device, hidden.dtype, impl))
         return total
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl,
+                                     weight_grad)
 
 
 def _check_chunk(name: str, value) -> None:
@@ -313,7 +328,7 @@ def _check_chunk(name: str, value) -> None:
 def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
                             cp_mesh: DeviceMesh, *, chunk_size: int | None = None,
                             vocab_chunk_size: int | None = None,
-                            lm_head_bias: torch.Tensor | None = None) -> torch.Tensor:
+                            lm_head_bias: torch.Tensor | None = None, weight_grad: str = "two_pass") -> torch.Tensor:
     """Mean cross entropy of `hidden_states @ lm_head_weight.T (+ lm_head_bias)` over every valid target of the
     global batch, without ever holding [tokens, vocab] logits.
 
@@ -347,6 +362,11 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     Memory (bf16 weight [V, H], T tokens): during pass 1 d hidden_states (2 T H bytes) and pass 1's buffer;
     during pass 2 d hidden_states, d weight (2 V H bytes, the gradient itself, held until backward) and pass 2's
     buffer: the peak, above the inputs, is 2 V H + 2 T H + min(256 MiB, 2 T H) + 8 T bytes.
+
+    weight_grad="accumulate" (instead of "two_pass") skips pass 2: pass 1 adds each token chunk's dlogits^T h into
+    d weight in place, in the weight's dtype, as liger-kernel does (3 matmuls instead of 4; the running sum is
+    rounded once per chunk instead of once in all). Same memory.
+
     From a Qwen3_5ForCausalLM (CP'd): the text model's last hidden state (after the final norm) and the head,
     `hidden = model.model(**kwargs).last_hidden_state` and `model.lm_head.weight` (tied embeddings work the
     same: the weight is the embedding matrix, both uses' gradients add up). Under FSDP2 the head's weight is
@@ -361,6 +381,8 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
                          "**inputs), which computes the loss inside the root module's forward")
     _check_chunk("chunk_size", chunk_size)
     _check_chunk("vocab_chunk_size", vocab_chunk_size)
+    if weight_grad not in WEIGHT_GRAD_MODES:
+        raise ValueError(f"cp_linear_cross_entropy: weight_grad={weight_grad!r}; expected one of {WEIGHT_GRAD_MODES}")
     hidden = hidden_states.flatten(0, -2)
     targets = target_ids.flatten().to(hidden.device)
     vocab = lm_head_weight.shape[0]
@@ -386,7 +408,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     acc = torch.promote_types(hidden.dtype, torch.float32)
     scale = (1.0 / count.clamp(min=1).to(acc)).reshape(())  # on the device
     local = linear_cross_entropy_sum(hidden, lm_head_weight, lm_head_bias, targets, chunk_size,
-                                     vocab_chunk_size=vocab_chunk_size, scale=scale)  # this rank's sum / count
+                                     vocab_chunk_size=vocab_chunk_size, scale=scale, weight_grad=weight_grad)  # this rank's sum / count
     global_mean = local.detach().clone()
     dist.all_reduce(global_mean, group=group)
     # the value: the global mean on every rank; the gradient: this rank's share (local's, already scaled)
@@ -395,7 +417,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
 
 def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *,
                       chunk_size: int | None = None, vocab_chunk_size: int | None = None,
-                      **model_kwargs) -> torch.Tensor:
+                      weight_grad: str = "two_pass", **model_kwargs) -> torch.Tensor:
     """`cp_linear_cross_entropy` of a causal LM (Qwen3_5ForCausalLM, CP'd, with or without FSDP2): no logits.
 
     Runs the model's own forward with `model_kwargs` (the CP input hook, FSDP2's hooks and activation
@@ -417,7 +439,8 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
 
     def loss_head(hidden: torch.Tensor) -> torch.Tensor:
         return cp_linear_cross_entropy(hidden, head.weight, target_ids, cp_mesh, chunk_size=chunk_size,
-                                       vocab_chunk_size=vocab_chunk_size, lm_head_bias=head.bias)
+                                       vocab_chunk_size=vocab_chunk_size, lm_head_bias=head.bias,
+                                       weight_grad=weight_grad)
 
     own_forward = head.__dict__.get("forward")
     head.forward = loss_head
