@@ -10,12 +10,11 @@ liger-kernel is a benchmark-only extra: its rows are skipped when it is not inst
 
     PYTHONPATH=src python bench/loss_op.py                       # vocab 248,320; hidden 2048, 4096; 16K/32K/64K
     PYTHONPATH=src python bench/loss_op.py --hidden 2048 --tokens 16384 --json out.jsonl
-    PYTHONPATH=src python bench/loss_op.py --ops deltacp liger --vocab-chunk 8192   # pass 2's chunk forced
+    PYTHONPATH=src python bench/loss_op.py --ops "deltacp two_pass" liger --vocab-chunk 8192   # pass 2 chunk forced
 
-Rows: "deltacp" (the default chunks: `deltacp.models.loss.chunk_sizes`), "deltacp bf16 split-K" (the same with
-cuBLAS's reduced-precision split-K reductions left to the global setting: FP32_MATMUL_REDUCTIONS = False),
-"deltacp accumulate" (weight_grad="accumulate": no pass 2, d weight summed in place over token chunks in bf16;
-default chunk, and 1024 tokens as liger picks at 64K), "old recompute" (the baseline below), "liger" (bf16 weight-grad accumulation, its default) and "liger
+Rows: "deltacp" (the defaults: weight_grad="accumulate", chunks by `deltacp.models.loss.chunk_sizes`), "deltacp
+two_pass" (d weight rounded once, 4 matmuls), "deltacp two_pass bf16 split-K" (the same with cuBLAS's
+reduced-precision split-K reductions left to the global setting: FP32_MATMUL_REDUCTIONS = False), "old recompute" (the baseline below), "liger" (bf16 weight-grad accumulation, its default) and "liger
 fp32-accum" where that option exists.
 """
 
@@ -88,7 +87,7 @@ def old_chunked_sum(hidden, weight, targets, chunk_size=1024, *, weight_acc_dtyp
 def contenders(with_liger: bool, chunk_size=None, vocab_chunk_size=None):
     from deltacp.models import loss as L
 
-    def deltacp(fp32_reductions, weight_grad="two_pass", chunk=chunk_size):
+    def deltacp(fp32_reductions, weight_grad="accumulate", chunk=chunk_size):
         def run(h, w, t):
             saved, L.FP32_MATMUL_REDUCTIONS = L.FP32_MATMUL_REDUCTIONS, fp32_reductions
             try:  # the mean: 1 / count folded into the gradients before rounding, as cp_linear_cross_entropy
@@ -100,9 +99,8 @@ def contenders(with_liger: bool, chunk_size=None, vocab_chunk_size=None):
 
     out = {
         "deltacp": deltacp(True),
-        "deltacp bf16 split-K": deltacp(False),
-        "deltacp accumulate": deltacp(True, "accumulate"),
-        "deltacp accumulate chunk 1024": deltacp(True, "accumulate", 1024),
+        "deltacp two_pass": deltacp(True, "two_pass"),
+        "deltacp two_pass bf16 split-K": deltacp(False, "two_pass"),
         "old recompute": lambda h, w, t: old_chunked_sum(h, w, t) / (t != IGNORE).sum(),
     }
     if with_liger:

@@ -118,18 +118,22 @@ def test_partial_requires_grad(need, mode):
 
 
 def test_budgeted_chunk_sizes():
-    """Defaults: pass 1 from 256 MiB (vocab 248,320 in bf16: 512 tokens, fp32: 256); pass 2 from min(256 MiB,
-    the hidden states' bytes), a multiple of 256 columns, at least 256."""
+    """Defaults. two_pass: pass 1 from 256 MiB (vocab 248,320 in bf16: 512 tokens, fp32: 256); pass 2 from
+    min(256 MiB, the hidden states' bytes), a multiple of 256 columns, at least 256. accumulate: liger-kernel's
+    token chunk, the next power of two of tokens / ceil(vocab / hidden), at least 256."""
     V, bf16 = 248_320, torch.bfloat16
-    assert L.chunk_sizes(16384, 2048, V, bf16) == (512, 2048)
-    assert L.chunk_sizes(16384, 4096, V, bf16) == (512, 4096)
-    assert L.chunk_sizes(65536, 2048, V, bf16) == (512, 2048)
-    assert L.chunk_sizes(65536, 4096, V, torch.float32) == (256, 1024)
-    assert L.chunk_sizes(2**20, 4096, V, bf16) == (512, 256)  # the floor
-    assert L.chunk_sizes(100, 8, V, bf16, 7, 9) == (7, 9)  # given ones win
+    two = dict(weight_grad="two_pass")
+    assert L.chunk_sizes(16384, 2048, V, bf16, **two) == (512, 2048)
+    assert L.chunk_sizes(16384, 4096, V, bf16, **two) == (512, 4096)
+    assert L.chunk_sizes(65536, 2048, V, bf16, **two) == (512, 2048)
+    assert L.chunk_sizes(65536, 4096, V, torch.float32, **two) == (256, 1024)
+    assert L.chunk_sizes(2**20, 4096, V, bf16, **two) == (512, 256)  # the floor
+    assert L.chunk_sizes(100, 8, V, bf16, 7, 9, **two) == (7, 9)  # given ones win
+    assert [L.chunk_sizes(n, 2048, V, bf16)[0] for n in (4096, 16384, 32768, 65536)] == [256, 256, 512, 1024]
+    assert L.chunk_sizes(65536, 4096, V, bf16)[0] == 2048 and L.chunk_sizes(100, 8, V, bf16, 7)[0] == 7
     # pass 2's buffer: never above the hidden states' bytes nor 256 MiB (when not at the 256-column floor)
     for n, hid in ((16384, 2048), (32768, 2048), (65536, 4096)):
-        _, vc = L.chunk_sizes(n, hid, V, bf16)
+        _, vc = L.chunk_sizes(n, hid, V, bf16, **two)
         assert 2 * n * vc <= min(2 * n * hid, 256 * 2**20)
 
 
@@ -223,9 +227,21 @@ def test_peak_bytes_no_weight_accumulator(vchunk):
     buffer2 = 2 * N * cols
     # CPU only: the PyTorch kernel's fp32 copy of the buffer and its scatter / mask temporaries; lse, loss rows
     slack = 4 * N * cols + 64 * N + 4096
-    peak = _peak_bytes(h, w, t, chunk, vocab_chunk_size=vchunk)
+    peak = _peak_bytes(h, w, t, chunk, vocab_chunk_size=vchunk, weight_grad="two_pass")
     print(f"peak bytes above the inputs {peak}; dW + dh {2 * V * H + 2 * N * H}, pass 2 buffer {buffer2}")
     assert 2 * V * H + 2 * N * H + buffer2 <= peak <= 2 * V * H + 2 * N * H + buffer2 + slack < 4 * V * H, peak
+
+
+def test_peak_bytes_accumulate():
+    """weight_grad="accumulate": peak above the inputs = dW (2 V H, summed in place) + dh (2 N H) + the [chunk, V]
+    logits buffer + small: no fp32 accumulator, no pass-2 buffer."""
+    N, H, V, chunk = 256, 512, 4096, 64
+    h, w, _, t = _problem(tokens=N, hidden=H, vocab=V, dtype=torch.bfloat16, ignored=range(0, N, 9))
+    buffer1 = 2 * chunk * V
+    slack = 4 * chunk * V + 64 * N + 4096  # CPU only: the PyTorch kernel's fp32 copy of the chunk and temporaries
+    peak = _peak_bytes(h, w, t, chunk)
+    print(f"peak bytes above the inputs {peak}; dW + dh {2 * V * H + 2 * N * H}, chunk buffer {buffer1}")
+    assert 2 * V * H + 2 * N * H + buffer1 <= peak <= 2 * V * H + 2 * N * H + buffer1 + slack < 4 * V * H, peak
 
 
 def test_bf16_weight_grad_one_rounding_beats_running_bf16_sum():
@@ -239,6 +255,7 @@ def test_bf16_weight_grad_one_rounding_beats_running_bf16_sum():
     leaves = [x.clone().requires_grad_() for x in (h, w)]
     scale = 1.0 / count.float()
     dh, dw = torch.autograd.grad(L.linear_cross_entropy_sum(*leaves, None, t, 64, vocab_chunk_size=128,
+                                                            weight_grad="two_pass",
                                                             scale=scale), leaves)
     # the running bf16 sum: per 32-token chunk, that chunk's exact gradient of the mean added in bf16
     d_logits = torch.softmax(F.linear(*exact).detach(), -1)
@@ -336,7 +353,8 @@ b = torch.randn(V, generator=g)
 t = torch.randint(0, V, (11,), generator=g)
 t[[0, 5, 10]] = -100
 leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-v = L.linear_cross_entropy_sum(*leaves, t, 4, vocab_chunk_size=256, scale=torch.tensor(0.125), impl="triton")
+v = L.linear_cross_entropy_sum(*leaves, t, 4, vocab_chunk_size=256, scale=torch.tensor(0.125), impl="triton",
+                              weight_grad="two_pass")
 got = [v.detach()] + list(torch.autograd.grad(v * 3.7, leaves))
 ex = [x.double().requires_grad_() for x in (h, w, b)]
 rv = torch.nn.functional.cross_entropy(torch.nn.functional.linear(*ex), t, ignore_index=-100, reduction="sum")

@@ -64,11 +64,21 @@ def budget_vocab_chunk_size(tokens: int, dtype: torch.dtype, budget_bytes: int) 
     return max(CHUNK_MULTIPLE, cols // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
 
 
+def accumulate_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk of weight_grad="accumulate": a chunk's logits about the hidden states' size, the token count
+    rounded up to a power of two, at least CHUNK_MULTIPLE (liger-kernel's rule, so that both hold the same
+    buffers: vocab 248,320, hidden 2048: 256 tokens at 16K, 512 at 32K, 1024 at 64K)."""
+    rows = -(-max(tokens, 1) // -(-vocab // hidden))
+    return max(CHUNK_MULTIPLE, 1 << (rows - 1).bit_length())
+
+
 def chunk_sizes(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, chunk_size: int | None = None,
-                vocab_chunk_size: int | None = None) -> tuple[int, int]:
-    """(token chunk of pass 1, vocabulary chunk of pass 2): the given ones, or the budgeted defaults."""
+                vocab_chunk_size: int | None = None, weight_grad: str = "accumulate") -> tuple[int, int]:
+    """(token chunk of pass 1, vocabulary chunk of pass 2): the given ones, or the defaults (pass 1:
+    `accumulate_chunk_size` for weight_grad="accumulate", the LOGITS_CHUNK_BUDGET rule for "two_pass")."""
     if chunk_size is None:
-        chunk_size = budget_chunk_size(vocab, dtype)
+        chunk_size = (accumulate_chunk_size(tokens, hidden, vocab) if weight_grad == "accumulate"
+                      else budget_chunk_size(vocab, dtype))
     if vocab_chunk_size is None:
         vocab_chunk_size = budget_vocab_chunk_size(tokens, dtype, vocab_budget_bytes(tokens, hidden, dtype))
     return chunk_size, vocab_chunk_size
@@ -189,7 +199,7 @@ WEIGHT_GRAD_MODES = ("two_pass", "accumulate")
 
 
 def _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, *, need_hidden,
-                        need_weight, need_bias, kernels, weight_grad="two_pass"):
+                        need_weight, need_bias, kernels, weight_grad="accumulate"):
     """The one algorithm. Returns (scale x the sum of the loss terms in the accumulation dtype, dh, dW, db): the
     gradients of that value (None where not wanted), each rounded once to its input's dtype.
 
@@ -289,7 +299,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              targets: torch.Tensor, chunk_size: int | None = None, *,
                              vocab_chunk_size: int | None = None, scale: torch.Tensor | None = None,
-                             impl: str | None = None, weight_grad: str = "two_pass") -> torch.Tensor:
+                             impl: str | None = None, weight_grad: str = "accumulate") -> torch.Tensor:
     """scale x the sum over valid rows of cross_entropy(hidden @ weight.T + bias, targets), one rank, no checks
     (callers check).
 
@@ -303,7 +313,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     if weight_grad not in WEIGHT_GRAD_MODES:
         raise ValueError(f"linear cross entropy: weight_grad={weight_grad!r}; expected one of {WEIGHT_GRAD_MODES}")
     chunk_size, vocab_chunk_size = chunk_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype,
-                                               chunk_size, vocab_chunk_size)
+                                               chunk_size, vocab_chunk_size, weight_grad)
     acc = torch.promote_types(hidden.dtype, torch.float32)
     if scale is None:
         scale = torch.ones((), dtype=acc, device=hidden.device)
@@ -328,7 +338,7 @@ def _check_chunk(name: str, value) -> None:
 def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
                             cp_mesh: DeviceMesh, *, chunk_size: int | None = None,
                             vocab_chunk_size: int | None = None,
-                            lm_head_bias: torch.Tensor | None = None, weight_grad: str = "two_pass") -> torch.Tensor:
+                            lm_head_bias: torch.Tensor | None = None, weight_grad: str = "accumulate") -> torch.Tensor:
     """Mean cross entropy of `hidden_states @ lm_head_weight.T (+ lm_head_bias)` over every valid target of the
     global batch, without ever holding [tokens, vocab] logits.
 
@@ -342,30 +352,24 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     single-device gradients. Two small all-reduces over the batch group: the valid-target count first (its
     inverse scales the gradients before they are rounded, on the device: no host sync), then the loss sum.
 
-    The gradients are computed in the FORWARD (the loss is the last op of a training step), in two passes over
-    the logits, each computed in the input dtype (as nn.Linear) into one reused buffer:
-      pass 1, `chunk_size` tokens at a time (None: as many as fit 256 MiB, a multiple of 256; vocab 248,320 in
-        bf16: 512): one kernel (Triton on CUDA) forms the loss terms and each row's logsumexp (float32; float64
-        stays float64) and, over the logits, (softmax - onehot) / count; then the chunk's d hidden_states rows
-        (one matmul accumulating in fp32, rounded once) and d bias (column sums in fp32);
-      pass 2, only for d weight, `vocab_chunk_size` vocabulary rows at a time over all tokens (None: as many as
-        fit min(256 MiB, the hidden states' bytes), a multiple of 256, at least 256; bf16, hidden 2048: 2048
-        at 16K and at 64K tokens): the logits again, (exp(logits - logsumexp) - onehot) / count in place, and
-        those rows of d weight = that^T @ hidden_states, one matmul over all tokens accumulating in fp32,
-        rounded once to the weight's dtype, as nn.Linear's backward.
-    No [vocab, hidden] accumulator: 4 matmuls of tokens x vocab x hidden (liger-kernel: 3, plus a bf16
-    read-modify-write of its weight gradient per chunk). Backward only multiplies the gradients by its
-    grad_output (1.0 for loss.backward(): exact): no recompute. Once: a second backward through the same loss
-    (retain_graph) raises, double backward too. Without gradients (torch.no_grad, no input requiring grad)
-    only pass 1's loss is computed.
-
-    Memory (bf16 weight [V, H], T tokens): during pass 1 d hidden_states (2 T H bytes) and pass 1's buffer;
-    during pass 2 d hidden_states, d weight (2 V H bytes, the gradient itself, held until backward) and pass 2's
-    buffer: the peak, above the inputs, is 2 V H + 2 T H + min(256 MiB, 2 T H) + 8 T bytes.
-
-    weight_grad="accumulate" (instead of "two_pass") skips pass 2: pass 1 adds each token chunk's dlogits^T h into
-    d weight in place, in the weight's dtype, as liger-kernel does (3 matmuls instead of 4; the running sum is
-    rounded once per chunk instead of once in all). Same memory.
+    The gradients are computed in the FORWARD (the loss is the last op of a training step); backward only multiplies
+    them by its grad_output (1.0 for loss.backward(): exact), no recompute. Once: a second backward through the
+    same loss (retain_graph) raises, double backward too. Without gradients (torch.no_grad, no input requiring
+    grad) only the loss is computed. The logits are computed in the input dtype (as nn.Linear), `chunk_size` tokens
+    at a time into one reused buffer; one kernel (Triton on CUDA) forms the loss terms and each row's logsumexp
+    (float32; float64 stays float64) and, over the logits, (softmax - onehot) / count; then the chunk's
+    d hidden_states rows (one matmul accumulating in fp32, rounded once) and d bias (column sums in fp32). The
+    weight's gradient, by `weight_grad`:
+      "accumulate" (default): each chunk's dlogits^T @ hidden_states is added in place into d weight, in the
+        weight's dtype (the matmul accumulates in fp32, the running sum is rounded once per chunk): 3 matmuls of
+        tokens x vocab x hidden, as liger-kernel's fused linear cross entropy, with its chunk rule
+        (`accumulate_chunk_size`: 256 tokens at 16K, 1024 at 64K for vocab 248,320, hidden 2048) and so its
+        buffers: peak above the inputs 2 V H (d weight) + 2 T H (d hidden) + the logits chunk (about 2 T H);
+      "two_pass": a second pass over `vocab_chunk_size` vocabulary rows at a time (default: as many as fit
+        min(256 MiB, the hidden states' bytes)) recomputes those logits for all tokens and writes those rows of
+        d weight with one matmul over all tokens, rounded once, as nn.Linear's backward: 4 matmuls, the first pass
+        `chunk_size` (default: as many tokens as fit 256 MiB) freed before d weight exists; peak 2 V H + 2 T H +
+        min(256 MiB, 2 T H) + 8 T bytes. Slower at long rows (H200, 64K tokens: 450 vs 343 ms), more exact.
 
     From a Qwen3_5ForCausalLM (CP'd): the text model's last hidden state (after the final norm) and the head,
     `hidden = model.model(**kwargs).last_hidden_state` and `model.lm_head.weight` (tied embeddings work the
@@ -417,7 +421,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
 
 def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *,
                       chunk_size: int | None = None, vocab_chunk_size: int | None = None,
-                      weight_grad: str = "two_pass", **model_kwargs) -> torch.Tensor:
+                      weight_grad: str = "accumulate", **model_kwargs) -> torch.Tensor:
     """`cp_linear_cross_entropy` of a causal LM (Qwen3_5ForCausalLM, CP'd, with or without FSDP2): no logits.
 
     Runs the model's own forward with `model_kwargs` (the CP input hook, FSDP2's hooks and activation
