@@ -137,8 +137,8 @@ def _time_ms(fn, reps: int = 10) -> float:
 @pytest.mark.parametrize("s", [16384, 65536])
 def test_timing(s, packed):
     """Prints forward, backward and forward + backward of the fused kernel and of today's eager path, and the
-    HBM traffic rate of the fused kernels (forward: x read, q/k/v written; backward: x, dq/dk/dv read, dx
-    written)."""
+    HBM traffic rate of the fused kernels (forward: x read, q/k/v written; backward: x, dq/dk/dv read, dpre
+    written, then dpre read, dx written: 5 x the bytes of x)."""
     from deltacp.ops.fused import conv as F
     from deltacp.ops.gdn.eager import causal_conv_silu, split_qkv
 
@@ -173,8 +173,9 @@ def test_timing(s, packed):
     t_fb, t_eb = _time_ms(bwd_only(fused_fwd)), _time_ms(bwd_only(eager_fwd))
     t_fa, t_ea = _time_ms(fwd_bwd(fused_fwd)), _time_ms(fwd_bwd(eager_fwd))
     gb = x.numel() * x.element_size() / 1e9
-    print(f"\nconv s={s} packed={packed} (C={C}, bf16; blocks fwd {F.FWD_BLOCKS} bwd {F.BWD_BLOCKS}): "
-          f"fused fwd {t_ff:.3f} ms ({2 * gb / t_ff:.0f} GB/s), bwd {t_fb:.3f} ms ({3 * gb / t_fb:.0f} GB/s), "
+    print(f"\nconv s={s} packed={packed} (C={C}, bf16; blocks fwd {F.FWD_BLOCKS} bwd {F.BWD_DPRE_BLOCKS} "
+          f"+ {F.BWD_DX_BLOCKS}): "
+          f"fused fwd {t_ff:.3f} ms ({2 * gb / t_ff:.0f} GB/s), bwd {t_fb:.3f} ms ({5 * gb / t_fb:.0f} GB/s), "
           f"f+b {t_fa:.3f} ms | eager fwd {t_ef:.3f} ms, bwd {t_eb:.3f} ms, f+b {t_ea:.3f} ms | "
           f"speed-up f+b {t_ea / t_fa:.2f}x")
 
@@ -182,26 +183,35 @@ def test_timing(s, packed):
 @pytest.mark.parametrize("s", [65536])
 def test_block_sweep(s):
     """Prints forward and backward times of a few block shapes (tokens, channels, warps) at the packed shape, for
-    choosing FWD_BLOCKS / BWD_BLOCKS (each shape compiles its own variant; the defaults are restored)."""
+    choosing FWD_BLOCKS / BWD_DPRE_BLOCKS / BWD_DX_BLOCKS: each kernel's candidates are swept with the others at
+    their defaults (each shape compiles its own variant; the defaults are restored). The backward's two passes
+    are timed together (autograd runs both)."""
     from deltacp.ops.fused import conv as F
 
     x, w, left, starts, dys = make(s, True)
     xg, wg, lg = (t.detach().requires_grad_() for t in (x, w, left))
-    keep = F.FWD_BLOCKS, F.BWD_BLOCKS
+    keep = F.FWD_BLOCKS, F.BWD_DPRE_BLOCKS, F.BWD_DX_BLOCKS
+    sweeps = {
+        "FWD_BLOCKS": ((32, 128, 4), (16, 128, 4), (32, 64, 4), (64, 128, 8)),
+        "BWD_DPRE_BLOCKS": ((16, 64, 4), (16, 64, 8), (32, 64, 8), (16, 128, 8), (8, 128, 4), (32, 64, 4)),
+        "BWD_DX_BLOCKS": ((64, 64, 4), (32, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8)),
+    }
     lines = []
     try:
-        for blocks in ((32, 128, 4), (16, 128, 4), (16, 128, 8), (32, 64, 4), (32, 64, 8), (16, 64, 4), (8, 128, 4),
-                       (64, 128, 8)):
-            F.FWD_BLOCKS = F.BWD_BLOCKS = blocks
+        for name, cands in sweeps.items():
+            for blocks in cands:
+                F.FWD_BLOCKS, F.BWD_DPRE_BLOCKS, F.BWD_DX_BLOCKS = keep
+                setattr(F, name, blocks)
 
-            def fwd():
-                return F.conv_silu_split(xg, wg, None, 1, left_BhC=lg, doc_start_s=starts, split=SPLIT)
+                def fwd():
+                    return F.conv_silu_split(xg, wg, None, 1, left_BhC=lg, doc_start_s=starts, split=SPLIT)
 
-            with torch.no_grad():
-                t_f = _time_ms(fwd)
-            outs = fwd()
-            t_b = _time_ms(lambda: torch.autograd.grad(outs, (xg, wg, lg), dys, retain_graph=True))
-            lines.append(f"  blocks {blocks}: fwd {t_f:.3f} ms, bwd {t_b:.3f} ms")
+                with torch.no_grad():
+                    t_f = _time_ms(fwd)
+                outs = fwd()
+                t_b = _time_ms(lambda: torch.autograd.grad(outs, (xg, wg, lg), dys, retain_graph=True))
+                lines.append(f"  {name} {blocks}: fwd {t_f:.3f} ms, bwd {t_b:.3f} ms")
     finally:
-        F.FWD_BLOCKS, F.BWD_BLOCKS = keep
-    print(f"\nfused conv block sweep, s={s} packed:\n" + "\n".join(lines))
+        F.FWD_BLOCKS, F.BWD_DPRE_BLOCKS, F.BWD_DX_BLOCKS = keep
+    print(f"\nfused conv block sweep, s={s} packed (defaults fwd {keep[0]} dpre {keep[1]} dx {keep[2]}):\n"
+          + "\n".join(lines))

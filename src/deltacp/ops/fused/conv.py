@@ -11,15 +11,18 @@ weight's dtype, as the eager path (transformers' Qwen3.5) does: it casts x to th
 (products accumulated in fp32, or fp64 for fp64 inputs), rounds, applies SiLU in fp32 and rounds again. The
 outputs are stored in x's dtype.
 
-Backward recomputes a from x, left and the weights (nothing else is saved):
-    da[t]  = dy[t] * SiLU'(a[t])                                  (fp32; eager rounds da to bf16 first)
-    dx~[p] = sum_j w[c, j] * da[p + (K-1-j)*d] * [p >= start[p + (K-1-j)*d]]     (p < 0: the left context)
-    dw[c, j] = sum_{b, t} da[b, t, c] * x~[b, t - (K-1-j)*d, c] * valid,   dbias[c] = sum_{b, t} da[b, t, c]
-dw and dbias are per-program partial sums in fp32 (fp64), then one fixed-order torch sum over programs: no
-atomics, the same bits every run. Every program of the backward recomputes a at the K shifted token blocks that
-read its tokens: K*K tap loads of x per block, nearly all L1/L2 hits, so the HBM traffic stays x and dy read once,
-dx written once (whether the loads' issue rate or HBM bounds it is measured by tests/gpu/test_fused_conv_gpu.py).
-Only blocks that reach before position 0 read the left context.
+Backward recomputes a from x, left and the weights (nothing else is saved), in two streaming passes:
+    pass 1 (conv_silu_bwd_dpre_kernel), per output token t:
+        da[t] = round_w( dy[t] * SiLU'(a[t]) )        stored to a transient dpre [B, s, C] of the weight's dtype
+                                                      (eager's SiLU backward rounds it there too)
+        dw[c, j] = sum_{b, t} da[b, t, c] * x~[b, t - (K-1-j)*d, c] * valid,   dbias[c] = sum_{b, t} da[b, t, c]
+    pass 2 (conv_silu_bwd_dx_kernel), per position p (p < 0: the left context):
+        dx~[p] = sum_j w[c, j] * da[p + (K-1-j)*d] * [p >= start[p + (K-1-j)*d]]      (fp32, rounded once)
+Pass 1 makes the forward's K tap loads of x~ plus dy, and K more tap loads (L1 hits) for dw; pass 2 makes K
+shifted loads of dpre. HBM traffic: x and dy read, dpre written (pass 1), dpre read and dx written (pass 2): 5
+element-sized accesses per element instead of the fused floor's 3. dw and dbias are per-program [BT, BC] running
+sums in fp32 (fp64), reduced over tokens once per program, then one fixed-order torch sum over programs: no
+atomics, the same bits every run. Only blocks that reach before position 0 read the left context.
 
 The sequence length is a runtime argument (never specialised): a packed stream compiles once per model shape.
 
@@ -33,15 +36,21 @@ import triton
 import triton.language as tl
 
 # (tokens, channels, warps) per program; channels last, so a row of BC bf16 channels is 2*BC contiguous bytes.
-# Chosen without a GPU from ptxas -v on sm_90 (Triton 3.9, bf16, kernel 4, documents): the forward at (32, 128, 4)
-# uses 165 registers, no spills; the backward holds the K*K + K shifted tap loads of its block in flight, and at
-# (32, 128, 4) spills (255 registers, 3 KB), while (16, 64, 4) uses 198 with none. On the H200
-# (tests/gpu/test_fused_conv_gpu.py `test_block_sweep`, s = 64K packed) (32, 64, 4) ran the backward fastest.
+# Forward: chosen without a GPU from ptxas -v on sm_90 (Triton 3.9, bf16, kernel 4, documents): 165 registers at
+# (32, 128, 4), no spills.
 FWD_BLOCKS = (32, 128, 4)
-BWD_BLOCKS = (32, 64, 4)  # 11.6 ms vs 15.3 ms at (16, 64, 4)
-# The backward's token spans: about this many programs in all (B * spans * channel blocks), each looping over
-# its span in BT-token blocks and keeping its dw/dbias partial sums in registers (C = 8192: 32 spans, 128 channel
-# blocks; the partial sums are 32 x [C, K + 1] fp32).
+# Backward, picked from ptxas -v on sm_90 (Triton 3.9, bf16, kernel 4, left context + documents, C divisible by
+# 16 as at launch), no GPU at hand; tests/gpu/test_fused_conv_gpu.py `test_block_sweep` times the candidates on
+# the H200. Pass 1 (conv_silu_bwd_dpre_kernel) keeps K + 1 [BT, BC] fp32 running sums (dw taps, dbias): at
+# (16, 64, 4) 125 registers, no spills (4 programs = 16 warps per SM); (32, 64, 4) needs 242, (16, 64, 8) 79
+# (kernel 8: 203 / 127). Its loop body has no cross-warp reduction nor layout conversion (the K + 1 token
+# reductions run once, after the loop). Pass 2 (conv_silu_bwd_dx_kernel): K shifted loads of dpre into one fp32
+# accumulator: (64, 64, 4) 124 registers, no spills (kernel 8: 194); (32, 64, 4) 80.
+BWD_DPRE_BLOCKS = (16, 64, 4)
+BWD_DX_BLOCKS = (64, 64, 4)
+# Pass 1's token spans: about this many programs in all (B * spans * channel blocks), each looping over its span
+# in BT-token blocks and keeping its dw/dbias running sums in registers (C = 8192: 32 spans, 128 channel blocks;
+# the partial sums are 32 x [C, K + 1] fp32).
 BWD_PROGRAMS = 4096
 MAX_KERNEL = 8
 
@@ -116,30 +125,34 @@ def conv_silu_fwd_kernel(x, left, w, bias, starts, q, k, v, s, stride_xb, stride
     tl.store(v + row * (C - NQ - NK) + (o_c - NQ - NK)[None, :], y, mask=m & (o_c >= NQ + NK)[None, :])
 
 
-@triton.jit
-def _bwd_rows(x, left, w, bias, starts, dq, dk, dv, i_b, p0, o_c, m_c, s, stride_xb, stride_xt, stride_xc, C,
-              NQ, NK, KW: tl.constexpr, DIL: tl.constexpr, HALO: tl.constexpr, HAS_LEFT: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_DOCS: tl.constexpr, F64: tl.constexpr, NEED_DW: tl.constexpr,
-              BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
-    """dx~ [BT, BC] at positions p = p0 + [0, BT) (may be negative: the left context), and, with NEED_DW, the
-    dw [BC, KP] and dbias [BC] contributions of output tokens p (zeros otherwise)."""
+@triton.jit(do_not_specialize=["s", "stride_xb", "span"])
+def conv_silu_bwd_dpre_kernel(x, left, w, bias, starts, dq, dk, dv, dpre, dw_part, db_part, s, span, stride_xb,
+                              stride_xt, stride_xc, C, NQ, NK, KW: tl.constexpr, DIL: tl.constexpr,
+                              HALO: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_DOCS: tl.constexpr, F64: tl.constexpr, NEED_DW: tl.constexpr, BT: tl.constexpr,
+                              BC: tl.constexpr):
+    """Backward pass 1 over output tokens [i_s * span, (i_s + 1) * span) of row i_b, BT at a time: recompute a
+    (the K tap loads of x~ the forward makes), da = round_w(dy * SiLU'(a)) stored to dpre [B, s, C] (the weight's
+    dtype, as eager's SiLU backward rounds it; dw and dbias use that rounded da too), and the dw/dbias partial sums
+    sum_t da[t] * x~[t - shift_j] of this program (partial number i_b * num_programs(0) + i_s)."""
+    i_s, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
     if F64:
-        dx = tl.zeros([BT, BC], dtype=tl.float64)
-        dw = tl.zeros([BC, KP], dtype=tl.float64)
-        db = tl.zeros([BC], dtype=tl.float64)
+        zero = tl.zeros([BT, BC], dtype=tl.float64)
     else:
-        dx = tl.zeros([BT, BC], dtype=tl.float32)
-        dw = tl.zeros([BC, KP], dtype=tl.float32)
-        db = tl.zeros([BC], dtype=tl.float32)
-    o_k = tl.arange(0, KP)
-    p = p0 + tl.arange(0, BT)
-    for e in tl.static_range(KW):
-        # output tokens t = p + e*d read p through their tap KW-1-e
-        t = p + e * DIL
-        m_t = (t >= 0) & (t < s)
+        zero = tl.zeros([BT, BC], dtype=tl.float32)
+    # [BT, BC] running sums of da (db) and of da * tap j (dw[:, j]), one per tap (KW <= 8; the unused ones are
+    # never updated and compile away), reduced over tokens once per program: no cross-warp reduction per block
+    db, dw0, dw1, dw2, dw3, dw4, dw5, dw6, dw7 = zero, zero, zero, zero, zero, zero, zero, zero, zero
+    lo = i_s * span
+    hi = tl.minimum(lo + span, s)
+    for t0 in range(lo, hi, BT):
+        t = t0 + tl.arange(0, BT)
+        m_t = t < s
         start = _load_starts(starts, t, m_t, HAS_DOCS)
-        a = _preact(x, left, w, bias, i_b, p0 + e * DIL, start, o_c, m_c, s, stride_xb, stride_xt, stride_xc, C,
-                    KW, DIL, HALO, HAS_LEFT, HAS_BIAS, HAS_DOCS, F64, BT, BC)
+        a = _preact(x, left, w, bias, i_b, t0, start, o_c, m_c, s, stride_xb, stride_xt, stride_xc, C, KW, DIL,
+                    HALO, HAS_LEFT, HAS_BIAS, HAS_DOCS, F64, BT, BC)
         row = (i_b.to(tl.int64) * s + t.to(tl.int64))[:, None]
         m = m_t[:, None] & m_c[None, :]
         dy = tl.load(dq + row * NQ + o_c[None, :], mask=m & (o_c < NQ)[None, :], other=0.).to(a.dtype)
@@ -148,76 +161,90 @@ def _bwd_rows(x, left, w, bias, starts, dq, dk, dv, i_b, p0, o_c, m_c, s, stride
         dy += tl.load(dv + row * (C - NQ - NK) + (o_c - NQ - NK)[None, :], mask=m & (o_c >= NQ + NK)[None, :],
                       other=0.).to(a.dtype)
         sig = 1. / (1. + tl.exp(-a))
-        da = dy * (sig * (1. + a * (1. - sig)))
-        wj = tl.load(w + o_c * KW + (KW - 1 - e), mask=m_c, other=0.).to(a.dtype)
-        contrib = da * wj[None, :]
-        if HAS_DOCS:
-            contrib = tl.where((p >= start)[:, None], contrib, 0.)
-        dx += contrib
+        da = (dy * (sig * (1. + a * (1. - sig)))).to(dpre.dtype.element_ty)
+        tl.store(dpre + row * C + o_c[None, :], da, mask=m)
         if NEED_DW:
-            if e == 0:  # t = p: this block's own outputs
-                db += tl.sum(da, 0)
-                for i in tl.static_range(KW):
-                    pp0 = p0 - (KW - 1 - i) * DIL
-                    xv = _load_x(x, left, i_b, pp0, o_c, m_c, s, stride_xb, stride_xt, stride_xc, C, HALO, HAS_LEFT,
-                                 BT)
-                    xv = xv.to(w.dtype.element_ty).to(a.dtype)
-                    if HAS_DOCS:
-                        xv = tl.where((pp0 + tl.arange(0, BT) >= start)[:, None], xv, 0.)
-                    dw += tl.where((o_k == i)[None, :], tl.sum(da * xv, 0)[:, None], 0.)
-    return dx, dw, db
-
-
-@triton.jit(do_not_specialize=["s", "stride_xb", "span"])
-def conv_silu_bwd_kernel(x, left, w, bias, starts, dq, dk, dv, dx, dw_part, db_part, s, span, stride_xb, stride_xt,
-                         stride_xc, C, NQ, NK, KW: tl.constexpr, DIL: tl.constexpr, HALO: tl.constexpr,
-                         HAS_LEFT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOCS: tl.constexpr, F64: tl.constexpr,
-                         NEED_DW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
-    """dx of tokens [i_s * span, (i_s + 1) * span) and their outputs' dw/dbias partial sums (program i_s of row
-    i_b: partial sum number i_b * num_programs(0) + i_s)."""
-    i_s, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    o_k = tl.arange(0, KP)
-    if F64:
-        acc_dw = tl.zeros([BC, KP], dtype=tl.float64)
-        acc_db = tl.zeros([BC], dtype=tl.float64)
-    else:
-        acc_dw = tl.zeros([BC, KP], dtype=tl.float32)
-        acc_db = tl.zeros([BC], dtype=tl.float32)
-    lo = i_s * span
-    hi = tl.minimum(lo + span, s)
-    for t0 in range(lo, hi, BT):
-        p = t0 + tl.arange(0, BT)
-        b_dx, b_dw, b_db = _bwd_rows(x, left, w, bias, starts, dq, dk, dv, i_b, t0, o_c, m_c, s, stride_xb,
-                                     stride_xt, stride_xc, C, NQ, NK, KW, DIL, HALO, HAS_LEFT, HAS_BIAS, HAS_DOCS,
-                                     F64, NEED_DW, BT, BC, KP)
-        row = (i_b.to(tl.int64) * s + p.to(tl.int64))[:, None]
-        tl.store(dx + row * C + o_c[None, :], b_dx.to(dx.dtype.element_ty), mask=(p < s)[:, None] & m_c[None, :])
-        acc_dw += b_dw
-        acc_db += b_db
+            da_f = da.to(a.dtype)  # 0 at t >= s (dy masked to 0) and at channels >= C
+            db += da_f
+            for j in tl.static_range(KW):
+                # the tap the forward made (x~ rounded to the weight dtype, document-masked): L1 hits
+                p0 = t0 - (KW - 1 - j) * DIL
+                xv = _load_x(x, left, i_b, p0, o_c, m_c, s, stride_xb, stride_xt, stride_xc, C, HALO, HAS_LEFT, BT)
+                xv = xv.to(w.dtype.element_ty).to(a.dtype)
+                if HAS_DOCS:
+                    xv = tl.where((p0 + tl.arange(0, BT) >= start)[:, None], xv, 0.)
+                if j == 0:
+                    dw0 += da_f * xv
+                elif j == 1:
+                    dw1 += da_f * xv
+                elif j == 2:
+                    dw2 += da_f * xv
+                elif j == 3:
+                    dw3 += da_f * xv
+                elif j == 4:
+                    dw4 += da_f * xv
+                elif j == 5:
+                    dw5 += da_f * xv
+                elif j == 6:
+                    dw6 += da_f * xv
+                else:
+                    dw7 += da_f * xv
     if NEED_DW:
         part = i_b.to(tl.int64) * tl.num_programs(0) + i_s
-        tl.store(dw_part + (part * C + o_c[:, None]) * KW + o_k[None, :], acc_dw,
-                 mask=m_c[:, None] & (o_k < KW)[None, :])
-        tl.store(db_part + part * C + o_c, acc_db, mask=m_c)
+        tl.store(db_part + part * C + o_c, tl.sum(db, 0), mask=m_c)
+        out = dw_part + (part * C + o_c) * KW
+        tl.store(out, tl.sum(dw0, 0), mask=m_c)
+        if KW > 1:
+            tl.store(out + 1, tl.sum(dw1, 0), mask=m_c)
+        if KW > 2:
+            tl.store(out + 2, tl.sum(dw2, 0), mask=m_c)
+        if KW > 3:
+            tl.store(out + 3, tl.sum(dw3, 0), mask=m_c)
+        if KW > 4:
+            tl.store(out + 4, tl.sum(dw4, 0), mask=m_c)
+        if KW > 5:
+            tl.store(out + 5, tl.sum(dw5, 0), mask=m_c)
+        if KW > 6:
+            tl.store(out + 6, tl.sum(dw6, 0), mask=m_c)
+        if KW > 7:
+            tl.store(out + 7, tl.sum(dw7, 0), mask=m_c)
 
 
-@triton.jit(do_not_specialize=["s", "stride_xb"])
-def conv_silu_bwd_left_kernel(x, left, w, bias, starts, dq, dk, dv, dleft, s, stride_xb, stride_xt, stride_xc, C,
-                              NQ, NK, KW: tl.constexpr, DIL: tl.constexpr, HALO: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, HAS_DOCS: tl.constexpr, F64: tl.constexpr, BT: tl.constexpr,
-                              BC: tl.constexpr, KP: tl.constexpr):
-    """d left [B, H, C]: dx~ at the positions -H..-1."""
+@triton.jit(do_not_specialize=["s"])
+def conv_silu_bwd_dx_kernel(dpre, w, starts, dx, dleft, s, C, KW: tl.constexpr, DIL: tl.constexpr,
+                            HALO: tl.constexpr, HAS_DOCS: tl.constexpr, F64: tl.constexpr, NL: tl.constexpr,
+                            BT: tl.constexpr, BC: tl.constexpr):
+    """Backward pass 2: dx~ [BT, BC] at positions p = (i_t - NL) * BT + [0, BT): the first NL programs cover the
+    left context -H..-1 (stored to dleft; NL = 0 without one), the rest 0..s-1 (stored to dx).
+        dx~[p] = sum_e w[c, K-1-e] * dpre[p + e*d] * [0 <= p + e*d < s] * [p >= start[p + e*d]]
+    (output token t = p + e*d reads p through its tap K-1-e, under the forward's document rule), fp32 (fp64)
+    accumulation, rounded once."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    p0 = i_t * BT - HALO
+    p0 = (i_t - NL) * BT
     p = p0 + tl.arange(0, BT)
-    b_dx, _, _ = _bwd_rows(x, left, w, bias, starts, dq, dk, dv, i_b, p0, o_c, m_c, s, stride_xb, stride_xt,
-                           stride_xc, C, NQ, NK, KW, DIL, HALO, True, HAS_BIAS, HAS_DOCS, F64, False, BT, BC, KP)
-    row = (i_b.to(tl.int64) * HALO + (p + HALO).to(tl.int64))[:, None]
-    tl.store(dleft + row * C + o_c[None, :], b_dx.to(dleft.dtype.element_ty), mask=(p < 0)[:, None] & m_c[None, :])
+    if F64:
+        acc = tl.zeros([BT, BC], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for e in tl.static_range(KW):
+        t = p + e * DIL
+        m_t = (t >= 0) & (t < s)
+        if HAS_DOCS:
+            m_t = m_t & (p >= tl.load(starts + t, mask=m_t, other=0))
+        row = (i_b.to(tl.int64) * s + t.to(tl.int64))[:, None]
+        g = tl.load(dpre + row * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.).to(acc.dtype)
+        wj = tl.load(w + o_c * KW + (KW - 1 - e), mask=m_c, other=0.).to(acc.dtype)
+        acc += g * wj[None, :]
+    if NL > 0:
+        if p0 < 0:
+            lrow = (i_b.to(tl.int64) * HALO + (p + HALO).to(tl.int64))[:, None]
+            tl.store(dleft + lrow * C + o_c[None, :], acc.to(dleft.dtype.element_ty),
+                     mask=((p < 0) & (p >= -HALO))[:, None] & m_c[None, :])
+    row = (i_b.to(tl.int64) * s + p.to(tl.int64))[:, None]
+    tl.store(dx + row * C + o_c[None, :], acc.to(dx.dtype.element_ty),
+             mask=((p >= 0) & (p < s))[:, None] & m_c[None, :])
 
 
 def _check(x, weight, bias, dilation, left, starts, split):
@@ -287,27 +314,35 @@ class _ConvSiluSplit(torch.autograd.Function):
         f64 = torch.float64 in (x.dtype, weight.dtype)
         acc = torch.float64 if f64 else torch.float32
         need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        BT, BC, warps = BWD_BLOCKS
-        KP = triton.next_power_of_2(KW)
+        # pass 1: da (dpre) and the dw/dbias partial sums
+        BT, BC, warps = BWD_DPRE_BLOCKS
         n_c = triton.cdiv(C, BC)
         spans = max(1, min(triton.cdiv(s, BT), triton.cdiv(BWD_PROGRAMS, n_c * B)))
         span = triton.cdiv(triton.cdiv(s, spans), BT) * BT
         spans = triton.cdiv(s, span)
-        dx = torch.empty(B, s, C, dtype=x.dtype, device=x.device)
+        dpre = torch.empty(B, s, C, dtype=weight.dtype, device=x.device)
         parts = B * spans if need_dw else 1
         dw_part = torch.empty(parts, C, KW, dtype=acc, device=x.device)
         db_part = torch.empty(parts, C, dtype=acc, device=x.device)
-        common = dict(KW=KW, DIL=dilation, HALO=halo, HAS_BIAS=bias is not None, HAS_DOCS=starts is not None,
-                      F64=f64, BT=BT, BC=BC, KP=KP, num_warps=warps)
-        args = (x, _dummy(left, x), weight, _dummy(bias, weight), _dummy(starts, x), dq, dk, dv)
-        conv_silu_bwd_kernel[(spans, n_c, B)](
-            *args, dx, dw_part, db_part, s, span, x.stride(0), x.stride(1), x.stride(2), C, n_q, n_k,
-            HAS_LEFT=left is not None, NEED_DW=need_dw, **common)
-        dleft = None
-        if left is not None and ctx.needs_input_grad[3]:
-            dleft = torch.empty_like(left)
-            conv_silu_bwd_left_kernel[(triton.cdiv(halo, BT), n_c, B)](
-                *args, dleft, s, x.stride(0), x.stride(1), x.stride(2), C, n_q, n_k, **common)
+        conv_silu_bwd_dpre_kernel[(spans, n_c, B)](
+            x, _dummy(left, x), weight, _dummy(bias, weight), _dummy(starts, x), dq, dk, dv, dpre, dw_part, db_part,
+            s, span, x.stride(0), x.stride(1), x.stride(2), C, n_q, n_k, KW=KW, DIL=dilation, HALO=halo,
+            HAS_LEFT=left is not None, HAS_BIAS=bias is not None, HAS_DOCS=starts is not None, F64=f64,
+            NEED_DW=need_dw, BT=BT, BC=BC, num_warps=warps)
+        # pass 2: dx (and the left context's gradient) from dpre
+        dx = dleft = None
+        need_dleft = left is not None and ctx.needs_input_grad[3]
+        if ctx.needs_input_grad[0] or need_dleft:
+            BT, BC, warps = BWD_DX_BLOCKS
+            n_left = triton.cdiv(halo, BT) if need_dleft else 0
+            dx = torch.empty(B, s, C, dtype=x.dtype, device=x.device)
+            dleft = torch.empty_like(left) if need_dleft else None
+            conv_silu_bwd_dx_kernel[(n_left + triton.cdiv(s, BT), triton.cdiv(C, BC), B)](
+                dpre, weight, _dummy(starts, x), dx, _dummy(dleft, dx), s, C, KW=KW, DIL=dilation, HALO=halo,
+                HAS_DOCS=starts is not None, F64=f64, NL=n_left, BT=BT, BC=BC, num_warps=warps)
+            if not ctx.needs_input_grad[0]:
+                dx = None
+        del dpre
         dw = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         db = db_part.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return dx, dw, db, dleft, None, None, None
