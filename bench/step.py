@@ -170,7 +170,7 @@ def run_stack(name: str, args, ids, mesh, device) -> dict:
     stats = time_cuda(step, warmup=args.warmup, repeat=args.repeat)
     row = dict(bench="step", stack=name, size=args.size, layers=model.config.num_hidden_layers, tokens=ids.shape[1],
                loss0=loss0, tokens_per_s=ids.shape[1] / (stats["median_ms"] / 1e3), **stats)
-    if args.profile:
+    if args.profile and (args.profile_at is None or ids.shape[1] in args.profile_at):
         print(f"  {name} {ids.shape[1]} tokens: top kernels of one profiled step")
         row["profile_ms"], row["profile_kernels_ms"] = profile_step(step, args.profile_top)
     del model, opt, loss_fn, step
@@ -189,6 +189,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="CUDA kernel time by class of one step per stack")
     parser.add_argument("--profile-top", type=int, default=12)
+    parser.add_argument("--profile-at", type=int, nargs="+", default=None, help="profile these lengths only")
     parser.add_argument("--loss-tol", type=float, default=1e-3, help="relative step-0 loss difference allowed")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
