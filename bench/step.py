@@ -46,8 +46,9 @@ KERNEL_CLASSES: list[tuple[str, str]] = [
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("attention", r"flash|fmha|attention|sdpa|pytorch_flash|cudnn.*mha"),
     ("loss", r"cross_entropy|liger|_ce_|lce|logsumexp|nll"),
-    ("gdn op", r"chunk|wy_|kkt|solve_tril|state_|dqkwg|recompute_w_u|prepare_wy|l2norm|merge_16x16|fwd_kernel_o"
-               r"|bwd_kernel_dqkwg|bwd_kernel_dhu|fwd_kernel_h|gated_delta|tril|head_sum|dv_local"),
+    ("gdn op", r"chunk|wy_|wu_fwd|o_fwd|kkt|solve_tril|state_|dqkwg|recompute_w_u|prepare_wy|l2norm|merge_16x16"
+               r"|fwd_kernel_o|bwd_kernel_dqkwg|bwd_kernel_dhu|fwd_kernel_h|gated_delta|tril|head_sum|group_sum"
+               r"|dv_local"),
     ("conv", r"conv|depthwise"),
     ("norm", r"norm"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|sm80_|matmul|splitk"),
@@ -238,7 +239,7 @@ def main():
     by = {(r["tokens"], r["stack"]): r for r in rows}
     for length in args.lengths:
         p, d = by.get((length, "public")), by.get((length, "deltacp"))
-        ms = lambda r: "OOM" if r is None or r.get("oom") else f"{r['median_ms']:.1f}"  # noqa: E731
+        ms = lambda r: "not run" if r is None else "OOM" if r.get("oom") else f"{r['median_ms']:.1f}"  # noqa: E731
         gib = lambda r: "-" if r is None or r.get("oom") else f"{r['peak_gib']:.1f}"  # noqa: E731
         l0 = lambda r: "-" if r is None or r.get("oom") else f"{r['loss0']:.5f}"  # noqa: E731
         ratio = "-"
