@@ -15,11 +15,16 @@ memory the forward keeps for backward. Run: python -m pytest tests/gpu/test_fuse
 
 from __future__ import annotations
 
-import statistics
+
+import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from timing import time_cuda  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (Triton kernels); the CPU interpreter tests of the fused "
@@ -120,19 +125,9 @@ def test_swiglu_bf16_real_shape():
     compare("swiglu", ours, eager, exact, bitwise=(0,), few=(1, 2))
 
 
-def _median_ms(fn, warmup=5, iters=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _median_ms(fn, warmup=5, repeat=20) -> float:
+    """bench/timing.py's CUDA-event median (warm-up, synchronised per call)."""
+    return time_cuda(fn, warmup=warmup, repeat=repeat)["median_ms"]
 
 
 def _time_case(fn, leaves, grads_out):

@@ -18,8 +18,14 @@ the eager chain, CUDA events, 5 warm-up calls, median of 20.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from timing import time_cuda  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (fused GDN glue Triton kernels; the interpreter test "
@@ -116,17 +122,8 @@ def test_gates_bf16_real_shape(pdt):
 
 
 def _median_ms(fn, warmup=5, repeat=20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """bench/timing.py's CUDA-event median (warm-up, synchronised per call)."""
+    return time_cuda(fn, warmup=warmup, repeat=repeat)["median_ms"]
 
 
 def _time(fn, xs, douts) -> tuple[float, float]:

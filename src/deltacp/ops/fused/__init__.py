@@ -6,6 +6,7 @@ Triton: each module imports it, and callers import a module lazily, only on the 
     gated_norm.py  the GDN layer's gated RMSNorm (transformers' Qwen3_5RMSNormGated): y; dx, dgate, dweight
     gates.py       the GDN gates g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), and their gradients
     decoder.py     decoder-layer glue: RMSNorm ((1 + w) form), residual add + RMSNorm, SwiGLU (Qwen3.5 numerics)
+    jit_common.py  Triton helpers the kernels share
 
 `check_device` is the one device rule of every Triton path (these kernels and the GDN op): CUDA tensors, or any
 device under TRITON_INTERPRET=1 (the CPU tests). It never falls back: elsewhere it raises the documented error.

@@ -25,18 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.fused.jit_common import up as _up
+
 BR_FWD = 16  # rows per forward program
 BR_BWD = 16  # rows per backward block; each backward program loops over blocks pid, pid + G, ...
 MAX_PROGRAMS_BWD = 1024  # G = min(blocks, this): fixed by N, so the dweight reduction order is too
-
-
-@triton.jit
-def _up(x, F64: tl.constexpr):
-    """To the compute dtype."""
-    if F64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit

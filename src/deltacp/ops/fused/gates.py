@@ -20,18 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.fused.jit_common import up as _up
+
 from deltacp.ops.gdn.naive import compute_dtype
 
 BLOCK_ELEMENTS = 4096  # tokens per block * padded heads
 MAX_PROGRAMS_BWD = 1024  # G = min(blocks, this): fixed by the token count, so the reduction order is too
-
-
-@triton.jit
-def _up(x, F64: tl.constexpr):
-    if F64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
