@@ -171,8 +171,9 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "full"] = "none"
     """full: recompute every decoder layer in backward (non-reentrant torch.utils.checkpoint)."""
     loss: Literal["linear_cross_entropy", "cross_entropy"] = "linear_cross_entropy"
-    """linear_cross_entropy: `cp_causal_lm_loss`, the LM head and the loss in chunks (tokens, then vocabulary),
-    no [tokens, vocab] logits; cross_entropy: the model's logits, then `cp_cross_entropy`. Same value and gradients."""
+    """linear_cross_entropy: `cp_causal_lm_loss`, the LM head and the loss in token chunks with the gradients formed
+    in the forward, no [tokens, vocab] logits; cross_entropy: the model's logits, then `cp_cross_entropy`. Same value
+    and gradients (up to rounding)."""
     accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
