@@ -172,10 +172,10 @@ def test_timing(s, packed):
         t_ff, t_ef = _time_ms(fused_fwd), _time_ms(eager_fwd)
     t_fb, t_eb = _time_ms(bwd_only(fused_fwd)), _time_ms(bwd_only(eager_fwd))
     t_fa, t_ea = _time_ms(fwd_bwd(fused_fwd)), _time_ms(fwd_bwd(eager_fwd))
-    gb = x.numel() * x.element_size() / 1e9
+    mb = x.numel() * x.element_size() / 1e6  # megabytes: MB per ms is GB per s
     print(f"\nconv s={s} packed={packed} (C={C}, bf16; blocks fwd {F.FWD_BLOCKS} bwd {F.BWD_DPRE_BLOCKS} "
           f"+ {F.BWD_DX_BLOCKS}): "
-          f"fused fwd {t_ff:.3f} ms ({2 * gb / t_ff:.0f} GB/s), bwd {t_fb:.3f} ms ({5 * gb / t_fb:.0f} GB/s), "
+          f"fused fwd {t_ff:.3f} ms ({2 * mb / t_ff:.0f} GB/s), bwd {t_fb:.3f} ms ({5 * mb / t_fb:.0f} GB/s), "
           f"f+b {t_fa:.3f} ms | eager fwd {t_ef:.3f} ms, bwd {t_eb:.3f} ms, f+b {t_ea:.3f} ms | "
           f"speed-up f+b {t_ea / t_fa:.2f}x")
 
