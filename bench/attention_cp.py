@@ -9,8 +9,8 @@ communication stated in bytes and turned into time only by the stated bandwidths
 
     scheme         rank's work (B = 1)                                          communication (per rank, fwd+bwd)
     ulysses        Hq/P heads over all S tokens (needs Hq % P == 0)              4 all-to-alls (q, k, v | o) over P
-    allgather      Hq heads, its s = S/P queries vs keys [0, (r+1) s)            KV all-gather + reduce-scatter over P
-    ring           as allgather, KV passed block by block (2 blocks in memory)  P-1 KV hops fwd, P-1 + P (KV, dKV) bwd
+    all_gather      Hq heads, its s = S/P queries vs keys [0, (r+1) s)            KV all-gather + reduce-scatter over P
+    ring           as all_gather, KV passed block by block (2 blocks in memory)  P-1 KV hops fwd, P-1 + P (KV, dKV) bwd
     2d-uN          Hq/N heads, its group's N s queries vs keys [0, (g+1) N s)   all-to-alls over N + KV all-gather
                                                                                  over P/N groups
 
@@ -100,7 +100,7 @@ def rank_step(args, scheme, P, S, device, dtype, last):
     s = S // P
     if scheme == "ulysses":
         u, L, q0 = P, S, 0
-    elif scheme in ("allgather", "ring"):
+    elif scheme in ("all_gather", "ring"):
         u, L = 1, s
         q0 = (P - 1) * s if last else 0
     else:  # 2d-uN
@@ -224,7 +224,7 @@ def run_per_rank_cost(args, device):
             schemes = []
             if args.heads % P == 0:
                 schemes.append("ulysses")
-            schemes += [x for x in ("allgather", "ring") if x in args.schemes]
+            schemes += [x for x in ("all_gather", "ring") if x in args.schemes]
             schemes += [f"2d-u{u}" for u in args.two_d if u < P and P % u == 0 and args.heads % u == 0]
             for scheme in schemes:
                 if scheme == "ulysses" and "ulysses" not in args.schemes:
@@ -268,8 +268,8 @@ def main():
     parser.add_argument("--per-rank-cost", action="store_true", help="one process: per-rank cost by scheme")
     parser.add_argument("--cp", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--global-len", type=int, nargs="+", default=[131072, 262144])
-    parser.add_argument("--schemes", nargs="+", default=["ulysses", "allgather", "ring"],
-                        choices=["ulysses", "allgather", "ring"])
+    parser.add_argument("--schemes", nargs="+", default=["ulysses", "all_gather", "ring"],
+                        choices=["ulysses", "all_gather", "ring"])
     parser.add_argument("--two-d", type=int, nargs="*", default=[2, 4], help="Ulysses degrees of the 2-D rows")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
@@ -287,7 +287,7 @@ def main():
     args = parser.parse_args()
     if not args.per_rank_cost:
         sys.exit("bench/attention_cp.py: only --per-rank-cost is implemented (a multi-GPU job: "
-                 "tests/gpu/multi_gpu_checks.py runs allgather/ring/2-D over NCCL)")
+                 "tests/gpu/multi_gpu_checks.py runs all_gather/ring/2-D over NCCL)")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/attention_cp.py needs a CUDA GPU (or --device cpu for a smoke run)")
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")

@@ -42,7 +42,7 @@ def layer_config(args, qk_heads=None, v_heads=None):
 def build_layer(args, device, qk_heads=None, v_heads=None):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from deltacp.testing.gates import long_memory_gates_
+    from deltacp.models.gates import long_memory_gates_
 
     torch.manual_seed(0)
     layer = Qwen3_5GatedDeltaNet(layer_config(args, qk_heads, v_heads), 0)
@@ -177,7 +177,7 @@ class LoopbackStatePassing:
 
 
 def run_per_rank_cost(args):
-    from deltacp import LinearAttentionContextParallel
+    from deltacp import LinearAttentionContextParallel, cp_layer_of
     from deltacp.ops.gdn.eager import apply_summary
 
     device = torch.device("cuda", 0)
@@ -205,14 +205,14 @@ def run_per_rank_cost(args):
             p2p = LinearAttentionContextParallel(mode="p2p", backend=args.backend).apply(build_layer(args, device),
                                                                                         mesh)
             state = torch.randn(B, Hv, K, V, device=device)
-            p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(state, torch.randn_like(state))
+            cp_layer_of(p2p).passing = LoopbackStatePassing(state, torch.randn_like(state))
             x = torch.randn(B, s, D, device=device, dtype=getattr(torch, args.dtype), requires_grad=True)
             p = time_cuda(fwd_bwd(p2p, x, torch.randn_like(x)), warmup=args.warmup, repeat=args.repeat)
             # The last rank's work: the same minus the summary (nobody reads its H_out).
-            p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(state, torch.randn_like(state), is_last=True)
+            cp_layer_of(p2p).passing = LoopbackStatePassing(state, torch.randn_like(state), is_last=True)
             last = time_cuda(fwd_bwd(p2p, x, torch.randn_like(x)), warmup=args.warmup, repeat=args.repeat)
             # No state passing at all (the same layer on s tokens alone): what p2p adds is middle - solo.
-            p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(state, torch.randn_like(state), is_last=True,
+            cp_layer_of(p2p).passing = LoopbackStatePassing(state, torch.randn_like(state), is_last=True,
                                                                     is_first=True)
             solo = time_cuda(fwd_bwd(p2p, x, torch.randn_like(x)), warmup=args.warmup, repeat=args.repeat)
             m = torch.randn(B, Hv, K, K, device=device)
@@ -262,7 +262,7 @@ def run_packed_per_rank_cost(args):
     """Per-rank cost of a packed row (log-normal document mix): every rank's own slice is timed (its documents
     decide what it computes), and a step costs the slowest rank. ulysses: H/P heads over the whole row; p2p: the
     slice of rank r with the state passing of rank r (loopback, no communication)."""
-    from deltacp import LinearAttentionContextParallel
+    from deltacp import LinearAttentionContextParallel, cp_layer_of
     from deltacp.parallel.documents import CPForwardContext, PackedDocuments
     from deltacp.testing.documents import cu_of, doc_lengths
 
@@ -299,7 +299,7 @@ def run_packed_per_rank_cost(args):
             state = torch.randn(B, Hv, K, V, device=device)
             per_rank = []
             for r in range(P):
-                p2p._deltacp_cp.extra["passing"] = LoopbackStatePassing(
+                cp_layer_of(p2p).passing = LoopbackStatePassing(
                     state, torch.randn_like(state), is_first=r == 0, is_last=r == P - 1, rank=r, size=P)
                 x = torch.randn(B, s, D, device=device, dtype=dtype, requires_grad=True)
                 d_out = torch.randn_like(x)

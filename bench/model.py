@@ -43,8 +43,8 @@ def bench_step(args, layers: int, mode: str, checkpointing: bool, mesh, device) 
     from transformers import Qwen3_5ForCausalLM
 
     from deltacp import cp_cross_entropy, fully_shard_qwen3_5, parallelize_qwen3_5_cp, shard_batch_for_cp
-    from deltacp.testing.gates import long_memory_gates_
-    from deltacp.train.trainer import apply_activation_checkpointing
+    from deltacp.models.gates import long_memory_gates_
+    from deltacp.models.checkpointing import apply_activation_checkpointing
 
     # what an earlier configuration left allocated would count in this one's peak: free it, and report it
     gc.collect()

@@ -191,7 +191,7 @@ def main():
     from torch.distributed.device_mesh import DeviceMesh
 
     from deltacp import parallelize_qwen3_5_cp
-    from deltacp.train.trainer import apply_activation_checkpointing
+    from deltacp.models.checkpointing import apply_activation_checkpointing
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("cp",))
     device = torch.device("cuda", 0)

@@ -91,7 +91,7 @@ def public_stack(model, ids):
 def deltacp_stack(model, ids, mesh, backend: str):
     from deltacp import parallelize_qwen3_5_cp, shard_batch_for_cp
     from deltacp.models.loss import cp_causal_lm_loss
-    from deltacp.train.trainer import apply_activation_checkpointing
+    from deltacp.models.checkpointing import apply_activation_checkpointing
 
     model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_gdn_backend=backend)
     apply_activation_checkpointing(model)

@@ -24,7 +24,7 @@
 #                                      at CP8/16/32 and 128K-512K, after a bf16 flash-tile vs fp32 check (about 5 min)
 #   bash scripts/gpu_checks.sh attention_long  the same at 1M tokens                      (about 6 minutes)
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
-#                                      full attention allgather/ring and the 2-D layouts, 20 steps with and without
+#                                      full attention all_gather/ring and the 2-D layouts, 20 steps with and without
 #                                      activation checkpointing, FSDP2 on
 #   bash scripts/gpu_checks.sh step    the whole training step at cp = 1 against the public stack (transformers + FLA with
 #                                      its Hopper guard BYPASSED + liger-kernel fused linear CE + gradient checkpointing;

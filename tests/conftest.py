@@ -13,7 +13,7 @@ def single_rank_group():
     """A one-rank gloo process group in this process (for checks that need a mesh but no peers)."""
     import torch.distributed as dist
 
-    from deltacp.testing.spawn import free_port
+    from deltacp.distributed.launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import Qwen3_5TextConfig
 
-from deltacp.testing.gates import long_memory_gates_  # noqa: F401  (re-exported for the tests)
+from deltacp.models.gates import long_memory_gates_  # noqa: F401  (re-exported for the tests)
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:

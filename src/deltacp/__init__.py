@@ -3,29 +3,35 @@
 Importing deltacp never imports Triton; `linear_attention_gdn_backend="triton"` does, lazily.
 """
 
-from deltacp.models.qwen3_5 import (
-    all_reduce_cp_grads,
-    cp_cross_entropy,
-    fully_shard_qwen3_5,
-    parallelize_cp,
-    parallelize_qwen3_5_cp,
-    shard_batch_for_cp,
-)
+from deltacp.distributed.launch import run_distributed
+from deltacp.distributed.mesh import init_cp_mesh
 from deltacp.models.adapters import supported_classes
-from deltacp.models.loss import cp_causal_lm_loss, cp_linear_cross_entropy
+from deltacp.models.batch import shard_batch_for_cp
+from deltacp.models.checkpointing import apply_activation_checkpointing
+from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
+from deltacp.models.loss import IGNORE_INDEX, cp_causal_lm_loss, cp_cross_entropy, cp_linear_cross_entropy
 from deltacp.models.moe import cp_load_balancing_loss
-from deltacp.parallel.style import LinearAttentionContextParallel
+from deltacp.models.parallelize import parallelize_cp
+from deltacp.models.qwen3_5 import fully_shard_qwen3_5, parallelize_qwen3_5_cp
+from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel, cp_layer_of
 
 __all__ = [
+    "FullAttentionContextParallel",
+    "IGNORE_INDEX",
     "LinearAttentionContextParallel",
     "all_reduce_cp_grads",
+    "apply_activation_checkpointing",
     "cp_causal_lm_loss",
     "cp_cross_entropy",
+    "cp_layer_of",
     "cp_linear_cross_entropy",
     "cp_load_balancing_loss",
+    "fully_shard_cp",
     "fully_shard_qwen3_5",
+    "init_cp_mesh",
     "parallelize_cp",
     "parallelize_qwen3_5_cp",
+    "run_distributed",
     "shard_batch_for_cp",
     "supported_classes",
 ]

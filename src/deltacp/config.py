@@ -8,7 +8,7 @@
         ulysses_degree: null          # null / cp: 1-D; u < cp dividing cp: the 2-D layout (parallel/layout.py)
         linear_attention_cp_mode: p2p
         linear_attention_gdn_backend: triton
-        full_attention_cp: ulysses    # ulysses | allgather | ring
+        full_attention_cp: ulysses    # ulysses | all_gather | ring  ('allgather': an alias of all_gather)
 
 `validate()` runs on every rank before the first collective, so a bad value is an error everywhere,
 never a hang.
@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from deltacp.ops.gdn.contract import GDN_BACKENDS
 from deltacp.parallel.layout import validate_cp_layout
-from deltacp.parallel.style import LINEAR_ATTENTION_CP_MODES, validate_mode_and_backend
+from deltacp.parallel.modes import canonical_name, gdn_mode
 
 
 @dataclass(frozen=True)
@@ -35,15 +34,15 @@ class AcceleratorConfig:
     ulysses_degree: int | None = None
     """null (or cp): the 1-D layout, every layer over the whole CP group. u < cp dividing cp: the 2-D layout, cp / u
     groups of u consecutive ranks; every layer runs Ulysses inside a group (its heads must divide by u) and across
-    groups linear_attention_cp_mode (p2p | all_gather) and full_attention_cp (allgather | ring)."""
+    groups linear_attention_cp_mode (p2p | all_gather) and full_attention_cp (all_gather | ring)."""
     linear_attention_cp_mode: str = "ulysses"
     """One of ulysses | p2p | all_gather (with ulysses_degree < cp: p2p | all_gather, the across-group method)."""
     linear_attention_gdn_backend: str = "eager"
     """One of eager | triton."""
     full_attention_cp: str = "ulysses"
-    """Full attention CP: ulysses (heads split cp ways: num_attention_heads must divide by cp), allgather (KV
-    all-gather, no head limit) or ring (KV blocks passed around a ring; memory of two blocks). With ulysses_degree
-    < cp: allgather | ring, the across-group method."""
+    """Full attention CP: ulysses (heads split cp ways: num_attention_heads must divide by cp), all_gather (KV
+    all-gather, no head limit; 'allgather' is accepted) or ring (KV blocks passed around a ring; memory of two
+    blocks). With ulysses_degree < cp: all_gather | ring, the across-group method."""
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "AcceleratorConfig":
@@ -52,6 +51,9 @@ class AcceleratorConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"train.accelerator: unknown key(s) {unknown}; allowed keys are {sorted(known)}")
+        for key in ("linear_attention_cp_mode", "full_attention_cp"):  # one spelling from here on
+            if key in raw:
+                raw[key] = canonical_name(raw[key])
         config = cls(**raw)
         config.validate()
         return config
@@ -63,13 +65,7 @@ class AcceleratorConfig:
                 raise ValueError(f"train.accelerator.{name} must be an integer >= 1, got {value!r}")
         if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
             raise ValueError(f"train.accelerator.dp must be null or an integer >= 1, got {self.dp!r}")
-        if self.linear_attention_cp_mode not in LINEAR_ATTENTION_CP_MODES:
-            raise ValueError(f"train.accelerator.linear_attention_cp_mode={self.linear_attention_cp_mode!r} is not "
-                             f"supported; expected one of {LINEAR_ATTENTION_CP_MODES}")
-        if self.linear_attention_gdn_backend not in GDN_BACKENDS:
-            raise ValueError(f"train.accelerator.linear_attention_gdn_backend={self.linear_attention_gdn_backend!r} "
-                             f"is not supported; expected one of {GDN_BACKENDS}")
-        validate_mode_and_backend(self.linear_attention_cp_mode, self.linear_attention_gdn_backend)
+        gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix="train.accelerator.")
         if self.tp != 1:
             raise ValueError(f"train.accelerator.tp={self.tp} is not supported with linear attention CP: tp must be 1")
         validate_cp_layout(self.cp, self.ulysses_degree, self.linear_attention_cp_mode, self.full_attention_cp,

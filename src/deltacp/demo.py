@@ -56,7 +56,7 @@ def _global_rel(err_sq: float, ref_sq: float, group=None) -> float:
 def _worker(rank: int, world: int, seq_len: int, dtype_name: str, modes: list[str], results: dict) -> None:
     from transformers import Qwen3_5ForCausalLM
 
-    from deltacp.testing.gates import long_memory_gates_
+    from deltacp.models.gates import long_memory_gates_
     from deltacp import all_reduce_cp_grads, cp_cross_entropy, parallelize_qwen3_5_cp, shard_batch_for_cp
 
     dtype = getattr(torch, dtype_name)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.multiprocessing as mp
 
-    from deltacp.testing.spawn import run_distributed
+    from deltacp.distributed.launch import run_distributed
 
     with mp.Manager() as manager:
         results = manager.dict()

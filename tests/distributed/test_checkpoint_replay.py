@@ -10,8 +10,8 @@ import copy
 import torch
 
 from deltacp import all_reduce_cp_grads, cp_cross_entropy, parallelize_qwen3_5_cp, shard_batch_for_cp
-from deltacp.testing.spawn import run_distributed
-from deltacp.train.trainer import apply_activation_checkpointing
+from deltacp.distributed.launch import run_distributed
+from deltacp.models.checkpointing import apply_activation_checkpointing
 from helpers import cp_mesh, flat, grads_of, long_memory_gates_, rel_l2, tiny_config
 
 

@@ -9,7 +9,7 @@ from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from deltacp import LinearAttentionContextParallel, parallelize_qwen3_5_cp
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, tiny_config
 
 
@@ -39,12 +39,13 @@ def fail_fast_worker(rank, world):
 
     # Ranks that disagree on the configuration all raise (rank 0 asks for p2p, the others for ulysses) ...
     mode = "p2p" if rank == 0 else "ulysses"
-    _expect(RuntimeError, r"ranks disagree on the CP configuration.*linear_attention_cp_mode='(p2p|ulysses)' vs '(p2p|ulysses)'",
+    _expect(ValueError, r"parallelize_cp: ranks disagree on linear_attention_cp_mode \(rank 0: 'p2p', ranks \[1, 2, 3\]: "
+                        r"'ulysses'\)",
             lambda: parallelize_qwen3_5_cp(Qwen3_5ForCausalLM(tiny_config()), mesh,
                                            linear_attention_cp_mode=mode))
     # ... and so do ranks with different model shapes.
     heads = 8 if rank < world - 1 else 4
-    _expect(RuntimeError, r"ranks disagree.*num_v_heads",
+    _expect(ValueError, r"ranks disagree on num_v_heads \(ranks \[0, 1, 2\]: 8, rank 3: 4\)",
             lambda: LinearAttentionContextParallel(mode="p2p").apply(
                 Qwen3_5GatedDeltaNet(tiny_config(linear_num_value_heads=heads), 0), mesh))
     # The group is still usable afterwards: a correct apply and forward go through.
@@ -110,8 +111,11 @@ def keywords_worker(rank, world):
     _expect(ValueError, "labels under CP", lambda: model(input_ids=ids, labels=ids, use_cache=False))
     _expect(ValueError, "logits_to_keep", lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False))
     S = 16 * world
-    _expect(ValueError, r"cu_seq_lens_q .* must start at 0 and end at the row length",
+    _expect(ValueError, r"cu_seq_lens_q ends at 16, the number of tokens this rank was given: under CP the model takes "
+                        r"this rank's slice of the row \(16 tokens here, so a row of 16 x cp 2 = 32 tokens\)",
             lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, 16]), use_cache=False))
+    _expect(ValueError, r"cu_seq_lens_q .* must start at 0 and end at the row length 32",
+            lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, 20]), use_cache=False))
     _expect(ValueError, "strictly increasing",
             lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, 5, S]), use_cache=False))
     _expect(ValueError, r"max_length_q=3 does not match the longest document of cu_seq_lens_q \(" + str(S - 5) + r"\)",
@@ -121,14 +125,17 @@ def keywords_worker(rank, world):
                           use_cache=False))
     # ranks that received different batches (here: different document offsets) all raise
     cut = 5 if rank == 0 else 6
-    _expect(ValueError, "ranks received different CP inputs",
+    _expect(ValueError, r"ranks disagree on cu_seq_lens_q \(rank 0: \(1, 3, .*\), rank 1: \(1, 3, .*\)\)",
             lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, cut, S]), use_cache=False))
     # a malformed mask on one rank only: that rank raises its error, the others raise too (nobody waits)
     bad = torch.ones(1, 15 if rank == 0 else 16, dtype=torch.long)
-    _expect(ValueError, r"local 2-D padding mask \[B, s\] = \(1, 16\), got \(1, 15\)" if rank == 0 else
-            r"inputs of rank\(s\) \[0\] were refused", lambda: model(input_ids=ids, attention_mask=bad, use_cache=False))
+    _expect(ValueError if rank == 0 else RuntimeError,
+            r"local 2-D padding mask \[B, s\] = \(1, 16\), got \(1, 15\)" if rank == 0 else
+            r"checks failed on rank\(s\) \[0\] \(rank 0: ValueError: under CP, attention_mask must be the local",
+            lambda: model(input_ids=ids, attention_mask=bad, use_cache=False))
     # max_length_q differing on one rank
-    _expect(ValueError, r"does not match the longest document|inputs of rank\(s\) \[1\] were refused",
+    _expect(ValueError if rank == 1 else RuntimeError,
+            r"does not match the longest document|checks failed on rank\(s\) \[1\].*does not match the longest",
             lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 5, S]), max_length_q=S - 5 + rank,
                           use_cache=False))
     # a padding mask with a hole cannot be expressed as documents: refused
@@ -142,9 +149,10 @@ def keywords_worker(rank, world):
     _expect(NotImplementedError, r"\['seq_idx'\]", lambda: gdn(torch.randn(1, 16, 64), seq_idx=torch.zeros(1, 16)))
     # ... and exchanges an input header too: different offsets or a malformed mask on one rank raise everywhere
     p2p = LinearAttentionContextParallel(mode="p2p").apply(Qwen3_5GatedDeltaNet(tiny_config(), 0), mesh)
-    _expect(ValueError, "ranks received different CP inputs",
+    _expect(ValueError, "ranks disagree on cu_seq_lens_q",
             lambda: p2p(torch.randn(1, 16, 64), cu_seq_lens_q=torch.tensor([0, cut, S])))
-    _expect(ValueError, r"2-D padding mask of the local tokens" if rank == 0 else r"inputs of rank\(s\) \[0\]",
+    _expect(ValueError if rank == 0 else RuntimeError,
+            r"2-D padding mask of the local tokens" if rank == 0 else r"checks failed on rank\(s\) \[0\]",
             lambda: p2p(torch.randn(1, 16, 64), attention_mask=bad))
 
 

@@ -21,7 +21,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 from deltacp import LinearAttentionContextParallel
 from deltacp.parallel.attention import install_ulysses_attention
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import long_memory_gates_, cp_mesh, flat, grads_of, local_slice, rel_l2, self_meshes, summed_grads, tiny_config
 
 MODES = ("ulysses", "p2p", "all_gather")

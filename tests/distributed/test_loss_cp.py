@@ -18,7 +18,7 @@ from deltacp import (
     parallelize_qwen3_5_cp,
     shard_batch_for_cp,
 )
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_config
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from deltacp import all_reduce_cp_grads, cp_cross_entropy, fully_shard_qwen3_5, parallelize_cp, shard_batch_for_cp
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import TEXT_VOCAB, cp_mesh, flat, grads_of, image_batch, local_slice, rel_l2, self_meshes, tiny_family_model
 
 MODES = ("ulysses", "p2p", "all_gather")

@@ -20,7 +20,7 @@ from deltacp import (
     parallelize_qwen3_5_cp,
     shard_batch_for_cp,
 )
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import long_memory_gates_, cp_mesh, flat, grads_of, local_slice, rel_l2, self_meshes, tiny_config
 
 MODES = ("ulysses", "p2p", "all_gather")

@@ -16,7 +16,7 @@ import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from deltacp import LinearAttentionContextParallel
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, summed_grads, \
     tiny_config
 

@@ -2,13 +2,13 @@
 float64, against deltacp's single-device computation (same code on a one-rank mesh) at 1e-8.
 
 One spawn per world size runs every check (spawning is the expensive part):
-- CP8 layer checks: full attention allgather / ring at u in {1, 2, 4} (u = 1: no Ulysses), unpacked (B = 2),
+- CP8 layer checks: full attention all_gather / ring at u in {1, 2, 4} (u = 1: no Ulysses), unpacked (B = 2),
   packed documents and padding, small tiles (many tiles per document); GDN 2-D (p2p, all_gather) at u 2 and 4,
   unpacked and packed: output, input gradient, every parameter gradient summed over ranks;
-- CP8 model checks: u in {1, 2, 4, 8} with allgather / ring and p2p / all_gather, packed documents included:
+- CP8 model checks: u in {1, 2, 4, 8} with all_gather / ring and p2p / all_gather, packed documents included:
   logits, loss, all gradients, grad norm;
 - CP16: an 8-head model (8 attention heads, 8 value heads: Ulysses stops at CP8) trains 3 AdamW steps at
-  cp = 16 (1-D allgather, and 2-D u = 2 with ring), losses, gradients and weights equal to one device.
+  cp = 16 (1-D all_gather, and 2-D u = 2 with ring), losses, gradients and weights equal to one device.
 """
 
 import copy
@@ -26,7 +26,7 @@ from deltacp import LinearAttentionContextParallel, all_reduce_cp_grads, cp_cros
 from deltacp import shard_batch_for_cp
 from deltacp.parallel.attention import attention_cp_plan, install_kv_cp_attention
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, cu_seqlens_from_padding
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_config
 
 TIGHT = 1e-8
@@ -57,11 +57,11 @@ def attention_checks(rank, world, failures):
         positions = torch.arange(S).expand(B, S)
         cos, sin = rotary(x, positions[None].expand(3, -1, -1))
         ctx = None if cu is None else CPForwardContext(attention=AttentionDocuments.build(cu))
-        ref = install_kv_cp_attention(copy.deepcopy(base), attention_cp_plan(single, "allgather", 1))
+        ref = install_kv_cp_attention(copy.deepcopy(base), attention_cp_plan(single, "all_gather", 1))
         xr = x.clone().requires_grad_()
         out_ref, _ = ref(xr, (cos, sin), ctx)
         (out_ref * d_out).sum().backward()
-        for method in ("allgather", "ring"):
+        for method in ("all_gather", "ring"):
             for u, block in ((1, None), (2, 16), (4, 7)):
                 cp = install_kv_cp_attention(copy.deepcopy(base), attention_cp_plan(mesh, method, u, block=block))
                 xl = local_slice(x, rank, world).clone().requires_grad_()
@@ -110,10 +110,10 @@ def _model_step(model, mesh, ids, cu):
 
 
 MODEL_LAYOUTS = [  # (ulysses_degree, linear_attention_cp_mode, full_attention_cp, packed)
-    (1, "p2p", "allgather", True), (1, "all_gather", "ring", False),
-    (2, "p2p", "ring", True), (2, "all_gather", "allgather", False),
-    (4, "p2p", "allgather", False), (4, "all_gather", "ring", True),
-    (8, "p2p", "ring", True), (None, "ulysses", "allgather", True),
+    (1, "p2p", "all_gather", True), (1, "all_gather", "ring", False),
+    (2, "p2p", "ring", True), (2, "all_gather", "all_gather", False),
+    (4, "p2p", "all_gather", False), (4, "all_gather", "ring", True),
+    (8, "p2p", "ring", True), (None, "ulysses", "all_gather", True),
 ]
 
 
@@ -182,7 +182,7 @@ def cp16_train_worker(rank, world):
 
     losses_ref, weights_ref = train(parallelize_qwen3_5_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p"),
                                     single)
-    for u, mode, method in ((None, "p2p", "allgather"), (2, "p2p", "ring")):
+    for u, mode, method in ((None, "p2p", "all_gather"), (2, "p2p", "ring")):
         model = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, ulysses_degree=u, linear_attention_cp_mode=mode,
                                        full_attention_cp=method)
         losses, weights = train(model, mesh)

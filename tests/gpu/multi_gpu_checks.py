@@ -6,10 +6,10 @@
   on a one-rank mesh of this rank, unpacked and on a packed row;
 - model parity: the 3-linear + 1-full hybrid in float64, every mode, FSDP2 on, logits, loss and gradients against
   the one-rank computation, unpacked and packed;
-- full attention past the head count: a Qwen3_5Attention layer with full_attention_cp allgather / ring at Ulysses
+- full attention past the head count: a Qwen3_5Attention layer with full_attention_cp all_gather / ring at Ulysses
   degree 1 and every 2-D degree the world size allows (eager float64; bf16 flash tiles on CUDA), unpacked and
   packed; the model in the 2-D layouts (ulysses_degree 1 and every u < world dividing it; p2p / all_gather with
-  ring / allgather);
+  ring / all_gather);
 - training: `--steps` consecutive steps per mode (and for the ring / 2-D layouts) with and without activation
   checkpointing, FSDP2 on, a packed row each step: finite, no growth of allocated memory after the first steps,
   and identical losses with and without checkpointing (a ring recompute re-sends its blocks on every rank).
@@ -110,7 +110,7 @@ def two_d_layouts(world: int) -> list[dict]:
     layouts = []
     for u in two_d_degrees(world):
         layouts += [dict(ulysses_degree=u, linear_attention_cp_mode="p2p", full_attention_cp="ring"),
-                    dict(ulysses_degree=u, linear_attention_cp_mode="all_gather", full_attention_cp="allgather")]
+                    dict(ulysses_degree=u, linear_attention_cp_mode="all_gather", full_attention_cp="all_gather")]
     return layouts
 
 
@@ -138,11 +138,11 @@ def attention_checks(device, mesh, self_mesh, rows):
         cos, sin = rotary(x, torch.arange(S, device=device)[None, None].expand(3, 1, -1))
         for cu in (None, torch.tensor(PACKED)):
             ctx = None if cu is None else CPForwardContext(attention=AttentionDocuments.build(cu))
-            ref = install_kv_cp_attention(copy.deepcopy(base).double(), attention_cp_plan(self_mesh, "allgather", 1))
+            ref = install_kv_cp_attention(copy.deepcopy(base).double(), attention_cp_plan(self_mesh, "all_gather", 1))
             xr = x.clone().requires_grad_()
             out_ref, _ = ref(xr, (cos.double(), sin.double()), ctx)
             (out_ref * d_out).sum().backward()
-            for method in ("allgather", "ring"):
+            for method in ("all_gather", "ring"):
                 for u in two_d_degrees(world):
                     cp = install_kv_cp_attention(copy.deepcopy(base).to(dtype), attention_cp_plan(mesh, method, u))
                     xl = local_slice(x, rank, world).to(dtype).requires_grad_()
@@ -189,7 +189,7 @@ def training_checks(device, mesh, steps, rows):
     from transformers import Qwen3_5ForCausalLM
 
     from deltacp import cp_cross_entropy, fully_shard_qwen3_5, parallelize_qwen3_5_cp, shard_batch_for_cp
-    from deltacp.train.trainer import apply_activation_checkpointing
+    from deltacp.models.checkpointing import apply_activation_checkpointing
 
     torch.manual_seed(0)
     base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config())).to(device)

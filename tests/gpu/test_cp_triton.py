@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from deltacp import LinearAttentionContextParallel
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton backend)")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp import LinearAttentionContextParallel
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, tiny_text_fields
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

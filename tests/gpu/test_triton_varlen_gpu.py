@@ -4,7 +4,7 @@ reference of varlen: chunk-aligned layout, state reset per document) and vs flas
 B=1 packed row, Hv=32, Hk=16, K=V=128, T in 8K/16K/32K, documents of log-normal lengths (not aligned to 64, with
 length-1 documents), gates as the model makes them (g = -exp(A_log) softplus(a + dt_bias)) with three settings of
 (A_log, dt_bias): transformers' Qwen3.5 init (A ~ U(0, 16), dt_bias = 1: fast forgetting), slow
-(`deltacp.testing.gates.long_memory_gates_`: A_log ~ U(-5, -1), dt_bias ~ U(-1, 1)), near-frozen (A_log = -12).
+(`deltacp.models.gates.long_memory_gates_`: A_log ~ U(-5, -1), dt_bias ~ U(-1, 1)), near-frozen (A_log = -12).
 Every output and gradient within the unpacked op's bound (rel-L2 < 1e-2, tests/gpu/test_triton_gdn.py).
 """
 
@@ -34,7 +34,7 @@ def gates(kind: str, T: int, Hv: int, gen: torch.Generator) -> torch.Tensor:
     if kind == "init":  # transformers' Qwen3.5 GatedDeltaNet init: A ~ U(0, 16), dt_bias = 1
         a_log = torch.empty(Hv, device=dev).uniform_(0, 16, generator=gen).clamp_min(1e-3).log()
         dt_bias = torch.ones(Hv, device=dev)
-    elif kind == "slow":  # deltacp.testing.gates.long_memory_gates_
+    elif kind == "slow":  # deltacp.models.gates.long_memory_gates_
         a_log = torch.empty(Hv, device=dev).uniform_(-5, -1, generator=gen)
         dt_bias = torch.empty(Hv, device=dev).uniform_(-1, 1, generator=gen)
     elif kind == "frozen":  # exp(g) within ~1e-5 of 1: the state of a long document barely decays

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from deltacp.train.config import CheckpointConfig, load_config
 from deltacp.train.parity import compare, reference_config, run_jobs
 from test_train_parity import MAIN

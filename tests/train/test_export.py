@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deltacp.testing.spawn import free_port, run_distributed
+from deltacp.distributed.launch import free_port, run_distributed
 from deltacp.train.checkpoint import complete_checkpoints
 from deltacp.train.config import load_config
 from deltacp.train.export import main as export_main

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from deltacp.testing.spawn import free_port, run_distributed
+from deltacp.distributed.launch import free_port, run_distributed
 from deltacp.train.checkpoint import MANIFEST, RUN_FILE, CheckpointError, complete_checkpoints, read_json
 from deltacp.train.cli import describe_failure
 from deltacp.train.config import CheckpointConfig, ConfigError, load_config

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from deltacp.train.cli import describe_failure
 from deltacp.train.config import ConfigError, load_config
 from test_train_parity import MAIN

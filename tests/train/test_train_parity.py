@@ -4,7 +4,7 @@
   max grad-norm rel diff < 1e-3, all finite; in the same spawn, full activation checkpointing reproduces
   the first steps bit for bit, and the p2p layers' message logs are identical (no extra receive);
 - CP2 and CP8, every mode, the first 10 steps of the same schedule, same bounds;
-- CP4 with train.accelerator.full_attention_cp = allgather (1-D) and ring with ulysses_degree 2 (2-D), the
+- CP4 with train.accelerator.full_attention_cp = all_gather (1-D) and ring with ulysses_degree 2 (2-D), the
   first 10 steps, same bounds, the attention layers running the configured method;
 - kill while saving a checkpoint, then resume: the same losses as an uninterrupted run.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 from deltacp.train.checkpoint import complete_checkpoints
 from deltacp.train.config import CheckpointConfig, load_config
 from deltacp.train.parity import MODES, compare, cp_configs, reference_config, run_jobs
@@ -108,14 +108,15 @@ def attention_cp_worker(rank, world, results):
     from functools import partial
 
     from deltacp.parallel.attention import kv_cp_attention_forward
-    from deltacp.train.trainer import Trainer, _text_model
+    from deltacp.models.adapters import adapter_for
+    from deltacp.train.trainer import Trainer
 
     base = _main_cfg()
-    for u, method in ((None, "allgather"), (2, "ring")):
+    for u, method in ((None, "all_gather"), (2, "ring")):
         acc = replace(base.accelerator, ulysses_degree=u, full_attention_cp=method)
         label, cfg = cp_configs(replace(base, accelerator=acc), world, STEPS, ["p2p"])[0]
         trainer = Trainer(cfg, progress=False)
-        installed = [layer.self_attn.forward for layer in _text_model(trainer.model).layers
+        installed = [layer.self_attn.forward for layer in adapter_for(trainer.model).layers()
                      if hasattr(layer, "self_attn")]
         assert installed and all(isinstance(f, partial) and f.func is kv_cp_attention_forward for f in installed)
         plan = installed[0].args[1]

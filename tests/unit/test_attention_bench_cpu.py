@@ -17,7 +17,7 @@ def test_attention_bench_cpu_smoke():
          "0", "--repeat", "1", "--block", "16"], capture_output=True, text=True, timeout=300, env=env)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    for scheme in ("ulysses", "allgather", "ring", "2d-u2", "2d-u4"):
+    for scheme in ("ulysses", "all_gather", "ring", "2d-u2", "2d-u4"):
         assert f" {scheme} " in out, out[-3000:]
 
 
@@ -38,7 +38,7 @@ def test_per_rank_steps_leave_no_reference_cycles():
     q = torch.randn(1, 4, L, 16, requires_grad=True)
     k, v = (torch.randn(1, 2, S, 16, requires_grad=True) for _ in range(2))
     k_own, v_own = (t[:, :, q0:].detach().clone().requires_grad_() for t in (k, v))
-    steps = {"allgather": lambda: tiled_attention(q, k, v, tiles, 0.25),
+    steps = {"all_gather": lambda: tiled_attention(q, k, v, tiles, 0.25),
              "ring": lambda: ring_attention(q, k_own, v_own, tiles, 0.25, LoopbackRing(S // L, q0 // L))}
     enabled = gc.isenabled()
     gc.disable()

@@ -31,9 +31,9 @@ def test_all_gather_with_triton_is_not_implemented():
     ({"cp": 4, "ulysses_degree": 2}, ValueError, r"linear_attention_cp_mode='ulysses' with train\.accelerator\."
                                                  r"ulysses_degree=2 < cp \(4\).*one of \('p2p', 'all_gather'\)"),
     ({"cp": 4, "ulysses_degree": 2, "linear_attention_cp_mode": "p2p"}, ValueError,
-     r"full_attention_cp='ulysses' with train\.accelerator\.ulysses_degree=2 < cp \(4\).*\('allgather', 'ring'\)"),
+     r"full_attention_cp='ulysses' with train\.accelerator\.ulysses_degree=2 < cp \(4\).*\('all_gather', 'ring'\)"),
     ({"full_attention_cp": "zigzag"}, ValueError, r"train\.accelerator\.full_attention_cp='zigzag' is not supported; "
-                                                  r"expected one of \('ulysses', 'allgather', 'ring'\)"),
+                                                  r"expected one of \('ulysses', 'all_gather', 'ring'\)"),
     ({"cp": 0}, ValueError, r"cp must be an integer >= 1"),
     ({"linear_attention_cp_mode": "ring"}, ValueError, r"linear_attention_cp_mode='ring'"),
     ({"linear_attention_gdn_backend": "cuda"}, ValueError, r"linear_attention_gdn_backend='cuda'"),
@@ -176,7 +176,7 @@ def test_importing_and_running_eager_never_imports_triton():
     deltacp module and loads none of the Triton backend's modules; imports are recorded, not blocked."""
     import os
 
-    from deltacp.testing.spawn import free_port
+    from deltacp.distributed.launch import free_port
 
     tests_dir = os.path.dirname(os.path.dirname(__file__))
     result = subprocess.run([sys.executable, "-c", _NO_TRITON_CODE, tests_dir, str(free_port())],
@@ -204,12 +204,12 @@ def test_two_d_head_and_mode_rules_name_the_settings():
         LinearAttentionContextParallel(mode="p2p", ulysses_degree=0)
     attention = Qwen3_5Attention(tiny_config(num_attention_heads=6, num_key_value_heads=2), 3)
     with pytest.raises(ValueError, match=r"ulysses_degree=4 must divide num_attention_heads \(6\)"):
-        check_attention_module(attention, 8, "allgather", 4)
+        check_attention_module(attention, 8, "all_gather", 4)
     with pytest.raises(ValueError, match=r"num_attention_heads \(6\) divisible by the CP degree \(8\); "
-                                         r"full_attention_cp='allgather' or 'ring' has no head limit"):
+                                         r"full_attention_cp='all_gather' or 'ring' has no head limit"):
         check_attention_module(attention, 8, "ulysses", 8)
     check_attention_module(attention, 8, "ring", 1)  # no head limit
-    validate_cp_layout(8, None, "ulysses", "allgather")  # 1-D: any mode with any method
+    validate_cp_layout(8, None, "ulysses", "all_gather")  # 1-D: any mode with any method
     validate_cp_layout(8, 8, "p2p", "ulysses")  # u = cp: the 1-D layout, as before
     validate_cp_layout(8, 1, "all_gather", "ring")
     with pytest.raises(ValueError, match=r"ulysses_degree=3 is not supported at cp=8: .*\[1, 2, 4, 8\]"):

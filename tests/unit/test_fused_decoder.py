@@ -245,7 +245,7 @@ print("logits_rel", rel(lf, lr), "flat_grad_rel", flat, "worst", worst, per[wors
 
 # under the trainer's activation checkpointing (applied after CP and the glue, wrapping layer.forward): the
 # recompute runs the same kernels, so logits and gradients are those of the fused model without it, bitwise
-from deltacp.train.trainer import apply_activation_checkpointing
+from deltacp.models.checkpointing import apply_activation_checkpointing
 ac = copy.deepcopy(ref)
 ac.zero_grad()
 install_fused_decoder(ac)
@@ -295,7 +295,7 @@ print("families", fam)
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from deltacp import parallelize_cp, shard_batch_for_cp
-from deltacp.testing.spawn import free_port
+from deltacp.distributed.launch import free_port
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
 cp_ref = parallelize_cp(copy.deepcopy(ref), mesh, linear_attention_cp_mode="p2p")

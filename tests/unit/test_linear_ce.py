@@ -275,7 +275,7 @@ def test_activation_checkpointing_runs_the_loss_once(single_rank_group, monkeypa
     from transformers import Qwen3_5ForCausalLM
 
     from deltacp import cp_causal_lm_loss, parallelize_qwen3_5_cp, shard_batch_for_cp
-    from deltacp.train.trainer import apply_activation_checkpointing
+    from deltacp.models.checkpointing import apply_activation_checkpointing
     from helpers import cp_mesh, flat, grads_of, tiny_config
 
     calls = []

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltacp import cp_cross_entropy, cp_linear_cross_entropy
-from deltacp.testing.spawn import free_port
+from deltacp.distributed.launch import free_port
 from deltacp.train.config import ConfigError, config_from_dict
 from helpers import rel_l2
 

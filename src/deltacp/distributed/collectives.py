@@ -134,48 +134,6 @@ def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup) -> t
 # ---------------------------------------------------------------------------------------------
 
 
-def cp_subgroup(cp_mesh, split) -> ProcessGroup:
-    """A new process group over the ranks that `split(row)` puts together with this rank, `row` being this rank's
-    CP ranks in CP order (`split` partitions it into lists of global ranks). Only the members take part in
-    creating a group (local synchronisation); every rank must call this in the same order."""
-    names = cp_mesh.mesh_dim_names
-    layout = cp_mesh.mesh
-    if cp_mesh.ndim > 1:
-        layout = layout.movedim(names.index("cp"), -1)
-    rows = layout.reshape(-1, layout.shape[-1]).tolist()
-    me = dist.get_rank()
-    mine = None
-    for row in rows:
-        for ranks in split(row):
-            if me in ranks:
-                mine = dist.new_group(ranks, use_local_synchronization=True)
-    if mine is None:
-        raise RuntimeError(f"rank {me} is not in the CP mesh {rows}")
-    return mine
-
-
-def dedicated_cp_groups(cp_mesh) -> ProcessGroup:
-    """A second process group over this rank's CP ranks, for point-to-point state traffic only.
-
-    On NCCL a communicator serialises its operations: a receive posted on the communicator that also carries
-    the CP collectives could hold up a collective that its sender must finish first. With the state hops on
-    their own communicator, no collective ever waits behind a point-to-point operation or the reverse. Only
-    the ranks of one CP group take part in creating its group (local synchronisation).
-    """
-    return cp_subgroup(cp_mesh, lambda row: [row])
-
-
-def ulysses_subgroup(cp_mesh, degree: int) -> ProcessGroup:
-    """2-D layout: this rank's Ulysses group, `degree` consecutive CP ranks (so its tokens are contiguous)."""
-    return cp_subgroup(cp_mesh, lambda row: [row[i:i + degree] for i in range(0, len(row), degree)])
-
-
-def across_subgroup(cp_mesh, degree: int) -> ProcessGroup:
-    """2-D layout: rank j of every Ulysses group of `degree` ranks (CP ranks j, j + degree, ...), in group order.
-    Each call creates a new communicator (one for collectives, one per kind of point-to-point traffic)."""
-    return cp_subgroup(cp_mesh, lambda row: [row[j::degree] for j in range(degree)])
-
-
 class StatePassing:
     """Point-to-point state traffic of one P2P layer on one rank.
 
@@ -344,3 +302,12 @@ class PendingRing:
             work.wait()
         self.send = None
         return self.recv.to(self.device)
+
+
+def all_gather_tokens(x_BS: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[B, s] int64 on every rank -> [B, S] (rank order); through host memory over gloo. Not differentiable: for
+    token ids, positions and masks."""
+    src = x_BS.cpu() if dist.get_backend(group) == "gloo" else x_BS.contiguous()
+    parts = [torch.empty_like(src) for _ in range(cp)]
+    dist.all_gather(parts, src.contiguous(), group=group)
+    return torch.cat(parts, dim=1).to(x_BS.device)

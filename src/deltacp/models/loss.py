@@ -1,14 +1,15 @@
-"""Cross entropy under CP from the last hidden states: the LM head and the loss without [tokens, vocab] logits.
+"""The losses under CP: each the mean over every valid target of the GLOBAL batch on every rank, each rank's
+gradient its share (so gradients summed over the mesh are the single-device gradients).
 
-    hidden = model.model(**inputs, use_cache=False).last_hidden_state      # this rank's slice, no logits
+    loss = cp_cross_entropy(logits, target_ids, cp_mesh)                            # from this rank's logits
+    loss = cp_causal_lm_loss(model, target_ids, cp_mesh, **inputs, use_cache=False)   # no logits; FSDP2 too
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state
     loss = cp_linear_cross_entropy(hidden, model.lm_head.weight, target_ids, cp_mesh)
-    loss = cp_causal_lm_loss(model, target_ids, cp_mesh, **inputs, use_cache=False)   # the same; FSDP2 too
 
-Same contract as `cp_cross_entropy` (the mean over every valid target of the GLOBAL batch on every rank, each
-rank's gradient its share), same value and gradients, but [tokens, vocab] logits never exist: at 32K tokens and
-Qwen3.5's vocabulary (248,320) full logits are 16 GB in bf16 (32 GB in fp32) and their gradient as much again.
-The gradients are computed in the forward, in two passes over the logits (token chunks, then vocabulary chunks),
-each gradient element a single fp32-accumulated matmul rounded once: no [vocab, hidden] accumulator.
+The linear cross entropy never builds [tokens, vocab] logits (at 32K tokens and Qwen3.5's vocabulary of 248,320
+they are 16 GB in bf16, their gradient as much again): it computes the loss and its gradients in the forward,
+token chunk by token chunk; the head's weight gradient is summed over the chunks in its dtype (`weight_grad=
+"accumulate"`, the default) or rounded once from a second pass over vocabulary chunks (`"two_pass"`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from deltacp.models.qwen3_5 import IGNORE_INDEX
-from deltacp.parallel.style import batch_group_of
+from deltacp.distributed.mesh import batch_group_of
+
+IGNORE_INDEX = -100
+"""Targets with this value are not trained on (transformers' convention): padding, each document's last token."""
 
 LOGITS_CHUNK_BUDGET = 256 * 2**20
 """Bytes of a logits buffer when the chunk sizes are not given: pass 1's [chunk, vocab] buffer (vocab 248,320 in
@@ -98,6 +102,20 @@ def cp_global_mean(local_sum: torch.Tensor, n_valid: torch.Tensor, cp_mesh: Devi
     dist.all_reduce(stats, group=batch_group_of(cp_mesh))
     global_sum, count = stats[0], stats[1].clamp(min=1)
     return (local_sum + (global_sum - local_sum.detach())) / count
+
+
+def cp_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Mean cross entropy over every valid target of the global batch, from this rank's logits.
+
+    The value is the global mean on every rank; the gradient is this rank's share only, so gradients summed over
+    CP ranks are the single-device gradients (see `fully_shard_cp` for FSDP). It needs the full [tokens, vocab]
+    logits, upcast: at a large vocabulary use `cp_linear_cross_entropy` / `cp_causal_lm_loss` (below: the same
+    value and gradients from the hidden states, chunk by chunk).
+    """
+    # float32 for bf16/fp16/fp32 logits, float64 stays float64 (the precision policy of every deltacp op)
+    logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
+    local_sum = F.cross_entropy(logits, target_ids.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return cp_global_mean(local_sum, (target_ids != IGNORE_INDEX).sum(), cp_mesh)
 
 
 # ---- the two kernels over the logits, each in two implementations of one contract -------------------------------

@@ -27,7 +27,9 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from deltacp.parallel.documents import agree_on_inputs, all_gather_tokens
+from deltacp.distributed.agree import LocalChecks, raise_together
+from deltacp.distributed.collectives import all_gather_tokens
+from deltacp.parallel.documents import fingerprints
 
 _REFUSED = ("pixel_values_videos", "video_grid_thw", "mm_encoder_outputs", "cache", "past_key_values")
 
@@ -47,8 +49,7 @@ def make_multimodal_hook(group):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         pixel_values, grid = kwargs.get("pixel_values"), kwargs.get("image_grid_thw")
         types, mask, positions = kwargs.get("mm_token_type_ids"), kwargs.get("attention_mask"), kwargs.get("position_ids")
-        error = None
-        try:
+        with LocalChecks() as checks:
             refused = [k for k in _REFUSED if kwargs.get(k) is not None]
             if refused:
                 raise NotImplementedError(f"{type(module).__name__} under CP does not support {refused} (videos and "
@@ -65,14 +66,14 @@ def make_multimodal_hook(group):
                 if types is not None and tuple(types.shape) != tuple(input_ids.shape):
                     raise ValueError(f"mm_token_type_ids must be the rank's slice {tuple(input_ids.shape)}, got "
                                      f"{tuple(types.shape)}")
-        except (ValueError, NotImplementedError) as e:
-            error = e
         local = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         B, s = local.shape[:2]
-        fingerprints = {"image_grid_thw": grid, "pixel_values_shape": None if pixel_values is None else
-                        torch.tensor(pixel_values.shape)}
-        agree_on_inputs(group, local.device, [B, s, pixel_values is not None, types is not None, mask is not None,
-                                              positions is not None], fingerprints, error)
+        images = {"image_grid_thw": grid, "pixel_values_shape": None if pixel_values is None else
+                  torch.tensor(pixel_values.shape)}
+        raise_together(group, f"{type(module).__name__} under CP", checks.error, device=local.device,
+                       agree=dict(batch=B, local_length=s, images=pixel_values is not None,
+                                  mm_token_type_ids=types is not None, padding_mask=mask is not None,
+                                  position_ids=positions is not None, **fingerprints(images)))
         if pixel_values is None:
             return args, kwargs  # text only: the language model's own CP hook does the rest
 

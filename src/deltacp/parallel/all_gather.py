@@ -10,10 +10,9 @@ import torch
 
 from deltacp.distributed.collectives import all_gather_autograd
 from deltacp.ops.gdn.eager import apply_summary
-from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
-from deltacp.parallel.shard import GDNShard
+from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
 def _compose_prefix(packed_PBHKX: torch.Tensor, rank: int, K: int) -> torch.Tensor:
@@ -63,21 +62,19 @@ class _AnchorBackward(torch.autograd.Function):
 
 def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                      ctx: CPForwardContext) -> torch.Tensor:
-    return all_gather_scan(layer, GDNShard.whole(layer), layer.group, qkv_BsC, b_BsH, a_BsH, ctx)
+    return all_gather_scan(layer, GDNShard.whole(layer), qkv_BsC, b_BsH, a_BsH, ctx)
 
 
-def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, group, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
+def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
                     a_BsH: torch.Tensor, ctx: CPForwardContext) -> torch.Tensor:
-    """The all_gather scan of `shard`'s heads over this rank's contiguous tokens, slice `rank` of `group`."""
+    """The all_gather scan of `shard`'s heads over this rank's contiguous tokens, slice `rank` of its group."""
     m = layer.view
+    group = shard.seq_group
     rank = torch.distributed.get_rank(group)
     s = qkv_BsC.shape[1]
     docs = document_segment(layer, ctx, rank, torch.distributed.get_world_size(group), s)
     layout = None if docs is None else docs.layout
-    q, k, v = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, docs,
-                            shard.halo_group)
-    g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
-    layer.backend.check(q, k, v, g, beta, mode="all_gather")
+    q, k, v, g, beta = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, docs)
 
     # with documents, M = 0 wherever the entering state cannot reach the end of the slice (varlen.py)
     summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True,

@@ -5,14 +5,14 @@ Every method: local projections, q/k norms and rotary (position embeddings of th
 then its exchange and causal attention, then the output gate and projection.
 - ulysses: all-to-all to head shards over the whole sequence (each rank gets its query heads and the KV heads
   they read, `ulysses_kv_heads`), causal attention, all-to-all back;
-- allgather / ring (`kv_cp_attention_forward`): optionally Ulysses inside a group of u consecutive ranks (the
+- all_gather / ring (`kv_cp_attention_forward`): optionally Ulysses inside a group of u consecutive ranks (the
   2-D layout), then the queries of the group's slice against every earlier key, K and V coming from the other
   groups by all-gather or around a ring; attention tile by tile (`attention_tiles.py`).
 
 The `attention_mask` this forward takes is None (causal over the whole row) or the model pre-hook's
 `CPForwardContext`, whose `attention` describes per-document causal attention over the flattened [B * S]
 stream (packed documents, or padded rows as valid + padding documents). No [S, S] (or [s, S]) mask is ever
-built: Ulysses runs each document through causal SDPA on its own, allgather / ring run fused attention per tile.
+built: Ulysses runs each document through causal SDPA on its own, all_gather / ring run fused attention per tile.
 
 Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads;
 q_BHLD the L = u*s tokens of a Ulysses group, local heads.
@@ -36,10 +36,11 @@ from deltacp.distributed.collectives import (
 )
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tile_kernel, tiled_attention
+from deltacp.distributed.mesh import across_subgroup, cp_group_of, dedicated_cp_groups, ulysses_subgroup
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
+from deltacp.parallel.modes import attention_method
 from deltacp.parallel.views import AttentionView, attention_view_of
 
-FULL_ATTENTION_CP = ("ulysses", "allgather", "ring")
 # Tile bound per kernel (tokens on each side of a tile): the fused kernels keep no [queries, keys] scores, so a
 # tile only bounds the head-expanded K/V copy (GQA) of one call; the math kernel (CUDA fp32/fp64) holds
 # block x block scores.
@@ -50,7 +51,7 @@ def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[i
     """(query heads, KV heads) per rank under Ulysses over `cp` ranks, or ValueError naming the setting."""
     if num_heads % cp:
         raise ValueError(f"Ulysses full attention needs num_attention_heads ({num_heads}) divisible by the CP "
-                         f"degree ({cp}); full_attention_cp='allgather' or 'ring' has no head limit")
+                         f"degree ({cp}); full_attention_cp='all_gather' or 'ring' has no head limit")
     return num_heads // cp, ulysses_kv_heads(num_heads, num_kv_heads, cp).shape[1]
 
 
@@ -152,7 +153,7 @@ def _attention_inputs(view: AttentionView, hidden_states, attention_mask, unsupp
         hidden_states = hidden_states.to_local()
     if attention_mask is not None and not isinstance(attention_mask, CPForwardContext):
         raise ValueError(f"{what} full attention takes None or the model hook's CPForwardContext as attention_mask, "
-                         f"got {type(attention_mask).__name__}; call the model through parallelize_qwen3_5_cp, "
+                         f"got {type(attention_mask).__name__}; call the model through parallelize_cp, "
                          f"which builds it from the padding mask or the packed documents")
     docs = None if attention_mask is None else attention_mask.attention
     return hidden_states, docs
@@ -179,7 +180,7 @@ def ulysses_attention_forward(view: AttentionView, group, hidden_states: torch.T
 class AttentionCP:
     """How one full attention layer runs under CP on this rank (see `kv_cp_attention_forward`)."""
 
-    method: str  # "allgather" | "ring"
+    method: str  # "all_gather" | "ring" (parallel/modes.py)
     ulysses_group: object  # the rank's Ulysses group (size u), or None: no Ulysses
     across_group: object  # rank j of every Ulysses group, in group order (size cp / u)
     ring: RingPassing | None = None  # ring: on its own group over the same ranks as across_group
@@ -211,7 +212,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     block = plan.block if plan.block is not None else DEFAULT_BLOCK[tile_kernel(q_BHLD)]
     tiles = plan_tiles(B, S, g * L, L, None, block) if docs is None else docs.tiles(B, S, g * L, L, block)
     match plan.method:
-        case "allgather":
+        case "all_gather":
             # K and V in one collective: [B, L, h, 2D] -> [B, S, h, 2D]
             kv_BLHX = torch.cat([k_BHLD, v_BHLD], dim=-1).transpose(1, 2)
             kv_BHSX = all_gather_seq_autograd(kv_BLHX, 1, plan.across_group).transpose(1, 2)
@@ -223,17 +224,19 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     return view.o_proj(heads_to_seq(o_BHLD, plan.ulysses_group) * torch.sigmoid(gate)), None
 
 
-def check_attention_module(module: nn.Module, cp: int, method: str = "ulysses", ulysses_degree: int = 1) -> dict:
-    """Validate a full attention module for `method` over `cp` ranks (Ulysses degree `ulysses_degree` inside
-    groups for allgather / ring), through its family's view; return the configuration every rank must share."""
+def check_attention_module(module: nn.Module, cp: int, method: str, ulysses_degree: int) -> dict:
+    """Validate a full attention module for `method` (a registered name, `parallel/modes.py`) over `cp` ranks
+    (Ulysses degree `ulysses_degree` inside groups for the methods that run across groups), through its family's
+    view; return the configuration every rank must share."""
     view = attention_view_of(module)
-    if method == "ulysses":
+    method = attention_method(method)
+    if method.splits_heads:
         attention_head_layout(view.num_heads, view.num_kv_heads, cp)
     elif view.num_heads % ulysses_degree:
         raise ValueError(f"ulysses_degree={ulysses_degree} must divide num_attention_heads "
                          f"({view.num_heads}): full attention splits its heads over each Ulysses group")
     return dict(family=view.family, num_attention_heads=view.num_heads, num_key_value_heads=view.num_kv_heads,
-                head_dim=view.head_dim, full_attention_cp=method)
+                head_dim=view.head_dim, full_attention_cp=method.name)
 
 
 def install_ulysses_attention(module: nn.Module, group) -> nn.Module:
@@ -252,9 +255,6 @@ def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int
     """The groups of KV all-gather / ring full attention with Ulysses degree `degree` inside groups (1: none).
     `shared`: the GDN layers' `TwoDGroups` of the same degree, whose Ulysses and across groups (collectives only)
     attention reuses. The ring always gets its own communicator. Collective: every rank calls it at one point."""
-    from deltacp.distributed.collectives import across_subgroup, dedicated_cp_groups, ulysses_subgroup
-    from deltacp.parallel.style import cp_group_of
-
     cp_group = cp_group_of(cp_mesh)
     if degree == 1:
         ulysses, across = None, cp_group

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from deltacp.ops.gdn.varlen import VarlenLayout, check_cu_seqlens
 from deltacp.parallel.attention_tiles import Tile, plan_tiles
@@ -218,39 +217,17 @@ def refuse_unsupported(what: str, keywords: dict) -> None:
                                   f"use_cache=False)")
 
 
-def all_gather_tokens(x_BS: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """[B, s] int64 on every rank -> [B, S] (rank order); through host memory over gloo."""
-    src = x_BS.cpu() if dist.get_backend(group) == "gloo" else x_BS.contiguous()
-    parts = [torch.empty_like(src) for _ in range(cp)]
-    dist.all_gather(parts, src.contiguous(), group=group)
-    return torch.cat(parts, dim=1).to(x_BS.device)
-
-
-def _fingerprint(value) -> tuple[int, int, int, int, int]:
-    """(given, count, sum, sum of squares, index-weighted sum) of a packing keyword's value: equal on ranks that
-    received the same offsets."""
-    if value is None:
-        return (0, 0, 0, 0, 0)
-    x = value.detach().to("cpu", torch.int64).flatten() if isinstance(value, torch.Tensor) else torch.tensor(
-        [int(value)])
-    return (1, x.numel(), int(x.sum()), int((x * x).sum()), int((x * torch.arange(1, x.numel() + 1)).sum()))
-
-
-def agree_on_inputs(group, device, fields: list[int], packing: dict, error: BaseException | None) -> None:
-    """One small all-gather of what every rank received (`fields`, whether its local checks failed, fingerprints
-    of the packing keywords); then every rank raises together: a rank whose checks failed its own `error`, the
-    others a ValueError naming it, and all of them when the headers differ. The first collective of a forward."""
-    cp = dist.get_world_size(group)
-    header = torch.tensor([*(int(f) for f in fields), error is not None,
-                           *(x for value in packing.values() for x in _fingerprint(value))],
-                          dtype=torch.int64, device=device)
-    headers = all_gather_tokens(header[None], group, cp).view(cp, -1)
-    if error is not None:
-        raise error
-    refused = headers[:, len(fields)].nonzero().flatten().tolist()
-    if refused:
-        raise ValueError(f"the CP inputs of rank(s) {refused} were refused (see their error); every rank stops")
-    if not bool((headers == header).all()):
-        raise ValueError(f"ranks received different CP inputs (per rank: {len(fields)} input fields (batch, local "
-                         f"length, what was given), refused, then count and checksums of cu_seq_lens_q/k, "
-                         f"max_length_q/k): {headers.tolist()}; every rank must get its slice of the same batch")
+def fingerprints(values: dict) -> dict[str, tuple[int, ...]]:
+    """Per integer tensor (or int, or None) of `values` (packing keywords, token ids, image grids): (given, count,
+    sum, sum of squares, index-weighted sum), computed where the tensor lives (int64, exact modulo 2^64): equal on
+    ranks that received the same values (what `raise_together` compares)."""
+    out = {}
+    for name, value in values.items():
+        if value is None:
+            out[name] = (0, 0, 0, 0, 0)
+            continue
+        x = value.detach().flatten().to(torch.int64) if isinstance(value, torch.Tensor) else torch.tensor(
+            [int(value)])
+        index = torch.arange(1, x.numel() + 1, device=x.device)
+        out[name] = (1, x.numel(), *torch.stack([x.sum(), (x * x).sum(), (x * index).sum()]).tolist())
+    return out

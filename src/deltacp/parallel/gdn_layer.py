@@ -20,13 +20,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from deltacp.distributed.agree import LocalChecks, raise_together
+from deltacp.distributed.collectives import StatePassing
 from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.parallel.views import GDNView
 from deltacp.parallel.documents import (
     CPForwardContext,
-    agree_on_inputs,
     DocumentSegment,
     documents_from_keywords,
+    fingerprints,
     refuse_unsupported,
 )
 
@@ -37,10 +39,12 @@ class GDNLayerCP:
 
     view: GDNView
     group: ProcessGroup
-    mode: str
+    mode: "GDNMode"  # the registry's entry (parallel/modes.py)
     backend: GDNBackend
     mixer: Callable[["GDNLayerCP", torch.Tensor, torch.Tensor, torch.Tensor, CPForwardContext], torch.Tensor]
-    extra: dict = field(default_factory=dict)  # per-mode state (e.g. the p2p StatePassing)
+    passing: StatePassing | None = None  # p2p: the state hops (1-D: over the CP ranks; 2-D: across groups)
+    two_d: "TwoDGroups | None" = None  # the 2-D layout's process groups (parallel/two_d.py)
+    channels: dict = field(default_factory=dict)  # Ulysses: this rank's conv channels, per (rank, P, device)
 
     @property
     def module(self) -> nn.Module:
@@ -70,8 +74,8 @@ def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, 
                              f"once")
         return attention_mask
     B, s = hidden_states.shape[:2]
-    docs, error = None, None
-    try:  # local checks, then one header exchange so that every rank raises together (as the model hook does)
+    docs = None
+    with LocalChecks() as checks:  # then one header exchange: every rank raises together (as the model hook does)
         if attention_mask is not None and (attention_mask.ndim != 2 or attention_mask.shape != (B, s)):
             raise ValueError(f"linear attention CP takes a 2-D padding mask of the local tokens [B, s] = {(B, s)}, "
                              f"got attention_mask of shape {tuple(attention_mask.shape)}")
@@ -79,9 +83,9 @@ def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, 
         if docs is not None and attention_mask is not None:
             raise NotImplementedError("packed documents (cu_seq_lens_q) with a padding mask: pad a packed row with "
                                       "a padding document instead (see shard_batch_for_cp)")
-    except (ValueError, NotImplementedError, TypeError) as e:
-        error = e
-    agree_on_inputs(layer.group, hidden_states.device, [B, s, attention_mask is not None], packing, error)
+    raise_together(layer.group, f"{type(layer.module).__name__} under CP", checks.error, device=hidden_states.device,
+                   agree=dict(batch=B, local_length=s, padding_mask=attention_mask is not None,
+                              **fingerprints(packing)))
     return CPForwardContext(padding=attention_mask, documents=docs)
 
 
@@ -120,8 +124,8 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
     if ctx.padding is not None:
         hidden_states = (hidden_states * ctx.padding[:, :, None]).to(hidden_states.dtype)
     B, s, _ = hidden_states.shape
-    if layer.mode != "ulysses" and s < layer.halo:
-        raise ValueError(f"linear_attention_cp_mode={layer.mode!r} needs a local sequence of at least the conv halo "
+    if layer.mode.needs_halo and s < layer.halo:
+        raise ValueError(f"linear_attention_cp_mode={layer.mode.name!r} needs a local sequence of at least the conv halo "
                          f"((kernel-1)*dilation = {layer.halo}) tokens, got {s}")
 
     qkv_BsC, z_BsHV, b_BsH, a_BsH = v.project(hidden_states)

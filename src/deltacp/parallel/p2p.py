@@ -29,10 +29,9 @@ from deltacp.distributed.collectives import StatePassing, in_backward_pass
 from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.ops.gdn.eager import apply_summary, summary_grad
 from deltacp.ops.gdn.naive import compute_dtype
-from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
-from deltacp.parallel.shard import GDNShard
+from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
 class _StateGradHop(torch.autograd.Function):
@@ -84,9 +83,9 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
 def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
              ctx: CPForwardContext) -> torch.Tensor:
     """The p2p scan of `shard`'s heads over this rank's contiguous tokens, the state passing on
-    layer.extra["passing"] (its rank and size say which slice of the row these tokens are)."""
+    layer.passing (its rank and size say which slice of the row these tokens are)."""
     m = layer.view
-    passing: StatePassing = layer.extra["passing"]
+    passing: StatePassing = layer.passing
     passing.wait_sends()  # buffers of the previous step's sends
     B, s = qkv_BsC.shape[:2]
     state_shape = (B, shard.v_heads, m.head_k_dim, m.head_v_dim)
@@ -102,14 +101,7 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
 
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
-    q, k, v = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, docs,
-                            shard.halo_group)
-    # contiguous once here (the Triton backend writes them so; eager's are views): the backend's saves (l2norm
-    # input, the op's v) and _StateGradHop's then share these tensors instead of the hop's views keeping the whole
-    # conv output alive through the backward
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
-    layer.backend.check(q, k, v, g, beta, mode="p2p")
+    q, k, v, g, beta = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, docs)
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:
         raise RuntimeError(

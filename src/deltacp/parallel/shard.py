@@ -1,7 +1,10 @@
-"""What one rank's GDN scan covers: its heads (with their conv channels and gate parameters) and where its
-tokens' conv halo comes from. The 1-D modes scan every head of the rank's own slice; the 2-D layout
-(`two_d.py`) scans Hv / u heads of its Ulysses group's slice, the halo coming from the same heads of the
-previous group.
+"""What one rank's GDN scan covers: its heads (with their conv channels and gate parameters) and the group over
+which its tokens are one slice of the row. The 1-D p2p / all_gather modes scan every head of the rank's own
+slice; Ulysses scans Hv / P heads of the whole row (no group: the sequence is whole here); the 2-D layout
+(`two_d.py`) scans Hv / u heads of its Ulysses group's slice, across the same heads of the other groups.
+
+`scan_inputs` is the start every mode's scan shares: the causal conv + SiLU + q/k/v split (with the halo from the
+previous slice), the gates, and the backend's contract check.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deltacp.parallel.conv import conv_silu_qkv
+from deltacp.parallel.documents import DocumentSegment
 from deltacp.parallel.gdn_layer import GDNLayerCP
 
 
@@ -21,9 +26,23 @@ class GDNShard:
     conv_bias_C: torch.Tensor | None
     A_log: torch.Tensor
     dt_bias: torch.Tensor
-    halo_group: object  # the group whose previous rank sends the conv halo (collective)
+    seq_group: object | None  # the ranks whose slices make the row (halo from the previous one); None: whole here
 
     @classmethod
     def whole(cls, layer: GDNLayerCP) -> "GDNShard":
         m = layer.view
         return cls(m.num_k_heads, m.num_v_heads, layer.conv_weight_CK, m.conv1d.bias, m.A_log, m.dt_bias, layer.group)
+
+
+def scan_inputs(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+                docs: DocumentSegment | None):
+    """q, k [B, s, qk_heads, K], v [B, s, Hv, V], g, beta [B, s, Hv] of this shard, checked against the backend's
+    contract. Contiguous once here (the Triton backend writes them so; eager's are views of the conv output): the
+    backend's saves and the modes' own autograd nodes then share these tensors instead of views keeping the whole
+    conv output alive through the backward."""
+    q, k, v = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, docs,
+                            shard.seq_group)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
+    layer.backend.check(q, k, v, g, beta, mode=layer.mode.name)
+    return q, k, v, g, beta

@@ -20,7 +20,6 @@ import torch
 from deltacp.distributed.collectives import all_to_all_head_to_seq
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP
-from deltacp.parallel.shard import GDNShard
 from deltacp.parallel.ulysses import seq_to_head_shard
 
 
@@ -35,27 +34,13 @@ class TwoDGroups:
 
 def two_d_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                 ctx: CPForwardContext) -> torch.Tensor:
+    """Ulysses inside the group, the mode's across-group scan (its registry entry's `across`) on the head shard."""
     m = layer.view
-    groups: TwoDGroups = layer.extra["two_d"]
+    groups = layer.two_d
     B, s, _ = qkv_BsC.shape
     V, Hv = m.head_v_dim, m.num_v_heads
     sh = seq_to_head_shard(layer, qkv_BsC, b_BsH, a_BsH, groups.ulysses)
-    qkv_BLC, b_BLH, a_BLH = sh.qkv_BSC, sh.b_BSH, sh.a_BSH
-    L = qkv_BLC.shape[1]
-    shard = GDNShard(sh.qk_local, sh.v_local, layer.conv_weight_CK[sh.channels],
-                     None if m.conv1d.bias is None else m.conv1d.bias[sh.channels], m.A_log[sh.heads],
-                     m.dt_bias[sh.heads], groups.across)
-    match layer.mode:
-        case "p2p":
-            from deltacp.parallel.p2p import p2p_scan
-
-            o_BLHV = p2p_scan(layer, shard, qkv_BLC, b_BLH, a_BLH, ctx)
-        case "all_gather":
-            from deltacp.parallel.all_gather import all_gather_scan
-
-            o_BLHV = all_gather_scan(layer, shard, groups.across, qkv_BLC, b_BLH, a_BLH, ctx)
-        case _:
-            raise ValueError(f"the 2-D layout runs linear_attention_cp_mode 'p2p' or 'all_gather' across groups, got "
-                             f"{layer.mode!r}")
+    L = sh.qkv_BSC.shape[1]
+    o_BLHV = layer.mode.across(layer, sh.scan_shard(layer, groups.across), sh.qkv_BSC, sh.b_BSH, sh.a_BSH, ctx)
     o_BsPX = all_to_all_head_to_seq(o_BLHV.reshape(B, L, sh.v_local * V), groups.ulysses)
     return o_BsPX.reshape(B, s, Hv, V)

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
-from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.ops.gdn.eager import split_qkv
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
+from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
 def ulysses_head_layout(num_k_heads: int, num_v_heads: int, cp: int) -> tuple[int, int]:
@@ -60,6 +60,14 @@ class HeadShard:
     channels: torch.Tensor  # this rank's conv channels, in the module's [q | k | v] order
     heads: slice  # this rank's value heads
 
+    def scan_shard(self, layer: GDNLayerCP, seq_group=None) -> GDNShard:
+        """What these heads' scan covers: their conv channels and gate parameters; `seq_group`: None (the
+        group's whole row is here) or the groups across which it is one slice (2-D)."""
+        m = layer.view
+        bias = None if m.conv1d.bias is None else m.conv1d.bias[self.channels]
+        return GDNShard(self.qk_local, self.v_local, layer.conv_weight_CK[self.channels], bias, m.A_log[self.heads],
+                        m.dt_bias[self.heads], seq_group)
+
 
 def seq_to_head_shard(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                       group) -> HeadShard:
@@ -81,10 +89,10 @@ def seq_to_head_shard(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Ten
     full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
     qkv_BSC, b_BSH, a_BSH = torch.split(full_BSX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
 
-    key = ("channels", P, qkv_BsC.device)
-    if key not in layer.extra:  # index tensors built once per device
-        layer.extra[key] = _rank_channels(layer, rank, P, qkv_BsC.device)
-    return HeadShard(qkv_BSC, b_BSH, a_BSH, qk_local, v_local, layer.extra[key],
+    key = (rank, P, qkv_BsC.device)
+    if key not in layer.channels:  # index tensors built once per device
+        layer.channels[key] = _rank_channels(layer, rank, P, qkv_BsC.device)
+    return HeadShard(qkv_BSC, b_BSH, a_BSH, qk_local, v_local, layer.channels[key],
                      slice(rank * v_local, (rank + 1) * v_local))
 
 
@@ -95,11 +103,8 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
     V, Hv = m.head_v_dim, m.num_v_heads
     sh = seq_to_head_shard(layer, qkv_BsC, b_BsH, a_BsH, layer.group)
     S = sh.qkv_BSC.shape[1]
-    bias = None if m.conv1d.bias is None else m.conv1d.bias[sh.channels]
     docs = document_segment(layer, ctx, 0, 1, S)  # packed row: the whole row's documents
-    q, k, v = conv_silu_qkv(layer, sh.qkv_BSC, layer.conv_weight_CK[sh.channels], bias, sh.qk_local, docs)
-    g, beta = layer.backend.gates(sh.a_BSH, sh.b_BSH, m.A_log[sh.heads], m.dt_bias[sh.heads])
-    layer.backend.check(q, k, v, g, beta, mode="ulysses")
+    q, k, v, g, beta = scan_inputs(layer, sh.scan_shard(layer), sh.qkv_BSC, sh.b_BSH, sh.a_BSH, docs)
 
     o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                      cu_seqlens=None if docs is None else docs.layout)

@@ -11,7 +11,7 @@ Set DELTACP_TRACEBACK=1 for full tracebacks.
 
 With --spawn, SIGINT (Ctrl-C) or SIGTERM to the launcher stops the job: the launcher sends SIGTERM to every
 rank, waits for them (SIGKILL after 10 s), prints one line and exits 128 + the signal number (130, 143). The
-ranks ignore SIGINT themselves and die with the launcher even if it is SIGKILLed (deltacp.testing.spawn).
+ranks ignore SIGINT themselves and die with the launcher even if it is SIGKILLed (deltacp.distributed.launch).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def spawn(fn, world_size: int, cfg: TrainConfig, *args) -> None:
 
     SIGINT/SIGTERM: the ranks are stopped (run_distributed's clean-up: SIGTERM, SIGKILL after a grace
     period), one line is printed and the launcher exits 128 + signum."""
-    from deltacp.testing.spawn import run_distributed
+    from deltacp.distributed.launch import run_distributed
 
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.spawn is not None:
         spawn(_spawned, args.spawn, cfg)
         return
-    from deltacp.testing.spawn import free_port
+    from deltacp.distributed.launch import free_port
 
     if "RANK" not in os.environ:  # plain `python -m deltacp.train` = one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

@@ -75,7 +75,7 @@ class ModelConfig:
     config: dict = field(default_factory=dict)
     """Qwen3_5TextConfig fields (e.g. hidden_size, layer_types); keys are checked against the class."""
     gate_init: Literal["default", "long_memory"] = "default"
-    """long_memory: slowly decaying GDN heads (deltacp.testing.gates), so state hand-over between ranks matters;
+    """long_memory: slowly decaying GDN heads (deltacp.models.gates), so state hand-over between ranks matters;
     models built from `config` only (with `pretrained` it is an error: it would overwrite trained gates)."""
 
 

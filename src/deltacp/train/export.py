@@ -71,7 +71,7 @@ def _one_rank_group() -> bool:
         if dist.get_world_size() != 1:
             raise RuntimeError(f"export runs in one process; this process group has {dist.get_world_size()} ranks")
         return False
-    from deltacp.testing.spawn import free_port
+    from deltacp.distributed.launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(minutes=30))

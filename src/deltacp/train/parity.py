@@ -52,7 +52,7 @@ def run_jobs(world_size: int, jobs: list[tuple[str, TrainConfig]], timeout_s: fl
     `max_steps` stops each run early with the same lr schedule (a prefix of the full run)."""
     import torch.multiprocessing as mp
 
-    from deltacp.testing.spawn import run_distributed
+    from deltacp.distributed.launch import run_distributed
 
     timeout = max(cfg.distributed.timeout_s for _, cfg in jobs)
     with mp.Manager() as manager:

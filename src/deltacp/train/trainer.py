@@ -1,7 +1,7 @@
 """The training job: a Qwen3.5 hybrid under context parallelism (+ FSDP2), driven by the trainer YAML.
 
-Order of application (one log line each, as in torchtitan): CP on every layer (`parallelize_qwen3_5_cp`),
-activation checkpointing per decoder layer, FSDP2 last (`fully_shard_qwen3_5`, gradient divide factor 1).
+Order of application (one log line each, as in torchtitan): CP on every layer (`parallelize_cp`),
+activation checkpointing per decoder layer, FSDP2 last (`fully_shard_cp`, gradient divide factor 1).
 The mesh is 2-D, ("dp", "cp"), dp = world // cp unless train.accelerator.dp is given: CP modules use its "cp"
 dimension, FSDP2 shards over dp x cp flattened. Each dp group trains on its rows of the global batch (the data
 order is the global batch's, not a rank's). The loss is the mean over every valid token of the global batch:
@@ -27,17 +27,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.checkpoint import checkpoint
 
-from deltacp.models.qwen3_5 import (
-    _text_model,
-    all_reduce_cp_grads,
-    cp_cross_entropy,
-    fully_shard_qwen3_5,
-    parallelize_qwen3_5_cp,
-    shard_batch_for_cp,
-)
-from deltacp.models.loss import cp_causal_lm_loss
+from deltacp.models.adapters import adapter_for
+from deltacp.models.batch import shard_batch_for_cp
+from deltacp.models.checkpointing import apply_activation_checkpointing
+from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
+from deltacp.models.loss import cp_causal_lm_loss, cp_cross_entropy
+from deltacp.models.parallelize import parallelize_cp
+from deltacp.parallel.style import cp_layer_of
 from deltacp.train.checkpoint import (
     claim_directory,
     complete_checkpoints,
@@ -133,7 +130,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     if vocab < vocab_size:
         raise ConfigError(f"train.model vocab_size ({vocab}) is smaller than the tokenizer's ({vocab_size})")
     if cfg.model.gate_init == "long_memory":
-        from deltacp.testing.gates import long_memory_gates_
+        from deltacp.models.gates import long_memory_gates_
 
         long_memory_gates_(model)
     if cfg.dtype == "float64":
@@ -141,28 +138,15 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     return model
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> int:
-    """Full activation checkpointing per decoder layer (non-reentrant); p2p layers replay received states.
-
-    Applied after CP and before FSDP, inside the FSDP unit's forward, so FSDP's unshard hooks run once. The
-    recompute of a p2p layer replays the H_in its forward received, found in that forward's context (the
-    attention_mask argument the checkpoint keeps), instead of posting another receive.
-    """
-    n = 0
-    for layer in _text_model(model).layers:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-        n += 1
-    logger.info("Applied full activation checkpointing to %d decoder layers", n)
-    return n
-
-
 def p2p_passings(model: torch.nn.Module) -> list:
     """The StatePassing of every p2p GDN layer, in layer order (their `log` lists record messages)."""
     out = []
-    for layer in _text_model(model).layers:
-        cp_layer = getattr(getattr(layer, "linear_attn", None), "_deltacp_cp", None)
-        if cp_layer is not None and "passing" in cp_layer.extra:
-            out.append(cp_layer.extra["passing"])
+    adapter = adapter_for(model)
+    for layer in adapter.layers():
+        gdn = adapter.linear_attention(layer)
+        cp_layer = None if gdn is None else cp_layer_of(gdn)
+        if cp_layer is not None and cp_layer.passing is not None:
+            out.append(cp_layer.passing)
     return out
 
 
@@ -219,7 +203,7 @@ class Trainer:
         self.data = TokenStream(cfg.data, cfg.seed)
 
         model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
-        model = parallelize_qwen3_5_cp(model, self.mesh, ulysses_degree=acc.ulysses_degree,
+        model = parallelize_cp(model, self.mesh, ulysses_degree=acc.ulysses_degree,
                                        linear_attention_cp_mode=acc.linear_attention_cp_mode,
                                        linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
                                        full_attention_cp=acc.full_attention_cp)
@@ -229,7 +213,7 @@ class Trainer:
             mp_policy = None
             if cfg.dtype == "bfloat16":
                 mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            fully_shard_qwen3_5(model, self.mesh, mp_policy=mp_policy)
+            fully_shard_cp(model, self.mesh, mp_policy=mp_policy)
             logger.info("Applied FSDP2 over dp %d x cp %d = %d ranks, flattened (mixed precision: %s)", self.dp,
                         self.cp, self.world, mp_policy)
         self.model = model

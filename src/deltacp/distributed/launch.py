@@ -1,6 +1,10 @@
-"""Spawn a CPU process group over gloo and run one function on every rank, with a hard deadline.
+"""The CPU launcher: spawn a process group over gloo and run one function on every rank, with a hard deadline.
 
-Used by the tests, the README demo and `python -m deltacp.train --spawn N`. A rank that raises fails the
+    from deltacp import run_distributed
+    run_distributed(main, 4)          # main(rank, world_size) on 4 CPU ranks; torchrun is the launcher on GPUs
+
+What the README's snippet, `python -m deltacp.demo`, `python -m deltacp.train --spawn N` and the tests launch
+with. A rank that raises fails the
 whole run with its traceback; a run that outlives `timeout_s` is killed and reported as a hang instead of
 blocking forever. No rank outlives the process that spawned it:
 

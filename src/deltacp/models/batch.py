@@ -1,0 +1,149 @@
+"""Cutting a global batch into this rank's slice: `shard_batch_for_cp`, and padding a packed row to a multiple of
+the CP degree.
+
+One description of a packed row travels from here to the kernels: the global offsets `cu_seqlens` (validated once
+here), carried in transformers' packing keywords `cu_seq_lens_q/k` to the model, whose input hook builds the
+row's `PackedDocuments` from them (validating the model's input once), from which every layer derives its views
+(`DocumentSegment` and its `VarlenLayout` for GDN, `AttentionDocuments` for full attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from deltacp.distributed.agree import LocalChecks, raise_together
+from deltacp.distributed.mesh import cp_group_of
+from deltacp.models.loss import IGNORE_INDEX
+from deltacp.ops.gdn.varlen import check_cu_seqlens
+from deltacp.parallel.documents import cu_seqlens_from_position_ids, fingerprints, position_ids_from_cu_seqlens
+
+
+def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int, pad_token_id: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad a packed row [1, S] to a multiple of `multiple` (the CP degree) with one padding document.
+
+    The padding tokens form a document of their own, so no real document reads them or is read by them;
+    `shard_batch_for_cp(pad_to_multiple_of=)` calls this and ignores their targets.
+    """
+    S = input_ids.shape[1]
+    extra = (-S) % multiple
+    if extra == 0:
+        return input_ids, cu_seqlens
+    pad = input_ids.new_full((input_ids.shape[0], extra), pad_token_id)
+    cu = torch.cat([cu_seqlens.to(torch.int64).cpu(), torch.tensor([S + extra])]).to(cu_seqlens.dtype)
+    return torch.cat([input_ids, pad], dim=1), cu
+
+
+def _packed_offsets(S: int, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, position_ids
+                    ) -> torch.Tensor | None:
+    """The row's global document offsets (int64, CPU, validated once) from whichever description was given; None
+    for an unpacked row (no description, or one document)."""
+    if cu_seqlens is not None and cu_seq_lens_q is not None:
+        raise ValueError("shard_batch_for_cp: give the document offsets once, as cu_seqlens or as cu_seq_lens_q "
+                         "(transformers' packing keyword), not both")
+    name = "cu_seq_lens_q" if cu_seq_lens_q is not None else "cu_seqlens"
+    given = cu_seqlens if cu_seqlens is not None else cu_seq_lens_q
+    if given is None and any(v is not None for v in (cu_seq_lens_k, max_length_q, max_length_k)):
+        raise ValueError("shard_batch_for_cp: cu_seq_lens_k / max_length_q / max_length_k given without "
+                         "cu_seq_lens_q (the document offsets)")
+    if given is None and position_ids is not None:
+        given, name = cu_seqlens_from_position_ids(position_ids), "position_ids"
+        if given is None:  # one document
+            given = torch.tensor([0, S])
+    if given is None:
+        return None
+    cu = check_cu_seqlens(given, S, f"shard_batch_for_cp: {name} (global offsets of the whole row)")
+    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.detach().to("cpu", torch.int64), cu):
+        raise ValueError("shard_batch_for_cp: cu_seq_lens_k must equal cu_seq_lens_q (causal self-attention)")
+    longest = int((cu[1:] - cu[:-1]).max())
+    for key, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+        if value is not None and int(value) != longest:
+            raise ValueError(f"shard_batch_for_cp: {key}={int(value)} is not the longest document ({longest})")
+    return cu
+
+
+def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attention_mask: torch.Tensor | None = None,
+                       labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None, pad_to_multiple_of: int | None = None,
+                       pad_token_id: int = 0, mm_token_type_ids: torch.Tensor | None = None,
+                       cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
+                       max_length_q: int | None = None, max_length_k: int | None = None
+                       ) -> dict[str, torch.Tensor | int | None]:
+    """Cut a global batch [B, S] into this rank's contiguous slice: keyword arguments of the CP'd model, plus
+    `target_ids` for the CP losses (`cp_causal_lm_loss`, `cp_cross_entropy`).
+
+    Packed documents (one row, B = 1): give `cu_seqlens` (global offsets [0, ..., S]), or transformers' packing
+    keywords `cu_seq_lens_q/k`, `max_length_q/k` (as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
+    returns them, so `shard_batch_for_cp(**collator_batch, cp_mesh=mesh)` works), or `position_ids` that restart at
+    each document (transformers' convention). The result then carries the rank's per-document position ids and the
+    packing keywords `cu_seq_lens_q/k`, `max_length_q/k` (global), and no target crosses a document boundary.
+    Padded rows (B >= 1): `attention_mask`, left or right padding.
+
+    S must be divisible by the CP degree: `pad_to_multiple_of=cp` appends a padding document of `pad_token_id`
+    tokens to a packed row (targets ignored) so that it is. Targets are shifted over the whole row before cutting
+    (no rank needs its neighbour's tokens): IGNORE_INDEX at each document's last token, and wherever the target
+    token is padding.
+
+    Multimodal batches (images): give the processor's `mm_token_type_ids` [B, S]; the result carries its slice
+    and no position_ids (the model's multimodal hook forms the mRoPE positions over the whole row). Pass the
+    batch's `pixel_values` and `image_grid_thw` whole to every rank's model call. Not with packed documents.
+
+    Every rank of the CP group must pass the same batch: one small exchange checks it (and the outcome of every
+    check here), so that all ranks raise together, naming what differs.
+    """
+    group = cp_group_of(cp_mesh)
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    B, S = input_ids.shape
+    labels = input_ids if labels is None else labels
+    cu = None
+    with LocalChecks() as checks:
+        cu = _packed_offsets(S, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, position_ids)
+        if cu is not None and cu.numel() == 2 and not pad_to_multiple_of:
+            cu = None  # one document: an unpacked row
+        if cu is not None:
+            if attention_mask is not None:
+                raise ValueError("shard_batch_for_cp: a packed row (cu_seqlens / cu_seq_lens_q / position_ids) takes "
+                                 "no attention_mask; use pad_to_multiple_of to pad it")
+            if B != 1:
+                raise ValueError(f"shard_batch_for_cp: packed documents need one row (B = 1), got B = {B}")
+        elif pad_to_multiple_of:
+            raise ValueError("shard_batch_for_cp: pad_to_multiple_of pads packed rows (give cu_seqlens, cu_seq_lens_q "
+                             "or position_ids); pad unpacked rows yourself with an attention_mask")
+        if mm_token_type_ids is not None and (cu is not None or tuple(mm_token_type_ids.shape) != (B, S)):
+            raise ValueError(f"shard_batch_for_cp: mm_token_type_ids must be [B, S] = {(B, S)} of an unpacked batch, "
+                             f"got {tuple(mm_token_type_ids.shape)}" + (" with packed documents" if cu is not None
+                                                                       else ""))
+        padded = S + ((-S) % pad_to_multiple_of if cu is not None and pad_to_multiple_of else 0)
+        if padded % cp:
+            raise ValueError(f"shard_batch_for_cp: the global sequence length ({S}) must be divisible by cp ({cp})"
+                             + ("; pass pad_to_multiple_of=cp to append a padding document" if cu is not None
+                                else "; pad the rows (with an attention_mask) to a multiple of cp"))
+    raise_together(group, "shard_batch_for_cp", checks.error, device=input_ids.device,
+                   agree=dict(rows=B, length=S, attention_mask=attention_mask is not None,
+                              pad_to_multiple_of=pad_to_multiple_of or 0,
+                              **fingerprints(dict(input_ids=input_ids, document_offsets=cu))))
+    if cu is not None and pad_to_multiple_of:
+        input_ids, cu = pad_packed_row(input_ids, cu, pad_to_multiple_of, pad_token_id)
+        labels = torch.cat([labels, labels.new_full((1, input_ids.shape[1] - S), IGNORE_INDEX)], dim=1)
+        S = input_ids.shape[1]
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    if attention_mask is not None:
+        targets[:, :-1][attention_mask[:, 1:] == 0] = IGNORE_INDEX
+    cut = slice(rank * (S // cp), (rank + 1) * (S // cp))
+    if mm_token_type_ids is not None:  # positions: the model's multimodal hook forms mRoPE over the whole row
+        return dict(input_ids=input_ids[:, cut], mm_token_type_ids=mm_token_type_ids[:, cut],
+                    target_ids=targets[:, cut],
+                    attention_mask=None if attention_mask is None else attention_mask[:, cut])
+    if cu is None:
+        positions = torch.arange(S, device=input_ids.device).expand(B, S)
+        return dict(input_ids=input_ids[:, cut], position_ids=positions[:, cut], target_ids=targets[:, cut],
+                    attention_mask=None if attention_mask is None else attention_mask[:, cut])
+    targets[:, (cu[1:] - 1).to(targets.device)] = IGNORE_INDEX  # a document's last token predicts nothing
+    positions = position_ids_from_cu_seqlens(cu).to(input_ids.device)
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu_dev = cu.to(device=input_ids.device, dtype=torch.int32)
+    return dict(input_ids=input_ids[:, cut], position_ids=positions[:, cut], target_ids=targets[:, cut],
+                cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest, max_length_k=longest)

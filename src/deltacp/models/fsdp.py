@@ -1,0 +1,51 @@
+"""Parameters under CP: FSDP2 over every rank of the mesh, or a plain gradient sum when they stay replicated.
+
+Each rank's loss (`cp_causal_lm_loss`, `cp_cross_entropy`) already carries only its share of the mean over the
+global batch (its all-reduce spans the whole mesh, dp x cp: the one place the loss is scaled), so every gradient
+reduction here is a plain sum: the reduced gradient is the single-device gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from deltacp.distributed.mesh import batch_group_of, batch_mesh_of
+from deltacp.models.adapters import adapter_for
+
+
+def all_reduce_cp_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Sum replicated parameters' gradients over every rank of the mesh (without FSDP): the CP group, or dp x cp
+    for a ("dp", "cp") mesh, whose ranks together hold the global batch the loss averages over."""
+    group = batch_group_of(cp_mesh)
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+
+
+def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_after_forward: bool = True
+                   ) -> nn.Module:
+    """FSDP2 on each decoder layer, then the root, over every rank of `mesh`: a CP mesh, or a ("dp", "cp") mesh
+    flattened to one dimension (parameters sharded over dp x cp, not HSDP). Any class a model adapter supports
+    (the vision tower goes with the root).
+
+    FSDP2 would average over its mesh; here the reduction is a plain sum (divide factor 1, see the module
+    docstring).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = dict(mesh=batch_mesh_of(mesh), reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy if isinstance(mp_policy, MixedPrecisionPolicy) else MixedPrecisionPolicy(
+            **mp_policy)
+    for layer in adapter_for(model).layers():
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            # With factor 1, FSDP2 would reduce float32/bf16 with PREMUL_SUM(1), which gloo lacks; a plain
+            # SUM is the same result on every backend.
+            module.set_force_sum_reduction_for_comms(True)
+    return model

@@ -1,0 +1,152 @@
+"""`parallelize_cp`: context parallelism for a whole GDN hybrid (any class a model adapter supports), as a short
+composition of named steps.
+
+    model = parallelize_cp(model, cp_mesh, linear_attention_cp_mode="p2p")
+    batch = shard_batch_for_cp(input_ids, cp_mesh, attention_mask=mask)    # or cu_seqlens= for packed rows
+    loss = cp_causal_lm_loss(model, batch.pop("target_ids"), cp_mesh, **batch, use_cache=False)
+
+Steps (one log line each): check every layer on every rank and exchange the configuration once (every rank
+raises together); `apply_linear_attention_cp` (the GDN style on every `linear_attn`); `apply_full_attention_cp`
+(the full attention style on every `self_attn`); on the Triton backend `apply_fused_decoder` (RMSNorm, residual
+add + RMSNorm: `models/fused_decoder.py`); `install_input_hooks` (the CP input hook on the text model, on a
+multimodal model the vision hook, on a causal-LM / conditional-generation wrapper the hook refusing `labels` and
+`logits_to_keep`, and for routed experts the hook making `aux_loss` global). Experts are per-token work and stay
+as they are. Parameters are not sharded: compose FSDP2 on top with `fully_shard_cp` (`models/fsdp.py`), or sum
+gradients over the CP group with `all_reduce_cp_grads` when parameters are replicated.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from deltacp.distributed.agree import LocalChecks, raise_together
+from deltacp.distributed.mesh import batch_group_of, cp_group_of
+from deltacp.models.adapters import ModelAdapter, adapter_for
+from deltacp.models.inputs import make_cp_inputs_hook, refuse_local_loss
+from deltacp.models.moe import make_aux_loss_hook
+from deltacp.models.multimodal import make_multimodal_hook
+from deltacp.parallel.layout import validate_cp_layout
+from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel
+from deltacp.parallel.two_d import TwoDGroups
+
+logger = logging.getLogger(__name__)
+
+_PARALLELIZED = "_deltacp_parallelized"  # set on the text model once CP is applied
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether `parallelize_cp` has been applied to this model."""
+    return getattr(adapter_for(model).text, _PARALLELIZED, False)
+
+
+def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttentionContextParallel,
+                full: FullAttentionContextParallel, cp: int) -> dict:
+    """Every layer checked for its style (raises naming the setting); the configuration every rank must share."""
+    text = adapter.text
+    if getattr(text, _PARALLELIZED, False):
+        raise ValueError("parallelize_cp: this model is already parallelized; apply CP once, to the single-device "
+                         "model")
+    layers = adapter.layers()
+    config = dict(model=type(model).__name__, family=adapter.family.name, hidden_size=text.config.hidden_size,
+                  layer_types=tuple(text.config.layer_types[: len(layers)]), moe=adapter.moe is not None)
+    for i, layer in enumerate(layers):
+        gdn, attention = adapter.linear_attention(layer), adapter.full_attention(layer)
+        if gdn is not None:
+            layer_config = linear.check_module(gdn, cp)
+        elif attention is not None:
+            layer_config = full.check_module(attention, cp)
+        else:
+            raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} has neither linear_attn nor "
+                                      f"self_attn (layer type {text.config.layer_types[i]!r})")
+        config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
+    return config
+
+
+def apply_linear_attention_cp(adapter: ModelAdapter, style: LinearAttentionContextParallel, group, groups) -> int:
+    n = 0
+    for layer in adapter.layers():
+        gdn = adapter.linear_attention(layer)
+        if gdn is not None:
+            style.install(gdn, group, groups)
+            n += 1
+    logger.info("Applied %s linear attention CP (%s backend) to %d GDN layers", style.mode, style.backend, n)
+    return n
+
+
+def apply_full_attention_cp(adapter: ModelAdapter, style: FullAttentionContextParallel, group, groups, cp: int
+                            ) -> int:
+    n = 0
+    for layer in adapter.layers():
+        attention = adapter.full_attention(layer)
+        if attention is not None:
+            style.install(attention, group, groups)
+            n += 1
+    logger.info("Applied %s CP (Ulysses degree %d) to %d full attention layers", style.method, style.degree(cp), n)
+    return n
+
+
+def apply_fused_decoder(model: nn.Module) -> int:
+    """The Triton backend's fused decoder glue (the eager backend keeps transformers' forwards: the reference)."""
+    from deltacp.models.fused_decoder import install_fused_decoder
+
+    return install_fused_decoder(model)  # logs its line
+
+
+def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh) -> None:
+    group = cp_group_of(cp_mesh)
+    adapter.text.register_forward_pre_hook(make_cp_inputs_hook(group, adapter), with_kwargs=True)
+    logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(adapter.text).__name__)
+    if adapter.multimodal is not None:
+        adapter.multimodal.register_forward_pre_hook(make_multimodal_hook(group), with_kwargs=True)
+        logger.info("Applied the multimodal CP hook (vision on the whole batch, global mRoPE positions) to %s",
+                    type(adapter.multimodal).__name__)
+    if adapter.head is not None:
+        adapter.head.register_forward_pre_hook(refuse_local_loss, with_kwargs=True)
+        if adapter.moe is not None:
+            adapter.head.register_forward_hook(make_aux_loss_hook(adapter.moe.num_experts, adapter.moe.top_k,
+                                                                  batch_group_of(cp_mesh)), with_kwargs=True)
+            logger.info("Applied the global MoE auxiliary loss hook (%d experts, top %d) to %s",
+                        adapter.moe.num_experts, adapter.moe.top_k, type(adapter.head).__name__)
+
+
+def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
+                   linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager",
+                   full_attention_cp: str = "ulysses") -> nn.Module:
+    """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
+
+    On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
+    slice of the single-device logits (per document, for packed rows).
+
+    linear_attention_cp_mode: ulysses | p2p | all_gather (`parallel/modes.py`). full_attention_cp: 'ulysses' (heads
+    split cp ways: the heads must divide by cp), 'all_gather' (KV all-gather, no head limit; 'allgather' is
+    accepted) or 'ring' (KV ring). ulysses_degree: None / cp (1-D layout) or u < cp dividing cp: the 2-D layout,
+    Ulysses inside groups of u consecutive ranks, linear_attention_cp_mode (p2p | all_gather) and
+    full_attention_cp (all_gather | ring) across groups (`parallel/layout.py`).
+    """
+    group = cp_group_of(cp_mesh)
+    cp = group.size()
+    config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
+                  linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=ulysses_degree,
+                  full_attention_cp=full_attention_cp)
+    adapter = linear = full = None
+    with LocalChecks() as checks:  # every check first; a check failing on some ranks must not leave others waiting
+        validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
+        linear = LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend,
+                                                ulysses_degree)
+        full = FullAttentionContextParallel(full_attention_cp, ulysses_degree)
+        adapter = adapter_for(model)
+        config.update(check_model(model, adapter, linear, full, cp))
+    raise_together(group, "parallelize_cp", checks.error, agree=config)
+
+    linear_groups = linear.groups(cp_mesh)
+    apply_linear_attention_cp(adapter, linear, group, linear_groups)
+    shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
+    apply_full_attention_cp(adapter, full, group, full.groups(cp_mesh, shared), cp)
+    if linear_attention_gdn_backend == "triton":
+        apply_fused_decoder(model)
+    install_input_hooks(adapter, cp_mesh)
+    setattr(adapter.text, _PARALLELIZED, True)
+    return model
