@@ -214,3 +214,22 @@ def test_two_d_head_and_mode_rules_name_the_settings():
     validate_cp_layout(8, 1, "all_gather", "ring")
     with pytest.raises(ValueError, match=r"ulysses_degree=3 is not supported at cp=8: .*\[1, 2, 4, 8\]"):
         validate_cp_layout(8, 3, "p2p", "ring")
+
+
+def test_one_spelling_with_the_old_one_as_alias():
+    """all_gather names the method for both layer kinds; 'allgather' (full attention's old spelling) is an alias
+    resolved once, and the registry is where every check gets the list of names."""
+    from deltacp.config import AcceleratorConfig
+    from deltacp.parallel.layout import validate_cp_layout
+    from deltacp.parallel.modes import ATTENTION_METHODS, GDN_MODES, attention_method, gdn_mode
+
+    assert attention_method("allgather") is ATTENTION_METHODS["all_gather"]
+    assert gdn_mode("allgather") is GDN_MODES["all_gather"]
+    config = AcceleratorConfig.from_dict({"cp": 4, "full_attention_cp": "allgather"})
+    assert config.full_attention_cp == "all_gather"
+    validate_cp_layout(8, 2, "p2p", "allgather")
+    with pytest.raises(ValueError, match=r"full_attention_cp='zigzag' is not supported; expected one of "
+                                         r"\('ulysses', 'all_gather', 'ring'\) \(aliases: allgather = all_gather\)"):
+        attention_method("zigzag")
+    with pytest.raises(NotImplementedError, match=r"linear_attention_cp_mode='all_gather' has no triton backend"):
+        gdn_mode("all_gather", "triton")
