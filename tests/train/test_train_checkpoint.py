@@ -80,6 +80,24 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(one_rank, saved, tmp_pat
     assert cause in line, line
 
 
+def test_a_newest_checkpoint_without_metadata_is_refused_not_skipped(one_rank, saved, tmp_path):
+    from deltacp.train.export import resolve_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    shutil.copytree(ckpt / "step_00000002", ckpt / "step_00000001")  # an older complete checkpoint
+    (ckpt / "step_00000002" / ".metadata").unlink()
+    words = (f"checkpoint file {ckpt / 'step_00000002' / '.metadata'} is missing (the newest checkpoint in {ckpt} is "
+             f"damaged")
+    with pytest.raises(CheckpointError) as exc:  # the ranks (a Trainer without the launcher): every rank alike
+        _fit(_cfg(ckpt, "train.steps=3"))
+    line = _one_line_error(exc)
+    assert words in line and f"or delete it to resume from {ckpt / 'step_00000001'}" in line, line
+    assert not (ckpt / "step_00000003").exists()
+    with pytest.raises(CheckpointError, match="is missing .the newest checkpoint"):  # export takes the newest too
+        resolve_checkpoint(_cfg(ckpt), ckpt)
+
+
 def test_resume_after_the_model_changed_names_checkpoint_and_cause(one_rank, saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)

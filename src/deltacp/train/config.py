@@ -45,6 +45,12 @@ class ConfigError(ValueError):
     """A bad trainer configuration; the message names the key (e.g. train.optimizer.lr2)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (its type's name if it has none)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 MODEL_CLASSES = {  # trainable class -> the config class its `config` fields belong to (text fields)
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",

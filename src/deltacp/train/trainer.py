@@ -39,8 +39,8 @@ from deltacp.models.qwen3_5 import (
 )
 from deltacp.models.loss import cp_causal_lm_loss
 from deltacp.train.checkpoint import (
+    CheckpointError,
     claim_directory,
-    complete_checkpoints,
     load_checkpoint,
     new_run_id,
     run_owner,
@@ -308,6 +308,8 @@ class Trainer:
         plan = plan[0]
         if plan["error"]:
             raise ConfigError(plan["error"])
+        if plan["damaged"]:
+            raise CheckpointError(plan["damaged"])
         if self.rank == 0:
             for old in plan["delete"]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -324,9 +326,15 @@ class Trainer:
             self.progress.message(f"resumed run {plan['run_id']} from {plan['resume']} (step {self.step_count}"
                                   f"{reshard})")
         self.run_id = plan["run_id"]
+        failed = [None]
         if self.rank == 0:
-            self.session = claim_directory(ck.dir, self.run_id, plan["resume"])
-        dist.barrier()
+            try:
+                self.session = claim_directory(ck.dir, self.run_id, plan["resume"])
+            except CheckpointError as exc:
+                failed[0] = str(exc)
+        dist.broadcast_object_list(failed, src=0)  # an unwritable directory stops every rank, none waits
+        if failed[0] is not None:
+            raise CheckpointError(failed[0])
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -364,21 +372,27 @@ class Trainer:
 
 def plan_checkpoint_dir(cfg: TrainConfig) -> dict:
     """What train.checkpoint.dir means for a starting run (rank 0 decides, from the files alone):
-    {error, resume (path or None), run_id, delete (paths)}.
+    {error (a config error), damaged (a CheckpointError's message), resume (path or None), run_id, delete (paths)}.
 
-    resume true: the newest complete checkpoint is resumed and the run continues under its run id.
+    resume true: the newest checkpoint is resumed and the run continues under its run id (a newest one without
+    .metadata is damaged: an error, never skipped for an older one).
     resume false: a directory holding checkpoints is an error unless overwrite is true (then they are deleted);
     a fresh run gets a new run id."""
-    from deltacp.train.checkpoint import checkpoint_run_id
+    from deltacp.train.checkpoint import checkpoint_dirs, checkpoint_run_id, newest_checkpoint
 
     ck = cfg.checkpoint
-    found = complete_checkpoints(ck.dir)
-    plan = dict(error=None, resume=None, run_id=new_run_id(), delete=[])
+    plan = dict(error=None, damaged=None, resume=None, run_id=new_run_id(), delete=[])
     if ck.resume:
-        if found:
-            plan["resume"] = str(found[-1][1])
-            plan["run_id"] = checkpoint_run_id(found[-1][1]) or plan["run_id"]
+        try:
+            newest = newest_checkpoint(ck.dir)
+        except CheckpointError as exc:  # raised on every rank (maybe_resume), like any other damaged checkpoint
+            plan["damaged"] = str(exc)
+            return plan
+        if newest is not None:
+            plan["resume"] = str(newest[1])
+            plan["run_id"] = checkpoint_run_id(newest[1]) or plan["run_id"]
         return plan
+    found = checkpoint_dirs(ck.dir)  # damaged ones too: they are another run's as much as the complete ones
     if found and not ck.overwrite:
         try:
             owner = (run_owner(ck.dir) or {}).get("run_id", "unknown")
