@@ -46,7 +46,7 @@ from deltacp.train.checkpoint import (
     run_owner,
     save_checkpoint,
 )
-from deltacp.train.config import ConfigError, TrainConfig, model_config_fields
+from deltacp.train.config import ConfigError, TrainConfig, check_dtype_fsdp, model_config_fields
 from deltacp.train.data import TokenStream
 from deltacp.train.progress import Progress
 
@@ -66,13 +66,36 @@ class TrainHooks:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def resolve_device(cfg: TrainConfig) -> torch.device:
+def device_type(cfg: TrainConfig) -> str:
+    """cuda or cpu, as train.device says (auto: cuda when available); ConfigError if cuda is asked for and absent."""
     kind = cfg.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device is 'cuda' but no CUDA device is available")
+    return kind
+
+
+def backend_for(cfg: TrainConfig, device: str) -> str:
+    """The process-group backend a new group gets: train.distributed.backend, auto: nccl on CUDA, gloo on CPU."""
+    backend = cfg.distributed.backend
+    return ("nccl" if device == "cuda" else "gloo") if backend == "auto" else backend
+
+
+def check_device_backend(cfg: TrainConfig, device: str, backend: str) -> None:
+    """The rules between train.device, the backend and train.distributed.fsdp (the launcher checks them with the
+    device and backend its ranks will get; every rank again before the first collective)."""
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError("train.distributed.backend 'nccl' needs train.device cuda")
+    if cfg.distributed.fsdp and device == "cuda" and backend == "gloo":
+        raise ConfigError("train.distributed.fsdp true needs nccl on CUDA: FSDP2's collectives over gloo with "
+                          "CUDA tensors crash (SIGSEGV, torch 2.11, H200); for CP ranks sharing one GPU over "
+                          "gloo set train.distributed.fsdp=false (and dtype float32)")
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    kind = device_type(cfg)
     if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device is 'cuda' but no CUDA device is available")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         index = local_rank % torch.cuda.device_count()  # ranks share GPUs round-robin if there are fewer GPUs
         torch.cuda.set_device(index)
@@ -88,11 +111,10 @@ def init_distributed(cfg: TrainConfig, device: torch.device) -> None:
         if backend != "auto" and dist.get_backend() != backend:
             raise ConfigError(f"train.distributed.backend is {backend!r} but this process group uses "
                               f"{dist.get_backend()!r} (--spawn runs gloo ranks; use torchrun for nccl)")
+        check_device_backend(cfg, device.type, dist.get_backend())
         return
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("train.distributed.backend 'nccl' needs train.device cuda")
+    backend = backend_for(cfg, device.type)
+    check_device_backend(cfg, device.type, backend)
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = device
@@ -104,34 +126,59 @@ def init_distributed(cfg: TrainConfig, device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def model_config(cfg: TrainConfig):
+    """The transformers config of the model `train.model` describes (of a pretrained directory: its config.json,
+    read as `from_pretrained` reads it)."""
+    import transformers
+
+    from deltacp.train.config import MODEL_CLASSES, MULTIMODAL_CONFIGS
+
+    model_cls = getattr(transformers, cfg.model.model_class)
+    if cfg.model.pretrained is not None:
+        return model_cls.config_class.from_pretrained(cfg.model.pretrained, local_files_only=True)
+    if not cfg.model.config and cfg.model.preset is None:
+        raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
+                          f"({MODEL_CLASSES[cfg.model.model_class]} fields) or pretrained (a local directory)")
+    config = getattr(transformers, MODEL_CLASSES[cfg.model.model_class])(**model_config_fields(cfg.model))
+    if cfg.model.model_class in MULTIMODAL_CONFIGS:
+        config = getattr(transformers, MULTIMODAL_CONFIGS[cfg.model.model_class])(
+            text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
+            tie_word_embeddings=config.tie_word_embeddings)
+    if cfg.dtype == "float64" and getattr(config.get_text_config(), "num_experts", 0):
+        config.get_text_config()._experts_implementation = "eager"
+        config._experts_implementation = "eager"
+    return config
+
+
+def check_vocab(config, vocab_size: int) -> None:
+    vocab = config.get_text_config().vocab_size
+    if vocab < vocab_size:
+        raise ConfigError(f"train.model vocab_size ({vocab}) is smaller than the tokenizer's ({vocab_size})")
+
+
+def model_skeleton(cfg: TrainConfig) -> torch.nn.Module:
+    """The model of `build_model` on the meta device (shapes only, no memory, no weights read): what the checks
+    before the first rank starts look at."""
+    import transformers
+
+    config = model_config(cfg)
+    with torch.device("meta"):
+        return getattr(transformers, cfg.model.model_class)(config)
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     """The single-device transformers model of class `train.model.model_class`, fp32 (fp64 for float64), on CPU,
     identical on every rank. Routed experts use transformers' eager experts in float64 (grouped_mm has no float64
     kernel)."""
     import transformers
 
-    from deltacp.train.config import MODEL_CLASSES, MULTIMODAL_CONFIGS
-
     model_cls = getattr(transformers, cfg.model.model_class)
     torch.manual_seed(cfg.seed)
     if cfg.model.pretrained is not None:
         model = model_cls.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32)
     else:
-        if not cfg.model.config and cfg.model.preset is None:
-            raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
-                              f"({MODEL_CLASSES[cfg.model.model_class]} fields) or pretrained (a local directory)")
-        config = getattr(transformers, MODEL_CLASSES[cfg.model.model_class])(**model_config_fields(cfg.model))
-        if cfg.model.model_class in MULTIMODAL_CONFIGS:
-            config = getattr(transformers, MULTIMODAL_CONFIGS[cfg.model.model_class])(
-                text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
-                tie_word_embeddings=config.tie_word_embeddings)
-        if cfg.dtype == "float64" and getattr(config.get_text_config(), "num_experts", 0):
-            config.get_text_config()._experts_implementation = "eager"
-            config._experts_implementation = "eager"
-        model = model_cls(config)
-    vocab = model.config.get_text_config().vocab_size
-    if vocab < vocab_size:
-        raise ConfigError(f"train.model vocab_size ({vocab}) is smaller than the tokenizer's ({vocab_size})")
+        model = model_cls(model_config(cfg))
+    check_vocab(model.config, vocab_size)
     if cfg.model.gate_init == "long_memory":
         from deltacp.testing.gates import long_memory_gates_
 
@@ -203,13 +250,7 @@ class Trainer:
         init_distributed(cfg, self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg.validate_world(self.world)  # before the first collective
-        if cfg.dtype == "bfloat16" and not cfg.distributed.fsdp:
-            raise ConfigError("train.dtype bfloat16 needs train.distributed.fsdp true (FSDP2 mixed precision keeps "
-                              "fp32 master weights)")
-        if cfg.distributed.fsdp and self.device.type == "cuda" and dist.get_backend() == "gloo":
-            raise ConfigError("train.distributed.fsdp true needs nccl on CUDA: FSDP2's collectives over gloo with "
-                              "CUDA tensors crash (SIGSEGV, torch 2.11, H200); for CP ranks sharing one GPU over "
-                              "gloo set train.distributed.fsdp=false (and dtype float32)")
+        check_dtype_fsdp(cfg)
         acc = cfg.accelerator
         # dp groups of cp consecutive ranks; CP modules use the "cp" dimension, FSDP2 and the loss's all-reduce
         # the whole mesh (dp x cp flattened)
