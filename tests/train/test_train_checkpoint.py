@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 from deltacp.distributed.launch import free_port, run_distributed
 from deltacp.train.checkpoint import MANIFEST, RUN_FILE, CheckpointError, complete_checkpoints, read_json
-from deltacp.train.cli import describe_failure
+from deltacp.train.cli import describe_failure, main
 from deltacp.train.config import CheckpointConfig, ConfigError, load_config
 from test_train_parity import MAIN
+from test_train_preflight import launches, refused  # noqa: F401  (a fixture)
 
 SMALL = ["train.logging.progress=none", "train.data.seq_len=64", "train.schedule.warmup_steps=2"]
 
@@ -78,6 +79,27 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(one_rank, saved, tmp_pat
     line = _one_line_error(exc)
     assert str(path / name) in line or (name == MANIFEST and str(path) in line), line
     assert cause in line, line
+
+
+def test_a_newest_checkpoint_without_metadata_is_refused_not_skipped(one_rank, saved, tmp_path):
+    from deltacp.train.export import resolve_checkpoint
+    from deltacp.train.trainer import plan_checkpoint_dir
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    shutil.copytree(ckpt / "step_00000002", ckpt / "step_00000001")  # an older complete checkpoint
+    (ckpt / "step_00000002" / ".metadata").unlink()
+    words = (f"checkpoint file {ckpt / 'step_00000002' / '.metadata'} is missing (the newest checkpoint in {ckpt} is "
+             f"damaged")
+    with pytest.raises(CheckpointError) as exc:  # the ranks (a Trainer without the launcher): every rank alike
+        _fit(_cfg(ckpt, "train.steps=3"))
+    line = _one_line_error(exc)
+    assert words in line and f"or delete it to resume from {ckpt / 'step_00000001'}" in line, line
+    assert not (ckpt / "step_00000003").exists()
+    plan = plan_checkpoint_dir(_cfg(ckpt))  # rank 0's verdict, broadcast: it must not raise on rank 0 alone
+    assert words in plan["damaged"] and plan["resume"] is None
+    with pytest.raises(CheckpointError, match="is missing .the newest checkpoint"):  # export takes the newest too
+        resolve_checkpoint(_cfg(ckpt), ckpt)
 
 
 def test_resume_after_the_model_changed_names_checkpoint_and_cause(one_rank, saved, tmp_path):
@@ -177,3 +199,32 @@ def test_a_cp2_checkpoint_resumes_at_cp4_with_the_losses_of_an_uninterrupted_cp4
         assert abs(row["grad_norm"] - ref["grad_norm"]) <= 1e-4 * abs(ref["grad_norm"]), (ref, row)
         assert row["lr"] == ref["lr"]
     assert read_json(ckpt / "step_00000008" / MANIFEST)["world_size"] == 4
+
+
+# -- the same checkpoint errors, before any rank starts ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, sets, words", [
+    (None, [], None),  # a checkpoint this run can resume gets to the ranks
+    (lambda p: _truncate(p / "__0_0.distcp"), [], "checkpoint error: checkpoint file {p}/__0_0.distcp is truncated"),
+    (lambda p: os.remove(p / MANIFEST), [], f"checkpoint error: checkpoint {{p}} has no {MANIFEST}"),
+    (lambda p: os.remove(p / ".metadata"), [], "checkpoint error: checkpoint file {p}/.metadata is missing (the newest "
+                                                "checkpoint in {c} is damaged"),
+    (None, ["train.model.config.hidden_size=32"],
+     "checkpoint error: checkpoint {p} does not fit train.model of this config: it has lm_head.weight of shape "
+     "[256, 64], this model [256, 32]"),
+    (None, ["train.checkpoint.resume=false"], "config error: train.checkpoint.dir='{c}' holds 1 checkpoint(s) of run"),
+])
+def test_checkpoint_errors_are_found_before_spawning(saved, tmp_path, launches, capsys, change, sets, words):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    path = ckpt / "step_00000002"
+    if change is not None:
+        change(path)
+    args = [*SMALL, "train.accelerator.cp=1", f"train.checkpoint.dir={ckpt}", "train.steps=3", *sets]
+    if words is None:
+        main(["--config", str(MAIN), "--spawn", "1", *[x for a in args for x in ("--set", a)]])
+        assert len(launches) == 1 and capsys.readouterr().err == ""
+        return
+    line = refused(capsys, launches, *args, spawn="1", cp=1)
+    assert line.startswith("deltacp.train: " + words.format(p=path, c=ckpt)), line

@@ -136,6 +136,21 @@ def test_data_stream_refuses_to_stream_separators_forever(tmp_path):
             stream.next_batch()
 
 
+def test_packed_documents_without_a_target_are_refused(tmp_path):
+    """Packed, no target crosses a document boundary: documents of one token each would train on nothing (loss 0,
+    grad norm 0)."""
+    from deltacp.train.data import TokenStream
+
+    (tmp_path / "one_token.jsonl").write_text("".join(f'{{"text": "{c}"}}\n' for c in "abcdefgh"))
+    sets = ["train.data.source=files", f"train.data.paths=[{tmp_path}]", "train.data.packing=true"]
+    with pytest.raises(ConfigError, match=r"^train\.data\.paths \[.*\] hold no trainable target: every document has "
+                                          r"fewer than 2 tokens, and with train\.data\.packing true"):
+        TokenStream(_load(*sets).data, 0)
+    TokenStream(_load(*sets[:2], "train.data.packing=false").data, 0)  # a separator follows every document
+    (tmp_path / "more.jsonl").write_text('{"text": "ab"}\n')  # one document of 2 tokens gives a target
+    TokenStream(_load(*sets).data, 0)
+
+
 def test_jsonl_without_the_field_names_the_key(tmp_path):
     from deltacp.train.data import TokenStream
 

@@ -15,7 +15,8 @@ save on rank 0 removes): a checkpoint either loads completely or is not there. R
 only checkpoints whose manifest names this run.
 
 Loading verifies every file against the manifest first (a truncated or flipped file is an error naming it),
-then loads. Any world size can load a checkpoint: DCP reshards the model and optimizer state, and the
+then loads. The newest committed `step_N` directory is the one resumed: if it lacks `.metadata` it is damaged,
+an error like any other damage (`newest_checkpoint`), never skipped for an older checkpoint. Any world size can load a checkpoint: DCP reshards the model and optimizer state, and the
 per-rank trainer state (identical on every rank except the RNG state, and every rank's RNG is seeded alike)
 of rank r comes from `trainer_rank{r % saved_world}.pt`. So a run saved at cp=2 resumes at cp=4 and back, and
 one saved at dp1 x cp4 at dp2 x cp2: the data position in it is global (every rank reads the whole global batch).
@@ -42,6 +43,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from deltacp.train.config import first_line
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 RUN_FILE = "run.json"
@@ -56,17 +59,38 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under root, oldest first."""
+def checkpoint_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every committed checkpoint directory (step_NNNNNNNN, not .tmp) under root, oldest first,
+    whether or not its files are all there."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / ".metadata").is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+    return sorted((int(match.group(1)), child) for child in root.iterdir()
+                  if (match := _STEP_DIR.match(child.name)) and child.is_dir())
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint (one with DCP's .metadata) under root, oldest first."""
+    return [(step, path) for step, path in checkpoint_dirs(root) if (path / ".metadata").is_file()]
+
+
+def newest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
+    """(step, path) of the newest checkpoint under root, or None if there is none.
+
+    A committed step_N directory is renamed into place only once all of its files are written, so one without
+    .metadata has been damaged since: like any other damaged checkpoint it is an error (CheckpointError naming
+    it), never skipped for an older one that the run would then resume and overwrite."""
+    found = checkpoint_dirs(root)
+    if not found:
+        return None
+    step, path = found[-1]
+    if not (path / ".metadata").is_file():
+        older = [p for _, p in found[:-1] if (p / ".metadata").is_file()]
+        instead = f", or delete it to resume from {older[-1]}" if older else ", or delete it to start over"
+        raise CheckpointError(f"checkpoint file {path / '.metadata'} is missing (the newest checkpoint in "
+                              f"{Path(root)} is damaged: DCP's index of its model and optimizer state is gone); "
+                              f"restore it{instead}")
+    return step, path
 
 
 def rng_state() -> dict:
@@ -98,7 +122,7 @@ def read_json(path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {_first_line(exc)})") from None
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {first_line(exc)})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: unreadable (not a JSON object)")
     return data
@@ -124,10 +148,15 @@ def claim_directory(root: str | Path, run_id: str, resumed_from: str | None) -> 
     """Rank 0: record this process as the owner of the checkpoint directory root, running `run_id`; returns the
     claim's session id (new for every start, so two processes resuming the same run are told apart)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     session = uuid.uuid4().hex
-    write_json_atomic(root / RUN_FILE, dict(run_id=run_id, session=session, started=time.strftime("%Y-%m-%d %H:%M:%S"),
-                                            host=socket.gethostname(), pid=os.getpid(), resumed_from=resumed_from))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(root / RUN_FILE, dict(run_id=run_id, session=session,
+                                                started=time.strftime("%Y-%m-%d %H:%M:%S"), host=socket.gethostname(),
+                                                pid=os.getpid(), resumed_from=resumed_from))
+    except OSError as exc:
+        raise CheckpointError(f"train.checkpoint.dir={str(root)!r} cannot be written ({type(exc).__name__}: "
+                              f"{exc.strerror or first_line(exc)}): choose a writable directory") from None
     return session
 
 
@@ -162,7 +191,7 @@ def _hash_files(directory: Path, names: list[str]) -> dict:
     return {name: entry for part in gathered for name, entry in part.items()}
 
 
-def _check_file(directory: Path, name: str, expected: dict) -> str | None:
+def _check_file(directory: Path, name: str, expected: dict, checksum: bool = True) -> str | None:
     path = directory / name
     if not path.is_file():
         return f"checkpoint file {path} is missing (listed in {MANIFEST})"
@@ -170,6 +199,8 @@ def _check_file(directory: Path, name: str, expected: dict) -> str | None:
     if size != expected["bytes"]:
         kind = "truncated" if size < expected["bytes"] else "longer than saved"
         return f"checkpoint file {path} is {kind}: {size} bytes, {MANIFEST} says {expected['bytes']}"
+    if not checksum:
+        return None
     digest = _sha256(path)
     if digest != expected["sha256"]:
         return (f"checkpoint file {path} is corrupted: sha256 {digest[:16]}..., {MANIFEST} says "
@@ -177,18 +208,60 @@ def _check_file(directory: Path, name: str, expected: dict) -> str | None:
     return None
 
 
+def _read_manifest(path: Path) -> dict:
+    manifest = read_json(path / MANIFEST)
+    if manifest is None:
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}, so it cannot be verified (saved by a deltacp "
+                              f"without checksums, or not by deltacp)")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{path / MANIFEST}: unreadable (no file list)")
+    return manifest
+
+
+def precheck_checkpoint(path: str | Path) -> dict:
+    """Without a process group (before any rank starts): the checkpoint's manifest is readable and every file it
+    lists is there with its size; returns the manifest, or raises CheckpointError naming the first bad file. The
+    checksums are left to `verify_checkpoint` (collective, when the ranks load it)."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name in sorted(manifest["files"]):
+        error = _check_file(path, name, manifest["files"][name], checksum=False)
+        if error:
+            raise CheckpointError(error)
+    return manifest
+
+
+def model_mismatch(checkpoint: str | Path, shapes: dict) -> str | None:
+    """How the model state of `checkpoint` differs from a model with these {name: shape} (transformers' own
+    names, as get_model_state_dict gives them), e.g. "it lacks lm_head.weight (1 missing, ...)"; None if it fits.
+    Reads only DCP's .metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    except Exception as exc:  # noqa: BLE001
+        raise load_failure(Path(checkpoint), exc, "load") from None
+    saved = {key.removeprefix("model."): getattr(meta, "size", None)
+             for key, meta in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    other = [key for key in sorted(shapes) if key in saved and tuple(saved[key] or ()) != tuple(shapes[key])]
+    if not (missing or extra or other):
+        return None
+    if other:
+        first = f"has {other[0]} of shape {list(saved[other[0]])}, this model {list(shapes[other[0]])}"
+    else:
+        first = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which this model lacks"
+    return f"it {first} ({len(missing)} missing, {len(extra)} extra, {len(other)} other-shaped weights)"
+
+
 def verify_checkpoint(path: str | Path) -> dict:
     """Collective: check every file of the checkpoint against its manifest (each rank a share of the files);
     returns the manifest, or raises CheckpointError naming the first bad file on every rank."""
     path = Path(path)
     try:
-        manifest = read_json(path / MANIFEST)
-        if manifest is None:
-            raise CheckpointError(f"checkpoint {path} has no {MANIFEST}, so it cannot be verified (saved by a deltacp "
-                                  f"without checksums, or not by deltacp)")
-        files = manifest.get("files")
-        if not isinstance(files, dict) or not files:
-            raise CheckpointError(f"{path / MANIFEST}: unreadable (no file list)")
+        manifest = _read_manifest(path)
+        files = manifest["files"]
         errors = [e for e in (_check_file(path, name, files[name]) for name in _share(sorted(files))) if e]
     except CheckpointError as exc:
         errors = [str(exc)]
@@ -205,11 +278,6 @@ def verify_checkpoint(path: str | Path) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
 def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
     """DCP's CheckpointException -> the exception of its lowest failing rank (itself otherwise)."""
     failures = getattr(exc, "failures", None)
@@ -219,9 +287,11 @@ def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
     return exc
 
 
-def _load_failure(path: Path, exc: BaseException, action: str) -> CheckpointError:
+def load_failure(path: Path, exc: BaseException, action: str) -> CheckpointError:
+    """The one-line CheckpointError for a failed DCP save or load of `path` (`action`: save | load), naming the
+    first failing rank's exception; a model mismatch says what to do."""
     cause = unwrap_checkpoint_exception(exc)
-    text = f"{type(cause).__name__}: {_first_line(cause)}"
+    text = f"{type(cause).__name__}: {first_line(cause)}"
     hint = ""
     if action == "load" and _MODEL_MISMATCH.search(text):
         hint = (" (this model or optimizer differs from the run that saved it; resuming needs the same train.model: "
@@ -249,7 +319,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, trainer_state
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     except CheckpointException as exc:
-        raise _load_failure(tmp, exc, "save") from None
+        raise load_failure(tmp, exc, "save") from None
     torch.save({**trainer_state, "rng": rng_state()}, tmp / f"trainer_rank{rank}.pt")
     dist.barrier()
     files = _hash_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
@@ -293,14 +363,14 @@ def load_checkpoint(path: str | Path, model, optimizer) -> dict:
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except (CheckpointException, Exception) as exc:  # noqa: BLE001  (CheckpointException is a BaseException)
-        raise _load_failure(path, exc, "load") from None
+        raise load_failure(path, exc, "load") from None
     saved_world = int(manifest.get("world_size") or dist.get_world_size())
     rank_file = path / f"trainer_rank{dist.get_rank() % saved_world}.pt"
     try:
         trainer_state = torch.load(rank_file, weights_only=False)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"checkpoint file {rank_file}: load failed: {type(exc).__name__}: "
-                              f"{_first_line(exc)}") from None
+                              f"{first_line(exc)}") from None
     set_rng_state(trainer_state.pop("rng"))
     trainer_state["manifest"] = manifest
     return trainer_state

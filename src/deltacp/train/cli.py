@@ -5,8 +5,12 @@
     python -m deltacp.train --config configs/tiny_cp4.yaml --set train.steps=20 --set train.accelerator.cp=2 --spawn 2
     python -m deltacp.train --config configs/tiny_cp4.yaml --set train.data.batch_size=2 --spawn 8   # dp 2 x cp 4
 
-A bad config is one line naming the key (exit 2). A failed rank prints one line, `deltacp.train: rank R
-failed: ...`; a dead peer or a collective that outlives train.distributed.timeout_s says so (exit 1).
+A bad config is one line naming the key (exit 2), found before any rank starts, as are a model the CP layout
+cannot split (e.g. full_attention_cp=ulysses with num_attention_heads not divisible by cp), unreadable or
+untrainable data, a tokenizer directory without a tokenizer, an unwritable train.checkpoint.dir and a checkpoint
+there that cannot be resumed (deltacp.train.preflight; under torchrun every rank checks before its process
+group). A failed rank prints one line, `deltacp.train: rank R failed: ...`; a dead peer or a collective that
+outlives train.distributed.timeout_s says so (exit 1).
 Set DELTACP_TRACEBACK=1 for full tracebacks.
 
 With --spawn, SIGINT (Ctrl-C) or SIGTERM to the launcher stops the job: the launcher sends SIGTERM to every
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 from deltacp.train.checkpoint import CheckpointError
 from deltacp.train.config import ConfigError, TrainConfig, load_config
+from deltacp.train.preflight import preflight
 
 _COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset|refused)|closed by peer|broken pipe|"
                            r"watchdog|socket", re.IGNORECASE)
@@ -113,21 +118,30 @@ def spawn(fn, world_size: int, cfg: TrainConfig, *args) -> None:
             signal.signal(sig, handler)
 
 
-def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
+def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace, launch: bool = True) -> TrainConfig:
+    """The config of args.config and args.set. `launch` (the trainer): also every check that needs no rank, at the
+    world size the launch gives (--spawn N, torchrun's WORLD_SIZE, else 1) and `preflight`'s (model vs layout,
+    data, tokenizer, checkpoint directory): one line and exit 2 before any rank starts (under torchrun, on every
+    rank before its process group)."""
     try:
         cfg = load_config(args.config, args.set)
-        if args.spawn is not None:
-            if cfg.distributed.backend == "nccl":
-                raise ConfigError("train.distributed.backend='nccl' cannot be used with --spawn, which runs gloo "
-                                  "ranks: set train.distributed.backend to auto or gloo, or launch with torchrun")
-            cfg.validate_world(args.spawn)
-        elif "WORLD_SIZE" in os.environ:
-            cfg.validate_world(int(os.environ["WORLD_SIZE"]))
+        if launch:
+            if args.spawn is not None:
+                if cfg.distributed.backend == "nccl":
+                    raise ConfigError("train.distributed.backend='nccl' cannot be used with --spawn, which runs gloo "
+                                      "ranks: set train.distributed.backend to auto or gloo, or launch with torchrun")
+                cfg.validate_world(args.spawn)
+                if cfg.device == "auto":
+                    cfg = cfg.replace(device="cpu")  # --spawn means gloo CPU ranks unless train.device says cuda
+            else:
+                cfg.validate_world(int(os.environ.get("WORLD_SIZE", "1")))
+            preflight(cfg, spawn=args.spawn is not None)
+    except CheckpointError as exc:
+        print(f"deltacp.train: checkpoint error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
         print(f"deltacp.train: config error: {exc}", file=sys.stderr)
         sys.exit(2)
-    if args.spawn is not None and cfg.device == "auto":
-        cfg = cfg.replace(device="cpu")  # --spawn means gloo CPU ranks unless train.device says cuda
     return cfg
 
 

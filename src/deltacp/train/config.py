@@ -45,6 +45,12 @@ class ConfigError(ValueError):
     """A bad trainer configuration; the message names the key (e.g. train.optimizer.lr2)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (its type's name if it has none)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 MODEL_CLASSES = {  # trainable class -> the config class its `config` fields belong to (text fields)
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
@@ -185,10 +191,12 @@ class TrainConfig:
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the world size; every rank runs them before the first collective."""
+        hint = (" (one process, as without --spawn or torchrun: start N ranks with --spawn N on CPU, or torchrun "
+                "--nproc-per-node N)" if world_size == 1 else "")
         try:
             self.accelerator.validate(world_size)
         except (ValueError, NotImplementedError) as exc:
-            raise type(exc)(str(exc)) from None
+            raise type(exc)(f"{exc}{hint}") from None
         dp = self.accelerator.data_parallel(world_size)
         derived = ", derived as world // cp" if self.accelerator.dp is None else ""
         if self.data.batch_size % dp:
@@ -340,6 +348,12 @@ def model_config_fields(model: ModelConfig) -> dict:
     return fields_
 
 
+def check_dtype_fsdp(cfg: TrainConfig) -> None:
+    if cfg.dtype == "bfloat16" and not cfg.distributed.fsdp:
+        raise ConfigError("train.dtype bfloat16 needs train.distributed.fsdp true (FSDP2 mixed precision keeps "
+                          "fp32 master weights)")
+
+
 def config_from_dict(raw: dict) -> TrainConfig:
     if not isinstance(raw, dict) or set(raw) != {"train"}:
         extra = sorted(set(raw) - {"train"}) if isinstance(raw, dict) else raw
@@ -390,6 +404,7 @@ def config_from_dict(raw: dict) -> TrainConfig:
             raise ConfigError(f"train.model.vision_config is for the multimodal classes "
                               f"({', '.join(MULTIMODAL_CONFIGS)}), not model_class {cfg.model.model_class}")
         check_model_config_keys(cfg.model.vision_config, "train.model.vision_config", "Qwen3_5VisionConfig")
+    check_dtype_fsdp(cfg)
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
         raise ConfigError("train.checkpoint.overwrite=true needs train.checkpoint.resume=false (overwrite deletes the "
                           "checkpoints in train.checkpoint.dir instead of resuming them)")

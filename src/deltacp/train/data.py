@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from deltacp.train.config import ConfigError, DataConfig
+from deltacp.train.config import ConfigError, DataConfig, first_line
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 SEPARATOR = b"\n\n"
@@ -56,7 +56,12 @@ def make_tokenizer(cfg: DataConfig):
         return ByteTokenizer()
     if not Path(cfg.tokenizer).is_dir():
         raise ConfigError(f"train.data.tokenizer={cfg.tokenizer!r} is neither 'bytes' nor a local directory")
-    return HFTokenizer(cfg.tokenizer)
+    try:
+        return HFTokenizer(cfg.tokenizer)
+    except Exception as exc:  # noqa: BLE001  (transformers raises OSError, ValueError, ... for a directory without one)
+        raise ConfigError(f"train.data.tokenizer={cfg.tokenizer!r}: no Hugging Face tokenizer could be loaded from "
+                          f"this directory ({type(exc).__name__}: {first_line(exc)})") from None
+
 
 
 def stdlib_files() -> list[Path]:
@@ -83,32 +88,69 @@ def listed_files(paths) -> list[Path]:
     return files
 
 
+def _record(path: Path, number: int, line: str, jsonl_field: str) -> bytes:
+    """The document text of line `number` of a .jsonl file."""
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise ConfigError(f"train.data.paths: {path}:{number} is not JSON ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get(jsonl_field), str):
+        raise ConfigError(f"train.data.jsonl_field={jsonl_field!r}: {path}:{number} has no string field "
+                          f"{jsonl_field!r}")
+    return record[jsonl_field].encode("utf-8")
+
+
+def _read(path: Path, text: bool, part: str = "all") -> str | bytes:
+    """The file's contents (part: all | line, the first line | byte, the first byte), decoded as UTF-8 with
+    `text`; or ConfigError naming train.data.paths and the file."""
+    try:
+        with open(path, "rb") as fh:
+            data = {"all": fh.read, "line": fh.readline, "byte": lambda: fh.read(1)}[part]()
+    except OSError as exc:
+        raise ConfigError(f"train.data.paths: {path} cannot be read ({type(exc).__name__}: "
+                          f"{exc.strerror or first_line(exc)})") from None
+    if not text:
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"train.data.paths: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def _documents(path: Path, jsonl_field: str) -> list[bytes]:
     if path.suffix != ".jsonl":
-        return [path.read_bytes()]
-    docs = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise ConfigError(f"train.data.paths: {path}:{number} is not JSON ({exc})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(jsonl_field), str):
-            raise ConfigError(f"train.data.jsonl_field={jsonl_field!r}: {path}:{number} has no string field "
-                              f"{jsonl_field!r}")
-        docs.append(record[jsonl_field].encode("utf-8"))
-    return docs
+        return [_read(path, text=False)]
+    return [_record(path, number, line, jsonl_field)
+            for number, line in enumerate(_read(path, text=True).splitlines(), 1) if line.strip()]
 
 
-def check_usable_text(files: list[Path], cfg: DataConfig) -> None:
-    """Raise ConfigError naming train.data.paths unless some document holds text that is not just whitespace.
-
-    Reads files in order until one does (normally the first), so it is cheap for real data."""
+def check_files(files: list[Path], cfg: DataConfig) -> None:
+    """Every file can be read, and the first record of every .jsonl file has the text field (the rest of a file is
+    checked as the stream reaches it): cheap, one line of each file."""
     for path in files:
-        if any(doc.strip() for doc in _documents(path, cfg.jsonl_field)):
-            return
+        if path.suffix != ".jsonl":
+            _read(path, text=False, part="byte")
+            continue
+        first = _read(path, text=True, part="line")
+        if first.strip():
+            _record(path, 1, first, cfg.jsonl_field)
+
+
+def check_trainable_text(files: list[Path], cfg: DataConfig, tokenizer) -> None:
+    """Raise ConfigError naming train.data.paths unless some document gives the model a target: text that is not
+    just whitespace and, with packing (no target crosses a document boundary), at least 2 tokens.
+
+    Reads documents in order until one does (normally the first), so it is cheap for real data; with packing it
+    tokenizes their first 4 KiB (2 tokens there are 2 in the document)."""
+    for path in files:
+        for doc in _documents(path, cfg.jsonl_field):
+            if doc.strip() and (not cfg.packing or len(tokenizer.encode(doc[:4096])) >= 2):
+                return
     shown = ", ".join(str(p) for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    if cfg.packing and any(doc.strip() for path in files for doc in _documents(path, cfg.jsonl_field)):
+        raise ConfigError(f"train.data.paths {list(cfg.paths)} hold no trainable target: every document has fewer "
+                          f"than 2 tokens, and with train.data.packing true no target crosses a document boundary "
+                          f"({len(files)} file(s): {shown}); use longer documents or train.data.packing false")
     raise ConfigError(f"train.data.paths {list(cfg.paths)} hold no usable text: every document is empty or "
                       f"whitespace ({len(files)} file(s): {shown})")
 
@@ -121,7 +163,7 @@ class TokenStream:
         self.tokenizer = make_tokenizer(cfg)
         self.files = stdlib_files() if cfg.source == "stdlib" else listed_files(cfg.paths)
         if cfg.source == "files":
-            check_usable_text(self.files, cfg)
+            check_trainable_text(self.files, cfg, self.tokenizer)
         self.epoch, self.file_index, self.offset = 0, 0, 0
         self._order = self._order_for(0)
         self._cache: tuple[tuple[int, int], list[int], int] | None = None

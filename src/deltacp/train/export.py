@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deltacp.train.checkpoint import CheckpointError, _load_failure, complete_checkpoints, verify_checkpoint
+from deltacp.train.checkpoint import (
+    CheckpointError,
+    load_failure,
+    model_mismatch,
+    newest_checkpoint,
+    verify_checkpoint,
+)
 from deltacp.train.config import ConfigError, TrainConfig, load_config
 
 class ExportError(ValueError):
@@ -52,11 +58,11 @@ def resolve_checkpoint(cfg: TrainConfig, checkpoint: str | Path | None) -> Path:
         raise CheckpointError(f"{name}={str(path)!r}: no such directory")
     if (path / ".metadata").is_file():
         return path
-    found = complete_checkpoints(path)
-    if not found:
+    newest = newest_checkpoint(path)  # a damaged newest one is an error, not skipped for an older one
+    if newest is None:
         raise CheckpointError(f"{name}={str(path)!r} is neither a checkpoint (no .metadata) nor a directory holding "
                               f"complete checkpoints (step_NNNNNNNN; .tmp ones are incomplete)")
-    return found[-1][1]
+    return newest[1]
 
 
 def _check_out(out: Path) -> None:
@@ -81,7 +87,7 @@ def _one_rank_group() -> bool:
 def load_trained_model(cfg: TrainConfig, checkpoint: Path) -> tuple[torch.nn.Module, dict]:
     """The single-device transformers model of `cfg` with the model state of `checkpoint` (verified against its
     manifest; resharded from any world size); returns (model, manifest). Needs a (one-rank) process group."""
-    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from deltacp.train.data import make_tokenizer
@@ -90,18 +96,9 @@ def load_trained_model(cfg: TrainConfig, checkpoint: Path) -> tuple[torch.nn.Mod
     manifest = verify_checkpoint(checkpoint)
     model = build_model(cfg, make_tokenizer(cfg.data).vocab_size)
     state = get_model_state_dict(model)  # transformers' own names (wrappers are never in the checkpoint keys)
-    saved = {key.removeprefix("model."): getattr(meta, "size", None)
-             for key, meta in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items()
-             if key.startswith("model.")}
-    missing, extra = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
-    shapes = [key for key in sorted(state) if key in saved and tuple(saved[key] or ()) != tuple(state[key].shape)]
-    if missing or extra or shapes:
-        if shapes:
-            first = f"has {shapes[0]} of shape {list(saved[shapes[0]])}, this model {list(state[shapes[0]].shape)}"
-        else:
-            first = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which this model lacks"
-        raise CheckpointError(f"checkpoint {checkpoint} does not fit train.model of this config: it {first} "
-                              f"({len(missing)} missing, {len(extra)} extra, {len(shapes)} other-shaped weights); "
+    mismatch = model_mismatch(checkpoint, {key: tuple(value.shape) for key, value in state.items()})
+    if mismatch:
+        raise CheckpointError(f"checkpoint {checkpoint} does not fit train.model of this config: {mismatch}; "
                               f"export with the run's config")
     try:
         container = {"model": state}
@@ -110,7 +107,7 @@ def load_trained_model(cfg: TrainConfig, checkpoint: Path) -> tuple[torch.nn.Mod
     except BaseException as exc:  # noqa: BLE001  (DCP's CheckpointException is a BaseException)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise _load_failure(checkpoint, exc, "load") from None
+        raise load_failure(checkpoint, exc, "load") from None
     return model.eval(), manifest
 
 

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     dp = args.spawn // cp
     args.set = [*args.set, f"train.accelerator.cp={cp}", "train.accelerator.dp=null",
                 "train.accelerator.ulysses_degree=null"]
-    cfg = parse_config(parser, argparse.Namespace(**{**vars(args), "spawn": None}))
+    cfg = parse_config(parser, argparse.Namespace(**{**vars(args), "spawn": None}), launch=False)
     cfg = per_group_batch(cfg, dp)  # both runs: the global batch dp x rows
     try:
         if cfg.distributed.backend == "nccl":

@@ -36,14 +36,14 @@ from deltacp.models.loss import cp_causal_lm_loss, cp_cross_entropy
 from deltacp.models.parallelize import parallelize_cp
 from deltacp.parallel.style import cp_layer_of
 from deltacp.train.checkpoint import (
+    CheckpointError,
     claim_directory,
-    complete_checkpoints,
     load_checkpoint,
     new_run_id,
     run_owner,
     save_checkpoint,
 )
-from deltacp.train.config import ConfigError, TrainConfig, model_config_fields
+from deltacp.train.config import ConfigError, TrainConfig, check_dtype_fsdp, model_config_fields
 from deltacp.train.data import TokenStream
 from deltacp.train.progress import Progress
 
@@ -63,13 +63,36 @@ class TrainHooks:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def resolve_device(cfg: TrainConfig) -> torch.device:
+def device_type(cfg: TrainConfig) -> str:
+    """cuda or cpu, as train.device says (auto: cuda when available); ConfigError if cuda is asked for and absent."""
     kind = cfg.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device is 'cuda' but no CUDA device is available")
+    return kind
+
+
+def backend_for(cfg: TrainConfig, device: str) -> str:
+    """The process-group backend a new group gets: train.distributed.backend, auto: nccl on CUDA, gloo on CPU."""
+    backend = cfg.distributed.backend
+    return ("nccl" if device == "cuda" else "gloo") if backend == "auto" else backend
+
+
+def check_device_backend(cfg: TrainConfig, device: str, backend: str) -> None:
+    """The rules between train.device, the backend and train.distributed.fsdp (the launcher checks them with the
+    device and backend its ranks will get; every rank again before the first collective)."""
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError("train.distributed.backend 'nccl' needs train.device cuda")
+    if cfg.distributed.fsdp and device == "cuda" and backend == "gloo":
+        raise ConfigError("train.distributed.fsdp true needs nccl on CUDA: FSDP2's collectives over gloo with "
+                          "CUDA tensors crash (SIGSEGV, torch 2.11, H200); for CP ranks sharing one GPU over "
+                          "gloo set train.distributed.fsdp=false (and dtype float32)")
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    kind = device_type(cfg)
     if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device is 'cuda' but no CUDA device is available")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         index = local_rank % torch.cuda.device_count()  # ranks share GPUs round-robin if there are fewer GPUs
         torch.cuda.set_device(index)
@@ -85,11 +108,10 @@ def init_distributed(cfg: TrainConfig, device: torch.device) -> None:
         if backend != "auto" and dist.get_backend() != backend:
             raise ConfigError(f"train.distributed.backend is {backend!r} but this process group uses "
                               f"{dist.get_backend()!r} (--spawn runs gloo ranks; use torchrun for nccl)")
+        check_device_backend(cfg, device.type, dist.get_backend())
         return
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("train.distributed.backend 'nccl' needs train.device cuda")
+    backend = backend_for(cfg, device.type)
+    check_device_backend(cfg, device.type, backend)
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = device
@@ -101,34 +123,59 @@ def init_distributed(cfg: TrainConfig, device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def model_config(cfg: TrainConfig):
+    """The transformers config of the model `train.model` describes (of a pretrained directory: its config.json,
+    read as `from_pretrained` reads it)."""
+    import transformers
+
+    from deltacp.train.config import MODEL_CLASSES, MULTIMODAL_CONFIGS
+
+    model_cls = getattr(transformers, cfg.model.model_class)
+    if cfg.model.pretrained is not None:
+        return model_cls.config_class.from_pretrained(cfg.model.pretrained, local_files_only=True)
+    if not cfg.model.config and cfg.model.preset is None:
+        raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
+                          f"({MODEL_CLASSES[cfg.model.model_class]} fields) or pretrained (a local directory)")
+    config = getattr(transformers, MODEL_CLASSES[cfg.model.model_class])(**model_config_fields(cfg.model))
+    if cfg.model.model_class in MULTIMODAL_CONFIGS:
+        config = getattr(transformers, MULTIMODAL_CONFIGS[cfg.model.model_class])(
+            text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
+            tie_word_embeddings=config.tie_word_embeddings)
+    if cfg.dtype == "float64" and getattr(config.get_text_config(), "num_experts", 0):
+        config.get_text_config()._experts_implementation = "eager"
+        config._experts_implementation = "eager"
+    return config
+
+
+def check_vocab(config, vocab_size: int) -> None:
+    vocab = config.get_text_config().vocab_size
+    if vocab < vocab_size:
+        raise ConfigError(f"train.model vocab_size ({vocab}) is smaller than the tokenizer's ({vocab_size})")
+
+
+def model_skeleton(cfg: TrainConfig) -> torch.nn.Module:
+    """The model of `build_model` on the meta device (shapes only, no memory, no weights read): what the checks
+    before the first rank starts look at."""
+    import transformers
+
+    config = model_config(cfg)
+    with torch.device("meta"):
+        return getattr(transformers, cfg.model.model_class)(config)
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     """The single-device transformers model of class `train.model.model_class`, fp32 (fp64 for float64), on CPU,
     identical on every rank. Routed experts use transformers' eager experts in float64 (grouped_mm has no float64
     kernel)."""
     import transformers
 
-    from deltacp.train.config import MODEL_CLASSES, MULTIMODAL_CONFIGS
-
     model_cls = getattr(transformers, cfg.model.model_class)
     torch.manual_seed(cfg.seed)
     if cfg.model.pretrained is not None:
         model = model_cls.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32)
     else:
-        if not cfg.model.config and cfg.model.preset is None:
-            raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
-                              f"({MODEL_CLASSES[cfg.model.model_class]} fields) or pretrained (a local directory)")
-        config = getattr(transformers, MODEL_CLASSES[cfg.model.model_class])(**model_config_fields(cfg.model))
-        if cfg.model.model_class in MULTIMODAL_CONFIGS:
-            config = getattr(transformers, MULTIMODAL_CONFIGS[cfg.model.model_class])(
-                text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
-                tie_word_embeddings=config.tie_word_embeddings)
-        if cfg.dtype == "float64" and getattr(config.get_text_config(), "num_experts", 0):
-            config.get_text_config()._experts_implementation = "eager"
-            config._experts_implementation = "eager"
-        model = model_cls(config)
-    vocab = model.config.get_text_config().vocab_size
-    if vocab < vocab_size:
-        raise ConfigError(f"train.model vocab_size ({vocab}) is smaller than the tokenizer's ({vocab_size})")
+        model = model_cls(model_config(cfg))
+    check_vocab(model.config, vocab_size)
     if cfg.model.gate_init == "long_memory":
         from deltacp.models.gates import long_memory_gates_
 
@@ -187,13 +234,7 @@ class Trainer:
         init_distributed(cfg, self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg.validate_world(self.world)  # before the first collective
-        if cfg.dtype == "bfloat16" and not cfg.distributed.fsdp:
-            raise ConfigError("train.dtype bfloat16 needs train.distributed.fsdp true (FSDP2 mixed precision keeps "
-                              "fp32 master weights)")
-        if cfg.distributed.fsdp and self.device.type == "cuda" and dist.get_backend() == "gloo":
-            raise ConfigError("train.distributed.fsdp true needs nccl on CUDA: FSDP2's collectives over gloo with "
-                              "CUDA tensors crash (SIGSEGV, torch 2.11, H200); for CP ranks sharing one GPU over "
-                              "gloo set train.distributed.fsdp=false (and dtype float32)")
+        check_dtype_fsdp(cfg)
         acc = cfg.accelerator
         # dp groups of cp consecutive ranks; CP modules use the "cp" dimension, FSDP2 and the loss's all-reduce
         # the whole mesh (dp x cp flattened)
@@ -292,6 +333,8 @@ class Trainer:
         plan = plan[0]
         if plan["error"]:
             raise ConfigError(plan["error"])
+        if plan["damaged"]:
+            raise CheckpointError(plan["damaged"])
         if self.rank == 0:
             for old in plan["delete"]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -308,9 +351,15 @@ class Trainer:
             self.progress.message(f"resumed run {plan['run_id']} from {plan['resume']} (step {self.step_count}"
                                   f"{reshard})")
         self.run_id = plan["run_id"]
+        failed = [None]
         if self.rank == 0:
-            self.session = claim_directory(ck.dir, self.run_id, plan["resume"])
-        dist.barrier()
+            try:
+                self.session = claim_directory(ck.dir, self.run_id, plan["resume"])
+            except CheckpointError as exc:
+                failed[0] = str(exc)
+        dist.broadcast_object_list(failed, src=0)  # an unwritable directory stops every rank, none waits
+        if failed[0] is not None:
+            raise CheckpointError(failed[0])
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -348,21 +397,27 @@ class Trainer:
 
 def plan_checkpoint_dir(cfg: TrainConfig) -> dict:
     """What train.checkpoint.dir means for a starting run (rank 0 decides, from the files alone):
-    {error, resume (path or None), run_id, delete (paths)}.
+    {error (a config error), damaged (a CheckpointError's message), resume (path or None), run_id, delete (paths)}.
 
-    resume true: the newest complete checkpoint is resumed and the run continues under its run id.
+    resume true: the newest checkpoint is resumed and the run continues under its run id (a newest one without
+    .metadata is damaged: an error, never skipped for an older one).
     resume false: a directory holding checkpoints is an error unless overwrite is true (then they are deleted);
     a fresh run gets a new run id."""
-    from deltacp.train.checkpoint import checkpoint_run_id
+    from deltacp.train.checkpoint import checkpoint_dirs, checkpoint_run_id, newest_checkpoint
 
     ck = cfg.checkpoint
-    found = complete_checkpoints(ck.dir)
-    plan = dict(error=None, resume=None, run_id=new_run_id(), delete=[])
+    plan = dict(error=None, damaged=None, resume=None, run_id=new_run_id(), delete=[])
     if ck.resume:
-        if found:
-            plan["resume"] = str(found[-1][1])
-            plan["run_id"] = checkpoint_run_id(found[-1][1]) or plan["run_id"]
+        try:
+            newest = newest_checkpoint(ck.dir)
+        except CheckpointError as exc:  # raised on every rank (maybe_resume), like any other damaged checkpoint
+            plan["damaged"] = str(exc)
+            return plan
+        if newest is not None:
+            plan["resume"] = str(newest[1])
+            plan["run_id"] = checkpoint_run_id(newest[1]) or plan["run_id"]
         return plan
+    found = checkpoint_dirs(ck.dir)  # damaged ones too: they are another run's as much as the complete ones
     if found and not ck.overwrite:
         try:
             owner = (run_owner(ck.dir) or {}).get("run_id", "unknown")

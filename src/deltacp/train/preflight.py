@@ -1,0 +1,136 @@
+"""What can be checked before any rank starts: the model against the CP layout, the data, the tokenizer and the
+checkpoint directory.
+
+    preflight(cfg, spawn=True)    # python -m deltacp.train --spawn N: in the launcher, before spawning
+    preflight(cfg, spawn=False)   # torchrun: on every rank, before its process group exists
+
+The model is built on the meta device (shapes only) and every decoder layer is put through the checks
+`parallelize_cp` runs on it (the GDN style's `check_module`, `check_attention_module`), so e.g.
+full_attention_cp=ulysses with num_attention_heads not divisible by cp is one line before any rank starts. The
+data files are checked for existence, readability and the format of their first record, and for a document that
+gives the model a target (read in order until one does: no second pass over the corpus); the tokenizer is loaded;
+train.checkpoint.dir must be a writable directory (or creatable), and what it holds is judged as the ranks would
+(`plan_checkpoint_dir`): the checkpoint to resume must have its manifest, every file it lists at its size and a
+model state of this model's shapes (the checksums are verified by the ranks, collectively, when they load it).
+
+Errors are ConfigError (naming the key) or CheckpointError (naming the file); the ranks run their own checks
+again, so a Trainer built without the launcher refuses the same things, on every rank together.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from deltacp.config import AcceleratorConfig
+from deltacp.train.checkpoint import CheckpointError, model_mismatch, precheck_checkpoint
+from deltacp.train.config import ConfigError, TrainConfig, first_line
+from deltacp.train.data import check_files, check_trainable_text, listed_files, make_tokenizer, stdlib_files
+
+
+def check_cp_layers(model: torch.nn.Module, acc: AcceleratorConfig) -> None:
+    """Every decoder layer of `model` (any device, meta too) through the checks parallelize_cp runs on it at
+    train.accelerator's settings; ConfigError naming the layer, the settings and the rule."""
+    from deltacp.models.adapters import adapter_for
+    from deltacp.parallel.attention import check_attention_module
+    from deltacp.parallel.layout import attention_two_d_degree
+    from deltacp.parallel.style import LinearAttentionContextParallel
+
+    cp, method = acc.cp, acc.full_attention_cp
+    settings = (f"train.accelerator (cp={cp}, linear_attention_cp_mode={acc.linear_attention_cp_mode!r}, "
+                f"full_attention_cp={method!r}, ulysses_degree={acc.ulysses_degree})")
+    try:
+        style = LinearAttentionContextParallel(mode=acc.linear_attention_cp_mode,
+                                               backend=acc.linear_attention_gdn_backend,
+                                               ulysses_degree=acc.ulysses_degree)
+        degree = attention_two_d_degree(cp, acc.ulysses_degree, method)
+        adapter = adapter_for(model)
+    except (ValueError, NotImplementedError, ImportError) as exc:
+        raise ConfigError(f"train.model ({type(model).__name__}) with {settings}: {exc}") from None
+    layer_types = adapter.text.config.layer_types
+    for i, layer in enumerate(adapter.layers()):
+        linear, full = adapter.linear_attention(layer), adapter.full_attention(layer)
+        try:
+            if linear is not None:
+                style.check_module(linear, cp)
+            elif full is not None:
+                check_attention_module(full, cp, method, degree)
+        except (ValueError, NotImplementedError) as exc:
+            raise ConfigError(f"train.model decoder layer {i} ({layer_types[i]}) with {settings}: {exc}") from None
+
+
+def check_data(cfg: TrainConfig) -> int:
+    """The tokenizer loads and the data files are readable, well formed (first record) and give a target; returns
+    the tokenizer's vocabulary size."""
+    tokenizer = make_tokenizer(cfg.data)
+    if cfg.data.source == "files":
+        files = listed_files(cfg.data.paths)
+        check_files(files, cfg.data)
+        check_trainable_text(files, cfg.data, tokenizer)
+    else:
+        stdlib_files()
+    return tokenizer.vocab_size
+
+
+def check_writable_dir(key: str, path: str | Path) -> None:
+    """`path` is a writable directory, or can be created as one (its nearest existing ancestor is a writable
+    directory); ConfigError naming the key and the path otherwise. Creates nothing."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is not a directory" if existing == path else f"cannot be created: {existing} is not a directory"
+        raise ConfigError(f"{key}={str(path)!r} {where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"{key}={str(path)!r} {where} (permission denied or a read-only file system); choose a "
+                          f"writable directory")
+
+
+def check_checkpoint_dir(cfg: TrainConfig, model: torch.nn.Module) -> None:
+    """train.checkpoint.dir is writable, and what it holds is usable by this run (see the module doc)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from deltacp.train.trainer import plan_checkpoint_dir
+
+    if not cfg.checkpoint.dir:
+        return
+    check_writable_dir("train.checkpoint.dir", cfg.checkpoint.dir)
+    plan = plan_checkpoint_dir(cfg)
+    if plan["error"]:
+        raise ConfigError(plan["error"])
+    if plan["damaged"]:
+        raise CheckpointError(plan["damaged"])
+    if plan["resume"] is None:
+        return
+    path = Path(plan["resume"])
+    precheck_checkpoint(path)
+    shapes = {key: tuple(value.shape) for key, value in get_model_state_dict(model).items()}
+    mismatch = model_mismatch(path, shapes)
+    if mismatch:
+        raise CheckpointError(f"checkpoint {path} does not fit train.model of this config: {mismatch}; resuming "
+                              f"needs the same train.model: point train.checkpoint.dir to a fresh directory to start "
+                              f"over")
+
+
+def preflight(cfg: TrainConfig, spawn: bool) -> None:
+    """Every check of the module doc; `spawn`: the ranks will be gloo ranks spawned here (else torchrun's)."""
+    from deltacp.train.trainer import backend_for, check_device_backend, check_vocab, device_type, model_skeleton
+
+    device = device_type(cfg)
+    check_device_backend(cfg, device, "gloo" if spawn else backend_for(cfg, device))
+    try:
+        model = model_skeleton(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (transformers: OSError, ValueError, ... for an unusable directory)
+        if cfg.model.pretrained is None:
+            raise
+        raise ConfigError(f"train.model.pretrained={cfg.model.pretrained!r}: no model config could be read from "
+                          f"this directory ({type(exc).__name__}: {first_line(exc)[:300]})") from None
+    check_cp_layers(model, cfg.accelerator)
+    check_vocab(model.config, check_data(cfg))
+    check_checkpoint_dir(cfg, model)
