@@ -54,15 +54,23 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
                   layer_types=tuple(text.config.layer_types[: len(layers)]), moe=adapter.moe is not None)
     for i, layer in enumerate(layers):
         gdn, attention = adapter.linear_attention(layer), adapter.full_attention(layer)
-        if gdn is not None:
-            layer_config = linear.check_module(gdn, cp)
-        elif attention is not None:
-            layer_config = full.check_module(attention, cp)
-        else:
+        if gdn is None and attention is None:
             raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} has neither linear_attn nor "
                                       f"self_attn (layer type {text.config.layer_types[i]!r})")
+        try:
+            layer_config = linear.check_module(gdn, cp) if gdn is not None else full.check_module(attention, cp)
+        except (ValueError, NotImplementedError) as e:  # the same error, saying which layer
+            raise type(e)(f"decoder layer {i} ({text.config.layer_types[i]}): {e}") from None
         config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
     return config
+
+
+def cp_styles(cp: int, ulysses_degree: int | None, linear_attention_cp_mode: str, linear_attention_gdn_backend: str,
+              full_attention_cp: str) -> tuple[LinearAttentionContextParallel, FullAttentionContextParallel]:
+    """The two styles of a layout, after its model-independent rules (raises naming the setting)."""
+    validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
+    return (LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend, ulysses_degree),
+            FullAttentionContextParallel(full_attention_cp, ulysses_degree))
 
 
 def apply_linear_attention_cp(adapter: ModelAdapter, style: LinearAttentionContextParallel, group, groups) -> int:
@@ -133,10 +141,8 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
                   full_attention_cp=full_attention_cp)
     adapter = linear = full = None
     with LocalChecks() as checks:  # every check first; a check failing on some ranks must not leave others waiting
-        validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
-        linear = LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend,
-                                                ulysses_degree)
-        full = FullAttentionContextParallel(full_attention_cp, ulysses_degree)
+        linear, full = cp_styles(cp, ulysses_degree, linear_attention_cp_mode, linear_attention_gdn_backend,
+                                 full_attention_cp)
         adapter = adapter_for(model)
         config.update(check_model(model, adapter, linear, full, cp))
     raise_together(group, "parallelize_cp", checks.error, agree=config)

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import yaml
 
 from deltacp.config import AcceleratorConfig
+from deltacp.parallel.modes import gdn_mode
 
 DTYPES = ("float32", "float64", "bfloat16")
 
@@ -413,8 +414,9 @@ def config_from_dict(raw: dict) -> TrainConfig:
     cp = cfg.accelerator.cp
     if cfg.data.seq_len % cp:
         raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) must be divisible by train.accelerator.cp ({cp})")
-    if cfg.accelerator.linear_attention_cp_mode != "ulysses" and cfg.data.seq_len // cp < 3:
-        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / cp ({cp}) is below the conv halo (3 tokens) "
+    halo = model_config_fields(cfg.model).get("linear_conv_kernel_dim", 4) - 1  # transformers' default kernel: 4
+    if gdn_mode(cfg.accelerator.linear_attention_cp_mode).needs_halo and cfg.data.seq_len // cp < halo:
+        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / cp ({cp}) is below the conv halo ({halo} tokens) "
                           f"that mode {cfg.accelerator.linear_attention_cp_mode!r} needs on every rank")
     return cfg
 

@@ -32,33 +32,18 @@ from deltacp.train.data import check_files, check_trainable_text, listed_files, 
 
 def check_cp_layers(model: torch.nn.Module, acc: AcceleratorConfig) -> None:
     """Every decoder layer of `model` (any device, meta too) through the checks parallelize_cp runs on it at
-    train.accelerator's settings; ConfigError naming the layer, the settings and the rule."""
+    train.accelerator's settings (the same function); ConfigError naming the layer, the settings and the rule."""
     from deltacp.models.adapters import adapter_for
-    from deltacp.parallel.attention import check_attention_module
-    from deltacp.parallel.layout import attention_two_d_degree
-    from deltacp.parallel.style import LinearAttentionContextParallel
+    from deltacp.models.parallelize import check_model, cp_styles
 
-    cp, method = acc.cp, acc.full_attention_cp
-    settings = (f"train.accelerator (cp={cp}, linear_attention_cp_mode={acc.linear_attention_cp_mode!r}, "
-                f"full_attention_cp={method!r}, ulysses_degree={acc.ulysses_degree})")
+    settings = (f"train.accelerator (cp={acc.cp}, linear_attention_cp_mode={acc.linear_attention_cp_mode!r}, "
+                f"full_attention_cp={acc.full_attention_cp!r}, ulysses_degree={acc.ulysses_degree})")
     try:
-        style = LinearAttentionContextParallel(mode=acc.linear_attention_cp_mode,
-                                               backend=acc.linear_attention_gdn_backend,
-                                               ulysses_degree=acc.ulysses_degree)
-        degree = attention_two_d_degree(cp, acc.ulysses_degree, method)
-        adapter = adapter_for(model)
+        linear, full = cp_styles(acc.cp, acc.ulysses_degree, acc.linear_attention_cp_mode,
+                                 acc.linear_attention_gdn_backend, acc.full_attention_cp)
+        check_model(model, adapter_for(model), linear, full, acc.cp)
     except (ValueError, NotImplementedError, ImportError) as exc:
         raise ConfigError(f"train.model ({type(model).__name__}) with {settings}: {exc}") from None
-    layer_types = adapter.text.config.layer_types
-    for i, layer in enumerate(adapter.layers()):
-        linear, full = adapter.linear_attention(layer), adapter.full_attention(layer)
-        try:
-            if linear is not None:
-                style.check_module(linear, cp)
-            elif full is not None:
-                check_attention_module(full, cp, method, degree)
-        except (ValueError, NotImplementedError) as exc:
-            raise ConfigError(f"train.model decoder layer {i} ({layer_types[i]}) with {settings}: {exc}") from None
 
 
 def check_data(cfg: TrainConfig) -> int:
