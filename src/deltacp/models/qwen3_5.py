@@ -66,7 +66,7 @@ def _text_model(model: nn.Module) -> nn.Module:
 
 def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
                    linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager",
-                   full_attention_cp: str = "ulysses") -> nn.Module:
+                   full_attention_cp: str = "ulysses", linear_attention_state_passing: str = "chain") -> nn.Module:
     """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
 
     On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
@@ -75,7 +75,8 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     full_attention_cp: 'ulysses' (heads split cp ways: the heads must divide by cp), 'allgather' (KV all-gather,
     no head limit) or 'ring' (KV ring). ulysses_degree: None / cp (1-D layout) or u < cp dividing cp: the 2-D
     layout, Ulysses inside groups of u consecutive ranks, linear_attention_cp_mode (p2p | all_gather) and
-    full_attention_cp (allgather | ring) across groups (deltacp.parallel.layout).
+    full_attention_cp (allgather | ring) across groups (deltacp.parallel.layout). linear_attention_state_passing: p2p
+    state hops as a chain of P - 1 hops ('chain') or a log-depth scan ('scan', deltacp.parallel.scan).
     """
     group = cp_group_of(cp_mesh)
     cp = group.size()
@@ -86,7 +87,8 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     try:  # validate, then exchange: a check failing on some ranks only must not leave the others waiting
         validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
         style = LinearAttentionContextParallel(mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend,
-                                               ulysses_degree=ulysses_degree)
+                                               ulysses_degree=ulysses_degree,
+                                               state_passing=linear_attention_state_passing)
         attention_degree = attention_two_d_degree(cp, ulysses_degree, full_attention_cp)
         adapter = adapter_for(model)
         text = adapter.text

@@ -76,7 +76,7 @@ class LinearAttentionContextParallel(ParallelStyle):
     Ulysses inside groups of u consecutive CP ranks and `mode` (p2p | all_gather) across them (`layout.py`)."""
 
     def __init__(self, mode: LinearAttentionCPMode = "ulysses", backend: str = "eager",
-                 ulysses_degree: int | None = None):
+                 ulysses_degree: int | None = None, state_passing: str = "chain"):
         super().__init__()
         validate_mode_and_backend(mode, backend)
         if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or isinstance(ulysses_degree, bool)
@@ -85,6 +85,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         self.mode = mode
         self.backend = backend
         self.ulysses_degree = ulysses_degree
+        self.state_passing = StatePassing.check_schedule(state_passing)  # p2p state hops: "chain" | "scan" (scan.py)
         self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
 
     def apply(self, module: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
@@ -142,7 +143,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         param = view.parameter()
         return dict(mode=self.mode, backend=self.backend, cp=cp, ulysses_degree=u, family=view.family,
                     num_k_heads=view.num_k_heads, num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim,
-                    head_v_dim=view.head_v_dim,
+                    head_v_dim=view.head_v_dim, state_passing=self.state_passing,
                     conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
 
     def install(self, module: nn.Module, group, p2p_group=None) -> nn.Module:
@@ -163,11 +164,11 @@ class LinearAttentionContextParallel(ParallelStyle):
         if two_d:
             layer.extra["two_d"] = p2p_group
             if self.mode == "p2p":
-                layer.extra["passing"] = StatePassing(p2p_group.across_p2p)
+                layer.extra["passing"] = StatePassing(p2p_group.across_p2p, self.state_passing)
         elif self.mode == "p2p":
             if p2p_group is None:
                 raise ValueError("linear_attention_cp_mode='p2p' installs with its state-hop group (p2p_group)")
-            layer.extra["passing"] = StatePassing(p2p_group)
+            layer.extra["passing"] = StatePassing(p2p_group, self.state_passing)
         # The instance's forward only: the class, parameters, state_dict keys and save_pretrained stay
         # transformers' own (a forward hook cannot replace a computation; see docs/design.md, adapters).
         module._deltacp_cp = layer
