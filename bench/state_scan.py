@@ -10,8 +10,9 @@ modelled: every message costs `--latency-us + bytes / --bw-gbps` (state the link
 intra-node NVLink guess). The critical path is then evaluated message by message:
 - chain: rank r's H_out leaves after H_in arrives and one apply M @ H + S; P - 1 messages of one state, P - 2
   applies (rank 0 sends S, the last rank applies nothing);
-- scan: in round d a rank builds its message, waits for the message from p - 2^d (sent when that rank finished
-  round d - 1) and for its own receiver to post (the exchange waits for both ops), then absorbs it.
+- scan: in round d a rank builds its message and posts its exchange; a message moves once sender and receiver
+  have both posted; the exchange ends when the rank's send and receive have both arrived; then it absorbs. The
+  time is when the last rank leaves the scan (a rank blocked on its send is not free either).
 The summaries themselves (computed in both modes before any of this) are excluded. Backward is the same
 computation on transposed maps in reverse rank order, so it costs the same.
 
@@ -133,6 +134,9 @@ def critical_path_chain(apply_s: list[float], P: int, msg: int, lat: float, bw: 
 
 
 def critical_path_scan(spent: dict, P: int, msgs: list[list[int]], lat: float, bw: float) -> float:
+    """When the last rank leaves the scan. A message moves once both ends have posted their round (rendezvous) and
+    takes lat + bytes / bw; a rank's exchange ends when its send and its receive have both arrived (one batch,
+    waited whole), then it absorbs."""
     done = [0.0] * P  # when each position finished its previous round
     for d in range(scan_rounds(P)):
         posted = [done[p] + spent.get((p, d, "out"), 0.0) for p in range(P)]  # message built, exchange posted
@@ -141,9 +145,9 @@ def critical_path_scan(spent: dict, P: int, msgs: list[list[int]], lat: float, b
             rnd = scan_schedule(p, P)[d]
             t = posted[p]
             if rnd.recv_from is not None:
-                t = max(t, posted[rnd.recv_from] + lat + msgs[d][rnd.recv_from] / bw)
-            if rnd.send_to is not None:  # the exchange also waits for its send: the receiver must have posted
-                t = max(t, posted[rnd.send_to] + lat + msgs[d][p] / bw)
+                t = max(t, max(posted[rnd.recv_from], posted[p]) + lat + msgs[d][rnd.recv_from] / bw)
+            if rnd.send_to is not None:
+                t = max(t, max(posted[rnd.send_to], posted[p]) + lat + msgs[d][p] / bw)
             new[p] = t + spent.get((p, d, "in"), 0.0)
         done = new
     return max(done)
