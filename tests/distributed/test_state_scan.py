@@ -98,6 +98,11 @@ def test_scan_schedule_is_static_and_log_depth():
     assert all(g.dtype == torch.float32 for g in got[1:])
 
 
+def test_unknown_state_passing_raises_at_construction():
+    with pytest.raises(ValueError, match="state_passing='tree'"):
+        LinearAttentionContextParallel(mode="p2p", state_passing="tree")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The primitive over real groups (gloo)
 # ---------------------------------------------------------------------------------------------------------------
