@@ -9,6 +9,7 @@
         linear_attention_cp_mode: p2p
         linear_attention_gdn_backend: triton
         full_attention_cp: ulysses    # ulysses | all_gather | ring  ('allgather': an alias of all_gather)
+        linear_attention_state_passing: chain   # p2p's state hops: chain | scan (log-depth)
 
 `validate()` runs on every rank before the first collective, so a bad value is an error everywhere,
 never a hang.
@@ -19,7 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from deltacp.parallel.layout import validate_cp_layout
+from deltacp.distributed.collectives import StatePassing
 from deltacp.parallel.modes import canonical_name, gdn_mode
+
+STATE_PASSING = StatePassing.SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class AcceleratorConfig:
     all-gather, no head limit; 'allgather' is accepted) or ring (KV blocks passed around a ring; memory of two
     blocks). With ulysses_degree < cp: all_gather | ring, the across-group method."""
 
+    linear_attention_state_passing: str = "chain"
+    """How p2p's state travels between ranks: chain (P - 1 sequential hops) or scan (ceil(log2 P) rounds of
+    point-to-point exchanges; faster from about 4-6 ranks on, docs/design.md 4.2.1). Only with a mode that has
+    state hops (p2p)."""
+
     @classmethod
     def from_dict(cls, raw: dict | None) -> "AcceleratorConfig":
         raw = dict(raw or {})
@@ -65,7 +74,13 @@ class AcceleratorConfig:
                 raise ValueError(f"train.accelerator.{name} must be an integer >= 1, got {value!r}")
         if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
             raise ValueError(f"train.accelerator.dp must be null or an integer >= 1, got {self.dp!r}")
-        gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix="train.accelerator.")
+        mode = gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix="train.accelerator.")
+        if self.linear_attention_state_passing not in STATE_PASSING:
+            raise ValueError(f"train.accelerator.linear_attention_state_passing={self.linear_attention_state_passing!r} "
+                             f"is not supported; expected one of {STATE_PASSING}")
+        if self.linear_attention_state_passing != "chain" and not mode.state_hops:
+            raise ValueError(f"train.accelerator.linear_attention_state_passing={self.linear_attention_state_passing!r}"
+                             f" needs a mode with state hops (p2p), not linear_attention_cp_mode={mode.name!r}")
         if self.tp != 1:
             raise ValueError(f"train.accelerator.tp={self.tp} is not supported with linear attention CP: tp must be 1")
         validate_cp_layout(self.cp, self.ulysses_degree, self.linear_attention_cp_mode, self.full_attention_cp,

@@ -140,10 +140,21 @@ class StatePassing:
     Every rank posts its receive from rank-1 after the layer's collectives and checks, sends to rank+1 as
     soon as `M @ H_in + S` exists, and defers waiting on its sends (their buffers are kept here until then).
     `group` should be a group that carries no collective (`dedicated_cp_groups`).
+
+    `schedule`: "chain" (the P - 1 hops above) or "scan" (`parallel/scan.py`: ceil(log2 P) rounds of `exchange`).
     """
 
-    def __init__(self, group: ProcessGroup):
+    SCHEDULES = ("chain", "scan")
+
+    @staticmethod
+    def check_schedule(schedule: str) -> str:
+        if schedule not in StatePassing.SCHEDULES:
+            raise ValueError(f"state_passing={schedule!r} is not supported; expected one of {StatePassing.SCHEDULES}")
+        return schedule
+
+    def __init__(self, group: ProcessGroup, schedule: str = "chain"):
         self.group = group
+        self.schedule = self.check_schedule(schedule)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.is_first = self.rank == 0
@@ -171,6 +182,32 @@ class StatePassing:
         for work, _ in self._pending_sends:
             work.wait()
         self._pending_sends.clear()
+
+    # -- scan rounds (parallel/scan.py) --------------------------------------------------------------
+    def exchange(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
+                 what: str) -> torch.Tensor | None:
+        """One round of a state scan: send `send` to `dst` and receive into a buffer like `recv` from `src` (either
+        may be None), posted together as one batch_isend_irecv (one NCCL group call, so the pair cannot wait on
+        each other), then wait for both. Returns the received tensor on `recv`'s device (None without a receive).
+        Nothing stays pending: the send buffer is free when this returns."""
+        ops, received = [], None
+        if send is not None:
+            buf = send.detach().cpu() if _needs_host_staging(send, self.group) else send.detach().contiguous()
+            ops.append(dist.P2POp(dist.isend, buf, group=self.group, group_peer=dst))
+            if self.log is not None:
+                self.log.append(f"send {what} ->{dst}")
+        if recv is not None:
+            staged = _needs_host_staging(recv, self.group)
+            received = torch.empty(recv.shape, dtype=recv.dtype, device="cpu") if staged else recv
+            ops.append(dist.P2POp(dist.irecv, received, group=self.group, group_peer=src))
+            if self.log is not None:
+                self.log.append(f"recv {what} <-{src}")
+        if not ops:
+            return None
+        with torch.profiler.record_function(f"deltacp::exchange {what}"):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return None if received is None else received.to(recv.device)
 
 
 class PendingRecv:

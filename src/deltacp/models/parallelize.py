@@ -66,10 +66,12 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
 
 
 def cp_styles(cp: int, ulysses_degree: int | None, linear_attention_cp_mode: str, linear_attention_gdn_backend: str,
-              full_attention_cp: str) -> tuple[LinearAttentionContextParallel, FullAttentionContextParallel]:
+              full_attention_cp: str, linear_attention_state_passing: str = "chain"
+              ) -> tuple[LinearAttentionContextParallel, FullAttentionContextParallel]:
     """The two styles of a layout, after its model-independent rules (raises naming the setting)."""
     validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
-    return (LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend, ulysses_degree),
+    return (LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend, ulysses_degree,
+                                           linear_attention_state_passing),
             FullAttentionContextParallel(full_attention_cp, ulysses_degree))
 
 
@@ -122,7 +124,7 @@ def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh) -> None:
 
 def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
                    linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager",
-                   full_attention_cp: str = "ulysses") -> nn.Module:
+                   full_attention_cp: str = "ulysses", linear_attention_state_passing: str = "chain") -> nn.Module:
     """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
 
     On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
@@ -132,17 +134,18 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     split cp ways: the heads must divide by cp), 'all_gather' (KV all-gather, no head limit; 'allgather' is
     accepted) or 'ring' (KV ring). ulysses_degree: None / cp (1-D layout) or u < cp dividing cp: the 2-D layout,
     Ulysses inside groups of u consecutive ranks, linear_attention_cp_mode (p2p | all_gather) and
-    full_attention_cp (all_gather | ring) across groups (`parallel/layout.py`).
+    full_attention_cp (all_gather | ring) across groups (`parallel/layout.py`). linear_attention_state_passing:
+    how p2p's state travels between ranks, 'chain' (P - 1 hops) or 'scan' (ceil(log2 P) rounds; `parallel/scan.py`).
     """
     group = cp_group_of(cp_mesh)
     cp = group.size()
     config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
                   linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=ulysses_degree,
-                  full_attention_cp=full_attention_cp)
+                  full_attention_cp=full_attention_cp, linear_attention_state_passing=linear_attention_state_passing)
     adapter = linear = full = None
     with LocalChecks() as checks:  # every check first; a check failing on some ranks must not leave others waiting
         linear, full = cp_styles(cp, ulysses_degree, linear_attention_cp_mode, linear_attention_gdn_backend,
-                                 full_attention_cp)
+                                 full_attention_cp, linear_attention_state_passing)
         adapter = adapter_for(model)
         config.update(check_model(model, adapter, linear, full, cp))
     raise_together(group, "parallelize_cp", checks.error, agree=config)

@@ -19,6 +19,10 @@ and hand dH_out to the local GDN backward as the gradient of its final state. Si
 M @ H_in + S, that one backward gives every input gradient that dM and dS would; the summary itself needs
 no backward (its forward runs without autograd). The serial chain per hop stays recv -> one K x K matmul
 -> send.
+
+`StatePassing.schedule == "scan"` (`parallel/scan.py`) replaces the P - 1 hops each way by a log-depth scan over
+the same group: forward, H_in from every rank's (M, S) in ceil(log2 P) rounds; backward, dH_out from every rank's
+(Mᵀ, dH_in_local) over the ranks in reverse order. Everything else (summaries, replay, the local GDN) is shared.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from deltacp.ops.gdn.eager import apply_summary, summary_grad
 from deltacp.ops.gdn.naive import compute_dtype
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
+from deltacp.parallel.scan import exclusive_state_scan
 from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
@@ -63,12 +68,16 @@ class _StateGradHop(torch.autograd.Function):
             prepared = ctx.backend.prepared_from_saved(tuple(staged)) if ctx.staged else None
             grad_state_in = ctx.backend.initial_state_grad(q, k, v, g, beta, grad_o, use_qk_l2norm_in_kernel=True,
                                                            prepared=prepared, cu_seqlens=ctx.layout)
-        if not passing.is_last:
+        if passing.schedule == "scan":  # dH_out from every later rank's (Mᵀ, dH_in_local) in log-depth rounds
+            grad_state_out = exclusive_state_scan(None if m is None else m.mT, grad_state_in, passing,
+                                                  state_shape=ctx.state_shape, dtype=ctx.state_dtype,
+                                                  device=grad_o.device, reverse=True, what="dH")
+        elif not passing.is_last:
             like = grad_o.new_empty(ctx.state_shape, dtype=ctx.state_dtype)
             grad_state_out = passing.post_recv(like, passing.rank + 1, "dH_out").wait()
             if m is not None:
                 grad_state_in = summary_grad(m, grad_state_out, grad_state_in)
-        if not passing.is_first:
+        if not passing.is_first and passing.schedule == "chain":
             passing.send(grad_state_in, passing.rank - 1, "dH_in")
             # Wait for the send when this backward pass ends, past the rest of the local backward compute.
             torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
@@ -116,8 +125,9 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
     if recompute:
         state_in, summary_m = ctx.replay[replay_key]
     else:
+        scan = passing.schedule == "scan"
         recv = None
-        if not passing.is_first:
+        if not passing.is_first and not scan:
             recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
                                      passing.rank - 1, "H_in")
         summary_m = summary_s = None
@@ -128,8 +138,12 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
                 summary_m, summary_s = layer.backend.state_summary(
                     k.detach(), v.detach(), g.detach(), beta.detach(), use_qk_l2norm_in_kernel=True,
                     prepared=prepared, need_transition=need_transition, cu_seqlens=layout)
-        state_in = None if recv is None else recv.wait()
-        if not passing.is_last:
+        if scan:  # H_in from every earlier rank's (M, S) in log-depth rounds
+            state_in = exclusive_state_scan(summary_m, summary_s, passing, state_shape=state_shape,
+                                            dtype=state_dtype, device=qkv_BsC.device, what="H")
+        else:
+            state_in = None if recv is None else recv.wait()
+        if not passing.is_last and not scan:
             h_out = summary_s if summary_m is None else apply_summary(summary_m, summary_s, state_in)
             passing.send(h_out, passing.rank + 1, "H_out")
         if grad_enabled:

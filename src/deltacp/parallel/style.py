@@ -87,15 +87,22 @@ class _ContextParallelStyle(ParallelStyle):
 class LinearAttentionContextParallel(_ContextParallelStyle):
     """A GDN module under CP. mode: a registered GDN mode (`parallel/modes.py`: ulysses | p2p | all_gather);
     backend: eager | triton; ulysses_degree: None (1-D: `mode` over the whole CP group) or u dividing cp; u < cp
-    is the 2-D layout, Ulysses inside groups of u consecutive CP ranks and `mode` across them (`layout.py`)."""
+    is the 2-D layout, Ulysses inside groups of u consecutive CP ranks and `mode` across them (`layout.py`);
+    state_passing: how p2p's state travels, "chain" (P - 1 hops) or "scan" (ceil(log2 P) rounds, `scan.py`)."""
 
-    def __init__(self, mode: str = "ulysses", backend: str = "eager", ulysses_degree: int | None = None):
+    def __init__(self, mode: str = "ulysses", backend: str = "eager", ulysses_degree: int | None = None,
+                 state_passing: str = "chain"):
         super().__init__()
         self.cp_mode = gdn_mode(mode, backend)
         _check_degree(ulysses_degree)
         self.mode = self.cp_mode.name
         self.backend = backend
         self.ulysses_degree = ulysses_degree
+        # the state hops of a mode that has them: "chain" (P - 1 hops) or "scan" (log-depth, parallel/scan.py)
+        self.state_passing = StatePassing.check_schedule(state_passing)
+        if state_passing != "chain" and not self.cp_mode.state_hops:
+            raise ValueError(f"state_passing={state_passing!r} schedules the state hops of a mode that has them "
+                             f"(p2p); linear_attention_cp_mode={self.mode!r} has none: leave it 'chain'")
         self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
 
     def groups(self, cp_mesh: DeviceMesh) -> TwoDGroups | object | None:
@@ -135,7 +142,7 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         return dict(linear_attention_cp_mode=self.mode, linear_attention_gdn_backend=self.backend, cp=cp,
                     ulysses_degree=u, family=view.family, num_k_heads=view.num_k_heads,
                     num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim, head_v_dim=view.head_v_dim,
-                    conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
+                    state_passing=self.state_passing, conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
 
     def install(self, module: nn.Module, group, groups=None) -> nn.Module:
         """Install the CP forward (after `check_module` and the configuration exchange), with `groups(cp_mesh)`."""
@@ -145,12 +152,12 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         if two_d:
             layer.two_d = groups
             if self.cp_mode.state_hops:
-                layer.passing = StatePassing(groups.across_p2p)
+                layer.passing = StatePassing(groups.across_p2p, self.state_passing)
         elif self.cp_mode.state_hops:
             if groups is None:
                 raise ValueError(f"linear_attention_cp_mode={self.mode!r} installs with its state-hop group "
                                  f"(LinearAttentionContextParallel.groups)")
-            layer.passing = StatePassing(groups)
+            layer.passing = StatePassing(groups, self.state_passing)
         setattr(module, _CP_LAYER, layer)
         module.forward = partial(gdn_forward_cp, layer)
         return module

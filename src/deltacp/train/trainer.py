@@ -247,7 +247,8 @@ class Trainer:
         model = parallelize_cp(model, self.mesh, ulysses_degree=acc.ulysses_degree,
                                        linear_attention_cp_mode=acc.linear_attention_cp_mode,
                                        linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
-                                       full_attention_cp=acc.full_attention_cp)
+                                       full_attention_cp=acc.full_attention_cp,
+                                       linear_attention_state_passing=acc.linear_attention_state_passing)
         if cfg.activation_checkpointing == "full":
             apply_activation_checkpointing(model)
         if cfg.distributed.fsdp:
