@@ -214,6 +214,8 @@ def test_a_cp2_checkpoint_resumes_at_cp4_with_the_losses_of_an_uninterrupted_cp4
      "checkpoint error: checkpoint {p} does not fit train.model of this config: it has lm_head.weight of shape "
      "[256, 64], this model [256, 32]"),
     (None, ["train.checkpoint.resume=false"], "config error: train.checkpoint.dir='{c}' holds 1 checkpoint(s) of run"),
+    (None, ["train.seed=1"], "checkpoint error: checkpoint {p} does not fit train.seed / train.data of this config: "
+                             "its data stream is seed 0 over "),
 ])
 def test_checkpoint_errors_are_found_before_spawning(saved, tmp_path, launches, capsys, change, sets, words):
     ckpt = tmp_path / "ckpt"

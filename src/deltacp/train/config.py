@@ -192,8 +192,8 @@ class TrainConfig:
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the world size; every rank runs them before the first collective."""
-        hint = (" (one process, as without --spawn or torchrun: start N ranks with --spawn N on CPU, or torchrun "
-                "--nproc-per-node N)" if world_size == 1 else "")
+        hint = (" (a world of one process, as without --spawn or torchrun: start N ranks with --spawn N on CPU, or "
+                "torchrun --nproc-per-node N)" if world_size == 1 else "")
         try:
             self.accelerator.validate(world_size)
         except (ValueError, NotImplementedError) as exc:

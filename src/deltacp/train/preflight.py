@@ -10,8 +10,9 @@ full_attention_cp=ulysses with num_attention_heads not divisible by cp is one li
 data files are checked for existence, readability and the format of their first record, and for a document that
 gives the model a target (read in order until one does: no second pass over the corpus); the tokenizer is loaded;
 train.checkpoint.dir must be a writable directory (or creatable), and what it holds is judged as the ranks would
-(`plan_checkpoint_dir`): the checkpoint to resume must have its manifest, every file it lists at its size and a
-model state of this model's shapes (the checksums are verified by the ranks, collectively, when they load it).
+(`plan_checkpoint_dir`): the checkpoint to resume must have its manifest, every file it lists at its size, a
+model state of this model's shapes and this run's data stream (seed, number of files); the checksums are verified
+by the ranks, collectively, when they load it.
 
 Errors are ConfigError (naming the key) or CheckpointError (naming the file); the ranks run their own checks
 again, so a Trainer built without the launcher refuses the same things, on every rank together.
@@ -47,17 +48,17 @@ def check_cp_layers(model: torch.nn.Module, acc: AcceleratorConfig) -> None:
         raise ConfigError(f"train.model ({type(model).__name__}) with {settings}: {exc}") from None
 
 
-def check_data(cfg: TrainConfig) -> int:
+def check_data(cfg: TrainConfig) -> tuple[int, int]:
     """The tokenizer loads and the data files are readable, well formed (first record) and give a target; returns
-    the tokenizer's vocabulary size."""
+    the tokenizer's vocabulary size and the number of data files."""
     tokenizer = make_tokenizer(cfg.data)
     if cfg.data.source == "files":
         files = listed_files(cfg.data.paths)
         check_files(files, cfg.data)
         check_trainable_text(files, cfg.data, tokenizer)
     else:
-        stdlib_files()
-    return tokenizer.vocab_size
+        files = stdlib_files()
+    return tokenizer.vocab_size, len(files)
 
 
 def check_writable_dir(key: str, path: str | Path) -> None:
@@ -76,8 +77,9 @@ def check_writable_dir(key: str, path: str | Path) -> None:
                           f"writable directory")
 
 
-def check_checkpoint_dir(cfg: TrainConfig, model: torch.nn.Module) -> None:
-    """train.checkpoint.dir is writable, and what it holds is usable by this run (see the module doc)."""
+def check_checkpoint_dir(cfg: TrainConfig, model: torch.nn.Module, num_files: int) -> None:
+    """train.checkpoint.dir is writable, and what it holds is usable by this run (see the module doc): the
+    checkpoint to resume fits `model` and this run's data stream (train.seed, `num_files` data files)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from deltacp.train.trainer import plan_checkpoint_dir
@@ -100,6 +102,17 @@ def check_checkpoint_dir(cfg: TrainConfig, model: torch.nn.Module) -> None:
         raise CheckpointError(f"checkpoint {path} does not fit train.model of this config: {mismatch}; resuming "
                               f"needs the same train.model: point train.checkpoint.dir to a fresh directory to start "
                               f"over")
+    rank_file = path / "trainer_rank0.pt"
+    try:
+        stream = torch.load(rank_file, weights_only=False).get("data") or {}
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint file {rank_file}: load failed: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
+    if (stream.get("seed"), stream.get("num_files")) != (cfg.seed, num_files):
+        raise CheckpointError(f"checkpoint {path} does not fit train.seed / train.data of this config: its data stream "
+                              f"is seed {stream.get('seed')} over {stream.get('num_files')} files, this config's seed "
+                              f"{cfg.seed} over {num_files}; resuming needs the same seed and data: point "
+                              f"train.checkpoint.dir to a fresh directory to start over")
 
 
 def preflight(cfg: TrainConfig, spawn: bool) -> None:
@@ -118,5 +131,6 @@ def preflight(cfg: TrainConfig, spawn: bool) -> None:
         raise ConfigError(f"train.model.pretrained={cfg.model.pretrained!r}: no model config could be read from "
                           f"this directory ({type(exc).__name__}: {first_line(exc)[:300]})") from None
     check_cp_layers(model, cfg.accelerator)
-    check_vocab(model.config, check_data(cfg))
-    check_checkpoint_dir(cfg, model)
+    vocab_size, num_files = check_data(cfg)
+    check_vocab(model.config, vocab_size)
+    check_checkpoint_dir(cfg, model, num_files)
