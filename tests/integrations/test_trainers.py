@@ -1,0 +1,123 @@
+"""transformers' Trainer and TRL's SFTTrainer under deltacp CP (gloo CPU ranks, float32) against the same trainer on
+one process: per-step loss and grad norm as the trainer logs them, eval_loss, and the saved directory.
+
+Cases (integ_cases.py: a tiny Qwen3.5, byte tokenizer, STEPS=3 optimizer steps of gradient accumulation 2):
+Trainer with padded rows (DataCollatorForLanguageModeling) and packed rows (DataCollatorWithFlattening), SFTTrainer
+with padding_free packed rows and padded rows (activation checkpointing on: SFTConfig's default). CP2 (2 ranks) runs
+one case of each trainer; dp2 x cp2 (4 ranks) runs all four, one more with replicated parameters (fsdp=False), and
+saves one. The reference is the same trainer on one process at dp x the per-device batch (the same global batch per
+step) with padded rows: on the CPU transformers refuses packed rows for Qwen3.5 on one device (its conv cannot keep
+documents apart without the causal_conv1d kernel), and padded rows of the same documents have the same targets,
+the same count and, documents being independent, the same loss and gradients.
+
+Bounds (float32; observed in NOTES below 1e-6): a per-rank mean (loss scaled per dp group or per rank) or data sharded
+by world rank (CP ranks of a group reading other rows) moves the loss at the first step by far more.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from deltacp.testing.spawn import run_distributed
+import integ_cases
+
+LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL = 1e-5, 1e-4, 1e-5, 1e-5
+CP2_CASES = ("trainer-padded", "sft-packed")
+DP2_CASES = ("trainer-padded", "trainer-packed", "sft-packed", "sft-padded")
+SAVED = "sft-packed"  # saved at dp2 x cp2; its reference saves too
+
+
+def _reference_main(out_dir: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    results = {}
+    for dp in (1, 2):
+        for kind in ("trainer", "sft"):
+            results[f"{kind}/dp{dp}"] = integ_cases.run_case(f"{kind}-padded", os.path.join(out_dir, f"ref-{kind}-dp{dp}"),
+                                                             dp=dp, save=dp == 2 and SAVED.startswith(kind))
+    with open(os.path.join(out_dir, "reference.json"), "w") as f:
+        json.dump(results, f)
+
+
+def _cp_worker(rank: int, world: int, out_dir: str, runs: list) -> None:
+    dp = world // 2
+    results = {}
+    for case, label, kwargs in runs:
+        run_dir = os.path.join(out_dir, f"cp-{label}")
+        results[label] = integ_cases.run_case(case, run_dir, cp_size=2, dp=dp, **kwargs)
+    if rank == 0:
+        with open(os.path.join(out_dir, f"cp{world}.json"), "w") as f:
+            json.dump(results, f)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _compare(label: str, got: dict, ref: dict) -> list[str]:
+    failures = []
+    assert len(got["steps"]) == len(ref["steps"]) == integ_cases.STEPS, (label, got["steps"], ref["steps"])
+    loss = max(_rel(g[0], r[0]) for g, r in zip(got["steps"], ref["steps"]))
+    gnorm = max(_rel(g[1], r[1]) for g, r in zip(got["steps"], ref["steps"]))
+    ev = _rel(got["eval_loss"], ref["eval_loss"])
+    print(f"{label}: {len(got['steps'])} steps, max loss rel {loss:.1e}, max grad-norm rel {gnorm:.1e}, "
+          f"eval_loss rel {ev:.1e}")
+    for name, value, bound in (("loss", loss, LOSS_REL), ("grad norm", gnorm, GNORM_REL), ("eval_loss", ev, EVAL_REL)):
+        if not value <= bound:
+            failures.append(f"{label}: {name} rel diff {value:.2e} > {bound:.0e} (got {got}, reference {ref})")
+    return failures
+
+
+def _compare_saved(got_dir: str, ref_dir: str) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(got_dir, name)), f"{name} missing from the saved directory"
+    got, ref = (AutoModelForCausalLM.from_pretrained(d, local_files_only=True) for d in (got_dir, ref_dir))
+    AutoTokenizer.from_pretrained(got_dir, local_files_only=True)
+    assert type(got) is type(ref)
+    got_sd, ref_sd = got.state_dict(), ref.state_dict()
+    assert got_sd.keys() == ref_sd.keys()
+    diff = torch.cat([(got_sd[k] - ref_sd[k]).flatten().double() for k in sorted(ref_sd)]).norm()
+    rel = (diff / torch.cat([ref_sd[k].flatten().double() for k in sorted(ref_sd)]).norm()).item()
+    print(f"saved model: weights rel L2 {rel:.1e} vs the reference's")
+    return [] if rel <= WEIGHT_REL else [f"saved weights rel L2 {rel:.2e} > {WEIGHT_REL:.0e}"]
+
+
+def test_trainer_and_sft_trainer_match_one_process(tmp_path):
+    """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights."""
+    import time
+    out, t0 = str(tmp_path), time.time()
+    ref_proc = multiprocessing.get_context("spawn").Process(target=_reference_main, args=(out,))
+    ref_proc.start()
+    ref_proc.join(600)
+    if ref_proc.is_alive():
+        ref_proc.kill()
+        pytest.fail("the one-process reference runs did not finish in 600 s")
+    assert ref_proc.exitcode == 0, "the one-process reference runs failed"
+    t1 = time.time()
+    run_distributed(_cp_worker, 2, out, [(c, f"{c}/cp2", {}) for c in CP2_CASES], timeout_s=600)
+    t2 = time.time()
+    dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]
+    dp2_runs.append(("trainer-packed", "trainer-packed/dp2xcp2-replicated", dict(fsdp=False)))
+    run_distributed(_cp_worker, 4, out, dp2_runs, timeout_s=600)
+    print(f"times: reference {t1 - t0:.0f} s, cp2 {t2 - t1:.0f} s, dp2xcp2 {time.time() - t2:.0f} s")
+
+    with open(os.path.join(out, "reference.json")) as f:
+        ref = json.load(f)
+    runs = {}
+    for world in (2, 4):
+        with open(os.path.join(out, f"cp{world}.json")) as f:
+            runs.update(json.load(f))
+    failures = []
+    for label, got in runs.items():
+        case, layout = label.split("/")
+        failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout == 'cp2' else 2}"])
+    failures += _compare_saved(runs[f"{SAVED}/dp2xcp2"]["saved"], ref[f"{SAVED.split('-')[0]}/dp2"]["saved"])
+    assert not failures, "\n".join(failures)
