@@ -55,15 +55,18 @@ def _tokenized(tok, lines):
 
 
 def _common(out_dir: str, dp: int, extra: dict) -> dict:
-    return dict(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=PER_DEVICE * dp,
+    args = dict(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=PER_DEVICE * dp,
                 per_device_eval_batch_size=PER_DEVICE, gradient_accumulation_steps=GA, learning_rate=3e-3,
                 warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], seed=7, use_cpu=True,
-                dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0, **extra)
+                dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0)
+    return {**args, **extra}
 
 
-def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, **cp_kwargs):
+def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, args_extra: dict | None = None,
+          **kwargs):
     """The trainer of `case` (plain when cp_size is None). The reference runs one process at dp x the per-device
-    batch, so that each optimizer step sees the same global batch as dp groups of PER_DEVICE rows."""
+    batch, so that each optimizer step sees the same global batch as dp groups of PER_DEVICE rows. `cls` replaces
+    the trainer class, `args_extra` adds training arguments, other keywords go to the trainer."""
     from deltacp.testing.hf import byte_tokenizer
 
     tok = byte_tokenizer()
@@ -76,31 +79,33 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, **cp_kwargs)
 
         collator = (DataCollatorForLanguageModeling(tok, mlm=False) if layout == "padded"
                     else DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True))
-        args = TrainingArguments(**_common(out_dir, dp if cp_size is None else 1, {}))
-        kwargs = dict(model=tiny_model(), args=args, data_collator=collator, train_dataset=_tokenized(tok, train_lines),
+        args = TrainingArguments(**_common(out_dir, dp if cp_size is None else 1, args_extra or {}))
+        kwargs.update(model=tiny_model(), args=args, data_collator=collator, train_dataset=_tokenized(tok, train_lines),
                       eval_dataset=_tokenized(tok, eval_lines), processing_class=tok)
-        cls = Trainer
+        base = Trainer
         if cp_size is not None:
-            from deltacp.integrations import CPTrainer as cls
+            from deltacp.integrations import CPTrainer as base
     else:
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
-        args = SFTConfig(**_common(out_dir, dp if cp_size is None else 1, dict(
-            padding_free=layout == "packed", max_length=None, bf16=False, gradient_checkpointing=True,
-            dataset_num_proc=None)))
-        kwargs = dict(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
+        sft = dict(padding_free=layout == "packed", max_length=None, bf16=False, gradient_checkpointing=True)
+        args = SFTConfig(**_common(out_dir, dp if cp_size is None else 1, {**sft, **(args_extra or {})}))
+        kwargs.update(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
                       eval_dataset=Dataset.from_dict({"text": eval_lines}), processing_class=tok)
-        cls = SFTTrainer
+        base = SFTTrainer
         if cp_size is not None:
-            from deltacp.integrations import CPSFTTrainer as cls
+            from deltacp.integrations import CPSFTTrainer as base
     if cp_size is not None:
-        kwargs.update(cp_size=cp_size, **cp_kwargs)
-    return cls(**kwargs)
+        kwargs["cp_size"] = cp_size
+    return (cls or base)(**kwargs)
 
 
 def run_case(case: str, out_dir: str, *, cp_size: int | None = None, dp: int = 1, save: bool = False,
              **cp_kwargs) -> dict:
+    """Train STEPS steps, evaluate; with `save`, a weights-only checkpoint at the last step and save_model."""
+    if save:
+        cp_kwargs["args_extra"] = dict(save_strategy="steps", save_steps=STEPS, save_only_model=True)
     trainer = build(case, out_dir, cp_size=cp_size, dp=dp, **cp_kwargs)
     trainer.train()
     steps = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
@@ -109,4 +114,5 @@ def run_case(case: str, out_dir: str, *, cp_size: int | None = None, dp: int = 1
         saved = os.path.join(out_dir, "saved")
         trainer.save_model(saved)
         result["saved"] = saved
+        result["checkpoint"] = os.path.join(out_dir, f"checkpoint-{STEPS}")
     return result
