@@ -106,10 +106,15 @@ def run_case(case: str, out_dir: str, *, cp_size: int | None = None, dp: int = 1
     """Train STEPS steps, evaluate; with `save`, a weights-only checkpoint at the last step and save_model."""
     if save:
         cp_kwargs["args_extra"] = dict(save_strategy="steps", save_steps=STEPS, save_only_model=True)
+    import functools
+
     trainer = build(case, out_dir, cp_size=cp_size, dp=dp, **cp_kwargs)
+    layers = trainer.model.get_decoder().layers
+    checkpointed = [isinstance(layer.forward, functools.partial) for layer in layers]  # deltacp's checkpointing
     trainer.train()
     steps = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
-    result = dict(steps=steps, eval_loss=trainer.evaluate()["eval_loss"])
+    result = dict(steps=steps, eval_loss=trainer.evaluate()["eval_loss"], checkpointed=checkpointed,
+                  trainer_checkpointing=bool(trainer.args.activation_checkpointing))
     if save:
         saved = os.path.join(out_dir, "saved")
         trainer.save_model(saved)

@@ -181,6 +181,8 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     for label, got in runs.items():
         case, layout = label.split("/")
         failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout == 'cp2' else 2}"])
+        sft = case.startswith("sft")  # SFTConfig checkpoints activations by default: deltacp's, not the trainer's
+        assert got["checkpointed"] == [sft] * 4 and not got["trainer_checkpointing"], (label, got["checkpointed"])
     saved = runs[f"{SAVED}/dp2xcp2"]
     failures += _compare_saved(saved["saved"], ref[f"{SAVED.split('-')[0]}/dp2"]["saved"])
     assert os.path.isfile(os.path.join(saved["checkpoint"], "model.safetensors")), "no weights in the checkpoint"

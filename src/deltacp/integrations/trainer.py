@@ -209,6 +209,10 @@ class CPTrainerMixin:
         return out
 
     # -- data ----------------------------------------------------------------------------------------------------
+    def get_cp_size(self) -> int:
+        """The CP degree: the trainer divides the world by it for its dp size (total batch size, samples seen)."""
+        return self.cp_size
+
     def _shard_by_dp(self, loader):
         """Make the prepared loader shard by dp rank: accelerate's batch sampler shard (world size, world rank) is
         re-pointed at (dp, dp rank), so every CP rank of a dp group reads the same batches in the same order. At
