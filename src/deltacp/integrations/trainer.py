@@ -152,6 +152,9 @@ class CPTrainerMixin:
         model = self.model
         refuse(type(model).__name__.startswith("Peft") or hasattr(model, "peft_config"),
                "PEFT models (CP applies to the transformers model itself)")
+        refuse(getattr(model, "is_gradient_checkpointing", False),
+               "a model with transformers' activation checkpointing enabled: set the training argument "
+               "activation_checkpointing instead (deltacp applies its own per-layer checkpointing)")
         text = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
         refuse(bool(getattr(text, "output_router_logits", False)),
                "the MoE auxiliary loss (output_router_logits / router_aux_loss_coef): set router_aux_loss_coef=0.0")
