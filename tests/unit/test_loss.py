@@ -112,6 +112,24 @@ def test_no_tokens_by_vocab_tensor(mesh):
     assert probe.largest == tokens * vocab
 
 
+def test_num_items_in_batch_splits_the_mean(mesh):
+    """Two micro-batches, each divided by the count of both (transformers' num_items_in_batch under gradient
+    accumulation): values and gradients add up to the whole batch's mean; a count given as a tensor the same."""
+    h, w, b, t = _problem(torch.float64, tokens=40, ignored=(0, 5, 21, 39))
+    ref, ref_grads = _reference(h, w, b, t)
+    n = int((t != IGNORE).sum())
+    parts = [cp_linear_cross_entropy(h[rows], w, t[rows], mesh, chunk_size=8, lm_head_bias=b, num_items_in_batch=k)
+             for rows, k in ((slice(0, 17), n), (slice(17, 40), torch.tensor(float(n))))]
+    total = parts[0] + parts[1]
+    assert abs(total.item() - ref.item()) <= 1e-12 * ref.item()
+    for got, want in zip(_grads(total, h, w, b), ref_grads):
+        assert rel_l2(got, want) <= 1e-12
+    assert cp_linear_cross_entropy(h, w, torch.full_like(t, IGNORE), mesh, num_items_in_batch=0).item() == 0.0
+    for bad in (-1, 2.5, torch.tensor([3, 4])):
+        with pytest.raises(ValueError, match="num_items_in_batch must be one count"):
+            cp_linear_cross_entropy(h, w, t, mesh, num_items_in_batch=bad)
+
+
 def test_argument_errors(mesh):
     h, w, b, t = _problem(torch.float32)
     with pytest.raises(ValueError, match="target 50 is out of bounds for vocab 50"):

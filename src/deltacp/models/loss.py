@@ -353,12 +353,27 @@ def _check_chunk(name: str, value) -> None:
         raise ValueError(f"cp_linear_cross_entropy: {name} must be a positive integer, got {value!r}")
 
 
+def _checked_num_items(value, device: torch.device) -> torch.Tensor:
+    """num_items_in_batch as a one-element tensor on `device`; a negative, non-integral or multi-element value raises."""
+    count = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value).reshape(-1).to(device)
+    if count.numel() != 1 or count.is_floating_point() and not bool(count == count.round()) or bool(count < 0):
+        raise ValueError(f"cp_linear_cross_entropy: num_items_in_batch must be one count >= 0, got {value!r}")
+    return count
+
+
 def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
                             cp_mesh: DeviceMesh, *, chunk_size: int | None = None,
                             vocab_chunk_size: int | None = None,
-                            lm_head_bias: torch.Tensor | None = None, weight_grad: str = "accumulate") -> torch.Tensor:
+                            lm_head_bias: torch.Tensor | None = None, weight_grad: str = "accumulate",
+                            num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross entropy of `hidden_states @ lm_head_weight.T (+ lm_head_bias)` over every valid target of the
     global batch, without ever holding [tokens, vocab] logits.
+
+    num_items_in_batch: the count the summed loss is divided by, the same number on every rank (transformers'
+    name and meaning: every valid target of every micro-batch of a gradient-accumulation step, over the whole batch
+    group); None (the default): this call's valid targets over the batch group, counted here. With it the value is
+    the batch group's summed loss of this call / num_items_in_batch (a micro-batch's share of the step's mean: the
+    shares of the step's micro-batches add up to its mean), the gradients scaled alike; 0 counts as 1.
 
     hidden_states: this rank's last hidden states [..., hidden] (after the final norm), e.g. [B, s, hidden];
     target_ids: this rank's targets [...] (`shard_batch_for_cp(...)["target_ids"]`; IGNORE_INDEX = -100 is
@@ -425,9 +440,12 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
         raise ValueError(f"cp_linear_cross_entropy: target {bad} is out of bounds for vocab {vocab} (ignored: "
                          f"{IGNORE_INDEX})")
     group = batch_group_of(cp_mesh)
-    count = valid.sum().reshape(1)  # int64: exact at any batch size
-    dist.all_reduce(count, group=group)
     acc = torch.promote_types(hidden.dtype, torch.float32)
+    if num_items_in_batch is None:
+        count = valid.sum().reshape(1)  # int64: exact at any batch size
+        dist.all_reduce(count, group=group)
+    else:
+        count = _checked_num_items(num_items_in_batch, hidden.device)
     scale = (1.0 / count.clamp(min=1).to(acc)).reshape(())  # on the device
     local = linear_cross_entropy_sum(hidden, lm_head_weight, lm_head_bias, targets, chunk_size,
                                      vocab_chunk_size=vocab_chunk_size, scale=scale, weight_grad=weight_grad)  # this rank's sum / count
@@ -439,8 +457,10 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
 
 def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *,
                       chunk_size: int | None = None, vocab_chunk_size: int | None = None,
-                      weight_grad: str = "accumulate", **model_kwargs) -> torch.Tensor:
+                      weight_grad: str = "accumulate", num_items_in_batch: int | torch.Tensor | None = None,
+                      **model_kwargs) -> torch.Tensor:
     """`cp_linear_cross_entropy` of a causal LM (Qwen3_5ForCausalLM, CP'd, with or without FSDP2): no logits.
+    `num_items_in_batch`: the normaliser of the summed loss (see `cp_linear_cross_entropy`; None: this call's count).
 
     Runs the model's own forward with `model_kwargs` (the CP input hook, FSDP2's hooks and activation
     checkpointing act as usual) with its output head replaced, for this call only, by the loss of the last
@@ -462,7 +482,7 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     def loss_head(hidden: torch.Tensor) -> torch.Tensor:
         return cp_linear_cross_entropy(hidden, head.weight, target_ids, cp_mesh, chunk_size=chunk_size,
                                        vocab_chunk_size=vocab_chunk_size, lm_head_bias=head.bias,
-                                       weight_grad=weight_grad)
+                                       weight_grad=weight_grad, num_items_in_batch=num_items_in_batch)
 
     own_forward = head.__dict__.get("forward")
     head.forward = loss_head

@@ -1,0 +1,170 @@
+"""A collator's batch (transformers / TRL conventions) -> this rank's CP slice, through `deltacp.shard_batch_for_cp`.
+
+    batch = collator(examples)                        # every CP rank of a dp group collates the same examples
+    cp_batch = shard_collated_batch(batch, mesh)      # this rank's model keyword arguments + target_ids
+
+Two layouts, as the collators make them:
+
+- padded rows [B, S] (`attention_mask`; right padding, or none): columns are appended to a multiple of the CP
+  degree (padding: mask 0, label -100), which changes nothing the model computes on the valid tokens;
+- packed rows [1, S] (`padding_free`): documents given by `cu_seq_lens_q/k` and / or `position_ids` that restart
+  at 0 at each document (TRL's padding-free collator, transformers' DataCollatorWithFlattening); a padding
+  document is appended to a multiple of the CP degree.
+
+The targets are the labels shifted by one over the whole row (deltacp's rule): a label is learned where its token's
+predecessor is in the same document (packed) or valid (padded). Every key is checked and used or refused by name;
+a batch whose labels would make the single-device model learn something deltacp does not (a target across a
+document boundary, a target at a padded position) is refused, never silently changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from deltacp import shard_batch_for_cp
+
+IGNORE_INDEX = -100
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", *PACKING_KEYS)
+
+
+class CPBatch(dict):
+    """This rank's slice of a collated batch: the CP'd model's keyword arguments plus `target_ids` (a dict; the type
+    marks a batch already cut, so that it is not cut twice)."""
+
+
+def cp_degree(mesh: DeviceMesh) -> int:
+    """The size of the mesh's "cp" dimension (a 1-D ("cp",) mesh or a ("dp", "cp") mesh)."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        raise ValueError(f"deltacp: the mesh needs a 'cp' dimension, got dimensions {names}")
+    return mesh.size(names.index("cp"))
+
+
+def _document_positions(cu: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... within each document of offsets `cu` (int64, CPU)."""
+    lengths = cu[1:] - cu[:-1]
+    return torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
+
+
+def _offsets_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Document offsets of a packed row from position ids that count 0, 1, 2, ... within each document."""
+    p = positions.reshape(-1).cpu().to(torch.int64)
+    starts = torch.nonzero(p == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("deltacp: position_ids of a packed row must start at 0 (each document counts 0, 1, 2, ...)")
+    cu = torch.cat([starts, torch.tensor([p.numel()])])
+    if not torch.equal(p, _document_positions(cu)):
+        raise ValueError("deltacp: position_ids of a packed row must count 0, 1, 2, ... within each document (they "
+                         "restart at 0 at each document, as padding-free collators make them)")
+    return cu
+
+
+def _restarts(positions: torch.Tensor) -> bool:
+    """Whether position ids [B, S] are anything but 0..S-1 on every row."""
+    expected = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
+    return not torch.equal(positions, expected)
+
+
+def _scalar(value) -> int:
+    return int(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else int(value)
+
+
+def _packed_offsets(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The document offsets of a packed row, every packing key checked against them."""
+    cu_q, cu_k, positions = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k"), batch.get("position_ids")
+    if batch.get("attention_mask") is not None:
+        raise ValueError("deltacp: a packed row (cu_seq_lens_* / restarting position_ids) takes no attention_mask; "
+                         "padding-free collators leave it out")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"deltacp: a packed batch is one row (the collator's padding_free layout), got "
+                         f"{input_ids.shape[0]} rows")
+    S = input_ids.shape[1]
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or not torch.equal(cu_q.reshape(-1).cpu(), cu_k.reshape(-1).cpu()):
+            raise ValueError("deltacp: cu_seq_lens_q and cu_seq_lens_k must both be given and equal (causal "
+                             "self-attention within each packed document)")
+        cu = cu_q.reshape(-1).cpu().to(torch.int64)
+        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != S or bool((cu[1:] <= cu[:-1]).any()):
+            raise ValueError(f"deltacp: cu_seq_lens_q must rise strictly from 0 to the row length {S}, got "
+                             f"{cu.tolist()}")
+        if positions is not None and not torch.equal(positions.reshape(-1).cpu().to(torch.int64),
+                                                     _document_positions(cu)):
+            raise ValueError("deltacp: position_ids disagree with cu_seq_lens_q (they must count 0, 1, 2, ... "
+                             "within each document)")
+    else:
+        cu = _offsets_from_positions(positions)
+    longest = int((cu[1:] - cu[:-1]).max())
+    for key in ("max_length_q", "max_length_k"):
+        if batch.get(key) is not None and _scalar(batch[key]) != longest:
+            raise ValueError(f"deltacp: {key}={_scalar(batch[key])} but the longest document has {longest} tokens")
+    if batch.get("seq_idx") is not None:
+        expected = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+        if not torch.equal(batch["seq_idx"].reshape(-1).cpu().to(torch.int64), expected):
+            raise ValueError("deltacp: seq_idx disagrees with the documents of cu_seq_lens_q / position_ids")
+    starts = cu[1:-1].to(labels.device)
+    if bool((labels[0, starts] != IGNORE_INDEX).any()):
+        raise ValueError("deltacp: a packed row's label at a document start is not -100: the single-device model "
+                         "would learn it from the previous document's last token, and deltacp never trains a target "
+                         "across a document boundary; set labels to -100 at each document's first token (TRL's and "
+                         "transformers' padding-free collators do)")
+    return cu
+
+
+def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, cp: int, pad_token_id: int):
+    """(input_ids, attention_mask, labels) of padded rows, columns appended to a multiple of cp."""
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    B, S = input_ids.shape
+    if mask is not None and tuple(mask.shape) != (B, S):
+        raise ValueError(f"deltacp: attention_mask must be [B, S] = {(B, S)}, got {tuple(mask.shape)}")
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    if positions is not None:
+        expected = torch.arange(S, device=positions.device).expand(B, S)
+        if tuple(positions.shape) != (B, S) or not torch.equal(positions[valid], expected[valid]):
+            raise ValueError("deltacp: position_ids of padded rows must be 0, 1, ..., S - 1 on the valid tokens (what "
+                             "the model uses without them); packed documents come without an attention_mask")
+    if bool((labels[~valid] != IGNORE_INDEX).any()):
+        raise ValueError("deltacp: a label at a padded position (attention_mask 0) is not -100: the single-device "
+                         "model would learn it, deltacp ignores targets at padding; set those labels to -100")
+    extra = (-S) % cp
+    if extra == 0:
+        return input_ids, mask, labels
+    if bool((~valid[:, 0] & valid[:, -1]).any()):
+        raise ValueError(f"deltacp: left-padded rows of length {S}, not a multiple of cp={cp}: deltacp pads on the "
+                         f"right, which would leave holes in the mask; pad to a multiple of {cp} in the collator "
+                         f"(pad_to_multiple_of) or pad on the right")
+    mask = valid.to(input_ids.dtype) if mask is None else mask
+    return (torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1),
+            torch.cat([mask, mask.new_zeros((B, extra))], dim=1),
+            torch.cat([labels, labels.new_full((B, extra), IGNORE_INDEX)], dim=1))
+
+
+def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int = 0) -> CPBatch:
+    """Cut a collated batch (the whole batch of this rank's dp group) into this rank's CP slice: the CP'd model's
+    keyword arguments plus `target_ids` (see the module docstring). `pad_token_id` fills appended columns (their
+    targets are ignored). Raises ValueError naming any key or value it cannot honour."""
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown:
+        raise ValueError(f"deltacp: batch keys {unknown} are not supported under CP (supported: {list(BATCH_KEYS)})")
+    input_ids, labels = batch.get("input_ids"), batch.get("labels")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise ValueError("deltacp: the batch needs input_ids [B, S]")
+    if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+        raise ValueError(f"deltacp: the batch needs labels of the shape of input_ids {tuple(input_ids.shape)} (-100 "
+                         f"where nothing is learned), got "
+                         f"{None if not isinstance(labels, torch.Tensor) else tuple(labels.shape)}")
+    cp = cp_degree(mesh)
+    positions = batch.get("position_ids")
+    packed = any(batch.get(k) is not None for k in PACKING_KEYS) or (
+        positions is not None and batch.get("attention_mask") is None and _restarts(positions))
+    if packed:
+        cu = _packed_offsets(batch, input_ids, labels)
+        out = shard_batch_for_cp(input_ids, mesh, labels=labels, cu_seqlens=cu, pad_to_multiple_of=cp,
+                                 pad_token_id=pad_token_id)
+    else:
+        input_ids, mask, labels = _padded(batch, input_ids, labels, cp, pad_token_id)
+        out = shard_batch_for_cp(input_ids, mesh, attention_mask=mask, labels=labels)
+    return CPBatch({k: v for k, v in out.items() if v is not None})

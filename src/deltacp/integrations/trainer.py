@@ -1,0 +1,348 @@
+"""transformers' `Trainer` and TRL's `SFTTrainer` under dp x cp with deltacp: a mixin placed before the trainer.
+
+    trainer = CPSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds, processing_class=tok, cp_size=4)
+    trainer.train()                     # torchrun --nproc-per-node 8 train.py: dp 2 x cp 4
+
+What the mixin does, in the trainer's own hooks (after the trainer's __init__ has prepared the model, before the
+optimizer exists):
+
+- mesh: ("dp", "cp") over the whole world, dp = world // cp_size; `parallelize_cp` on the trainer's model;
+  `activation_checkpointing` (alias `gradient_checkpointing`) becomes deltacp's per-decoder-layer non-reentrant
+  checkpointing (p2p layers replay their received state), applied after CP and before FSDP2, in place of
+  transformers' own (the argument is then set to False so that the trainer does not apply its own on top);
+- parameters: deltacp's FSDP2 over dp x cp with summed gradients (`fully_shard_qwen3_5`, the default, `fsdp=True`;
+  `bf16=True` becomes FSDP2 mixed precision, bf16 compute, fp32 master weights and reduction), or replicated
+  parameters whose gradients are summed over dp x cp after the last micro-batch (`fsdp=False`). Either way the
+  reduced gradient is the single-device gradient, and accelerate is told not to wrap the model again (no DDP);
+- data: the trainer's data loaders are sharded by dp rank instead of world rank, so every CP rank of a dp group
+  reads the same batches; each micro-batch is cut by `shard_collated_batch` (padded or padding-free packed rows);
+- loss: deltacp's fused linear cross entropy (no [tokens, vocab] logits), the mean over every valid target of the
+  step: divided by the count of the whole gradient-accumulation step over dp x cp (transformers'
+  `num_items_in_batch`, counted the way deltacp cuts targets) when the trainer normalises that way, else the
+  micro-batch's global mean, which the trainer divides by the accumulation steps. The value on every rank is the
+  global value, so the trainer's logged loss and grad norm are the single-device ones;
+- evaluation: the loss of each batch over its dp group's CP ranks, gathered over dp in the trainer's order
+  (`eval_loss` as on one device); `save_model` gathers the full state dict and writes a normal transformers
+  directory.
+
+Anything the mixin cannot honour raises ValueError / NotImplementedError naming it, before any training.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+from deltacp import all_reduce_cp_grads, cp_causal_lm_loss, fully_shard_qwen3_5, parallelize_cp
+from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
+
+logger = logging.getLogger(__name__)
+
+PARALLELIZE_KEYS = ("linear_attention_cp_mode", "linear_attention_gdn_backend", "full_attention_cp", "ulysses_degree")
+
+
+def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:
+    """Keep accelerate from wrapping a model deltacp has already distributed.
+
+    With more than one process, `Accelerator.prepare` wraps a model in DistributedDataParallel (and refuses DTensor
+    parameters). A deltacp model is already distributed (CP forwards; FSDP2 or replicated parameters whose gradients
+    the mixin sums itself), so it is marked the way accelerate marks what it has prepared itself (and what it
+    prepares for tensor parallelism): its `prepare_model` then registers the model and returns it unchanged. This
+    attribute, `_is_accelerate_prepared` (accelerate 1.16), is the one private name the integration sets; no
+    public hook of the Trainer skips the wrap.
+    """
+    model._is_accelerate_prepared = True
+
+
+def _known_trainer_classes() -> tuple[type, ...]:
+    """The trainer classes the mixin is verified on (what may follow it in the MRO)."""
+    from transformers import Trainer
+
+    known = [Trainer]
+    try:
+        from trl import SFTTrainer
+        from trl.trainer.base_trainer import _BaseTrainer
+    except ImportError:
+        pass
+    else:
+        known += [SFTTrainer, _BaseTrainer]
+    return tuple(known)
+
+
+class CPTrainerMixin:
+    """Context parallelism (deltacp) for a transformers `Trainer` or TRL `SFTTrainer`: put it first,
+    `class MyTrainer(CPTrainerMixin, SFTTrainer)`, and pass `cp_size` (see the module docstring).
+
+    Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size),
+    linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree (as
+    `deltacp.parallelize_cp`), fsdp (True: deltacp's FSDP2 over dp x cp; False: replicated parameters).
+    """
+
+    def __init__(self, *args, cp_size: int, linear_attention_cp_mode: str = "ulysses",
+                 linear_attention_gdn_backend: str = "eager", full_attention_cp: str = "ulysses",
+                 ulysses_degree: int | None = None, fsdp: bool = True, **kwargs):
+        if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+            raise ValueError(f"deltacp: cp_size must be a positive integer, got {cp_size!r}")
+        if not isinstance(fsdp, bool):
+            raise ValueError(f"deltacp: fsdp must be True or False, got {fsdp!r}")
+        self.cp_size, self.cp_fsdp = cp_size, fsdp
+        self._cp_parallelize = dict(linear_attention_cp_mode=linear_attention_cp_mode,
+                                    linear_attention_gdn_backend=linear_attention_gdn_backend,
+                                    full_attention_cp=full_attention_cp, ulysses_degree=ulysses_degree)
+        super().__init__(*args, **kwargs)
+        self._setup_cp()
+
+    # -- set-up --------------------------------------------------------------------------------------------------
+    def _setup_cp(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("deltacp: the CP trainer needs torch.distributed (launch with torchrun or accelerate "
+                               "launch, one process per device)")
+        world = dist.get_world_size()
+        if world % self.cp_size:
+            raise ValueError(f"deltacp: the world size ({world}) must be a multiple of cp_size ({self.cp_size})")
+        self.dp_size = world // self.cp_size
+        problems = self._cp_refusals()
+        if problems:
+            raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
+        args = self.args
+        self.cp_mesh = init_device_mesh(args.device.type, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp"))
+        self.dp_rank = self.cp_mesh.get_local_rank("dp")
+        model = self.model
+        parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)
+        if args.activation_checkpointing:
+            every = int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1))
+            layers = model.get_decoder().layers
+            for i, layer in enumerate(layers):
+                if i % every == 0:
+                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+            # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
+            args.activation_checkpointing = args.gradient_checkpointing = False
+            logger.info("deltacp: activation checkpointing on %d of %d decoder layers (non-reentrant), in place of "
+                        "the trainer's", len(range(0, len(layers), every)), len(layers))
+        if self.cp_fsdp:
+            mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+            fully_shard_qwen3_5(model, self.cp_mesh, mp_policy=mp_policy)
+        mark_prepared_for_accelerate(model)
+        logger.info("deltacp: dp %d x cp %d, %s", self.dp_size, self.cp_size,
+                    "FSDP2 over dp x cp (summed gradients)" if self.cp_fsdp else "replicated parameters")
+
+    def _cp_refusals(self) -> list[str]:
+        """What this trainer, its arguments, model and data ask for that the CP trainer cannot honour."""
+        from torch.utils.data import IterableDataset
+
+        args, out = self.args, []
+
+        def refuse(condition, message):
+            if condition:
+                out.append(message)
+
+        known = _known_trainer_classes()
+        mro = type(self).__mro__
+        for cls in mro[mro.index(CPTrainerMixin) + 1:]:
+            if cls is not object and cls not in known:
+                out.append(f"trainer class {cls.__name__} (the CP trainer replaces the loss, data and evaluation hooks "
+                           f"of {', '.join(k.__name__ for k in known)} only; RL and preference trainers have losses "
+                           f"of their own)")
+                break
+        model = self.model
+        refuse(type(model).__name__.startswith("Peft") or hasattr(model, "peft_config"),
+               "PEFT models (CP applies to the transformers model itself)")
+        refuse(getattr(model, "is_gradient_checkpointing", False),
+               "a model with transformers' activation checkpointing enabled: set the training argument "
+               "activation_checkpointing instead (deltacp applies its own per-layer checkpointing)")
+        text = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
+        refuse(bool(getattr(text, "output_router_logits", False)),
+               "the MoE auxiliary loss (output_router_logits / router_aux_loss_coef): set router_aux_loss_coef=0.0")
+        refuse(self.is_deepspeed_enabled, "DeepSpeed")
+        refuse(self.is_fsdp_enabled or bool(args.fsdp),
+               "the trainer's own FSDP (args.fsdp): deltacp shards the model itself, fsdp=True (the default)")
+        refuse(args.parallelism_config is not None or getattr(self.accelerator, "parallelism_config", None) is not None,
+               "accelerate's parallelism_config (its own context / tensor / sequence parallelism)")
+        refuse(args.n_gpu > 1, "nn.DataParallel (several GPUs in one process): launch one process per device")
+        refuse(args.fp16 or args.fp16_full_eval, "fp16: use bf16 (FSDP2 mixed precision)")
+        refuse(args.bf16 and not self.cp_fsdp, "bf16 with fsdp=False: deltacp's bf16 is FSDP2 mixed precision "
+                                               "(fsdp=True), or load the model in bfloat16 yourself")
+        refuse(args.bf16_full_eval, "bf16_full_eval")
+        refuse(self.model_init is not None, "model_init / hyperparameter search")
+        refuse(self.cp_fsdp and (self.optimizer is not None or self.lr_scheduler is not None),
+               "optimizers=(...) with fsdp=True (FSDP2 replaces the parameters): pass optimizer_cls_and_kwargs")
+        refuse(self.compute_loss_func is not None, "compute_loss_func (the loss is deltacp's fused cross entropy)")
+        refuse(self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
+               "compute_metrics / preprocess_logits_for_metrics (they need full logits; evaluation gives eval_loss)")
+        refuse(bool(args.include_for_metrics), "include_for_metrics")
+        refuse(args.label_smoothing_factor != 0, "label_smoothing_factor")
+        refuse(args.neftune_noise_alpha is not None, "neftune_noise_alpha (its noise scales with each rank's length)")
+        refuse(args.include_num_input_tokens_seen not in ("no", False),
+               "include_num_input_tokens_seen (it would count each token on every CP rank)")
+        refuse(args.torch_compile, "torch_compile")
+        refuse(args.use_liger_kernel, "use_liger_kernel")
+        refuse(args.auto_find_batch_size, "auto_find_batch_size")
+        refuse(not args.average_tokens_across_devices and self.dp_size > 1,
+               "average_tokens_across_devices=False with dp > 1 (the loss is the mean over every target of the "
+               "global batch, as on one device)")
+        acc = args.accelerator_config
+        refuse(acc.split_batches, "accelerator_config.split_batches")
+        refuse(acc.dispatch_batches, "accelerator_config.dispatch_batches")
+        refuse(args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'")
+        datasets = [self.train_dataset] + (list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict)
+                                           else [self.eval_dataset])
+        refuse(any(isinstance(d, IterableDataset) or type(d).__name__ == "IterableDataset" for d in datasets),
+               "iterable (streaming) datasets: give a map-style dataset")
+        save = str(getattr(args.save_strategy, "value", args.save_strategy))
+        refuse(save != "no" and not args.save_only_model,
+               "checkpoints with optimizer state (resuming is not supported yet): set save_only_model=True")
+        refuse(args.load_best_model_at_end, "load_best_model_at_end")
+        refuse(args.push_to_hub, "push_to_hub")
+        refuse(getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll"), f"loss_type={getattr(args, 'loss_type', None)!r}")
+        refuse(getattr(args, "activation_offloading", False), "activation_offloading")
+        if args.activation_checkpointing:
+            kw = dict(args.activation_checkpointing_kwargs or {})
+            every = kw.pop("every_n_layers", 1)
+            refuse(not isinstance(every, int) or isinstance(every, bool) or every < 1,
+                   f"activation_checkpointing_kwargs every_n_layers={every!r}")
+            refuse(kw.pop("use_reentrant", False), "reentrant activation checkpointing (deltacp's is non-reentrant)")
+            refuse(kw.pop("offload", False), "activation checkpointing with offload")
+            refuse(kw.pop("selective", False), "selective activation checkpointing")
+            refuse(bool(kw), f"activation_checkpointing_kwargs {sorted(kw)}")
+        return out
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    def get_cp_size(self) -> int:
+        """The CP degree: the trainer divides the world by it for its dp size (total batch size, samples seen)."""
+        return self.cp_size
+
+    def _shard_by_dp(self, loader):
+        """Make the prepared loader shard by dp rank: accelerate's batch sampler shard (world size, world rank) is
+        re-pointed at (dp, dp rank), so every CP rank of a dp group reads the same batches in the same order. At
+        dp 1 it passes every batch through as one process does (no last batch completed from the first samples)."""
+        from accelerate.data_loader import BatchSamplerShard
+
+        for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+            if isinstance(sampler, BatchSamplerShard):
+                sampler.num_processes, sampler.process_index = self.dp_size, self.dp_rank
+                if self.dp_size == 1:
+                    sampler.even_batches = False
+                return loader
+        if dist.get_world_size() == 1:
+            return loader
+        raise RuntimeError(f"deltacp: cannot shard this data loader by dp rank (no accelerate BatchSamplerShard in "
+                           f"{type(loader).__name__})")
+
+    def get_train_dataloader(self):
+        return self._shard_by_dp(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._shard_by_dp(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._shard_by_dp(super().get_test_dataloader(test_dataset))
+
+    def _cp_shard(self, batch) -> CPBatch:
+        if isinstance(batch, CPBatch):
+            return batch
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        return shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, each cut to this rank's CP slice, and the count of every valid target of the
+        step over dp x cp (transformers' num_items_in_batch, counted on deltacp's targets)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(self._cp_shard(next(epoch_iterator)))
+            except StopIteration:
+                break
+        if not batches:
+            return batches, None
+        count = sum((b["target_ids"] != IGNORE_INDEX).sum() for b in batches).reshape(1).to(device, torch.int64)
+        dist.all_reduce(count)  # the mesh is the whole world: every dp group's targets, once per CP rank each
+        return batches, count
+
+    # -- loss ----------------------------------------------------------------------------------------------------
+    def _cp_loss(self, model, batch: CPBatch, mesh, num_items_in_batch):
+        kwargs = dict(batch)
+        target_ids = kwargs.pop("target_ids")
+        model = self.accelerator.unwrap_model(model)
+        return cp_causal_lm_loss(model, target_ids, mesh, num_items_in_batch=num_items_in_batch, use_cache=False,
+                                 **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise NotImplementedError("deltacp: compute_loss(return_outputs=True): no logits exist under CP (the loss "
+                                      "is fused with the LM head)")
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:  # the trainer's own rule: the model normalises by num_items_in_batch when it accepts it
+            scaled = self.model_accepts_loss_kwargs
+        return self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh,
+                             num_items_in_batch if scaled else None)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        sync = self.accelerator.sync_gradients
+        if self.cp_fsdp:  # FSDP2 reduce-scatters on the last micro-batch only (as accelerate's no_sync)
+            each = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+            self.accelerator.unwrap_model(model).set_requires_gradient_sync(bool(sync or each))
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not self.cp_fsdp and sync:
+            all_reduce_cp_grads(self.accelerator.unwrap_model(model), self.cp_mesh)
+        return loss
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The batch's loss over its dp group (the mean over the batch's targets, as the trainer's per-batch loss)."""
+        if not prediction_loss_only:
+            raise NotImplementedError("deltacp: predictions (logits) are not gathered under CP; evaluation gives the "
+                                      "loss (prediction_loss_only)")
+        inputs = self._prepare_inputs(inputs)
+        if inputs.get("labels") is None and not isinstance(inputs, CPBatch):
+            return None, None, None
+        with torch.no_grad():
+            loss = self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh["cp"], None)
+        return loss.detach(), None, None
+
+    def _cp_gather_for_metrics(self, tensor, use_gather_object=False):
+        """gather_for_metrics over dp (the CP ranks of a dp group hold the same values): dp-rank order, the
+        duplicated samples of the last batch dropped as accelerate does."""
+        if use_gather_object or not isinstance(tensor, torch.Tensor):
+            raise NotImplementedError("deltacp: only loss tensors are gathered in evaluation under CP")
+        parts = [torch.empty_like(tensor) for _ in range(self.dp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.cp_mesh.get_group("dp"))
+        data = torch.cat(parts)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = data[: state.remainder]
+        return data
+
+    def evaluation_loop(self, *args, **kwargs):
+        self.gather_function = self._cp_gather_for_metrics  # the trainer resets it at the end of every loop
+        return super().evaluation_loop(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("deltacp: predict() returns logits, which are not gathered under CP; use evaluate() "
+                                  "for the loss")
+
+    # -- training entry and saving -------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        if resume_from_checkpoint not in (None, False):
+            raise NotImplementedError("deltacp: resuming from a checkpoint is not supported under CP yet")
+        if trial is not None:
+            raise NotImplementedError("deltacp: hyperparameter search trials are not supported under CP")
+        return super().train(ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A normal transformers directory (save_pretrained: config, safetensors, the processing class) written by the
+        saving rank; with FSDP2 the full state dict is gathered first (a collective: every rank calls this)."""
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = None
+        if self.cp_fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        dist.barrier()

@@ -1,0 +1,123 @@
+"""The trainer runs the integration tests compare: one case = a trainer class, a collator layout, its arguments.
+
+`run_case(name, cp_size=None, ...)` builds the same tiny float32 Qwen3.5 model (seeded), the same small text dataset
+and byte tokenizer on every rank, and trains with the plain trainer (cp_size None: one process, the reference) or
+with deltacp's CP trainer, returning the per-step log (loss, grad norm), the eval loss and, optionally, the saved
+directory. Every step is logged (logging_steps=1).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# accelerate gives each CPU process (physical cores / local processes) threads when this is unset: far too many on a
+# small machine whose host has many cores (torchrun sets it to 1 itself)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+STEPS, GA, PER_DEVICE = 3, 2, 2
+VOCAB = 264  # the byte tokenizer's 258 ids, rounded up
+
+
+def texts(n: int, seed: int) -> list[str]:
+    """n lines of 6..70 characters (lengths vary, so rows pad and documents cross the CP rank boundaries)."""
+    rng = random.Random(seed)
+    words = ["gated", "delta", "net", "context", "parallel", "rank", "state", "token", "layer", "loss", "slice", "a"]
+    out = []
+    for _ in range(n):
+        line = ""
+        target = rng.randint(6, 70)
+        while len(line) < target:
+            line += rng.choice(words) + " "
+        out.append(line[:target].strip() or "x")
+    return out
+
+
+def tiny_model():
+    from transformers import Qwen3_5ForCausalLM
+
+    from helpers import long_memory_gates_, tiny_config
+
+    torch.manual_seed(0)
+    return long_memory_gates_(Qwen3_5ForCausalLM(tiny_config(vocab_size=VOCAB)))  # float32: CPU float64 conv1d is slow
+
+
+def _tokenized(tok, lines):
+    from datasets import Dataset
+
+    eos = tok.eos_token_id
+    ids = [tok(line)["input_ids"] + [eos] for line in lines]
+    return Dataset.from_dict({"input_ids": ids})
+
+
+def _common(out_dir: str, dp: int, extra: dict) -> dict:
+    args = dict(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=PER_DEVICE * dp,
+                per_device_eval_batch_size=PER_DEVICE, gradient_accumulation_steps=GA, learning_rate=3e-3,
+                warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], seed=7, use_cpu=True,
+                dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0)
+    return {**args, **extra}
+
+
+def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, args_extra: dict | None = None,
+          **kwargs):
+    """The trainer of `case` (plain when cp_size is None). The reference runs one process at dp x the per-device
+    batch, so that each optimizer step sees the same global batch as dp groups of PER_DEVICE rows. `cls` replaces
+    the trainer class, `args_extra` adds training arguments, other keywords go to the trainer."""
+    from deltacp.testing.hf import byte_tokenizer
+
+    tok = byte_tokenizer()
+    n_train = STEPS * GA * PER_DEVICE * 2  # dp 2: exactly STEPS steps per epoch
+    # eval: dp x PER_DEVICE x 4 rows at dp 2 (as many batches on every dp group); 7 at dp 1 (a short last batch)
+    train_lines, eval_lines = texts(n_train, 0), texts(7 if dp == 1 else 8, 1)
+    kind, layout = case.split("-")
+    if kind == "trainer":
+        from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening, Trainer, TrainingArguments
+
+        collator = (DataCollatorForLanguageModeling(tok, mlm=False) if layout == "padded"
+                    else DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True))
+        args = TrainingArguments(**_common(out_dir, dp if cp_size is None else 1, args_extra or {}))
+        kwargs.update(model=tiny_model(), args=args, data_collator=collator, train_dataset=_tokenized(tok, train_lines),
+                      eval_dataset=_tokenized(tok, eval_lines), processing_class=tok)
+        base = Trainer
+        if cp_size is not None:
+            from deltacp.integrations import CPTrainer as base
+    else:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        sft = dict(padding_free=layout == "packed", max_length=None, bf16=False, gradient_checkpointing=True)
+        args = SFTConfig(**_common(out_dir, dp if cp_size is None else 1, {**sft, **(args_extra or {})}))
+        kwargs.update(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
+                      eval_dataset=Dataset.from_dict({"text": eval_lines}), processing_class=tok)
+        base = SFTTrainer
+        if cp_size is not None:
+            from deltacp.integrations import CPSFTTrainer as base
+    if cp_size is not None:
+        kwargs["cp_size"] = cp_size
+    return (cls or base)(**kwargs)
+
+
+def run_case(case: str, out_dir: str, *, cp_size: int | None = None, dp: int = 1, save: bool = False,
+             **cp_kwargs) -> dict:
+    """Train STEPS steps, evaluate; with `save`, a weights-only checkpoint at the last step and save_model."""
+    if save:
+        cp_kwargs["args_extra"] = dict(save_strategy="steps", save_steps=STEPS, save_only_model=True)
+    import functools
+
+    trainer = build(case, out_dir, cp_size=cp_size, dp=dp, **cp_kwargs)
+    layers = trainer.model.get_decoder().layers
+    checkpointed = [isinstance(layer.forward, functools.partial) for layer in layers]  # deltacp's checkpointing
+    trainer.train()
+    steps = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    result = dict(steps=steps, eval_loss=trainer.evaluate()["eval_loss"], checkpointed=checkpointed,
+                  trainer_checkpointing=bool(trainer.args.activation_checkpointing))
+    if save:
+        saved = os.path.join(out_dir, "saved")
+        trainer.save_model(saved)
+        result["saved"] = saved
+        result["checkpoint"] = os.path.join(out_dir, f"checkpoint-{STEPS}")
+    return result

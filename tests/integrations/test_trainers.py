@@ -1,0 +1,189 @@
+"""transformers' Trainer and TRL's SFTTrainer under deltacp CP (gloo CPU ranks, float32) against the same trainer on
+one process: per-step loss and grad norm as the trainer logs them, eval_loss, and the saved directory.
+
+Cases (integ_cases.py: a tiny Qwen3.5, byte tokenizer, STEPS=3 optimizer steps of gradient accumulation 2):
+Trainer with padded rows (DataCollatorForLanguageModeling) and packed rows (DataCollatorWithFlattening), SFTTrainer
+with padding_free packed rows and padded rows (activation checkpointing on: SFTConfig's default). CP2 (2 ranks) runs
+one case of each trainer; dp2 x cp2 (4 ranks) runs all four, one more with replicated parameters (fsdp=False), and
+saves one. The reference is the same trainer on one process at dp x the per-device batch (the same global batch per
+step) with padded rows: on the CPU transformers refuses packed rows for Qwen3.5 on one device (its conv cannot keep
+documents apart without the causal_conv1d kernel), and padded rows of the same documents have the same targets,
+the same count and, documents being independent, the same loss and gradients.
+
+The same 2-rank spawn first checks how collated batches are cut and what the CP trainer refuses.
+
+Bounds (float32; observed: loss <= 1.8e-7, grad norm <= 2.2e-7, eval_loss 0, weights 7.6e-7, about 10x below them).
+Mutations seen failing: loaders left sharded by world rank (CP ranks of a group get other rows: deltacp's input check
+raises at the first step); the target count not all-reduced (each rank's loss over its own count: loss and grad
+norm x2 at CP2, x4 at dp2 x cp2); the mean taken per dp group (count and loss over the CP group only: grad norm x2,
+loss 1e-3 off at dp2 x cp2).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from deltacp.testing.spawn import run_distributed
+import integ_cases
+
+LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL = 2e-6, 2e-6, 2e-6, 1e-5
+CP2_CASES = ("trainer-padded", "sft-packed")
+DP2_CASES = ("trainer-padded", "trainer-packed", "sft-packed", "sft-padded")
+SAVED = "sft-packed"  # saved at dp2 x cp2; its reference saves too
+
+
+def _reference_main(out_dir: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    results = {}
+    for dp in (1, 2):
+        for kind in ("trainer", "sft"):
+            results[f"{kind}/dp{dp}"] = integ_cases.run_case(f"{kind}-padded", os.path.join(out_dir, f"ref-{kind}-dp{dp}"),
+                                                             dp=dp, save=dp == 2 and SAVED.startswith(kind))
+    with open(os.path.join(out_dir, "reference.json"), "w") as f:
+        json.dump(results, f)
+
+
+def _check_batches_and_refusals(out_dir: str) -> None:
+    """At CP2: how collated batches are cut (padding to a multiple of cp, the target count) and what is refused."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Trainer
+
+    from deltacp.integrations import CPTrainerMixin, shard_collated_batch
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    ids = torch.arange(1, 15).reshape(2, 7)
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    labels = ids.masked_fill(mask == 0, -100)
+    cut = shard_collated_batch(dict(input_ids=ids, attention_mask=mask, labels=labels), mesh, pad_token_id=0)
+    assert cut["input_ids"].shape == (2, 4) and cut["attention_mask"].shape == (2, 4)
+    count = (cut["target_ids"] != -100).sum()
+    dist.all_reduce(count)
+    assert count.item() == (labels[:, 1:] != -100).sum().item() == 10
+    packed = dict(input_ids=ids[:1], labels=ids[:1].clone(), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+    for batch, match in ((packed, "label at a document start"),
+                         (dict(packed, labels=torch.where(packed["position_ids"] == 0, -100, ids[:1]),
+                               cu_seq_lens_q=torch.tensor([0, 3, 7]), cu_seq_lens_k=torch.tensor([0, 7])),
+                          "cu_seq_lens_q and cu_seq_lens_k"),
+                         (dict(input_ids=ids, labels=labels.flip(1), attention_mask=mask.flip(1)), "left-padded rows"),
+                         (dict(input_ids=ids, labels=ids, attention_mask=mask), "label at a padded position"),
+                         (dict(input_ids=ids, labels=labels, token_type_ids=ids), "token_type_ids")):
+        with pytest.raises(ValueError, match=match):
+            shard_collated_batch(batch, mesh)
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    class Refused(CPTrainerMixin, OwnLoss):
+        pass
+
+    def refused(**kwargs):
+        with pytest.raises(ValueError) as info:
+            integ_cases.build("trainer-padded", os.path.join(out_dir, "refused"), cp_size=2, dp=1, **kwargs)
+        return str(info.value)
+
+    message = refused(cls=Refused, args_extra=dict(label_smoothing_factor=0.1, save_strategy="steps",
+                                                     include_num_input_tokens_seen="all"),
+                      compute_metrics=lambda prediction: {})
+    for part in ("trainer class OwnLoss", "label_smoothing_factor", "save_only_model=True",
+                 "include_num_input_tokens_seen", "compute_metrics"):
+        assert part in message, (part, message)
+    assert "fsdp=False" in refused(args_extra=dict(bf16=True), fsdp=False)
+    trainer = integ_cases.build("trainer-padded", os.path.join(out_dir, "refusals"), cp_size=2, dp=1)
+    with pytest.raises(NotImplementedError, match="resuming"):
+        trainer.train(resume_from_checkpoint=out_dir)
+    with pytest.raises(NotImplementedError, match="predict"):
+        trainer.predict(trainer.eval_dataset)
+
+
+def _cp_worker(rank: int, world: int, out_dir: str, runs: list) -> None:
+    if world == 2:
+        _check_batches_and_refusals(out_dir)
+    dp = world // 2
+    results = {}
+    for case, label, kwargs in runs:
+        run_dir = os.path.join(out_dir, f"cp-{label}")
+        results[label] = integ_cases.run_case(case, run_dir, cp_size=2, dp=dp, **kwargs)
+    if rank == 0:
+        with open(os.path.join(out_dir, f"cp{world}.json"), "w") as f:
+            json.dump(results, f)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _compare(label: str, got: dict, ref: dict) -> list[str]:
+    failures = []
+    assert len(got["steps"]) == len(ref["steps"]) == integ_cases.STEPS, (label, got["steps"], ref["steps"])
+    loss = max(_rel(g[0], r[0]) for g, r in zip(got["steps"], ref["steps"]))
+    gnorm = max(_rel(g[1], r[1]) for g, r in zip(got["steps"], ref["steps"]))
+    ev = _rel(got["eval_loss"], ref["eval_loss"])
+    print(f"{label}: {len(got['steps'])} steps, max loss rel {loss:.1e}, max grad-norm rel {gnorm:.1e}, "
+          f"eval_loss rel {ev:.1e}")
+    for name, value, bound in (("loss", loss, LOSS_REL), ("grad norm", gnorm, GNORM_REL), ("eval_loss", ev, EVAL_REL)):
+        if not value <= bound:
+            failures.append(f"{label}: {name} rel diff {value:.2e} > {bound:.0e} (got {got}, reference {ref})")
+    return failures
+
+
+def _compare_saved(got_dir: str, ref_dir: str) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(got_dir, name)), f"{name} missing from the saved directory"
+    got, ref = (AutoModelForCausalLM.from_pretrained(d, local_files_only=True) for d in (got_dir, ref_dir))
+    AutoTokenizer.from_pretrained(got_dir, local_files_only=True)
+    assert type(got) is type(ref)
+    got_sd, ref_sd = got.state_dict(), ref.state_dict()
+    assert got_sd.keys() == ref_sd.keys()
+    diff = torch.cat([(got_sd[k] - ref_sd[k]).flatten().double() for k in sorted(ref_sd)]).norm()
+    rel = (diff / torch.cat([ref_sd[k].flatten().double() for k in sorted(ref_sd)]).norm()).item()
+    print(f"saved model: weights rel L2 {rel:.1e} vs the reference's")
+    return [] if rel <= WEIGHT_REL else [f"saved weights rel L2 {rel:.2e} > {WEIGHT_REL:.0e}"]
+
+
+def test_trainer_and_sft_trainer_match_one_process(tmp_path):
+    """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights."""
+    import time
+    out, t0 = str(tmp_path), time.time()
+    ref_proc = multiprocessing.get_context("spawn").Process(target=_reference_main, args=(out,))
+    ref_proc.start()
+    ref_proc.join(600)
+    if ref_proc.is_alive():
+        ref_proc.kill()
+        pytest.fail("the one-process reference runs did not finish in 600 s")
+    assert ref_proc.exitcode == 0, "the one-process reference runs failed"
+    t1 = time.time()
+    run_distributed(_cp_worker, 2, out, [(c, f"{c}/cp2", {}) for c in CP2_CASES], timeout_s=600)
+    t2 = time.time()
+    dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]
+    dp2_runs.append(("trainer-packed", "trainer-packed/dp2xcp2-replicated", dict(fsdp=False)))
+    run_distributed(_cp_worker, 4, out, dp2_runs, timeout_s=600)
+    print(f"times: reference {t1 - t0:.0f} s, cp2 {t2 - t1:.0f} s, dp2xcp2 {time.time() - t2:.0f} s")
+
+    with open(os.path.join(out, "reference.json")) as f:
+        ref = json.load(f)
+    runs = {}
+    for world in (2, 4):
+        with open(os.path.join(out, f"cp{world}.json")) as f:
+            runs.update(json.load(f))
+    failures = []
+    for label, got in runs.items():
+        case, layout = label.split("/")
+        failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout == 'cp2' else 2}"])
+        sft = case.startswith("sft")  # SFTConfig checkpoints activations by default: deltacp's, not the trainer's
+        assert got["checkpointed"] == [sft] * 4 and not got["trainer_checkpointing"], (label, got["checkpointed"])
+    saved = runs[f"{SAVED}/dp2xcp2"]
+    failures += _compare_saved(saved["saved"], ref[f"{SAVED.split('-')[0]}/dp2"]["saved"])
+    assert os.path.isfile(os.path.join(saved["checkpoint"], "model.safetensors")), "no weights in the checkpoint"
+    assert not failures, "\n".join(failures)
