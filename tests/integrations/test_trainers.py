@@ -27,7 +27,7 @@ import os
 
 import pytest
 
-from deltacp.testing.spawn import run_distributed
+from deltacp.distributed.launch import run_distributed
 import integ_cases
 
 LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL = 2e-6, 2e-6, 2e-6, 1e-5

@@ -24,9 +24,10 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from deltacp import shard_batch_for_cp
+from deltacp.distributed.mesh import cp_group_of
+from deltacp.models.batch import shard_batch_for_cp
+from deltacp.models.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", *PACKING_KEYS)
 
@@ -37,30 +38,12 @@ class CPBatch(dict):
 
 
 def cp_degree(mesh: DeviceMesh) -> int:
-    """The size of the mesh's "cp" dimension (a 1-D ("cp",) mesh or a ("dp", "cp") mesh)."""
-    names = mesh.mesh_dim_names or ()
-    if "cp" not in names:
-        raise ValueError(f"deltacp: the mesh needs a 'cp' dimension, got dimensions {names}")
-    return mesh.size(names.index("cp"))
+    """The size of the mesh's CP dimension (a 1-D ("cp",) mesh or a ("dp", "cp") mesh)."""
+    return cp_group_of(mesh).size()
 
 
-def _document_positions(cu: torch.Tensor) -> torch.Tensor:
-    """0, 1, 2, ... within each document of offsets `cu` (int64, CPU)."""
-    lengths = cu[1:] - cu[:-1]
-    return torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
-
-
-def _offsets_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """Document offsets of a packed row from position ids that count 0, 1, 2, ... within each document."""
-    p = positions.reshape(-1).cpu().to(torch.int64)
-    starts = torch.nonzero(p == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError("deltacp: position_ids of a packed row must start at 0 (each document counts 0, 1, 2, ...)")
-    cu = torch.cat([starts, torch.tensor([p.numel()])])
-    if not torch.equal(p, _document_positions(cu)):
-        raise ValueError("deltacp: position_ids of a packed row must count 0, 1, 2, ... within each document (they "
-                         "restart at 0 at each document, as padding-free collators make them)")
-    return cu
+def _scalar(value) -> int:
+    return int(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else int(value)
 
 
 def _restarts(positions: torch.Tensor) -> bool:
@@ -69,49 +52,22 @@ def _restarts(positions: torch.Tensor) -> bool:
     return not torch.equal(positions, expected)
 
 
-def _scalar(value) -> int:
-    return int(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else int(value)
-
-
-def _packed_offsets(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The document offsets of a packed row, every packing key checked against them."""
-    cu_q, cu_k, positions = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k"), batch.get("position_ids")
-    if batch.get("attention_mask") is not None:
-        raise ValueError("deltacp: a packed row (cu_seq_lens_* / restarting position_ids) takes no attention_mask; "
-                         "padding-free collators leave it out")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"deltacp: a packed batch is one row (the collator's padding_free layout), got "
-                         f"{input_ids.shape[0]} rows")
-    S = input_ids.shape[1]
-    if cu_q is not None or cu_k is not None:
-        if cu_q is None or cu_k is None or not torch.equal(cu_q.reshape(-1).cpu(), cu_k.reshape(-1).cpu()):
-            raise ValueError("deltacp: cu_seq_lens_q and cu_seq_lens_k must both be given and equal (causal "
-                             "self-attention within each packed document)")
-        cu = cu_q.reshape(-1).cpu().to(torch.int64)
-        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != S or bool((cu[1:] <= cu[:-1]).any()):
-            raise ValueError(f"deltacp: cu_seq_lens_q must rise strictly from 0 to the row length {S}, got "
-                             f"{cu.tolist()}")
-        if positions is not None and not torch.equal(positions.reshape(-1).cpu().to(torch.int64),
-                                                     _document_positions(cu)):
-            raise ValueError("deltacp: position_ids disagree with cu_seq_lens_q (they must count 0, 1, 2, ... "
-                             "within each document)")
-    else:
-        cu = _offsets_from_positions(positions)
-    longest = int((cu[1:] - cu[:-1]).max())
-    for key in ("max_length_q", "max_length_k"):
-        if batch.get(key) is not None and _scalar(batch[key]) != longest:
-            raise ValueError(f"deltacp: {key}={_scalar(batch[key])} but the longest document has {longest} tokens")
-    if batch.get("seq_idx") is not None:
-        expected = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
-        if not torch.equal(batch["seq_idx"].reshape(-1).cpu().to(torch.int64), expected):
-            raise ValueError("deltacp: seq_idx disagrees with the documents of cu_seq_lens_q / position_ids")
-    starts = cu[1:-1].to(labels.device)
+def _check_packed_labels(batch: Mapping, labels: torch.Tensor, cu: torch.Tensor | None) -> None:
+    """What a padding-free collator must have done for the single-device loss to equal deltacp's: no label at a
+    document start (it would be learned across the boundary) and seq_idx, if given, naming the same documents."""
+    S = labels.shape[1]
+    cu = torch.tensor([0, S]) if cu is None else cu.detach().to("cpu", torch.int64)
+    starts = cu[(cu > 0) & (cu < S)].to(labels.device)
     if bool((labels[0, starts] != IGNORE_INDEX).any()):
         raise ValueError("deltacp: a packed row's label at a document start is not -100: the single-device model "
                          "would learn it from the previous document's last token, and deltacp never trains a target "
                          "across a document boundary; set labels to -100 at each document's first token (TRL's and "
                          "transformers' padding-free collators do)")
-    return cu
+    if batch.get("seq_idx") is not None:
+        real = cu[cu <= S]
+        expected = torch.repeat_interleave(torch.arange(real.numel() - 1), real[1:] - real[:-1])
+        if not torch.equal(batch["seq_idx"].reshape(-1).cpu().to(torch.int64), expected):
+            raise ValueError("deltacp: seq_idx disagrees with the documents of cu_seq_lens_q / position_ids")
 
 
 def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, cp: int, pad_token_id: int):
@@ -161,9 +117,14 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
     packed = any(batch.get(k) is not None for k in PACKING_KEYS) or (
         positions is not None and batch.get("attention_mask") is None and _restarts(positions))
     if packed:
-        cu = _packed_offsets(batch, input_ids, labels)
-        out = shard_batch_for_cp(input_ids, mesh, labels=labels, cu_seqlens=cu, pad_to_multiple_of=cp,
-                                 pad_token_id=pad_token_id)
+        if batch.get("attention_mask") is not None:
+            raise ValueError("deltacp: a packed row (cu_seq_lens_* / restarting position_ids) takes no attention_mask; "
+                             "padding-free collators leave it out")
+        keywords = {k: batch.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        keywords = {k: v if k.startswith("cu") or v is None else _scalar(v) for k, v in keywords.items()}
+        out = shard_batch_for_cp(input_ids, mesh, labels=labels, position_ids=positions, pad_to_multiple_of=cp,
+                                 pad_token_id=pad_token_id, **keywords)
+        _check_packed_labels(batch, labels, out.get("cu_seq_lens_q"))
     else:
         input_ids, mask, labels = _padded(batch, input_ids, labels, cp, pad_token_id)
         out = shard_batch_for_cp(input_ids, mesh, attention_mask=mask, labels=labels)

@@ -10,7 +10,7 @@ optimizer exists):
   `activation_checkpointing` (alias `gradient_checkpointing`) becomes deltacp's per-decoder-layer non-reentrant
   checkpointing (p2p layers replay their received state), applied after CP and before FSDP2, in place of
   transformers' own (the argument is then set to False so that the trainer does not apply its own on top);
-- parameters: deltacp's FSDP2 over dp x cp with summed gradients (`fully_shard_qwen3_5`, the default, `fsdp=True`;
+- parameters: deltacp's FSDP2 over dp x cp with summed gradients (`fully_shard_cp`, the default, `fsdp=True`;
   `bf16=True` becomes FSDP2 mixed precision, bf16 compute, fp32 master weights and reduction), or replicated
   parameters whose gradients are summed over dp x cp after the last micro-batch (`fsdp=False`). Either way the
   reduced gradient is the single-device gradient, and accelerate is told not to wrap the model again (no DDP);
@@ -30,15 +30,16 @@ Anything the mixin cannot honour raises ValueError / NotImplementedError naming 
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.checkpoint import checkpoint
 
-from deltacp import all_reduce_cp_grads, cp_causal_lm_loss, fully_shard_qwen3_5, parallelize_cp
+from deltacp.distributed.mesh import init_cp_mesh
+from deltacp.models.checkpointing import apply_activation_checkpointing
+from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
+from deltacp.models.loss import cp_causal_lm_loss
+from deltacp.models.parallelize import parallelize_cp
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
 logger = logging.getLogger(__name__)
@@ -110,23 +111,18 @@ class CPTrainerMixin:
         if problems:
             raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
         args = self.args
-        self.cp_mesh = init_device_mesh(args.device.type, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp"))
+        self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, args.device.type)
         self.dp_rank = self.cp_mesh.get_local_rank("dp")
         model = self.model
         parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)
         if args.activation_checkpointing:
             every = int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1))
-            layers = model.get_decoder().layers
-            for i, layer in enumerate(layers):
-                if i % every == 0:
-                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+            apply_activation_checkpointing(model, every)
             # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
             args.activation_checkpointing = args.gradient_checkpointing = False
-            logger.info("deltacp: activation checkpointing on %d of %d decoder layers (non-reentrant), in place of "
-                        "the trainer's", len(range(0, len(layers), every)), len(layers))
         if self.cp_fsdp:
             mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-            fully_shard_qwen3_5(model, self.cp_mesh, mp_policy=mp_policy)
+            fully_shard_cp(model, self.cp_mesh, mp_policy=mp_policy)
         mark_prepared_for_accelerate(model)
         logger.info("deltacp: dp %d x cp %d, %s", self.dp_size, self.cp_size,
                     "FSDP2 over dp x cp (summed gradients)" if self.cp_fsdp else "replicated parameters")

@@ -55,6 +55,10 @@ def _packed_offsets(S: int, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length
     if given is None:
         return None
     cu = check_cu_seqlens(given, S, f"shard_batch_for_cp: {name} (global offsets of the whole row)")
+    if position_ids is not None and name != "position_ids" and not torch.equal(
+            position_ids.detach().to("cpu", torch.int64).reshape(1, -1), position_ids_from_cu_seqlens(cu)):
+        raise ValueError(f"shard_batch_for_cp: position_ids disagree with {name} (with documents they must count 0, 1, "
+                         f"2, ... within each document)")
     if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.detach().to("cpu", torch.int64), cu):
         raise ValueError("shard_batch_for_cp: cu_seq_lens_k must equal cu_seq_lens_q (causal self-attention)")
     longest = int((cu[1:] - cu[:-1]).max())

@@ -18,11 +18,14 @@ from deltacp.models.adapters import adapter_for
 logger = logging.getLogger(__name__)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Full activation checkpointing per decoder layer of any supported model; returns the number of layers."""
-    n = 0
-    for layer in adapter_for(model).layers():
+def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> int:
+    """Activation checkpointing of every `every_n_layers`-th decoder layer (1: all) of any supported model;
+    returns the number of layers checkpointed."""
+    if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers={every_n_layers!r} must be an integer >= 1")
+    layers = adapter_for(model).layers()
+    for layer in layers[::every_n_layers]:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-        n += 1
-    logger.info("Applied full activation checkpointing to %d decoder layers", n)
+    n = len(layers[::every_n_layers])
+    logger.info("Applied activation checkpointing to %d of %d decoder layers", n, len(layers))
     return n
