@@ -34,7 +34,7 @@ from deltacp.distributed.collectives import (
     all_to_all_head_to_seq,
     all_to_all_seq_to_head,
 )
-from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.ops.precision import compute_dtype
 from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tile_kernel, tiled_attention
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
 from deltacp.parallel.views import AttentionView, attention_view_of

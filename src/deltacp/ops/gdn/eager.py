@@ -4,7 +4,7 @@ Shapes as in `contract.py`; inside this file, after `_prepare`, tensors are head
     x_BHNCK   [B, Hv, N chunks, C=64, K]
     g_BHNC    per-token log decay; gam_BHNC its cumulative sum inside each chunk
 Computation runs in float32 for float32/bf16/fp16 inputs and in float64 for float64 inputs
-(`naive.compute_dtype`), upcasting exactly where transformers' Qwen3.5 torch path upcasts.
+(`deltacp.ops.precision.compute_dtype`), upcasting exactly where transformers' Qwen3.5 torch path upcasts.
 Backward is PyTorch autograd through these ops (the gradient summary of P2P lives in the CP layer).
 """
 
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from deltacp.ops.gdn.contract import CHUNK_SIZE
-from deltacp.ops.gdn.naive import compute_dtype, l2norm
+from deltacp.ops.gdn.naive import l2norm
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
+from deltacp.ops.precision import compute_dtype
 
 
 @dataclass
