@@ -27,7 +27,7 @@ import torch
 
 from deltacp.distributed.collectives import StatePassing, in_backward_pass
 from deltacp.ops.gdn.contract import GDNBackend
-from deltacp.ops.gdn.eager import apply_summary, summary_grad
+from deltacp.ops.gdn.summary import apply_summary, summary_grad
 from deltacp.ops.precision import compute_dtype
 from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import CPForwardContext

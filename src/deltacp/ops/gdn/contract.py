@@ -62,7 +62,7 @@ not align to the chunk size, and T is never a compile-time constant.
         (`deltacp.ops.fused.conv`).
 
 Composition and application of summaries are tiny K x K matmuls shared by all backends
-(`compose_summaries`, `apply_summary` in `eager.py`).
+(`compose_summaries`, `apply_summary`, `summary_grad` in `summary.py`).
 """
 
 from __future__ import annotations

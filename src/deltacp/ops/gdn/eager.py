@@ -171,23 +171,6 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         return torch.autograd.grad(o, h0, grad_o)[0]
 
 
-def compose_summaries(later: tuple[torch.Tensor, torch.Tensor],
-                      earlier: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M1, S1) ∘ (M0, S0) = (M1 M0, M1 S0 + S1): segment 0 then segment 1. Associative, not commutative."""
-    (m1, s1), (m0, s0) = later, earlier
-    return m1 @ m0, m1 @ s0 + s1
-
-
-def apply_summary(m: torch.Tensor, s: torch.Tensor, state_in: torch.Tensor) -> torch.Tensor:
-    """H_out = M @ H_in + S."""
-    return m @ state_in + s
-
-
-def summary_grad(m: torch.Tensor, grad_state_out: torch.Tensor, grad_state_local: torch.Tensor) -> torch.Tensor:
-    """dH_in = Mᵀ dH_out + dS_local, where dS_local reaches H_in from the local outputs alone."""
-    return m.transpose(-1, -2) @ grad_state_out + grad_state_local
-
-
 def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, T, channels = q | k | v] -> q, k [B, T, qk_heads, K] and v [B, T, Hv, V] (views)."""
