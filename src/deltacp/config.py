@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from deltacp.ops.gdn.contract import GDN_BACKENDS
+from deltacp.ops.gdn.backends import GDN_BACKENDS
 from deltacp.parallel.layout import validate_cp_layout
 from deltacp.parallel.style import LINEAR_ATTENTION_CP_MODES, validate_mode_and_backend
 

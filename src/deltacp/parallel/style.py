@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from deltacp.distributed.collectives import StatePassing, across_subgroup, dedicated_cp_groups, ulysses_subgroup
-from deltacp.ops.gdn.contract import GDN_BACKENDS, get_gdn_backend
+from deltacp.ops.gdn.backends import GDN_BACKENDS, get_gdn_backend
 from deltacp.parallel.fingerprint import check_same_config_across_ranks
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
 from deltacp.parallel.layout import linear_two_d_degree
