@@ -7,6 +7,7 @@ Importing this package imports no Triton: the kernels load on first use. Kernels
     l2norm.py    q/k l2 normalisation (fp32 inside, input dtype out), forward and backward
     chunk.py     `_fwd`/`_bwd` compositions, autograd Functions, public ops
     contract_check.py  `check_triton_contract` (device, dtypes, head dims, head ratio, Triton version)
+    version.py         the Triton versions accepted (verified on a GPU, the range) and the installed one
     selfcheck.py       first-use self-check of a Triton version not verified on a GPU, against eager (cached)
 The model glue around the op (gates, gated RMSNorm) is `deltacp.ops.fused` (gates.py, gated_norm.py).
 The layer's conv + SiLU + q/k/v split (`conv_silu_split`) is the fused kernel of `deltacp.ops.fused.conv`.
