@@ -178,7 +178,7 @@ class LoopbackStatePassing:
 
 def run_per_rank_cost(args):
     from deltacp import LinearAttentionContextParallel, cp_layer_of
-    from deltacp.ops.gdn.eager import apply_summary
+    from deltacp.ops.gdn.summary import apply_summary
 
     device = torch.device("cuda", 0)
     mesh = self_mesh("cuda")

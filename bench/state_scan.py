@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from deltacp.ops.gdn.eager import apply_summary
+from deltacp.ops.gdn.summary import apply_summary
 from deltacp.parallel.scan import scan_rounds, scan_schedule, simulate_exclusive_scan
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deltacp.ops.gdn import eager, naive
+from deltacp.ops.gdn import eager, naive, summary
 from helpers import rel_l2
 
 
@@ -48,7 +48,7 @@ def test_summary_applied_equals_scan_from_state():
     _, h_ref = naive.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True)
     assert m.shape == (2, 4, 16, 16) and s.shape == (2, 4, 16, 8)
-    assert rel_l2(eager.apply_summary(m, s, h0), h_ref) < 1e-12
+    assert rel_l2(summary.apply_summary(m, s, h0), h_ref) < 1e-12
     _, s_ref = naive.recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True)
     assert rel_l2(s, s_ref) < 1e-12  # S is the final state from zero
@@ -59,15 +59,15 @@ def test_compose_is_associative_and_not_commutative():
     parts = [eager.state_summary(k[:, i:i + 64], v[:, i:i + 64], g[:, i:i + 64], beta[:, i:i + 64],
                                  use_qk_l2norm_in_kernel=True) for i in (0, 64, 128)]
     a, b, c = parts
-    left = eager.compose_summaries(c, eager.compose_summaries(b, a))
-    right = eager.compose_summaries(eager.compose_summaries(c, b), a)
+    left = summary.compose_summaries(c, summary.compose_summaries(b, a))
+    right = summary.compose_summaries(summary.compose_summaries(c, b), a)
     whole = eager.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True)
     for x, y in zip(left, right):
         assert rel_l2(x, y) < 1e-12
     for x, y in zip(left, whole):
         assert rel_l2(x, y) < 1e-12
-    swapped = eager.compose_summaries(a, b)
-    assert rel_l2(swapped[0], eager.compose_summaries(b, a)[0]) > 1e-3
+    swapped = summary.compose_summaries(a, b)
+    assert rel_l2(swapped[0], summary.compose_summaries(b, a)[0]) > 1e-3
 
 
 def test_gradient_summary_equals_autograd():
@@ -79,7 +79,7 @@ def test_gradient_summary_equals_autograd():
     d_o, d_h_out = torch.randn_like(o), torch.randn_like(h_out)
     (grad_total,) = torch.autograd.grad((o * d_o).sum() + (h_out * d_h_out).sum(), h_in, retain_graph=True)
     (grad_local,) = torch.autograd.grad((o * d_o).sum(), h_in)  # dS_local: from the outputs alone
-    assert rel_l2(eager.summary_grad(m, d_h_out, grad_local), grad_total) < 1e-12
+    assert rel_l2(summary.summary_grad(m, d_h_out, grad_local), grad_total) < 1e-12
     # p2p's dH_in pass: the same local part without any H_in (o is affine in H_in)
     assert rel_l2(eager.initial_state_grad(q, k, v, g, beta, d_o, use_qk_l2norm_in_kernel=True), grad_local) < 1e-12
 
@@ -95,7 +95,7 @@ def test_final_state_gradient_gives_what_the_summary_gradient_gives():
     via_final_state = torch.autograd.grad((o * d_o).sum() + (h_out * d_h_out).sum(), leaves)
     o2, _ = eager.chunk_gated_delta_rule(*leaves, initial_state=h0, use_qk_l2norm_in_kernel=True)
     m, s = eager.state_summary(*leaves[1:], use_qk_l2norm_in_kernel=True)
-    via_summary = torch.autograd.grad((o2 * d_o).sum() + (eager.apply_summary(m, s, h0) * d_h_out).sum(), leaves,
+    via_summary = torch.autograd.grad((o2 * d_o).sum() + (summary.apply_summary(m, s, h0) * d_h_out).sum(), leaves,
                                       allow_unused=True)
     assert via_summary[0] is not None
     for a, b in zip(via_final_state, via_summary):

@@ -136,7 +136,7 @@ def test_pyproject_triton_extra_is_the_accepted_range():
     import tomllib
     from pathlib import Path
 
-    from deltacp.ops.gdn.triton.contract_check import TRITON_VERIFIED_ON_GPU, TRITON_VERSION_RANGE, triton_requirement
+    from deltacp.ops.gdn.triton.version import TRITON_VERIFIED_ON_GPU, TRITON_VERSION_RANGE, triton_requirement
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["triton"]

@@ -44,7 +44,7 @@ def _ops(name: str, x: torch.Tensor):
     device under TRITON_INTERPRET=1; elsewhere the documented device error, never transformers' code instead) and
     the documented error where triton is not installed."""
     check_device(name, x)
-    from deltacp.ops.gdn.triton.contract_check import _triton_version
+    from deltacp.ops.gdn.triton.version import _triton_version
 
     _triton_version()
     from deltacp.ops.fused import decoder  # imports triton

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from deltacp.distributed.collectives import all_gather_autograd
-from deltacp.ops.gdn.eager import apply_summary
+from deltacp.ops.gdn.summary import apply_summary
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
 from deltacp.parallel.shard import GDNShard, scan_inputs

@@ -34,7 +34,7 @@ from deltacp.distributed.collectives import (
     all_to_all_head_to_seq,
     all_to_all_seq_to_head,
 )
-from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.ops.precision import compute_dtype
 from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tile_kernel, tiled_attention
 from deltacp.distributed.mesh import across_subgroup, cp_group_of, dedicated_cp_groups, ulysses_subgroup
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.ops.precision import compute_dtype
 
 
 @dataclass(frozen=True)

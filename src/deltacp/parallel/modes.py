@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from deltacp.ops.gdn.contract import GDN_BACKENDS
+from deltacp.ops.gdn.backends import GDN_BACKENDS
 from deltacp.parallel.all_gather import all_gather_mixer, all_gather_scan
 from deltacp.parallel.p2p import p2p_mixer, p2p_scan
 from deltacp.parallel.ulysses import ulysses_mixer

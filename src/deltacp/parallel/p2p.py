@@ -31,8 +31,8 @@ import torch
 
 from deltacp.distributed.collectives import StatePassing, in_backward_pass
 from deltacp.ops.gdn.contract import GDNBackend
-from deltacp.ops.gdn.eager import apply_summary, summary_grad
-from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.ops.gdn.summary import apply_summary, summary_grad
+from deltacp.ops.precision import compute_dtype
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
 from deltacp.parallel.scan import exclusive_state_scan

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.collectives import StatePassing
 from deltacp.distributed.mesh import across_subgroup, cp_group_of, dedicated_cp_groups, ulysses_subgroup
-from deltacp.ops.gdn.contract import get_gdn_backend
+from deltacp.ops.gdn.backends import get_gdn_backend
 from deltacp.parallel.attention import (
     attention_cp_plan,
     check_attention_module,

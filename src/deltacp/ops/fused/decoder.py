@@ -37,6 +37,8 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
+from deltacp.ops.precision import compute_dtype
+
 # libdevice's exp (__nv_expf / __nv_exp: the expf PyTorch's CUDA silu calls) on the GPU; the interpreter has no
 # libdevice and runs numpy's exp through tl.exp
 PRECISE_EXP = os.environ.get("TRITON_INTERPRET") != "1"
@@ -144,10 +146,6 @@ def _swiglu_bwd_kernel(G, U, DZ, DG, DU, N, FP64: tl.constexpr, PRECISE: tl.cons
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -172,7 +170,7 @@ def _norm_forward(x, residual, weight, eps, offset):
         raise ValueError(f"fused rms_norm: weight of shape {tuple(weight.shape)} for hidden size {H}")
     x2 = _rows(x)
     n = x2.shape[0]
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x)
     y = torch.empty_like(x2, memory_format=torch.contiguous_format)
     rstd = torch.empty(n, device=x.device, dtype=cdt)
     s = r2 = None

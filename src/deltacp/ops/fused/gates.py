@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 
 from deltacp.ops.fused.jit_common import up as _up
-
-from deltacp.ops.gdn.naive import compute_dtype
+from deltacp.ops.precision import compute_dtype
 
 BLOCK_ELEMENTS = 4096  # tokens per block * padded heads
 MAX_PROGRAMS_BWD = 1024  # G = min(blocks, this): fixed by the token count, so the reduction order is too

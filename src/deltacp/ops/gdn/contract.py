@@ -62,17 +62,16 @@ not align to the chunk size, and T is never a compile-time constant.
         (`deltacp.ops.fused.conv`).
 
 Composition and application of summaries are tiny K x K matmuls shared by all backends
-(`compose_summaries`, `apply_summary` in `eager.py`).
+(`compose_summaries`, `apply_summary`, `summary_grad` in `summary.py`). The backends by name (`get_gdn_backend`,
+`GDN_BACKENDS`): `backends.py`. This module imports no backend.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
-GDNBackendName = Literal["eager", "triton"]
-GDN_BACKENDS: tuple[str, ...] = ("eager", "triton")
 CHUNK_SIZE = 64
 
 
@@ -146,18 +145,3 @@ class GDNBackend(Protocol):
         left_BhC: torch.Tensor | None = None, doc_start_s: torch.Tensor | None = None,
         heads: tuple[int, int, int],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
-def get_gdn_backend(name: str) -> GDNBackend:
-    """The backend called `name`. Triton is imported here, and only for backend="triton"."""
-    match name:
-        case "eager":
-            from deltacp.ops.gdn.eager import EagerGDNBackend
-
-            return EagerGDNBackend()
-        case "triton":
-            from deltacp.ops.gdn.triton import TritonGDNBackend
-
-            return TritonGDNBackend()
-        case _:
-            raise ValueError(f"linear_attention_gdn_backend={name!r} is not supported; expected one of {GDN_BACKENDS}")

@@ -4,7 +4,7 @@ Shapes as in `contract.py`; inside this file, after `_prepare`, tensors are head
     x_BHNCK   [B, Hv, N chunks, C=64, K]
     g_BHNC    per-token log decay; gam_BHNC its cumulative sum inside each chunk
 Computation runs in float32 for float32/bf16/fp16 inputs and in float64 for float64 inputs
-(`naive.compute_dtype`), upcasting exactly where transformers' Qwen3.5 torch path upcasts.
+(`deltacp.ops.precision.compute_dtype`), upcasting exactly where transformers' Qwen3.5 torch path upcasts.
 Backward is PyTorch autograd through these ops (the gradient summary of P2P lives in the CP layer).
 """
 
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from deltacp.ops.gdn.contract import CHUNK_SIZE
-from deltacp.ops.gdn.naive import compute_dtype, l2norm
+from deltacp.ops.gdn.naive import l2norm
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
+from deltacp.ops.precision import compute_dtype
 
 
 @dataclass
@@ -168,23 +169,6 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         o, _ = chunk_gated_delta_rule(*(x.detach() for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=layout)
         return torch.autograd.grad(o, h0, grad_o)[0]
-
-
-def compose_summaries(later: tuple[torch.Tensor, torch.Tensor],
-                      earlier: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M1, S1) ∘ (M0, S0) = (M1 M0, M1 S0 + S1): segment 0 then segment 1. Associative, not commutative."""
-    (m1, s1), (m0, s0) = later, earlier
-    return m1 @ m0, m1 @ s0 + s1
-
-
-def apply_summary(m: torch.Tensor, s: torch.Tensor, state_in: torch.Tensor) -> torch.Tensor:
-    """H_out = M @ H_in + S."""
-    return m @ state_in + s
-
-
-def summary_grad(m: torch.Tensor, grad_state_out: torch.Tensor, grad_state_local: torch.Tensor) -> torch.Tensor:
-    """dH_in = Mᵀ dH_out + dS_local, where dS_local reaches H_in from the local outputs alone."""
-    return m.transpose(-1, -2) @ grad_state_out + grad_state_local
 
 
 def split_qkv(qkv: torch.Tensor, qk_heads: int, head_k_dim: int, head_v_dim: int

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from deltacp.ops.precision import compute_dtype
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # Same formula as transformers' Qwen3.5 (and flash-linear-attention): rsqrt(sum(x^2) + eps).
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float64 stays float64; everything narrower is computed in float32 (the transformers policy)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def recurrent_gated_delta_rule(

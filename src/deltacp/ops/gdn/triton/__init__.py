@@ -1,12 +1,16 @@
 """Triton backend of the GDN contract (`deltacp.ops.gdn.contract.GDNBackend`).
 
 Importing this package imports no Triton: the kernels load on first use. Kernels never see a process group.
+    indexing.py  chunk size BT, per-chunk vs token tensors, packed chunk/document tables, row load/store
     wy.py        A, T = (I + A)^-1 (16x16 diagonal inverses, block merge), W, U per chunk, and the WY backward
     chunk_h.py   chunk-to-chunk state recurrence, forward and backward (also used for the summary [M | S])
     chunk_o.py   per-chunk outputs, dVn_local, dq/dk/dW/dg
     l2norm.py    q/k l2 normalisation (fp32 inside, input dtype out), forward and backward
+    heads.py     GVA head sum of dq/dk (value heads onto their key head)
+    launch.py    fixed launch configurations per kernel
     chunk.py     `_fwd`/`_bwd` compositions, autograd Functions, public ops
     contract_check.py  `check_triton_contract` (device, dtypes, head dims, head ratio, Triton version)
+    version.py         the Triton versions accepted (verified on a GPU, the range) and the installed one
     selfcheck.py       first-use self-check of a Triton version not verified on a GPU, against eager (cached)
 The model glue around the op (gates, gated RMSNorm) is `deltacp.ops.fused` (gates.py, gated_norm.py).
 The layer's conv + SiLU + q/k/v split (`conv_silu_split`) is the fused kernel of `deltacp.ops.fused.conv`.

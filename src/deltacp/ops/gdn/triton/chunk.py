@@ -10,7 +10,7 @@ The l2 norm of q/k (own autograd Function and kernels, l2norm.py) and the paddin
 outside the core Function: padded tokens have k = v = q = 0, beta = 0, g = 0, which leave the state unchanged.
 Packed documents (`cu_seqlens`, one row): the kernels read q, k, v, beta, dO and write o, dq, dk, dv, dbeta in the
 packed row itself, through the chunk table (`layout.chunk_table`: each chunk's first token and token count, a
-document's last chunk partial, wy.py); the per-chunk tensors between kernels (gate cumsum, T, W, U, Vn, H, ...)
+document's last chunk partial, indexing.py); the per-chunk tensors between kernels (gate cumsum, T, W, U, Vn, H, ...)
 keep 64 rows per chunk, i.e. the chunk-aligned layout, so every chunk computes what the zero-padded document
 would. Only g ([T, Hv], 1/128 of v's bytes) is re-laid out (`VarlenLayout.to_chunks`, its gradient back with
 `from_chunks`). The state kernels run one program per document (`layout.doc_table`), so the state restarts at
@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from deltacp.ops.gdn.triton.chunk_h import state_bwd, state_fwd
 from deltacp.ops.gdn.triton.chunk_o import dqkwg, dv_local, o_fwd
 from deltacp.ops.gdn.triton.heads import group_sum
+from deltacp.ops.gdn.triton.indexing import BT
 from deltacp.ops.gdn.triton.l2norm import l2norm
-from deltacp.ops.gdn.triton.wy import BT, wu_fwd, wy_bwd, wy_fwd, wy_inverse
+from deltacp.ops.gdn.triton.wy import wu_fwd, wy_bwd, wy_fwd, wy_inverse
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 
 

@@ -15,7 +15,7 @@ read once per program: within the loop every address is arithmetic, as in the de
 table inside the loop puts a global-memory round trip on the sequential chain: with it the 128K packed op ran in
 38.86 ms against 37.05 with the old re-layout copies, NOTES.md.) A document's chain is only its own chunks. The token
 tensors (k, q, do) are the packed row (a document's last chunk partial: its missing rows load as 0); w, u, vn,
-dvl, dvn, gc and h, dh are per chunk (wy.py). h0 enters document 0 and ht is the last document's (dht enters the
+dvl, dvn, gc and h, dh are per chunk (indexing.py). h0 enters document 0 and ht is the last document's (dht enters the
 last, dh0 leaves document 0); the launchers leave h0 out when document 0 does not continue it.
 T and NT are runtime values (`do_not_specialize`) and the document count only sizes the grid: one compiled kernel
 serves every length and document mix.
@@ -27,19 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.indexing import BT, chunk_rows, document_span, load_tok
 from deltacp.ops.gdn.triton.launch import launch_config
-from deltacp.ops.gdn.triton.wy import BT, chunk_rows, load_tok
-
-
-@triton.jit
-def _document(docs, i_n, T, NT, VARLEN: tl.constexpr):
-    """(first token, first chunk, end token, chunk count) of document i_n, or of the whole row (not VARLEN)."""
-    if VARLEN:
-        bos, c0 = tl.load(docs + 2 * i_n).to(tl.int64), tl.load(docs + 2 * i_n + 1)
-        eos, c1 = tl.load(docs + 2 * i_n + 2).to(tl.int64), tl.load(docs + 2 * i_n + 3)
-        return bos, c0, eos, c1 - c0
-    else:
-        return 0, 0, T, NT
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -53,7 +42,7 @@ def state_fwd_kernel(
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
-    bos, c0, eos, nc = _document(docs, i_b, T, NT, VARLEN)
+    bos, c0, eos, nc = document_span(docs, i_b, T, NT, VARLEN)
     if VARLEN:  # program row i_b is document i_b of the one packed row
         first, last = i_b == 0, c0 + nc == NT
         i_b, i_bh = i_b * 0, i_h
@@ -122,7 +111,7 @@ def state_bwd_kernel(
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)
-    bos, c0, eos, nc = _document(docs, i_b, T, NT, VARLEN)
+    bos, c0, eos, nc = document_span(docs, i_b, T, NT, VARLEN)
     if VARLEN:  # program row i_b is document i_b of the one packed row
         first, last = i_b == 0, c0 + nc == NT
         i_b, i_bh = i_b * 0, i_h

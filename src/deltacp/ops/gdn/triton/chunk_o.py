@@ -9,7 +9,7 @@ Backward (dH' = gradient of the state leaving the chunk):
     dW = -dVn H_c^T
     dg = sum(Q dQ) - sum(K dK) + [last row] (e^{gC} <H_c, dH'> + sum(K * e^{gC-g} Vn dH'^T))
 
-Token tensors (q, k, do, o, dq) and per-chunk tensors (vn, h, dh, dvn, gc, dvl, dk before wy_bwd, dw, dg): wy.py.
+Token tensors (q, k, do, o, dq) and per-chunk tensors (vn, h, dh, dvn, gc, dvl, dk before wy_bwd, dw, dg): indexing.py.
 The last-row term of dg goes on row BT - 1 of the chunk, a padding row for a document's partial last chunk (the
 gate cumsum's backward, per chunk, sums it into every row as the zero-padded layout did).
 """
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.indexing import BT, chunk_rows, chunk_tokens, load_tok, store_tok
 from deltacp.ops.gdn.triton.launch import launch_config
-from deltacp.ops.gdn.triton.wy import BT, chunk_rows, chunk_tokens, load_tok, store_tok
 
 
 @triton.jit(do_not_specialize=["T", "NT"])

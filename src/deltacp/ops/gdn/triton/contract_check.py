@@ -1,5 +1,6 @@
 """`check_triton_contract`: what the Triton GDN backend accepts (SPEC section 5). Imports no Triton kernel
-(but for the first-use self-check of an unverified Triton version, `selfcheck.py`).
+(but for the first-use self-check of an unverified Triton version, `selfcheck.py`). The accepted Triton versions
+are `version.py`'s.
 
 Never falls back: anything outside the contract raises with the setting's name and the allowed values.
 """
@@ -9,46 +10,11 @@ from __future__ import annotations
 import torch
 
 from deltacp.ops.fused import device_error
+from deltacp.ops.gdn.triton.version import (
+    TRITON_VERIFIED_ON_GPU, TRITON_VERSION_RANGE, _fmt, _triton_version, parse_triton_version, triton_requirement)
 
-# Triton versions (major.minor) the kernels were verified on, on a GPU: tests/gpu/test_triton_gdn.py,
-# test_triton_varlen.py, test_cp_triton.py and bench/determinism.py on an H200. These are accepted at once.
-TRITON_VERIFIED_ON_GPU: tuple[tuple[int, int], ...] = ((3, 6),)
-# Every Triton in [min, max) is accepted: a verified one at once, any other only after `selfcheck.py` passed on
-# this GPU model (first use, verdict cached). 3.6 is the oldest the kernels run on; torch up to 2.15 ships
-# Triton up to 3.9. The bound is the next major release: minor releases keep the `tl` language our kernels use
-# (tl.dot input_precision, do_not_specialize, constexpr launch tables), a major one may change it, and a
-# small-shape numerical check cannot vouch for a new language (races and launch configurations only show
-# at scale). pyproject's `triton` extra says the same range (tests/unit/test_triton_contract.py holds them equal).
-TRITON_VERSION_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((3, 6), (4, 0))
 HEAD_DIM = 128
 MODES: tuple[str, ...] = ("ulysses", "p2p")
-
-
-def _fmt(v: tuple[int, int]) -> str:
-    return f"{v[0]}.{v[1]}"
-
-
-def triton_requirement() -> str:
-    """The accepted range as a pip specifier, e.g. ">=3.6,<4" (what pyproject's `triton` extra says)."""
-    lo, hi = TRITON_VERSION_RANGE
-    return f">={_fmt(lo)},<{hi[0]}" if hi[1] == 0 else f">={_fmt(lo)},<{_fmt(hi)}"
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-    except ImportError as e:
-        raise RuntimeError(f"linear_attention_gdn_backend='triton' needs the `triton` package "
-                           f"({triton_requirement()}), which is not installed; pip install \"deltacp[triton]\" "
-                           f"or use backend='eager'") from e
-    return triton.__version__
-
-
-def parse_triton_version(version: str) -> tuple[int, int]:
-    try:
-        return tuple(int(x) for x in version.split("+")[0].split(".")[:2])  # type: ignore[return-value]
-    except ValueError as e:
-        raise RuntimeError(f"cannot parse triton version {version!r}") from e
 
 
 def check_triton_version(version: str | None = None, device: torch.device | str | None = None) -> None:

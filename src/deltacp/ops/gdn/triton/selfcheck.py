@@ -43,11 +43,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from deltacp.ops.gdn.triton.contract_check import (
-    TRITON_VERIFIED_ON_GPU, _fmt, _triton_version, triton_requirement)
+from deltacp.ops.gdn.triton.version import TRITON_VERIFIED_ON_GPU, _fmt, _triton_version, triton_requirement
 
 # Worst figures measured at SHAPE: H200, Triton 3.6 (tests/gpu/test_triton_selfcheck_gpu.py): 4.6e-3 (dg), M 1.0e-4;
 # CPU interpreter, Triton 3.9 (bf16 dot widened to fp32, tests/unit/test_triton_selfcheck.py): 1.6e-2 (o), M 3.1e-4.
@@ -205,10 +205,19 @@ def _figure(name: str, got: torch.Tensor, ref: torch.Tensor, bound: float) -> Fi
     return Figure(f"{name} rel-L2", ((got - ref).norm() / ref.norm()).item(), bound)
 
 
+def _triton_ops() -> SimpleNamespace:
+    """The Triton backend's operations as its methods run them (`chunk.py`; `TritonGDNBackend` only forwards to
+    these). Not the backend object itself: its `check` is what runs this self-check."""
+    from deltacp.ops.gdn.triton import chunk
+
+    return SimpleNamespace(chunk_gated_delta_rule=chunk.chunk_gated_delta_rule, prepare_chunks=chunk.prepare_chunks,
+                           state_summary=chunk.state_summary, initial_state_grad=chunk.initial_state_grad,
+                           prepared_from_saved=chunk.PreparedChunks.from_saved)
+
+
 def measure(device: torch.device | str, shape: SelfCheckShape = SHAPE) -> list[Figure]:
     """Run the Triton backend's operations on `device` and return every figure with its bound (no verdict)."""
     from deltacp.ops.gdn.eager import EagerGDNBackend
-    from deltacp.ops.gdn.triton import TritonGDNBackend
 
     device = torch.device(device)
     x = _inputs(shape)
@@ -219,7 +228,7 @@ def measure(device: torch.device | str, shape: SelfCheckShape = SHAPE) -> list[F
     for case, case_cu in (("unpacked", None), ("packed", cu)):
         ref = _run_ops(EagerGDNBackend(), ref_x, case_cu, staged=False)
         for staged in (False, True):
-            ours = _run_ops(TritonGDNBackend(), dev_x, None if case_cu is None else case_cu.to(device), staged)
+            ours = _run_ops(_triton_ops(), dev_x, None if case_cu is None else case_cu.to(device), staged)
             tag = f"{case}{' staged' if staged else ''}"
             figures += [_figure(f"{tag} {n}", ours[n], ref[n], BOUND_FP32 if n == "M" else BOUND_BF16)
                         for n in ref]

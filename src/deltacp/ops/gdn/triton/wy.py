@@ -5,13 +5,7 @@ Layouts (T divisible by BT=64, g is the chunk-local cumulative gate in fp32):
     ai [B, T, Hv, BT] fp32: row t of chunk c holds row (t mod BT) of T_c = (I + A_c)^-1 (upper part zero)
     w [B, T, Hv, K], u [B, T, Hv, V] in the dtype of k / v
 
-Two kinds of tensors (all kernels of the op): per-chunk tensors (gc, ai, w, u, and chunk_h/chunk_o's h, vn, dh,
-dvn, dvl, dw, dg) always have NT * BT rows, chunk c at rows c * BT ...; token tensors (the op's inputs q, k, v,
-beta, do and outputs o, dq, dk, dv, dbeta) have as many rows. Packed documents (VARLEN, B = 1): the token tensors
-are the packed row itself, and the chunk table `cidx` [NT, 2] int32 gives each chunk's first token and token count
-(1..BT, a chunk never crosses a document boundary); rows past the count load as 0 and are not stored, which
-equals the zero tail of a document laid out on its own. The per-chunk tensors keep BT rows per chunk, so a
-partial chunk computes exactly what its zero-padded copy would (gc holds the last token's gate in its tail).
+Per-chunk and token tensors, packed documents' chunk table and the row helpers: `indexing.py`.
 
 A_c = strict-lower(diag(beta) K K^T * Gamma), Gamma_ij = exp(g_i - g_j). The inverse is built from four
 16x16 diagonal blocks (forward substitution in registers) merged by block forward substitution.
@@ -23,81 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.indexing import (
+    BT, chunk_rows, chunk_tokens, load_rows, load_tok_rows, load_tok_vec, load_vec, store_rows, store_tok,
+    store_tok_rows)
 from deltacp.ops.gdn.triton.launch import launch_config
 
-BT = 64  # chunk size
 BS = 16  # diagonal block of the triangular solve
-
-
-@triton.jit
-def _load_rows(base, row0, stride, BR: tl.constexpr, D: tl.constexpr):
-    """Rows row0 .. row0+BR of a [*, D] view with row stride `stride`."""
-    o_r = row0 + tl.arange(0, BR)
-    o_c = tl.arange(0, D)
-    return tl.load(base + o_r[:, None] * stride + o_c[None, :])
-
-
-@triton.jit
-def _store_rows(base, row0, stride, b_x, BR: tl.constexpr, D: tl.constexpr):
-    o_r = row0 + tl.arange(0, BR)
-    o_c = tl.arange(0, D)
-    tl.store(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty))
-
-
-@triton.jit
-def _load_vec(base, row0, stride, BR: tl.constexpr):
-    o_r = row0 + tl.arange(0, BR)
-    return tl.load(base + o_r * stride).to(tl.float32)
-
-
-@triton.jit
-def chunk_tokens(cidx, i_t, r_packed, r_dense, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """Where rows of chunk i_t lie in a token tensor: (x0, r, n), the rows being x0 + r + arange.
-    VARLEN: x0 = the chunk's first token (chunk table), r = r_packed (a row within the chunk), n = its token count
-    (masks compare r + arange with n). Dense: x0 = 0, r = r_dense (the row in the tensor), n = BT (no masks): the
-    address arithmetic is then exactly the dense kernel's."""
-    if VARLEN:
-        return tl.load(cidx + 2 * i_t).to(tl.int64), r_packed, tl.load(cidx + 2 * i_t + 1)
-    else:
-        return 0, r_dense, BT
-
-
-@triton.jit
-def load_tok(p, m, VARLEN: tl.constexpr):
-    """A tile of a token tensor: rows outside the chunk's tokens (mask m, VARLEN only) load as 0."""
-    if VARLEN:
-        return tl.load(p, mask=m, other=0.)
-    else:
-        return tl.load(p)
-
-
-@triton.jit
-def store_tok(p, x, m, VARLEN: tl.constexpr):
-    if VARLEN:
-        tl.store(p, x, mask=m)
-    else:
-        tl.store(p, x)
-
-
-@triton.jit
-def _load_tok_rows(base, row0, n, stride, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
-    """Rows row0 .. row0+BR of a token tensor (base and row0 from `chunk_tokens`); rows >= n are 0 (VARLEN)."""
-    o_r = row0 + tl.arange(0, BR)
-    o_c = tl.arange(0, D)
-    return load_tok(base + o_r[:, None] * stride + o_c[None, :], (o_r < n)[:, None], VARLEN)
-
-
-@triton.jit
-def _store_tok_rows(base, row0, n, stride, b_x, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
-    o_r = row0 + tl.arange(0, BR)
-    o_c = tl.arange(0, D)
-    store_tok(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty), (o_r < n)[:, None], VARLEN)
-
-
-@triton.jit
-def _load_tok_vec(base, row0, n, stride, BR: tl.constexpr, VARLEN: tl.constexpr):
-    o_r = row0 + tl.arange(0, BR)
-    return load_tok(base + o_r * stride, o_r < n, VARLEN).to(tl.float32)
 
 
 @triton.jit
@@ -158,11 +83,11 @@ def kkt_inv_diag_kernel(
     i_s = i_ts % (BT // BS)
     r0 = i_ts * BS
     x0, rx, n = chunk_tokens(cidx, i_ts // (BT // BS), i_s * BS, r0, BT, VARLEN)
-    b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K), rx, n, Hk * K, BS, K, VARLEN)
-    b_g = _load_vec(gc + i_b * T * Hv + i_h, r0, Hv, BS)
-    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BS, VARLEN)
+    b_k = load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K), rx, n, Hk * K, BS, K, VARLEN)
+    b_g = load_vec(gc + i_b * T * Hv + i_h, r0, Hv, BS)
+    b_b = load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BS, VARLEN)
     b_t = _inv_unit_lower(_a_block(b_k, b_k, b_b, b_g, b_g, True, BS), BS)
-    _store_rows(ai + (i_b * T * Hv + i_h) * BT + i_s * BS, r0, Hv * BT, b_t, BS, BS)
+    store_rows(ai + (i_b * T * Hv + i_h) * BT + i_s * BS, r0, Hv * BT, b_t, BS, BS)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -185,17 +110,17 @@ def tril_merge_kernel(
     p_g = gc + i_b * T * Hv + i_h
     p_b = beta + i_b * T * Hv + i_h + x0 * Hv
 
-    b_k0 = _load_tok_rows(p_k, rx + 0 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k1 = _load_tok_rows(p_k, rx + 1 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k2 = _load_tok_rows(p_k, rx + 2 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k3 = _load_tok_rows(p_k, rx + 3 * BS, n, Hk * K, BS, K, VARLEN)
-    b_g0 = _load_vec(p_g, t0 + 0 * BS, Hv, BS)
-    b_g1 = _load_vec(p_g, t0 + 1 * BS, Hv, BS)
-    b_g2 = _load_vec(p_g, t0 + 2 * BS, Hv, BS)
-    b_g3 = _load_vec(p_g, t0 + 3 * BS, Hv, BS)
-    b_b1 = _load_tok_vec(p_b, rx + 1 * BS, n, Hv, BS, VARLEN)
-    b_b2 = _load_tok_vec(p_b, rx + 2 * BS, n, Hv, BS, VARLEN)
-    b_b3 = _load_tok_vec(p_b, rx + 3 * BS, n, Hv, BS, VARLEN)
+    b_k0 = load_tok_rows(p_k, rx + 0 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k1 = load_tok_rows(p_k, rx + 1 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k2 = load_tok_rows(p_k, rx + 2 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k3 = load_tok_rows(p_k, rx + 3 * BS, n, Hk * K, BS, K, VARLEN)
+    b_g0 = load_vec(p_g, t0 + 0 * BS, Hv, BS)
+    b_g1 = load_vec(p_g, t0 + 1 * BS, Hv, BS)
+    b_g2 = load_vec(p_g, t0 + 2 * BS, Hv, BS)
+    b_g3 = load_vec(p_g, t0 + 3 * BS, Hv, BS)
+    b_b1 = load_tok_vec(p_b, rx + 1 * BS, n, Hv, BS, VARLEN)
+    b_b2 = load_tok_vec(p_b, rx + 2 * BS, n, Hv, BS, VARLEN)
+    b_b3 = load_tok_vec(p_b, rx + 3 * BS, n, Hv, BS, VARLEN)
 
     # A blocks (i > j full, i == j strictly lower)
     b_a10 = _a_block(b_k1, b_k0, b_b1, b_g1, b_g0, False, BS)
@@ -207,10 +132,10 @@ def tril_merge_kernel(
 
     # T = (I + A)^-1 by block forward substitution (diagonal blocks from kkt_inv_diag_kernel)
     p_ai = ai + (i_b * T * Hv + i_h) * BT
-    b_t00 = _load_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, BS, BS)
-    b_t11 = _load_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, BS, BS)
-    b_t22 = _load_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, BS, BS)
-    b_t33 = _load_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, BS, BS)
+    b_t00 = load_rows(p_ai + 0 * BS, t0 + 0 * BS, Hv * BT, BS, BS)
+    b_t11 = load_rows(p_ai + 1 * BS, t0 + 1 * BS, Hv * BT, BS, BS)
+    b_t22 = load_rows(p_ai + 2 * BS, t0 + 2 * BS, Hv * BT, BS, BS)
+    b_t33 = load_rows(p_ai + 3 * BS, t0 + 3 * BS, Hv * BT, BS, BS)
     b_t10 = -_mm(b_t11, _mm(b_a10, b_t00, MERGE_PREC), MERGE_PREC)
     b_t21 = -_mm(b_t22, _mm(b_a21, b_t11, MERGE_PREC), MERGE_PREC)
     b_t20 = -_mm(b_t22, _mm(b_a20, b_t00, MERGE_PREC) + _mm(b_a21, b_t10, MERGE_PREC), MERGE_PREC)
@@ -220,18 +145,18 @@ def tril_merge_kernel(
                  + _mm(b_a32, b_t20, MERGE_PREC), MERGE_PREC)
 
     b_z = tl.zeros([BS, BS], dtype=tl.float32)
-    _store_rows(p_ai + 1 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
-    _store_rows(p_ai + 2 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
-    _store_rows(p_ai + 3 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
-    _store_rows(p_ai + 0 * BS, t0 + 1 * BS, Hv * BT, b_t10, BS, BS)
-    _store_rows(p_ai + 2 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
-    _store_rows(p_ai + 3 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
-    _store_rows(p_ai + 0 * BS, t0 + 2 * BS, Hv * BT, b_t20, BS, BS)
-    _store_rows(p_ai + 1 * BS, t0 + 2 * BS, Hv * BT, b_t21, BS, BS)
-    _store_rows(p_ai + 3 * BS, t0 + 2 * BS, Hv * BT, b_z, BS, BS)
-    _store_rows(p_ai + 0 * BS, t0 + 3 * BS, Hv * BT, b_t30, BS, BS)
-    _store_rows(p_ai + 1 * BS, t0 + 3 * BS, Hv * BT, b_t31, BS, BS)
-    _store_rows(p_ai + 2 * BS, t0 + 3 * BS, Hv * BT, b_t32, BS, BS)
+    store_rows(p_ai + 1 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
+    store_rows(p_ai + 2 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
+    store_rows(p_ai + 3 * BS, t0 + 0 * BS, Hv * BT, b_z, BS, BS)
+    store_rows(p_ai + 0 * BS, t0 + 1 * BS, Hv * BT, b_t10, BS, BS)
+    store_rows(p_ai + 2 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
+    store_rows(p_ai + 3 * BS, t0 + 1 * BS, Hv * BT, b_z, BS, BS)
+    store_rows(p_ai + 0 * BS, t0 + 2 * BS, Hv * BT, b_t20, BS, BS)
+    store_rows(p_ai + 1 * BS, t0 + 2 * BS, Hv * BT, b_t21, BS, BS)
+    store_rows(p_ai + 3 * BS, t0 + 2 * BS, Hv * BT, b_z, BS, BS)
+    store_rows(p_ai + 0 * BS, t0 + 3 * BS, Hv * BT, b_t30, BS, BS)
+    store_rows(p_ai + 1 * BS, t0 + 3 * BS, Hv * BT, b_t31, BS, BS)
+    store_rows(p_ai + 2 * BS, t0 + 3 * BS, Hv * BT, b_t32, BS, BS)
 
 
 
@@ -253,31 +178,31 @@ def wu_fwd_kernel(
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
     x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
-    b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
-    b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
-    b_b = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
+    b_T = load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
+    b_g = load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_b = load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
     b_s = b_b * tl.exp(b_g)
     if SPLIT:
         b_tw_hi, b_tw_lo = _split_bf16(b_T * b_s[None, :])
     for i_k in range(K // BK):
-        b_k = _load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + i_k * BK, rx, n, Hk * K, BT, BK,
+        b_k = load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + i_k * BK, rx, n, Hk * K, BT, BK,
                              VARLEN)
         if SPLIT:
             b_w = _dot_split(b_tw_hi, b_tw_lo, b_k)
         else:
             b_w = tl.dot(b_T, b_k.to(tl.float32) * b_s[:, None], input_precision=DOT_PREC)
-        _store_rows(w + (i_b * T * Hv + i_h) * K + i_k * BK, t0, Hv * K, b_w, BT, BK)
+        store_rows(w + (i_b * T * Hv + i_h) * K + i_k * BK, t0, Hv * K, b_w, BT, BK)
     if DO_U:
         if SPLIT:
             b_tu_hi, b_tu_lo = _split_bf16(b_T * b_b[None, :])
         for i_v in range(V // BV):
-            b_v = _load_tok_rows(v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + i_v * BV, rx, n, Hv * V, BT, BV,
+            b_v = load_tok_rows(v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + i_v * BV, rx, n, Hv * V, BT, BV,
                                  VARLEN)
             if SPLIT:
                 b_u = _dot_split(b_tu_hi, b_tu_lo, b_v)
             else:
                 b_u = tl.dot(b_T, b_v.to(tl.float32) * b_b[:, None], input_precision=DOT_PREC)
-            _store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
+            store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -314,11 +239,11 @@ def wy_bwd_kernel(
     p_dv = dv + (i_b * T * Hv + i_h) * V + x0 * (Hv * V)
 
     o_t = tl.arange(0, BT)
-    b_g = _load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
-    b_beta = _load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
+    b_g = load_vec(gc + i_b * T * Hv + i_h, t0, Hv, BT)
+    b_beta = load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BT, VARLEN)
     b_eg = tl.exp(b_g)
     b_s = b_beta * b_eg  # W's row scale
-    b_T = _load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
+    b_T = load_rows(ai + (i_b * T * Hv + i_h) * BT, t0, Hv * BT, BT, BT)
     if SPLIT:
         b_tt_hi, b_tt_lo = _split_bf16(tl.trans(b_T))
 
@@ -326,8 +251,8 @@ def wy_bwd_kernel(
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(K // BK):
-        b_k = _load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
-        b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+        b_k = load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
+        b_dw = load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
             b_dT += _dot_split(b_dw_hi, b_dw_lo, tl.trans(b_k))
@@ -339,8 +264,8 @@ def wy_bwd_kernel(
         b_dTv = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(V // BV):
-        b_v = _load_tok_rows(p_v + i_v * BV, rx, n, Hv * V, BT, BV, VARLEN)
-        b_du = _load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV)
+        b_v = load_tok_rows(p_v + i_v * BV, rx, n, Hv * V, BT, BV, VARLEN)
+        b_du = load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV)
         if SPLIT:
             b_dTv += tl.dot(b_du, tl.trans(b_v))
             b_dvb = _dot_split(b_tt_hi, b_tt_lo, b_du)
@@ -348,7 +273,7 @@ def wy_bwd_kernel(
             b_dT += tl.dot(b_du.to(tl.float32), tl.trans(b_v.to(tl.float32) * b_beta[:, None]))
             b_dvb = tl.dot(tl.trans(b_T), b_du.to(tl.float32))
         b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        _store_tok_rows(p_dv + i_v * BV, rx, n, Hv * V, b_dvb * b_beta[:, None], BT, BV, VARLEN)
+        store_tok_rows(p_dv + i_v * BV, rx, n, Hv * V, b_dvb * b_beta[:, None], BT, BV, VARLEN)
     if SPLIT:
         b_dT += b_dTv * b_beta[None, :]
 
@@ -368,8 +293,8 @@ def wy_bwd_kernel(
     if SPLIT:
         b_dgs_hi, b_dgs_lo = _split_bf16(b_dGs)
     for i_k in range(K // BK):
-        b_k = _load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
-        b_dw = _load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+        b_k = load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
+        b_dw = load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
             b_dkb = tl.dot(b_tt_lo, b_dw_hi, tl.dot(b_tt_hi, b_dw_lo, tl.dot(b_tt_hi, b_dw_hi)))
@@ -378,12 +303,12 @@ def wy_bwd_kernel(
         b_r = tl.sum(b_dkb * b_k.to(tl.float32), 1)
         b_dbeta += b_r * b_eg
         b_dg += b_r * b_s
-        b_dk = _load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32) + b_dkb * b_s[:, None]
+        b_dk = load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32) + b_dkb * b_s[:, None]
         if SPLIT:
             b_dk += _dot_split(b_dgs_hi, b_dgs_lo, b_k)
         else:
             b_dk += tl.dot(b_dGs, b_k.to(tl.float32))
-        _store_tok_rows(p_dk + i_k * BK, rx, n, Hv * K, b_dk, BT, BK, VARLEN)
+        store_tok_rows(p_dk + i_k * BK, rx, n, Hv * K, b_dk, BT, BK, VARLEN)
 
     o_r = t0 + o_t
     o_x = rx + o_t
@@ -393,17 +318,6 @@ def wy_bwd_kernel(
 
 def _bf16(*xs: torch.Tensor) -> bool:
     return all(x.dtype == torch.bfloat16 for x in xs)
-
-
-def chunk_rows(gc: torch.Tensor, chunks: torch.Tensor | None) -> tuple[int, bool]:
-    """(rows of the per-chunk tensors, VARLEN) from the chunk-local gate cumsum (a per-chunk tensor) and the chunk
-    table of packed documents ([NT, 2] int32 on the device, or None)."""
-    Tc = gc.shape[1]
-    if chunks is not None and (gc.shape[0] != 1 or chunks.shape != (Tc // BT, 2) or chunks.dtype != torch.int32
-                               or chunks.device != gc.device):
-        raise ValueError(f"packed documents need B = 1 and a chunk table [{Tc // BT}, 2] int32 on {gc.device}; got "
-                         f"B = {gc.shape[0]}, {tuple(chunks.shape)} {chunks.dtype} on {chunks.device}")
-    return Tc, chunks is not None
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor,
