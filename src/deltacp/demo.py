@@ -57,7 +57,10 @@ def _worker(rank: int, world: int, seq_len: int, dtype_name: str, modes: list[st
     from transformers import Qwen3_5ForCausalLM
 
     from deltacp.models.gates import long_memory_gates_
-    from deltacp import all_reduce_cp_grads, cp_cross_entropy, parallelize_qwen3_5_cp, shard_batch_for_cp
+    from deltacp.models.batch import shard_batch_for_cp
+    from deltacp.models.fsdp import all_reduce_cp_grads
+    from deltacp.models.loss import cp_cross_entropy
+    from deltacp.models.parallelize import parallelize_cp
 
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
@@ -74,7 +77,7 @@ def _worker(rank: int, world: int, seq_len: int, dtype_name: str, modes: list[st
 
     rows = []
     for mode in modes:
-        model = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode)
+        model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode)
         batch = shard_batch_for_cp(ids, mesh)
         local_embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
         start = time.perf_counter()
