@@ -138,7 +138,7 @@ def main():
     table = []
     for T in a.lengths:
         xs = inputs(T, a.hk, a.hv, 128, 128, seed=T)
-        be.check(*xs[:5], mode="p2p")
+        be.check(*xs[:5])
         do = torch.randn(1, T, a.hv, 128, device="cuda").bfloat16().float()
         dht = torch.randn(1, a.hv, 128, 128, device="cuda")
         ours, (o, ht, gr) = bench_impl(tri, xs, do, dht, a.warmup, a.repeat)
@@ -213,7 +213,7 @@ def varlen_main(a):
           f"(+{100 * (layout.padded / T - 1):.1f}%); B=1 Hk={Hk} Hv={Hv} K=V=128 bf16")
     be = TritonGDNBackend()
     xs = inputs(T, Hk, Hv, 128, 128, seed=1)
-    be.check(*xs[:5], mode="p2p")
+    be.check(*xs[:5])
     do = torch.randn(1, T, Hv, 128, device="cuda").bfloat16().float()
     dht = torch.randn(1, Hv, 128, 128, device="cuda")
 

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-MODES = ("ulysses", "p2p", "all_gather")
+from deltacp.parallel.modes import LINEAR_ATTENTION_CP_MODES
+
+MODES = LINEAR_ATTENTION_CP_MODES
 
 
 def stdlib_text_bytes(n: int, skip: int = 0) -> torch.Tensor:

@@ -109,7 +109,7 @@ def test_chunk_gdn_vs_fp32_reference(T, Hk):
 
     be = TritonGDNBackend()
     q, k, v, g, beta, h0 = make_inputs(T, Hk, seed=T + Hk)
-    be.check(q, k, v, g, beta, mode="p2p")
+    be.check(q, k, v, g, beta)
     do = torch.randn(1, T, 32, 128, device="cuda")
     dht = torch.randn(1, 32, 128, 128, device="cuda")
 
@@ -207,7 +207,7 @@ def test_unaligned_length_no_initial_state():
     be = TritonGDNBackend()
     T = 4096 + 37
     q, k, v, g, beta, _ = make_inputs(T, 16, seed=3)
-    be.check(q, k, v, g, beta, mode="ulysses")
+    be.check(q, k, v, g, beta)
     do = torch.randn(1, T, 32, 128, device="cuda")
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     o, ht = be.chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)

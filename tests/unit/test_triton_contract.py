@@ -47,7 +47,7 @@ def _cuda_like(*a, **kw):
 
 def test_device_error():
     with pytest.raises(RuntimeError, match=r"needs CUDA tensors; got q on device 'cpu'"):
-        TritonGDNBackend().check(*_inputs("cpu"), mode="p2p")
+        TritonGDNBackend().check(*_inputs("cpu"))
 
 
 @pytest.mark.parametrize("name,idx,bad", [("q", 0, torch.float32), ("k", 1, torch.float16), ("v", 2, torch.float32),
@@ -56,30 +56,24 @@ def test_dtype_errors(name, idx, bad):
     xs = _cuda_like()
     xs[idx].dtype = bad
     with pytest.raises(ValueError, match=rf"needs {name}\.dtype="):
-        check_triton_contract(*xs, mode="p2p", triton_version="3.6.0")
+        check_triton_contract(*xs, triton_version="3.6.0")
 
 
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 256)])
 def test_head_dim_error(K, V):
     with pytest.raises(ValueError, match=rf"head_k_dim = head_v_dim = 128 only; got head_k_dim={K}, head_v_dim={V}"):
-        check_triton_contract(*_cuda_like(K=K, V=V), mode="p2p", triton_version="3.6.0")
+        check_triton_contract(*_cuda_like(K=K, V=V), triton_version="3.6.0")
 
 
 def test_head_ratio_error():
     with pytest.raises(ValueError, match=r"Hv=5, Hk=2"):
-        check_triton_contract(*_cuda_like(Hv=5), mode="p2p", triton_version="3.6.0")
+        check_triton_contract(*_cuda_like(Hv=5), triton_version="3.6.0")
 
 
 def test_no_chunk_divisibility_requirement():
-    """The op pads every sequence to whole chunks itself: no mode asks for T % 64 == 0 (p2p ranks included)."""
-    for mode in ("p2p", "ulysses"):
-        check_triton_contract(*_cuda_like(T=100), mode=mode, triton_version="3.6.0")
-        check_triton_contract(*_cuda_like(T=1), mode=mode, triton_version="3.6.0")
-
-
-def test_mode_error():
-    with pytest.raises(ValueError, match=r"mode='all_gather' is not supported by backend='triton'"):
-        check_triton_contract(*_cuda_like(), mode="all_gather", triton_version="3.6.0")
+    """The op pads every sequence to whole chunks itself: no length condition (p2p ranks' slices included)."""
+    check_triton_contract(*_cuda_like(T=100), triton_version="3.6.0")
+    check_triton_contract(*_cuda_like(T=1), triton_version="3.6.0")
 
 
 @pytest.mark.parametrize("ver", ["3.3.1", "3.4.0", "3.5.9", "4.0.0", "4.1.0+git1234"])
@@ -102,13 +96,13 @@ def self_check_calls(monkeypatch):
 
 @pytest.mark.parametrize("ver", ["3.6.0", "3.6.1", "3.6.0+git1234"])
 def test_verified_version_accepted_without_self_check(ver, self_check_calls):
-    check_triton_contract(*_cuda_like(), mode="p2p", triton_version=ver)
+    check_triton_contract(*_cuda_like(), triton_version=ver)
     assert self_check_calls == []
 
 
 @pytest.mark.parametrize("ver", ["3.7.0", "3.8.2", "3.9.0", "3.10.0"])
 def test_unverified_version_runs_the_self_check_on_the_inputs_device(ver, self_check_calls):
-    check_triton_contract(*_cuda_like(), mode="p2p", triton_version=ver)
+    check_triton_contract(*_cuda_like(), triton_version=ver)
     assert self_check_calls == [("cuda:0", {"triton_version": ver})]
 
 
@@ -120,7 +114,7 @@ def test_self_check_refusal_propagates(monkeypatch):
 
     monkeypatch.setattr(selfcheck, "run_self_check", refuse)
     with pytest.raises(selfcheck.TritonSelfCheckError, match=r"^triton==3\.8\.0 failed"):
-        check_triton_contract(*_cuda_like(), mode="p2p", triton_version="3.8.0")
+        check_triton_contract(*_cuda_like(), triton_version="3.8.0")
 
 
 def test_version_checked_from_installed(monkeypatch):
@@ -128,7 +122,7 @@ def test_version_checked_from_installed(monkeypatch):
 
     monkeypatch.setattr(cc, "_triton_version", lambda: "3.2.0")
     with pytest.raises(RuntimeError, match=r"triton==3\.2\.0 is outside"):
-        check_triton_contract(*_cuda_like(), mode="p2p")
+        check_triton_contract(*_cuda_like())
 
 
 def test_pyproject_triton_extra_is_the_accepted_range():

@@ -124,7 +124,7 @@ class DocumentSegment:
         inner = cu[(cu > lo) & (cu < hi)]
         local = torch.cat([torch.tensor([0]), inner - lo, torch.tensor([hi - lo])])
         continues = not bool((cu == lo).any())
-        layout = VarlenLayout.build(local, hi - lo, first_continues=continues)
+        layout = VarlenLayout.of_checked(local, first_continues=continues)  # derived from checked offsets
         t = torch.arange(hi - lo)
         doc = torch.searchsorted(cu, t + lo, right=True) - 1
         start = cu[doc] - lo

@@ -44,5 +44,5 @@ def scan_inputs(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH
                             shard.seq_group)
     q, k, v = (t.contiguous() for t in (q, k, v))
     g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
-    layer.backend.check(q, k, v, g, beta, mode=layer.mode.name)
+    layer.backend.check(q, k, v, g, beta)
     return q, k, v, g, beta

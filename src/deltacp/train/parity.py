@@ -23,9 +23,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from deltacp.parallel.modes import LINEAR_ATTENTION_CP_MODES
 from deltacp.train.config import CheckpointConfig, LoggingConfig, TrainConfig
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = LINEAR_ATTENTION_CP_MODES
 
 
 def _quiet(cfg: TrainConfig, steps: int) -> TrainConfig:

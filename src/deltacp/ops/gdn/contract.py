@@ -78,9 +78,9 @@ CHUNK_SIZE = 64
 class GDNBackend(Protocol):
     name: str
 
-    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              *, mode: str) -> None:
-        """Raise a clear error if these inputs are outside the backend's contract (never fall back)."""
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """Raise a clear error if these inputs are outside the backend's contract (never fall back). Which CP modes
+        run on which backend is the CP layer's registry (`parallel/modes.py`), not the backend's concern."""
 
     def chunk_gated_delta_rule(
         self,

@@ -258,7 +258,7 @@ class EagerGDNBackend:
 
     name = "eager"
 
-    def check(self, q, k, v, g, beta, *, mode: str) -> None:
+    def check(self, q, k, v, g, beta) -> None:
         if not (v.is_floating_point() and k.is_floating_point()):
             raise ValueError(f"eager GDN needs floating-point q/k/v, got {k.dtype}/{v.dtype}")
         if v.shape[-2] % k.shape[-2]:

@@ -59,7 +59,13 @@ class VarlenLayout:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, total: int, first_continues: bool = True) -> "VarlenLayout":
-        cu = check_cu_seqlens(cu_seqlens, total)
+        """The layout of offsets given from outside (validated here)."""
+        return cls.of_checked(check_cu_seqlens(cu_seqlens, total), first_continues)
+
+    @classmethod
+    def of_checked(cls, cu: torch.Tensor, first_continues: bool = True) -> "VarlenLayout":
+        """The layout of offsets derived from validated ones (int64, CPU; e.g. one rank's segment of a row whose
+        offsets were checked once): not validated again."""
         lengths = (cu[1:] - cu[:-1]).tolist()
         chunks = [-(-n // CHUNK_SIZE) for n in lengths]
         resets = []

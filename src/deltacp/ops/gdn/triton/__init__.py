@@ -30,9 +30,8 @@ from deltacp.ops.gdn.triton.contract_check import check_triton_contract
 class TritonGDNBackend:
     name = "triton"
 
-    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              *, mode: str) -> None:
-        check_triton_contract(q, k, v, g, beta, mode=mode)
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        check_triton_contract(q, k, v, g, beta)
 
     def chunk_gated_delta_rule(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, prepared=None, cu_seqlens=None):

@@ -14,7 +14,6 @@ from deltacp.ops.gdn.triton.version import (
     TRITON_VERIFIED_ON_GPU, TRITON_VERSION_RANGE, _fmt, _triton_version, parse_triton_version, triton_requirement)
 
 HEAD_DIM = 128
-MODES: tuple[str, ...] = ("ulysses", "p2p")
 
 
 def check_triton_version(version: str | None = None, device: torch.device | str | None = None) -> None:
@@ -38,10 +37,8 @@ def check_triton_version(version: str | None = None, device: torch.device | str 
 
 
 def check_triton_contract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          *, mode: str, triton_version: str | None = None) -> None:
+                          *, triton_version: str | None = None) -> None:
     """Raise ValueError/RuntimeError naming the offending setting if the inputs are outside the contract."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not supported by backend='triton'; expected one of {MODES}")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.device.type != "cuda":
             raise device_error(name, x)
