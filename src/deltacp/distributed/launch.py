@@ -98,8 +98,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s
     finally:
         dist.destroy_process_group()
     # Skip interpreter finalisation on success: with torch 2.11 over gloo a rank aborted there ("terminate called
-    # without an active exception", no Python frame left) in about 1 of 10 runs of a 2-rank job, after all its
-    # work and the group's destruction were done. A failing rank still raises above and reports its traceback.
+    # without an active exception", no Python frame left) in some runs of a 2-rank job (how often: NOTES.md,
+    # Operational facts), after all its work and the group's destruction were done. A failing rank still raises
+    # above and reports its traceback.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

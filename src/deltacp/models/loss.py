@@ -402,7 +402,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
         min(256 MiB, the hidden states' bytes)) recomputes those logits for all tokens and writes those rows of
         d weight with one matmul over all tokens, rounded once, as nn.Linear's backward: 4 matmuls, the first pass
         `chunk_size` (default: as many tokens as fit 256 MiB) freed before d weight exists; peak 2 V H + 2 T H +
-        min(256 MiB, 2 T H) + 8 T bytes. Slower at long rows (H200, 64K tokens: 450 vs 343 ms), more exact.
+        min(256 MiB, 2 T H) + 8 T bytes. Slower at long rows, more exact (NOTES.md, the loss op).
 
     From a Qwen3_5ForCausalLM (CP'd): the text model's last hidden state (after the final norm) and the head,
     `hidden = model.model(**kwargs).last_hidden_state` and `model.lm_head.weight` (tied embeddings work the

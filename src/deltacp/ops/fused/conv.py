@@ -36,12 +36,12 @@ import triton
 import triton.language as tl
 
 # (tokens, channels, warps) per program; channels last, so a row of BC bf16 channels is 2*BC contiguous bytes.
-# Forward: chosen without a GPU from ptxas -v on sm_90 (Triton 3.9, bf16, kernel 4, documents): 165 registers at
+# Forward: chosen from ptxas -v on sm_90 (Triton 3.9, bf16, kernel 4, documents): 165 registers at
 # (32, 128, 4), no spills.
 FWD_BLOCKS = (32, 128, 4)
 # Backward, picked from ptxas -v on sm_90 (Triton 3.9, bf16, kernel 4, left context + documents, C divisible by
-# 16 as at launch), no GPU at hand; tests/gpu/test_fused_conv_gpu.py `test_block_sweep` times the candidates on
-# the H200. Pass 1 (conv_silu_bwd_dpre_kernel) keeps K + 1 [BT, BC] fp32 running sums (dw taps, dbias): at
+# 16 as at launch); tests/gpu/test_fused_conv_gpu.py `test_block_sweep` times the candidates on a GPU.
+# Pass 1 (conv_silu_bwd_dpre_kernel) keeps K + 1 [BT, BC] fp32 running sums (dw taps, dbias): at
 # (16, 64, 4) 125 registers, no spills (4 programs = 16 warps per SM); (32, 64, 4) needs 242, (16, 64, 8) 79
 # (kernel 8: 203 / 127). Its loop body has no cross-warp reduction nor layout conversion (the K + 1 token
 # reductions run once, after the loop). Pass 2 (conv_silu_bwd_dx_kernel): K shifted loads of dpre into one fp32

@@ -135,7 +135,7 @@ def chunk_gdn_bwd(q, k, v, gc, beta, ai, scale, h0, do, dht, packed: PackedRow |
     w, u = wu_fwd(k, v, beta, gc, ai, **ck)
     h, vn, _ = state_fwd(k, w, u, gc, h0, **sk)
     # dVn travels between kernels in the input dtype (it enters bf16 products anyway); dW stays fp32 (in bf16
-    # the worst gradient rel-L2 at 8K rose from 4.0e-3 to 7.2e-3 on the H200). dq, dk, dv leave in the input
+    # the worst gradient rel-L2 at 8K is 7.2e-3 instead of 4.0e-3: NOTES.md). dq, dk, dv leave in the input
     # dtype; under GVA the kernels write dq, dk per value head in fp32, rounded once after the head sum (heads.py).
     lo = v.dtype
     out_qk = q.dtype if Hk == v.shape[2] else torch.float32
@@ -172,8 +172,8 @@ class ChunkGDNFunction(torch.autograd.Function):
 
 
 # Product precision of the summary's fp32 state recurrence and W. tf32 truncates operands, a bias that adds
-# up over the chunk product: on the H200 (2026-12-02) M rel-L2 was 3.7e-3 at 1K tokens and 2.1e-2 at 8K with
-# "tf32", 1.2e-6 and 4.1e-6 with "tf32x3" (three tf32 products, about fp32), the default since.
+# up over the chunk product; the default "tf32x3" (three tf32 products, about fp32) keeps M near fp32 where
+# "tf32" does not (NOTES.md).
 # DELTACP_SUMMARY_DOT_PRECISION overrides it (for measuring one against the other).
 SUMMARY_DOT_PRECISION = os.environ.get("DELTACP_SUMMARY_DOT_PRECISION", "tf32x3")
 if SUMMARY_DOT_PRECISION not in ("tf32", "tf32x3", "ieee"):
@@ -296,8 +296,7 @@ def state_summary(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, prepared: Pre
     document's final state; M = 0 once a chunk resets, i.e. whenever the entering state cannot reach the end).
     p2p needs no gradient through the summary (the local GDN backward with dH_out gives it, see
     parallel/p2p.py), so this backend has none: differentiating it raises instead of returning a silent zero.
-    (Its former backward, an fp32 recurrence over [M | S] of width K + V, cost twice the forward and reached
-    1.1e-2 rel-L2 from dM at 8K tokens with slow gates; other summary forms measured: NOTES.md.)"""
+    (Summary forms measured, with and without a backward: NOTES.md.)"""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
         raise RuntimeError("the Triton GDN backend's state_summary has no backward; call it under torch.no_grad() "
                            "or on detached inputs (backend='eager' differentiates it)")

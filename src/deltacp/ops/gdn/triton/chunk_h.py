@@ -12,8 +12,8 @@ The state width V is generic: the affine summary runs it on [M | S] (width K + V
 Packed documents (`varlen.py`, VARLEN): one program per document and value block, as for a batch of sequences.
 The document table `docs` [N + 1, 2] int32 holds each document's first token and first chunk (row N: the totals),
 read once per program: within the loop every address is arithmetic, as in the dense kernel. (Reading a chunk
-table inside the loop puts a global-memory round trip on the sequential chain: with it the 128K packed op ran in
-38.86 ms against 37.05 with the old re-layout copies, NOTES.md.) A document's chain is only its own chunks. The token
+table inside the loop would put a global-memory round trip on the sequential chain, slower even than copying the
+row into the chunk-aligned layout: NOTES.md.) A document's chain is only its own chunks. The token
 tensors (k, q, do) are the packed row (a document's last chunk partial: its missing rows load as 0); w, u, vn,
 dvl, dvn, gc and h, dh are per chunk (indexing.py). h0 enters document 0 and ht is the last document's (dht enters the
 last, dh0 leaves document 0); the launchers leave h0 out when document 0 does not continue it.
@@ -106,8 +106,8 @@ def state_bwd_kernel(
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """The gate factors go on the [BT, BV] side (the product k dH, and dO), not on the loaded [BT, K] tiles of k
-    and q, which enter the MMAs as loaded: 0.82 vs 1.41 ms at 32K on the H200 (2026-12-02), and k dH is no longer
-    rounded through a scaled bf16 copy of k."""
+    and q, which enter the MMAs as loaded (faster: NOTES.md), and k dH is not rounded through a scaled bf16 copy
+    of k."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
     i_hk = i_h // (Hv // Hk)

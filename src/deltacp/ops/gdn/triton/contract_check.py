@@ -1,4 +1,4 @@
-"""`check_triton_contract`: what the Triton GDN backend accepts (SPEC section 5). Imports no Triton kernel
+"""`check_triton_contract`: what the Triton GDN backend accepts (docs/design.md section 5). Imports no Triton kernel
 (but for the first-use self-check of an unverified Triton version, `selfcheck.py`). The accepted Triton versions
 are `version.py`'s.
 

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 LAUNCH: dict[str, dict[str, int | str]] = {
     "kkt_inv_diag": dict(num_warps=1),
-    # the merge's 16x16 products on tensor cores, 3 tf32 terms (T within 8e-9 of the fp32-FMA merge): 0.47 vs 0.56 ms
-    # for the inverse at 32K (`--sweep --kernels tril_merge`, H200, 2026-12-02)
+    # the merge's 16x16 products on tensor cores, 3 tf32 terms (T within 8e-9 of the fp32-FMA merge), faster than
+    # fp32 FMAs (NOTES.md)
     "tril_merge": dict(MERGE_PREC="tf32x3", num_warps=1),
     # SPLIT (wu_fwd, wy_bwd): bf16 products with hi/lo splits instead of tf32 (wy.py says which), faster and closer to
-    # fp64: wu_fwd 0.41 vs 0.55 ms, wy_bwd 1.43 vs 1.82 ms at 32K (`--sweep`, H200, 2026-12-02)
+    # fp64 (NOTES.md)
     "wu_fwd": dict(BK=64, BV=64, SPLIT=1, num_warps=4, num_stages=3),
-    # the summary's W (fp32, tf32x3 products): the block shape of its first GPU validation
+    # the summary's W (fp32, tf32x3 products): the block shape its accuracy was validated with (not swept)
     "summary_wu_fwd": dict(BK=64, BV=64, num_warps=4, num_stages=3),
     # wy_bwd, dqkwg: only configurations that are bitwise reproducible and (wy_bwd) match the fp64 WY backward;
-    # on the H200 with Triton 3.6 several others race or miscompile (NOTES.md, 2026-12-02 third session)
+    # on the H200 with Triton 3.6 several others race or miscompile (NOTES.md, launch configurations)
     "wy_bwd": dict(BK=64, BV=64, SPLIT=1, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=32, num_warps=4, num_stages=3),
     "state_bwd": dict(BV=32, num_warps=4, num_stages=3),
     # the summary's transition M: fp32 operands (tf32x3 products), state width K, values 0; one pipeline stage
-    # (1.20 ms at 16K tokens vs 2.44 with two, same bits: `--sweep --kernels summary_state_fwd`, 2026-12-02)
+    # (faster than two, same bits: NOTES.md)
     "summary_state_fwd": dict(BV=32, num_warps=4, num_stages=1),
     "o_fwd": dict(BV=128, num_warps=4, num_stages=3),
     "dv_local": dict(BV=128, num_warps=4, num_stages=2),

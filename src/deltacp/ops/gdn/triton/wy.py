@@ -98,7 +98,7 @@ def tril_merge_kernel(
     BT: tl.constexpr, BS: tl.constexpr, MERGE_PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """T = (I + A)^-1 of one chunk from its four 16x16 diagonal inverses (kkt_inv_diag_kernel wrote them into ai;
-    computing them here instead was slower at every warp count: 0.61 vs 0.52 ms at 32K, H200, 2026-12-02).
+    computing them in this kernel is slower at every warp count: NOTES.md).
     MERGE_PREC: product precision of the merge ("ieee" fp32 FMAs, or "tf32x3" tensor-core products)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hv).to(tl.int64), i_bh % Hv
