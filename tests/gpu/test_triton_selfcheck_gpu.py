@@ -58,6 +58,6 @@ def test_contract_runs_self_check_for_an_unverified_version(fresh_cache):
     q = k = torch.zeros(1, 64, 2, 128, **bf)
     v = torch.zeros(1, 64, 4, 128, **bf)
     g, beta = torch.zeros(1, 64, 4, device="cuda"), torch.zeros(1, 64, 4, **bf)
-    check_triton_contract(q, k, v, g, beta, mode="p2p", triton_version="3.9.9")
+    check_triton_contract(q, k, v, g, beta, triton_version="3.9.9")
     key = selfcheck.cache_key(torch.device("cuda", torch.cuda.current_device()), "3.9.9")
     assert selfcheck._read_verdict(selfcheck.cache_path(key), key)["passed"]

@@ -71,7 +71,7 @@ def _check_batches_and_refusals(out_dir: str) -> None:
     for batch, match in ((packed, "label at a document start"),
                          (dict(packed, labels=torch.where(packed["position_ids"] == 0, -100, ids[:1]),
                                cu_seq_lens_q=torch.tensor([0, 3, 7]), cu_seq_lens_k=torch.tensor([0, 7])),
-                          "cu_seq_lens_q and cu_seq_lens_k"),
+                          "cu_seq_lens_k must equal cu_seq_lens_q"),
                          (dict(input_ids=ids, labels=labels.flip(1), attention_mask=mask.flip(1)), "left-padded rows"),
                          (dict(input_ids=ids, labels=ids, attention_mask=mask), "label at a padded position"),
                          (dict(input_ids=ids, labels=labels, token_type_ids=ids), "token_type_ids")):

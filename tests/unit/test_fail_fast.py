@@ -111,7 +111,7 @@ def test_triton_backend_errors_clearly_without_cuda(single_rank_group, monkeypat
         model(input_ids=ids, use_cache=False)
     assert type(err.value) is RuntimeError and str(err.value) == TRITON_DEVICE_ERROR
     with pytest.raises(RuntimeError) as err:
-        check_triton_contract(*_cuda_like(), mode="p2p")
+        check_triton_contract(*_cuda_like())
     assert type(err.value) is RuntimeError and str(err.value) == TRITON_MISSING_ERROR
     assert isinstance(err.value.__cause__, ImportError)
 
