@@ -381,7 +381,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
 
     Same value and gradients as `cp_cross_entropy(model(...).logits, target_ids, cp_mesh)`: the value is the
     global mean on every rank (0 when every target is ignored), the gradient this rank's share, so gradients
-    summed over the CP ranks (FSDP2 via `fully_shard_qwen3_5`, or `all_reduce_cp_grads`) are the
+    summed over the CP ranks (FSDP2 via `fully_shard_cp`, or `all_reduce_cp_grads`) are the
     single-device gradients. Two small all-reduces over the batch group: the valid-target count first (its
     inverse scales the gradients before they are rounded, on the device: no host sync), then the loss sum.
 

@@ -65,7 +65,7 @@ class GDNLayerCP:
 
 def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
     """The forward context of this call: the model hook's, or one built from a padding mask / packing keywords
-    (a layer applied on its own, without `parallelize_qwen3_5_cp`: then after the same input-header exchange as
+    (a layer applied on its own, without `parallelize_cp`: then after the same input-header exchange as
     the model hook's, one small all-gather per call)."""
     if isinstance(attention_mask, CPForwardContext):
         if any(v is not None for v in packing.values()):

@@ -116,7 +116,7 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
         raise RuntimeError(
             "p2p linear attention CP was recomputed in backward (activation checkpointing) but its forward left "
             "no record in this forward's context: checkpoint the decoder layers of a model parallelized with "
-            "parallelize_qwen3_5_cp (its forward context carries the received states), or pass the same "
+            "parallelize_cp (its forward context carries the received states), or pass the same "
             "deltacp CPForwardContext as attention_mask to the forward and its recompute")
     # what the summary, the output pass and the dH_in pass would each build from k, v, g, beta (T, W, U), once
     with torch.no_grad():
