@@ -58,8 +58,12 @@ def _flatten(agree: Mapping) -> tuple[list[int], list[tuple[str, int, int]]]:
 
 
 def _gather_header(header: torch.Tensor, group) -> torch.Tensor:
-    """[n] int64 -> [P, n] from every rank (through host memory over gloo)."""
-    src = header.cpu() if dist.get_backend(group) == "gloo" else header
+    """[n] int64 -> [P, n] from every rank: through host memory over gloo, on this rank's current GPU over NCCL
+    (whatever device the checked inputs were on: a batch may still be on the host)."""
+    if dist.get_backend(group) == "gloo":
+        src = header.cpu()
+    else:
+        src = header if header.is_cuda else header.to(torch.device("cuda", torch.cuda.current_device()))
     parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, src, group=group)
     return torch.stack(parts).cpu()
