@@ -75,25 +75,23 @@ def cp_styles(cp: int, ulysses_degree: int | None, linear_attention_cp_mode: str
             FullAttentionContextParallel(full_attention_cp, ulysses_degree))
 
 
+def _install_on_layers(adapter: ModelAdapter, module_of, style, group, groups) -> int:
+    """`style.install` on the module `module_of(layer)` of every decoder layer that has one; how many."""
+    modules = [m for m in map(module_of, adapter.layers()) if m is not None]
+    for module in modules:
+        style.install(module, group, groups)
+    return len(modules)
+
+
 def apply_linear_attention_cp(adapter: ModelAdapter, style: LinearAttentionContextParallel, group, groups) -> int:
-    n = 0
-    for layer in adapter.layers():
-        gdn = adapter.linear_attention(layer)
-        if gdn is not None:
-            style.install(gdn, group, groups)
-            n += 1
+    n = _install_on_layers(adapter, adapter.linear_attention, style, group, groups)
     logger.info("Applied %s linear attention CP (%s backend) to %d GDN layers", style.mode, style.backend, n)
     return n
 
 
 def apply_full_attention_cp(adapter: ModelAdapter, style: FullAttentionContextParallel, group, groups, cp: int
                             ) -> int:
-    n = 0
-    for layer in adapter.layers():
-        attention = adapter.full_attention(layer)
-        if attention is not None:
-            style.install(attention, group, groups)
-            n += 1
+    n = _install_on_layers(adapter, adapter.full_attention, style, group, groups)
     logger.info("Applied %s CP (Ulysses degree %d) to %d full attention layers", style.method, style.degree(cp), n)
     return n
 
