@@ -11,14 +11,16 @@ from deltacp.models.checkpointing import apply_activation_checkpointing
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import IGNORE_INDEX, cp_causal_lm_loss, cp_cross_entropy, cp_linear_cross_entropy
 from deltacp.models.moe import cp_load_balancing_loss
-from deltacp.models.parallelize import parallelize_cp
+from deltacp.models.parallelize import parallelize_cp, sequence_layout_of
 from deltacp.models.qwen3_5 import fully_shard_qwen3_5, parallelize_qwen3_5_cp
+from deltacp.parallel.placement import SEQUENCE_LAYOUTS
 from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel, cp_layer_of
 
 __all__ = [
     "FullAttentionContextParallel",
     "IGNORE_INDEX",
     "LinearAttentionContextParallel",
+    "SEQUENCE_LAYOUTS",
     "all_reduce_cp_grads",
     "apply_activation_checkpointing",
     "cp_causal_lm_loss",
@@ -32,6 +34,7 @@ __all__ = [
     "parallelize_cp",
     "parallelize_qwen3_5_cp",
     "run_distributed",
+    "sequence_layout_of",
     "shard_batch_for_cp",
     "supported_classes",
 ]

@@ -52,7 +52,7 @@ def _check_row_length(packing: dict, s: int, cp: int) -> None:
                          f"shard_batch_for_cp returns it")
 
 
-def make_cp_inputs_hook(group, adapter: ModelAdapter):
+def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "contiguous"):
     """Builds the forward's `CPForwardContext` and hands it to every layer as its attention mask; fills missing
     position ids.
 

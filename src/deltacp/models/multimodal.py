@@ -43,7 +43,7 @@ def _image_features(model, pixel_values: torch.Tensor, image_grid_thw: torch.Ten
     return feats
 
 
-def make_multimodal_hook(group):
+def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
     def hook(module, args, kwargs):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         input_ids = kwargs.get("input_ids", args[0] if args else None)

@@ -35,6 +35,12 @@ from deltacp.parallel.two_d import TwoDGroups
 logger = logging.getLogger(__name__)
 
 _PARALLELIZED = "_deltacp_parallelized"  # set on the text model once CP is applied
+_SEQUENCE_LAYOUT = "_deltacp_sequence_layout"  # the sequence layout it was parallelized with
+
+
+def sequence_layout_of(model: nn.Module) -> str | None:
+    """The `sequence_layout` a model was parallelized with (None: not parallelized); cut its batches with it."""
+    return getattr(adapter_for(model).text, _SEQUENCE_LAYOUT, None)
 
 
 def is_parallelized(model: nn.Module) -> bool:
@@ -103,12 +109,12 @@ def apply_fused_decoder(model: nn.Module) -> int:
     return install_fused_decoder(model)  # logs its line
 
 
-def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh) -> None:
+def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_layout: str = "contiguous") -> None:
     group = cp_group_of(cp_mesh)
-    adapter.text.register_forward_pre_hook(make_cp_inputs_hook(group, adapter), with_kwargs=True)
+    adapter.text.register_forward_pre_hook(make_cp_inputs_hook(group, adapter, sequence_layout), with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(adapter.text).__name__)
     if adapter.multimodal is not None:
-        adapter.multimodal.register_forward_pre_hook(make_multimodal_hook(group), with_kwargs=True)
+        adapter.multimodal.register_forward_pre_hook(make_multimodal_hook(group, sequence_layout), with_kwargs=True)
         logger.info("Applied the multimodal CP hook (vision on the whole batch, global mRoPE positions) to %s",
                     type(adapter.multimodal).__name__)
     if adapter.head is not None:
@@ -122,7 +128,8 @@ def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh) -> None:
 
 def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
                    linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager",
-                   full_attention_cp: str = "ulysses", linear_attention_state_passing: str = "chain") -> nn.Module:
+                   full_attention_cp: str = "ulysses", linear_attention_state_passing: str = "chain",
+                   sequence_layout: str = "contiguous") -> nn.Module:
     """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
 
     On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
@@ -134,16 +141,20 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     Ulysses inside groups of u consecutive ranks, linear_attention_cp_mode (p2p | all_gather) and
     full_attention_cp (all_gather | ring) across groups (`parallel/layout.py`). linear_attention_state_passing:
     how p2p's state travels between ranks, 'chain' (P - 1 hops) or 'scan' (ceil(log2 P) rounds; `parallel/scan.py`).
+    sequence_layout: which tokens each rank holds, 'contiguous' (rank r: positions [r s, (r + 1) s)) or 'balanced'
+    (rank r: pieces r and 2P - 1 - r of 2P, equal causal attention work per rank; `parallel/placement.py`); cut the
+    batch with the same `shard_batch_for_cp(sequence_layout=...)`.
     """
     group = cp_group_of(cp_mesh)
     cp = group.size()
     config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
                   linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=ulysses_degree,
-                  full_attention_cp=full_attention_cp, linear_attention_state_passing=linear_attention_state_passing)
+                  full_attention_cp=full_attention_cp, linear_attention_state_passing=linear_attention_state_passing,
+                  sequence_layout=sequence_layout)
     adapter = linear = full = None
     with LocalChecks() as checks:  # every check first; a check failing on some ranks must not leave others waiting
         linear, full = cp_styles(cp, ulysses_degree, linear_attention_cp_mode, linear_attention_gdn_backend,
-                                 full_attention_cp, linear_attention_state_passing)
+                                 full_attention_cp, linear_attention_state_passing, sequence_layout)
         adapter = adapter_for(model)
         config.update(check_model(model, adapter, linear, full, cp))
     raise_together(group, "parallelize_cp", checks.error, agree=config)
@@ -154,6 +165,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     apply_full_attention_cp(adapter, full, group, full.groups(cp_mesh, shared), cp)
     if linear_attention_gdn_backend == "triton":
         apply_fused_decoder(model)
-    install_input_hooks(adapter, cp_mesh)
+    install_input_hooks(adapter, cp_mesh, sequence_layout)
     setattr(adapter.text, _PARALLELIZED, True)
+    setattr(adapter.text, _SEQUENCE_LAYOUT, sequence_layout)
     return model

@@ -159,7 +159,7 @@ def _attention_inputs(view: AttentionView, hidden_states, attention_mask, unsupp
     return hidden_states, docs
 
 
-def ulysses_attention_forward(view: AttentionView, group, hidden_states: torch.Tensor,
+def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden_states: torch.Tensor,
                               position_embeddings: tuple[torch.Tensor, torch.Tensor],
                               attention_mask: CPForwardContext | None = None, cache=None, past_key_values=None,
                               use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
@@ -185,6 +185,7 @@ class AttentionCP:
     across_group: object  # rank j of every Ulysses group, in group order (size cp / u)
     ring: RingPassing | None = None  # ring: on its own group over the same ranks as across_group
     block: int | None = None  # tile size bound in tokens (None: per kernel default, see attention_tiles)
+    balanced: bool = False  # sequence_layout='balanced' (placement.py)
 
 
 def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_states: torch.Tensor,
@@ -239,9 +240,9 @@ def check_attention_module(module: nn.Module, cp: int, method: str, ulysses_degr
                 head_dim=view.head_dim, full_attention_cp=method.name)
 
 
-def install_ulysses_attention(module: nn.Module, group) -> nn.Module:
+def install_ulysses_attention(module: nn.Module, group, balanced: bool = False) -> nn.Module:
     """Install the Ulysses forward on the module instance (class, parameters and state_dict keys unchanged)."""
-    module.forward = partial(ulysses_attention_forward, attention_view_of(module), group)
+    module.forward = partial(ulysses_attention_forward, attention_view_of(module), group, balanced)
     return module
 
 
@@ -251,7 +252,8 @@ def install_kv_cp_attention(module: nn.Module, plan: AttentionCP) -> nn.Module:
     return module
 
 
-def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int | None = None) -> AttentionCP:
+def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int | None = None,
+                      balanced: bool = False) -> AttentionCP:
     """The groups of KV all-gather / ring full attention with Ulysses degree `degree` inside groups (1: none).
     `shared`: the GDN layers' `TwoDGroups` of the same degree, whose Ulysses and across groups (collectives only)
     attention reuses. The ring always gets its own communicator. Collective: every rank calls it at one point."""
@@ -268,4 +270,5 @@ def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int
             ring = RingPassing(across)
         else:
             ring = RingPassing(dedicated_cp_groups(cp_mesh) if degree == 1 else across_subgroup(cp_mesh, degree))
-    return AttentionCP(method=method, ulysses_group=ulysses, across_group=across, ring=ring, block=block)
+    return AttentionCP(method=method, ulysses_group=ulysses, across_group=across, ring=ring, block=block,
+                       balanced=balanced)

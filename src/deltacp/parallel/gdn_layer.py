@@ -45,6 +45,7 @@ class GDNLayerCP:
     passing: StatePassing | None = None  # p2p: the state hops (1-D: over the CP ranks; 2-D: across groups)
     two_d: "TwoDGroups | None" = None  # the 2-D layout's process groups (parallel/two_d.py)
     channels: dict = field(default_factory=dict)  # Ulysses: this rank's conv channels, per (rank, P, device)
+    balanced: bool = False  # sequence_layout='balanced': every rank holds two pieces of the row (placement.py)
 
     @property
     def module(self) -> nn.Module:

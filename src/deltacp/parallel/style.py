@@ -38,6 +38,7 @@ from deltacp.parallel.attention import (
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
 from deltacp.parallel.layout import attention_two_d_degree, linear_two_d_degree
 from deltacp.parallel.modes import attention_method, gdn_mode
+from deltacp.parallel.placement import check_sequence_layout
 from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
 from deltacp.parallel.views import GDNView, gdn_view_of
@@ -88,11 +89,13 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
     """A GDN module under CP. mode: a registered GDN mode (`parallel/modes.py`: ulysses | p2p | all_gather);
     backend: eager | triton; ulysses_degree: None (1-D: `mode` over the whole CP group) or u dividing cp; u < cp
     is the 2-D layout, Ulysses inside groups of u consecutive CP ranks and `mode` across them (`layout.py`);
-    state_passing: how p2p's state travels, "chain" (P - 1 hops) or "scan" (ceil(log2 P) rounds, `scan.py`)."""
+    state_passing: how p2p's state travels, "chain" (P - 1 hops) or "scan" (ceil(log2 P) rounds, `scan.py`);
+    sequence_layout: which tokens each rank holds, "contiguous" or "balanced" (`placement.py`)."""
 
     def __init__(self, mode: str = "ulysses", backend: str = "eager", ulysses_degree: int | None = None,
-                 state_passing: str = "chain"):
+                 state_passing: str = "chain", sequence_layout: str = "contiguous"):
         super().__init__()
+        self.sequence_layout = check_sequence_layout(sequence_layout)
         self.cp_mode = gdn_mode(mode, backend)
         _check_degree(ulysses_degree)
         self.mode = self.cp_mode.name
@@ -142,13 +145,15 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         return dict(linear_attention_cp_mode=self.mode, linear_attention_gdn_backend=self.backend, cp=cp,
                     ulysses_degree=u, family=view.family, num_k_heads=view.num_k_heads,
                     num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim, head_v_dim=view.head_v_dim,
-                    state_passing=self.state_passing, conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
+                    state_passing=self.state_passing, sequence_layout=self.sequence_layout,
+                    conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
 
     def install(self, module: nn.Module, group, groups=None) -> nn.Module:
         """Install the CP forward (after `check_module` and the configuration exchange), with `groups(cp_mesh)`."""
         two_d = isinstance(groups, TwoDGroups)
         layer = GDNLayerCP(view=gdn_view_of(module), group=group, mode=self.cp_mode, backend=self.gdn_backend,
-                           mixer=two_d_mixer if two_d else self.cp_mode.mixer)
+                           mixer=two_d_mixer if two_d else self.cp_mode.mixer,
+                           balanced=self.sequence_layout == "balanced")
         if two_d:
             layer.two_d = groups
             if self.cp_mode.state_hops:
@@ -167,10 +172,13 @@ class FullAttentionContextParallel(_ContextParallelStyle):
     """A full attention module under CP. method: a registered full-attention method (`parallel/modes.py`:
     ulysses | all_gather | ring); ulysses_degree: None (1-D) or u < cp: Ulysses inside groups of u consecutive CP
     ranks and `method` (all_gather | ring) across them. `shared`, for `groups`: the GDN layers' `TwoDGroups` of the
-    same degree, whose collective groups attention reuses."""
+    same degree, whose collective groups attention reuses. sequence_layout: "contiguous" or "balanced"
+    (`placement.py`), as every other layer of the model."""
 
-    def __init__(self, method: str = "ulysses", ulysses_degree: int | None = None, block: int | None = None):
+    def __init__(self, method: str = "ulysses", ulysses_degree: int | None = None, block: int | None = None,
+                 sequence_layout: str = "contiguous"):
         super().__init__()
+        self.sequence_layout = check_sequence_layout(sequence_layout)
         self.cp_method = attention_method(method)
         _check_degree(ulysses_degree)
         self.method = self.cp_method.name
@@ -182,18 +190,20 @@ class FullAttentionContextParallel(_ContextParallelStyle):
         return attention_two_d_degree(cp, self.ulysses_degree, self.method)
 
     def check_module(self, module: nn.Module, cp: int) -> dict:
-        return check_attention_module(module, cp, self.method, self.degree(cp))
+        return dict(check_attention_module(module, cp, self.method, self.degree(cp)),
+                    sequence_layout=self.sequence_layout)
 
     def groups(self, cp_mesh: DeviceMesh, shared: TwoDGroups | None = None):
         """None for a method that splits heads over the CP group; else the all-gather / ring plan (its groups)."""
         if self.cp_method.splits_heads:
             return None
         degree = self.degree(cp_group_of(cp_mesh).size())
-        return attention_cp_plan(cp_mesh, self.method, degree, shared if degree > 1 else None, self.block)
+        return attention_cp_plan(cp_mesh, self.method, degree, shared if degree > 1 else None, self.block,
+                                 balanced=self.sequence_layout == "balanced")
 
     def install(self, module: nn.Module, group, groups=None) -> nn.Module:
         if self.cp_method.splits_heads:
-            return install_ulysses_attention(module, group)
+            return install_ulysses_attention(module, group, balanced=self.sequence_layout == "balanced")
         if groups is None:
             raise ValueError(f"full_attention_cp={self.method!r} installs with its plan "
                              f"(FullAttentionContextParallel.groups)")
