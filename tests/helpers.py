@@ -50,9 +50,15 @@ def clone_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)
 
 
-def local_slice(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
-    n = x.shape[dim] // world
-    return x.narrow(dim, rank * n, n)
+def local_slice(x: torch.Tensor, rank: int, world: int, dim: int = 1, layout: str = "contiguous") -> torch.Tensor:
+    """This rank's tokens of x along `dim`, written here independently of deltacp's placement code: contiguous,
+    [rank n, (rank + 1) n); balanced, pieces rank and 2 world - 1 - rank of the row cut into 2 world pieces."""
+    if layout == "contiguous":
+        n = x.shape[dim] // world
+        return x.narrow(dim, rank * n, n)
+    assert layout == "balanced", layout
+    h = x.shape[dim] // (2 * world)
+    return torch.cat([x.narrow(dim, rank * h, h), x.narrow(dim, (2 * world - 1 - rank) * h, h)], dim=dim)
 
 
 def summed_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
