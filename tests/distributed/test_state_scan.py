@@ -26,6 +26,7 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.distributed.collectives import StatePassing
+from deltacp.parallel.placement import Pieces
 from deltacp.parallel.scan import exclusive_state_scan, scan_rounds, scan_schedule, simulate_exclusive_scan
 from deltacp.distributed.launch import run_distributed
 from deltacp.train.trainer import apply_activation_checkpointing, p2p_passings
@@ -109,31 +110,41 @@ def test_unknown_state_passing_raises_at_construction():
 
 
 def _scan_on_group(group, size, failures):
-    """On every member of `group`: forward and reverse scan against the chain; the message log must not depend
-    on which maps are zero."""
+    """On every member of `group`, for both sequence layouts (one piece per rank, or pieces r and 2P - 1 - r):
+    forward and reverse scan against the chain over the pieces; the message log must not depend on which maps are
+    zero."""
     passing = StatePassing(group, "scan")
     r = passing.rank
-    logs = []
-    for seed, zero, explicit in ((size, {0}, set()), (size + 100, {0, 2, size - 1}, {1}),
-                                 (size + 200, set(range(size)), set())):
-        ms, ss = _maps(size, seed, zero, explicit)
-        passing.log = []
-        h_in = exclusive_state_scan(ms[r], ss[r] if r < size - 1 else None, passing, state_shape=SHAPE,
-                                    dtype=torch.float64, device="cpu")
-        rev_m = [None if m is None else m.mT for m in ms]
-        d_out = exclusive_state_scan(rev_m[r], ss[r] if r > 0 else None, passing, state_shape=SHAPE,
-                                     dtype=torch.float64, device="cpu", reverse=True, what="dH")
-        logs.append(passing.log)
-        try:
-            _close(h_in, _chain(ms, ss)[r], f"P={size} rank {r} forward")
-            _close(d_out, _chain(list(reversed(rev_m)), list(reversed(ss)))[size - 1 - r], f"P={size} rank {r} back")
-        except AssertionError as e:
-            failures.append(str(e))
-    if any(log != logs[0] for log in logs):
-        failures.append(f"P={size} rank {r}: message log depends on the data: {logs}")
-    n_rounds = sum(1 for e in logs[0] if e.startswith(("send H", "recv H")))
-    if n_rounds > 2 * scan_rounds(size):
-        failures.append(f"P={size} rank {r}: {n_rounds} forward messages for {scan_rounds(size)} rounds")
+    for balanced in (False, True):
+        n = 2 * size if balanced else size
+        mine = [r, 2 * size - 1 - r] if balanced else [r]  # this rank's pieces, written out here
+        pieces = Pieces(r, size, balanced, len(mine))
+        logs = []
+        for seed, zero, explicit in ((size, {0}, set()), (size + 100, {0, 2, n - 1}, {1}),
+                                     (size + 200, set(range(n)), set())):
+            ms, ss = _maps(n, seed, zero, explicit)
+            passing.log = []
+            h_in = exclusive_state_scan([ms[p] for p in mine], [ss[p] if p < n - 1 else None for p in mine], passing,
+                                        pieces, state_shape=SHAPE, dtype=torch.float64, device="cpu")
+            rev_m = [None if m is None else m.mT for m in ms]
+            d_out = exclusive_state_scan([rev_m[p] for p in mine], [ss[p] if p > 0 else None for p in mine], passing,
+                                         pieces, state_shape=SHAPE, dtype=torch.float64, device="cpu", reverse=True,
+                                         what="dH")
+            logs.append(passing.log)
+            forward_ref = _chain(ms, ss)
+            backward_ref = _chain(list(reversed(rev_m)), list(reversed(ss)))
+            try:
+                for slot, p in enumerate(mine):
+                    _close(h_in[slot], forward_ref[p], f"P={size} balanced={balanced} rank {r} piece {p} forward")
+                    _close(d_out[slot], backward_ref[n - 1 - p], f"P={size} balanced={balanced} rank {r} piece {p} back")
+            except AssertionError as e:
+                failures.append(str(e))
+        if any(log != logs[0] for log in logs):
+            failures.append(f"P={size} balanced={balanced} rank {r}: message log depends on the data: {logs}")
+        n_messages = sum(1 for e in logs[0] if e.startswith(("send H", "recv H")))
+        if n_messages > 2 * len(mine) * scan_rounds(n):
+            failures.append(f"P={size} balanced={balanced} rank {r}: {n_messages} forward messages for "
+                            f"{scan_rounds(n)} rounds")
 
 
 def scan_groups_worker(rank, world):

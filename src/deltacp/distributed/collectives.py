@@ -88,45 +88,76 @@ def all_to_all_head_to_seq(y_BSD: torch.Tensor, group: ProcessGroup) -> torch.Te
 
 
 # ---------------------------------------------------------------------------------------------
-# Conv halo: the last `halo` pre-conv tokens go to the next rank only
+# Conv halo: the last `halo` pre-conv tokens of each piece go to whoever holds the next piece
 # ---------------------------------------------------------------------------------------------
 
 
-def _shift_to_next(x_hBC: torch.Tensor, group: ProcessGroup, forward: bool) -> torch.Tensor:
-    """All-to-all-v with zero splits for every rank but the neighbour: forward sends to rank+1,
-    backward (forward=False) sends to rank-1. The rank with no sender receives zeros."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    n = x_hBC.shape[0]
-    dst, src = (rank + 1, rank - 1) if forward else (rank - 1, rank + 1)
-    in_splits = [n if j == dst else 0 for j in range(size)]
-    out_splits = [n if j == src else 0 for j in range(size)]
-    send = x_hBC if 0 <= dst < size else x_hBC[:0]
-    recv = x_hBC.new_empty((sum(out_splits), *x_hBC.shape[1:]))
+def halo_routes(pieces) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """The conv-halo messages of one member of a sequence group (`parallel.placement.Pieces`): (peer, slot, piece)
+    of each local tail it sends (to the holder of the next piece) and of each halo it receives (from the holder of
+    the previous piece; the row's first piece receives none), both sorted by (peer, piece): a pair of members
+    orders the messages between them alike on both sides."""
+    sends, recvs = [], []
+    for slot, piece in enumerate(pieces.positions):
+        if piece + 1 < pieces.total:
+            sends.append((pieces.holder(piece + 1)[0], slot, piece))
+        if piece > 0:
+            recvs.append((pieces.holder(piece - 1)[0], slot, piece - 1))
+    return sorted(sends, key=lambda r: (r[0], r[2])), sorted(recvs, key=lambda r: (r[0], r[2]))
+
+
+def _route(parts: list[torch.Tensor], to: list[int], frm: list[int], like: torch.Tensor, size: int,
+           group: ProcessGroup) -> list[torch.Tensor]:
+    """One all-to-all-v: parts[i] to member to[i] (sorted by member), one part like `like` from each of `frm`
+    (sorted by member; a member may appear in both, itself included)."""
+    n = like.shape[0]
+    in_splits = [n * to.count(j) for j in range(size)]
+    out_splits = [n * frm.count(j) for j in range(size)]
+    send = torch.cat(parts) if parts else like[:0]
+    recv = like.new_empty((sum(out_splits), *like.shape[1:]))
     recv = _all_to_all(recv, send.contiguous(), out_splits, in_splits, group)
-    return recv if 0 <= src < size else torch.zeros_like(x_hBC)
+    return list(recv.split(n)) if frm else []
 
 
 class _ConvHalo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_BsC, halo, group):
-        ctx.group, ctx.halo, ctx.seq = group, halo, x_BsC.shape[1]
-        tail_hBC = x_BsC[:, -halo:].transpose(0, 1)
-        return _shift_to_next(tail_hBC, group, forward=True).transpose(0, 1).contiguous()
+    """Forward: every local piece's left halo [slots, B, halo, C] (zeros for the row's first piece). Backward: each
+    halo's gradient goes back to the tail it came from (the dual all-to-all)."""
 
     @staticmethod
-    def backward(ctx, grad_BhC):
-        back_hBC = _shift_to_next(grad_BhC.transpose(0, 1), ctx.group, forward=False)
-        grad_x = grad_BhC.new_zeros(grad_BhC.shape[0], ctx.seq, grad_BhC.shape[2])
-        grad_x[:, -ctx.halo:] = back_hBC.transpose(0, 1)
-        return grad_x, None, None
+    def forward(ctx, x_BsC, halo, group, pieces):
+        ctx.group, ctx.halo, ctx.seq, ctx.pieces = group, halo, x_BsC.shape[1], pieces
+        sends, recvs = halo_routes(pieces)
+        tails = [x_BsC[:, pieces.local(slot)][:, -halo:].transpose(0, 1) for _, slot, _ in sends]  # [halo, B, C]
+        like = x_BsC.new_empty((halo, x_BsC.shape[0], x_BsC.shape[2]))
+        got = _route(tails, [r[0] for r in sends], [r[0] for r in recvs], like, dist.get_world_size(group), group)
+        left = x_BsC.new_zeros((len(pieces.positions), x_BsC.shape[0], halo, x_BsC.shape[2]))
+        for (_, slot, _), h in zip(recvs, got):
+            left[slot] = h.transpose(0, 1)
+        return left
+
+    @staticmethod
+    def backward(ctx, grad_kBhC):
+        pieces, halo = ctx.pieces, ctx.halo
+        sends, recvs = halo_routes(pieces)
+        parts = [grad_kBhC[slot].transpose(0, 1) for _, slot, _ in recvs]
+        like = grad_kBhC.new_empty((halo, grad_kBhC.shape[1], grad_kBhC.shape[3]))
+        back = _route(parts, [r[0] for r in recvs], [r[0] for r in sends], like, dist.get_world_size(ctx.group),
+                      ctx.group)
+        grad_x = grad_kBhC.new_zeros(grad_kBhC.shape[1], ctx.seq, grad_kBhC.shape[3])
+        for (_, slot, _), g in zip(sends, back):
+            end = pieces.local(slot).stop
+            grad_x[:, end - halo:end] = g.transpose(0, 1)
+        return grad_x, None, None, None
 
 
-def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup) -> torch.Tensor:
-    """The previous rank's last `halo` tokens of x, [B, halo, C]; zeros on rank 0 (causal left padding).
+def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup, pieces) -> torch.Tensor:
+    """The `halo` pre-conv tokens before each of this member's pieces (`parallel.placement.Pieces` over `group`),
+    [slots, B, halo, C]: the previous piece's last tokens, wherever it lives (zeros before the row's first piece:
+    causal left padding). One all-to-all-v; contiguous, it carries one message from each rank to the next.
 
-    Backward: the halo gradient goes back to the previous rank and lands on its last `halo` tokens.
+    Backward: each halo's gradient lands on the last `halo` tokens of the piece it came from.
     """
-    return _ConvHalo.apply(x_BsC, halo, group)
+    return _ConvHalo.apply(x_BsC, halo, group, pieces)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,30 +215,35 @@ class StatePassing:
         self._pending_sends.clear()
 
     # -- scan rounds (parallel/scan.py) --------------------------------------------------------------
-    def exchange(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
-                 what: str) -> torch.Tensor | None:
-        """One round of a state scan: send `send` to `dst` and receive into a buffer like `recv` from `src` (either
-        may be None), posted together as one batch_isend_irecv (one NCCL group call, so the pair cannot wait on
-        each other), then wait for both. Returns the received tensor on `recv`'s device (None without a receive).
-        Nothing stays pending: the send buffer is free when this returns."""
-        ops, received = [], None
-        if send is not None:
-            buf = send.detach().cpu() if _needs_host_staging(send, self.group) else send.detach().contiguous()
-            ops.append(dist.P2POp(dist.isend, buf, group=self.group, group_peer=dst))
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], what: str
+                 ) -> list[torch.Tensor]:
+        """One round of a state scan: each (tensor, peer) of `sends` sent, one tensor like each (buffer, peer) of
+        `recvs` received, all posted together as one batch_isend_irecv (one NCCL group call, so none can wait on
+        another), then waited for. At most one message each way per peer (a pair's messages match by order).
+        Returns the received tensors on their buffers' devices, in `recvs` order. Nothing stays pending: the send
+        buffers are free when this returns."""
+        for name, pairs in (("send", sends), ("receive", recvs)):
+            peers = [peer for _, peer in pairs]
+            if len(set(peers)) != len(peers):
+                raise RuntimeError(f"state scan round {what}: two messages to {name} with one peer ({peers})")
+        ops, received = [], []
+        for t, peer in sends:
+            buf = t.detach().cpu() if _needs_host_staging(t, self.group) else t.detach().contiguous()
+            ops.append(dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer))
             if self.log is not None:
-                self.log.append(f"send {what} ->{dst}")
-        if recv is not None:
-            staged = _needs_host_staging(recv, self.group)
-            received = torch.empty(recv.shape, dtype=recv.dtype, device="cpu") if staged else recv
-            ops.append(dist.P2POp(dist.irecv, received, group=self.group, group_peer=src))
+                self.log.append(f"send {what} ->{peer}")
+        for like, peer in recvs:
+            staged = _needs_host_staging(like, self.group)
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu") if staged else like
+            received.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
             if self.log is not None:
-                self.log.append(f"recv {what} <-{src}")
-        if not ops:
-            return None
-        with torch.profiler.record_function(f"deltacp::exchange {what}"):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return None if received is None else received.to(recv.device)
+                self.log.append(f"recv {what} <-{peer}")
+        if ops:
+            with torch.profiler.record_function(f"deltacp::exchange {what}"):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+        return [buf.to(like.device) for buf, (like, _) in zip(received, recvs)]
 
 
 class PendingRecv:

@@ -1,7 +1,8 @@
 """Summary-AllGather linear attention CP (eager only; for comparing algorithms).
 
-Every rank summarises its tokens, the packed [M | S] of all ranks are all-gathered (differentiably),
-and rank r composes ranks 0..r-1 in order to get its entering state, then scans its own tokens.
+Every rank summarises each of its pieces (`placement.Pieces`: one under the contiguous layout, two under the
+balanced one), the packed [M | S] of all pieces are all-gathered (differentiably) and put in row order, and each
+local piece composes the pieces before it to get its entering state, then scans its own tokens.
 """
 
 from __future__ import annotations
@@ -11,38 +12,46 @@ import torch
 from deltacp.distributed.collectives import all_gather_autograd
 from deltacp.ops.gdn.summary import apply_summary
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
+from deltacp.parallel.placement import Pieces
 from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
-def _compose_prefix(packed_PBHKX: torch.Tensor, rank: int, K: int) -> torch.Tensor:
-    state = torch.zeros_like(packed_PBHKX[0, ..., K:])
-    for r in range(rank):
-        state = apply_summary(packed_PBHKX[r, ..., :K], packed_PBHKX[r, ..., K:], state)
-    return state
+def _compose_prefixes(packed_NBHKX: torch.Tensor, positions: tuple[int, ...], K: int) -> torch.Tensor:
+    """[slots, B, H, K, V]: the state entering each of `positions`, from the row-ordered summaries of all pieces."""
+    state = torch.zeros_like(packed_NBHKX[0, ..., K:])
+    states, done = [], 0
+    for p in positions:  # increasing
+        for r in range(done, p):
+            state = apply_summary(packed_NBHKX[r, ..., :K], packed_NBHKX[r, ..., K:], state)
+        done = p
+        states.append(state)
+    return torch.stack(states)
 
 
-class _EnteringState(torch.autograd.Function):
-    """H_in of rank r from the gathered summaries of ranks 0..r-1.
+class _EnteringStates(torch.autograd.Function):
+    """The states entering the local pieces from the gathered summaries of the pieces before them.
 
     A Function rather than plain autograd so that its backward (and with it the all-gather's
-    backward collective) runs on every rank, rank 0 included, whose H_in depends on no summary.
+    backward collective) runs on every rank, the one holding the row's first piece included, whose
+    first entering state depends on no summary.
     """
 
     @staticmethod
-    def forward(ctx, packed_PBHKX, rank, K):
-        ctx.save_for_backward(packed_PBHKX)
-        ctx.rank, ctx.K = rank, K
-        return _compose_prefix(packed_PBHKX, rank, K)
+    def forward(ctx, packed_NBHKX, positions, K):
+        ctx.save_for_backward(packed_NBHKX)
+        ctx.positions, ctx.K = positions, K
+        return _compose_prefixes(packed_NBHKX, positions, K)
 
     @staticmethod
-    def backward(ctx, grad_state):
+    def backward(ctx, grad_states):
         (packed,) = ctx.saved_tensors
-        if ctx.rank == 0:
-            return torch.zeros_like(packed), None, None
         with torch.enable_grad():
             packed = packed.detach().requires_grad_()
-            (grad,) = torch.autograd.grad(_compose_prefix(packed, ctx.rank, ctx.K), packed, grad_state)
+            states = _compose_prefixes(packed, ctx.positions, ctx.K)
+            if not states.requires_grad:  # only the row's first piece here: no summary reaches it
+                return torch.zeros_like(packed), None, None
+            (grad,) = torch.autograd.grad(states, packed, grad_states)
         return grad, None, None
 
 
@@ -67,25 +76,31 @@ def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tens
 
 def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
                     a_BsH: torch.Tensor, ctx: CPForwardContext) -> torch.Tensor:
-    """The all_gather scan of `shard`'s heads over this rank's contiguous tokens, slice `rank` of its group."""
+    """The all_gather scan of `shard`'s heads over this rank's pieces of the row held by its group."""
     m = layer.view
     group = shard.seq_group
-    rank = torch.distributed.get_rank(group)
-    s = qkv_BsC.shape[1]
-    docs = document_segment(layer, ctx, rank, torch.distributed.get_world_size(group), s)
-    layout = None if docs is None else docs.layout
-    q, k, v, g, beta = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, docs)
+    pieces = Pieces(torch.distributed.get_rank(group), torch.distributed.get_world_size(group), layer.balanced,
+                    qkv_BsC.shape[1])
+    docs = document_segments(ctx, pieces)
+    layouts = [None if d is None else d.layout for d in docs]
+    inputs = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, pieces, docs)
 
-    # with documents, M = 0 wherever the entering state cannot reach the end of the slice (varlen.py)
-    summary_m, summary_s = layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                                       cu_seqlens=layout)
-    packed_PBHKX = all_gather_autograd(torch.cat([summary_m, summary_s], dim=-1), group)
-    state = _EnteringState.apply(packed_PBHKX, rank, m.head_k_dim)
-    if layout is not None and not layout.first_continues:
-        # the first document starts on this rank: the entering state reaches no output, but its backward (and
-        # with it the all-gather's collective) must still run here as on every other rank
-        o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
-        return _AnchorBackward.apply(o, state)
-    o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True,
-                                                cu_seqlens=layout)
-    return o
+    # with documents, M = 0 wherever the entering state cannot reach the end of the piece (varlen.py)
+    packed = torch.stack([torch.cat(layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                                cu_seqlens=lay), dim=-1)
+                          for (q, k, v, g, beta), lay in zip(inputs, layouts)])
+    gathered = all_gather_autograd(packed, group)  # [members, slots, ...], member-major
+    order = [member * pieces.per_member + slot for member, slot in map(pieces.holder, range(pieces.total))]
+    by_piece = gathered.flatten(0, 1).index_select(0, torch.tensor(order, device=gathered.device))
+    states = _EnteringStates.apply(by_piece, pieces.positions, m.head_k_dim)
+    outs, unread = [], False
+    for slot, ((q, k, v, g, beta), lay) in enumerate(zip(inputs, layouts)):
+        reads = lay is None or lay.first_continues
+        unread |= not reads
+        o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=states[slot] if reads else None,
+                                                    use_qk_l2norm_in_kernel=True, cu_seqlens=lay)
+        outs.append(o)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    # a piece whose first document starts in it reads no entering state, but the states' backward (and with it
+    # the all-gather's collective) must still run here as on every other rank
+    return _AnchorBackward.apply(o, states) if unread else o

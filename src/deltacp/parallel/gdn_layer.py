@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.collectives import StatePassing
 from deltacp.ops.gdn.contract import GDNBackend
+from deltacp.parallel.placement import Pieces
 from deltacp.parallel.views import GDNView
 from deltacp.parallel.documents import (
     CPForwardContext,
@@ -90,16 +91,15 @@ def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, 
     return CPForwardContext(padding=attention_mask, documents=docs)
 
 
-def document_segment(layer: GDNLayerCP, ctx: CPForwardContext, rank: int, parts: int, s: int
-                     ) -> DocumentSegment | None:
-    """This layer's view of the documents of tokens [rank * s, (rank + 1) * s) of a row cut into `parts` slices
-    (ulysses: the whole row, rank 0 of 1). None: an unpacked row."""
+def document_segments(ctx: CPForwardContext, pieces: Pieces) -> list[DocumentSegment | None]:
+    """This layer's view of the documents of each local piece (`placement.Pieces`: its row spans; Ulysses: the
+    whole row, one piece). Nones for an unpacked row."""
     if ctx.documents is None:
-        return None
-    if ctx.documents.seq_len != parts * s:
-        raise ValueError(f"the packed documents cover {ctx.documents.seq_len} tokens, but this rank's slice of "
-                         f"{s} tokens is not 1/{parts} of that row")
-    return ctx.documents.segment(rank * s, (rank + 1) * s)
+        return [None] * pieces.per_member
+    if ctx.documents.seq_len != pieces.row_length:
+        raise ValueError(f"the packed documents cover {ctx.documents.seq_len} tokens, but this rank's "
+                         f"{pieces.length} tokens are not 1/{pieces.members} of that row")
+    return [ctx.documents.segment(lo, hi) for lo, hi in pieces.spans()]
 
 
 def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
@@ -125,9 +125,13 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
     if ctx.padding is not None:
         hidden_states = (hidden_states * ctx.padding[:, :, None]).to(hidden_states.dtype)
     B, s, _ = hidden_states.shape
-    if layer.mode.needs_halo and s < layer.halo:
-        raise ValueError(f"linear_attention_cp_mode={layer.mode.name!r} needs a local sequence of at least the conv halo "
-                         f"((kernel-1)*dilation = {layer.halo}) tokens, got {s}")
+    if layer.balanced and s % 2:
+        raise ValueError(f"sequence_layout='balanced' needs an even number of local tokens (two equal pieces), got {s}")
+    piece = s // 2 if layer.balanced else s
+    if layer.mode.needs_halo and piece < layer.halo:
+        raise ValueError(f"linear_attention_cp_mode={layer.mode.name!r} needs local pieces of at least the conv halo "
+                         f"((kernel-1)*dilation = {layer.halo}) tokens, got {piece} (local tokens {s}, "
+                         f"sequence_layout={'balanced' if layer.balanced else 'contiguous'!r})")
 
     qkv_BsC, z_BsHV, b_BsH, a_BsH = v.project(hidden_states)
 

@@ -20,12 +20,23 @@ M @ H_in + S, that one backward gives every input gradient that dM and dS would;
 no backward (its forward runs without autograd). The serial chain per hop stays recv -> one K x K matmul
 -> send.
 
-`StatePassing.schedule == "scan"` (`parallel/scan.py`) replaces the P - 1 hops each way by a log-depth scan over
-the same group: forward, H_in from every rank's (M, S) in ceil(log2 P) rounds; backward, dH_out from every rank's
-(Mᵀ, dH_in_local) over the ranks in reverse order. Everything else (summaries, replay, the local GDN) is shared.
+Pieces (`placement.Pieces`): everything above is per piece of the row, and the state flows through the pieces in
+row order. Under the contiguous layout a rank holds one piece (its slice) and the above is the whole story. Under
+the balanced layout rank r holds pieces r and 2P - 1 - r: it summarises both before waiting on anything, and the
+chain runs r -> r + 1 over the first pieces, through rank P - 1 (whose two pieces are adjacent: a local hand-over),
+and back P - 1 -> 0 over the second pieces (2P - 1 hops, so the balanced layout wants the scan). A rank handles its
+pieces in row order forward (reverse order backward) and posts each receive only after the sends of its earlier
+pieces, so the messages between two ranks are issued in the same order on both sides (docs/design.md, section 8).
+
+`StatePassing.schedule == "scan"` (`parallel/scan.py`) replaces the hops each way by a log-depth scan over the same
+group: forward, H_in from every piece's (M, S) in ceil(log2 N) rounds (N pieces); backward, dH_out from every
+piece's (Mᵀ, dH_in_local) over the pieces in reverse order. Everything else (summaries, replay, the local GDN) is
+shared.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,54 +45,115 @@ from deltacp.ops.gdn.contract import GDNBackend
 from deltacp.ops.gdn.summary import apply_summary, summary_grad
 from deltacp.ops.precision import compute_dtype
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
+from deltacp.parallel.placement import Pieces
 from deltacp.parallel.scan import exclusive_state_scan
 from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
+@dataclass
+class _Hops:
+    """What the backward hop of one p2p call needs besides its saved tensors."""
+
+    passing: StatePassing
+    backend: GDNBackend
+    pieces: Pieces
+    layouts: list  # per slot: VarlenLayout or None
+    reads_state_in: list[bool]  # per slot: its outputs read the entering state
+    staged: list[bool]  # per slot: prepared chunk tensors saved for the dH_in pass
+    saved: list[int]  # per slot: how many tensors it saved
+    state_shape: tuple[int, ...]
+    state_dtype: torch.dtype
+
+
 class _StateGradHop(torch.autograd.Function):
-    """Identity on o (and a sink for the final state ht); its backward is this rank's backward hop."""
+    """Identity on o (and a sink for the final states ht of the local pieces); its backward is this rank's
+    backward hops."""
 
     @staticmethod
-    def forward(ctx, o, ht, q, k, v, g, beta, m, prepared, passing: StatePassing, backend: GDNBackend, layout,
-                reads_state_in: bool):
-        ctx.passing, ctx.backend, ctx.layout = passing, backend, layout
-        ctx.state_shape = (v.shape[0], v.shape[2], k.shape[3], v.shape[3])
-        ctx.state_dtype = compute_dtype(v)
-        # only ranks whose outputs read the entering state run the dH_in pass; what it needs goes through
-        # save_for_backward (the prepared tensors too), so that activation checkpointing frees it
-        ctx.reads_state_in = reads_state_in
-        ctx.staged = prepared is not None and reads_state_in
-        if not reads_state_in:
-            ctx.save_for_backward(None, None, None, None, None, m)
-        else:
-            ctx.save_for_backward(q, k, v, g, beta, m, *(prepared.tensors_for_backward() if ctx.staged else ()))
+    def forward(ctx, o, hops: _Hops, n_ht: int, *tensors):
+        # tensors: the n_ht final states (None on the row's last piece), then per slot what its dH_in pass needs,
+        # through save_for_backward (the prepared tensors too), so that activation checkpointing frees it
+        ctx.hops, ctx.n_ht = hops, n_ht
+        ctx.save_for_backward(*tensors[n_ht:])
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, grad_o):
-        passing: StatePassing = ctx.passing
-        q, k, v, g, beta, m, *staged = ctx.saved_tensors
-        grad_state_out = None
-        grad_state_in = grad_o.new_zeros(ctx.state_shape, dtype=ctx.state_dtype)
-        if ctx.reads_state_in:
-            prepared = ctx.backend.prepared_from_saved(tuple(staged)) if ctx.staged else None
-            grad_state_in = ctx.backend.initial_state_grad(q, k, v, g, beta, grad_o, use_qk_l2norm_in_kernel=True,
-                                                           prepared=prepared, cu_seqlens=ctx.layout)
-        if passing.schedule == "scan":  # dH_out from every later rank's (Mᵀ, dH_in_local) in log-depth rounds
-            grad_state_out = exclusive_state_scan(None if m is None else m.mT, grad_state_in, passing,
-                                                  state_shape=ctx.state_shape, dtype=ctx.state_dtype,
-                                                  device=grad_o.device, reverse=True, what="dH")
-        elif not passing.is_last:
-            like = grad_o.new_empty(ctx.state_shape, dtype=ctx.state_dtype)
-            grad_state_out = passing.post_recv(like, passing.rank + 1, "dH_out").wait()
-            if m is not None:
-                grad_state_in = summary_grad(m, grad_state_out, grad_state_in)
-        if not passing.is_first and passing.schedule == "chain":
-            passing.send(grad_state_in, passing.rank - 1, "dH_in")
-            # Wait for the send when this backward pass ends, past the rest of the local backward compute.
-            torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
-        return grad_o, grad_state_out, None, None, None, None, None, None, None, None, None, None, None
+        hops: _Hops = ctx.hops
+        passing, pieces = hops.passing, hops.pieces
+        saved, at = ctx.saved_tensors, 0
+        ms, local = [], []
+        for slot in range(pieces.per_member):
+            q, k, v, g, beta, m, *staged = saved[at:at + hops.saved[slot]]
+            at += hops.saved[slot]
+            ms.append(m)
+            grad = grad_o.new_zeros(hops.state_shape, dtype=hops.state_dtype)
+            if hops.reads_state_in[slot]:
+                grad_o_slot = grad_o if pieces.per_member == 1 else grad_o[:, pieces.local(slot)].contiguous()
+                prepared = hops.backend.prepared_from_saved(tuple(staged)) if hops.staged[slot] else None
+                grad = hops.backend.initial_state_grad(q, k, v, g, beta, grad_o_slot, use_qk_l2norm_in_kernel=True,
+                                                       prepared=prepared, cu_seqlens=hops.layouts[slot])
+            local.append(grad)
+        if passing.schedule == "scan":  # dH_out from every later piece's (Mᵀ, dH_in_local) in log-depth rounds
+            grad_out = exclusive_state_scan([None if m is None else m.mT for m in ms], local, passing, pieces,
+                                            state_shape=hops.state_shape, dtype=hops.state_dtype,
+                                            device=grad_o.device, reverse=True, what="dH")
+        else:
+            grad_out = _chain_backward(passing, pieces, ms, local, grad_o)
+        return (grad_o, None, None, *grad_out[:ctx.n_ht], *([None] * len(saved)))
+
+
+def _chain_backward(passing: StatePassing, pieces: Pieces, ms: list, local: list, like: torch.Tensor) -> list:
+    """dH_out of every local piece by the chain, pieces in reverse row order: receive dH_out from the holder of the
+    next piece, send dH_in = Mᵀ dH_out + dH_in_local to the holder of the previous one."""
+    grad_out = [None] * pieces.per_member
+    grad_in_by_piece = {}  # handed over between this rank's own adjacent pieces
+    for slot in reversed(range(pieces.per_member)):
+        piece = pieces.positions[slot]
+        grad_in = local[slot]
+        if piece + 1 < pieces.total:
+            member, _ = pieces.holder(piece + 1)
+            if member == pieces.member:
+                grad_out[slot] = grad_in_by_piece[piece + 1]
+            else:
+                grad_out[slot] = passing.post_recv(like.new_empty(grad_in.shape, dtype=grad_in.dtype), member,
+                                                   "dH_out").wait()
+            if ms[slot] is not None:
+                grad_in = summary_grad(ms[slot], grad_out[slot], grad_in)
+        if piece > 0:
+            member, _ = pieces.holder(piece - 1)
+            if member == pieces.member:
+                grad_in_by_piece[piece] = grad_in
+            else:
+                passing.send(grad_in, member, "dH_in")
+    # Wait for the sends when this backward pass ends, past the rest of the local backward compute.
+    torch.autograd.Variable._execution_engine.queue_callback(passing.wait_sends)
+    return grad_out
+
+
+def _chain_forward(passing: StatePassing, pieces: Pieces, summaries: list, first_recv, like: torch.Tensor) -> list:
+    """H_in of every local piece by the chain, pieces in row order: receive H_in from the holder of the previous
+    piece (the first one's receive already posted), send H_out = M H_in + S on to the holder of the next one."""
+    states_in = [None] * pieces.per_member
+    state_out_by_piece = {}
+    for slot, piece in enumerate(pieces.positions):
+        if piece > 0:
+            member, _ = pieces.holder(piece - 1)
+            if member == pieces.member:
+                states_in[slot] = state_out_by_piece[piece - 1]
+            else:
+                pending = first_recv if slot == 0 else passing.post_recv(like, member, "H_in")
+                states_in[slot] = pending.wait()
+        if piece + 1 < pieces.total:
+            m, s = summaries[slot]
+            state_out = s if m is None else apply_summary(m, s, states_in[slot])
+            member, _ = pieces.holder(piece + 1)
+            if member == pieces.member:
+                state_out_by_piece[piece] = state_out
+            else:
+                passing.send(state_out, member, "H_out")
+    return states_in
 
 
 def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
@@ -91,26 +163,31 @@ def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_B
 
 def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
              ctx: CPForwardContext) -> torch.Tensor:
-    """The p2p scan of `shard`'s heads over this rank's contiguous tokens, the state passing on
-    layer.passing (its rank and size say which slice of the row these tokens are)."""
+    """The p2p scan of `shard`'s heads over this rank's pieces of the row, the state passing on layer.passing
+    (its rank and size, with the layer's sequence layout, say which pieces of the row these tokens are)."""
     m = layer.view
     passing: StatePassing = layer.passing
     passing.wait_sends()  # buffers of the previous step's sends
     B, s = qkv_BsC.shape[:2]
+    pieces = Pieces(passing.rank, passing.size, layer.balanced, s)
     state_shape = (B, shard.v_heads, m.head_k_dim, m.head_v_dim)
     state_dtype = compute_dtype(qkv_BsC)
     grad_enabled = torch.is_grad_enabled()
     recompute = in_backward_pass() and grad_enabled  # a checkpoint recompute replays H_in: no receive
-    docs = document_segment(layer, ctx, passing.rank, passing.size, s)
-    layout = None if docs is None else docs.layout
-    # the entering state reaches this rank's outputs unless a document starts at its first token (rank 0: none)
-    reads_state_in = not passing.is_first and (layout is None or layout.first_continues)
-    # ... and its final state unless a document starts anywhere in the slice (then M = 0: H_out = S)
-    need_transition = not passing.is_first and (layout is None or not layout.any_reset)
+    docs = document_segments(ctx, pieces)
+    layouts = [None if d is None else d.layout for d in docs]
+    last = [piece == pieces.total - 1 for piece in pieces.positions]
+    # the entering state reaches a piece's outputs unless a document starts at its first token (the row's first
+    # piece: none) ...
+    reads_state_in = [piece > 0 and (lay is None or lay.first_continues) for piece, lay in zip(pieces.positions,
+                                                                                                  layouts)]
+    # ... and its final state unless a document starts anywhere in the piece (then M = 0: H_out = S)
+    need_transition = [piece > 0 and (lay is None or not lay.any_reset) for piece, lay in zip(pieces.positions,
+                                                                                                  layouts)]
 
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
-    q, k, v, g, beta = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, docs)
+    inputs = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, pieces, docs)
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:
         raise RuntimeError(
@@ -120,42 +197,57 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
             "deltacp CPForwardContext as attention_mask to the forward and its recompute")
     # what the summary, the output pass and the dH_in pass would each build from k, v, g, beta (T, W, U), once
     with torch.no_grad():
-        prepared = layer.backend.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=layout)
+        prepared = [layer.backend.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=lay)
+                    for (q, k, v, g, beta), lay in zip(inputs, layouts)]
 
     if recompute:
-        state_in, summary_m = ctx.replay[replay_key]
+        states_in, summary_ms = ctx.replay[replay_key]
     else:
         scan = passing.schedule == "scan"
-        recv = None
-        if not passing.is_first and not scan:
-            recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
-                                     passing.rank - 1, "H_in")
-        summary_m = summary_s = None
-        if not passing.is_last:
-            # no autograd: the gradient that would flow through (M, S) reaches k, v, g, beta through the local
-            # GDN's final state instead (see _StateGradHop)
-            with torch.no_grad(), torch.profiler.record_function("deltacp::p2p summary"):
-                summary_m, summary_s = layer.backend.state_summary(
+        first_recv = None
+        if not scan and pieces.positions[0] > 0:  # posted before the summaries, which overlap its arrival
+            first_recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
+                                           pieces.holder(pieces.positions[0] - 1)[0], "H_in")
+        summaries = []
+        # no autograd: the gradient that would flow through (M, S) reaches k, v, g, beta through the local GDN's
+        # final state instead (see _StateGradHop); the row's last piece has no H_out that anyone reads
+        with torch.no_grad(), torch.profiler.record_function("deltacp::p2p summary"):
+            for slot, ((q, k, v, g, beta), lay) in enumerate(zip(inputs, layouts)):
+                summaries.append((None, None) if last[slot] else layer.backend.state_summary(
                     k.detach(), v.detach(), g.detach(), beta.detach(), use_qk_l2norm_in_kernel=True,
-                    prepared=prepared, need_transition=need_transition, cu_seqlens=layout)
-        if scan:  # H_in from every earlier rank's (M, S) in log-depth rounds
-            state_in = exclusive_state_scan(summary_m, summary_s, passing, state_shape=state_shape,
-                                            dtype=state_dtype, device=qkv_BsC.device, what="H")
+                    prepared=prepared[slot], need_transition=need_transition[slot], cu_seqlens=lay))
+        summary_ms = [sm for sm, _ in summaries]
+        if scan:  # H_in of every piece from every earlier piece's (M, S) in log-depth rounds
+            states_in = exclusive_state_scan(summary_ms, [ss for _, ss in summaries], passing, pieces,
+                                             state_shape=state_shape, dtype=state_dtype, device=qkv_BsC.device,
+                                             what="H")
         else:
-            state_in = None if recv is None else recv.wait()
-        if not passing.is_last and not scan:
-            h_out = summary_s if summary_m is None else apply_summary(summary_m, summary_s, state_in)
-            passing.send(h_out, passing.rank + 1, "H_out")
+            states_in = _chain_forward(passing, pieces, summaries, first_recv,
+                                       torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device))
         if grad_enabled:
-            ctx.replay[replay_key] = (state_in, summary_m)
+            ctx.replay[replay_key] = (states_in, summary_ms)
 
+    outs, finals = [], []
     with torch.profiler.record_function("deltacp::p2p output"):
-        o, ht = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta,
-                                                     initial_state=state_in if reads_state_in else None,
-                                                     output_final_state=grad_enabled and not passing.is_last,
-                                                     use_qk_l2norm_in_kernel=True, prepared=prepared,
-                                                     cu_seqlens=layout)
+        for slot, ((q, k, v, g, beta), lay) in enumerate(zip(inputs, layouts)):
+            o, ht = layer.backend.chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=states_in[slot] if reads_state_in[slot] else None,
+                output_final_state=grad_enabled and not last[slot], use_qk_l2norm_in_kernel=True,
+                prepared=prepared[slot], cu_seqlens=lay)
+            outs.append(o)
+            finals.append(ht)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if not grad_enabled:
         return o
-    return _StateGradHop.apply(o, ht, q, k, v, g, beta, summary_m, prepared, passing, layer.backend, layout,
-                               reads_state_in)
+    saved, counts, staged = [], [], []
+    for slot, (q, k, v, g, beta) in enumerate(inputs):
+        stage = prepared[slot] is not None and reads_state_in[slot]
+        if reads_state_in[slot]:
+            part = [q, k, v, g, beta, summary_ms[slot], *(prepared[slot].tensors_for_backward() if stage else ())]
+        else:
+            part = [None] * 5 + [summary_ms[slot]]
+        saved += part
+        counts.append(len(part))
+        staged.append(stage)
+    hops = _Hops(passing, layer.backend, pieces, layouts, reads_state_in, staged, counts, state_shape, state_dtype)
+    return _StateGradHop.apply(o, hops, len(finals), *finals, *saved)

@@ -29,9 +29,12 @@ reaches position 0). Memory: three summaries (exc, inc, the received one) whatev
 summaries. Products run in
 promote(dtype, float32): float32 for float32/bf16 states, float64 stays float64.
 
-`ScanState` holds one position's side of the algorithm with the transport left out: `exclusive_state_scan` runs it
-over a `StatePassing` (batch_isend_irecv on the p2p group), `simulate_exclusive_scan` runs n positions in lockstep
-in one process (tests, `bench/state_scan.py`).
+Positions are the pieces of the row (`placement.Pieces`): one per rank under the contiguous layout, two under the
+balanced one (rank r runs positions r and 2P - 1 - r, n = 2P, ceil(log2 2P) rounds).
+
+`ScanState` holds one position's side of the algorithm with the transport left out: `exclusive_state_scan` runs a
+member's positions over a `StatePassing` (batch_isend_irecv on the p2p group), `simulate_exclusive_scan` runs n
+positions in lockstep in one process (tests, `bench/state_scan.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from deltacp.distributed.collectives import StatePassing
+from deltacp.parallel.placement import Pieces
 
 
 def scan_rounds(n: int) -> int:
@@ -164,25 +168,52 @@ class ScanState:
         return (self.exc[..., self.k:] if self._with_m(self.exc) else self.exc).contiguous()
 
 
-def exclusive_state_scan(m: torch.Tensor | None, s: torch.Tensor | None, passing: StatePassing, *,
-                         state_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
-                         reverse: bool = False, what: str = "scan") -> torch.Tensor | None:
-    """The state entering this rank: the S of the composition of the earlier ranks' maps (M, S) applied to a zero
-    state, in ceil(log2 P) rounds over `passing`'s group (P its size). reverse: the ranks in reverse order (the
-    backward: pass Mᵀ and dH_in_local, get dH_out). None on the first rank of the order. Every rank of the group
-    calls it at the same point; m None is the zero map; s may be None on the last rank of the order."""
-    n = passing.size
-    position = n - 1 - passing.rank if reverse else passing.rank
+def exclusive_state_scan(ms: Sequence[torch.Tensor | None], ss: Sequence[torch.Tensor | None],
+                         passing: StatePassing, pieces: Pieces, *, state_shape: Sequence[int], dtype: torch.dtype,
+                         device: torch.device | str, reverse: bool = False, what: str = "scan"
+                         ) -> list[torch.Tensor | None]:
+    """The state entering each local piece: the S of the composition of the earlier pieces' maps (M, S) applied to a
+    zero state, in ceil(log2 N) rounds over `passing`'s group (N = pieces.total, the positions of the scan; each
+    member runs the positions of its pieces). reverse: the pieces in reverse order (the backward: pass Mᵀ and
+    dH_in_local, get dH_out). Per local piece (slot order) m (None: the zero map) and s (None where the piece is the
+    last of the order); the result is None for the first piece of the order. Every member of the group calls it at
+    the same point. A message between two pieces of one member is handed over locally; the others of a round go out
+    as one batch of point-to-point operations (at most one each way per peer: a balanced member's two pieces
+    exchange with different peers in every round)."""
+    n, me = pieces.total, pieces.member
 
-    def rank_of(q: int | None) -> int | None:
-        return None if q is None else (n - 1 - q if reverse else q)
+    def position_of(piece: int) -> int:
+        return n - 1 - piece if reverse else piece
 
-    state = ScanState(m, s, position, n, state_shape=state_shape, dtype=dtype, device=device)
-    for rnd in state.schedule:
-        x = passing.exchange(state.outgoing(rnd), rank_of(rnd.send_to), state.incoming(rnd), rank_of(rnd.recv_from),
-                             f"{what} d{rnd.offset}")
-        state.absorb(rnd, x)
-    return state.result()
+    def holder(position: int) -> tuple[int, int]:
+        return pieces.holder(position_of(position))
+
+    states = [ScanState(m, s, position_of(piece), n, state_shape=state_shape, dtype=dtype, device=device)
+              for m, s, piece in zip(ms, ss, pieces.positions)]
+    for d in range(scan_rounds(n)):
+        rounds = [st.schedule[d] for st in states]
+        local, sends, recvs = {}, [], []
+        for st, rnd in zip(states, rounds):
+            out = st.outgoing(rnd)
+            if out is None:
+                continue
+            member, slot = holder(rnd.send_to)
+            if member == me:
+                local[slot] = out
+            else:
+                sends.append((out, member))
+        for slot, (st, rnd) in enumerate(zip(states, rounds)):
+            if rnd.recv_from is not None and holder(rnd.recv_from)[0] != me:
+                recvs.append((st.incoming(rnd), holder(rnd.recv_from)[0]))
+        received = iter(passing.exchange(sends, recvs, f"{what} d{1 << d}"))
+        for slot, (st, rnd) in enumerate(zip(states, rounds)):
+            if rnd.recv_from is None:
+                st.absorb(rnd, None)
+            elif holder(rnd.recv_from)[0] == me:
+                st.absorb(rnd, local[slot])
+            else:
+                st.absorb(rnd, next(received))
+    return [st.result() for st in states]
 
 
 def simulate_exclusive_scan(ms: Sequence[torch.Tensor | None], ss: Sequence[torch.Tensor | None], *,

@@ -4,7 +4,8 @@ slice; Ulysses scans Hv / P heads of the whole row (no group: the sequence is wh
 (`two_d.py`) scans Hv / u heads of its Ulysses group's slice, across the same heads of the other groups.
 
 `scan_inputs` is the start every mode's scan shares: the causal conv + SiLU + q/k/v split (with the halo from the
-previous slice), the gates, and the backend's contract check.
+previous piece), the gates, and the backend's contract check, per local piece (`placement.Pieces`: one piece under
+the contiguous layout, two under the balanced one).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import DocumentSegment
 from deltacp.parallel.gdn_layer import GDNLayerCP
+from deltacp.parallel.placement import Pieces
 
 
 @dataclass
@@ -35,14 +37,18 @@ class GDNShard:
 
 
 def scan_inputs(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
-                docs: DocumentSegment | None):
-    """q, k [B, s, qk_heads, K], v [B, s, Hv, V], g, beta [B, s, Hv] of this shard, checked against the backend's
-    contract. Contiguous once here (the Triton backend writes them so; eager's are views of the conv output): the
-    backend's saves and the modes' own autograd nodes then share these tensors instead of views keeping the whole
-    conv output alive through the backward."""
-    q, k, v = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, docs,
-                            shard.seq_group)
-    q, k, v = (t.contiguous() for t in (q, k, v))
+                pieces: Pieces, docs: list[DocumentSegment | None]):
+    """Per local piece: q, k [B, n, qk_heads, K], v [B, n, Hv, V], g, beta [B, n, Hv] of this shard, checked against
+    the backend's contract. Contiguous once here (the Triton backend writes them so; eager's are views of the conv
+    output): the backend's saves and the modes' own autograd nodes then share these tensors instead of views
+    keeping the whole conv output alive through the backward."""
+    qkvs = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, pieces, docs,
+                         shard.seq_group)
     g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
-    layer.backend.check(q, k, v, g, beta)
-    return q, k, v, g, beta
+    out = []
+    for slot, qkv in enumerate(qkvs):
+        q, k, v = (t.contiguous() for t in qkv)
+        g_s, beta_s = (g, beta) if len(qkvs) == 1 else (t[:, pieces.local(slot)].contiguous() for t in (g, beta))
+        layer.backend.check(q, k, v, g_s, beta_s)
+        out.append((q, k, v, g_s, beta_s))
+    return out

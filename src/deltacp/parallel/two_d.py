@@ -1,8 +1,9 @@
 """2-D linear attention CP (`ulysses_degree` = u < cp): Ulysses inside a group of u consecutive CP ranks,
 p2p (or all_gather) across the cp / u groups on the head-sharded state.
 
-Group g holds the contiguous tokens [g L, (g + 1) L), L = u * s, because its ranks are consecutive CP ranks.
-One all-to-all inside the group gives rank j of it those L tokens for value heads [j Hv/u, (j + 1) Hv/u) (and
+Group g holds the contiguous tokens [g L, (g + 1) L), L = u * s, because its ranks are consecutive CP ranks
+(sequence_layout='balanced': group pieces g and 2G - 1 - g of the row cut into 2G, `placement.py`, put in row
+order after the all-to-all). One all-to-all inside the group gives rank j of it those L tokens for value heads [j Hv/u, (j + 1) Hv/u) (and
 the q/k heads they read; repeated to the value heads when the key heads do not divide by u, with their conv
 kernels, as in `ulysses.py`). Across groups it is the 1-D algorithm on that head shard: rank j of group g takes
 its conv halo from, and its entering state from, rank j of group g - 1 (same heads), over the `across` group
@@ -20,6 +21,7 @@ import torch
 from deltacp.distributed.collectives import all_to_all_head_to_seq
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP
+from deltacp.parallel.placement import from_row_order
 from deltacp.parallel.ulysses import seq_to_head_shard
 
 
@@ -42,5 +44,6 @@ def two_d_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a
     sh = seq_to_head_shard(layer, qkv_BsC, b_BsH, a_BsH, groups.ulysses)
     L = sh.qkv_BSC.shape[1]
     o_BLHV = layer.mode.across(layer, sh.scan_shard(layer, groups.across), sh.qkv_BSC, sh.b_BSH, sh.a_BSH, ctx)
-    o_BsPX = all_to_all_head_to_seq(o_BLHV.reshape(B, L, sh.v_local * V), groups.ulysses)
+    o_BLX = from_row_order(o_BLHV.reshape(B, L, sh.v_local * V), 1, groups.ulysses.size(), layer.balanced)
+    o_BsPX = all_to_all_head_to_seq(o_BLX, groups.ulysses)
     return o_BsPX.reshape(B, s, Hv, V)

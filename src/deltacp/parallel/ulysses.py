@@ -5,6 +5,10 @@ Rank p owns value heads [p*Hv/P, (p+1)*Hv/P). When the key heads do not divide b
 to the value heads first (each value head j reads key head j // (Hv/Hk)), with the conv kernels of the
 repeated channels repeated alike, which is exact for a depthwise conv.
 
+Under sequence_layout='balanced' the all-to-all returns the group's tokens member by member (each member's two
+pieces); one block permutation puts them in row order (`placement.to_row_order`) before the conv, and its inverse
+puts the outputs back before the return all-to-all.
+
 Shape legend: s local tokens, S = P*s all tokens, P CP degree; *_BsPX packed per destination rank.
 """
 
@@ -18,7 +22,8 @@ import torch.distributed as dist
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.ops.gdn.eager import split_qkv
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segment
+from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
+from deltacp.parallel.placement import Pieces, from_row_order, to_row_order
 from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
@@ -49,8 +54,8 @@ def _rank_channels(layer: GDNLayerCP, rank: int, cp: int, device) -> torch.Tenso
 
 @dataclass
 class HeadShard:
-    """One rank's heads after the Ulysses all-to-all over a group of P ranks: the group's P*s tokens of its
-    [q | k | v] channels, beta and gate inputs, and which channels / value heads of the module those are."""
+    """One rank's heads after the Ulysses all-to-all over a group of P ranks: the group's P*s tokens (in row order)
+    of its [q | k | v] channels, beta and gate inputs, and which channels / value heads of the module those are."""
 
     qkv_BSC: torch.Tensor
     b_BSH: torch.Tensor
@@ -72,7 +77,7 @@ class HeadShard:
 def seq_to_head_shard(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
                       group) -> HeadShard:
     """One all-to-all over `group` (Ulysses degree P): the local tokens, all heads -> the group's tokens, this
-    rank's heads (shared by the 1-D Ulysses mixer and the 2-D layout's groups)."""
+    rank's heads, in row order (shared by the 1-D Ulysses mixer and the 2-D layout's groups)."""
     m = layer.view
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     B, s, _ = qkv_BsC.shape
@@ -86,7 +91,7 @@ def seq_to_head_shard(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Ten
         q.reshape(B, s, P, qk_local * K), k.reshape(B, s, P, qk_local * K), v.reshape(B, s, P, v_local * V),
         b_BsH.reshape(B, s, P, v_local), a_BsH.reshape(B, s, P, v_local),
     ], dim=-1)
-    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
+    full_BSX = to_row_order(all_to_all_seq_to_head(packed_BsPX, group), 1, P, layer.balanced)
     qkv_BSC, b_BSH, a_BSH = torch.split(full_BSX, [2 * qk_local * K + v_local * V, v_local, v_local], dim=-1)
 
     key = (rank, P, qkv_BsC.device)
@@ -103,10 +108,12 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
     V, Hv = m.head_v_dim, m.num_v_heads
     sh = seq_to_head_shard(layer, qkv_BsC, b_BsH, a_BsH, layer.group)
     S = sh.qkv_BSC.shape[1]
-    docs = document_segment(layer, ctx, 0, 1, S)  # packed row: the whole row's documents
-    q, k, v, g, beta = scan_inputs(layer, sh.scan_shard(layer), sh.qkv_BSC, sh.b_BSH, sh.a_BSH, docs)
+    whole = Pieces(0, 1, False, S)  # the whole row, in row order
+    (docs,) = document_segments(ctx, whole)
+    ((q, k, v, g, beta),) = scan_inputs(layer, sh.scan_shard(layer), sh.qkv_BSC, sh.b_BSH, sh.a_BSH, whole, [docs])
 
     o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                      cu_seqlens=None if docs is None else docs.layout)
-    o_BsPX = all_to_all_head_to_seq(o_BSHV.reshape(B, S, sh.v_local * V), layer.group)
+    o_BSX = from_row_order(o_BSHV.reshape(B, S, sh.v_local * V), 1, dist.get_world_size(layer.group), layer.balanced)
+    o_BsPX = all_to_all_head_to_seq(o_BSX, layer.group)
     return o_BsPX.reshape(B, s, Hv, V)
