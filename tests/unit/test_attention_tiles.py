@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import deltacp.parallel.attention_tiles as tiles_mod
 from deltacp.parallel.attention import ulysses_kv_heads
-from deltacp.parallel.attention_tiles import plan_tiles, split_tiles_by_block, tiled_attention
+from deltacp.parallel.attention_tiles import plan_span_tiles, plan_tiles, split_tiles_by_block, tiled_attention
+from deltacp.parallel.placement import Pieces
 
 
 def _reference(q, k, v, cu, scale):
@@ -78,3 +79,94 @@ def test_plan_refuses_documents_of_another_batch_shape():
 ])
 def test_ulysses_kv_heads(heads, kv, degree, expected):
     assert ulysses_kv_heads(heads, kv, degree).tolist() == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Query spans (sequence_layout='balanced': a rank's queries are two runs of the row) and the ring's holders
+# ---------------------------------------------------------------------------------------------------------------
+
+SPAN_DOCS = [None, [0, 5, 17, 18, 40, 47, 64], [0, 64]]  # documents crossing piece boundaries (pieces of 8 at G=4)
+
+
+def _expected_pairs(row_q, S, cu):
+    """[L, S] 1 where local query i (row position row_q[i]) may see key position k: same document, k <= it."""
+    pos = torch.arange(S)
+    bounds = torch.tensor(cu if cu is not None else [0, S])
+    doc = torch.searchsorted(bounds, pos, right=True)
+    return ((pos[None] <= row_q[:, None]) & (doc[None] == doc[row_q][:, None])).long()
+
+
+def _add_tile(covered, t, key_positions):
+    n_q, n_k = t.q[1] - t.q[0], t.k[1] - t.k[0]
+    ones = torch.ones(n_q, n_k, dtype=torch.int64)
+    covered[t.q[0]:t.q[1], key_positions] += ones.tril() if t.causal else ones
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("block", [None, 3])
+@pytest.mark.parametrize("cu", SPAN_DOCS)
+def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu):
+    """Every (query, key) pair a query may see lies in exactly one tile, for every member of groups of 1-4; and
+    once more after the ring's split by holder, whose re-based keys name the holder's own local keys."""
+    S = 64
+    for G in (1, 2, 4):
+        L = S // G
+        for g in range(G):
+            pieces = Pieces(g, G, balanced, L)
+            expected = _expected_pairs(pieces.row_index(), S, cu)
+            tiles = plan_span_tiles(1, S, pieces.spans(), None if cu is None else torch.tensor(cu), block)
+            covered = torch.zeros(L, S, dtype=torch.int64)
+            for t in tiles:
+                _add_tile(covered, t, slice(*t.k))
+            assert torch.equal(covered, expected), (G, g)
+            covered.zero_()
+            buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
+            assert set(buckets) <= set(range(G))
+            for member, part in buckets.items():
+                held = Pieces(member, G, balanced, L).row_index()  # the holder's local keys, row positions
+                for t in part:
+                    assert 0 <= t.k[0] < t.k[1] <= L
+                    _add_tile(covered, t, held[t.k[0]:t.k[1]])
+            assert torch.equal(covered, expected), (G, g, "ring")
+
+
+def test_span_tiles_match_per_document_sdpa():
+    """Two query runs (a balanced rank's pieces), documents across them, against one SDPA per document."""
+    torch.manual_seed(0)
+    S, H, Hk, D, scale, cu = 64, 4, 2, 8, 0.37, torch.tensor([0, 5, 17, 18, 40, 47, 64])
+    q, k, v = (torch.randn(1, h, S, D, dtype=torch.float64, requires_grad=True) for h in (H, Hk, Hk))
+    pieces = Pieces(1, 4, True, 16)  # row positions [8, 16) and [48, 56)
+    rows = pieces.row_index()
+    ref = _reference(q, k, v, cu, scale)[:, :, rows]
+    d_out = torch.randn_like(ref)
+    grads_ref = torch.autograd.grad((ref * d_out).sum(), (q, k, v))
+    out = tiled_attention(q[:, :, rows], k, v, plan_span_tiles(1, S, pieces.spans(), cu, 5), scale)
+    grads = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    assert (out - ref).abs().max() < 1e-12
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        assert (g - g_ref).abs().max() < 1e-12, name
+
+
+def _work(tiles):
+    """Causal attention work: query count x key count per tile, the diagonal counted half."""
+    return sum((t.q[1] - t.q[0]) * (t.k[1] - t.k[0]) * (t.rows[1] - t.rows[0]) * (0.5 if t.causal else 1.0)
+               for t in tiles)
+
+
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_ring_work_is_balanced_under_the_balanced_layout(G):
+    """Per rank (and per ring step: the tiles on the block held at that step) the causal work of the ring is equal
+    across ranks within 5% under sequence_layout='balanced'; contiguous grows with the rank."""
+    S, block = 1024, 32
+    spread = {}
+    for balanced in (False, True):
+        totals, steps = [], []
+        for g in range(G):
+            pieces = Pieces(g, G, balanced, S // G)
+            tiles = plan_span_tiles(2, S, pieces.spans(), None, block)
+            buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
+            totals.append(_work(tiles))
+            steps += [_work(buckets.get(m, ())) for m in range(G)]
+        spread[balanced] = (max(totals) / min(totals), max(steps) / max(min(steps), 1e-300))
+    assert spread[True][0] < 1.05 and spread[True][1] < 1.05, spread
+    assert spread[False][0] > 1.5, spread

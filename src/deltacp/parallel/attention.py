@@ -9,6 +9,12 @@ then its exchange and causal attention, then the output gate and projection.
   2-D layout), then the queries of the group's slice against every earlier key, K and V coming from the other
   groups by all-gather or around a ring; attention tile by tile (`attention_tiles.py`).
 
+Sequence layout (`placement.py`): contiguous, rank r holds row positions [r s, (r + 1) s); balanced, pieces r and
+2P - 1 - r of the row cut into 2P, which makes every rank's causal work equal. Under balanced each all-to-all's
+member-major tokens are permuted to row order (`to_row_order`) before attention and back after it; a group of u
+ranks then holds group pieces g and 2G - 1 - g, whose queries are planned as two runs, and the K/V gathered
+across groups are put in row order the same way (the ring instead routes each key piece's tiles to its holder).
+
 The `attention_mask` this forward takes is None (causal over the whole row) or the model pre-hook's
 `CPForwardContext`, whose `attention` describes per-document causal attention over the flattened [B * S]
 stream (packed documents, or padded rows as valid + padding documents). No [S, S] (or [s, S]) mask is ever
@@ -35,10 +41,11 @@ from deltacp.distributed.collectives import (
     all_to_all_seq_to_head,
 )
 from deltacp.ops.precision import compute_dtype
-from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tile_kernel, tiled_attention
+from deltacp.parallel.attention_tiles import plan_span_tiles, ring_attention, tile_kernel, tiled_attention
 from deltacp.distributed.mesh import across_subgroup, cp_group_of, dedicated_cp_groups, ulysses_subgroup
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
 from deltacp.parallel.modes import attention_method
+from deltacp.parallel.placement import Pieces, from_row_order, to_row_order
 from deltacp.parallel.views import AttentionView, attention_view_of
 
 # Tile bound per kernel (tokens on each side of a tile): the fused kernels keep no [queries, keys] scores, so a
@@ -118,11 +125,16 @@ def project_qkv(view: AttentionView, hidden_states: torch.Tensor, position_embed
     return q_BsHD, k_BsHD, v_BsHD, gate
 
 
-def seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group):
-    """Ulysses over `group` (degree P): local tokens, all heads -> the group's P*s tokens, this rank's query heads
-    and the KV heads they read (`ulysses_kv_heads`); one all-to-all. Returns q, k, v as [B, H, P*s, D]."""
+def seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced: bool = False):
+    """Ulysses over `group` (degree P): local tokens, all heads -> the group's P*s tokens in row order, this rank's
+    query heads and the KV heads they read (`ulysses_kv_heads`); one all-to-all (balanced: then one block
+    permutation of the tokens, `placement.to_row_order`; the group's tokens are then its two pieces of the row,
+    each in row order). Returns q, k, v as [B, H, P*s, D]."""
     P = 1 if group is None else dist.get_world_size(group)
     B, s, heads, D = q_BsHD.shape
+    if balanced and s % 2:
+        raise ValueError(f"sequence_layout='balanced' needs an even number of local tokens (two equal pieces), "
+                         f"got {s}")
     if P == 1:
         return tuple(x.transpose(1, 2) for x in (q_BsHD, k_BsHD, v_BsHD))
     index = ulysses_kv_heads(heads, k_BsHD.shape[2], P)
@@ -130,18 +142,19 @@ def seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group):
     k_sel, v_sel = (x[:, :, index.flatten().to(x.device)] for x in (k_BsHD, v_BsHD))
     # [B, s, P, (Hq/P + 2 n_kv) D] -> [B, P*s, (Hq/P + 2 n_kv) D]
     packed_BsPX = torch.cat([x.reshape(B, s, P, -1) for x in (q_BsHD, k_sel, v_sel)], dim=-1)
-    full_BSX = all_to_all_seq_to_head(packed_BsPX, group)
+    full_BSX = to_row_order(all_to_all_seq_to_head(packed_BsPX, group), 1, P, balanced)
     q_BSX, k_BSX, v_BSX = torch.split(full_BSX, [heads // P * D, n_kv * D, n_kv * D], dim=-1)
     return tuple(x.reshape(B, s * P, -1, D).transpose(1, 2) for x in (q_BSX, k_BSX, v_BSX))
 
 
-def heads_to_seq(o_BHSD: torch.Tensor, group) -> torch.Tensor:
-    """The inverse of `seq_to_heads` for the output: [B, H/P, P*s, D] -> [B, s, H * D]."""
+def heads_to_seq(o_BHSD: torch.Tensor, group, balanced: bool = False) -> torch.Tensor:
+    """The inverse of `seq_to_heads` for the output: [B, H/P, P*s, D] (row order) -> [B, s, H * D]."""
     P = 1 if group is None else dist.get_world_size(group)
     B, h, S, D = o_BHSD.shape
     o_BSX = o_BHSD.transpose(1, 2).reshape(B, S, h * D)
     if P == 1:
         return o_BSX
+    o_BSX = from_row_order(o_BSX, 1, P, balanced)
     return all_to_all_head_to_seq(o_BSX, group).reshape(B, S // P, P * h * D)
 
 
@@ -166,14 +179,15 @@ def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden
                               output_router_logits: bool | None = None, **unsupported):
     """position_ids: read upstream (the rotary embedding, and the model hook for document starts), not here.
     output_router_logits: passed down every decoder layer of an MoE model, honoured by transformers' recording of
-    the routers' outputs; nothing to do here."""
+    the routers' outputs; nothing to do here. balanced: the rank holds pieces r and 2P - 1 - r of the row
+    (`placement.py`); the all-to-all's tokens are put in row order for the attention and back after it."""
     hidden_states, docs = _attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, "Ulysses")
     attention_head_layout(view.num_heads, view.num_kv_heads, dist.get_world_size(group))
     q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
-    q_BHSD, k_BHSD, v_BHSD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group)
+    q_BHSD, k_BHSD, v_BHSD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced)  # the whole row, row order
     o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=view.scaling, dropout_p=view.dropout)
-    return view.o_proj(heads_to_seq(o_BHSD, group) * torch.sigmoid(gate)), None
+    return view.o_proj(heads_to_seq(o_BHSD, group, balanced) * torch.sigmoid(gate)), None
 
 
 @dataclass
@@ -196,33 +210,36 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     """Full attention without a head limit: Ulysses inside a group of u ranks (u = 1: none), then the group's
     queries against every earlier key, the keys and values coming from the other groups by all-gather or ring.
 
-    Group g of G holds row positions [g L, (g + 1) L), L = u * s (consecutive CP ranks form a group, so the
-    group's slice is contiguous); after the Ulysses all-to-all each rank of it holds those L tokens for Hq / u
-    query heads and the KV heads they read, and rank j of group g exchanges KV with rank j of every other group
-    (the same heads). Causal per document, tile by tile (`attention_tiles`), no mask built."""
+    Group g of G (u consecutive CP ranks) holds L = u * s tokens of the row (`placement.Pieces` of member g of G):
+    contiguous, row positions [g L, (g + 1) L); balanced, group pieces g and 2G - 1 - g of L / 2 each. After the
+    Ulysses all-to-all (and, balanced, the block permutation to row order) each rank of the group holds those L
+    tokens in local order for Hq / u query heads and the KV heads they read, and rank j of group g exchanges KV
+    with rank j of every other group (the same heads). Causal per document, tile by tile (`attention_tiles`: the
+    tiles of each query piece), no mask built."""
     hidden_states, docs = _attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, f"{plan.method}")
     if view.dropout:
         raise NotImplementedError(f"attention_dropout={view.dropout} with full_attention_cp={plan.method!r} is not "
                                   f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
     q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
-    q_BHLD, k_BHLD, v_BHLD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, plan.ulysses_group)
+    q_BHLD, k_BHLD, v_BHLD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, plan.ulysses_group, plan.balanced)
     B, _, L, D = q_BHLD.shape
     G, g = dist.get_world_size(plan.across_group), dist.get_rank(plan.across_group)
     S = G * L
+    spans = Pieces(g, G, plan.balanced, L).spans()  # the group's query runs of the row, in local order
     block = plan.block if plan.block is not None else DEFAULT_BLOCK[tile_kernel(q_BHLD)]
-    tiles = plan_tiles(B, S, g * L, L, None, block) if docs is None else docs.tiles(B, S, g * L, L, block)
+    tiles = plan_span_tiles(B, S, spans, None, block) if docs is None else docs.tiles(B, S, spans, block)
     match plan.method:
         case "all_gather":
-            # K and V in one collective: [B, L, h, 2D] -> [B, S, h, 2D]
+            # K and V in one collective: [B, L, h, 2D] -> [B, S, h, 2D] (member-major, then row order)
             kv_BLHX = torch.cat([k_BHLD, v_BHLD], dim=-1).transpose(1, 2)
-            kv_BHSX = all_gather_seq_autograd(kv_BLHX, 1, plan.across_group).transpose(1, 2)
-            k_BHSD, v_BHSD = kv_BHSX.split(D, dim=-1)
+            kv_BSHX = to_row_order(all_gather_seq_autograd(kv_BLHX, 1, plan.across_group), 1, G, plan.balanced)
+            k_BHSD, v_BHSD = kv_BSHX.transpose(1, 2).split(D, dim=-1)
             o_BHLD = tiled_attention(q_BHLD, k_BHSD, v_BHSD, tiles, view.scaling)
         case "ring":
             o_BHLD = ring_attention(q_BHLD, k_BHLD.contiguous(), v_BHLD.contiguous(), tiles, view.scaling,
-                                    plan.ring)
-    return view.o_proj(heads_to_seq(o_BHLD, plan.ulysses_group) * torch.sigmoid(gate)), None
+                                    plan.ring, plan.balanced)
+    return view.o_proj(heads_to_seq(o_BHLD, plan.ulysses_group, plan.balanced) * torch.sigmoid(gate)), None
 
 
 def check_attention_module(module: nn.Module, cp: int, method: str, ulysses_degree: int) -> dict:

@@ -1,5 +1,6 @@
-"""Causal per-document attention of a contiguous range of queries against keys held elsewhere (all-gathered, or
-passing by on a ring), tile by tile, merged by log-sum-exp: flash attention's online softmax across calls.
+"""Causal per-document attention of a rank's queries (one contiguous run of the row, or two under the balanced
+sequence layout) against keys held elsewhere (all-gathered, or passing by on a ring), tile by tile, merged by
+log-sum-exp: flash attention's online softmax across calls.
 
 A *tile* is one attention call on one block of queries and one block of keys of the same document, either fully
 visible (the keys precede every query of the block) or the causal diagonal (keys = the queries' own positions,
@@ -17,7 +18,7 @@ Kernels, chosen by device and dtype (documented, not a fall-back): CUDA bf16/fp1
 flash_attention`; CPU (any float dtype) -> `aten._scaled_dot_product_flash_attention_for_cpu`; CUDA fp32/fp64 ->
 explicit math on the tile. Dropout is not supported (callers refuse it).
 
-Shape legend: q_BHLD the rank's queries (L tokens at offset q0 of each row), k_BHSD / v_BHSD keys and values of
+Shape legend: q_BHLD the rank's queries (L tokens of each row, in the row-position runs the plan names), k_BHSD / v_BHSD keys and values of
 row positions [0, S) (Hk heads; Hq / Hk query heads read each, as in GQA); lse_BHL log-sum-exp per query.
 """
 
@@ -29,58 +30,78 @@ from dataclasses import dataclass
 import torch
 
 from deltacp.ops.precision import compute_dtype
+from deltacp.parallel.placement import Pieces
 
 
 @dataclass(frozen=True)
 class Tile:
     rows: tuple[int, int]  # batch rows [lo, hi)
-    q: tuple[int, int]  # local query positions [lo, hi) (0 = the first query, at row position q0)
+    q: tuple[int, int]  # local query positions [lo, hi) (the rank's queries in their local order)
     k: tuple[int, int]  # key row positions [lo, hi)
-    causal: bool  # the square diagonal block (k == q + q0)
+    causal: bool  # the square diagonal block (keys = the queries' own row positions)
 
 
-def plan_tiles(B: int, S: int, q0: int, L: int, cu_seqlens: torch.Tensor | None, block: int | None) -> list[Tile]:
-    """The tiles of queries [q0, q0 + L) of every row of S tokens; `cu_seqlens`: documents over the flattened
-    [B * S] stream (None: one causal sequence per row). Tiles of one query block are consecutive."""
-    segments = []  # (rows, first query, end query, document start), row positions
-    if cu_seqlens is None:
-        segments.append(((0, B), q0, q0 + L, 0))
-    else:
-        cu = cu_seqlens.tolist()
-        if cu[-1] != B * S:
-            raise ValueError(f"attention documents cover {cu[-1]} tokens, expected the flattened batch B * S = "
-                             f"{B} * {S}")
-        for b in range(B):
-            base, lo, hi = b * S, b * S + q0, b * S + q0 + L
-            i = bisect_right(cu, lo) - 1
-            while i < len(cu) - 1 and cu[i] < hi:
-                start = max(cu[i], base)  # documents never cross rows (padding documents end at row ends)
-                segments.append(((b, b + 1), max(cu[i], lo) - base, min(cu[i + 1], hi) - base, start - base))
-                i += 1
+def plan_span_tiles(B: int, S: int, spans, cu_seqlens: torch.Tensor | None, block: int | None) -> list[Tile]:
+    """The tiles of the queries of every row of S tokens that lie in `spans`, a sequence of row-position runs
+    [lo, hi) held one after the other locally (span i starts at local position sum of the earlier spans'
+    lengths: one span for a contiguous slice, two for a balanced one, `placement.Pieces.spans`). `cu_seqlens`:
+    documents over the flattened [B * S] stream, in row order (None: one causal sequence per row). Tiles of one
+    query block are consecutive."""
+    segments = []  # (rows, first query, end query, document start, local offset of row position 0)
+    cu = None if cu_seqlens is None else cu_seqlens.tolist()
+    if cu is not None and cu[-1] != B * S:
+        raise ValueError(f"attention documents cover {cu[-1]} tokens, expected the flattened batch B * S = "
+                         f"{B} * {S}")
+    local = 0
+    for q0, q1 in spans:
+        if not 0 <= q0 < q1 <= S:
+            raise ValueError(f"query span [{q0}, {q1}) is not a non-empty run of a row of {S} tokens")
+        shift = local - q0
+        if cu is None:
+            segments.append(((0, B), q0, q1, 0, shift))
+        else:
+            for b in range(B):
+                base, lo, hi = b * S, b * S + q0, b * S + q1
+                i = bisect_right(cu, lo) - 1
+                while i < len(cu) - 1 and cu[i] < hi:
+                    start = max(cu[i], base)  # documents never cross rows (padding documents end at row ends)
+                    segments.append(((b, b + 1), max(cu[i], lo) - base, min(cu[i + 1], hi) - base, start - base,
+                                     shift))
+                    i += 1
+        local += q1 - q0
     tiles = []
-    for rows, a, e, start in segments:
+    for rows, a, e, start, shift in segments:
         step = block or (e - a)
         for qa in range(a, e, step):
             qb = min(e, qa + step)
             kstep = block or max(qa - start, 1)
             for ka in range(start, qa, kstep):
-                tiles.append(Tile(rows, (qa - q0, qb - q0), (ka, min(qa, ka + kstep)), False))
-            tiles.append(Tile(rows, (qa - q0, qb - q0), (qa, qb), True))
+                tiles.append(Tile(rows, (qa + shift, qb + shift), (ka, min(qa, ka + kstep)), False))
+            tiles.append(Tile(rows, (qa + shift, qb + shift), (qa, qb), True))
     return tiles
 
 
-def split_tiles_by_block(tiles: list[Tile], block_len: int) -> dict[int, list[Tile]]:
-    """Tiles cut at key positions that are multiples of `block_len` and grouped by key block (ring attention:
-    block j holds key positions [j * block_len, (j + 1) * block_len)); keys re-based to their block."""
+def plan_tiles(B: int, S: int, q0: int, L: int, cu_seqlens: torch.Tensor | None, block: int | None) -> list[Tile]:
+    """`plan_span_tiles` of one contiguous run of queries [q0, q0 + L) (local position 0 at row position q0)."""
+    return plan_span_tiles(B, S, [(q0, q0 + L)], cu_seqlens, block)
+
+
+def split_tiles_by_block(tiles: list[Tile], block_len: int, holder=None) -> dict[int, list[Tile]]:
+    """Tiles cut at key positions that are multiples of `block_len` (the row's pieces: piece p holds key positions
+    [p * block_len, (p + 1) * block_len)) and grouped by the ring member holding the key piece; keys re-based to
+    that member's local keys. `holder(p)` -> (member, slot): the member holds p as its slot-th piece of
+    block_len keys (`placement.Pieces.holder`); None: member p holds piece p alone (a contiguous layout)."""
     out: dict[int, list[Tile]] = {}
     for t in tiles:
         ka, kb = t.k
         while ka < kb:
-            j = ka // block_len
-            end = min(kb, (j + 1) * block_len)
+            p = ka // block_len
+            end = min(kb, (p + 1) * block_len)
             if t.causal and end != kb:
                 raise ValueError("a causal diagonal tile crosses a ring block (queries outside the rank's block)")
-            out.setdefault(j, []).append(Tile(t.rows, t.q, (ka - j * block_len, end - j * block_len), t.causal))
+            member, slot = (p, 0) if holder is None else holder(p)
+            shift = slot * block_len - p * block_len
+            out.setdefault(member, []).append(Tile(t.rows, t.q, (ka + shift, end + shift), t.causal))
             ka = end
     return out
 
@@ -250,10 +271,12 @@ def tiled_attention(q_BHLD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Te
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention over `ring` (a RingPassing): rank g holds keys/values of row positions [g * L, (g + 1) * L)
-    and its queries are those same positions. Forward: G steps; at step t the rank holds block (g - t) mod G,
-    posts the exchange that brings the next block, computes its tiles on the held block (causal: only blocks
-    <= g have any), waits. Backward: the same walk recomputing each tile from the merged o and lse, with the
+    """Ring attention over `ring` (a RingPassing): rank g holds the keys/values of its pieces of the row (its block:
+    contiguous, row positions [g * L, (g + 1) * L); balanced, pieces g and 2G - 1 - g of L / 2 each) and its
+    queries are those same positions; `buckets` are the tiles grouped by the rank holding their keys, keys
+    re-based to that rank's block (`split_tiles_by_block`). Forward: G steps; at step t the rank holds block
+    (g - t) mod G, posts the exchange that brings the next block, computes its tiles on the held block
+    (contiguous: only blocks <= g have any; balanced: every block has the same causal work), waits. Backward: the same walk recomputing each tile from the merged o and lse, with the
     block's dk/dv accumulator travelling behind the block (its hop overlapping the next step's tiles); after G
     exchanges of the accumulator every block's gradient is back on its owner. Exchanges are issued in the same
     order on every rank (K|V of step t, then dK|dV of step t), so each neighbour pair matches them in order. Memory: two blocks of k/v (and of their gradient), never the gathered row."""
@@ -304,8 +327,11 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, tiles: list[Tile],
-                   scale: float, ring) -> torch.Tensor:
-    """Attention of this rank's queries (row positions [g L, (g + 1) L), g = ring.rank) over the keys the tiles
-    name, with keys and values held one block per rank and passed around the ring. Differentiable."""
-    L = q_BHLD.shape[2]
-    return _RingAttention.apply(q_BHLD, k_BHLD, v_BHLD, split_tiles_by_block(tiles, L), scale, ring)
+                   scale: float, ring, balanced: bool = False) -> torch.Tensor:
+    """Attention of this rank's queries over the keys the tiles name, with keys and values held one block per rank
+    and passed around the ring. The rank's queries, keys and values are its pieces of the row in local order
+    (`placement.Pieces` of member g = ring.rank of G = ring.size: row positions [g L, (g + 1) L); balanced,
+    pieces g and 2G - 1 - g of L / 2 each). Differentiable."""
+    pieces = Pieces(ring.rank, ring.size, balanced, q_BHLD.shape[2])
+    buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
+    return _RingAttention.apply(q_BHLD, k_BHLD, v_BHLD, buckets, scale, ring)
