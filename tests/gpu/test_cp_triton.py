@@ -44,7 +44,7 @@ def _mesh(group):
     return DeviceMesh.from_group(group, "cuda", mesh_dim_names=("cp",))
 
 
-def cp_triton_worker(rank, world, seq, cu=None):
+def cp_triton_worker(rank, world, seq, cu=None, layout="contiguous"):
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     base = long_memory_gates_(Qwen3_5GatedDeltaNet(_config(), 0)).cuda()
@@ -56,7 +56,8 @@ def cp_triton_worker(rank, world, seq, cu=None):
         if r == rank:
             self_group = group
     failures, rows = [], []
-    for mode in ("ulysses", "p2p"):
+    cases = [("ulysses", "chain"), ("p2p", "chain")] + ([("p2p", "scan")] if layout == "balanced" else [])
+    for mode, passing in cases:
         ref32 = LinearAttentionContextParallel(mode=mode, backend="eager").apply(copy.deepcopy(base).float(),
                                                                                 _mesh(self_group))
         out32, dx32 = _run(ref32, x, d_out, cu)
@@ -65,21 +66,22 @@ def cp_triton_worker(rank, world, seq, cu=None):
             copy.deepcopy(base).bfloat16(), _mesh(self_group))
         out16, dx16 = _run(ref16, x.bfloat16(), d_out, cu)
         g16 = grads_of(ref16)
-        cp = LinearAttentionContextParallel(mode=mode, backend="triton").apply(copy.deepcopy(base).bfloat16(),
-                                                                              _mesh(dist.group.WORLD))
-        xl, dl = local_slice(x, rank, world).bfloat16(), local_slice(d_out, rank, world)
+        cp = LinearAttentionContextParallel(mode=mode, backend="triton", state_passing=passing,
+                                            sequence_layout=layout).apply(copy.deepcopy(base).bfloat16(),
+                                                                          _mesh(dist.group.WORLD))
+        xl, dl = local_slice(x, rank, world, layout=layout).bfloat16(), local_slice(d_out, rank, world, layout=layout)
         out, dx = _run(cp, xl, dl, cu)
         grads = {n: g.float() for n, g in grads_of(cp).items()}
         for g in grads.values():
             dist.all_reduce(g)
         norm = flat(grads).norm().item()
         figures = {
-            "output vs fp32": rel_l2(out, local_slice(out32, rank, world)),
-            "input grad vs fp32": rel_l2(dx, local_slice(dx32, rank, world)),
+            "output vs fp32": rel_l2(out, local_slice(out32, rank, world, layout=layout)),
+            "input grad vs fp32": rel_l2(dx, local_slice(dx32, rank, world, layout=layout)),
             "param grads vs fp32": rel_l2(flat(grads), flat(g32)),
             "grad norm vs fp32": abs(norm / flat(g32).norm().item() - 1),
-            "output vs 1-rank triton": rel_l2(out, local_slice(out16, rank, world)),
-            "input grad vs 1-rank triton": rel_l2(dx, local_slice(dx16, rank, world)),
+            "output vs 1-rank triton": rel_l2(out, local_slice(out16, rank, world, layout=layout)),
+            "input grad vs 1-rank triton": rel_l2(dx, local_slice(dx16, rank, world, layout=layout)),
             "param grads vs 1-rank triton": rel_l2(flat(grads), flat({n: g.float() for n, g in g16.items()})),
         }
         worst_param = max(grads, key=lambda n: rel_l2(grads[n], g32[n]))
@@ -87,24 +89,25 @@ def cp_triton_worker(rank, world, seq, cu=None):
         for name, value in figures.items():
             bound = SAME_KERNEL_BOUND if "1-rank" in name else (5e-2 if "worst" in name else BF16_BOUND)
             if not value < bound:
-                failures.append(f"CP{world} {mode} {name}: {value:.3e} >= {bound:.0e}")
+                failures.append(f"CP{world} {layout} {mode}/{passing} {name}: {value:.3e} >= {bound:.0e}")
         # 20 consecutive steps: finite, and no memory growth after the first ones.
         memory = []
         for _ in range(20):
             cp.zero_grad(set_to_none=True)
             out, dx = _run(cp, xl, dl, cu)
             if not (torch.isfinite(out).all() and torch.isfinite(dx).all()):
-                failures.append(f"CP{world} {mode}: non-finite values in repeated runs")
+                failures.append(f"CP{world} {layout} {mode}/{passing}: non-finite values in repeated runs")
                 break
             torch.cuda.synchronize()
             memory.append(torch.cuda.memory_allocated())
         if memory[-1] > memory[2]:
-            failures.append(f"CP{world} {mode}: allocated memory grew from {memory[2]} to {memory[-1]} bytes")
-        rows.append((mode, figures))
+            failures.append(f"CP{world} {layout} {mode}/{passing}: allocated memory grew from {memory[2]} to "
+                            f"{memory[-1]} bytes")
+        rows.append((f"{mode}/{passing}", figures))
     if rank == 0:
         for mode, figures in rows:
             docs = "" if cu is None else f", {cu.numel() - 1} packed documents"
-            print(f"\nCP{world} {mode}+triton, 1x{seq} tokens{docs}, Hk/Hv 2/4, K=V=128:")
+            print(f"\nCP{world} {mode}+triton, {layout} layout, 1x{seq} tokens{docs}, Hk/Hv 2/4, K=V=128:")
             for name, value in figures.items():
                 print(f"  {name:<45} {value:.3e}")
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
@@ -123,3 +126,11 @@ PACKED_CU = torch.tensor([0, 1, 4, 700, 2048, 2049, 3000, 4096])
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_layer_parity_triton_packed_on_one_gpu(world):
     run_distributed(cp_triton_worker, world, 4096, PACKED_CU, timeout_s=600)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_cp_layer_parity_triton_balanced_on_one_gpu(world, packed):
+    """sequence_layout='balanced': every piece through the Triton kernels (two calls of each op per rank), the p2p
+    chain through 2P pieces and the scan over them."""
+    run_distributed(cp_triton_worker, world, 4096, PACKED_CU if packed else None, "balanced", timeout_s=600)

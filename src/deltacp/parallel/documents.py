@@ -1,11 +1,11 @@
 """Document structure of a CP step: packed documents, padding, and what each layer kind needs of them.
 
-A packed row (B = 1) holds documents back to back; under CP each rank holds a contiguous slice of it, and a
-document may start and end anywhere relative to the rank boundaries. Described by the global offsets
-`cu_seqlens` = [0, ..., S]. From them:
+A packed row (B = 1) holds documents back to back; under CP each rank holds one or two pieces of it (the
+sequence layout, `placement.py`), and a document may start and end anywhere relative to the piece boundaries.
+Described by the global offsets `cu_seqlens` = [0, ..., S]. From them:
 
-- a GDN layer in p2p / all_gather mode needs its slice's local offsets, whether its first document continues
-  from the previous rank (`DocumentSegment.layout.first_continues`), and each token's document start
+- a GDN layer in p2p / all_gather mode needs each local piece's offsets, whether its first document continues
+  from the previous piece (`DocumentSegment.layout.first_continues`), and each token's document start
   (`doc_start`: the conv reads only taps of the token's own document);
 - a GDN layer in Ulysses mode needs the same for the whole row;
 - full attention needs per-document causal masking (`AttentionDocuments`: offsets over the flattened
