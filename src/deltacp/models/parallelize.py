@@ -72,13 +72,14 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
 
 
 def cp_styles(cp: int, ulysses_degree: int | None, linear_attention_cp_mode: str, linear_attention_gdn_backend: str,
-              full_attention_cp: str, linear_attention_state_passing: str = "chain"
+              full_attention_cp: str, linear_attention_state_passing: str = "chain",
+              sequence_layout: str = "contiguous"
               ) -> tuple[LinearAttentionContextParallel, FullAttentionContextParallel]:
     """The two styles of a layout, after its model-independent rules (raises naming the setting)."""
     validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
     return (LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend, ulysses_degree,
-                                           linear_attention_state_passing),
-            FullAttentionContextParallel(full_attention_cp, ulysses_degree))
+                                           linear_attention_state_passing, sequence_layout),
+            FullAttentionContextParallel(full_attention_cp, ulysses_degree, sequence_layout=sequence_layout))
 
 
 def _install_on_layers(adapter: ModelAdapter, module_of, style, group, groups) -> int:
