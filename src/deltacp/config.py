@@ -10,6 +10,7 @@
         linear_attention_gdn_backend: triton
         full_attention_cp: ulysses    # ulysses | all_gather | ring  ('allgather': an alias of all_gather)
         linear_attention_state_passing: chain   # p2p's state hops: chain | scan (log-depth)
+        sequence_layout: contiguous   # which tokens each rank holds: contiguous | balanced (parallel/placement.py)
 
 `validate()` runs on every rank before the first collective, so a bad value is an error everywhere,
 never a hang.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, fields
 from deltacp.parallel.layout import validate_cp_layout
 from deltacp.distributed.collectives import StatePassing
 from deltacp.parallel.modes import canonical_name, gdn_mode
+from deltacp.parallel.placement import check_sequence_layout
 
 STATE_PASSING = StatePassing.SCHEDULES
 
@@ -53,6 +55,11 @@ class AcceleratorConfig:
     point-to-point exchanges; faster from about 4-6 ranks on, docs/design.md 4.2.1). Only with a mode that has
     state hops (p2p)."""
 
+    sequence_layout: str = "contiguous"
+    """Which tokens of a row each CP rank holds, in every layer: contiguous (rank r: positions [r s, (r + 1) s)) or
+    balanced (rank r: pieces r and 2 cp - 1 - r of the row cut into 2 cp, equal causal attention work per rank;
+    train.data.seq_len must then divide by 2 x cp). `parallelize_cp(sequence_layout=)`, `parallel/placement.py`."""
+
     @classmethod
     def from_dict(cls, raw: dict | None) -> "AcceleratorConfig":
         raw = dict(raw or {})
@@ -81,6 +88,7 @@ class AcceleratorConfig:
         if self.linear_attention_state_passing != "chain" and not mode.state_hops:
             raise ValueError(f"train.accelerator.linear_attention_state_passing={self.linear_attention_state_passing!r}"
                              f" needs a mode with state hops (p2p), not linear_attention_cp_mode={mode.name!r}")
+        check_sequence_layout(self.sequence_layout, prefix="train.accelerator.")
         if self.tp != 1:
             raise ValueError(f"train.accelerator.tp={self.tp} is not supported with linear attention CP: tp must be 1")
         validate_cp_layout(self.cp, self.ulysses_degree, self.linear_attention_cp_mode, self.full_attention_cp,

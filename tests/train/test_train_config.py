@@ -39,6 +39,8 @@ def test_main_config_loads_and_round_trips():
     ("train.accelerator.full_attention_cp=zigzag", ValueError,
      r"train\.accelerator\.full_attention_cp='zigzag' is not supported"),
     ("train.data.seq_len=510", ConfigError, r"train\.data\.seq_len \(510\) must be divisible by train\.accelerator\.cp \(4\)"),
+    ("train.accelerator.sequence_layout=zigzag", ValueError,
+     r"train\.accelerator\.sequence_layout='zigzag' is not supported; expected one of \('contiguous', 'balanced'\)"),
     ("train.dtype=float16", ConfigError, r"train\.dtype='float16' is not supported"),
     ("train.activation_checkpointing=selective", ConfigError, r"train\.activation_checkpointing='selective'"),
     ("train.optimizer.lr=fast", ConfigError, r"train\.optimizer\.lr must be a number"),
@@ -60,6 +62,17 @@ def test_main_config_loads_and_round_trips():
 def test_bad_values_name_the_key(override, error, pattern):
     with pytest.raises(error, match=pattern):
         _load(override)
+
+
+def test_sequence_layout():
+    assert _load().accelerator.sequence_layout == "contiguous"
+    cfg = _load("train.accelerator.sequence_layout=balanced")
+    assert cfg.accelerator.sequence_layout == "balanced" and config_from_dict(config_to_dict(cfg)) == cfg
+    with pytest.raises(ConfigError, match=re.escape("train.data.seq_len (36) must be divisible by 2 x "
+                                                    "train.accelerator.cp (8) with "
+                                                    "train.accelerator.sequence_layout='balanced'")):
+        _load("train.accelerator.sequence_layout=balanced", "train.data.seq_len=36")
+    _load("train.data.seq_len=36")  # contiguous: divisible by cp is enough
 
 
 def test_all_gather_with_triton_is_not_implemented():

@@ -72,6 +72,16 @@ def test_device_and_precision_rules_are_checked_before_spawning(launches, capsys
         assert line == "deltacp.train: config error: train.device is 'cuda' but no CUDA device is available", line
 
 
+def test_a_bad_sequence_layout_is_refused_before_spawning(launches, capsys):
+    line = refused(capsys, launches, "train.accelerator.sequence_layout=zigzag")
+    assert line.startswith("deltacp.train: config error: train.accelerator.sequence_layout='zigzag' is not "
+                           "supported; expected one of ('contiguous', 'balanced')"), line
+    line = refused(capsys, launches, "train.accelerator.sequence_layout=balanced", "train.data.seq_len=6")
+    assert "with train.accelerator.sequence_layout='balanced'" in line, line
+    cli.main(["--config", str(MAIN), "--set", "train.accelerator.sequence_layout=balanced", "--spawn", "4"])
+    assert [cfg.accelerator.sequence_layout for _, _, cfg in launches] == ["balanced"]
+
+
 def test_under_torchrun_every_rank_refuses_before_its_process_group(launches, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")

@@ -6,10 +6,13 @@
 Two layouts, as the collators make them:
 
 - padded rows [B, S] (`attention_mask`; right padding, or none): columns are appended to a multiple of the CP
-  degree (padding: mask 0, label -100), which changes nothing the model computes on the valid tokens;
+  degree (2 x cp under sequence_layout='balanced'; padding: mask 0, label -100), which changes nothing the model
+  computes on the valid tokens;
 - packed rows [1, S] (`padding_free`): documents given by `cu_seq_lens_q/k` and / or `position_ids` that restart
   at 0 at each document (TRL's padding-free collator, transformers' DataCollatorWithFlattening); a padding
-  document is appended to a multiple of the CP degree.
+  document is appended to a multiple of the CP degree (2 x cp under sequence_layout='balanced').
+
+The batch is cut by the model's `sequence_layout` (`deltacp.sequence_layout_of(model)`; the CP trainer passes it).
 
 The targets are the labels shifted by one over the whole row (deltacp's rule): a label is learned where its token's
 predecessor is in the same document (packed) or valid (padded). Every key is checked and used or refused by name;
@@ -27,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deltacp.distributed.mesh import cp_group_of
 from deltacp.models.batch import shard_batch_for_cp
 from deltacp.models.loss import IGNORE_INDEX
+from deltacp.parallel.placement import check_sequence_layout, pieces_per_rank
 
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", *PACKING_KEYS)
@@ -70,8 +74,10 @@ def _check_packed_labels(batch: Mapping, labels: torch.Tensor, cu: torch.Tensor 
             raise ValueError("deltacp: seq_idx disagrees with the documents of cu_seq_lens_q / position_ids")
 
 
-def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, cp: int, pad_token_id: int):
-    """(input_ids, attention_mask, labels) of padded rows, columns appended to a multiple of cp."""
+def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, multiple: int, pad_token_id: int,
+            what: str):
+    """(input_ids, attention_mask, labels) of padded rows, columns appended to a multiple of `multiple` (`what`
+    names it: cp, or 2 x cp under sequence_layout='balanced')."""
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
     B, S = input_ids.shape
     if mask is not None and tuple(mask.shape) != (B, S):
@@ -85,23 +91,26 @@ def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, cp: i
     if bool((labels[~valid] != IGNORE_INDEX).any()):
         raise ValueError("deltacp: a label at a padded position (attention_mask 0) is not -100: the single-device "
                          "model would learn it, deltacp ignores targets at padding; set those labels to -100")
-    extra = (-S) % cp
+    extra = (-S) % multiple
     if extra == 0:
         return input_ids, mask, labels
     if bool((~valid[:, 0] & valid[:, -1]).any()):
-        raise ValueError(f"deltacp: left-padded rows of length {S}, not a multiple of cp={cp}: deltacp pads on the "
-                         f"right, which would leave holes in the mask; pad to a multiple of {cp} in the collator "
-                         f"(pad_to_multiple_of) or pad on the right")
+        raise ValueError(f"deltacp: left-padded rows of length {S}, not a multiple of {what}={multiple}: deltacp pads "
+                         f"on the right, which would leave holes in the mask; pad to a multiple of {multiple} in the "
+                         f"collator (pad_to_multiple_of) or pad on the right")
     mask = valid.to(input_ids.dtype) if mask is None else mask
     return (torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1),
             torch.cat([mask, mask.new_zeros((B, extra))], dim=1),
             torch.cat([labels, labels.new_full((B, extra), IGNORE_INDEX)], dim=1))
 
 
-def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int = 0) -> CPBatch:
+def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int = 0,
+                         sequence_layout: str = "contiguous") -> CPBatch:
     """Cut a collated batch (the whole batch of this rank's dp group) into this rank's CP slice: the CP'd model's
     keyword arguments plus `target_ids` (see the module docstring). `pad_token_id` fills appended columns (their
-    targets are ignored). Raises ValueError naming any key or value it cannot honour."""
+    targets are ignored); `sequence_layout`: the model's (`sequence_layout_of(model)`). Raises ValueError naming any
+    key or value it cannot honour."""
+    check_sequence_layout(sequence_layout, "deltacp: ")
     unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown:
         raise ValueError(f"deltacp: batch keys {unknown} are not supported under CP (supported: {list(BATCH_KEYS)})")
@@ -113,6 +122,8 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
                          f"where nothing is learned), got "
                          f"{None if not isinstance(labels, torch.Tensor) else tuple(labels.shape)}")
     cp = cp_degree(mesh)
+    multiple = cp * pieces_per_rank(sequence_layout)  # the row's pieces: every rank holds equal ones
+    what = "cp" if multiple == cp else f"2 x cp (sequence_layout={sequence_layout!r})"
     positions = batch.get("position_ids")
     packed = any(batch.get(k) is not None for k in PACKING_KEYS) or (
         positions is not None and batch.get("attention_mask") is None and _restarts(positions))
@@ -122,10 +133,10 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
                              "padding-free collators leave it out")
         keywords = {k: batch.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
         keywords = {k: v if k.startswith("cu") or v is None else _scalar(v) for k, v in keywords.items()}
-        out = shard_batch_for_cp(input_ids, mesh, labels=labels, position_ids=positions, pad_to_multiple_of=cp,
-                                 pad_token_id=pad_token_id, **keywords)
+        out = shard_batch_for_cp(input_ids, mesh, labels=labels, position_ids=positions, pad_to_multiple_of=multiple,
+                                 pad_token_id=pad_token_id, sequence_layout=sequence_layout, **keywords)
         _check_packed_labels(batch, labels, out.get("cu_seq_lens_q"))
     else:
-        input_ids, mask, labels = _padded(batch, input_ids, labels, cp, pad_token_id)
-        out = shard_batch_for_cp(input_ids, mesh, attention_mask=mask, labels=labels)
+        input_ids, mask, labels = _padded(batch, input_ids, labels, multiple, pad_token_id, what)
+        out = shard_batch_for_cp(input_ids, mesh, attention_mask=mask, labels=labels, sequence_layout=sequence_layout)
     return CPBatch({k: v for k, v in out.items() if v is not None})

@@ -15,7 +15,8 @@ optimizer exists):
   parameters whose gradients are summed over dp x cp after the last micro-batch (`fsdp=False`). Either way the
   reduced gradient is the single-device gradient, and accelerate is told not to wrap the model again (no DDP);
 - data: the trainer's data loaders are sharded by dp rank instead of world rank, so every CP rank of a dp group
-  reads the same batches; each micro-batch is cut by `shard_collated_batch` (padded or padding-free packed rows);
+  reads the same batches; each micro-batch is cut by `shard_collated_batch` (padded or padding-free packed rows)
+  with the model's sequence_layout;
 - loss: deltacp's fused linear cross entropy (no [tokens, vocab] logits), the mean over every valid target of the
   step: divided by the count of the whole gradient-accumulation step over dp x cp (transformers'
   `num_items_in_batch`, counted the way deltacp cuts targets) when the trainer normalises that way, else the
@@ -39,12 +40,14 @@ from deltacp.distributed.mesh import init_cp_mesh
 from deltacp.models.checkpointing import apply_activation_checkpointing
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import cp_causal_lm_loss
-from deltacp.models.parallelize import parallelize_cp
+from deltacp.models.parallelize import parallelize_cp, sequence_layout_of
+from deltacp.parallel.placement import check_sequence_layout
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
 logger = logging.getLogger(__name__)
 
-PARALLELIZE_KEYS = ("linear_attention_cp_mode", "linear_attention_gdn_backend", "full_attention_cp", "ulysses_degree")
+PARALLELIZE_KEYS = ("linear_attention_cp_mode", "linear_attention_gdn_backend", "full_attention_cp", "ulysses_degree",
+                    "sequence_layout")
 
 
 def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:
@@ -80,21 +83,25 @@ class CPTrainerMixin:
     `class MyTrainer(CPTrainerMixin, SFTTrainer)`, and pass `cp_size` (see the module docstring).
 
     Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size),
-    linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree (as
-    `deltacp.parallelize_cp`), fsdp (True: deltacp's FSDP2 over dp x cp; False: replicated parameters).
+    linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree, sequence_layout
+    (as `deltacp.parallelize_cp`; batches are cut with the model's sequence_layout), fsdp (True: deltacp's FSDP2
+    over dp x cp; False: replicated parameters).
     """
 
     def __init__(self, *args, cp_size: int, linear_attention_cp_mode: str = "ulysses",
                  linear_attention_gdn_backend: str = "eager", full_attention_cp: str = "ulysses",
-                 ulysses_degree: int | None = None, fsdp: bool = True, **kwargs):
+                 ulysses_degree: int | None = None, sequence_layout: str = "contiguous", fsdp: bool = True,
+                 **kwargs):
         if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
             raise ValueError(f"deltacp: cp_size must be a positive integer, got {cp_size!r}")
         if not isinstance(fsdp, bool):
             raise ValueError(f"deltacp: fsdp must be True or False, got {fsdp!r}")
+        check_sequence_layout(sequence_layout, "deltacp: ")
         self.cp_size, self.cp_fsdp = cp_size, fsdp
         self._cp_parallelize = dict(linear_attention_cp_mode=linear_attention_cp_mode,
                                     linear_attention_gdn_backend=linear_attention_gdn_backend,
-                                    full_attention_cp=full_attention_cp, ulysses_degree=ulysses_degree)
+                                    full_attention_cp=full_attention_cp, ulysses_degree=ulysses_degree,
+                                    sequence_layout=sequence_layout)
         super().__init__(*args, **kwargs)
         self._setup_cp()
 
@@ -115,6 +122,7 @@ class CPTrainerMixin:
         self.dp_rank = self.cp_mesh.get_local_rank("dp")
         model = self.model
         parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)
+        self.cp_sequence_layout = sequence_layout_of(model)  # every batch is cut with the model's layout
         if args.activation_checkpointing:
             every = int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1))
             apply_activation_checkpointing(model, every)
@@ -242,7 +250,8 @@ class CPTrainerMixin:
         if isinstance(batch, CPBatch):
             return batch
         pad = getattr(self.processing_class, "pad_token_id", None)
-        return shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0)
+        return shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0,
+                                    sequence_layout=self.cp_sequence_layout)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The step's micro-batches, each cut to this rank's CP slice, and the count of every valid target of the

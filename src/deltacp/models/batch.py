@@ -18,11 +18,13 @@ from deltacp.distributed.mesh import cp_group_of
 from deltacp.models.loss import IGNORE_INDEX
 from deltacp.ops.gdn.varlen import check_cu_seqlens
 from deltacp.parallel.documents import cu_seqlens_from_position_ids, fingerprints, position_ids_from_cu_seqlens
+from deltacp.parallel.placement import check_sequence_layout, pieces_per_rank, rank_pieces
 
 
 def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int, pad_token_id: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad a packed row [1, S] to a multiple of `multiple` (the CP degree) with one padding document.
+    """Pad a packed row [1, S] to a multiple of `multiple` (the CP degree; 2 x cp under sequence_layout='balanced')
+    with one padding document.
 
     The padding tokens form a document of their own, so no real document reads them or is read by them;
     `shard_batch_for_cp(pad_to_multiple_of=)` calls this and ignores their targets.
@@ -73,10 +75,15 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
                        position_ids: torch.Tensor | None = None, pad_to_multiple_of: int | None = None,
                        pad_token_id: int = 0, mm_token_type_ids: torch.Tensor | None = None,
                        cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
-                       max_length_q: int | None = None, max_length_k: int | None = None
-                       ) -> dict[str, torch.Tensor | int | None]:
-    """Cut a global batch [B, S] into this rank's contiguous slice: keyword arguments of the CP'd model, plus
-    `target_ids` for the CP losses (`cp_causal_lm_loss`, `cp_cross_entropy`).
+                       max_length_q: int | None = None, max_length_k: int | None = None,
+                       sequence_layout: str = "contiguous") -> dict[str, torch.Tensor | int | None]:
+    """Cut a global batch [B, S] into this rank's slice: keyword arguments of the CP'd model, plus `target_ids` for
+    the CP losses (`cp_causal_lm_loss`, `cp_cross_entropy`).
+
+    sequence_layout: the model's (`parallelize_cp(sequence_layout=)`, `sequence_layout_of(model)`). 'contiguous':
+    rank r gets row positions [r s, (r + 1) s); 'balanced': pieces r and 2 cp - 1 - r of the row cut into 2 cp
+    equal pieces, concatenated in that order (`parallel/placement.py`). Every per-token field is cut the same way;
+    the packing keywords stay GLOBAL offsets of the whole row.
 
     Packed documents (one row, B = 1): give `cu_seqlens` (global offsets [0, ..., S]), or transformers' packing
     keywords `cu_seq_lens_q/k`, `max_length_q/k` (as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
@@ -85,10 +92,11 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     packing keywords `cu_seq_lens_q/k`, `max_length_q/k` (global), and no target crosses a document boundary.
     Padded rows (B >= 1): `attention_mask`, left or right padding.
 
-    S must be divisible by the CP degree: `pad_to_multiple_of=cp` appends a padding document of `pad_token_id`
-    tokens to a packed row (targets ignored) so that it is. Targets are shifted over the whole row before cutting
-    (no rank needs its neighbour's tokens): IGNORE_INDEX at each document's last token, and wherever the target
-    token is padding.
+    S must be divisible by the CP degree (by 2 x cp under 'balanced'): `pad_to_multiple_of=cp` (`2 * cp` under
+    'balanced', which takes only multiples of 2 x cp) appends a padding document of `pad_token_id` tokens to a
+    packed row (targets ignored) so that it is. Targets are shifted over the whole row before cutting (no rank
+    needs its neighbour's tokens, even where a piece's last token targets the first token of a piece held by
+    another rank): IGNORE_INDEX at each document's last token, and wherever the target token is padding.
 
     Multimodal batches (images): give the processor's `mm_token_type_ids` [B, S]; the result carries its slice
     and no position_ids (the model's multimodal hook forms the mRoPE positions over the whole row). Pass the
@@ -103,6 +111,8 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     labels = input_ids if labels is None else labels
     cu = None
     with LocalChecks() as checks:
+        check_sequence_layout(sequence_layout, "shard_batch_for_cp: ")
+        pieces = cp * pieces_per_rank(sequence_layout)  # the row is cut into this many equal pieces
         cu = _packed_offsets(S, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, position_ids)
         if cu is not None and cu.numel() == 2 and not pad_to_multiple_of:
             cu = None  # one document: an unpacked row
@@ -115,18 +125,29 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
         elif pad_to_multiple_of:
             raise ValueError("shard_batch_for_cp: pad_to_multiple_of pads packed rows (give cu_seqlens, cu_seq_lens_q "
                              "or position_ids); pad unpacked rows yourself with an attention_mask")
+        if pad_to_multiple_of and pieces != cp and pad_to_multiple_of % pieces:  # balanced
+            raise ValueError(f"shard_batch_for_cp: sequence_layout={sequence_layout!r} cuts the row into 2 x cp = "
+                             f"{pieces} equal pieces; pad_to_multiple_of={pad_to_multiple_of} is not a multiple of "
+                             f"{pieces}: pass pad_to_multiple_of=2*cp ({pieces})")
         if mm_token_type_ids is not None and (cu is not None or tuple(mm_token_type_ids.shape) != (B, S)):
             raise ValueError(f"shard_batch_for_cp: mm_token_type_ids must be [B, S] = {(B, S)} of an unpacked batch, "
                              f"got {tuple(mm_token_type_ids.shape)}" + (" with packed documents" if cu is not None
                                                                        else ""))
         padded = S + ((-S) % pad_to_multiple_of if cu is not None and pad_to_multiple_of else 0)
-        if padded % cp:
+        if padded % pieces and pieces == cp:
             raise ValueError(f"shard_batch_for_cp: the global sequence length ({S}) must be divisible by cp ({cp})"
                              + ("; pass pad_to_multiple_of=cp to append a padding document" if cu is not None
                                 else "; pad the rows (with an attention_mask) to a multiple of cp"))
+        if padded % pieces:
+            raise ValueError(f"shard_batch_for_cp: sequence_layout={sequence_layout!r} cuts the row into 2 x cp = "
+                             f"{pieces} equal pieces: the global sequence length ({S}) must be divisible by {pieces}"
+                             + (f"; pass pad_to_multiple_of=2*cp ({pieces}) to append a padding document"
+                                if cu is not None else f"; pad the rows (with an attention_mask) to a multiple of "
+                                                       f"2 x cp ({pieces})"))
     raise_together(group, "shard_batch_for_cp", checks.error, device=input_ids.device,
                    agree=dict(rows=B, length=S, attention_mask=attention_mask is not None,
                               pad_to_multiple_of=pad_to_multiple_of or 0,
+                              sequence_layout_balanced=int(sequence_layout == "balanced"),
                               **fingerprints(dict(input_ids=input_ids, document_offsets=cu))))
     if cu is not None and pad_to_multiple_of:
         input_ids, cu = pad_packed_row(input_ids, cu, pad_to_multiple_of, pad_token_id)
@@ -136,18 +157,25 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     targets[:, :-1] = labels[:, 1:]
     if attention_mask is not None:
         targets[:, :-1][attention_mask[:, 1:] == 0] = IGNORE_INDEX
-    cut = slice(rank * (S // cp), (rank + 1) * (S // cp))
+    spans = rank_pieces(sequence_layout, rank, cp, S // cp).spans()
+
+    def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's tokens of a per-token field [B, S], in local order (contiguous: a view)."""
+        if x is None:
+            return None
+        parts = [x[:, lo:hi] for lo, hi in spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     if mm_token_type_ids is not None:  # positions: the model's multimodal hook forms mRoPE over the whole row
-        return dict(input_ids=input_ids[:, cut], mm_token_type_ids=mm_token_type_ids[:, cut],
-                    target_ids=targets[:, cut],
-                    attention_mask=None if attention_mask is None else attention_mask[:, cut])
+        return dict(input_ids=cut(input_ids), mm_token_type_ids=cut(mm_token_type_ids), target_ids=cut(targets),
+                    attention_mask=cut(attention_mask))
     if cu is None:
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
-        return dict(input_ids=input_ids[:, cut], position_ids=positions[:, cut], target_ids=targets[:, cut],
-                    attention_mask=None if attention_mask is None else attention_mask[:, cut])
+        return dict(input_ids=cut(input_ids), position_ids=cut(positions), target_ids=cut(targets),
+                    attention_mask=cut(attention_mask))
     targets[:, (cu[1:] - 1).to(targets.device)] = IGNORE_INDEX  # a document's last token predicts nothing
     positions = position_ids_from_cu_seqlens(cu).to(input_ids.device)
     longest = int((cu[1:] - cu[:-1]).max())
     cu_dev = cu.to(device=input_ids.device, dtype=torch.int32)
-    return dict(input_ids=input_ids[:, cut], position_ids=positions[:, cut], target_ids=targets[:, cut],
+    return dict(input_ids=cut(input_ids), position_ids=cut(positions), target_ids=cut(targets),
                 cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest, max_length_k=longest)

@@ -25,6 +25,13 @@ from deltacp.parallel.documents import (
     fingerprints,
     position_ids_from_cu_seqlens,
 )
+from deltacp.parallel.placement import (
+    SEQUENCE_LAYOUTS,
+    check_sequence_layout,
+    pieces_per_rank,
+    rank_pieces,
+    to_row_order,
+)
 
 
 def refuse_local_loss(module, args, kwargs):
@@ -52,6 +59,44 @@ def _check_row_length(packing: dict, s: int, cp: int) -> None:
                          f"shard_batch_for_cp returns it")
 
 
+def _not_in_row_order(sequence_layout: str, detail: str) -> ValueError:
+    return ValueError(f"position_ids are not in row order for sequence_layout={sequence_layout!r}: {detail}; the model "
+                      f"holds each rank's tokens as sequence_layout={sequence_layout!r}: cut the batch with "
+                      f"shard_batch_for_cp(sequence_layout={sequence_layout!r}) (sequence_layout_of(model))")
+
+
+def check_row_order(row_positions: torch.Tensor, valid: torch.Tensor | None, sequence_layout: str) -> None:
+    """Position ids [B, S] put in row order (as the model's layout places the ranks' tokens) must follow on by one,
+    or restart at 0 (a document start): a jump to anything else means the batch was cut with another layout than
+    the model's (its tokens would be run in the wrong order, a silent wrong answer). `valid`: the padding mask
+    [B, S] in row order (padded tokens may hold any position), or None."""
+    pos = row_positions.detach().to("cpu", torch.int64)
+    bad = (pos[:, 1:] != pos[:, :-1] + 1) & (pos[:, 1:] != 0)
+    if valid is not None:
+        ok = valid.detach().to("cpu").bool()
+        bad &= ok[:, 1:] & ok[:, :-1]
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise _not_in_row_order(sequence_layout, f"row {b} jumps from position {int(pos[b, j])} to "
+                                                 f"{int(pos[b, j + 1])} at token {j + 1} of {pos.shape[1]} "
+                                                 f"without restarting at 0")
+
+
+def _check_packed_positions(text_positions: torch.Tensor, docs: PackedDocuments, rank: int, cp: int, s: int,
+                            sequence_layout: str) -> None:
+    """Per-document position ids given with the packing keywords: they must not be the ones of another layout's
+    cut (a batch cut for another layout; positions of any other kind are the caller's own)."""
+    row = position_ids_from_cu_seqlens(docs.cu_seqlens)[0]
+    given = text_positions.detach().to("cpu", torch.int64)
+    if torch.equal(given, row[rank_pieces(sequence_layout, rank, cp, s).row_index()].expand_as(given)):
+        return
+    for other in SEQUENCE_LAYOUTS:
+        if other != sequence_layout and s % pieces_per_rank(other) == 0 and torch.equal(
+                given, row[rank_pieces(other, rank, cp, s).row_index()].expand_as(given)):
+            raise _not_in_row_order(sequence_layout, f"they are this rank's positions of a batch cut with "
+                                                     f"sequence_layout={other!r}")
+
+
 def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "contiguous"):
     """Builds the forward's `CPForwardContext` and hands it to every layer as its attention mask; fills missing
     position ids.
@@ -59,8 +104,16 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
     Documents come from transformers' packing keywords (`cu_seq_lens_q/k`, `max_length_q/k`: GLOBAL offsets
     under CP), or from position ids that restart inside the row; padding masks are local [B, s]. One small
     exchange of what every rank received comes first, so ranks that disagree all raise together; then, only
-    where needed, one all-gather of the position ids or the padding mask (a few bytes per token).
+    where needed, one all-gather of the position ids and / or the padding mask (a few bytes per token), put in
+    row order (`sequence_layout`: where each rank's tokens sit in the row, `parallel/placement.py`).
+
+    Position ids given are checked against the layout: gathered in row order they must follow on by one or
+    restart at 0 (`check_row_order`), else the batch was cut with another layout (ValueError naming it). That
+    check reads only the all-gathered row, the same on every rank, so every rank raises it together without a
+    second exchange.
     """
+    check_sequence_layout(sequence_layout)
+    balanced = sequence_layout == "balanced"
 
     def hook(module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -71,10 +124,18 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
         S = s * cp
         packing = {key: kwargs.pop(key, None) for key in PACKING_KEYWORDS}
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        docs, text_positions = None, None
+        docs, text_positions, pieces = None, None, None
         with LocalChecks() as checks:  # their outcome travels in the exchange below: all ranks raise together
+            if balanced and s % 2:
+                raise ValueError(f"sequence_layout='balanced' needs an even number of tokens on every rank (its two "
+                                 f"pieces of the row), got {s}: the row length must be divisible by 2 x cp "
+                                 f"({2 * cp}); cut the batch with shard_batch_for_cp(sequence_layout='balanced')")
+            pieces = rank_pieces(sequence_layout, rank, cp, s)
             if positions is not None:
                 text_positions = adapter.text_positions(positions)
+            if text_positions is not None and (text_positions.shape[-1] != s or text_positions.shape[0] not in (1, B)):
+                raise ValueError(f"under CP, position_ids must be this rank's [B, s] = {(B, s)} (or [1, s]), got "
+                                 f"{tuple(positions.shape)}")
             if isinstance(mask, dict):
                 raise ValueError("under CP, attention_mask must be None or the local 2-D padding mask [B, s]; a "
                                  "per-layer-type dict is built by deltacp itself")
@@ -86,25 +147,39 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
             if docs is not None and mask is not None:
                 raise NotImplementedError("packed documents with a padding mask: pad a packed row with a padding "
                                           "document instead (shard_batch_for_cp's pad_to_multiple_of)")
+            if docs is not None and text_positions is not None:
+                _check_packed_positions(text_positions, docs, rank, cp, s, sequence_layout)
         raise_together(group, f"{type(module).__name__} under CP", checks.error, device=local.device,
                        agree=dict(batch=B, local_length=s, padding_mask=mask is not None,
                                   position_ids=positions is not None, text_position_ids=text_positions is not None,
                                   output_router_logits=bool(kwargs.get("output_router_logits")),
-                                  **fingerprints(packing)))
+                                  sequence_layout_balanced=int(balanced), **fingerprints(packing)))
+        # one all-gather of what needs the whole row (the mask and / or the text positions, stacked), in row order
+        row_mask = row_positions = None
+        gather_positions = docs is None and text_positions is not None
+        if mask is not None or gather_positions:
+            parts = ([mask.to(torch.int64)] if mask is not None else []) + (
+                [text_positions.to(torch.int64).expand(B, s)] if gather_positions else [])
+            row = to_row_order(all_gather_tokens(torch.cat(parts, dim=0), group, cp), 1, cp, balanced)
+            row_mask = row[:B] if mask is not None else None
+            row_positions = row[-B:] if gather_positions else None
+        if row_positions is not None:  # the same row on every rank: every rank raises together
+            check_row_order(row_positions, row_mask, sequence_layout)
         # transformers' convention: restarting position ids describe documents only when no padding mask is given
         # (and only text positions do: the mRoPE rows of an image do not follow on by one)
-        if docs is None and text_positions is not None and mask is None:
-            cu_pos = cu_seqlens_from_position_ids(all_gather_tokens(text_positions.to(torch.int64), group, cp))
+        if row_positions is not None and mask is None:
+            cu_pos = cu_seqlens_from_position_ids(row_positions)
             docs = None if cu_pos is None else PackedDocuments.build(cu_pos, S, "position_ids")
-        if positions is None:
-            positions = (position_ids_from_cu_seqlens(docs.cu_seqlens)[:, rank * s:(rank + 1) * s].to(local.device)
-                         if docs is not None else torch.arange(rank * s, (rank + 1) * s, device=local.device)[None])
+        if positions is None:  # the row positions of this rank's tokens (per document, for packed rows)
+            index = pieces.row_index()
+            positions = (position_ids_from_cu_seqlens(docs.cu_seqlens)[:, index] if docs is not None
+                         else index[None]).to(local.device)
             kwargs["position_ids"] = positions.expand(B, s)
         attention = None
         if docs is not None:
             attention = AttentionDocuments.build(docs.cu_seqlens)
-        elif mask is not None:
-            cu_pad = cu_seqlens_from_padding(all_gather_tokens(mask.to(torch.int64), group, cp))
+        elif row_mask is not None:
+            cu_pad = cu_seqlens_from_padding(row_mask)
             attention = None if cu_pad is None else AttentionDocuments.build(cu_pad)
         context = CPForwardContext(padding=mask, documents=docs, attention=attention)
         kwargs["attention_mask"] = {"linear_attention": context, "full_attention": context}

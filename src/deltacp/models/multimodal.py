@@ -30,6 +30,7 @@ import torch.distributed as dist
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.collectives import all_gather_tokens
 from deltacp.parallel.documents import fingerprints
+from deltacp.parallel.placement import check_sequence_layout, rank_pieces, to_row_order
 
 _REFUSED = ("pixel_values_videos", "video_grid_thw", "mm_encoder_outputs", "cache", "past_key_values")
 
@@ -44,11 +45,22 @@ def _image_features(model, pixel_values: torch.Tensor, image_grid_thw: torch.Ten
 
 
 def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
+    """The pre-hook of the module doc; `sequence_layout`: where the rank's tokens sit in the row
+    (`parallel/placement.py`): the gathered row is put in row order, and the rank's tokens picked from it by their
+    row positions."""
+    balanced = check_sequence_layout(sequence_layout) == "balanced"
+
+    def gather_row(x: torch.Tensor, cp: int) -> torch.Tensor:
+        """[B, s] of every rank -> [B, S] in row order."""
+        return to_row_order(all_gather_tokens(x.to(torch.int64), group, cp), 1, cp, balanced)
+
     def hook(module, args, kwargs):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         pixel_values, grid = kwargs.get("pixel_values"), kwargs.get("image_grid_thw")
         types, mask, positions = kwargs.get("mm_token_type_ids"), kwargs.get("attention_mask"), kwargs.get("position_ids")
+        local = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        B, s = local.shape[:2]
         with LocalChecks() as checks:
             refused = [k for k in _REFUSED if kwargs.get(k) is not None]
             if refused:
@@ -66,8 +78,10 @@ def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
                 if types is not None and tuple(types.shape) != tuple(input_ids.shape):
                     raise ValueError(f"mm_token_type_ids must be the rank's slice {tuple(input_ids.shape)}, got "
                                      f"{tuple(types.shape)}")
-        local = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        B, s = local.shape[:2]
+                if balanced and s % 2:
+                    raise ValueError(f"sequence_layout='balanced' needs an even number of tokens on every rank (its "
+                                     f"two pieces of the row), got {s}: the row length must be divisible by 2 x cp "
+                                     f"({2 * cp}); cut the batch with shard_batch_for_cp(sequence_layout='balanced')")
         images = {"image_grid_thw": grid, "pixel_values_shape": None if pixel_values is None else
                   torch.tensor(pixel_values.shape)}
         raise_together(group, f"{type(module).__name__} under CP", checks.error, device=local.device,
@@ -77,14 +91,15 @@ def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
         if pixel_values is None:
             return args, kwargs  # text only: the language model's own CP hook does the rest
 
-        ids = all_gather_tokens(input_ids.to(torch.int64), group, cp)
-        full_mask = None if mask is None else all_gather_tokens(mask.to(torch.int64), group, cp)
+        mine = rank_pieces(sequence_layout, rank, cp, s).row_index(input_ids.device)  # row positions of my tokens
+        ids = gather_row(input_ids, cp)
+        full_mask = None if mask is None else gather_row(mask, cp)
         if positions is None:
             extra = dict(image_grid_thw=grid, video_grid_thw=None, attention_mask=full_mask)
             if "mm_token_type_ids" in inspect.signature(module.get_rope_index).parameters:
-                extra["mm_token_type_ids"] = all_gather_tokens(types.to(torch.int64), group, cp)
+                extra["mm_token_type_ids"] = gather_row(types, cp)
             full_positions, _ = module.get_rope_index(ids, **extra)
-            kwargs["position_ids"] = full_positions[..., rank * s:(rank + 1) * s]
+            kwargs["position_ids"] = full_positions.index_select(-1, mine.to(full_positions.device))
 
         embeds = module.get_input_embeddings()(input_ids)
         feats = _image_features(module, pixel_values, grid).to(embeds.device, embeds.dtype)
@@ -92,10 +107,10 @@ def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
         if int(is_image.sum()) != feats.shape[0]:
             raise ValueError(f"image features and image tokens do not match: {int(is_image.sum())} image tokens in "
                              f"the whole batch, {feats.shape[0]} features")
-        # feature index of each image token in the row-major order of the whole batch, then this slice's tokens
-        order = (is_image.flatten().cumsum(0) - 1).view(B, -1)[:, rank * s:(rank + 1) * s]
-        mine = is_image[:, rank * s:(rank + 1) * s].to(embeds.device)
-        embeds = embeds.masked_scatter(mine[..., None], feats[order[mine].to(feats.device)])
+        # feature index of each image token in the row-major order of the whole batch, then this rank's tokens
+        order = (is_image.flatten().cumsum(0) - 1).view(B, -1)[:, mine]
+        image_here = is_image[:, mine].to(embeds.device)
+        embeds = embeds.masked_scatter(image_here[..., None], feats[order[image_here].to(feats.device)])
         for key in ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
             kwargs.pop(key, None)
         kwargs["inputs_embeds"] = embeds

@@ -97,7 +97,8 @@ class DataConfig:
     tokenizer: str = "bytes"
     """bytes (vocab 256, one token per byte) or a local Hugging Face tokenizer directory."""
     seq_len: int = 512
-    """Global sequence length (tokens per sequence, before the CP split); divisible by cp."""
+    """Global sequence length (tokens per sequence, before the CP split); divisible by cp (by 2 x cp with
+    train.accelerator.sequence_layout balanced)."""
     batch_size: int = 1
     """Rows per step over all dp groups: the GLOBAL batch, the same at every (dp, cp), so a run's data does not
     depend on its layout. Divisible by dp: dp group g trains on rows [g*b, (g+1)*b), b = batch_size / dp, each
@@ -414,6 +415,10 @@ def config_from_dict(raw: dict) -> TrainConfig:
     cp = cfg.accelerator.cp
     if cfg.data.seq_len % cp:
         raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) must be divisible by train.accelerator.cp ({cp})")
+    if cfg.accelerator.sequence_layout == "balanced" and cfg.data.seq_len % (2 * cp):
+        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) must be divisible by 2 x train.accelerator.cp "
+                          f"({2 * cp}) with train.accelerator.sequence_layout='balanced' (every rank holds two equal "
+                          f"pieces of the row)")
     halo = model_config_fields(cfg.model).get("linear_conv_kernel_dim", 4) - 1  # transformers' default kernel: 4
     if gdn_mode(cfg.accelerator.linear_attention_cp_mode).needs_halo and cfg.data.seq_len // cp < halo:
         raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / cp ({cp}) is below the conv halo ({halo} tokens) "

@@ -42,7 +42,7 @@ def check_cp_layers(model: torch.nn.Module, acc: AcceleratorConfig) -> None:
     try:
         linear, full = cp_styles(acc.cp, acc.ulysses_degree, acc.linear_attention_cp_mode,
                                  acc.linear_attention_gdn_backend, acc.full_attention_cp,
-                                 acc.linear_attention_state_passing)
+                                 acc.linear_attention_state_passing, acc.sequence_layout)
         check_model(model, adapter_for(model), linear, full, acc.cp)
     except (ValueError, NotImplementedError, ImportError) as exc:
         raise ConfigError(f"train.model ({type(model).__name__}) with {settings}: {exc}") from None

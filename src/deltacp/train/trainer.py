@@ -248,7 +248,8 @@ class Trainer:
                                        linear_attention_cp_mode=acc.linear_attention_cp_mode,
                                        linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
                                        full_attention_cp=acc.full_attention_cp,
-                                       linear_attention_state_passing=acc.linear_attention_state_passing)
+                                       linear_attention_state_passing=acc.linear_attention_state_passing,
+                                       sequence_layout=acc.sequence_layout)
         if cfg.activation_checkpointing == "full":
             apply_activation_checkpointing(model)
         if cfg.distributed.fsdp:
@@ -284,7 +285,8 @@ class Trainer:
         start = time.perf_counter()
         # this dp group's rows of the global batch (packed: joined into one row), then this rank's CP slice
         ids, cu_seqlens = self.data.next_step(self.dp_rank, self.dp)
-        batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens)
+        batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens,
+                                   sequence_layout=self.cfg.accelerator.sequence_layout)
         inputs = {k: v for k, v in batch.items() if k != "target_ids"}
         if self.cfg.loss == "linear_cross_entropy":  # the LM head and the loss chunk by chunk: no full logits
             loss = cp_causal_lm_loss(self.model, batch["target_ids"], self.mesh, **inputs, use_cache=False)
