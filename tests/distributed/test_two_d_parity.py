@@ -8,7 +8,8 @@ One spawn per world size runs every check (spawning is the expensive part):
 - CP8 model checks: u in {1, 2, 4, 8} with all_gather / ring and p2p / all_gather, packed documents included:
   logits, loss, all gradients, grad norm;
 - CP16: an 8-head model (8 attention heads, 8 value heads: Ulysses stops at CP8) trains 3 AdamW steps at
-  cp = 16 (1-D all_gather, and 2-D u = 2 with ring), losses, gradients and weights equal to one device.
+  cp = 16 (1-D all_gather, and 2-D u = 2 with ring; then sequence_layout='balanced' with the p2p scan, 1-D ring
+  and 2-D u = 2 all_gather), losses, gradients and weights equal to one device.
 """
 
 import copy
@@ -101,8 +102,8 @@ def gdn_two_d_checks(rank, world, failures):
                     "param grads": rel_l2(flat(grads_of(cp)), flat(grads_of(ref)))}, TIGHT)
 
 
-def _model_step(model, mesh, ids, cu):
-    batch = shard_batch_for_cp(ids, mesh, cu_seqlens=cu)
+def _model_step(model, mesh, ids, cu, layout="contiguous"):
+    batch = shard_batch_for_cp(ids, mesh, cu_seqlens=cu, sequence_layout=layout)
     logits = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
     loss = cp_cross_entropy(logits, batch["target_ids"], mesh)
     loss.backward()
@@ -168,11 +169,11 @@ def cp16_train_worker(rank, world):
     mesh, single = cp_mesh(), self_meshes()
     failures = []
 
-    def train(model, m):
+    def train(model, m, layout="contiguous"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for ids, cu in batches:
-            _, loss = _model_step(model, m, ids, cu)
+            _, loss = _model_step(model, m, ids, cu, layout)
             if m.size() > 1:
                 all_reduce_cp_grads(model, m)
             losses.append(loss.item())
@@ -182,12 +183,17 @@ def cp16_train_worker(rank, world):
 
     losses_ref, weights_ref = train(parallelize_qwen3_5_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p"),
                                     single)
-    for u, mode, method in ((None, "p2p", "all_gather"), (2, "p2p", "ring")):
+    # contiguous, then the balanced layout (pieces of 4 tokens, 32 of them) with the scan over the pieces
+    for u, mode, method, passing, layout in ((None, "p2p", "all_gather", "chain", "contiguous"),
+                                             (2, "p2p", "ring", "chain", "contiguous"),
+                                             (None, "p2p", "ring", "scan", "balanced"),
+                                             (2, "p2p", "all_gather", "scan", "balanced")):
         model = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, ulysses_degree=u, linear_attention_cp_mode=mode,
-                                       full_attention_cp=method)
-        losses, weights = train(model, mesh)
+                                       full_attention_cp=method, linear_attention_state_passing=passing,
+                                       sequence_layout=layout)
+        losses, weights = train(model, mesh, layout)
         diff = max(abs(a / b - 1) for a, b in zip(losses, losses_ref))
-        _record(failures, f"CP16 u={u} {mode}+{method} 3 steps", {
+        _record(failures, f"CP16 {layout} u={u} {mode}/{passing}+{method} 3 steps", {
             "max loss rel diff": diff, "weights after": rel_l2(weights, weights_ref)}, 1e-7)
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
