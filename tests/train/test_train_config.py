@@ -73,6 +73,12 @@ def test_sequence_layout():
                                                     "train.accelerator.sequence_layout='balanced'")):
         _load("train.accelerator.sequence_layout=balanced", "train.data.seq_len=36")
     _load("train.data.seq_len=36")  # contiguous: divisible by cp is enough
+    # the conv halo must fit in every piece: 16 tokens at cp 4 are pieces of 4 (contiguous) or 2 (balanced)
+    _load("train.accelerator.linear_attention_cp_mode=p2p", "train.data.seq_len=16")
+    with pytest.raises(ConfigError, match=re.escape("train.data.seq_len (16) / 8 pieces (cp 4, sequence_layout "
+                                                    "'balanced') is below the conv halo (3 tokens)")):
+        _load("train.accelerator.linear_attention_cp_mode=p2p", "train.accelerator.sequence_layout=balanced",
+              "train.data.seq_len=16")
 
 
 def test_all_gather_with_triton_is_not_implemented():

@@ -420,9 +420,11 @@ def config_from_dict(raw: dict) -> TrainConfig:
                           f"({2 * cp}) with train.accelerator.sequence_layout='balanced' (every rank holds two equal "
                           f"pieces of the row)")
     halo = model_config_fields(cfg.model).get("linear_conv_kernel_dim", 4) - 1  # transformers' default kernel: 4
-    if gdn_mode(cfg.accelerator.linear_attention_cp_mode).needs_halo and cfg.data.seq_len // cp < halo:
-        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / cp ({cp}) is below the conv halo ({halo} tokens) "
-                          f"that mode {cfg.accelerator.linear_attention_cp_mode!r} needs on every rank")
+    pieces = 2 * cp if cfg.accelerator.sequence_layout == "balanced" else cp
+    if gdn_mode(cfg.accelerator.linear_attention_cp_mode).needs_halo and cfg.data.seq_len // pieces < halo:
+        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / {pieces} pieces (cp {cp}, sequence_layout "
+                          f"{cfg.accelerator.sequence_layout!r}) is below the conv halo ({halo} tokens) that mode "
+                          f"{cfg.accelerator.linear_attention_cp_mode!r} needs in every piece")
     return cfg
 
 
