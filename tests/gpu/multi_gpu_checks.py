@@ -9,7 +9,7 @@
 - full attention past the head count: a Qwen3_5Attention layer with full_attention_cp all_gather / ring at Ulysses
   degree 1 and every 2-D degree the world size allows (eager float64; bf16 flash tiles on CUDA), unpacked and
   packed; the model in the 2-D layouts (ulysses_degree 1 and every u < world dividing it; p2p / all_gather with
-  ring / all_gather);
+  ring / all_gather) and under sequence_layout='balanced' (p2p chain and scan, 1-D and 2-D);
 - training: `--steps` consecutive steps per mode (and for the ring / 2-D layouts) with and without activation
   checkpointing, FSDP2 on, a packed row each step: finite, no growth of allocated memory after the first steps,
   and identical losses with and without checkpointing (a ring recompute re-sends its blocks on every rank).
@@ -114,8 +114,23 @@ def two_d_layouts(world: int) -> list[dict]:
     return layouts
 
 
+def balanced_layouts(world: int) -> list[dict]:
+    """sequence_layout='balanced' (rank r: pieces r and 2P - 1 - r): 1-D p2p with the scan (ring attention) and
+    with the chain (all_gather attention), and a 2-D layout."""
+    layouts = [dict(ulysses_degree=1, linear_attention_cp_mode="p2p", full_attention_cp="ring",
+                    linear_attention_state_passing="scan", sequence_layout="balanced"),
+               dict(ulysses_degree=1, linear_attention_cp_mode="p2p", full_attention_cp="all_gather",
+                    sequence_layout="balanced")]
+    if two_d_degrees(world)[-1] > 1:
+        layouts.append(dict(ulysses_degree=two_d_degrees(world)[-1], linear_attention_cp_mode="p2p",
+                            full_attention_cp="ring", linear_attention_state_passing="scan",
+                            sequence_layout="balanced"))
+    return layouts
+
+
 def _layout_label(kw: dict) -> str:
-    return f"u={kw['ulysses_degree']} {kw['linear_attention_cp_mode']}+{kw['full_attention_cp']}"
+    extra = "".join(f" {kw[k]}" for k in ("linear_attention_state_passing", "sequence_layout") if k in kw)
+    return f"u={kw['ulysses_degree']} {kw['linear_attention_cp_mode']}+{kw['full_attention_cp']}{extra}"
 
 
 def attention_checks(device, mesh, self_mesh, rows):
@@ -163,9 +178,10 @@ def model_checks(device, mesh, self_mesh, rows):
     torch.manual_seed(0)
     base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config()).double()).to(device)
     ids = torch.randint(0, 256, (1, 256), device=device)
-    layouts = [dict(linear_attention_cp_mode=mode) for mode in MODES] + two_d_layouts(world)
+    layouts = [dict(linear_attention_cp_mode=mode) for mode in MODES] + two_d_layouts(world) + balanced_layouts(world)
     for kw in layouts:
         mode = kw["linear_attention_cp_mode"] if len(kw) == 1 else _layout_label(kw)
+        layout = kw.get("sequence_layout", "contiguous")
         for cu in (None, torch.tensor(PACKED)):
             results = []
             for m, fsdp in ((self_mesh, False), (mesh, True)):
@@ -173,14 +189,15 @@ def model_checks(device, mesh, self_mesh, rows):
                     linear_attention_cp_mode=kw["linear_attention_cp_mode"])))
                 if fsdp:
                     fully_shard_qwen3_5(model, m)
-                batch = shard_batch_for_cp(ids, m, cu_seqlens=cu)
+                batch = shard_batch_for_cp(ids, m, cu_seqlens=cu, sequence_layout=layout if fsdp else "contiguous")
                 logits = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
                 loss = cp_cross_entropy(logits, batch["target_ids"], m)
                 loss.backward()
                 results.append((logits.detach(), loss.detach(), _sum_grads(model)))
             (logits_ref, loss_ref, g_ref), (logits, loss, g) = results
             label = f"model {mode} fsdp {'packed' if cu is not None else 'unpacked'}"
-            worst = max(rel_l2(logits, local_slice(logits_ref, rank, world)), abs(loss / loss_ref - 1).item(),
+            worst = max(rel_l2(logits, local_slice(logits_ref, rank, world, layout=layout)),
+                        abs(loss / loss_ref - 1).item(),
                         rel_l2(g, g_ref))
             rows.append((label, worst, 1e-7))
 
@@ -199,10 +216,12 @@ def training_checks(device, mesh, steps, rows):
                for _ in range(steps)]
     world = dist.get_world_size()
     layouts = [dict(linear_attention_cp_mode=mode) for mode in MODES] + [
-        dict(linear_attention_cp_mode="p2p", full_attention_cp="ring"), two_d_layouts(world)[-1]]
+        dict(linear_attention_cp_mode="p2p", full_attention_cp="ring"), two_d_layouts(world)[-1],
+        balanced_layouts(world)[0]]
     for kw in layouts:
         mode = kw["linear_attention_cp_mode"] if len(kw) == 1 else (
             _layout_label(kw) if "ulysses_degree" in kw else f"p2p+{kw['full_attention_cp']}")
+        layout = kw.get("sequence_layout", "contiguous")
         losses = {}
         for ac in (False, True):
             model = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, **kw)
@@ -212,7 +231,7 @@ def training_checks(device, mesh, steps, rows):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             memory, run = [], []
             for ids, cu in batches:
-                batch = shard_batch_for_cp(ids.to(device), mesh, cu_seqlens=cu)
+                batch = shard_batch_for_cp(ids.to(device), mesh, cu_seqlens=cu, sequence_layout=layout)
                 logits = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
                 loss = cp_cross_entropy(logits, batch["target_ids"], mesh)
                 loss.backward()
