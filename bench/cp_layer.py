@@ -152,11 +152,18 @@ class LoopbackStatePassing:
 
     With it the p2p layer runs exactly a middle rank's computation (summary forward, M @ H_in + S, outputs
     and final state from H_in; backward: dH_in from the outputs, Mᵀ dH_out, the local backward with dH_out)
-    with no communication. is_first and is_last together: a layer with no state passing at all.
+    with no communication. is_first and is_last together: a layer with no state passing at all. The p2p layer reads
+    which pieces of the row it holds from (rank, size): a middle rank is 1 of 3 (under the balanced layout too,
+    every neighbouring piece of rank 1 of 3 is remote), the first 0 of 3, the last 2 of 3, a lone one 0 of 1.
     """
 
-    def __init__(self, state_in, grad_state_out, is_last=False, is_first=False, rank=1, size=3):
-        self.rank, self.size, self.is_first, self.is_last = rank, size, is_first, is_last
+    schedule = "chain"
+
+    def __init__(self, state_in, grad_state_out, is_last=False, is_first=False, rank=None, size=None):
+        self.is_first, self.is_last = is_first, is_last
+        self.rank, self.size = (0, 1) if is_first and is_last else (0, 3) if is_first else (2, 3) if is_last else (1, 3)
+        if rank is not None:  # a given position among `size` ranks (packed rows: which documents it holds)
+            self.rank, self.size = rank, size
         self.log = None
         self.state_in, self.grad_state_out, self.sent = state_in, grad_state_out, []
 
@@ -174,6 +181,22 @@ class LoopbackStatePassing:
 
     def wait_sends(self):
         self.sent.clear()
+
+
+class loopback_halo:
+    """The conv halo of a simulated rank: zeros of the right shape instead of the collective (its bytes are
+    modelled; a loopback rank's process group has one member, while its pieces say 1 of 3)."""
+
+    def __enter__(self):
+        import deltacp.parallel.conv as conv
+
+        self.conv, self.saved = conv, conv.conv_halo_exchange
+        conv.conv_halo_exchange = lambda x, halo, group, pieces: x.new_zeros(
+            (pieces.per_member, x.shape[0], halo, x.shape[2]))
+        return self
+
+    def __exit__(self, *exc):
+        self.conv.conv_halo_exchange = self.saved
 
 
 def run_per_rank_cost(args):
@@ -369,7 +392,8 @@ def main():
     start = time.time()
     try:
         if args.per_rank_cost:
-            run_packed_per_rank_cost(args) if args.packed else run_per_rank_cost(args)
+            with loopback_halo():
+                run_packed_per_rank_cost(args) if args.packed else run_per_rank_cost(args)
         else:
             run_cp_job(args)
     finally:

@@ -23,6 +23,9 @@
 #   bash scripts/gpu_checks.sh attention       full attention per-rank cost (Ulysses, KV all-gather, ring, 2-D u=2/4)
 #                                      at CP8/16/32 and 128K-512K, after a bf16 flash-tile vs fp32 check (about 5 min)
 #   bash scripts/gpu_checks.sh attention_long  the same at 1M tokens                      (about 6 minutes)
+#   bash scripts/gpu_checks.sh layergroup  a 3 GDN + 1 attention layer group per rank (2B shapes) at CP8/16/32 and
+#                                      128K/512K: contiguous vs balanced sequence layout, p2p chain vs scan, 1-D vs 2-D
+#                                      (modelled links; about 6 minutes); LAYERGROUP_LONG=1: 1M tokens at CP16/32 instead
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
 #                                      full attention all_gather/ring and the 2-D layouts, 20 steps with and without
 #                                      activation checkpointing, FSDP2 on
@@ -40,8 +43,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step|glue) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|step|glue" >&2
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue" >&2
      exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -141,6 +144,13 @@ multi)
 attention)
   check attention_per_rank 560 python bench/attention_cp.py --per-rank-cost --cp 8 16 32 \
     --global-len 131072 262144 524288 --json "$OUT/bench.jsonl"
+  ;;
+layergroup)
+  if [ -n "${LAYERGROUP_LONG:-}" ]; then
+    check layer_group_1m 590 python bench/layer_group.py --cp 16 32 --global-len 1048576 --json "$OUT/bench.jsonl"
+  else
+    check layer_group 590 python bench/layer_group.py --cp 8 16 32 --global-len 131072 524288 --json "$OUT/bench.jsonl"
+  fi
   ;;
 attention_long)
   check attention_per_rank_1m 580 python bench/attention_cp.py --per-rank-cost --cp 8 16 32 --global-len 1048576 \
