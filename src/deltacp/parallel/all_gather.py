@@ -82,25 +82,23 @@ def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b
     pieces = Pieces(torch.distributed.get_rank(group), torch.distributed.get_world_size(group), layer.balanced,
                     qkv_BsC.shape[1])
     docs = document_segments(ctx, pieces)
-    layouts = [None if d is None else d.layout for d in docs]
     inputs = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, pieces, docs)
 
     # with documents, M = 0 wherever the entering state cannot reach the end of the piece (varlen.py)
-    packed = torch.stack([torch.cat(layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                                                cu_seqlens=lay), dim=-1)
-                          for (q, k, v, g, beta), lay in zip(inputs, layouts)])
+    summaries = [torch.cat(layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=lay),
+                           dim=-1) for (q, k, v, g, beta), lay in zip(inputs.calls, inputs.layouts)]
+    packed = torch.stack(inputs.per_slot(summaries))  # [slots, B, H, K, K + V]
     gathered = all_gather_autograd(packed, group)  # [members, slots, ...], member-major
     order = [member * pieces.per_member + slot for member, slot in map(pieces.holder, range(pieces.total))]
     by_piece = gathered.flatten(0, 1).index_select(0, torch.tensor(order, device=gathered.device))
     states = _EnteringStates.apply(by_piece, pieces.positions, m.head_k_dim)
-    outs, unread = [], False
-    for slot, ((q, k, v, g, beta), lay) in enumerate(zip(inputs, layouts)):
-        reads = lay is None or lay.first_continues
-        unread |= not reads
-        o, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=states[slot] if reads else None,
-                                                    use_qk_l2norm_in_kernel=True, cu_seqlens=lay)
-        outs.append(o)
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    reads = [d is None or d.layout.first_continues for d in docs]
+    entering = inputs.to_calls([states[slot] if r else None for slot, r in enumerate(reads)], states,
+                               states.shape[1:], states.dtype)
+    outs = [layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=entering[c],
+                                                 use_qk_l2norm_in_kernel=True, cu_seqlens=inputs.layouts[c])[0]
+            for c, (q, k, v, g, beta) in enumerate(inputs.calls)]
+    o = inputs.join(outs, qkv_BsC.shape[0])
     # a piece whose first document starts in it reads no entering state, but the states' backward (and with it
     # the all-gather's collective) must still run here as on every other rank
-    return _AnchorBackward.apply(o, states) if unread else o
+    return o if all(reads) else _AnchorBackward.apply(o, states)

@@ -23,17 +23,28 @@ from deltacp.parallel.placement import Pieces
 
 
 def conv_silu_qkv(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
-                  qk_heads: int, pieces: Pieces, docs: list[DocumentSegment | None], halo_group=None
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per local piece: q, k [B, n, qk_heads, K], v [B, n, Hv, V] = split of SiLU(causal conv of x) by the layer's
-    backend.
+                  qk_heads: int, pieces: Pieces, docs: list[DocumentSegment | None], halo_group=None,
+                  batched: bool = True) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """q, k [rows, n, qk_heads, K], v [rows, n, Hv, V] = split of SiLU(causal conv of x) by the layer's backend, per
+    call: batched (pieces without documents), one call over the B x slots rows of the pieces (row b * slots + slot,
+    a view of x); else one call per piece, with its documents.
 
     halo_group: None (the row is whole here: one piece, zeros on the left), or the group over which `pieces` are
     held, whose holders of the previous pieces send the conv halos (a collective: every rank of it calls this)."""
     left = None if halo_group is None else conv_halo_exchange(x_BsC, layer.halo, halo_group, pieces)
     m = layer.view
+    heads = (qk_heads, m.head_k_dim, m.head_v_dim)
+    slots = pieces.per_member
+    if batched:
+        if any(d is not None for d in docs) and slots > 1:
+            raise ValueError("pieces with documents run one conv call each (their document starts differ)")
+        x = x_BsC if slots == 1 else x_BsC.unflatten(1, (slots, -1)).flatten(0, 1)
+        return [layer.backend.conv_silu_split(
+            x, weight_CK, bias_C, layer.conv_dilation,
+            left_BhC=None if left is None else left.transpose(0, 1).flatten(0, 1),
+            doc_start_s=None if docs[0] is None else docs[0].doc_starts(x_BsC.device), heads=heads)]
     return [layer.backend.conv_silu_split(
-        x_BsC[:, pieces.local(slot)] if pieces.per_member > 1 else x_BsC, weight_CK, bias_C, layer.conv_dilation,
+        x_BsC[:, pieces.local(slot)], weight_CK, bias_C, layer.conv_dilation,
         left_BhC=None if left is None else left[slot],
         doc_start_s=None if docs[slot] is None else docs[slot].doc_starts(x_BsC.device),
-        heads=(qk_heads, m.head_k_dim, m.head_v_dim)) for slot in range(pieces.per_member)]
+        heads=heads) for slot in range(slots)]

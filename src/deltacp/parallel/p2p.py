@@ -48,7 +48,7 @@ from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
 from deltacp.parallel.placement import Pieces
 from deltacp.parallel.scan import exclusive_state_scan
-from deltacp.parallel.shard import GDNShard, scan_inputs
+from deltacp.parallel.shard import GDNShard, PieceInputs, scan_inputs
 
 
 @dataclass
@@ -58,22 +58,24 @@ class _Hops:
     passing: StatePassing
     backend: GDNBackend
     pieces: Pieces
-    layouts: list  # per slot: VarlenLayout or None
+    inputs: PieceInputs  # the backend calls (their tensors dropped: they travel through save_for_backward)
     reads_state_in: list[bool]  # per slot: its outputs read the entering state
-    staged: list[bool]  # per slot: prepared chunk tensors saved for the dH_in pass
-    saved: list[int]  # per slot: how many tensors it saved
+    staged: list[bool]  # per call: prepared chunk tensors saved for the dH_in pass
+    saved: list[int]  # per call: how many tensors it saved
+    n_m: int  # summaries M saved (per slot, None where absent)
     state_shape: tuple[int, ...]
     state_dtype: torch.dtype
 
 
 class _StateGradHop(torch.autograd.Function):
-    """Identity on o (and a sink for the final states ht of the local pieces); its backward is this rank's
+    """Identity on o (and a sink for the final states ht of the backend calls); its backward is this rank's
     backward hops."""
 
     @staticmethod
     def forward(ctx, o, hops: _Hops, n_ht: int, *tensors):
-        # tensors: the n_ht final states (None on the row's last piece), then per slot what its dH_in pass needs,
-        # through save_for_backward (the prepared tensors too), so that activation checkpointing frees it
+        # tensors: the n_ht final states (None where no piece of a call sends one), then the per-slot M, then per
+        # call what its dH_in pass needs, through save_for_backward (the prepared tensors too), so that activation
+        # checkpointing frees it
         ctx.hops, ctx.n_ht = hops, n_ht
         ctx.save_for_backward(*tensors[n_ht:])
         return o.view_as(o)
@@ -81,27 +83,33 @@ class _StateGradHop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o):
         hops: _Hops = ctx.hops
-        passing, pieces = hops.passing, hops.pieces
-        saved, at = ctx.saved_tensors, 0
-        ms, local = [], []
-        for slot in range(pieces.per_member):
-            q, k, v, g, beta, m, *staged = saved[at:at + hops.saved[slot]]
-            at += hops.saved[slot]
-            ms.append(m)
-            grad = grad_o.new_zeros(hops.state_shape, dtype=hops.state_dtype)
-            if hops.reads_state_in[slot]:
-                grad_o_slot = grad_o if pieces.per_member == 1 else grad_o[:, pieces.local(slot)].contiguous()
-                prepared = hops.backend.prepared_from_saved(tuple(staged)) if hops.staged[slot] else None
-                grad = hops.backend.initial_state_grad(q, k, v, g, beta, grad_o_slot, use_qk_l2norm_in_kernel=True,
-                                                       prepared=prepared, cu_seqlens=hops.layouts[slot])
-            local.append(grad)
+        passing, pieces, inputs = hops.passing, hops.pieces, hops.inputs
+        saved = ctx.saved_tensors
+        ms, at = list(saved[:hops.n_m]), hops.n_m
+        grads_o = inputs.split(grad_o, pieces)
+        local_calls = []
+        for c in range(len(inputs.calls)):
+            q, k, v, g, beta, *staged = saved[at:at + hops.saved[c]]
+            at += hops.saved[c]
+            if not any(hops.reads_state_in[j] for j in inputs.slots_of(c)):
+                local_calls.append(None)
+                continue
+            prepared = hops.backend.prepared_from_saved(tuple(staged)) if hops.staged[c] else None
+            local_calls.append(hops.backend.initial_state_grad(q, k, v, g, beta, grads_o[c],
+                                                               use_qk_l2norm_in_kernel=True, prepared=prepared,
+                                                               cu_seqlens=inputs.layouts[c]))
+        # a piece that does not read the entering state has none of its gradient
+        local = [grad if reads else None for grad, reads in zip(inputs.per_slot(local_calls), hops.reads_state_in)]
+        local = [grad_o.new_zeros(hops.state_shape, dtype=hops.state_dtype) if grad is None else grad.contiguous()
+                 for grad in local]
         if passing.schedule == "scan":  # dH_out from every later piece's (Mᵀ, dH_in_local) in log-depth rounds
             grad_out = exclusive_state_scan([None if m is None else m.mT for m in ms], local, passing, pieces,
                                             state_shape=hops.state_shape, dtype=hops.state_dtype,
                                             device=grad_o.device, reverse=True, what="dH")
         else:
             grad_out = _chain_backward(passing, pieces, ms, local, grad_o)
-        return (grad_o, None, None, *grad_out[:ctx.n_ht], *([None] * len(saved)))
+        grad_ht = inputs.to_calls(grad_out, grad_o, hops.state_shape, hops.state_dtype)
+        return (grad_o, None, None, *grad_ht[:ctx.n_ht], *([None] * len(saved)))
 
 
 def _chain_backward(passing: StatePassing, pieces: Pieces, ms: list, local: list, like: torch.Tensor) -> list:
@@ -188,6 +196,7 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
     inputs = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, pieces, docs)
+    calls = range(len(inputs.calls))
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:
         raise RuntimeError(
@@ -198,7 +207,7 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
     # what the summary, the output pass and the dH_in pass would each build from k, v, g, beta (T, W, U), once
     with torch.no_grad():
         prepared = [layer.backend.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=lay)
-                    for (q, k, v, g, beta), lay in zip(inputs, layouts)]
+                    for (q, k, v, g, beta), lay in zip(inputs.calls, inputs.layouts)]
 
     if recompute:
         states_in, summary_ms = ctx.replay[replay_key]
@@ -208,46 +217,59 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
         if not scan and pieces.positions[0] > 0:  # posted before the summaries, which overlap its arrival
             first_recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
                                            pieces.holder(pieces.positions[0] - 1)[0], "H_in")
-        summaries = []
         # no autograd: the gradient that would flow through (M, S) reaches k, v, g, beta through the local GDN's
-        # final state instead (see _StateGradHop); the row's last piece has no H_out that anyone reads
+        # final state instead (see _StateGradHop); the row's last piece has no H_out that anyone reads. One call
+        # summarises every piece it holds (M where any of them needs it; a piece that does not gets None).
+        ms_calls, ss_calls = [], []
         with torch.no_grad(), torch.profiler.record_function("deltacp::p2p summary"):
-            for slot, ((q, k, v, g, beta), lay) in enumerate(zip(inputs, layouts)):
-                summaries.append((None, None) if last[slot] else layer.backend.state_summary(
+            for c in calls:
+                slots = inputs.slots_of(c)
+                if all(last[j] for j in slots):
+                    ms_calls.append(None)
+                    ss_calls.append(None)
+                    continue
+                q, k, v, g, beta = inputs.calls[c]
+                sm, ss = layer.backend.state_summary(
                     k.detach(), v.detach(), g.detach(), beta.detach(), use_qk_l2norm_in_kernel=True,
-                    prepared=prepared[slot], need_transition=need_transition[slot], cu_seqlens=lay))
-        summary_ms = [sm for sm, _ in summaries]
+                    prepared=prepared[c], need_transition=any(need_transition[j] for j in slots),
+                    cu_seqlens=inputs.layouts[c])
+                ms_calls.append(sm)
+                ss_calls.append(ss)
+        summary_ms = [m if need else None for m, need in zip(inputs.per_slot(ms_calls), need_transition)]
+        summary_ss = [s_ if not end else None for s_, end in zip(inputs.per_slot(ss_calls), last)]
         if scan:  # H_in of every piece from every earlier piece's (M, S) in log-depth rounds
-            states_in = exclusive_state_scan(summary_ms, [ss for _, ss in summaries], passing, pieces,
-                                             state_shape=state_shape, dtype=state_dtype, device=qkv_BsC.device,
-                                             what="H")
+            states_in = exclusive_state_scan(summary_ms, summary_ss, passing, pieces, state_shape=state_shape,
+                                             dtype=state_dtype, device=qkv_BsC.device, what="H")
         else:
-            states_in = _chain_forward(passing, pieces, summaries, first_recv,
+            states_in = _chain_forward(passing, pieces, list(zip(summary_ms, summary_ss)), first_recv,
                                        torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device))
         if grad_enabled:
             ctx.replay[replay_key] = (states_in, summary_ms)
 
+    entering = inputs.to_calls([st if reads else None for st, reads in zip(states_in, reads_state_in)],
+                               qkv_BsC, state_shape, state_dtype)
     outs, finals = [], []
     with torch.profiler.record_function("deltacp::p2p output"):
-        for slot, ((q, k, v, g, beta), lay) in enumerate(zip(inputs, layouts)):
+        for c in calls:
+            q, k, v, g, beta = inputs.calls[c]
             o, ht = layer.backend.chunk_gated_delta_rule(
-                q, k, v, g, beta, initial_state=states_in[slot] if reads_state_in[slot] else None,
-                output_final_state=grad_enabled and not last[slot], use_qk_l2norm_in_kernel=True,
-                prepared=prepared[slot], cu_seqlens=lay)
+                q, k, v, g, beta, initial_state=entering[c],
+                output_final_state=grad_enabled and not all(last[j] for j in inputs.slots_of(c)),
+                use_qk_l2norm_in_kernel=True, prepared=prepared[c], cu_seqlens=inputs.layouts[c])
             outs.append(o)
             finals.append(ht)
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    o = inputs.join(outs, B)
     if not grad_enabled:
         return o
     saved, counts, staged = [], [], []
-    for slot, (q, k, v, g, beta) in enumerate(inputs):
-        stage = prepared[slot] is not None and reads_state_in[slot]
-        if reads_state_in[slot]:
-            part = [q, k, v, g, beta, summary_ms[slot], *(prepared[slot].tensors_for_backward() if stage else ())]
-        else:
-            part = [None] * 5 + [summary_ms[slot]]
+    for c in calls:
+        reads = any(reads_state_in[j] for j in inputs.slots_of(c))
+        stage = prepared[c] is not None and reads
+        part = [*inputs.calls[c], *(prepared[c].tensors_for_backward() if stage else ())] if reads else [None] * 5
         saved += part
         counts.append(len(part))
         staged.append(stage)
-    hops = _Hops(passing, layer.backend, pieces, layouts, reads_state_in, staged, counts, state_shape, state_dtype)
-    return _StateGradHop.apply(o, hops, len(finals), *finals, *saved)
+    hops = _Hops(passing, layer.backend, pieces, PieceInputs([()] * len(inputs.calls), inputs.layouts, inputs.slots,
+                                                             inputs.batched),
+                 reads_state_in, staged, counts, len(summary_ms), state_shape, state_dtype)
+    return _StateGradHop.apply(o, hops, len(finals), *finals, *summary_ms, *saved)

@@ -4,8 +4,8 @@ slice; Ulysses scans Hv / P heads of the whole row (no group: the sequence is wh
 (`two_d.py`) scans Hv / u heads of its Ulysses group's slice, across the same heads of the other groups.
 
 `scan_inputs` is the start every mode's scan shares: the causal conv + SiLU + q/k/v split (with the halo from the
-previous piece), the gates, and the backend's contract check, per local piece (`placement.Pieces`: one piece under
-the contiguous layout, two under the balanced one).
+previous piece), the gates, and the backend's contract check, for the local pieces (`placement.Pieces`: one under
+the contiguous layout, two under the balanced one) as `PieceInputs`: the backend calls that cover them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltacp.ops.gdn.varlen import VarlenLayout
 from deltacp.parallel.conv import conv_silu_qkv
 from deltacp.parallel.documents import DocumentSegment
 from deltacp.parallel.gdn_layer import GDNLayerCP
@@ -36,19 +37,80 @@ class GDNShard:
         return cls(m.num_k_heads, m.num_v_heads, layer.conv_weight_CK, m.conv1d.bias, m.A_log, m.dt_bias, layer.group)
 
 
+@dataclass
+class PieceInputs:
+    """The scan inputs of a rank's pieces as the backend calls see them. Batched (pieces of unpacked rows, and any
+    single piece): ONE call over B x slots rows, row b * slots + slot holding slot `slot` of row b (a view of the
+    local tokens [B, slots * n], no copy). Not batched (two pieces of a packed row, each with its own documents):
+    one call per piece. `calls[c]` = (q, k, v, g, beta), `layouts[c]` its documents (VarlenLayout or None)."""
+
+    calls: list[tuple[torch.Tensor, ...]]
+    layouts: list[VarlenLayout | None]
+    slots: int
+    batched: bool
+
+    def where(self, slot: int) -> tuple[int, slice]:
+        """(call, its rows) holding slot `slot`."""
+        return (0, slice(slot, None, self.slots)) if self.batched else (slot, slice(None))
+
+    def slots_of(self, call: int) -> list[int]:
+        return list(range(self.slots)) if self.batched else [call]
+
+    def per_slot(self, per_call: list) -> list:
+        """A per-call tensor ([rows, ...], or None) cut into per-slot views ([B, ...])."""
+        out = []
+        for slot in range(self.slots):
+            c, rows = self.where(slot)
+            out.append(None if per_call[c] is None else per_call[c][rows])
+        return out
+
+    def to_calls(self, per_slot: list, like: torch.Tensor, shape: tuple[int, ...], dtype) -> list:
+        """Per-slot tensors [B, ...] (None: zeros) assembled per call; None for a call whose slots are all None."""
+        out = []
+        for c in range(len(self.calls)):
+            slots = self.slots_of(c)
+            if all(per_slot[j] is None for j in slots):
+                out.append(None)
+            elif len(slots) == 1:
+                out.append(per_slot[slots[0]])
+            else:
+                zero = like.new_zeros(shape, dtype=dtype)
+                out.append(torch.stack([zero if per_slot[j] is None else per_slot[j] for j in slots], dim=1)
+                           .flatten(0, 1))
+        return out
+
+    def join(self, outs: list[torch.Tensor], B: int) -> torch.Tensor:
+        """Per-call outputs [rows, n, ...] -> the local tokens [B, slots * n, ...]."""
+        if self.batched:
+            o = outs[0]
+            return o.reshape(B, self.slots * o.shape[1], *o.shape[2:])
+        return torch.cat(outs, dim=1)
+
+    def split(self, x: torch.Tensor, pieces: Pieces) -> list[torch.Tensor]:
+        """The local tokens [B, slots * n, ...] -> per call [rows, n, ...] (the inverse of `join`)."""
+        if self.batched:
+            return [x.contiguous().unflatten(1, (self.slots, -1)).flatten(0, 1)]
+        return [x[:, pieces.local(slot)].contiguous() for slot in range(self.slots)]
+
+
 def scan_inputs(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
-                pieces: Pieces, docs: list[DocumentSegment | None]):
-    """Per local piece: q, k [B, n, qk_heads, K], v [B, n, Hv, V], g, beta [B, n, Hv] of this shard, checked against
-    the backend's contract. Contiguous once here (the Triton backend writes them so; eager's are views of the conv
-    output): the backend's saves and the modes' own autograd nodes then share these tensors instead of views
-    keeping the whole conv output alive through the backward."""
+                pieces: Pieces, docs: list[DocumentSegment | None]) -> PieceInputs:
+    """q, k [rows, n, qk_heads, K], v [rows, n, Hv, V], g, beta [rows, n, Hv] of this shard per backend call
+    (`PieceInputs`), checked against the backend's contract. Contiguous once here (the Triton backend writes them
+    so; eager's are views of the conv output): the backend's saves and the modes' own autograd nodes then share
+    these tensors instead of views keeping the whole conv output alive through the backward."""
+    batched = pieces.per_member == 1 or all(d is None for d in docs)
     qkvs = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, pieces, docs,
-                         shard.seq_group)
+                         shard.seq_group, batched)
     g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
-    out = []
-    for slot, qkv in enumerate(qkvs):
+    inputs = PieceInputs([], [d.layout if d is not None else None for d in docs][:1 if batched else None],
+                         pieces.per_member, batched)
+    for call, qkv in enumerate(qkvs):
         q, k, v = (t.contiguous() for t in qkv)
-        g_s, beta_s = (g, beta) if len(qkvs) == 1 else (t[:, pieces.local(slot)].contiguous() for t in (g, beta))
-        layer.backend.check(q, k, v, g_s, beta_s)
-        out.append((q, k, v, g_s, beta_s))
-    return out
+        if batched:
+            g_c, beta_c = (t.unflatten(1, (pieces.per_member, -1)).flatten(0, 1).contiguous() for t in (g, beta))
+        else:
+            g_c, beta_c = (t[:, pieces.local(call)].contiguous() for t in (g, beta))
+        layer.backend.check(q, k, v, g_c, beta_c)
+        inputs.calls.append((q, k, v, g_c, beta_c))
+    return inputs

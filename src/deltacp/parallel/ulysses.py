@@ -110,7 +110,8 @@ def ulysses_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
     S = sh.qkv_BSC.shape[1]
     whole = Pieces(0, 1, False, S)  # the whole row, in row order
     (docs,) = document_segments(ctx, whole)
-    ((q, k, v, g, beta),) = scan_inputs(layer, sh.scan_shard(layer), sh.qkv_BSC, sh.b_BSH, sh.a_BSH, whole, [docs])
+    ((q, k, v, g, beta),) = scan_inputs(layer, sh.scan_shard(layer), sh.qkv_BSC, sh.b_BSH, sh.a_BSH, whole,
+                                        [docs]).calls
 
     o_BSHV, _ = layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                      cu_seqlens=None if docs is None else docs.layout)
