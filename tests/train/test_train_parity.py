@@ -4,8 +4,9 @@
   max grad-norm rel diff < 1e-3, all finite; in the same spawn, full activation checkpointing reproduces
   the first steps bit for bit, and the p2p layers' message logs are identical (no extra receive);
 - CP2 and CP8, every mode, the first 10 steps of the same schedule, same bounds;
-- CP4 with train.accelerator.full_attention_cp = all_gather (1-D) and ring with ulysses_degree 2 (2-D), the
-  first 10 steps, same bounds, the attention layers running the configured method;
+- CP4 with train.accelerator.full_attention_cp = all_gather (1-D) and ring with ulysses_degree 2 (2-D), and ring
+  with sequence_layout = balanced (p2p with the scan), the first 10 steps, same bounds, the attention layers
+  running the configured method;
 - kill while saving a checkpoint, then resume: the same losses as an uninterrupted run.
 """
 
@@ -112,8 +113,10 @@ def attention_cp_worker(rank, world, results):
     from deltacp.train.trainer import Trainer
 
     base = _main_cfg()
-    for u, method in ((None, "all_gather"), (2, "ring")):
-        acc = replace(base.accelerator, ulysses_degree=u, full_attention_cp=method)
+    for u, method, layout in ((None, "all_gather", "contiguous"), (2, "ring", "contiguous"),
+                              (None, "ring", "balanced")):
+        acc = replace(base.accelerator, ulysses_degree=u, full_attention_cp=method, sequence_layout=layout,
+                      linear_attention_state_passing="scan" if layout == "balanced" else "chain")
         label, cfg = cp_configs(replace(base, accelerator=acc), world, STEPS, ["p2p"])[0]
         trainer = Trainer(cfg, progress=False)
         installed = [layer.self_attn.forward for layer in adapter_for(trainer.model).layers()
@@ -123,7 +126,7 @@ def attention_cp_worker(rank, world, results):
         assert plan.method == method and (plan.ulysses_group is None if u is None else plan.ulysses_group.size() == u)
         rows = trainer.fit(SHORT)
         if rank == 0:
-            results[f"{label}-{method}-u{u or 1}"] = rows
+            results[f"{label}-{method}-u{u or 1}-{layout}"] = rows
 
 
 def test_full_attention_cp_and_two_d_through_the_trainer(reference):
@@ -133,7 +136,7 @@ def test_full_attention_cp_and_two_d_through_the_trainer(reference):
         results = manager.dict()
         run_distributed(attention_cp_worker, 4, results, timeout_s=600)
         runs = dict(results)
-    assert len(runs) == 2
+    assert len(runs) == 3
     for label, rows in runs.items():
         assert len(rows) == SHORT
         comp = _check(reference, rows, label)
