@@ -61,6 +61,25 @@ def local_slice(x: torch.Tensor, rank: int, world: int, dim: int = 1, layout: st
     return torch.cat([x.narrow(dim, rank * h, h), x.narrow(dim, (2 * world - 1 - rank) * h, h)], dim=dim)
 
 
+def run_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, d_out: torch.Tensor, **kwargs):
+    """module(x, **kwargs) and the backward of (out * d_out).sum(): the output (detached) and x's gradient."""
+    x = x.clone().requires_grad_()
+    out = module(x, **kwargs)
+    (out * d_out).sum().backward()
+    return out.detach(), x.grad
+
+
+def tiny_attention(config, layer_idx: int = 3) -> torch.nn.Module:
+    """transformers' Qwen3_5Attention in float64 with non-trivial q/k norm weights (their init is all zeros)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
+
+    base = Qwen3_5Attention(config, layer_idx).double()
+    with torch.no_grad():
+        base.q_norm.weight.normal_(0, 0.1)
+        base.k_norm.weight.normal_(0, 0.1)
+    return base
+
+
 def summed_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     grads = {}
     for name, p in module.named_parameters():

@@ -12,13 +12,14 @@ import copy
 
 import pytest
 import torch
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5TextRotaryEmbedding
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
 from deltacp.distributed.launch import run_distributed
 from deltacp.parallel.attention import install_ulysses_attention
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, cu_seqlens_from_padding
 from deltacp.parallel.style import FullAttentionContextParallel
-from helpers import cp_mesh, grads_of, local_slice, rel_l2, self_meshes, summed_grads, tiny_config
+from helpers import (cp_mesh, grads_of, local_slice, rel_l2, self_meshes, summed_grads, tiny_attention,
+                     tiny_config)
 
 TIGHT = 1e-8
 S = 192  # pieces of 48 / 24 / 12 tokens at CP2 / 4 / 8
@@ -36,10 +37,7 @@ def _methods(world):
 def balanced_attention_worker(rank, world):
     torch.manual_seed(2)
     config = tiny_config()  # 8 query heads, 2 KV heads, head dim 16
-    base = Qwen3_5Attention(config, 3).double()
-    with torch.no_grad():
-        base.q_norm.weight.normal_(0, 0.1)
-        base.k_norm.weight.normal_(0, 0.1)
+    base = tiny_attention(config)
     rotary = Qwen3_5TextRotaryEmbedding(config)
     mesh, single = cp_mesh(), self_meshes()
     mask = torch.ones(2, S, dtype=torch.long)

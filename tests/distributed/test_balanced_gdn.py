@@ -18,20 +18,14 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from deltacp import LinearAttentionContextParallel, all_reduce_cp_grads, cp_layer_of
 from deltacp.distributed.launch import run_distributed
-from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_config
+from helpers import (cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, run_fwd_bwd, self_meshes,
+                     tiny_config)
 
 TIGHT = 1e-8
 S = 256  # pieces of 64 / 32 / 16 tokens at CP 2 / 4 / 8 (the conv halo is 3)
 # lengths 3, 37, 1, 59, 60, 1, 69, 26: at CP8 (pieces of 16) a document starts at piece 10's first token (160),
 # pieces 0, 2, 6, 14 hold starts inside, the long documents cross several pieces and both ranks' halves
 PACKED = [0, 3, 40, 41, 100, 160, 161, 230, 256]
-
-
-def _run(module, x, d_out, **kwargs):
-    x = x.clone().requires_grad_()
-    out = module(x, **kwargs)
-    (out * d_out).sum().backward()
-    return out.detach(), x.grad
 
 
 def _cases(world):
@@ -53,7 +47,7 @@ def balanced_gdn_worker(rank, world):
         for mode, u, passing in _cases(world):
             if mode not in refs:
                 ref = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(base), single)
-                out_ref, dx_ref = _run(ref, x, d_out, **kwargs)
+                out_ref, dx_ref = run_fwd_bwd(ref, x, d_out, **kwargs)
                 refs[mode] = (out_ref, dx_ref, flat(grads_of(ref)))
             out_ref, dx_ref, g_ref = refs[mode]
             cp = LinearAttentionContextParallel(mode=mode, ulysses_degree=u, state_passing=passing,
@@ -61,7 +55,7 @@ def balanced_gdn_worker(rank, world):
             layer = cp_layer_of(cp)
             if layer.passing is not None:
                 layer.passing.log = []
-            out, dx = _run(cp, local_slice(x, rank, world, layout="balanced"),
+            out, dx = run_fwd_bwd(cp, local_slice(x, rank, world, layout="balanced"),
                            local_slice(d_out, rank, world, layout="balanced"), **kwargs)
             all_reduce_cp_grads(cp, mesh)
             tag = f"CP{world} {mode} u={u} {passing} {label}"

@@ -30,7 +30,8 @@ from deltacp.parallel.placement import Pieces
 from deltacp.parallel.scan import exclusive_state_scan, scan_rounds, scan_schedule, simulate_exclusive_scan
 from deltacp.distributed.launch import run_distributed
 from deltacp.train.trainer import apply_activation_checkpointing, p2p_passings
-from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_config
+from helpers import (cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, run_fwd_bwd, self_meshes,
+                     tiny_config)
 
 EXACT = 1e-12  # scan vs chain: the same products, associated differently
 TIGHT = 1e-8  # CP vs deltacp's single device (float64)
@@ -175,13 +176,6 @@ SEQ = 320  # 64 tokens a rank at CP5
 DOCS = [1, 2, 37, 64, 3, 100, 1, 48, 64]
 
 
-def _run_layer(module, x, d_out, **kwargs):
-    x = x.clone().requires_grad_()
-    out = module(x, **kwargs)
-    (out * d_out).sum().backward()
-    return out.detach(), x.grad
-
-
 def _grads_summed(module):
     grads = grads_of(module)
     for g in grads.values():
@@ -198,12 +192,12 @@ def _layer_checks(rank, world, failures):
         x = torch.randn(B, SEQ, 64, dtype=torch.float64)
         d_out = torch.randn(B, SEQ, 64, dtype=torch.float64)
         ref = LinearAttentionContextParallel(mode="p2p").apply(copy.deepcopy(base), single)
-        out_ref, dx_ref = _run_layer(ref, x, d_out, **kwargs)
+        out_ref, dx_ref = run_fwd_bwd(ref, x, d_out, **kwargs)
         g_ref = flat(grads_of(ref))
         runs = {}
         for passing in ("chain", "scan"):
             cp = LinearAttentionContextParallel(mode="p2p", state_passing=passing).apply(copy.deepcopy(base), mesh)
-            out, dx = _run_layer(cp, local_slice(x, rank, world), local_slice(d_out, rank, world), **kwargs)
+            out, dx = run_fwd_bwd(cp, local_slice(x, rank, world), local_slice(d_out, rank, world), **kwargs)
             runs[passing] = (out, dx, _grads_summed(cp))
         out, dx, g = runs["scan"]
         for what, got, chain, single_ref, in (("output", out, runs["chain"][0], local_slice(out_ref, rank, world)),

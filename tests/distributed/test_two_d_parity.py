@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
-    Qwen3_5Attention,
     Qwen3_5GatedDeltaNet,
     Qwen3_5TextRotaryEmbedding,
 )
@@ -28,7 +27,8 @@ from deltacp import shard_batch_for_cp
 from deltacp.parallel.attention import attention_cp_plan, install_kv_cp_attention
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, cu_seqlens_from_padding
 from deltacp.distributed.launch import run_distributed
-from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_config
+from helpers import (cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_attention,
+                     tiny_config)
 
 TIGHT = 1e-8
 PACKED = [0, 3, 40, 41, 100, 160, 161, 230, 256]  # lengths 1 and 3, boundaries inside and on rank boundaries
@@ -41,10 +41,7 @@ def _record(failures, tag, figures, bound):
 def attention_checks(rank, world, failures):
     torch.manual_seed(2)
     config = tiny_config()  # 8 query heads, 2 KV heads, head dim 16
-    base = Qwen3_5Attention(config, 3).double()
-    with torch.no_grad():
-        base.q_norm.weight.normal_(0, 0.1)
-        base.k_norm.weight.normal_(0, 0.1)
+    base = tiny_attention(config)
     rotary = Qwen3_5TextRotaryEmbedding(config)
     S = 256
     mesh, single = cp_mesh(), self_meshes()

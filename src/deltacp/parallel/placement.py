@@ -123,11 +123,16 @@ def _inverse(order: list[int]) -> list[int]:
     return inv
 
 
+_INDEX: dict = {}  # (order, device) -> index tensor: built once, not copied to the device on every call
+
+
 def _permute_blocks(x: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
     dim = dim % x.dim()
     blocks = x.unflatten(dim, (len(order), -1))
-    index = torch.tensor(order, device=x.device)
-    return blocks.index_select(dim, index).flatten(dim, dim + 1)
+    key = (tuple(order), x.device)
+    if key not in _INDEX:
+        _INDEX[key] = torch.tensor(order, device=x.device)
+    return blocks.index_select(dim, _INDEX[key]).flatten(dim, dim + 1)
 
 
 def to_row_order(x: torch.Tensor, dim: int, members: int, balanced: bool) -> torch.Tensor:
