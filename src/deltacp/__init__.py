@@ -11,7 +11,7 @@ from deltacp.models.checkpointing import apply_activation_checkpointing
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import IGNORE_INDEX, cp_causal_lm_loss, cp_cross_entropy, cp_linear_cross_entropy
 from deltacp.models.moe import cp_load_balancing_loss
-from deltacp.models.parallelize import parallelize_cp, sequence_layout_of
+from deltacp.models.parallelize import parallelize_cp, row_cut_of, sequence_layout_of
 from deltacp.models.qwen3_5 import fully_shard_qwen3_5, parallelize_qwen3_5_cp
 from deltacp.parallel.placement import SEQUENCE_LAYOUTS
 from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel, cp_layer_of
@@ -33,6 +33,7 @@ __all__ = [
     "init_cp_mesh",
     "parallelize_cp",
     "parallelize_qwen3_5_cp",
+    "row_cut_of",
     "run_distributed",
     "sequence_layout_of",
     "shard_batch_for_cp",

@@ -68,7 +68,7 @@ def _check_cuts(mesh, cp: int, r: int) -> None:
                     position_ids=local_slice(torch.arange(S).expand(2, S), r, cp, layout="balanced"),
                     target_ids=local_slice(_targets(ids, mask), r, cp, layout="balanced"),
                     attention_mask=local_slice(mask, r, cp, layout="balanced"))
-    assert set(out) == set(expected)
+    assert set(out) == set(expected) | {"cp_sequence_layout"} and out["cp_sequence_layout"] == "balanced"
     for key, value in expected.items():
         assert torch.equal(out[key], value), (cp, r, key, out[key], value)
     # the targets were shifted over the whole row: the last token of the rank's first piece (row position
@@ -195,8 +195,10 @@ def _check_hook(mesh, cp: int, r: int) -> None:
     # a batch cut with the other layout: every rank raises, naming the model's layout
     for model_layout, cut_layout in (("balanced", "contiguous"), ("contiguous", "balanced")):
         model = models[model_layout]
-        named = rf"not in row order for sequence_layout='{model_layout}'.*shard_batch_for_cp\(sequence_layout=" \
-                rf"'{model_layout}'\)"
+        named = rf"not in row order for sequence_layout='{model_layout}'.*shard_batch_for_cp\(\.\.\., model=model\) " \
+                rf"\(or sequence_layout='{model_layout}'\)"
+        tagged = rf"the batch was cut with sequence_layout='{cut_layout}' \(shard_batch_for_cp\), but the model holds " \
+                 rf"each rank's tokens as sequence_layout='{model_layout}'"
         plain = shard_batch_for_cp(ids, mesh, sequence_layout=cut_layout)
         _expect(ValueError, named, lambda: _captured(model, input_ids=plain["input_ids"],
                                                      position_ids=plain["position_ids"]))
@@ -205,11 +207,16 @@ def _check_hook(mesh, cp: int, r: int) -> None:
                                                      position_ids=packed["position_ids"]))
         # with the offsets, each rank compares its own positions (a rank whose cut agrees raises as the others)
         _expect((ValueError, RuntimeError), named,
-                lambda: _captured(model, **{k: v for k, v in packed.items() if k != "target_ids"}))
+                lambda: _captured(model, **{k: v for k, v in packed.items()
+                                            if k not in ("target_ids", "cp_sequence_layout")}))
         padded = shard_batch_for_cp(two, mesh, attention_mask=mask, sequence_layout=cut_layout)
         _expect(ValueError, named, lambda: _captured(model, input_ids=padded["input_ids"],
                                                      position_ids=padded["position_ids"],
                                                      attention_mask=padded["attention_mask"]))
+        # without position ids the cut's own record of its layout is checked (plain, padded, packed rows)
+        for batch in (plain, padded, packed):
+            _expect(ValueError, tagged, lambda: _captured(model, **{k: v for k, v in batch.items()
+                                                                    if k not in ("target_ids", "position_ids")}))
     # an odd number of local tokens cannot be two pieces
     _expect(ValueError, r"sequence_layout='balanced' needs an even number of tokens on every rank .* got 7",
             lambda: _captured(balanced, input_ids=ids[:, :7]))

@@ -63,16 +63,18 @@ def _common(out_dir: str, dp: int, extra: dict) -> dict:
 
 
 def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, args_extra: dict | None = None,
-          **kwargs):
+          train_lines: list[str] | None = None, **kwargs):
     """The trainer of `case` (plain when cp_size is None). The reference runs one process at dp x the per-device
     batch, so that each optimizer step sees the same global batch as dp groups of PER_DEVICE rows. `cls` replaces
-    the trainer class, `args_extra` adds training arguments, other keywords go to the trainer."""
+    the trainer class, `args_extra` adds training arguments, `train_lines` replaces the training texts, other
+    keywords go to the trainer."""
     from deltacp.testing.hf import byte_tokenizer
 
     tok = byte_tokenizer()
     n_train = STEPS * GA * PER_DEVICE * 2  # dp 2: exactly STEPS steps per epoch
     # eval: dp x PER_DEVICE x 4 rows at dp 2 (as many batches on every dp group); 7 at dp 1 (a short last batch)
-    train_lines, eval_lines = texts(n_train, 0), texts(7 if dp == 1 else 8, 1)
+    train_lines = texts(n_train, 0) if train_lines is None else train_lines
+    eval_lines = texts(7 if dp == 1 else 8, 1)
     kind, layout = case.split("-")
     if kind == "trainer":
         from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening, Trainer, TrainingArguments
@@ -80,8 +82,9 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
         collator = (DataCollatorForLanguageModeling(tok, mlm=False) if layout == "padded"
                     else DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True))
         args = TrainingArguments(**_common(out_dir, dp if cp_size is None else 1, args_extra or {}))
-        kwargs.update(model=tiny_model(), args=args, data_collator=collator, train_dataset=_tokenized(tok, train_lines),
-                      eval_dataset=_tokenized(tok, eval_lines), processing_class=tok)
+        kwargs = dict(dict(model=tiny_model(), args=args, data_collator=collator,
+                           train_dataset=_tokenized(tok, train_lines), eval_dataset=_tokenized(tok, eval_lines),
+                           processing_class=tok), **kwargs)
         base = Trainer
         if cp_size is not None:
             from deltacp.integrations import CPTrainer as base
@@ -91,8 +94,8 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
 
         sft = dict(padding_free=layout == "packed", max_length=None, bf16=False, gradient_checkpointing=True)
         args = SFTConfig(**_common(out_dir, dp if cp_size is None else 1, {**sft, **(args_extra or {})}))
-        kwargs.update(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
-                      eval_dataset=Dataset.from_dict({"text": eval_lines}), processing_class=tok)
+        kwargs = dict(dict(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
+                           eval_dataset=Dataset.from_dict({"text": eval_lines}), processing_class=tok), **kwargs)
         base = SFTTrainer
         if cp_size is not None:
             from deltacp.integrations import CPSFTTrainer as base

@@ -104,9 +104,44 @@ def _check_batches_and_refusals(out_dir: str) -> None:
         trainer.predict(trainer.eval_dataset)
 
 
+def _check_fault_cases(out_dir: str) -> None:
+    """At CP2: what a user's script can get wrong is refused on every rank at once, and a short batch under p2p
+    is padded instead of ending the run (the fault trial of 2026-12-04)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    where = os.path.join(out_dir, "faults")
+    # a CP keyword typo: refused before the trainer prepares any dataset (this one would fail its preparation)
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"deltacp: linear_attention_cp_mode='p2pp' is not supported; expected one of"):
+        integ_cases.build("sft-packed", where, cp_size=2, dp=1, linear_attention_cp_mode="p2pp",
+                          train_dataset=Dataset.from_dict({"no_text_column": [1, 2]}))
+    with pytest.raises(ValueError, match=r"deltacp: train_dataset is empty \(0 rows\)"):
+        integ_cases.build("sft-packed", where, cp_size=2, dp=1, train_lines=[])
+    # ranks whose datasets differ in length would plan different step counts: every rank refuses at train()
+    lines = integ_cases.texts(8, 3) + (["one more row"] if rank == 1 else [])
+    trainer = integ_cases.build("sft-packed", where, cp_size=2, dp=1, train_lines=lines,
+                                args_extra=dict(max_steps=-1, num_train_epochs=1))
+    with pytest.raises(ValueError, match=r"the training plan: ranks disagree on train_dataset_rows \(rank 0: 8, "
+                                         r"rank 1: 9\)"):
+        trainer.train()
+    # p2p + balanced, one row per step, rows far shorter than 2 x cp x conv halo (12 tokens): padded with an
+    # ignored padding document up to it, so every step runs (it raised at the first short row before)
+    short = ["a", "bc", "gated delta", "d", "context parallel rank", "e"]
+    trainer = integ_cases.build("sft-packed", where, cp_size=2, dp=1, train_lines=short,
+                                linear_attention_cp_mode="p2p", sequence_layout="balanced",
+                                args_extra=dict(max_steps=len(short), per_device_train_batch_size=1,
+                                                gradient_accumulation_steps=1))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == len(short) and all(loss == loss for loss in losses), losses
+
+
 def _cp_worker(rank: int, world: int, out_dir: str, runs: list) -> None:
     if world == 2:
         _check_batches_and_refusals(out_dir)
+        _check_fault_cases(out_dir)
     dp = world // 2
     results = {}
     for case, label, kwargs in runs:

@@ -175,13 +175,20 @@ def save_at_cp2_worker(rank, world, cfg):
 def resume_at_cp4_worker(rank, world, cfg, results):
     from deltacp.train.trainer import Trainer, with_cp
 
+    cfg = replace(cfg, accelerator=replace(cfg.accelerator, sequence_layout="balanced"))  # saved: contiguous
     full = Trainer(with_cp(replace(cfg, checkpoint=CheckpointConfig()), world), progress=False).fit()
-    resumed = Trainer(with_cp(cfg, world), progress=False).fit()
+    trainer = Trainer(with_cp(cfg, world), progress=False)
+    messages = []
+    trainer.progress.message = messages.append
+    resumed = trainer.fit()
     if rank == 0:
-        results["full"], results["resumed"] = full, resumed
+        results["full"], results["resumed"], results["messages"] = full, resumed, messages
 
 
 def test_a_cp2_checkpoint_resumes_at_cp4_with_the_losses_of_an_uninterrupted_cp4_run(tmp_path):
+    """Saved at cp2 (contiguous), resumed at cp4 under the balanced layout: the losses of an uninterrupted cp4
+    balanced run, and the resume says what changed (mutation seen failing: the layout left out of the trainer
+    state, no word of the change)."""
     import torch.multiprocessing as mp
 
     ckpt = tmp_path / "ckpt"
@@ -192,8 +199,10 @@ def test_a_cp2_checkpoint_resumes_at_cp4_with_the_losses_of_an_uninterrupted_cp4
     with mp.Manager() as manager:
         results = manager.dict()
         run_distributed(resume_at_cp4_worker, 4, cfg, results, timeout_s=300)
-        full, resumed = results["full"], results["resumed"]
+        full, resumed, messages = results["full"], results["resumed"], list(results["messages"])
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert any("(step 4, resharded from dp1xcp2 to dp1xcp4, sequence_layout changed from 'contiguous' to "
+               "'balanced')" in m for m in messages), messages
     for ref, row in zip(full[4:], resumed, strict=True):  # same weights, optimizer, data; cp2 vs cp4 rounding only
         assert abs(row["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (ref, row)
         assert abs(row["grad_norm"] - ref["grad_norm"]) <= 1e-4 * abs(ref["grad_norm"]), (ref, row)

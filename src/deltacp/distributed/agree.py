@@ -77,6 +77,8 @@ def raise_together(group, what: str, error: BaseException | None = None, *, agre
     agree = dict(agree or {})
     P = dist.get_world_size(group)
     if device is not None:  # ints in one tensor; the messages only when some rank failed
+        if torch.device(device).type == "meta":  # inputs without data (a check says so): the header needs a real one
+            device = "cpu"
         values, spans = _flatten(agree)
         header = torch.tensor([int(error is not None), *values], dtype=torch.int64, device=device)
         headers = _gather_header(header, group)

@@ -12,7 +12,9 @@ Two layouts, as the collators make them:
   at 0 at each document (TRL's padding-free collator, transformers' DataCollatorWithFlattening); a padding
   document is appended to a multiple of the CP degree (2 x cp under sequence_layout='balanced').
 
-The batch is cut by the model's `sequence_layout` (`deltacp.sequence_layout_of(model)`; the CP trainer passes it).
+Either way the row is padded to at least the model's shortest row (p2p / all_gather GDN layers read the previous
+piece's conv halo: at least that many tokens per piece). The batch is cut by the model's `RowCut` (its sequence
+layout and shortest piece, `deltacp.row_cut_of(model)`; the CP trainer passes the model).
 
 The targets are the labels shifted by one over the whole row (deltacp's rule): a label is learned where its token's
 predecessor is in the same document (packed) or valid (padded). Every key is checked and used or refused by name;
@@ -28,9 +30,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.mesh import cp_group_of
-from deltacp.models.batch import shard_batch_for_cp
+from deltacp.models.batch import batch_row_cut, shard_batch_for_cp
 from deltacp.models.loss import IGNORE_INDEX
-from deltacp.parallel.placement import check_sequence_layout, pieces_per_rank
 
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", *PACKING_KEYS)
@@ -74,10 +75,11 @@ def _check_packed_labels(batch: Mapping, labels: torch.Tensor, cu: torch.Tensor 
             raise ValueError("deltacp: seq_idx disagrees with the documents of cu_seq_lens_q / position_ids")
 
 
-def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, multiple: int, pad_token_id: int,
-            what: str):
-    """(input_ids, attention_mask, labels) of padded rows, columns appended to a multiple of `multiple` (`what`
-    names it: cp, or 2 x cp under sequence_layout='balanced')."""
+def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, length: int, multiple: int,
+            pad_token_id: int, what: str):
+    """(input_ids, attention_mask, labels) of padded rows, columns appended up to `length` (a multiple of
+    `multiple`, which `what` names: cp, or 2 x cp under sequence_layout='balanced'; at least the model's shortest
+    row)."""
     mask, positions = batch.get("attention_mask"), batch.get("position_ids")
     B, S = input_ids.shape
     if mask is not None and tuple(mask.shape) != (B, S):
@@ -91,7 +93,7 @@ def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, multi
     if bool((labels[~valid] != IGNORE_INDEX).any()):
         raise ValueError("deltacp: a label at a padded position (attention_mask 0) is not -100: the single-device "
                          "model would learn it, deltacp ignores targets at padding; set those labels to -100")
-    extra = (-S) % multiple
+    extra = length - S
     if extra == 0:
         return input_ids, mask, labels
     if bool((~valid[:, 0] & valid[:, -1]).any()):
@@ -105,12 +107,13 @@ def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, multi
 
 
 def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int = 0,
-                         sequence_layout: str = "contiguous") -> CPBatch:
+                         sequence_layout: str | None = None, model: torch.nn.Module | None = None) -> CPBatch:
     """Cut a collated batch (the whole batch of this rank's dp group) into this rank's CP slice: the CP'd model's
     keyword arguments plus `target_ids` (see the module docstring). `pad_token_id` fills appended columns (their
-    targets are ignored); `sequence_layout`: the model's (`sequence_layout_of(model)`). Raises ValueError naming any
-    key or value it cannot honour."""
-    check_sequence_layout(sequence_layout, "deltacp: ")
+    targets are ignored); `model`: the CP'd model (its sequence layout and shortest piece, `row_cut_of`: rows are
+    padded up to it), or `sequence_layout` alone (as `shard_batch_for_cp`). Raises ValueError naming any key or
+    value it cannot honour."""
+    row_cut = batch_row_cut(sequence_layout, model, "deltacp")
     unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown:
         raise ValueError(f"deltacp: batch keys {unknown} are not supported under CP (supported: {list(BATCH_KEYS)})")
@@ -122,8 +125,9 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
                          f"where nothing is learned), got "
                          f"{None if not isinstance(labels, torch.Tensor) else tuple(labels.shape)}")
     cp = cp_degree(mesh)
-    multiple = cp * pieces_per_rank(sequence_layout)  # the row's pieces: every rank holds equal ones
-    what = "cp" if multiple == cp else f"2 x cp (sequence_layout={sequence_layout!r})"
+    multiple = row_cut.pieces(cp)  # the row's pieces: every rank holds equal ones
+    what = "cp" if multiple == cp else f"2 x cp (sequence_layout={row_cut.sequence_layout!r})"
+    cut = dict(model=model) if model is not None else dict(sequence_layout=row_cut.sequence_layout)
     positions = batch.get("position_ids")
     packed = any(batch.get(k) is not None for k in PACKING_KEYS) or (
         positions is not None and batch.get("attention_mask") is None and _restarts(positions))
@@ -134,9 +138,10 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
         keywords = {k: batch.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
         keywords = {k: v if k.startswith("cu") or v is None else _scalar(v) for k, v in keywords.items()}
         out = shard_batch_for_cp(input_ids, mesh, labels=labels, position_ids=positions, pad_to_multiple_of=multiple,
-                                 pad_token_id=pad_token_id, sequence_layout=sequence_layout, **keywords)
+                                 pad_token_id=pad_token_id, **cut, **keywords)
         _check_packed_labels(batch, labels, out.get("cu_seq_lens_q"))
     else:
-        input_ids, mask, labels = _padded(batch, input_ids, labels, multiple, pad_token_id, what)
-        out = shard_batch_for_cp(input_ids, mesh, attention_mask=mask, labels=labels, sequence_layout=sequence_layout)
+        length = row_cut.padded_length(input_ids.shape[1], cp, multiple)
+        input_ids, mask, labels = _padded(batch, input_ids, labels, length, multiple, pad_token_id, what)
+        out = shard_batch_for_cp(input_ids, mesh, attention_mask=mask, labels=labels, **cut)
     return CPBatch({k: v for k, v in out.items() if v is not None})

@@ -40,14 +40,11 @@ from deltacp.distributed.mesh import init_cp_mesh
 from deltacp.models.checkpointing import apply_activation_checkpointing
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import cp_causal_lm_loss
-from deltacp.models.parallelize import parallelize_cp, sequence_layout_of
-from deltacp.parallel.placement import check_sequence_layout
+from deltacp.distributed.agree import raise_together
+from deltacp.models.parallelize import cp_styles, parallelize_cp
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
 logger = logging.getLogger(__name__)
-
-PARALLELIZE_KEYS = ("linear_attention_cp_mode", "linear_attention_gdn_backend", "full_attention_cp", "ulysses_degree",
-                    "sequence_layout")
 
 
 def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:
@@ -83,27 +80,47 @@ class CPTrainerMixin:
     `class MyTrainer(CPTrainerMixin, SFTTrainer)`, and pass `cp_size` (see the module docstring).
 
     Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size),
-    linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree, sequence_layout
-    (as `deltacp.parallelize_cp`; batches are cut with the model's sequence_layout), fsdp (True: deltacp's FSDP2
+    linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree,
+    linear_attention_state_passing, sequence_layout (as `deltacp.parallelize_cp`; checked at construction; batches
+    are cut by the model's RowCut), fsdp (True: deltacp's FSDP2
     over dp x cp; False: replicated parameters).
     """
 
     def __init__(self, *args, cp_size: int, linear_attention_cp_mode: str = "ulysses",
                  linear_attention_gdn_backend: str = "eager", full_attention_cp: str = "ulysses",
-                 ulysses_degree: int | None = None, sequence_layout: str = "contiguous", fsdp: bool = True,
-                 **kwargs):
+                 ulysses_degree: int | None = None, linear_attention_state_passing: str = "chain",
+                 sequence_layout: str = "contiguous", fsdp: bool = True, **kwargs):
+        # Every CP keyword is checked here, before the trainer prepares its datasets (which can take minutes)
         if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
             raise ValueError(f"deltacp: cp_size must be a positive integer, got {cp_size!r}")
         if not isinstance(fsdp, bool):
             raise ValueError(f"deltacp: fsdp must be True or False, got {fsdp!r}")
-        check_sequence_layout(sequence_layout, "deltacp: ")
-        self.cp_size, self.cp_fsdp = cp_size, fsdp
         self._cp_parallelize = dict(linear_attention_cp_mode=linear_attention_cp_mode,
                                     linear_attention_gdn_backend=linear_attention_gdn_backend,
                                     full_attention_cp=full_attention_cp, ulysses_degree=ulysses_degree,
+                                    linear_attention_state_passing=linear_attention_state_passing,
                                     sequence_layout=sequence_layout)
+        try:  # the rules that need no model
+            cp_styles(cp_size, **self._cp_parallelize)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(f"deltacp: {e}") from None
+        self._refuse_empty_datasets(args, kwargs)
+        self.cp_size, self.cp_fsdp = cp_size, fsdp
         super().__init__(*args, **kwargs)
         self._setup_cp()
+
+    def _refuse_empty_datasets(self, args, kwargs) -> None:
+        """An empty train or eval dataset would surface later as a bare StopIteration of the trainer's preparation."""
+        import inspect
+
+        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
+        datasets = dict(train_dataset=bound.get("train_dataset"))
+        evals = bound.get("eval_dataset")
+        datasets.update({f"eval_dataset[{k!r}]": v for k, v in evals.items()} if isinstance(evals, dict)
+                        else dict(eval_dataset=evals))
+        for name, dataset in datasets.items():
+            if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+                raise ValueError(f"deltacp: {name} is empty (0 rows): nothing to train or evaluate on")
 
     # -- set-up --------------------------------------------------------------------------------------------------
     def _setup_cp(self) -> None:
@@ -121,8 +138,7 @@ class CPTrainerMixin:
         self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, args.device.type)
         self.dp_rank = self.cp_mesh.get_local_rank("dp")
         model = self.model
-        parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)
-        self.cp_sequence_layout = sequence_layout_of(model)  # every batch is cut with the model's layout
+        parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)  # batches are cut by the model's RowCut
         if args.activation_checkpointing:
             every = int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1))
             apply_activation_checkpointing(model, every)
@@ -251,7 +267,7 @@ class CPTrainerMixin:
             return batch
         pad = getattr(self.processing_class, "pad_token_id", None)
         return shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0,
-                                    sequence_layout=self.cp_sequence_layout)
+                                    model=self.accelerator.unwrap_model(self.model))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The step's micro-batches, each cut to this rank's CP slice, and the count of every valid target of the
@@ -336,7 +352,22 @@ class CPTrainerMixin:
             raise NotImplementedError("deltacp: resuming from a checkpoint is not supported under CP yet")
         if trial is not None:
             raise NotImplementedError("deltacp: hyperparameter search trials are not supported under CP")
+        self._agree_on_plan()
         return super().train(ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _agree_on_plan(self) -> None:
+        """Every rank plans the same number of steps: the same dataset lengths and step settings everywhere (a rank
+        whose dataset is longer would run on alone into collectives the others never join: a collective mismatch
+        over gloo, a hang until the timeout over NCCL). Raises on every rank together, naming what differs."""
+        args = self.args
+        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        plan = dict(train_dataset_rows=len(self.train_dataset) if self.train_dataset is not None else -1,
+                    eval_dataset_rows=tuple(len(d) if d is not None else -1 for d in evals),
+                    max_steps=args.max_steps, num_train_epochs=float(args.num_train_epochs),
+                    per_device_train_batch_size=args.per_device_train_batch_size,
+                    gradient_accumulation_steps=args.gradient_accumulation_steps,
+                    dataloader_drop_last=bool(args.dataloader_drop_last), seed=args.seed)
+        raise_together(dist.group.WORLD, "deltacp: the training plan", None, agree=plan)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A normal transformers directory (save_pretrained: config, safetensors, the processing class) written by the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
@@ -18,24 +19,44 @@ from deltacp.distributed.mesh import cp_group_of
 from deltacp.models.loss import IGNORE_INDEX
 from deltacp.ops.gdn.varlen import check_cu_seqlens
 from deltacp.parallel.documents import cu_seqlens_from_position_ids, fingerprints, position_ids_from_cu_seqlens
-from deltacp.parallel.placement import check_sequence_layout, pieces_per_rank, rank_pieces
+from deltacp.models.inputs import BATCH_LAYOUT_KEY
+from deltacp.models.parallelize import row_cut_of
+from deltacp.parallel.placement import RowCut, check_sequence_layout, rank_pieces
 
 
-def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int, pad_token_id: int = 0
+def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, length: int, pad_token_id: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad a packed row [1, S] to a multiple of `multiple` (the CP degree; 2 x cp under sequence_layout='balanced')
-    with one padding document.
+    """Pad a packed row [1, S] to `length` tokens (>= S) with one padding document.
 
     The padding tokens form a document of their own, so no real document reads them or is read by them;
-    `shard_batch_for_cp(pad_to_multiple_of=)` calls this and ignores their targets.
+    `shard_batch_for_cp(pad_to_multiple_of=)` calls this (with the row length its model's `RowCut` admits) and
+    ignores their targets.
     """
     S = input_ids.shape[1]
-    extra = (-S) % multiple
+    extra = length - S
+    if extra < 0:
+        raise ValueError(f"pad_packed_row: length {length} is shorter than the row ({S} tokens)")
     if extra == 0:
         return input_ids, cu_seqlens
     pad = input_ids.new_full((input_ids.shape[0], extra), pad_token_id)
-    cu = torch.cat([cu_seqlens.to(torch.int64).cpu(), torch.tensor([S + extra])]).to(cu_seqlens.dtype)
+    cu = torch.cat([cu_seqlens.to(torch.int64).cpu(), torch.tensor([length])]).to(cu_seqlens.dtype)
     return torch.cat([input_ids, pad], dim=1), cu
+
+
+def batch_row_cut(sequence_layout: str | None, model: nn.Module | None, what: str = "shard_batch_for_cp") -> RowCut:
+    """The RowCut a batch is cut by: the model's (`row_cut_of`; `sequence_layout`, if given too, must equal its
+    layout), else `sequence_layout`'s (default 'contiguous') with no minimum piece length."""
+    if model is None:
+        return RowCut(check_sequence_layout("contiguous" if sequence_layout is None else sequence_layout,
+                                            f"{what}: "))
+    cut = row_cut_of(model)
+    if cut is None:
+        raise ValueError(f"{what}: model= must be a model parallelize_cp was applied to ({type(model).__name__} is "
+                         f"not)")
+    if sequence_layout is not None and sequence_layout != cut.sequence_layout:
+        raise ValueError(f"{what}: sequence_layout={sequence_layout!r}, but the model was parallelized with "
+                         f"sequence_layout={cut.sequence_layout!r}; leave sequence_layout out (model= gives it)")
+    return cut
 
 
 def _packed_offsets(S: int, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, position_ids
@@ -76,14 +97,19 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
                        pad_token_id: int = 0, mm_token_type_ids: torch.Tensor | None = None,
                        cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
                        max_length_q: int | None = None, max_length_k: int | None = None,
-                       sequence_layout: str = "contiguous") -> dict[str, torch.Tensor | int | None]:
+                       sequence_layout: str | None = None, model: nn.Module | None = None
+                       ) -> dict[str, torch.Tensor | int | str | None]:
     """Cut a global batch [B, S] into this rank's slice: keyword arguments of the CP'd model, plus `target_ids` for
     the CP losses (`cp_causal_lm_loss`, `cp_cross_entropy`).
 
-    sequence_layout: the model's (`parallelize_cp(sequence_layout=)`, `sequence_layout_of(model)`). 'contiguous':
-    rank r gets row positions [r s, (r + 1) s); 'balanced': pieces r and 2 cp - 1 - r of the row cut into 2 cp
-    equal pieces, concatenated in that order (`parallel/placement.py`). Every per-token field is cut the same way;
-    the packing keywords stay GLOBAL offsets of the whole row.
+    model: the CP'd model the batch is for (recommended): the batch is cut by its `RowCut` (`row_cut_of(model)`):
+    its sequence layout, and its shortest piece (the conv halo of p2p / all_gather GDN layers), up to which
+    `pad_to_multiple_of` also pads. Or `sequence_layout` alone (default 'contiguous'; with model= it must equal
+    the model's): 'contiguous': rank r gets row positions [r s, (r + 1) s); 'balanced': pieces r and 2 cp - 1 - r
+    of the row cut into 2 cp equal pieces, concatenated in that order (`parallel/placement.py`). Every per-token
+    field is cut the same way; the packing keywords stay GLOBAL offsets of the whole row. The result carries
+    `cp_sequence_layout`, which the model's input hook checks against its own layout (a batch cut for the other
+    layout raises on every rank, with or without position ids).
 
     Packed documents (one row, B = 1): give `cu_seqlens` (global offsets [0, ..., S]), or transformers' packing
     keywords `cu_seq_lens_q/k`, `max_length_q/k` (as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
@@ -94,7 +120,8 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
 
     S must be divisible by the CP degree (by 2 x cp under 'balanced'): `pad_to_multiple_of=cp` (`2 * cp` under
     'balanced', which takes only multiples of 2 x cp) appends a padding document of `pad_token_id` tokens to a
-    packed row (targets ignored) so that it is. Targets are shifted over the whole row before cutting (no rank
+    packed row (targets ignored) so that it is, and so that every piece holds at least the model's shortest
+    piece (model=). Targets are shifted over the whole row before cutting (no rank
     needs its neighbour's tokens, even where a piece's last token targets the first token of a piece held by
     another rank): IGNORE_INDEX at each document's last token, and wherever the target token is padding.
 
@@ -102,17 +129,27 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     and no position_ids (the model's multimodal hook forms the mRoPE positions over the whole row). Pass the
     batch's `pixel_values` and `image_grid_thw` whole to every rank's model call. Not with packed documents.
 
-    Every rank of the CP group must pass the same batch: one small exchange checks it (and the outcome of every
-    check here), so that all ranks raise together, naming what differs.
+    Every rank of the CP group must pass the same batch (ids, labels, masks, positions, offsets): one small
+    exchange checks it (and the outcome of every check here), so that all ranks raise together, naming what
+    differs.
     """
     group = cp_group_of(cp_mesh)
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     B, S = input_ids.shape
+    layout_given = sequence_layout
+    given = dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids,
+                 mm_token_type_ids=mm_token_type_ids, cu_seqlens=cu_seqlens, cu_seq_lens_q=cu_seq_lens_q,
+                 cu_seq_lens_k=cu_seq_lens_k)
     labels = input_ids if labels is None else labels
-    cu = None
+    cu, sequence_layout, padded = None, "contiguous", S
     with LocalChecks() as checks:
-        check_sequence_layout(sequence_layout, "shard_batch_for_cp: ")
-        pieces = cp * pieces_per_rank(sequence_layout)  # the row is cut into this many equal pieces
+        for name, value in given.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise ValueError(f"shard_batch_for_cp: {name} is on the meta device (a tensor without data); give "
+                                 f"every rank the batch's values")
+        row_cut = batch_row_cut(layout_given, model)
+        sequence_layout = row_cut.sequence_layout
+        pieces = row_cut.pieces(cp)  # the row is cut into this many equal pieces
         cu = _packed_offsets(S, cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, position_ids)
         if cu is not None and cu.numel() == 2 and not pad_to_multiple_of:
             cu = None  # one document: an unpacked row
@@ -133,7 +170,8 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
             raise ValueError(f"shard_batch_for_cp: mm_token_type_ids must be [B, S] = {(B, S)} of an unpacked batch, "
                              f"got {tuple(mm_token_type_ids.shape)}" + (" with packed documents" if cu is not None
                                                                        else ""))
-        padded = S + ((-S) % pad_to_multiple_of if cu is not None and pad_to_multiple_of else 0)
+        if cu is not None and pad_to_multiple_of:
+            padded = row_cut.padded_length(S, cp, pad_to_multiple_of)
         if padded % pieces and pieces == cp:
             raise ValueError(f"shard_batch_for_cp: the global sequence length ({S}) must be divisible by cp ({cp})"
                              + ("; pass pad_to_multiple_of=cp to append a padding document" if cu is not None
@@ -144,13 +182,24 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
                              + (f"; pass pad_to_multiple_of=2*cp ({pieces}) to append a padding document"
                                 if cu is not None else f"; pad the rows (with an attention_mask) to a multiple of "
                                                        f"2 x cp ({pieces})"))
+        if padded < row_cut.min_row_length(cp):
+            raise ValueError(f"shard_batch_for_cp: the model's GDN layers read the previous piece's last "
+                             f"{row_cut.min_piece_length} tokens (the conv halo), so every one of the {pieces} pieces of "
+                             f"the row needs at least {row_cut.min_piece_length}: a row of {S} tokens is shorter than "
+                             f"{row_cut.min_row_length(cp)}; "
+                             + ("pass pad_to_multiple_of to append a padding document" if cu is not None else
+                                "pad the rows (with an attention_mask) to at least that length, or pack them "
+                                "(cu_seqlens / position_ids) with pad_to_multiple_of"))
+    ok = checks.error is None
     raise_together(group, "shard_batch_for_cp", checks.error, device=input_ids.device,
-                   agree=dict(rows=B, length=S, attention_mask=attention_mask is not None,
-                              pad_to_multiple_of=pad_to_multiple_of or 0,
+                   agree=dict(rows=B, length=S, pad_to_multiple_of=pad_to_multiple_of or 0,
                               sequence_layout_balanced=int(sequence_layout == "balanced"),
-                              **fingerprints(dict(input_ids=input_ids, document_offsets=cu))))
-    if cu is not None and pad_to_multiple_of:
-        input_ids, cu = pad_packed_row(input_ids, cu, pad_to_multiple_of, pad_token_id)
+                              min_piece_length=row_cut.min_piece_length if ok else 0,
+                              **fingerprints(dict(input_ids=input_ids, labels=given["labels"],
+                                                   attention_mask=attention_mask, position_ids=position_ids,
+                                                   mm_token_type_ids=mm_token_type_ids, document_offsets=cu), ok)))
+    if cu is not None and padded != S:
+        input_ids, cu = pad_packed_row(input_ids, cu, padded, pad_token_id)
         labels = torch.cat([labels, labels.new_full((1, input_ids.shape[1] - S), IGNORE_INDEX)], dim=1)
         S = input_ids.shape[1]
     targets = torch.full_like(labels, IGNORE_INDEX)
@@ -168,14 +217,15 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
 
     if mm_token_type_ids is not None:  # positions: the model's multimodal hook forms mRoPE over the whole row
         return dict(input_ids=cut(input_ids), mm_token_type_ids=cut(mm_token_type_ids), target_ids=cut(targets),
-                    attention_mask=cut(attention_mask))
+                    attention_mask=cut(attention_mask), **{BATCH_LAYOUT_KEY: sequence_layout})
     if cu is None:
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
         return dict(input_ids=cut(input_ids), position_ids=cut(positions), target_ids=cut(targets),
-                    attention_mask=cut(attention_mask))
+                    attention_mask=cut(attention_mask), **{BATCH_LAYOUT_KEY: sequence_layout})
     targets[:, (cu[1:] - 1).to(targets.device)] = IGNORE_INDEX  # a document's last token predicts nothing
     positions = position_ids_from_cu_seqlens(cu).to(input_ids.device)
     longest = int((cu[1:] - cu[:-1]).max())
     cu_dev = cu.to(device=input_ids.device, dtype=torch.int32)
     return dict(input_ids=cut(input_ids), position_ids=cut(positions), target_ids=cut(targets),
-                cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest, max_length_k=longest)
+                cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest, max_length_k=longest,
+                **{BATCH_LAYOUT_KEY: sequence_layout})

@@ -34,6 +34,11 @@ from deltacp.parallel.placement import (
 )
 
 
+BATCH_LAYOUT_KEY = "cp_sequence_layout"
+"""The key under which `shard_batch_for_cp` records the sequence layout it cut a batch with; the input hook pops it
+and checks it against the model's layout (so a batch cut for the other layout is caught without position ids)."""
+
+
 def refuse_local_loss(module, args, kwargs):
     """The causal-LM head's own loss and logit slicing would act on one rank's slice as if it were the row."""
     if kwargs.get("labels") is not None:
@@ -62,7 +67,7 @@ def _check_row_length(packing: dict, s: int, cp: int) -> None:
 def _not_in_row_order(sequence_layout: str, detail: str) -> ValueError:
     return ValueError(f"position_ids are not in row order for sequence_layout={sequence_layout!r}: {detail}; the model "
                       f"holds each rank's tokens as sequence_layout={sequence_layout!r}: cut the batch with "
-                      f"shard_batch_for_cp(sequence_layout={sequence_layout!r}) (sequence_layout_of(model))")
+                      f"shard_batch_for_cp(..., model=model) (or sequence_layout={sequence_layout!r})")
 
 
 def check_row_order(row_positions: torch.Tensor, valid: torch.Tensor | None, sequence_layout: str) -> None:
@@ -123,9 +128,21 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         S = s * cp
         packing = {key: kwargs.pop(key, None) for key in PACKING_KEYWORDS}
+        batch_layout = kwargs.pop(BATCH_LAYOUT_KEY, None)  # the layout shard_batch_for_cp cut the batch with
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         docs, text_positions, pieces = None, None, None
         with LocalChecks() as checks:  # their outcome travels in the exchange below: all ranks raise together
+            if local.device.type == "meta":
+                raise ValueError("under CP, the model's input is on the meta device (a tensor without data); give "
+                                 "every rank its slice of the batch")
+            if batch_layout is not None and batch_layout != sequence_layout:
+                raise ValueError(f"the batch was cut with sequence_layout={batch_layout!r} (shard_batch_for_cp), but "
+                                 f"the model holds each rank's tokens as sequence_layout={sequence_layout!r}: cut it "
+                                 f"with shard_batch_for_cp(..., model=model) (or sequence_layout={sequence_layout!r})")
+            if B != 1 and any(v is not None for v in packing.values()):
+                raise ValueError(f"packed documents (cu_seq_lens_q / cu_seq_lens_k / max_length_q / max_length_k) "
+                                 f"need one row (B = 1) under CP, got a batch of {B} rows of {s} tokens on this rank: "
+                                 f"pack the rows into one (shard_batch_for_cp does it for one packed row)")
             if balanced and s % 2:
                 raise ValueError(f"sequence_layout='balanced' needs an even number of tokens on every rank (its two "
                                  f"pieces of the row), got {s}: the row length must be divisible by 2 x cp "
@@ -153,7 +170,10 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
                        agree=dict(batch=B, local_length=s, padding_mask=mask is not None,
                                   position_ids=positions is not None, text_position_ids=text_positions is not None,
                                   output_router_logits=bool(kwargs.get("output_router_logits")),
-                                  sequence_layout_balanced=int(balanced), **fingerprints(packing)))
+                                  sequence_layout_balanced=int(balanced),
+                                  batch_layout=SEQUENCE_LAYOUTS.index(batch_layout)
+                                  if batch_layout in SEQUENCE_LAYOUTS else -1,
+                                  **fingerprints(packing, ok=checks.error is None)))
         # one all-gather of what needs the whole row (the mask and / or the text positions, stacked), in row order
         row_mask = row_positions = None
         gather_positions = docs is None and text_positions is not None

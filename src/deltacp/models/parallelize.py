@@ -29,32 +29,63 @@ from deltacp.models.inputs import make_cp_inputs_hook, refuse_local_loss
 from deltacp.models.moe import make_aux_loss_hook
 from deltacp.models.multimodal import make_multimodal_hook
 from deltacp.parallel.layout import validate_cp_layout
+from deltacp.parallel.placement import RowCut
 from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel
 from deltacp.parallel.two_d import TwoDGroups
 
 logger = logging.getLogger(__name__)
 
-_PARALLELIZED = "_deltacp_parallelized"  # set on the text model once CP is applied
-_SEQUENCE_LAYOUT = "_deltacp_sequence_layout"  # the sequence layout it was parallelized with
+_ROW_CUT = "_deltacp_row_cut"  # set on the text model once CP is applied: how its rows must be cut (RowCut)
+
+
+def row_cut_of(model: nn.Module) -> RowCut | None:
+    """How a CP'd model's rows must be cut (its sequence layout and shortest piece, `placement.RowCut`); None for a
+    model `parallelize_cp` has not been applied to. `shard_batch_for_cp(..., model=model)` reads it."""
+    return getattr(adapter_for(model).text, _ROW_CUT, None)
 
 
 def sequence_layout_of(model: nn.Module) -> str | None:
     """The `sequence_layout` a model was parallelized with (None: not parallelized); cut its batches with it."""
-    return getattr(adapter_for(model).text, _SEQUENCE_LAYOUT, None)
+    cut = row_cut_of(model)
+    return None if cut is None else cut.sequence_layout
 
 
 def is_parallelized(model: nn.Module) -> bool:
     """Whether `parallelize_cp` has been applied to this model."""
-    return getattr(adapter_for(model).text, _PARALLELIZED, False)
+    return row_cut_of(model) is not None
+
+
+def refuse_wrapped(model: nn.Module) -> None:
+    """A model some other parallelism already wraps: CP must come first (its hooks and the loss scaling assume the
+    plain transformers modules; FSDP2 applied before CP averages gradients over the mesh, 1 / cp of the right
+    value). Raises naming the wrapper and the order that works."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    order = ("apply parallelize_cp to the unwrapped transformers model, then (optionally) "
+             "apply_activation_checkpointing, then fully_shard_cp(model, mesh) for FSDP2 (deltacp's order: CP -> "
+             "activation checkpointing -> FSDP2; deltacp.load_pretrained does all three)")
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        raise ValueError(f"parallelize_cp: the model is wrapped in {type(model).__name__}; {order}")
+    wrapped = next((name or type(model).__name__ for name, m in model.named_modules() if isinstance(m, FSDPModule)),
+                   None)
+    if wrapped is not None:
+        raise ValueError(f"parallelize_cp: the model is already sharded by torch's fully_shard (FSDP2, at {wrapped!r}): "
+                         f"its gradients would be averaged over the mesh (1 / cp of the single-device gradient); "
+                         f"{order}")
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        raise ValueError(f"parallelize_cp: the model is wrapped by FullyShardedDataParallel (FSDP1); {order}")
+    sharded = next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if sharded is not None:
+        raise ValueError(f"parallelize_cp: parameter {sharded!r} is a DTensor (the model is already distributed, e.g. "
+                         f"tensor parallel or FSDP); {order}")
 
 
 def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttentionContextParallel,
                 full: FullAttentionContextParallel, cp: int) -> dict:
     """Every layer checked for its style (raises naming the setting); the configuration every rank must share."""
     text = adapter.text
-    if getattr(text, _PARALLELIZED, False):
-        raise ValueError("parallelize_cp: this model is already parallelized; apply CP once, to the single-device "
-                         "model")
     layers = adapter.layers()
     config = dict(model=type(model).__name__, family=adapter.family.name, hidden_size=text.config.hidden_size,
                   layer_types=tuple(text.config.layer_types[: len(layers)]), moe=adapter.moe is not None)
@@ -146,6 +177,10 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     (rank r: pieces r and 2P - 1 - r of 2P, equal causal attention work per rank; `parallel/placement.py`); cut the
     batch with the same `shard_batch_for_cp(sequence_layout=...)`.
     """
+    # one rank calling twice: raised here, before any collective the others would never join
+    if any(getattr(m, _ROW_CUT, None) is not None for m in model.modules()):
+        raise ValueError("parallelize_cp: this model is already parallelized; apply CP once, to the single-device "
+                         "model")
     group = cp_group_of(cp_mesh)
     cp = group.size()
     config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
@@ -156,6 +191,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     with LocalChecks() as checks:  # every check first; a check failing on some ranks must not leave others waiting
         linear, full = cp_styles(cp, ulysses_degree, linear_attention_cp_mode, linear_attention_gdn_backend,
                                  full_attention_cp, linear_attention_state_passing, sequence_layout)
+        refuse_wrapped(model)
         adapter = adapter_for(model)
         config.update(check_model(model, adapter, linear, full, cp))
     raise_together(group, "parallelize_cp", checks.error, agree=config)
@@ -167,6 +203,13 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     if linear_attention_gdn_backend == "triton":
         apply_fused_decoder(model)
     install_input_hooks(adapter, cp_mesh, sequence_layout)
-    setattr(adapter.text, _PARALLELIZED, True)
-    setattr(adapter.text, _SEQUENCE_LAYOUT, sequence_layout)
+    setattr(adapter.text, _ROW_CUT, row_cut(config, linear))
     return model
+
+
+def row_cut(config: dict, linear: LinearAttentionContextParallel) -> RowCut:
+    """The model's RowCut from its checked configuration: the longest conv halo of its GDN layers is every piece's
+    minimum where the GDN mode reads the previous piece's tail."""
+    halos = [value for key, value in config.items() if key.endswith(".conv_halo")]
+    shortest = max(halos) if halos and linear.cp_mode.needs_halo else 1
+    return RowCut(linear.sequence_layout, max(shortest, 1))

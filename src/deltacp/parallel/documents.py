@@ -219,13 +219,15 @@ def refuse_unsupported(what: str, keywords: dict) -> None:
                                   f"use_cache=False)")
 
 
-def fingerprints(values: dict) -> dict[str, tuple[int, ...]]:
+def fingerprints(values: dict, ok: bool = True) -> dict[str, tuple[int, ...]]:
     """Per integer tensor (or int, or None) of `values` (packing keywords, token ids, image grids): (given, count,
     sum, sum of squares, index-weighted sum), computed where the tensor lives (int64, exact modulo 2^64): equal on
-    ranks that received the same values (what `raise_together` compares)."""
+    ranks that received the same values (what `raise_together` compares). ok=False (a local check failed: the
+    values may have no data): zeros of the same length, so that the exchanged header keeps its length on every rank
+    (the failing rank raises its own error first)."""
     out = {}
     for name, value in values.items():
-        if value is None:
+        if value is None or not ok:
             out[name] = (0, 0, 0, 0, 0)
             continue
         x = value.detach().flatten().to(torch.int64) if isinstance(value, torch.Tensor) else torch.tensor(

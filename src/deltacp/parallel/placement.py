@@ -102,6 +102,36 @@ class Pieces:
         return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in self.spans()])
 
 
+@dataclass(frozen=True)
+class RowCut:
+    """How the rows of a CP'd model must be cut: its sequence layout and the fewest tokens each piece may hold
+    (the conv halo, (kernel - 1) x dilation, where a GDN mode reads the previous piece's tail: p2p, all_gather;
+    1 otherwise). `parallelize_cp` records it on the model (`row_cut_of`); `shard_batch_for_cp(model=...)` and
+    the trainers cut and pad by it."""
+
+    sequence_layout: str = "contiguous"
+    min_piece_length: int = 1
+
+    def __post_init__(self):
+        check_sequence_layout(self.sequence_layout)
+        if not isinstance(self.min_piece_length, int) or self.min_piece_length < 1:
+            raise ValueError(f"min_piece_length={self.min_piece_length!r} must be an integer >= 1")
+
+    def pieces(self, cp: int) -> int:
+        """Equal pieces a row is cut into over `cp` ranks (cp, or 2 x cp under 'balanced')."""
+        return cp * pieces_per_rank(self.sequence_layout)
+
+    def min_row_length(self, cp: int) -> int:
+        """The shortest row every piece of which holds min_piece_length tokens."""
+        return self.pieces(cp) * self.min_piece_length
+
+    def padded_length(self, length: int, cp: int, multiple: int) -> int:
+        """The shortest row length >= `length` that is a multiple of `multiple` and at least `min_row_length`
+        (what padding appends up to: a padding document, or masked columns)."""
+        need = max(length, self.min_row_length(cp))
+        return -(-need // multiple) * multiple
+
+
 def rank_pieces(sequence_layout: str, rank: int, cp: int, local_length: int) -> Pieces:
     """What rank `rank` of a CP group of `cp` holds of a row of cp * local_length tokens."""
     return Pieces(rank, cp, check_sequence_layout(sequence_layout) == "balanced", local_length)

@@ -146,7 +146,8 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
                     ulysses_degree=u, family=view.family, num_k_heads=view.num_k_heads,
                     num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim, head_v_dim=view.head_v_dim,
                     state_passing=self.state_passing, sequence_layout=self.sequence_layout,
-                    conv_kernel=conv.kernel_size[0], dtype=str(param.dtype), device_type=param.device.type)
+                    conv_kernel=conv.kernel_size[0], conv_halo=(conv.kernel_size[0] - 1) * conv.dilation[0],
+                    dtype=str(param.dtype), device_type=param.device.type)
 
     def install(self, module: nn.Module, group, groups=None) -> nn.Module:
         """Install the CP forward (after `check_module` and the configuration exchange), with `groups(cp_mesh)`."""

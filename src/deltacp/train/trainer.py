@@ -285,8 +285,7 @@ class Trainer:
         start = time.perf_counter()
         # this dp group's rows of the global batch (packed: joined into one row), then this rank's CP slice
         ids, cu_seqlens = self.data.next_step(self.dp_rank, self.dp)
-        batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens,
-                                   sequence_layout=self.cfg.accelerator.sequence_layout)
+        batch = shard_batch_for_cp(ids.to(self.device), self.mesh, cu_seqlens=cu_seqlens, model=self.model)
         inputs = {k: v for k, v in batch.items() if k != "target_ids"}
         if self.cfg.loss == "linear_cross_entropy":  # the LM head and the loss chunk by chunk: no full logits
             loss = cp_causal_lm_loss(self.model, batch["target_ids"], self.mesh, **inputs, use_cache=False)
@@ -316,7 +315,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
         return dict(step=self.step_count, scheduler=self.scheduler.state_dict(), data=self.data.state_dict(),
-                    layout=dict(dp=self.dp, cp=self.cp))
+                    layout=dict(dp=self.dp, cp=self.cp, sequence_layout=self.cfg.accelerator.sequence_layout))
 
     def save(self) -> None:
         path = save_checkpoint(self.cfg.checkpoint.dir, self.step_count, self.model, self.optimizer,
@@ -349,10 +348,8 @@ class Trainer:
             self.step_count = state["step"]
             # the data position is global (the same on every rank), so any (dp, cp) continues the same stream
             saved = state.get("layout") or dict(dp=1, cp=manifest.get("world_size"))  # older checkpoints: cp only
-            saved, now = f"dp{saved['dp']}xcp{saved['cp']}", f"dp{self.dp}xcp{self.cp}"
-            reshard = f", resharded from {saved} to {now}" if saved != now else ""
             self.progress.message(f"resumed run {plan['run_id']} from {plan['resume']} (step {self.step_count}"
-                                  f"{reshard})")
+                                  f"{layout_change(saved, self.trainer_state()['layout'])})")
         self.run_id = plan["run_id"]
         failed = [None]
         if self.rank == 0:
@@ -396,6 +393,19 @@ class Trainer:
                 self.save()
         self.progress.close()
         return rows
+
+
+def layout_change(saved: dict, now: dict) -> str:
+    """What differs between a checkpoint's (dp, cp, sequence layout) and this run's, for the resume message: the
+    numbers continue (DCP reshards; the data position is global), but the run now cuts its rows differently."""
+    parts = []
+    shape, shape_now = f"dp{saved.get('dp')}xcp{saved.get('cp')}", f"dp{now['dp']}xcp{now['cp']}"
+    if shape != shape_now:
+        parts.append(f"resharded from {shape} to {shape_now}")
+    layout = saved.get("sequence_layout", "contiguous")  # checkpoints before the balanced layout: contiguous
+    if layout != now["sequence_layout"]:
+        parts.append(f"sequence_layout changed from {layout!r} to {now['sequence_layout']!r}")
+    return "".join(f", {p}" for p in parts)
 
 
 def plan_checkpoint_dir(cfg: TrainConfig) -> dict:
