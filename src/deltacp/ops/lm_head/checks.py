@@ -60,6 +60,6 @@ def check_head(fn: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"{fn}: {b_name} must be [{weight.shape[0]}] (the vocabulary), got {tuple(bias.shape)}")
     dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
     if len(dtypes) != 1 or not hidden.dtype.is_floating_point:
-        raise ValueError(f"{fn}: {h_name}, {w_name} and {b_name} must share one dtype, a floating one, got {hidden.dtype}, "
-                         f"{weight.dtype}{'' if bias is None else f', {bias.dtype}'}")
+        raise ValueError(f"{fn}: {h_name}, {w_name} and {b_name} must share one dtype, a floating one, got "
+                         f"{hidden.dtype}, {weight.dtype}{'' if bias is None else f', {bias.dtype}'}")
     check_targets(fn, targets, weight.shape[0], t_name)
