@@ -8,10 +8,18 @@
   - one output's gradient only (the other unused: None upstream), frozen inputs, tied weights (the head is the
     embedding matrix), leading shapes [B, s], float32 within float32 accuracy;
   - no [tokens, vocab] tensor in forward or backward; no gradient buffers without grad; backward twice
-    (retain_graph) recomputes the same gradients; double backward raises; argument errors name the argument.
+    (retain_graph) recomputes the same gradients; double backward raises; argument errors name the argument;
+  - both Triton kernels under TRITON_INTERPRET=1 (subprocess) vs the PyTorch ones, fp32 and bf16, vocab 1000
+    (the forward's online rescaling over several blocks, backward over token rows == over column chunks), and
+    the whole op through them vs float64 full logits.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +30,7 @@ from deltacp import linear_token_logprobs
 from deltacp.ops.lm_head.logprobs import token_logprobs
 
 IGNORE = -100
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _problem(tokens=37, hidden=12, vocab=50, dtype=torch.float64, ignored=(0, 5, 36), seed=0):
@@ -285,3 +294,89 @@ def test_cp_token_logprobs_checks(single_rank_group):
         with pytest.raises(ValueError, match=match):
             cp_token_logprobs(model, kwargs.pop("target_ids", t), mesh, x=None, **kwargs)
         assert model.calls == 0
+
+
+_TRITON_CODE = r"""
+import torch
+from deltacp.ops.fused import token_logprobs as K
+from deltacp.ops.lm_head import kernels as LK
+from deltacp.ops.lm_head.logprobs import token_logprobs
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+g = torch.Generator().manual_seed(0)
+n, V, T = 8, 1000, 0.7  # 1000: not a multiple of the blocks, partial last blocks
+worst = {}
+for dt, max_block, cols_block in ((torch.float32, 16384, 2048), (torch.bfloat16, 256, 128)):
+    K.MAX_BLOCK, K.COLS_BLOCK = max_block, cols_block  # bf16: 4 forward steps a row (the online rescaling)
+    x = (torch.randn(n, V, generator=g) * 4).to(dt)
+    x[3, 900] = 30.0  # a row whose maximum sits in its last block
+    t = torch.randint(1, V - 1, (n,), generator=g)
+    t[2], t[4], t[5], t[7] = -100, V - 1, 0, -100  # ignored rows, the first and the last column
+    # forward: lse, logp, entropy; the logits untouched
+    out = {k: torch.empty(n) for k in ("lse", "logp", "ent", "lse_r", "logp_r", "ent_r")}
+    x0 = x.clone()
+    K.lp_rows_(x, t, out["lse"], out["logp"], out["ent"], T, ignore_index=-100)
+    LK.lp_rows_torch_(x, t, out["lse_r"], out["logp_r"], out["ent_r"], T)
+    assert torch.equal(x, x0) and torch.count_nonzero(out["logp"][[2, 7]]) == 0
+    for k in ("lse", "logp", "ent"):
+        worst[f"{dt} fwd {k}"] = (out[k] - out[k + "_r"]).abs().max().item()
+    lse_only = torch.empty(n)
+    K.lp_rows_(x, t, lse_only, torch.empty(n), None, T, ignore_index=-100)
+    assert torch.equal(lse_only, out["lse"]), "no entropy: the same lse"
+    # backward over token rows (col0 0) and over column chunks 300, 300, 300, 100, each term alone and both
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    for terms in ((g_lp, g_ent), (g_lp, None), (None, g_ent)):
+        full_r = x.clone()
+        LK.lp_grad_torch_(full_r, t, out["lse"], out["ent"], *terms, T, 0)
+        full = x.clone()
+        K.lp_grad_(full, t, out["lse"], out["ent"], *terms, T, 0, ignore_index=-100)
+        # fp32: 1e-6 of the largest gradient; bf16: one rounding of each element (fp32 sums differing in the
+        # last bits may round to neighbours) plus that
+        ref, big = full_r.float(), full_r.float().abs().max().item()
+        bound = 1e-6 * big + (2 ** -7 * ref.abs() if dt == torch.bfloat16 else 0)
+        key = f"{dt} bwd {'lp' if terms[0] is not None else ''}{'ent' if terms[1] is not None else ''}"
+        worst[key] = ((full.float() - ref).abs() / bound).max().item()
+        for col0 in range(0, V, 300):
+            cols = slice(col0, min(col0 + 300, V))
+            chunk = x[:, cols].contiguous()
+            K.lp_grad_(chunk, t, out["lse"], out["ent"], *terms, T, col0, ignore_index=-100)
+            assert torch.equal(chunk, full[:, cols]), (dt, "column chunk vs token rows", col0)
+K.MAX_BLOCK, K.COLS_BLOCK = 16384, 2048
+print("forward: max abs differences; backward: max difference / bound", worst)
+assert all(v < 1e-5 for k, v in worst.items() if "fwd" in k and "float32" in k), worst
+assert all(v < 1e-4 for k, v in worst.items() if "fwd" in k and "bfloat16" in k), worst  # fp32 sums, bf16 inputs
+assert all(v <= 1.0 for k, v in worst.items() if "bwd" in k), worst
+
+# the whole op through the Triton kernels (fp32) vs full float64 logits: 11 tokens in chunks of 4, vocabulary
+# chunks of 256 (two_pass), bias, ignored rows, random upstream gradients on both outputs
+h = torch.randn(11, 16, generator=g)
+w = torch.randn(V, 16, generator=g) / 4
+b = torch.randn(V, generator=g)
+t = torch.randint(0, V, (11,), generator=g)
+t[[0, 5, 10]] = -100
+gw, gu = torch.randn(11, generator=g), torch.randn(11, generator=g)
+for mode in ("accumulate", "two_pass"):
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    lp, ent = token_logprobs(*leaves, t, T, True, 4, vocab_chunk_size=256, weight_grad=mode, impl="triton")
+    got = [lp.detach(), ent.detach()] + list(torch.autograd.grad((gw * lp + gu * ent).sum(), leaves))
+    ex = [x.double().requires_grad_() for x in (h, w, b)]
+    log_p = torch.log_softmax(torch.nn.functional.linear(*ex) / T, -1)
+    rlp = log_p.gather(1, t.clamp(min=0)[:, None]).squeeze(1).masked_fill(t == -100, 0)
+    rent = -(log_p.exp() * log_p).sum(-1)
+    want = [rlp.detach(), rent.detach()] + list(torch.autograd.grad((gw * rlp + gu * rent).sum(), ex))
+    worst[f"op fp32 {mode}"] = max(rel(a, c) for a, c in zip(got, want))
+print("op", {k: v for k, v in worst.items() if k.startswith("op")})
+assert all(v < 1e-5 for k, v in worst.items() if k.startswith("op")), worst
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 test of the "
+                                           "log-probability kernels runs only where triton is (CI installs none)")
+def test_triton_kernels_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _TRITON_CODE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(out.stdout)
