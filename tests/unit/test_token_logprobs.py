@@ -6,7 +6,8 @@
     entropy still that row's), token chunks of 1 / 8 / all / more than all, weight_grad "accumulate" and
     "two_pass" with vocabulary chunks not dividing the vocabulary, 1e-12;
   - one output's gradient only (the other unused: None upstream), frozen inputs, tied weights (the head is the
-    embedding matrix), leading shapes [B, s], float32 within float32 accuracy;
+    embedding matrix), leading shapes [B, s], float32 within float32 accuracy; bf16 under random-sign weights:
+    the default weight_grad="two_pass" d weight (rounded once) well within accumulate's error;
   - no [tokens, vocab] tensor in forward or backward; no gradient buffers without grad; backward twice
     (retain_graph) recomputes the same gradients; double backward raises; argument errors name the argument;
   - both Triton kernels under TRITON_INTERPRET=1 (subprocess) vs the PyTorch ones, fp32 and bf16, vocab 1000
@@ -178,6 +179,31 @@ def test_float32_within_float32_accuracy():
     errs.update({n: _rel(a, c) for n, a, c in zip(("dh", "dW", "db"), got[2], want[2])})
     print(errs)
     assert all(v < 1e-5 for v in errs.values()), errs
+
+
+def test_bf16_two_pass_weight_grad_beats_running_sum():
+    """bf16 under random-sign per-token weights (GRPO's +-1 advantages over the token count): the default
+    weight_grad="two_pass" rounds d weight once; "accumulate" rounds a running bf16 sum once per token chunk, and
+    its error grows with the chunk count (32 chunks here: well above two_pass's)."""
+    g = torch.Generator().manual_seed(2)
+    N, H, V = 2048, 32, 256
+    h = torch.randn(N, H, generator=g).bfloat16()
+    w = (torch.randn(V, H, generator=g) / H ** 0.5).bfloat16()
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::13] = IGNORE
+    gw = torch.randint(0, 2, (N,), generator=g).double().mul(2).sub(1) / N
+    exact = [x.double().requires_grad_() for x in (h, w)]
+    ref = torch.autograd.grad((gw * reference(*exact, None, t, 0.7)[0]).sum(), exact)
+    errs = {}
+    for mode in ("two_pass", "accumulate"):
+        leaves = [x.clone().requires_grad_() for x in (h, w)]
+        logp = linear_token_logprobs(*leaves, t, temperature=0.7, chunk_size=64, weight_grad=mode)
+        dh, dw = torch.autograd.grad((gw.float() * logp).sum(), leaves)
+        assert dh.dtype == dw.dtype == torch.bfloat16
+        errs[f"dh {mode}"], errs[f"dW {mode}"] = _rel(dh, ref[0]), _rel(dw, ref[1])
+    print(errs)
+    assert errs["dh two_pass"] < 5e-3 and errs["dW two_pass"] < 5e-3, errs
+    assert errs["dW accumulate"] > 2 * errs["dW two_pass"], errs
 
 
 class _Shapes(TorchDispatchMode):
