@@ -8,8 +8,8 @@ Per tokens: forward + backward median ms (CUDA events after warm-up, bench/timin
 inputs (gradients included), or OOM. Then accuracy against an fp32 reference on the same bf16 values: at
 --accuracy-tokens (4K) full fp32 logits (logp, entropy at the valid targets, dh, dW rel-L2 of every row), and at
 --dw-tokens (64K) d weight of the deltacp rows and TRL's fused head against a chunked fp32 reference (the weight
-gradient's rounding grows with the token count: `weight_grad` "accumulate" vs "two_pass"). Exits 1 when a deltacp accuracy check
-fails or a deltacp row fails to run.
+gradient's rounding grows with the token count: `weight_grad` "accumulate" vs "two_pass"). Exits 1 when a
+deltacp accuracy check fails or a deltacp row fails to run.
 
     PYTHONPATH=src python bench/logprobs_op.py                                  # 16K and 64K tokens, hidden 2048
     PYTHONPATH=src python bench/logprobs_op.py --tokens 16384 --ops deltacp "trl fused head" --json out.jsonl
