@@ -36,7 +36,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-IGNORE = -100
+import loss_op  # noqa: E402  (the inputs and the fwd+bwd / peak helpers)
+
+IGNORE = loss_op.IGNORE
 TEMPERATURE = 0.7
 BOUNDS = {"logp": 1e-3, "entropy": 1e-3, "dh": 1e-2, "dW": 1e-2}
 """deltacp's accuracy bounds (rel-L2 vs the fp32 reference on the same bf16 values)."""
@@ -115,35 +117,20 @@ def contenders(with_trl: bool):
 
 
 def make_inputs(n, hidden, vocab, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * hidden ** -0.5).bfloat16()
-    t = torch.randint(0, vocab, (n,), device="cuda", generator=g)
-    t[torch.rand(n, device="cuda", generator=g) < 0.05] = IGNORE
+    """loss_op's (h, w, t: 5% ignored) and the per-token upstream weights on logp and entropy."""
+    h, w, t = loss_op.make_inputs(n, hidden, vocab, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 100)
     gw = (torch.randint(0, 2, (n,), device="cuda", generator=g).float() * 2 - 1) / n
     gu = (0.01 * torch.rand(n, device="cuda", generator=g) / n).masked_fill(t == IGNORE, 0)  # a masked bonus
-    return h.requires_grad_(), w.requires_grad_(), t, gw, gu
+    return h, w, t, gw, gu
 
 
-def objective(fn, h, w, t, gw, gu):
-    logp, ent = fn(h, w, t)
-    return (gw * logp).sum() + ((gu * ent).sum() if ent is not None else 0)
-
-
-def fwd_bwd(fn, h, w, t, gw, gu):
-    h.grad = w.grad = None
-    objective(fn, h, w, t, gw, gu).backward()
-
-
-def peak_above_inputs(fn, *args):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd(fn, *args)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    args[0].grad = args[1].grad = None
-    return peak / 2**30
+def objective(fn, gw, gu):
+    """(h, w, t) -> sum(gw logp + gu entropy) of a contender: a loss for loss_op's fwd_bwd / peak_above_inputs."""
+    def run(h, w, t):
+        logp, ent = fn(h, w, t)
+        return (gw * logp).sum() + ((gu * ent).sum() if ent is not None else 0)
+    return run
 
 
 def _rel(a, b):
@@ -165,8 +152,7 @@ def accuracy(fns, n, hidden, vocab, emit_fn):
     for name, fn in fns.items():
         hl, wl = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         logp, ent = fn(hl, wl, t)
-        obj = (gw * logp).sum() + ((gu * ent).sum() if ent is not None else 0)
-        dh, dw = torch.autograd.grad(obj, (hl, wl))
+        dh, dw = torch.autograd.grad(objective(lambda *_: (logp, ent), gw, gu)(hl, wl, t), (hl, wl))
         row = {"logp": _rel(logp.detach(), rlp), "dh": _rel(dh, refs[ent is not None][0]),
                "dW": _rel(dw, refs[ent is not None][1])}
         if ent is not None:  # at the valid targets (TRL's fused head writes 0 at ignored ones; deltacp computes all)
@@ -240,23 +226,24 @@ def main():
         failures += weight_grad_accuracy(fns, args.dw_tokens, args.hidden, args.vocab, out)
     table = []
     for n in args.tokens:
-        inputs = make_inputs(n, args.hidden, args.vocab)
+        h, w, t, gw, gu = make_inputs(n, args.hidden, args.vocab)
         for name, fn in fns.items():
             row = {"bench": "logprobs_op", "op": name, "tokens": n, "hidden": args.hidden, "vocab": args.vocab}
+            loss = objective(fn, gw, gu)
             try:
-                peak = peak_above_inputs(fn, *inputs)
-                stats = time_cuda(lambda: fwd_bwd(fn, *inputs), warmup=args.warmup, repeat=args.repeat)
+                peak = loss_op.peak_above_inputs(loss, h, w, t)
+                stats = time_cuda(lambda: loss_op.fwd_bwd(loss, h, w, t), warmup=args.warmup, repeat=args.repeat)
                 row.update(fwd_bwd_median_ms=round(stats["median_ms"], 3), fwd_bwd_min_ms=round(stats["min_ms"], 3),
                            peak_above_inputs_gib=round(peak, 3))
             except torch.cuda.OutOfMemoryError:
                 row.update(fwd_bwd_median_ms=None, peak_above_inputs_gib="OOM")
                 if name.startswith("deltacp"):
                     failures.append(f"{name} at {n} tokens: out of memory")
-            inputs[0].grad = inputs[1].grad = None
+            h.grad = w.grad = None
             out(row)
             table.append(row)
             torch.cuda.empty_cache()
-        del inputs
+        del h, w, t, gw, gu
         torch.cuda.empty_cache()
     print(f"\n{'op':<26} {'tokens':>7} {'fwd+bwd ms':>11} {'peak GiB':>9}")
     for r in table:

@@ -14,24 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import cuda_head_problem, rel_l2
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (the Triton log-probability kernels at vocab 248,320)")
 
 V, H, N, T = 248_320, 2048, 4096, 0.7
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.fixture(scope="module")
 def problem():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(N, H, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-    t = torch.randint(0, V, (N,), device="cuda", generator=g)
-    t[::13] = -100
+    h, w, t, g = cuda_head_problem(N, H, V)
     gw = (torch.randint(0, 2, (N,), device="cuda", generator=g).float() * 2 - 1) / N
     gu = 0.01 * torch.randn(N, device="cuda", generator=g) / N
     hr, wr = h.float().requires_grad_(), w.float().requires_grad_()
@@ -60,7 +53,7 @@ def test_bf16_vs_fp32_reference(problem, mode):
     got = _ours(h, w, t, gw, gu, weight_grad=mode)
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == flags, "global setting not restored"
     assert got[0].dtype == got[1].dtype == torch.float32 and got[2].dtype == got[3].dtype == torch.bfloat16
-    errs = {k: _rel(a, b) for k, a, b in zip(("logp", "entropy", "dh", "dW"), got, ref)}
+    errs = {k: rel_l2(a, b) for k, a, b in zip(("logp", "entropy", "dh", "dW"), got, ref)}
     print(mode, errs)
     assert torch.count_nonzero(got[0][t == -100]) == 0
     assert errs["logp"] < 1e-3 and errs["entropy"] < 1e-3, errs
@@ -78,7 +71,7 @@ def test_triton_matches_torch_kernels(problem):
         hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
         logp, ent = token_logprobs(hl, wl, None, t, T, True, 512, impl=impl)
         outs.append((logp.detach(), ent.detach(), *torch.autograd.grad((gw * logp + gu * ent).sum(), (hl, wl))))
-    errs = {k: _rel(a, b) for k, a, b in zip(("logp", "entropy", "dh", "dW"), *outs)}
+    errs = {k: rel_l2(a, b) for k, a, b in zip(("logp", "entropy", "dh", "dW"), *outs)}
     print(errs)
     assert errs["logp"] < 1e-6 and errs["entropy"] < 1e-6 and errs["dh"] < 3e-3 and errs["dW"] < 3e-3, errs
 

@@ -25,23 +25,20 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltacp import linear_token_logprobs
 from deltacp.ops.lm_head.logprobs import token_logprobs
+from helpers import TensorShapes, head_problem, rel_l2
 
 IGNORE = -100
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _problem(tokens=37, hidden=12, vocab=50, dtype=torch.float64, ignored=(0, 5, 36), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
-    w = (torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5).to(dtype)
-    b = torch.randn(vocab, generator=g, dtype=torch.float64).to(dtype)
-    t = torch.randint(0, vocab, (tokens,), generator=g)
-    t[list(ignored)] = IGNORE
-    t[1], t[2] = 0, vocab - 1  # the first and the last column are targets
+    """`head_problem` with the first and the last column as targets, and per-token upstream weights gw, gu."""
+    h, w, b, t = head_problem(tokens, hidden, vocab, dtype, ignored, seed)
+    t[1], t[2] = 0, vocab - 1
+    g = torch.Generator().manual_seed(seed + 1)
     gw = torch.randn(tokens, generator=g, dtype=torch.float64)
     gu = torch.randn(tokens, generator=g, dtype=torch.float64)
     return h, w, b, t, gw, gu
@@ -52,11 +49,6 @@ def reference(h, w, b, t, temperature):
     log_p = F.log_softmax(F.linear(h, w, b) / temperature, dim=-1)
     logp = log_p.gather(-1, t.clamp(min=0)[..., None]).squeeze(-1).masked_fill(t == IGNORE, 0)
     return logp, -(log_p.exp() * log_p).sum(-1)
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp(min=1e-300)).item()
 
 
 def _grads(fn, inputs, need, gw, gu):
@@ -71,12 +63,12 @@ def _grads(fn, inputs, need, gw, gu):
 def _compare(ours, ref, tol):
     (lp, ent, grads), (rlp, rent, rgrads) = ours, ref
     assert lp.dtype == ent.dtype == rlp.dtype
-    errs = {"logp": _rel(lp, rlp), "entropy": _rel(ent, rent)}
+    errs = {"logp": rel_l2(lp, rlp), "entropy": rel_l2(ent, rent)}
     for name, got, want in zip(("dh", "dW", "db"), grads, rgrads):
         assert (got is None) == (want is None), name
         if want is not None:
             assert got.dtype == want.dtype and got.shape == want.shape, name
-            errs[name] = _rel(got, want)
+            errs[name] = rel_l2(got, want)
     assert all(v <= tol for v in errs.values()), errs
     return errs
 
@@ -98,7 +90,7 @@ def test_matches_full_logits_fp64(chunk, temperature, mode, vchunk, bias):
     _compare(got, want, 1e-12)
     ignored = t == IGNORE
     assert torch.count_nonzero(got[0][ignored]) == 0  # logp exactly 0 where ignored
-    assert got[1][ignored].min() > 0 and _rel(got[1][ignored], want[1][ignored]) < 1e-12  # entropy everywhere
+    assert got[1][ignored].min() > 0 and rel_l2(got[1][ignored], want[1][ignored]) < 1e-12  # entropy everywhere
 
 
 @pytest.mark.parametrize("which", ["logp", "entropy", "logp, return_entropy=False"])
@@ -120,7 +112,7 @@ def test_one_output_used(which):
     need = (True, True, True)
     got = _grads(ours, (h, w, b), need, gw, gu)
     want = _grads(lambda h, w, b: reference(h, w, b, t, 0.7), (h, w, b), need, gw, gu)
-    errs = {n: _rel(a, c) for n, a, c in zip(("dh", "dW", "db"), got[2], want[2])}
+    errs = {n: rel_l2(a, c) for n, a, c in zip(("dh", "dW", "db"), got[2], want[2])}
     assert all(v <= 1e-12 for v in errs.values()), errs
 
 
@@ -160,7 +152,7 @@ def test_tied_weights_and_leading_shape():
             logp, ent = reference(hidden, e, None, t, 0.9)
         assert logp.shape == ent.shape == (B, s)
         results.append((logp.detach(), ent.detach(), *torch.autograd.grad((gw * logp + gu * ent).sum(), (e, a))))
-    errs = [_rel(x, y) for x, y in zip(*results)]
+    errs = [rel_l2(x, y) for x, y in zip(*results)]
     assert max(errs) < 1e-12, errs
 
 
@@ -175,8 +167,8 @@ def test_float32_within_float32_accuracy():
     got = _grads(ours, f32, need, gw.float(), gu.float())
     assert got[0].dtype == torch.float32
     want = _grads(lambda h, w, b: reference(h, w, b, t, 0.6), (h, w, b), need, gw, gu)
-    errs = {"logp": _rel(got[0], want[0]), "entropy": _rel(got[1], want[1])}
-    errs.update({n: _rel(a, c) for n, a, c in zip(("dh", "dW", "db"), got[2], want[2])})
+    errs = {"logp": rel_l2(got[0], want[0]), "entropy": rel_l2(got[1], want[1])}
+    errs.update({n: rel_l2(a, c) for n, a, c in zip(("dh", "dW", "db"), got[2], want[2])})
     print(errs)
     assert all(v < 1e-5 for v in errs.values()), errs
 
@@ -200,23 +192,10 @@ def test_bf16_two_pass_weight_grad_beats_running_sum():
         logp = linear_token_logprobs(*leaves, t, temperature=0.7, chunk_size=64, weight_grad=mode)
         dh, dw = torch.autograd.grad((gw.float() * logp).sum(), leaves)
         assert dh.dtype == dw.dtype == torch.bfloat16
-        errs[f"dh {mode}"], errs[f"dW {mode}"] = _rel(dh, ref[0]), _rel(dw, ref[1])
+        errs[f"dh {mode}"], errs[f"dW {mode}"] = rel_l2(dh, ref[0]), rel_l2(dw, ref[1])
     print(errs)
     assert errs["dh two_pass"] < 5e-3 and errs["dW two_pass"] < 5e-3, errs
     assert errs["dW accumulate"] > 2 * errs["dW two_pass"], errs
-
-
-class _Shapes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(x, torch.Tensor):
-                self.shapes.append(tuple(x.shape))
-        return out
 
 
 @pytest.mark.parametrize("mode", ["accumulate", "two_pass"])
@@ -224,7 +203,7 @@ def test_no_tokens_by_vocab_tensor(mode):
     N, V = 40, 50
     h, w, b, t, gw, gu = _problem(tokens=N, vocab=V)
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-    with _Shapes() as probe:
+    with TensorShapes() as probe:
         logp, ent = linear_token_logprobs(*leaves[:2], t, bias=leaves[2], return_entropy=True, chunk_size=16,
                                           vocab_chunk_size=24, weight_grad=mode)
         torch.autograd.grad((gw * logp + gu * ent).sum(), leaves)
@@ -238,12 +217,12 @@ def test_no_gradient_wanted_computes_the_values_only():
     ref = reference(h, w, b, t, 0.8)
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     for mode, args in (("no_grad", leaves), ("nothing requires grad", (h, w, b))):
-        with _Shapes() as probe:
+        with TensorShapes() as probe:
             with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
                 logp, ent = linear_token_logprobs(args[0], args[1], t, bias=args[2], temperature=0.8,
                                                   return_entropy=True, chunk_size=16)
         assert not logp.requires_grad and not ent.requires_grad, mode
-        assert _rel(logp, ref[0]) < 1e-12 and _rel(ent, ref[1]) < 1e-12, mode
+        assert rel_l2(logp, ref[0]) < 1e-12 and rel_l2(ent, ref[1]) < 1e-12, mode
         assert not {(N, H), (V, H), (V,)} & set(probe.shapes), (mode, probe.shapes)  # no gradient buffer
 
 
