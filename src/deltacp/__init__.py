@@ -1,50 +1,51 @@
 """deltacp: context parallelism for Gated DeltaNet hybrid models (the Qwen3.5 family and Qwen3-Next).
 
-Importing deltacp never imports Triton; `linear_attention_gdn_backend="triton"` does, lazily.
+Importing deltacp imports nothing heavy: each public name below is loaded from its module on first use (PEP 562),
+so `python -m deltacp.train` can reject a bad config before torch and transformers have loaded. Importing deltacp
+never imports Triton; `linear_attention_gdn_backend="triton"` does, lazily.
 """
 
-from deltacp.distributed.launch import run_distributed
-from deltacp.distributed.mesh import init_cp_mesh
-from deltacp.models.adapters import supported_classes
-from deltacp.models.batch import shard_batch_for_cp
-from deltacp.models.checkpointing import apply_activation_checkpointing
-from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
-from deltacp.models.loss import (
-    IGNORE_INDEX,
-    cp_causal_lm_loss,
-    cp_cross_entropy,
-    cp_linear_cross_entropy,
-    cp_token_logprobs,
-    linear_token_logprobs,
-)
-from deltacp.models.moe import cp_load_balancing_loss
-from deltacp.models.parallelize import parallelize_cp, row_cut_of, sequence_layout_of
-from deltacp.models.qwen3_5 import fully_shard_qwen3_5, parallelize_qwen3_5_cp
-from deltacp.parallel.placement import SEQUENCE_LAYOUTS
-from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel, cp_layer_of
+from __future__ import annotations
 
-__all__ = [
-    "FullAttentionContextParallel",
-    "IGNORE_INDEX",
-    "LinearAttentionContextParallel",
-    "SEQUENCE_LAYOUTS",
-    "all_reduce_cp_grads",
-    "apply_activation_checkpointing",
-    "cp_causal_lm_loss",
-    "cp_cross_entropy",
-    "cp_layer_of",
-    "cp_linear_cross_entropy",
-    "cp_load_balancing_loss",
-    "cp_token_logprobs",
-    "fully_shard_cp",
-    "fully_shard_qwen3_5",
-    "init_cp_mesh",
-    "linear_token_logprobs",
-    "parallelize_cp",
-    "parallelize_qwen3_5_cp",
-    "row_cut_of",
-    "run_distributed",
-    "sequence_layout_of",
-    "shard_batch_for_cp",
-    "supported_classes",
-]
+import importlib
+
+_PUBLIC: dict[str, str] = {  # name -> the module that defines it
+    "run_distributed": "deltacp.distributed.launch",
+    "init_cp_mesh": "deltacp.distributed.mesh",
+    "supported_classes": "deltacp.models.adapters",
+    "shard_batch_for_cp": "deltacp.models.batch",
+    "apply_activation_checkpointing": "deltacp.models.checkpointing",
+    "all_reduce_cp_grads": "deltacp.models.fsdp",
+    "fully_shard_cp": "deltacp.models.fsdp",
+    "IGNORE_INDEX": "deltacp.models.loss",
+    "cp_causal_lm_loss": "deltacp.models.loss",
+    "cp_cross_entropy": "deltacp.models.loss",
+    "cp_linear_cross_entropy": "deltacp.models.loss",
+    "cp_token_logprobs": "deltacp.models.loss",
+    "linear_token_logprobs": "deltacp.models.loss",
+    "cp_load_balancing_loss": "deltacp.models.moe",
+    "parallelize_cp": "deltacp.models.parallelize",
+    "row_cut_of": "deltacp.models.parallelize",
+    "sequence_layout_of": "deltacp.models.parallelize",
+    "fully_shard_qwen3_5": "deltacp.models.qwen3_5",
+    "parallelize_qwen3_5_cp": "deltacp.models.qwen3_5",
+    "SEQUENCE_LAYOUTS": "deltacp.parallel.placement",
+    "FullAttentionContextParallel": "deltacp.parallel.style",
+    "LinearAttentionContextParallel": "deltacp.parallel.style",
+    "cp_layer_of": "deltacp.parallel.style",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deltacp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -239,3 +239,21 @@ def test_checkpoint_errors_are_found_before_spawning(saved, tmp_path, launches, 
         return
     line = refused(capsys, launches, *args, spawn="1", cp=1)
     assert line.startswith("deltacp.train: " + words.format(p=path, c=ckpt)), line
+
+
+def test_resuming_with_other_train_steps_says_the_schedule_is_replanned(one_rank, saved, tmp_path):
+    """The learning-rate schedule is a function of train.steps: a resume with another value says so, with the lr at
+    the resumed step under both plans (it was silent; mutation seen failing: the message removed)."""
+    from deltacp.train.trainer import Trainer, lr_lambda
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    cfg = _cfg(ckpt, "train.steps=6")
+    trainer = Trainer(cfg, progress=False)
+    messages = []
+    trainer.progress.message = messages.append
+    trainer.fit(1)
+    old, new = (cfg.optimizer.lr * lr_lambda(replace(cfg, steps=n), 2) for n in (2, 6))
+    assert any(f"train.steps changed from 2 to 6 since the checkpoint: the learning-rate schedule (cosine) is "
+               f"re-planned over 6 steps (lr at step 2: {old:.3e} under the old plan, {new:.3e} under the new)" in m
+               for m in messages), messages

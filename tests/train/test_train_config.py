@@ -287,3 +287,30 @@ def test_trainer_preset_with_overrides():
         _load("train.model.preset=2B", "train.model.model_class=Qwen3NextForCausalLM")
     with pytest.raises(ConfigError, match=r"give either pretrained .* or preset/config"):
         _load("train.model.config={}", "train.model.preset=2B", "train.model.pretrained=/nonexistent")
+
+
+def test_a_config_error_comes_before_the_heavy_imports():
+    """`python -m deltacp.train` with a bad key: the error, exit 2, and neither transformers' models nor
+    torch.distributed's checkpoint code imported (mutation seen failing: cli.py importing preflight at the top)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom deltacp.train.cli import main\ntry:\n    main(['--config', %r, '--set', "
+            "'train.optimizer.lr2=1'])\nexcept SystemExit as e:\n    heavy = [m for m in ('transformers.models.qwen3_5."
+            "modeling_qwen3_5', 'torch.distributed.checkpoint', 'deltacp.train.trainer') if m in sys.modules]\n"
+            "    print('HEAVY', heavy, 'EXIT', e.code)\n" % str(MAIN))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "HEAVY [] EXIT 2" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "train.optimizer.lr2: unknown key" in out.stderr
+
+
+def test_a_pretrained_override_replaces_the_files_field_model(tmp_path):
+    """Fine-tuning the main config's setup from an export: `--set train.model.pretrained=DIR` alone (the file's
+    config fields and gate_init describe a model built from fields; the directory's config.json replaces them)."""
+    cfg = _load(f"train.model.pretrained={tmp_path}")
+    assert cfg.model.pretrained == str(tmp_path) and cfg.model.config == {} and cfg.model.gate_init == "default"
+    # set explicitly next to pretrained, they are still refused by name
+    with pytest.raises(ConfigError, match="gate_init='long_memory' would overwrite the gates"):
+        _load(f"train.model.pretrained={tmp_path}", "train.model.gate_init=long_memory")
+    with pytest.raises(ConfigError, match="give either pretrained"):
+        _load(f"train.model.pretrained={tmp_path}", "train.model.config.hidden_size=32")

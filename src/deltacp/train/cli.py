@@ -28,17 +28,17 @@ import signal
 import sys
 import traceback
 
-import torch.distributed as dist
-
-from deltacp.train.checkpoint import CheckpointError
+# Only the config is imported up front: a bad key or value is reported before torch.distributed, the checkpoint
+# code and transformers' models load (seconds on a busy machine).
 from deltacp.train.config import ConfigError, TrainConfig, load_config
-from deltacp.train.preflight import preflight
 
 _COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset|refused)|closed by peer|broken pipe|"
                            r"watchdog|socket", re.IGNORECASE)
 
 
 def describe_failure(exc: BaseException, rank: int, cfg: TrainConfig | None) -> str:
+    import torch.distributed as dist
+
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     first = lines[0] if lines else type(exc).__name__
     if isinstance(exc, ConfigError):
@@ -57,6 +57,7 @@ def _setup_logging(rank: int) -> None:
 
 def run_rank(cfg: TrainConfig) -> None:
     """One rank of the job; on failure prints one line and exits the process (no hang in teardown)."""
+    from deltacp.train.checkpoint import CheckpointError
     from deltacp.train.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))
@@ -125,6 +126,13 @@ def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace, laun
     rank before its process group)."""
     try:
         cfg = load_config(args.config, args.set)
+    except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
+        print(f"deltacp.train: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    from deltacp.train.checkpoint import CheckpointError
+    from deltacp.train.preflight import preflight
+
+    try:
         if launch:
             if args.spawn is not None:
                 if cfg.distributed.backend == "nccl":
@@ -169,5 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     run_rank(cfg)
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()

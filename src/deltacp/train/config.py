@@ -441,8 +441,22 @@ def _apply_override(raw: dict, assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(text)
 
 
+# What describes a model built from fields; an override naming a pretrained directory replaces them all
+_FIELD_MODEL_KEYS = ("preset", "config", "vision_config", "gate_init")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """The config of the YAML file `path` with `--set` overrides applied. An override of train.model.pretrained
+    (fine-tuning a file's setup from a checkpoint directory, e.g. an export) replaces the file's description of a
+    model built from fields (train.model preset, config, vision_config, gate_init) unless an override sets them
+    too: the pretrained directory's config.json describes the model."""
     raw = {"train": {}} if path is None else yaml.safe_load(Path(path).read_text()) or {}
+    overridden = [a.split("=", 1)[0].strip() for a in overrides]
+    if "train.model.pretrained" in overridden and isinstance(raw.get("train", {}).get("model"), dict):
+        model = raw["train"]["model"]
+        for key in _FIELD_MODEL_KEYS:
+            if not any(o == f"train.model.{key}" or o.startswith(f"train.model.{key}.") for o in overridden):
+                model.pop(key, None)
     for assignment in overrides:
         _apply_override(raw, assignment)
     return config_from_dict(raw)

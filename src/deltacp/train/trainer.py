@@ -14,6 +14,7 @@ scaled) and FSDP2 sums (divide factor 1), so the reduced gradients are the singl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -315,7 +316,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
         return dict(step=self.step_count, scheduler=self.scheduler.state_dict(), data=self.data.state_dict(),
-                    layout=dict(dp=self.dp, cp=self.cp, sequence_layout=self.cfg.accelerator.sequence_layout))
+                    steps=self.cfg.steps, layout=dict(dp=self.dp, cp=self.cp, sequence_layout=self.cfg.accelerator.sequence_layout))
 
     def save(self) -> None:
         path = save_checkpoint(self.cfg.checkpoint.dir, self.step_count, self.model, self.optimizer,
@@ -350,6 +351,15 @@ class Trainer:
             saved = state.get("layout") or dict(dp=1, cp=manifest.get("world_size"))  # older checkpoints: cp only
             self.progress.message(f"resumed run {plan['run_id']} from {plan['resume']} (step {self.step_count}"
                                   f"{layout_change(saved, self.trainer_state()['layout'])})")
+            planned = state.get("steps")
+            if planned is not None and planned != self.cfg.steps:  # the schedule is a function of train.steps
+                before = self.cfg.optimizer.lr * lr_lambda(dataclasses.replace(self.cfg, steps=planned),
+                                                           self.step_count)
+                self.progress.message(f"train.steps changed from {planned} to {self.cfg.steps} since the checkpoint: "
+                                      f"the learning-rate schedule ({self.cfg.schedule.kind}) is re-planned over "
+                                      f"{self.cfg.steps} steps (lr at step {self.step_count}: {before:.3e} under "
+                                      f"the old plan, {self.cfg.optimizer.lr * lr_lambda(self.cfg, self.step_count):.3e}"
+                                      f" under the new)")
         self.run_id = plan["run_id"]
         failed = [None]
         if self.rank == 0:
@@ -365,10 +375,13 @@ class Trainer:
     def describe(self) -> str:
         cfg, acc = self.cfg, self.cfg.accelerator
         kinds = "".join("L" if t == "linear_attention" else "F" for t in self.model.config.get_text_config().layer_types)
-        return (f"deltacp.train: {cfg.model.model_class} {kinds} ({self.n_params / 1e6:.2f} M params) "
+        source = (f"from {cfg.model.pretrained}" if cfg.model.pretrained else
+                  f"preset {cfg.model.preset}, random init" if cfg.model.preset else "from train.model.config, random init")
+        return (f"deltacp.train: {cfg.model.model_class} {kinds} ({self.n_params / 1e6:.2f} M params, {source}) "
                 f"| dp={self.dp} x cp={self.cp} "
                 f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} "
-                f"attention={acc.full_attention_cp}"
+                f"attention={acc.full_attention_cp} layout={acc.sequence_layout}"
+                f"{'' if acc.linear_attention_state_passing == 'chain' else f' state_passing={acc.linear_attention_state_passing}'}"
                 f"{'' if acc.ulysses_degree is None else f' ulysses_degree={acc.ulysses_degree}'} | {cfg.dtype} | "
                 f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
