@@ -301,7 +301,7 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--stacks", nargs="+", default=["liger", "flce", "deltacp"],
                         choices=["liger", "flce", "deltacp"])
-    parser.add_argument("--ac", nargs="+", default=["full"], choices=["none", "full", "selective"],
+    parser.add_argument("--ac", nargs="+", default=["full", "selective"], choices=["none", "full", "selective"],
                         help="deltacp's activation checkpointing policies, one row each")
     parser.add_argument("--backend", default="triton", choices=["triton", "eager"])
     parser.add_argument("--warmup", type=int, default=2)

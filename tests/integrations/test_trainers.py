@@ -4,7 +4,8 @@ one process: per-step loss and grad norm as the trainer logs them, eval_loss, an
 Cases (integ_cases.py: a tiny Qwen3.5, byte tokenizer, STEPS=3 optimizer steps of gradient accumulation 2):
 Trainer with padded rows (DataCollatorForLanguageModeling) and packed rows (DataCollatorWithFlattening), SFTTrainer
 with padding_free packed rows and padded rows (activation checkpointing on: SFTConfig's default). CP2 (2 ranks) runs
-one case of each trainer, and the SFTTrainer case again with activation_checkpointing_kwargs selective=True; dp2 x cp2 (4 ranks) runs all four, one more with replicated parameters (fsdp=False), and
+one case of each trainer (SFTTrainer's under deltacp's default, selective checkpointing), and the SFTTrainer case
+again with activation_checkpointing_kwargs selective=False (full); dp2 x cp2 (4 ranks) runs all four, one more with replicated parameters (fsdp=False), and
 saves one. The reference is the same trainer on one process at dp x the per-device batch (the same global batch per
 step) with padded rows: on the CPU transformers refuses packed rows for Qwen3.5 on one device (its conv cannot keep
 documents apart without the causal_conv1d kernel), and padded rows of the same documents have the same targets,
@@ -171,8 +172,8 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     assert ref_proc.exitcode == 0, "the one-process reference runs failed"
     t1 = time.time()
     cp2_runs = [(c, f"{c}/cp2", {}) for c in CP2_CASES]
-    cp2_runs.append(("sft-packed", "sft-packed/cp2-selective",
-                     dict(args_extra=dict(activation_checkpointing_kwargs={"selective": True}))))
+    cp2_runs.append(("sft-packed", "sft-packed/cp2-full",
+                     dict(args_extra=dict(activation_checkpointing_kwargs={"selective": False}))))
     run_distributed(_cp_worker, 2, out, cp2_runs, timeout_s=600)
     t2 = time.time()
     dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]

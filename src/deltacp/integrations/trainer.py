@@ -10,8 +10,8 @@ optimizer exists):
   `activation_checkpointing` (alias `gradient_checkpointing`) becomes deltacp's per-decoder-layer non-reentrant
   checkpointing (p2p layers replay their received state), applied after CP and before FSDP2, in place of
   transformers' own (the argument is then set to False so that the trainer does not apply its own on top);
-  activation_checkpointing_kwargs may give `every_n_layers`, and `policy` ("full" | "selective": each full
-  attention's output kept, `models/checkpointing.py`) or `selective=True`;
+  activation_checkpointing_kwargs may give `every_n_layers`, and `policy` ("selective", the default: each full
+  attention's output kept, `models/checkpointing.py`; "full") or `selective=False` (full);
 - parameters: deltacp's FSDP2 over dp x cp with summed gradients (`fully_shard_cp`, the default, `fsdp=True`;
   `bf16=True` becomes FSDP2 mixed precision, bf16 compute, fp32 master weights and reduction), or replicated
   parameters whose gradients are summed over dp x cp after the last micro-batch (`fsdp=False`). Either way the
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from deltacp.distributed.mesh import init_cp_mesh
-from deltacp.models.checkpointing import apply_activation_checkpointing, check_policy
+from deltacp.models.checkpointing import DEFAULT_POLICY, apply_activation_checkpointing, check_policy
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import cp_causal_lm_loss
 from deltacp.models.parallelize import parallelize_cp, sequence_layout_of
@@ -54,7 +54,7 @@ PARALLELIZE_KEYS = ("linear_attention_cp_mode", "linear_attention_gdn_backend", 
 
 def checkpointing_policy(kwargs: dict) -> str:
     """deltacp's checkpointing policy from activation_checkpointing_kwargs: `policy` ("full" | "selective") or
-    `selective` (a bool: True is "selective"); "full" when neither is given."""
+    `selective` (a bool: False is "full"); deltacp's default ("selective") when neither is given."""
     policy, selective = kwargs.get("policy"), kwargs.get("selective")
     if selective is not None and not isinstance(selective, bool):
         raise ValueError(f"activation_checkpointing_kwargs selective={selective!r} must be true or false")
@@ -64,7 +64,7 @@ def checkpointing_policy(kwargs: dict) -> str:
             raise ValueError(f"activation_checkpointing_kwargs policy={policy!r} and selective={selective!r} "
                              f"disagree: give one of them")
         return policy
-    return "selective" if selective else "full"
+    return DEFAULT_POLICY if selective is None else ("selective" if selective else "full")
 
 
 def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:

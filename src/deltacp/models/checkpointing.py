@@ -1,12 +1,13 @@
 """Activation checkpointing of a CP'd model: decoder layers recomputed in backward (non-reentrant), under a policy.
 
-    apply_activation_checkpointing(model)                         # every layer, policy "full"
-    apply_activation_checkpointing(model, policy="selective")     # every layer; attention outputs kept
-    apply_activation_checkpointing(model, policy="selective", num_layers=20)   # the first 20 layers only
+    apply_activation_checkpointing(model)                         # every layer, policy "selective" (the default)
+    apply_activation_checkpointing(model, policy="full")          # every layer; only the layers' inputs kept
+    apply_activation_checkpointing(model, num_layers=20)          # the first 20 layers only
 
 Policies (`POLICIES`):
 - full: a checkpointed layer keeps only its inputs; backward recomputes its whole forward.
-- selective: as full, but each full attention's output and log-sum-exp are kept (`ops/recompute.py`: torch's
+- selective (the default: it never recomputes more than full, and skips the quadratic part): as full, but each
+  full attention's output and log-sum-exp are kept (`ops/recompute.py`: torch's
   selective checkpoint for SDPA's kernels, a kept-output store for the tiled / ring attention), so the recompute
   never runs the quadratic part again; it costs one attention output [tokens, heads x head_dim] (+ fp32 lse) per
   attention layer. GDN layers recompute as under full.
@@ -34,6 +35,7 @@ from deltacp.ops.recompute import selective_contexts
 logger = logging.getLogger(__name__)
 
 POLICIES = ("full", "selective")
+DEFAULT_POLICY = "selective"
 
 
 def check_policy(policy: str, what: str = "policy") -> str:
@@ -43,10 +45,10 @@ def check_policy(policy: str, what: str = "policy") -> str:
     return policy
 
 
-def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *, policy: str = "full",
+def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *, policy: str = DEFAULT_POLICY,
                                    num_layers: int | None = None) -> int:
     """Activation checkpointing of every `every_n_layers`-th decoder layer (1: all) of any supported model, the first
-    `num_layers` of them (None: all), under `policy` ("full" | "selective"); returns the number of layers
+    `num_layers` of them (None: all), under `policy` ("selective" | "full"); returns the number of layers
     checkpointed."""
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
         raise ValueError(f"every_n_layers={every_n_layers!r} must be an integer >= 1")
