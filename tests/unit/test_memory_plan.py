@@ -2,7 +2,7 @@
 
 Estimate: what each decoder layer's backward keeps, measured on deltacp's forwards (one gloo rank, cp = 1, p2p): the
 storages autograd saves during the layer's forward (`saved_tensors_hooks`; parameters left out), against
-`layer_bytes(...)[None]`, within 12%, for two shapes (GQA and not), a GDN and a full attention layer each: the
+`layer_bytes(...)[None]`, within 3% (Triton) / 10% (eager), for two shapes (GQA and not), a GDN and a full attention layer each: the
 Triton backend with its fused decoder glue (real kernels under TRITON_INTERPRET=1, bf16, in a spawned rank so the
 interpreter is set before triton loads) and the eager backend (bf16 and float32).
 
@@ -30,6 +30,7 @@ SHAPES = {  # Qwen3_5TextConfig fields (a GDN layer, then a full attention layer
                 linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=32, linear_value_head_dim=32),
 }
 TOKENS = 128
+TOLERANCE = {"triton": 0.03, "eager": 0.10}  # observed: 0.985-1.001 (Triton), 0.954-1.082 (eager)
 
 
 def _saved_bytes_per_layer(fields: dict, backend: str, dtype: torch.dtype) -> list[int]:
@@ -71,7 +72,8 @@ def _check_estimate(fields: dict, backend: str, dtype: torch.dtype) -> None:
     e = torch.empty((), dtype=dtype).element_size()
     for kind, got in zip(("linear_attention", "full_attention"), measured):
         estimate = layer_bytes(shape, kind, TOKENS, e, backend=backend)[None]
-        assert abs(estimate - got) <= 0.12 * got, f"{backend} {dtype} {kind}: estimate {estimate}, measured {got}"
+        assert abs(estimate - got) <= TOLERANCE[backend] * got, \
+            f"{backend} {dtype} {kind}: estimate {estimate}, measured {got}"
 
 
 def _triton_worker(rank, world):
