@@ -232,7 +232,8 @@ class CPTrainerMixin:
                 checkpointing_policy(kw)
             except ValueError as exc:
                 out.append(str(exc))
-            kw.pop("policy", None), kw.pop("selective", None)
+            kw.pop("policy", None)
+            kw.pop("selective", None)
             refuse(bool(kw), f"activation_checkpointing_kwargs {sorted(kw)}")
         return out
 

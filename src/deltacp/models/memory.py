@@ -173,8 +173,8 @@ class CheckpointPlan:
         what = "no checkpointing" if self.policy is None else (
             f"{self.policy} on the first {self.num_layers} of {self.total_layers} decoder layers")
         note = "" if self.fits else " (NOTHING FITS: every layer under full; the step may run out of memory)"
-        return (f"activation checkpointing auto: {what}; estimated peak {self.peak_bytes / GIB:.1f} GiB (static "
-                f"{self.static_bytes / GIB:.1f}) of a budget of {self.budget_bytes / GIB:.1f} GiB, recompute "
+        return (f"activation checkpointing auto: {what}; estimated peak {self.peak_bytes / GIB:.2f} GiB (static "
+                f"{self.static_bytes / GIB:.2f}) of a budget of {self.budget_bytes / GIB:.2f} GiB, recompute "
                 f"{self.recompute_flops / 1e12:.2f} TFLOP per step{note}")
 
 
