@@ -53,7 +53,6 @@ from timing import emit, time_cuda  # noqa: E402
 
 IGNORE_INDEX = -100
 PUBLIC_STACKS = ("liger", "flce")
-LIGER_REPLACES = ("Qwen3_5RMSNorm", "Qwen3_5MLP")  # module-level classes apply_liger_kernel_to_qwen3_5 swaps
 # (size, layers or None, tokens) -> (deltacp full / liger, deltacp selective / liger): the issue's done-when speed-ups
 # of the whole step over the liger stack (selective at no more peak memory than the liger stack's)
 TARGETS = {("2B", None, 65536): (1.35, 1.45), ("9B", 8, 65536): (1.25, None)}
@@ -110,12 +109,13 @@ def liger_stack(model, ids):
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
     from liger_kernel.transformers import apply_liger_kernel_to_qwen3_5
 
-    replaced = {name: getattr(modeling, name) for name in LIGER_REPLACES}
+    before = dict(vars(modeling))
     try:
         apply_liger_kernel_to_qwen3_5(model=model)  # rms_norm, swiglu, fused_linear_cross_entropy: its defaults
-    finally:  # the patch also swaps these module-level classes; models built later stay transformers' own
-        for name, cls in replaced.items():
-            setattr(modeling, name, cls)
+    finally:  # the patch also swaps module-level classes (RMSNorm, MLP); models built later stay transformers' own
+        for name, value in before.items():
+            if vars(modeling).get(name) is not value:
+                setattr(modeling, name, value)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
 

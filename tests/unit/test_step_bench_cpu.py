@@ -37,3 +37,37 @@ def test_report_and_targets(capsys):
         "targets at 9B (8 layers) 65536: deltacp over the liger stack: full 1.500x (target 1.25x: met)"]
     args.lengths = [16384]
     assert step.target_lines(args, {}) == []  # no target at 16K
+
+
+def test_liger_stack_restores_what_the_patch_swaps_in_transformers(monkeypatch):
+    """The liger stack patches its own model only: the module-level classes liger's patch also swaps are put back
+    (a stand-in patch here: liger-kernel needs a GPU); its loss is the model's own next-token mean."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+    from transformers import Qwen3_5ForCausalLM
+
+    from helpers import tiny_config
+
+    calls = []
+
+    def apply_liger_kernel_to_qwen3_5(model=None, **kwargs):  # swaps module classes as the real one does
+        calls.append((model, kwargs))
+        modeling.Qwen3_5RMSNorm, modeling.Qwen3_5MLP = object, object
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_qwen3_5 = apply_liger_kernel_to_qwen3_5
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    norm, mlp = modeling.Qwen3_5RMSNorm, modeling.Qwen3_5MLP
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(tiny_config()).train()
+    ids = torch.randint(0, 256, (1, 32))
+    loss_fn, _ = step.liger_stack(model, ids)
+    assert calls == [(model, {})] and modeling.Qwen3_5RMSNorm is norm and modeling.Qwen3_5MLP is mlp
+    assert model.is_gradient_checkpointing
+    with torch.no_grad():
+        expected = F.cross_entropy(model(ids, use_cache=False).logits[0, :-1], ids[0, 1:])
+    torch.testing.assert_close(loss_fn().detach(), expected)
