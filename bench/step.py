@@ -29,8 +29,8 @@ time by class (`KERNEL_CLASSES`, first match wins; names printed with --profile-
 not installed (FLA, liger-kernel) is refused with a message: the comparison is meaningless without it. The last
 lines compare the speed-ups with the targets (`TARGETS`: deltacp over the liger stack at 64K tokens, full
 checkpointing on both sides, and selective at no more peak memory than the liger stack's).
-Exit status 1 when a step-0 loss differs from the first stack's by more than --loss-tol (relative) or a stack
-fails (out of memory included); a missed target is reported, not a failure.
+Exit status 1 when a step-0 loss differs from the first stack's by more than --loss-tol (relative) or deltacp runs
+out of memory (a public stack that does not fit is reported as OOM); a missed target is reported, not a failure.
 """
 
 from __future__ import annotations
@@ -334,9 +334,10 @@ def main():
         for name in names:
             try:
                 row = run_stack(name, args, ids, mesh, device)
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError:  # a public stack that does not fit is reported, deltacp's fails the run
                 row = dict(bench="step", stack=name, size=args.size, tokens=length, oom=True)
-                failed.append(f"{name} OOM at {length}")
+                if name not in PUBLIC_STACKS:
+                    failed.append(f"{name} OOM at {length}")
                 free()
             rows.append(row)
             emit(row, args.json)

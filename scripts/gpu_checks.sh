@@ -108,7 +108,7 @@ step_9b)
     --repeat 2 --json "$OUT/step.jsonl"
   ;;
 step_128k)
-  # Qwen3.5-2B at 128K, every stack (an out-of-memory stack is reported and fails the check)
+  # Qwen3.5-2B at 128K, every stack (a public stack that does not fit is reported as OOM; deltacp must fit)
   check step_2B_128K 480 python bench/step.py --size 2B --lengths 131072 --ac full selective --warmup 1 --repeat 2 \
     --json "$OUT/step.jsonl"
   ;;
