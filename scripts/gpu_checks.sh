@@ -35,7 +35,7 @@
 #                                      carried in .whl/: flash-linear-attention 0.6.0, fla-core 0.6.0, einops,
 #                                      liger-kernel 0.8.5): Qwen3.5-2B at 16K and 64K, deltacp with full and selective
 #                                      activation checkpointing, kernel time by class at 64K, the targets line (about 6
-#                                      minutes); fails if a stack fails or the step-0 losses disagree
+#                                      minutes); fails if deltacp fails (out of memory included) or the step-0 losses disagree
 #   bash scripts/gpu_checks.sh step_9b    the GPU test of selective checkpointing (tests/gpu/test_selective_checkpoint_gpu.py),
 #                                      then the step for the 9B shape cut to 8 layers at 64K (about 6 minutes)
 #   bash scripts/gpu_checks.sh step_128k  the same for Qwen3.5-2B at 128K (about 5 minutes)
