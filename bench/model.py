@@ -56,7 +56,7 @@ def bench_step(args, layers: int, mode: str, checkpointing: bool, mesh, device) 
     model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode=mode,
                                    linear_attention_gdn_backend=args.backend)
     if checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, policy="full")
     fully_shard_qwen3_5(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                     reduce_dtype=torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)

@@ -204,7 +204,7 @@ def main():
                 if impl == "deltacp":
                     model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode="p2p",
                                                    linear_attention_gdn_backend="triton")
-                    apply_activation_checkpointing(model)
+                    apply_activation_checkpointing(model, policy="full")
                 else:
                     kernel = gdn_kernel_of(model)
                 result = run_impl(args, impl, model, size, mesh, device, capacity_gib)

@@ -29,11 +29,16 @@
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
 #                                      full attention all_gather/ring and the 2-D layouts, 20 steps with and without
 #                                      activation checkpointing, FSDP2 on
-#   bash scripts/gpu_checks.sh step    the whole training step at cp = 1 against the public stack (transformers + FLA with
-#                                      its Hopper guard BYPASSED + liger-kernel fused linear CE + gradient checkpointing;
-#                                      wheels carried in .whl/): Qwen3.5-2B at 16K/32K/64K with a by-class kernel profile
-#                                      at 16K (about 6 minutes); STEP_SIZES=9B: the 9B shape cut to 8 layers at 16K;
-#                                      fails if a stack fails or the step-0 losses disagree
+#   bash scripts/gpu_checks.sh step    the whole training step at cp = 1 against the public stacks (transformers + FLA
+#                                      with its Hopper guard BYPASSED + gradient checkpointing, and liger-kernel's Qwen3.5
+#                                      patch (RMSNorm, SwiGLU, fused linear CE) or its fused linear CE only; wheels
+#                                      carried in .whl/: flash-linear-attention 0.6.0, fla-core 0.6.0, einops,
+#                                      liger-kernel 0.8.5): Qwen3.5-2B at 16K and 64K, deltacp with full and selective
+#                                      activation checkpointing, kernel time by class at 64K, the targets line (about 6
+#                                      minutes); fails if deltacp fails (out of memory included) or the step-0 losses disagree
+#   bash scripts/gpu_checks.sh step_9b    the GPU test of selective checkpointing (tests/gpu/test_selective_checkpoint_gpu.py),
+#                                      then the step for the 9B shape cut to 8 layers at 64K (about 6 minutes)
+#   bash scripts/gpu_checks.sh step_128k  the same for Qwen3.5-2B at 128K (about 5 minutes)
 #   bash scripts/gpu_checks.sh glue    the fused glue kernels on the GPU: conv + SiLU + q/k/v, gates and gated RMSNorm,
 #                                      decoder RMSNorm / add+RMSNorm / SwiGLU, the fused linear cross entropy (bf16 vs
 #                                      fp32 references, determinism, no recompiles, timings vs eager), then the loss op
@@ -48,8 +53,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|logprobs) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|logprobs" >&2
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs" >&2
      exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -75,7 +80,7 @@ finish() {
   echo "=== part '$part': all checks passed"; exit 0
 }
 # flash-linear-attention as a timing reference, when its wheels were carried in .whl/ (fetch them on a machine
-# with PyPI: pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops -d .whl)
+# with PyPI: pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops liger-kernel==0.8.5 -d .whl)
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | grep -v WARNING
 fi
@@ -103,12 +108,22 @@ logprobs)
   check logprobs_op 400 python bench/logprobs_op.py --tokens 16384 65536 --hidden 2048 --json "$OUT/logprobs_op.jsonl"
   ;;
 step)
-  # one size per call: STEP_SIZES=9B for the 9B shape cut to 8 layers (FLA autotunes each new length first)
-  for size in ${STEP_SIZES:-2B}; do
-    if [ "$size" = "9B" ]; then args=(--size 9B --layers 8 --lengths 16384); else args=(--size "$size"); fi
-    check "step_$size" 480 python bench/step.py "${args[@]}" --warmup 1 --repeat 2 --profile --profile-at 16384 \
-      --json "$OUT/step.jsonl"
-  done
+  # Qwen3.5-2B at 16K and 64K: liger, flce, deltacp full and selective; kernel classes at 64K (FLA autotunes each
+  # new length first, about a minute)
+  check step_2B 540 python bench/step.py --size 2B --lengths 16384 65536 --ac full selective --warmup 1 --repeat 2 \
+    --profile --profile-at 65536 --json "$OUT/step.jsonl"
+  ;;
+step_9b)
+  # selective checkpointing on CUDA (attention kernels once, the same gradients), then the 9B shape cut to 8 layers
+  # at 64K
+  check selective_gpu 150 python -m pytest tests/gpu/test_selective_checkpoint_gpu.py -q -s -ra -p no:cacheprovider
+  check step_9B 400 python bench/step.py --size 9B --layers 8 --lengths 65536 --ac full selective --warmup 1 \
+    --repeat 2 --json "$OUT/step.jsonl"
+  ;;
+step_128k)
+  # Qwen3.5-2B at 128K, every stack (a public stack that does not fit is reported as OOM; deltacp must fit)
+  check step_2B_128K 480 python bench/step.py --size 2B --lengths 131072 --ac full selective --warmup 1 --repeat 2 \
+    --json "$OUT/step.jsonl"
   ;;
 families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)

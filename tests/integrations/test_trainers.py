@@ -4,7 +4,8 @@ one process: per-step loss and grad norm as the trainer logs them, eval_loss, an
 Cases (integ_cases.py: a tiny Qwen3.5, byte tokenizer, STEPS=3 optimizer steps of gradient accumulation 2):
 Trainer with padded rows (DataCollatorForLanguageModeling) and packed rows (DataCollatorWithFlattening), SFTTrainer
 with padding_free packed rows and padded rows (activation checkpointing on: SFTConfig's default). CP2 (2 ranks) runs
-one case of each trainer; dp2 x cp2 (4 ranks) runs all four, one more with replicated parameters (fsdp=False), and
+one case of each trainer (SFTTrainer's under deltacp's default, selective checkpointing), and the SFTTrainer case
+again with activation_checkpointing_kwargs selective=False (full); dp2 x cp2 (4 ranks) runs all four, one more with replicated parameters (fsdp=False), and
 saves one. The reference is the same trainer on one process at dp x the per-device batch (the same global batch per
 step) with padded rows: on the CPU transformers refuses packed rows for Qwen3.5 on one device (its conv cannot keep
 documents apart without the causal_conv1d kernel), and padded rows of the same documents have the same targets,
@@ -97,6 +98,12 @@ def _check_batches_and_refusals(out_dir: str) -> None:
                  "include_num_input_tokens_seen", "compute_metrics"):
         assert part in message, (part, message)
     assert "fsdp=False" in refused(args_extra=dict(bf16=True), fsdp=False)
+    message = refused(args_extra=dict(activation_checkpointing=True,
+                                      activation_checkpointing_kwargs=dict(policy="partial", offload=True)))
+    assert "policy='partial' is not an activation checkpointing policy" in message and "offload" in message, message
+    message = refused(args_extra=dict(activation_checkpointing=True,
+                                      activation_checkpointing_kwargs=dict(policy="full", selective=True)))
+    assert "policy='full' and selective=True disagree" in message, message
     trainer = integ_cases.build("trainer-padded", os.path.join(out_dir, "refusals"), cp_size=2, dp=1)
     with pytest.raises(NotImplementedError, match="resuming"):
         trainer.train(resume_from_checkpoint=out_dir)
@@ -199,7 +206,10 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
         pytest.fail("the one-process reference runs did not finish in 600 s")
     assert ref_proc.exitcode == 0, "the one-process reference runs failed"
     t1 = time.time()
-    run_distributed(_cp_worker, 2, out, [(c, f"{c}/cp2", {}) for c in CP2_CASES], timeout_s=600)
+    cp2_runs = [(c, f"{c}/cp2", {}) for c in CP2_CASES]
+    cp2_runs.append(("sft-packed", "sft-packed/cp2-full",
+                     dict(args_extra=dict(activation_checkpointing_kwargs={"selective": False}))))
+    run_distributed(_cp_worker, 2, out, cp2_runs, timeout_s=600)
     t2 = time.time()
     dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]
     dp2_runs.append(("trainer-packed", "trainer-packed/dp2xcp2-replicated", dict(fsdp=False)))
@@ -215,7 +225,7 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     failures = []
     for label, got in runs.items():
         case, layout = label.split("/")
-        failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout == 'cp2' else 2}"])
+        failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout.startswith('cp2') else 2}"])
         sft = case.startswith("sft")  # SFTConfig checkpoints activations by default: deltacp's, not the trainer's
         assert got["checkpointed"] == [sft] * 4 and not got["trainer_checkpointing"], (label, got["checkpointed"])
     saved = runs[f"{SAVED}/dp2xcp2"]

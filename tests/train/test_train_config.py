@@ -42,7 +42,13 @@ def test_main_config_loads_and_round_trips():
     ("train.accelerator.sequence_layout=zigzag", ValueError,
      r"train\.accelerator\.sequence_layout='zigzag' is not supported; expected one of \('contiguous', 'balanced'\)"),
     ("train.dtype=float16", ConfigError, r"train\.dtype='float16' is not supported"),
-    ("train.activation_checkpointing=selective", ConfigError, r"train\.activation_checkpointing='selective'"),
+    ("train.activation_checkpointing=partial", ConfigError, r"train\.activation_checkpointing='partial' is not "
+                                                            r"supported; expected one of \['none', 'full', "
+                                                            r"'selective', 'auto'\]"),
+    ("train.activation_checkpointing_budget_gib=40", ConfigError,
+     r"^train\.activation_checkpointing_budget_gib is read by train\.activation_checkpointing=auto only, not 'none'"),
+    ("train.activation_checkpointing_budget_fraction=0.5", ConfigError,
+     r"^train\.activation_checkpointing_budget_fraction is read by train\.activation_checkpointing=auto only"),
     ("train.optimizer.lr=fast", ConfigError, r"train\.optimizer\.lr must be a number"),
     ("train.steps=0", ConfigError, r"train\.steps must be > 0"),
     ("train.schedule.kind=linear", ConfigError, r"train\.schedule\.kind='linear' is not supported"),
@@ -62,6 +68,21 @@ def test_main_config_loads_and_round_trips():
 def test_bad_values_name_the_key(override, error, pattern):
     with pytest.raises(error, match=pattern):
         _load(override)
+
+
+def test_activation_checkpointing_budget():
+    for mode in ("full", "selective", "auto"):
+        assert _load(f"train.activation_checkpointing={mode}").activation_checkpointing == mode
+    cfg = _load("train.activation_checkpointing=auto", "train.activation_checkpointing_budget_gib=40")
+    assert cfg.activation_checkpointing_budget_gib == 40.0 and config_from_dict(config_to_dict(cfg)) == cfg
+    auto = "train.activation_checkpointing=auto"
+    with pytest.raises(ConfigError, match="both given: give one budget"):
+        _load(auto, "train.activation_checkpointing_budget_gib=40", "train.activation_checkpointing_budget_fraction=.5")
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing_budget_gib must be > 0, got 0"):
+        _load(auto, "train.activation_checkpointing_budget_gib=0")
+    with pytest.raises(ConfigError, match=re.escape("train.activation_checkpointing_budget_fraction must be in (0, 1], "
+                                                    "got 1.5")):
+        _load(auto, "train.activation_checkpointing_budget_fraction=1.5")
 
 
 def test_sequence_layout():

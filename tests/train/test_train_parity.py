@@ -2,7 +2,8 @@
 
 - the README main config (configs/tiny_cp4.yaml) at CP4, every mode, 100 steps: max loss rel diff < 1e-4,
   max grad-norm rel diff < 1e-3, all finite; in the same spawn, full activation checkpointing reproduces
-  the first steps bit for bit, and the p2p layers' message logs are identical (no extra receive);
+  the first steps bit for bit, and the p2p layers' message logs are identical (no extra receive); with p2p, so do
+  selective checkpointing and auto (a budget for which it checkpoints some layers, applied as planned);
 - CP2 and CP8, every mode, the first 10 steps of the same schedule, same bounds;
 - CP4 with train.accelerator.full_attention_cp = all_gather (1-D) and ring with ulysses_degree 2 (2-D), and ring
   with sequence_layout = balanced (p2p with the scan), the first 10 steps, same bounds, the attention layers
@@ -51,6 +52,55 @@ def _record_logs(trainer):
     return passings
 
 
+def _auto_budget_gib(cfg, world):
+    """A budget for which the auto plan checkpoints some but not all layers (found by asking the planner)."""
+    import torch
+
+    from deltacp.train.trainer import build_model, plan_checkpointing
+
+    model = build_model(cfg, 0)
+
+    def plan(gib):
+        return plan_checkpointing(replace(cfg, activation_checkpointing="auto", activation_checkpointing_budget_gib=gib),
+                                  model, torch.device("cpu"), 1, world)
+
+    low, high = plan(1e-9).peak_bytes / 2 ** 30, plan(1e9).peak_bytes / 2 ** 30  # every layer full / none
+    for i in range(1, 64):
+        gib = low + (high - low) * i / 64
+        found = plan(gib)
+        if found.policy is not None and 0 < found.num_layers < found.total_layers:
+            return gib, found
+    raise AssertionError("no budget plans a partial checkpointing")
+
+
+def _selective_and_auto(cfg, rows, logs_off, label) -> list[str]:
+    """Selective activation checkpointing and auto (a budget that checkpoints some layers): the same first steps bit
+    for bit as without, and the same p2p messages."""
+    import torch.distributed as dist
+
+    from deltacp.train.trainer import Trainer
+
+    failures = []
+    gib, plan = _auto_budget_gib(cfg, dist.get_world_size())
+    variants = {"selective": replace(cfg, activation_checkpointing="selective"),
+                "auto": replace(cfg, activation_checkpointing="auto", activation_checkpointing_budget_gib=gib)}
+    for name, variant in variants.items():
+        trainer = Trainer(variant, progress=False)
+        passings = _record_logs(trainer)
+        got = trainer.fit(1)
+        logs = [list(p.log) for p in passings]
+        got += trainer.fit(AC_STEPS - 1)
+        keys = ("loss", "grad_norm")
+        if [[r[k] for k in keys] for r in got] != [[r[k] for k in keys] for r in rows]:
+            failures.append(f"{label}: AC {name} differs from AC off: {got} vs {rows}")
+        if logs != logs_off:
+            failures.append(f"{label}: p2p logs differ under AC {name}:\n{logs_off}\n{logs}")
+        if name == "auto" and trainer.checkpointing_summary() != (
+                f"auto: {plan.policy} {plan.num_layers}/{plan.total_layers} layers"):
+            failures.append(f"{label}: auto applied {trainer.checkpointing_summary()}, planned {plan.describe()}")
+    return failures
+
+
 def cp4_worker(rank, world, results):
     from deltacp.train.trainer import Trainer
 
@@ -73,6 +123,7 @@ def cp4_worker(rank, world, results):
         if logs_full != logs_off:
             failures.append(f"{label}: p2p logs differ under AC:\n{logs_off}\n{logs_full}")
         if cfg.accelerator.linear_attention_cp_mode == "p2p":
+            failures += _selective_and_auto(cfg, rows[:AC_STEPS], logs_off, label)
             expected = ([f"recv H_in <-{rank - 1}"] if rank > 0 else []) + \
                        ([f"send H_out ->{rank + 1}", f"recv dH_out <-{rank + 1}"] if rank < world - 1 else []) + \
                        ([f"send dH_in ->{rank - 1}"] if rank > 0 else [])

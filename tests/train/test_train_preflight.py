@@ -72,6 +72,15 @@ def test_device_and_precision_rules_are_checked_before_spawning(launches, capsys
         assert line == "deltacp.train: config error: train.device is 'cuda' but no CUDA device is available", line
 
 
+def test_auto_checkpointing_on_cpu_needs_a_budget_in_gib(launches, capsys):
+    line = refused(capsys, launches, "train.device=cpu", "train.activation_checkpointing=auto")
+    assert line == ("deltacp.train: config error: train.activation_checkpointing=auto on cpu needs "
+                    "train.activation_checkpointing_budget_gib (there is no device memory to take a fraction of)"), line
+    cli.main(["--config", str(MAIN), "--set", "train.device=cpu", "--set", "train.activation_checkpointing=auto",
+              "--set", "train.activation_checkpointing_budget_gib=2", "--spawn", "4"])
+    assert [cfg.activation_checkpointing_budget_gib for _, _, cfg in launches] == [2.0]
+
+
 def test_a_bad_sequence_layout_is_refused_before_spawning(launches, capsys):
     line = refused(capsys, launches, "train.accelerator.sequence_layout=zigzag")
     assert line.startswith("deltacp.train: config error: train.accelerator.sequence_layout='zigzag' is not "

@@ -10,6 +10,8 @@ optimizer exists):
   `activation_checkpointing` (alias `gradient_checkpointing`) becomes deltacp's per-decoder-layer non-reentrant
   checkpointing (p2p layers replay their received state), applied after CP and before FSDP2, in place of
   transformers' own (the argument is then set to False so that the trainer does not apply its own on top);
+  activation_checkpointing_kwargs may give `every_n_layers`, and `policy` ("selective", the default: each full
+  attention's output kept, `models/checkpointing.py`; "full") or `selective=False` (full);
 - parameters: deltacp's FSDP2 over dp x cp with summed gradients (`fully_shard_cp`, the default, `fsdp=True`;
   `bf16=True` becomes FSDP2 mixed precision, bf16 compute, fp32 master weights and reduction), or replicated
   parameters whose gradients are summed over dp x cp after the last micro-batch (`fsdp=False`). Either way the
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from deltacp.distributed.mesh import init_cp_mesh
-from deltacp.models.checkpointing import apply_activation_checkpointing
+from deltacp.models.checkpointing import DEFAULT_POLICY, apply_activation_checkpointing, check_policy
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import cp_causal_lm_loss
 from deltacp.distributed.agree import raise_together
@@ -45,6 +47,21 @@ from deltacp.models.parallelize import cp_styles, parallelize_cp
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
 logger = logging.getLogger(__name__)
+
+
+def checkpointing_policy(kwargs: dict) -> str:
+    """deltacp's checkpointing policy from activation_checkpointing_kwargs: `policy` ("full" | "selective") or
+    `selective` (a bool: False is "full"); deltacp's default ("selective") when neither is given."""
+    policy, selective = kwargs.get("policy"), kwargs.get("selective")
+    if selective is not None and not isinstance(selective, bool):
+        raise ValueError(f"activation_checkpointing_kwargs selective={selective!r} must be true or false")
+    if policy is not None:
+        check_policy(policy, "activation_checkpointing_kwargs policy")
+        if selective is not None and selective != (policy == "selective"):
+            raise ValueError(f"activation_checkpointing_kwargs policy={policy!r} and selective={selective!r} "
+                             f"disagree: give one of them")
+        return policy
+    return DEFAULT_POLICY if selective is None else ("selective" if selective else "full")
 
 
 def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:
@@ -140,8 +157,8 @@ class CPTrainerMixin:
         model = self.model
         parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)  # batches are cut by the model's RowCut
         if args.activation_checkpointing:
-            every = int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1))
-            apply_activation_checkpointing(model, every)
+            kw = args.activation_checkpointing_kwargs or {}
+            apply_activation_checkpointing(model, int(kw.get("every_n_layers", 1)), policy=checkpointing_policy(kw))
             # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
             args.activation_checkpointing = args.gradient_checkpointing = False
         if self.cp_fsdp:
@@ -227,7 +244,12 @@ class CPTrainerMixin:
                    f"activation_checkpointing_kwargs every_n_layers={every!r}")
             refuse(kw.pop("use_reentrant", False), "reentrant activation checkpointing (deltacp's is non-reentrant)")
             refuse(kw.pop("offload", False), "activation checkpointing with offload")
-            refuse(kw.pop("selective", False), "selective activation checkpointing")
+            try:
+                checkpointing_policy(kw)
+            except ValueError as exc:
+                out.append(str(exc))
+            kw.pop("policy", None)
+            kw.pop("selective", None)
             refuse(bool(kw), f"activation_checkpointing_kwargs {sorted(kw)}")
         return out
 

@@ -1,8 +1,24 @@
-"""Activation checkpointing of a CP'd model: each decoder layer recomputed in backward (non-reentrant).
+"""Activation checkpointing of a CP'd model: decoder layers recomputed in backward (non-reentrant), under a policy.
+
+    apply_activation_checkpointing(model)                         # every layer, policy "selective" (the default)
+    apply_activation_checkpointing(model, policy="full")          # every layer; only the layers' inputs kept
+    apply_activation_checkpointing(model, num_layers=20)          # the first 20 layers only
+
+Policies (`POLICIES`):
+- full: a checkpointed layer keeps only its inputs; backward recomputes its whole forward.
+- selective (the default: it never recomputes more than full, and skips the quadratic part): as full, but each
+  full attention's output and log-sum-exp are kept (`ops/recompute.py`: torch's
+  selective checkpoint for SDPA's kernels, a kept-output store for the tiled / ring attention), so the recompute
+  never runs the quadratic part again; it costs one attention output [tokens, heads x head_dim] (+ fp32 lse) per
+  attention layer. GDN layers recompute as under full.
+`num_layers` checkpoints only the first n decoder layers (of those `every_n_layers` picks); the rest keep their
+activations (the last layers: their activations are freed first in backward, so the peak stays lowest;
+`models/memory.py` plans n for a budget).
 
 Applied after CP and before FSDP2 (inside the FSDP unit's forward, so FSDP's unshard hooks run once). The
 recompute of a p2p GDN layer replays the entering state its forward received, found in that forward's
-`CPForwardContext` (the attention_mask argument the checkpoint keeps), instead of posting another receive.
+`CPForwardContext` (the attention_mask argument the checkpoint keeps), instead of posting another receive; the
+collectives of a recomputed layer run again in the same order on every rank under either policy.
 """
 
 from __future__ import annotations
@@ -14,18 +30,37 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deltacp.models.adapters import adapter_for
+from deltacp.ops.recompute import selective_contexts
 
 logger = logging.getLogger(__name__)
 
+POLICIES = ("full", "selective")
+DEFAULT_POLICY = "selective"
 
-def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> int:
-    """Activation checkpointing of every `every_n_layers`-th decoder layer (1: all) of any supported model;
-    returns the number of layers checkpointed."""
+
+def check_policy(policy: str, what: str = "policy") -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"{what}={policy!r} is not an activation checkpointing policy; expected one of "
+                         f"{list(POLICIES)}")
+    return policy
+
+
+def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *, policy: str = DEFAULT_POLICY,
+                                   num_layers: int | None = None) -> int:
+    """Activation checkpointing of every `every_n_layers`-th decoder layer (1: all) of any supported model, the first
+    `num_layers` of them (None: all), under `policy` ("selective" | "full"); returns the number of layers
+    checkpointed."""
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
         raise ValueError(f"every_n_layers={every_n_layers!r} must be an integer >= 1")
+    check_policy(policy)
+    if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0):
+        raise ValueError(f"num_layers={num_layers!r} must be None or an integer >= 0")
     layers = adapter_for(model).layers()
-    for layer in layers[::every_n_layers]:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    n = len(layers[::every_n_layers])
-    logger.info("Applied activation checkpointing to %d of %d decoder layers", n, len(layers))
-    return n
+    chosen = layers[::every_n_layers][:num_layers]
+    kwargs = dict(use_reentrant=False)
+    if policy == "selective":
+        kwargs["context_fn"] = selective_contexts
+    for layer in chosen:
+        layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
+    logger.info("Applied activation checkpointing (%s) to %d of %d decoder layers", policy, len(chosen), len(layers))
+    return len(chosen)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deltacp.ops.precision import compute_dtype
+from deltacp.ops.recompute import keep_outputs
 from deltacp.parallel.placement import Pieces
 
 
@@ -243,10 +244,14 @@ def backward_tiles(tiles, metas, do, q, k, v, o, lse, scale, dq, dk, dv):
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tiles, scale):
-        acc = TileAccumulator(q)
-        ctx.metas = forward_tiles(acc, tiles, q, k, v, scale)
-        o = acc.o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, acc.lse)
+        def compute():
+            acc = TileAccumulator(q)
+            metas = forward_tiles(acc, tiles, q, k, v, scale)
+            return acc.o.to(q.dtype), acc.lse, metas
+
+        # a selective checkpoint's recompute takes the forward's merged o and lse (ops/recompute.py)
+        o, lse, ctx.metas = keep_outputs("tiled attention", compute)
+        ctx.save_for_backward(q, k, v, o, lse)
         ctx.tiles, ctx.scale = tiles, scale
         return o
 
@@ -283,18 +288,23 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, buckets, scale, ring):
-        G, g = ring.size, ring.rank
-        acc = TileAccumulator(q)
-        kv = torch.stack([k, v])
-        ctx.metas = {}
-        for t in range(G):
-            src = (g - t) % G
-            pending = ring.exchange(kv, "kv") if t < G - 1 else None
-            ctx.metas[src] = forward_tiles(acc, buckets.get(src, ()), q, kv[0], kv[1], scale)
-            if pending is not None:
-                kv = pending.wait()
-        o = acc.o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, acc.lse)
+        def compute():
+            G, g = ring.size, ring.rank
+            acc = TileAccumulator(q)
+            kv = torch.stack([k, v])
+            metas = {}
+            for t in range(G):
+                src = (g - t) % G
+                pending = ring.exchange(kv, "kv") if t < G - 1 else None
+                metas[src] = forward_tiles(acc, buckets.get(src, ()), q, kv[0], kv[1], scale)
+                if pending is not None:
+                    kv = pending.wait()
+            return acc.o.to(q.dtype), acc.lse, metas
+
+        # a selective checkpoint's recompute takes the forward's merged o and lse, and issues no exchange (every
+        # rank alike: ops/recompute.py)
+        o, lse, ctx.metas = keep_outputs("ring attention", compute)
+        ctx.save_for_backward(q, k, v, o, lse)
         ctx.buckets, ctx.scale, ctx.ring = buckets, scale, ring
         return o
 

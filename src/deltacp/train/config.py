@@ -4,7 +4,8 @@
       seed: 0
       steps: 100
       dtype: float32                 # float32 | float64 | bfloat16 (fp32 master weights, bf16 compute, fp32 reduce)
-      activation_checkpointing: none # none | full (per decoder layer)
+      activation_checkpointing: none # none | full | selective | auto (per decoder layer; auto: for
+                                     # activation_checkpointing_budget_gib or _fraction of the device)
       loss: linear_cross_entropy     # | cross_entropy (full logits): the same value and gradients
       accelerator: {cp: 4, linear_attention_cp_mode: p2p}   # deltacp.config.AcceleratorConfig, exactly; dp: null
                                                              # derives dp = world // cp (8 ranks, cp 4: dp 2)
@@ -176,8 +177,17 @@ class TrainConfig:
     """Parameter/compute dtype. bfloat16: fp32 master weights, bf16 params in compute, fp32 gradient reduction."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda when available (one GPU per local rank, shared round-robin if fewer), else cpu."""
-    activation_checkpointing: Literal["none", "full"] = "none"
-    """full: recompute every decoder layer in backward (non-reentrant torch.utils.checkpoint)."""
+    activation_checkpointing: Literal["none", "full", "selective", "auto"] = "none"
+    """full: recompute every decoder layer in backward (non-reentrant torch.utils.checkpoint); selective: the same,
+    but each full attention's output and log-sum-exp are kept, so the attention forward is never recomputed (one
+    attention output more per attention layer); auto: checkpoint as few decoder layers as the memory budget allows,
+    under full or selective, from an estimate of every layer's activations (`deltacp.models.memory`), logged on
+    rank 0."""
+    activation_checkpointing_budget_gib: float | None = None
+    """auto: the memory budget of one rank in GiB (null: activation_checkpointing_budget_fraction of its device's
+    memory; required on CPU and where ranks share a GPU)."""
+    activation_checkpointing_budget_fraction: float | None = None
+    """auto: the budget as a fraction of the device's memory, in (0, 1] (null: 0.9)."""
     loss: Literal["linear_cross_entropy", "cross_entropy"] = "linear_cross_entropy"
     """linear_cross_entropy: `cp_causal_lm_loss`, the LM head and the loss in token chunks with the gradients formed
     in the forward, no [tokens, vocab] logits; cross_entropy: the model's logits, then `cp_cross_entropy`. Same value
@@ -356,6 +366,25 @@ def check_dtype_fsdp(cfg: TrainConfig) -> None:
                           "fp32 master weights)")
 
 
+DEFAULT_BUDGET_FRACTION = 0.9  # auto activation checkpointing: the budget's share of the device's memory
+
+
+def check_activation_checkpointing(cfg: TrainConfig) -> None:
+    """The budget keys belong to activation_checkpointing=auto, one at a time, in range."""
+    gib, fraction = cfg.activation_checkpointing_budget_gib, cfg.activation_checkpointing_budget_fraction
+    if cfg.activation_checkpointing != "auto" and (gib is not None or fraction is not None):
+        key = "activation_checkpointing_budget_gib" if gib is not None else "activation_checkpointing_budget_fraction"
+        raise ConfigError(f"train.{key} is read by train.activation_checkpointing=auto only, not "
+                          f"{cfg.activation_checkpointing!r}; remove it or set activation_checkpointing: auto")
+    if gib is not None and fraction is not None:
+        raise ConfigError("train.activation_checkpointing_budget_gib and train.activation_checkpointing_budget_fraction "
+                          "both given: give one budget (GiB, or a fraction of the device's memory)")
+    if gib is not None:
+        _positive("train.activation_checkpointing_budget_gib", gib)
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ConfigError(f"train.activation_checkpointing_budget_fraction must be in (0, 1], got {fraction}")
+
+
 def config_from_dict(raw: dict) -> TrainConfig:
     if not isinstance(raw, dict) or set(raw) != {"train"}:
         extra = sorted(set(raw) - {"train"}) if isinstance(raw, dict) else raw
@@ -407,6 +436,7 @@ def config_from_dict(raw: dict) -> TrainConfig:
                               f"({', '.join(MULTIMODAL_CONFIGS)}), not model_class {cfg.model.model_class}")
         check_model_config_keys(cfg.model.vision_config, "train.model.vision_config", "Qwen3_5VisionConfig")
     check_dtype_fsdp(cfg)
+    check_activation_checkpointing(cfg)
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
         raise ConfigError("train.checkpoint.overwrite=true needs train.checkpoint.resume=false (overwrite deletes the "
                           "checkpoints in train.checkpoint.dir instead of resuming them)")

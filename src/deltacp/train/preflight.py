@@ -4,7 +4,7 @@ checkpoint directory.
     preflight(cfg, spawn=True)    # python -m deltacp.train --spawn N: in the launcher, before spawning
     preflight(cfg, spawn=False)   # torchrun: on every rank, before its process group exists
 
-The model is built on the meta device (shapes only) and every decoder layer is put through the checks
+train.activation_checkpointing=auto on CPU needs a budget in GiB. The model is built on the meta device (shapes only) and every decoder layer is put through the checks
 `parallelize_cp` runs on it (the GDN style's `check_module`, `check_attention_module`), so e.g.
 full_attention_cp=ulysses with num_attention_heads not divisible by cp is one line before any rank starts. The
 data files are checked for existence, readability and the format of their first record, and for a document that
@@ -117,7 +117,8 @@ def check_checkpoint_dir(cfg: TrainConfig, model: torch.nn.Module, num_files: in
 
 def preflight(cfg: TrainConfig, spawn: bool) -> None:
     """Every check of the module doc; `spawn`: the ranks will be gloo ranks spawned here (else torchrun's)."""
-    from deltacp.train.trainer import backend_for, check_device_backend, check_vocab, device_type, model_skeleton
+    from deltacp.train.trainer import (backend_for, check_device_backend, check_vocab, checkpointing_budget, device_type,
+                                       model_skeleton)
 
     device = device_type(cfg)
     check_device_backend(cfg, device, "gloo" if spawn else backend_for(cfg, device))
@@ -130,6 +131,8 @@ def preflight(cfg: TrainConfig, spawn: bool) -> None:
             raise
         raise ConfigError(f"train.model.pretrained={cfg.model.pretrained!r}: no model config could be read from "
                           f"this directory ({type(exc).__name__}: {first_line(exc)[:300]})") from None
+    if cfg.activation_checkpointing == "auto" and device != "cuda":  # a budget in GiB needed: no device memory
+        checkpointing_budget(cfg, torch.device(device))
     check_cp_layers(model, cfg.accelerator)
     vocab_size, num_files = check_data(cfg)
     check_vocab(model.config, vocab_size)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.models.adapters import adapter_for
 from deltacp.models.batch import shard_batch_for_cp
 from deltacp.models.checkpointing import apply_activation_checkpointing
@@ -186,6 +187,41 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     return model
 
 
+def checkpointing_budget(cfg: TrainConfig, device: torch.device) -> int:
+    """Bytes one rank may hold under train.activation_checkpointing=auto: the budget in GiB, or the fraction (default
+    0.9) of its CUDA device's memory; ConfigError on CPU without a budget in GiB."""
+    from deltacp.train.config import DEFAULT_BUDGET_FRACTION
+
+    if cfg.activation_checkpointing_budget_gib is not None:
+        return int(cfg.activation_checkpointing_budget_gib * 2 ** 30)
+    if device.type != "cuda":
+        raise ConfigError(f"train.activation_checkpointing=auto on {device.type} needs "
+                          f"train.activation_checkpointing_budget_gib (there is no device memory to take a fraction of)")
+    fraction = cfg.activation_checkpointing_budget_fraction or DEFAULT_BUDGET_FRACTION
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
+
+
+def plan_checkpointing(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, dp: int, world: int):
+    """The auto activation checkpointing plan of this job (`deltacp.models.memory`), from the config and the model's
+    parameter counts: this rank's tokens (its dp group's rows, 1/cp of them), the activation dtype, the static
+    memory of parameters, gradients and AdamW states (sharded over the world under FSDP2), the budget."""
+    from deltacp.models.memory import LayerShapes, plan_activation_checkpointing, static_bytes
+
+    acc, data = cfg.accelerator, cfg.data
+    adapter = adapter_for(model)
+    rows = data.batch_size // dp
+    e = {"float32": 4, "float64": 8, "bfloat16": 2}[cfg.dtype]
+    layer_params = tuple(sum(p.numel() for p in layer.parameters()) for layer in adapter.layers())
+    other = sum(p.numel() for p in model.parameters()) - sum(layer_params)
+    static = static_bytes(layer_params, other, param_bytes=8 if cfg.dtype == "float64" else 4, compute_bytes=e,
+                          world=world, fsdp=cfg.distributed.fsdp)
+    return plan_activation_checkpointing(
+        LayerShapes.of(adapter.text_config), tokens=rows * data.seq_len // acc.cp, activation_bytes=e,
+        static_bytes=static, budget_bytes=checkpointing_budget(cfg, device),
+        row_tokens=rows * data.seq_len if data.packing else data.seq_len, backend=acc.linear_attention_gdn_backend,
+        full_attention_cp=acc.full_attention_cp)
+
+
 def p2p_passings(model: torch.nn.Module) -> list:
     """The StatePassing of every p2p GDN layer, in layer order (their `log` lists record messages)."""
     out = []
@@ -251,8 +287,19 @@ class Trainer:
                                        full_attention_cp=acc.full_attention_cp,
                                        linear_attention_state_passing=acc.linear_attention_state_passing,
                                        sequence_layout=acc.sequence_layout)
-        if cfg.activation_checkpointing == "full":
-            apply_activation_checkpointing(model)
+        self.ac_plan = None
+        if cfg.activation_checkpointing == "auto":  # the same plan on every rank (else they would recompute apart)
+            with LocalChecks() as checks:
+                self.ac_plan = plan_checkpointing(cfg, model, self.device, self.dp, self.world)
+            plan = self.ac_plan
+            raise_together(dist.group.WORLD, "train.activation_checkpointing=auto", checks.error,
+                           agree=dict(policy=str(plan and plan.policy), num_layers=plan and plan.num_layers))
+            if self.rank == 0:
+                (logger.info if plan.fits else logger.warning)(plan.describe())
+            if plan.policy is not None:
+                apply_activation_checkpointing(model, policy=plan.policy, num_layers=plan.num_layers)
+        elif cfg.activation_checkpointing != "none":
+            apply_activation_checkpointing(model, policy=cfg.activation_checkpointing)
         if cfg.distributed.fsdp:
             mp_policy = None
             if cfg.dtype == "bfloat16":
@@ -383,10 +430,18 @@ class Trainer:
                 f"attention={acc.full_attention_cp} layout={acc.sequence_layout}"
                 f"{'' if acc.linear_attention_state_passing == 'chain' else f' state_passing={acc.linear_attention_state_passing}'}"
                 f"{'' if acc.ulysses_degree is None else f' ulysses_degree={acc.ulysses_degree}'} | {cfg.dtype} | "
-                f"AC {cfg.activation_checkpointing} | fsdp={cfg.distributed.fsdp} | "
+                f"AC {self.checkpointing_summary()} | fsdp={cfg.distributed.fsdp} | "
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
                 f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
                 f"{' (packed documents)' if cfg.data.packing else ''}")
+
+    def checkpointing_summary(self) -> str:
+        """`full`, `none`, ..., or for auto its choice: `auto: selective 20/24 layers`."""
+        plan = self.ac_plan
+        if plan is None:
+            return self.cfg.activation_checkpointing
+        return f"auto: {plan.policy or 'none'}" + (f" {plan.num_layers}/{plan.total_layers} layers" if plan.policy
+                                                   else "")
 
     def fit(self, max_steps: int | None = None) -> list[dict]:
         """Train to cfg.steps (or stop after `max_steps` more steps, same schedule); returns this call's rows."""
