@@ -235,7 +235,7 @@ def test_the_parser_sees_every_kind_of_import():
     # in a package's __init__, `from . import c` is the package's own submodule
     assert [e.imported for e in imports("deltacp.a", "from . import c\n", known, "a/__init__.py")] == ["deltacp.a.c"]
     assert {(e.importer, e.imported) for e in import_graph()} >= {
-        ("deltacp", "deltacp.parallel.style"), ("deltacp.ops.gdn.backends", "deltacp.ops.gdn.triton"),
+        ("deltacp.models.parallelize", "deltacp.parallel.style"), ("deltacp.ops.gdn.backends", "deltacp.ops.gdn.triton"),
         ("deltacp.ops.lm_head.kernels", "deltacp.ops.fused.token_logprobs")}
 
 
