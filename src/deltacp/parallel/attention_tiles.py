@@ -264,9 +264,11 @@ def _unfold(x_bKmX: torch.Tensor, groups: int) -> torch.Tensor:
     return x_bKmX.reshape(b, Hk * groups, m // groups, *x_bKmX.shape[3:])
 
 
-def _thd(x_1HlD: torch.Tensor) -> torch.Tensor:
-    """[1, H, l, D] -> [l, H, D] (contiguous), the varlen kernels' layout."""
-    return x_1HlD[0].transpose(0, 1).contiguous()
+def _thd(x_1HlD: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """[1, H, l, D] -> [l, H * groups, D] (contiguous, each head repeated `groups` times), the varlen kernels'
+    layout, in one copy."""
+    x_lHD = x_1HlD[0].transpose(0, 1)
+    return (x_lHD.repeat_interleave(groups, dim=1) if groups > 1 else x_lHD).contiguous()
 
 
 def _from_thd(x_lHD: torch.Tensor) -> torch.Tensor:
@@ -308,8 +310,8 @@ def tile_forward(kernel: str, t: Tile, q, k, v, scale: float):
         case "flash_varlen":  # lse comes [H, lq]
             cu, longest = _offsets(t, q.device)
             out = torch.ops.aten._flash_attention_forward(
-                _thd(q_t), _thd(_expand(k_t, groups)), _thd(_expand(v_t, groups)), cu, cu, longest, longest, 0.0,
-                True, False, scale=scale)
+                _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), cu, cu, longest, longest, 0.0, True, False,
+                scale=scale)
             return _from_thd(out[0]), out[1][None], (cu, longest, out[2], out[3])
     folded = groups > 1 and not t.causal
     qq, kk, vv = _dense_views(t, q_t, k_t, v_t, groups)
@@ -352,7 +354,7 @@ def tile_backward(kernel: str, t: Tile, meta, do, q, k, v, o, lse, scale: float)
         case "flash_varlen":
             cu, longest, rng_state, unused = meta
             dq_t, dk_t, dv_t = torch.ops.aten._flash_attention_backward(
-                _thd(do_t), _thd(q_t), _thd(_expand(k_t, groups)), _thd(_expand(v_t, groups)), _thd(o_t),
+                _thd(do_t), _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), _thd(o_t),
                 lse_t[0].contiguous(), cu, cu, longest, longest, 0.0, True, rng_state, unused, scale=scale)
             return _from_thd(dq_t), _reduce(_from_thd(dk_t), groups), _reduce(_from_thd(dv_t), groups)
     folded = groups > 1 and not t.causal
