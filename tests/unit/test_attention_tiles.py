@@ -77,6 +77,8 @@ def test_ulysses_kv_heads(heads, kv, degree, expected):
 # ---------------------------------------------------------------------------------------------------------------
 
 SPAN_DOCS = [None, [0, 5, 17, 18, 40, 47, 64], [0, 64]]  # documents crossing piece boundaries (pieces of 8 at G=4)
+# many short documents; a document boundary on every piece boundary (a packed tile across a balanced member's pieces)
+PACKED_DOCS = [[0, 1, 2, 3, 5, 8, 9, 10, 30, 31, 33, 64], list(range(0, 65, 4))]
 
 
 def _expected_pairs(row_q, S, cu):
@@ -88,17 +90,22 @@ def _expected_pairs(row_q, S, cu):
 
 
 def _add_tile(covered, t, key_positions):
-    n_q, n_k = t.q[1] - t.q[0], t.k[1] - t.k[0]
-    ones = torch.ones(n_q, n_k, dtype=torch.int64)
-    covered[t.q[0]:t.q[1], key_positions] += ones.tril() if t.causal else ones
+    """Count tile t's (query, key) pairs; key_positions: the row positions of its keys. A packed tile is causal
+    within each of its diagonals."""
+    for u in tiles_mod.unpack(t):
+        a, b = u.k[0] - t.k[0], u.k[1] - t.k[0]
+        ones = torch.ones(u.q[1] - u.q[0], b - a, dtype=torch.int64)
+        covered[u.q[0]:u.q[1], key_positions[a:b]] += ones.tril() if u.causal else ones
 
 
 @pytest.mark.parametrize("balanced", [False, True])
-@pytest.mark.parametrize("block", [None, 3])
-@pytest.mark.parametrize("cu", SPAN_DOCS)
-def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu):
+@pytest.mark.parametrize("block", [None, 3, 7])
+@pytest.mark.parametrize("cu", SPAN_DOCS + PACKED_DOCS)
+@pytest.mark.parametrize("pack", [False, True])
+def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu, pack):
     """Every (query, key) pair a query may see lies in exactly one tile, for every member of groups of 1-4; and
-    once more after the ring's split by holder, whose re-based keys name the holder's own local keys."""
+    once more after the ring's split by holder, whose re-based keys name the holder's own local keys. pack: the
+    diagonals merged by `pack_diagonals` (at most `block` tokens each), which the ring cuts at piece boundaries."""
     S = 64
     for G in (1, 2, 4):
         L = S // G
@@ -106,9 +113,16 @@ def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu):
             pieces = Pieces(g, G, balanced, L)
             expected = _expected_pairs(pieces.row_index(), S, cu)
             tiles = plan_span_tiles(1, S, pieces.spans(), None if cu is None else torch.tensor(cu), block)
+            if pack:
+                tiles = tiles_mod.pack_diagonals(tiles, block)
+                for t in tiles:
+                    assert t.ragged == (cu is not None)
+                    if t.packed:
+                        assert t.causal and t.packed[0] == 0 and t.packed[-1] == t.q[1] - t.q[0] == t.k[1] - t.k[0]
+                        assert block is None or t.packed[-1] <= block
             covered = torch.zeros(L, S, dtype=torch.int64)
             for t in tiles:
-                _add_tile(covered, t, slice(*t.k))
+                _add_tile(covered, t, torch.arange(*t.k))
             assert torch.equal(covered, expected), (G, g)
             covered.zero_()
             buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
@@ -166,45 +180,6 @@ def test_ring_work_is_balanced_under_the_balanced_layout(G):
 # ---------------------------------------------------------------------------------------------------------------
 # Packed tiles: the diagonals of a query block's documents in one call
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _add_packed(covered, t, key_positions):
-    """A tile's pairs: a packed tile is causal within each of its diagonals (`Tile.packed` offsets)."""
-    for u in tiles_mod.unpack(t):
-        shift = u.k[0] - t.k[0]
-        _add_tile(covered, u, key_positions[shift:shift + u.k[1] - u.k[0]] if isinstance(key_positions, torch.Tensor)
-                  else slice(*u.k))
-
-
-@pytest.mark.parametrize("balanced", [False, True])
-@pytest.mark.parametrize("block", [None, 3, 7])
-@pytest.mark.parametrize("cu", SPAN_DOCS[1:] + [[0, 1, 2, 3, 5, 8, 9, 10, 30, 31, 33, 64], list(range(0, 65, 4))])
-def test_packed_tiles_cover_each_pair_once(balanced, block, cu):
-    """After `pack_diagonals`, every pair a query may see lies in exactly one tile (a packed tile counted causal per
-    diagonal), packed tiles hold at most `block` tokens, and the ring's split by holder cuts a packed tile at a
-    piece boundary (a balanced member's two pieces meet in the middle of the row; documents ending there)."""
-    S = 64
-    for G in (1, 2, 4):
-        L = S // G
-        for g in range(G):
-            pieces = Pieces(g, G, balanced, L)
-            expected = _expected_pairs(pieces.row_index(), S, cu)
-            tiles = tiles_mod.pack_diagonals(plan_span_tiles(1, S, pieces.spans(), torch.tensor(cu), block), block)
-            assert all(t.ragged for t in tiles)
-            for t in tiles:
-                if t.packed:
-                    assert t.causal and t.packed[0] == 0 and t.packed[-1] == t.q[1] - t.q[0] == t.k[1] - t.k[0]
-                    assert block is None or t.packed[-1] <= block
-            covered = torch.zeros(L, S, dtype=torch.int64)
-            for t in tiles:
-                _add_packed(covered, t, None)
-            assert torch.equal(covered, expected), (G, g)
-            covered.zero_()
-            for member, part in split_tiles_by_block(tiles, pieces.piece_length, pieces.holder).items():
-                held = Pieces(member, G, balanced, L).row_index()
-                for t in part:
-                    _add_packed(covered, t, held[t.k[0]:t.k[1]])
-            assert torch.equal(covered, expected), (G, g, "ring")
 
 
 def test_packed_calls_follow_tokens_not_documents():
