@@ -27,24 +27,22 @@ TOL = 1e-2
 
 
 def _gathered(S, seed):
-    """q [1, H, S, D]; k, v [1, HK, S, D] as the all-gather leaves them (views of one [1, S, HK, 2D] tensor)."""
+    """q [1, H, S, D] and kv [1, S, HK, 2D]: K | V as the all-gather leaves them."""
     torch.manual_seed(seed)
-    q = torch.randn(1, H, S, D, device="cuda")
-    kv = torch.randn(1, S, HK, 2 * D, device="cuda")
-    k, v = kv.transpose(1, 2).split(D, dim=-1)
-    return q, k, v
+    return torch.randn(1, H, S, D, device="cuda"), torch.randn(1, S, HK, 2 * D, device="cuda")
 
 
-def _compare(name, fn, q, k, v, rows, cu):
-    """fn(q, k, v) in bf16 against the fp32 per-document reference on the query positions `rows`."""
+def _compare(name, fn, q, kv, rows, cu):
+    """fn(q, k, v) in bf16 against the fp32 per-document reference on the query positions `rows`; k and v are views
+    of one [1, S, HK, 2D] leaf (the all-gather's layout), their gradients compared through it."""
     d_out = torch.randn(1, H, len(rows), D, device="cuda")
     results = {}
     for what, dtype, f in (("ref", torch.float32, lambda a, b, c: per_document_attention(a, b, c, cu, D ** -0.5)[
                                :, :, rows]), ("tiles", torch.bfloat16, fn)):
-        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        out = f(*xs)
-        grads = torch.autograd.grad((out.float() * d_out).sum(), xs)
-        results[what] = [out.float(), *(g.float() for g in grads)]
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, kv)]
+        out = f(xs[0], *xs[1].transpose(1, 2).split(D, dim=-1))
+        dq, dkv = torch.autograd.grad((out.float() * d_out).sum(), xs)
+        results[what] = [out.float(), dq.float(), *dkv.float().split(D, dim=-1)]
     figures = {n: rel_l2(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), results["tiles"], results["ref"])}
     print(f"\n{name}: rel-L2 vs fp32", {n: f"{x:.2e}" for n, x in figures.items()})
     assert all(x < TOL for x in figures.values()), (name, figures)
@@ -53,16 +51,16 @@ def _compare(name, fn, q, k, v, rows, cu):
 @pytest.mark.parametrize("kernel, S, q0, block", [(None, 16384, 8192, None), ("cudnn", 6144, 2048, 1000),
                                                    ("flash", 6144, 2048, 1000)])
 def test_fixed_shape_tiles_match_fp32(kernel, S, q0, block):
-    q, k, v = _gathered(S, 0)
+    q, kv = _gathered(S, 0)
     tiles = plan_span_tiles(1, S, [(q0, S)], None, block)
     kernels = sorted({choose_kernel(q.bfloat16(), t, kernel) for t in tiles})
     print(f"\ncapability {torch.cuda.get_device_capability()}: tiles of {S - q0} queries run {kernels}")
     if kernel is None and torch.cuda.get_device_capability() == (9, 0):
         assert kernels == ["cudnn"], kernels  # the table's row for this device
-    rows = torch.arange(q0, S)
+    rows = torch.arange(q0, S, device="cuda")
     _compare(f"{kernel or 'table'} tiles", lambda a, b, c: tiled_attention(a[:, :, q0:], b, c, tiles, D ** -0.5,
                                                                           kernel=kernel),
-             q, k, v, rows, torch.tensor([0, S]))
+             q, kv, rows, torch.tensor([0, S]))
 
 
 def _documents(S, n):
@@ -79,12 +77,12 @@ def test_packed_row_matches_per_document_reference(n):
     """Ulysses' per-document attention over a packed row: one varlen flash call for all the documents."""
     S = 16384
     cu = _documents(S, n)
-    q, k, v = _gathered(S, 1)
+    q, kv = _gathered(S, 1)
     docs = AttentionDocuments.build(cu)
     tiles = docs.tiles(1, S, [(0, S)], 65536)
     assert len(tiles) == 1 and choose_kernel(q.bfloat16(), tiles[0]) == "flash_varlen", tiles[:3]
     _compare(f"packed row of {n} documents", lambda a, b, c: causal_document_attention(
-        a, b, c, docs, scale=D ** -0.5, dropout_p=0.0), q, k, v, torch.arange(S), cu)
+        a, b, c, docs, scale=D ** -0.5, dropout_p=0.0), q, kv, torch.arange(S, device="cuda"), cu)
 
 
 @pytest.mark.parametrize("n", [10, 1000])
@@ -93,21 +91,22 @@ def test_packed_cp_rank_matches_per_document_reference(n):
     tiles of documents begun in earlier blocks (flash: their shapes follow the documents)."""
     S, G, g = 16384, 4, 1
     cu = _documents(S, n)
-    q, k, v = _gathered(S, 2)
+    q, kv = _gathered(S, 2)
     pieces = Pieces(g, G, True, S // G)
     tiles = AttentionDocuments.build(cu).tiles(1, S, pieces.spans(), 4096)
     kernels = {choose_kernel(q.bfloat16(), t) for t in tiles}
     assert kernels <= {"flash", "flash_varlen"} and "flash_varlen" in kernels, kernels
     rows = pieces.row_index().cuda()
     _compare(f"balanced rank of a packed row of {n} documents",
-             lambda a, b, c: tiled_attention(a[:, :, rows], b, c, tiles, D ** -0.5), q, k, v, rows, cu)
+             lambda a, b, c: tiled_attention(a[:, :, rows], b, c, tiles, D ** -0.5), q, kv, rows, cu)
 
 
 def test_deterministic_switch_reproduces_bits():
     """torch.use_deterministic_algorithms(True): every tile runs flash (FA2's deterministic backward), and two
     identical fwd+bwd runs agree bit for bit, fixed-shape and packed tiles alike."""
     S = 16384
-    q, k, v = (x.bfloat16() for x in _gathered(S, 3))
+    q, kv = (x.bfloat16() for x in _gathered(S, 3))
+    k, v = kv.transpose(1, 2).split(D, dim=-1)
     cu = _documents(S, 300)
     cases = {"fixed": plan_span_tiles(1, S, [(8192, S)], None, None),
              "packed": AttentionDocuments.build(cu).tiles(1, S, [(8192, S)], 4096)}

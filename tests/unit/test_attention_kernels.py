@@ -66,21 +66,25 @@ def _scores(q, k, causal, scale):
 
 
 def _attend(q, k, v, causal, scale):
-    """[b, H, l, D] against [b, Hk, m, D] (GQA by head i // (H / Hk)) -> o, lse [b, H, l]."""
-    g = q.shape[1] // k.shape[1]
-    s = _scores(q, k.repeat_interleave(g, 1), causal, scale)
+    """[b, H, l, D] against [b, Hk, m, D] (GQA by head i // (H / Hk)) -> o (q's dtype), lse [b, H, l] (float32 or
+    float64), computed in float32 or float64 as the kernels accumulate."""
+    dtype, ct, g = q.dtype, torch.promote_types(q.dtype, torch.float32), q.shape[1] // k.shape[1]
+    q, k, v = q.to(ct), k.repeat_interleave(g, 1).to(ct), v.repeat_interleave(g, 1).to(ct)
+    s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, -1)
-    return (s - lse[..., None]).exp() @ v.repeat_interleave(g, 1), lse
+    return ((s - lse[..., None]).exp() @ v).to(dtype), lse
 
 
 def _share(do, q, k, v, o, lse, causal, scale):
     """One tile's dq, dk, dv given the merged o and lse (GQA: dk, dv summed over each KV head's query heads)."""
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    dtype, ct, g = q.dtype, torch.promote_types(q.dtype, torch.float32), q.shape[1] // k.shape[1]
+    do, q, o, lse = do.to(ct), q.to(ct), o.to(ct), lse.to(ct)
+    kk, vv = k.repeat_interleave(g, 1).to(ct), v.repeat_interleave(g, 1).to(ct)
     p = (_scores(q, kk, causal, scale) - lse[..., None]).exp()
     ds = p * (do @ vv.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
     dk, dv = (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ do
-    return (ds @ kk) * scale, dk.unflatten(1, (-1, g)).sum(2), dv.unflatten(1, (-1, g)).sum(2)
+    return tuple(x.to(dtype) for x in ((ds @ kk) * scale, dk.unflatten(1, (-1, g)).sum(2),
+                                       dv.unflatten(1, (-1, g)).sum(2)))
 
 
 class StandIns:
@@ -125,7 +129,8 @@ class StandIns:
         assert q.dim() == 3 and q.shape == k.shape == v.shape, "varlen flash: [T, H, D], equal head counts"
         assert is_causal
         self.calls["varlen"] += 1
-        o, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0])
+        o = torch.empty_like(q)
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32))
         for a, b in self._segments(cu_q, cu_k, max_q, max_k, q.shape[0]):
             o_s, lse_s = _attend(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), True, scale)
             o[a:b], lse[:, a:b] = o_s[0].transpose(0, 1), lse_s[0]
