@@ -1,6 +1,7 @@
 """The measurements behind `attention_tiles.CUDNN_TILES`: one attention tile, flash (FA2) against cuDNN, as the tiles
-run them (flash: a visible tile's query heads folded onto its KV heads, the diagonal's K/V repeated per query
-head; cuDNN: KV heads unexpanded), forward and backward separately, bf16, B = 1.
+run them (a visible tile's query heads folded onto its KV heads; the diagonal's K/V repeated per query head for
+flash, read as GQA by cuDNN), forward and backward separately, bf16, B = 1. For visible tiles also cuDNN with
+the query heads not folded (its own GQA; fwd+bwd, for comparison).
 
     python bench/attention_kernels.py                       # head dims 128 and 256, tiles 1K-64K (about 2 minutes)
 
@@ -56,6 +57,22 @@ def time_tile(args, kernel, t, q, k, v):
     return fwd["median_ms"], bwd["median_ms"]
 
 
+def time_cudnn_gqa(args, q, k, v):
+    """fwd+bwd ms of cuDNN on a visible tile with the query heads NOT folded (cuDNN's own GQA), for comparison with
+    the folded form the tiles run."""
+    scale = q.shape[-1] ** -0.5
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+    out = cudnn(q, k, v, None, True, 0.0, False, False, scale=scale)
+    do = torch.randn_like(q)
+
+    def backward():
+        torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, out[0], out[1], out[6], out[7], None, out[2], out[3], out[4], out[5], 0.0, False, scale=scale)
+    fwd = time_cuda(lambda: cudnn(q, k, v, None, True, 0.0, False, False, scale=scale), warmup=args.warmup,
+                    repeat=args.repeat)
+    return fwd["median_ms"] + time_cuda(backward, warmup=args.warmup, repeat=args.repeat)["median_ms"]
+
+
 def backward_bits(kernel, t, q, k, v, deterministic):
     """Whether two identical backward calls give the same bits (dq, dk, dv)."""
     scale = q.shape[-1] ** -0.5
@@ -109,20 +126,23 @@ def main():
           f"{torch.backends.cudnn.version()}; {args.heads} query heads, {args.kv_heads} KV heads, bf16")
     start, failures, results = time.time(), [], []
     print(f"\n{'D':>4} {'kind':<8} {'lq':>6} {'lk':>6} | {'flash fwd':>9} {'bwd':>8} | {'cudnn fwd':>9} {'bwd':>8} | "
-          f"{'speed-up':>8}")
+          f"{'speed-up':>8} | {'cudnn GQA unfolded':>18}")
     for D in args.head_dims:
         for kind, lq, lk in shapes(args.lengths):
             q, k, v = _inputs(args.heads, args.kv_heads, D, lq, lk)
             t = Tile((0, 1), (0, lq), (lk - lq, lk) if kind == "diagonal" else (0, lk), kind == "diagonal")
             ms = {kernel: time_tile(args, kernel, t, q, k, v) for kernel in ("flash", "cudnn")}
+            unfolded = time_cudnn_gqa(args, q, k, v) if kind == "visible" else float("nan")
             row = dict(bench="attention_kernels", head_dim=D, kind=kind, lq=lq, lk=lk, capability=list(capability),
                        flash_fwd_ms=ms["flash"][0], flash_bwd_ms=ms["flash"][1], cudnn_fwd_ms=ms["cudnn"][0],
-                       cudnn_bwd_ms=ms["cudnn"][1], speedup=sum(ms["flash"]) / sum(ms["cudnn"]))
+                       cudnn_bwd_ms=ms["cudnn"][1], speedup=sum(ms["flash"]) / sum(ms["cudnn"]),
+                       cudnn_gqa_unfolded_ms=unfolded)
             results.append(row)
             if args.json:
                 emit(row, args.json)
             print(f"{D:>4} {kind:<8} {lq:>6} {lk:>6} | {ms['flash'][0]:>9.2f} {ms['flash'][1]:>8.2f} | "
-                  f"{ms['cudnn'][0]:>9.2f} {ms['cudnn'][1]:>8.2f} | {row['speedup']:>8.2f}", flush=True)
+                  f"{ms['cudnn'][0]:>9.2f} {ms['cudnn'][1]:>8.2f} | {row['speedup']:>8.2f} | {unfolded:>18.2f}",
+                  flush=True)
             if not all(math.isfinite(x) for x in (*ms["flash"], *ms["cudnn"])):
                 failures.append(f"D {D} {kind} {lq}x{lk}: non-finite timing")
             del q, k, v

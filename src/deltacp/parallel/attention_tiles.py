@@ -24,8 +24,9 @@ CPU (any float dtype) `aten._scaled_dot_product_flash_attention_for_cpu`; CUDA f
 tile (no fused kernel returns a log-sum-exp in those dtypes); CUDA bf16/fp16 the fused kernels, chosen per tile
 (`fused_kernel`) from the measured table `CUDNN_TILES`:
 - cudnn: `aten._scaled_dot_product_cudnn_attention` (+ backward) where the table has a row for the device's
-  capability, the head dim and the tile's kind, and the tile's shorter side reaches the row's length; grouped KV
-  heads go in unexpanded (cuDNN reads them as GQA);
+  capability, the head dim and the tile's kind, and the tile's shorter side reaches the row's length; its causal
+  diagonal reads grouped KV heads as they are (GQA), where flash gets them repeated (a visible tile folds its
+  query heads onto the KV heads for every kernel, `_dense_views`);
 - flash: `aten._scaled_dot_product_flash_attention` (+ backward) on every other tile; always under
   `torch.use_deterministic_algorithms(True)` (cuDNN's backward is not bitwise reproducible; FA2's is under that
   switch) and on tiles whose shape follows the documents (`Tile.ragged`: cuDNN builds an execution plan for
@@ -280,13 +281,16 @@ def _slices(t: Tile, q, k, v):
     return q[r, :, t.q[0]:t.q[1]], k[r, :, t.k[0]:t.k[1]], v[r, :, t.k[0]:t.k[1]]
 
 
-def _dense_views(t: Tile, q_t, k_t, v_t, groups):
-    """Heads matched for one dense flash / math call. A fully visible tile folds the query heads that read one KV
-    head into its query length ([b, Hk, groups * lq, D] against [b, Hk, lk, D]): exact, since every query sees
-    every key of the tile, and K, V are neither repeated nor their gradients summed. The causal diagonal keeps
-    one query row per position (the kernel's mask is positional) and repeats K, V."""
+def _dense_views(kernel: str, t: Tile, q_t, k_t, v_t, groups):
+    """Heads matched for one dense call. A fully visible tile folds the query heads that read one KV head into its
+    query length ([b, Hk, groups * lq, D] against [b, Hk, lk, D]): exact, since every query sees every key of the
+    tile, and K, V are neither repeated nor their gradients summed. The causal diagonal keeps one query row per
+    position (the kernel's mask is positional): cuDNN reads the KV heads as they are (GQA), the other kernels
+    get K, V repeated per query head."""
     if groups > 1 and not t.causal:
         return _fold(q_t, groups), k_t.contiguous(), v_t.contiguous()
+    if kernel == "cudnn":
+        return q_t.contiguous(), k_t.contiguous(), v_t.contiguous()
     return q_t.contiguous(), _expand(k_t, groups).contiguous(), _expand(v_t, groups).contiguous()
 
 
@@ -302,20 +306,18 @@ def tile_forward(kernel: str, t: Tile, q, k, v, scale: float):
     torch's own ring attention does; None for the CPU and math kernels)."""
     groups = q.shape[1] // k.shape[1]
     q_t, k_t, v_t = _slices(t, q, k, v)
-    match kernel:
-        case "cudnn":  # GQA as it is; lse comes [b, H, lq, 1]
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), None, True, 0.0, t.causal, False, scale=scale)
-            return out[0], out[1].squeeze(-1), tuple(out[2:8])
-        case "flash_varlen":  # lse comes [H, lq]
-            cu, longest = _offsets(t, q.device)
-            out = torch.ops.aten._flash_attention_forward(
-                _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), cu, cu, longest, longest, 0.0, True, False,
-                scale=scale)
-            return _from_thd(out[0]), out[1][None], (cu, longest, out[2], out[3])
+    if kernel == "flash_varlen":  # lse comes [H, lq]
+        cu, longest = _offsets(t, q.device)
+        out = torch.ops.aten._flash_attention_forward(
+            _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), cu, cu, longest, longest, 0.0, True, False, scale=scale)
+        return _from_thd(out[0]), out[1][None], (cu, longest, out[2], out[3])
     folded = groups > 1 and not t.causal
-    qq, kk, vv = _dense_views(t, q_t, k_t, v_t, groups)
+    qq, kk, vv = _dense_views(kernel, t, q_t, k_t, v_t, groups)
     match kernel:
+        case "cudnn":  # lse comes [b, h, l, 1]
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qq, kk, vv, None, True, 0.0, t.causal, False,
+                                                                     scale=scale)
+            o_t, lse_t, meta = out[0], out[1].squeeze(-1), tuple(out[2:8])
         case "flash":
             out = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, t.causal, False, scale=scale)
             o_t, lse_t, meta = out[0], out[1], tuple(out[2:8])
@@ -344,25 +346,24 @@ def tile_backward(kernel: str, t: Tile, meta, do, q, k, v, o, lse, scale: float)
     q_t, k_t, v_t = _slices(t, q, k, v)
     r, qs = slice(*t.rows), slice(*t.q)
     do_t, o_t, lse_t = do[r, :, qs], o[r, :, qs], lse[r, :, qs]
-    match kernel:
-        case "cudnn":  # o, dO and the statistics in one fixed layout (cuDNN caches a plan per q/k/v layout)
-            cum_q, cum_k, max_q, max_k, seed, offset = meta
-            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                do_t.contiguous(), q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), o_t.contiguous(),
-                lse_t.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, t.causal,
-                scale=scale)
-        case "flash_varlen":
-            cu, longest, rng_state, unused = meta
-            dq_t, dk_t, dv_t = torch.ops.aten._flash_attention_backward(
-                _thd(do_t), _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), _thd(o_t),
-                lse_t[0].contiguous(), cu, cu, longest, longest, 0.0, True, rng_state, unused, scale=scale)
-            return _from_thd(dq_t), _reduce(_from_thd(dk_t), groups), _reduce(_from_thd(dv_t), groups)
+    if kernel == "flash_varlen":
+        cu, longest, rng_state, unused = meta
+        dq_t, dk_t, dv_t = torch.ops.aten._flash_attention_backward(
+            _thd(do_t), _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), _thd(o_t), lse_t[0].contiguous(), cu, cu,
+            longest, longest, 0.0, True, rng_state, unused, scale=scale)
+        return _from_thd(dq_t), _reduce(_from_thd(dk_t), groups), _reduce(_from_thd(dv_t), groups)
     folded = groups > 1 and not t.causal
-    qq, kk, vv = _dense_views(t, q_t, k_t, v_t, groups)
+    qq, kk, vv = _dense_views(kernel, t, q_t, k_t, v_t, groups)
     if folded:
         do_t, o_t, lse_t = _fold(do_t, groups), _fold(o_t, groups), _fold(lse_t, groups)
+    # o, dO and the statistics always contiguous (cuDNN also caches a plan per q/k/v layout, built with theirs)
     do_t, o_t, lse_t = do_t.contiguous(), o_t.contiguous(), lse_t.contiguous()
     match kernel:
+        case "cudnn":
+            cum_q, cum_k, max_q, max_k, seed, offset = meta
+            dq_t, dk_t, dv_t = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do_t, qq, kk, vv, o_t, lse_t.unsqueeze(-1), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0,
+                t.causal, scale=scale)
         case "flash":
             cum_q, cum_k, max_q, max_k, seed, offset = meta
             dq_t, dk_t, dv_t = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -377,7 +378,9 @@ def tile_backward(kernel: str, t: Tile, meta, do, q, k, v, o, lse, scale: float)
             dq_t, dk_t = (ds @ kk) * scale, (ds.transpose(-1, -2) @ qq) * scale
     if folded:
         return _unfold(dq_t, groups), dk_t, dv_t
-    return dq_t, _reduce(dk_t, groups), _reduce(dv_t, groups)
+    if kk.shape[1] != k.shape[1]:  # K, V were repeated per query head
+        return dq_t, _reduce(dk_t, groups), _reduce(dv_t, groups)
+    return dq_t, dk_t, dv_t
 
 
 class TileAccumulator:
