@@ -331,18 +331,18 @@ def run_tiles(args, device):
                 rows.append(row)
                 if args.json:
                     emit(row, args.json)
-                print(f"  {L:>7} {row['layout']:<10} {method:<10} flash {ms['flash']:9.2f} ms, table {ms[None]:9.2f} ms, "
-                      f"{row['speedup']:.2f}x", flush=True)
+                print(f"  {L:>7} {row['layout']:<10} {method:<10} flash {ms['flash']:9.2f} ms, "
+                      f"table {ms[None]:9.2f} ms, {row['speedup']:.2f}x", flush=True)
                 if not (math.isfinite(row["speedup"]) and row["speedup"] >= args.min_speedup):
                     failures.append(f"{L} {row['layout']} {method}: {row['speedup']:.2f}x < {args.min_speedup}x")
-    print(f"\nAttention tiles per rank at CP{args.tiles_cp} on one {device.type} ({args.heads} heads, {args.kv_heads} KV "
-          f"heads, head dim {args.head_dim}, {args.dtype}, B=1, fwd+bwd of the tiles alone; contiguous: the last rank, "
-          f"balanced: rank 0); flash on every tile (the kernel before the table) vs the measured table "
+    print(f"\nAttention tiles per rank at CP{args.tiles_cp} on one {device.type} ({args.heads} heads, {args.kv_heads} "
+          f"KV heads, head dim {args.head_dim}, {args.dtype}, B=1, fwd+bwd of the tiles alone; contiguous: the last "
+          f"rank, balanced: rank 0); flash on every tile (the kernel before the table) vs the measured table "
           f"(attention_tiles.CUDNN_TILES)")
     print(f"{'tokens/rank':>11} {'layout':<10} {'method':<10} | {'flash ms':>9} {'table ms':>9} | {'speed-up':>8}")
     for r in rows:
-        print(f"{r['local_len']:>11} {r['layout']:<10} {r['method']:<10} | {r['flash_ms']:>9.2f} {r['table_ms']:>9.2f} | "
-              f"{r['speedup']:>7.2f}x")
+        print(f"{r['local_len']:>11} {r['layout']:<10} {r['method']:<10} | {r['flash_ms']:>9.2f} "
+              f"{r['table_ms']:>9.2f} | {r['speedup']:>7.2f}x")
     if failures:
         print("FAILED: " + "; ".join(failures))
     return 1 if failures else 0
