@@ -21,9 +21,21 @@ row for its heads). The model: step time = compute of the slowest rank + bytes /
 are consecutive ranks (inside a node when u <= node size), the across-group traffic crosses nodes once P > node
 size. Ring: compute + the part of its traffic not hidden behind compute (its hops overlap the tiles).
 
-A correctness check runs first (flash tiles in bf16 vs the fp32 reference at 8K with documents); the script exits
-1 if it fails or any timing is not finite. --json appends rows. `--device cpu` runs tiny shapes on the CPU (to
-check the script; times are not meaningful).
+Two more measurements of the attention tiles alone (no projections):
+
+    python bench/attention_cp.py --tiles          # per rank at CP4, 16K-128K tokens per rank: flash vs the table
+    python bench/attention_cp.py --packed-docs    # a 64K packed row of 10 vs 1,000 documents
+
+--tiles times one rank's tiles (all_gather and ring, contiguous and balanced layouts) with flash forced on every
+tile (the kernel the tiles ran before the measured table) and with the table's choice (`CUDNN_TILES`: cuDNN
+where it was measured faster), and fails below --min-speedup (1.5). --packed-docs times Ulysses' per-document
+attention of a whole packed row and a CP rank's tiles of it, at 10 and 1,000 documents of equal length (and the
+per-document SDPA loop they replaced), and fails when 1,000 documents take more than --max-packed-ratio (1.3)
+times the time of 10.
+
+A correctness check runs first (bf16 tiles vs the fp32 reference at 8K: with documents, and without through each
+fused kernel); the script exits 1 if it fails or any timing is not finite. --json appends rows. `--device cpu`
+runs tiny shapes on the CPU (to check the script; times are not meaningful).
 """
 
 from __future__ import annotations
@@ -186,29 +198,33 @@ def modelled_ms(args, scheme, P, u, intra_bytes, inter_bytes, compute_ms):
 
 
 def correctness_check(device) -> list[str]:
-    """bf16 tiles (the kernel CUDA uses) vs an fp32 reference, with documents and small tiles: rel-L2 < 1e-2."""
-    from deltacp.parallel.attention_tiles import plan_tiles, tiled_attention
+    """bf16 tiles (the kernels CUDA uses) vs an fp32 reference, small tiles: rel-L2 < 1e-2. With documents (packed
+    diagonals: varlen flash; visible tiles: flash), and without them through each fused kernel (the table's
+    choice, cuDNN and flash forced)."""
+    from deltacp.parallel.attention_tiles import pack_diagonals, plan_tiles, tiled_attention
 
     torch.manual_seed(0)
     S, H, Hk, D = (8192, 8, 2, 256) if device.type == "cuda" else (256, 4, 2, 16)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cu = torch.tensor([0, 17, S // 3, S // 3 + 1, S // 2 + 5, S])
+    documents = torch.tensor([0, 17, S // 3, S // 3 + 1, S // 2 + 5, S])
     q, k, v = (torch.randn(1, h, S, D, device=device) for h in (H, Hk, Hk))
     d_out = torch.randn(1, H, S // 2, D, device=device)
     failures = []
-    results = {}
-    for name, dt, block in (("ref", torch.float64 if device.type == "cpu" else torch.float32, 1024),
-                            ("tiles", dtype, 1000)):
-        qq, kk, vv = (t.to(dt).requires_grad_() for t in (q, k, v))
-        tiles = plan_tiles(1, S, S // 2, S // 2, cu, block)
-        o = tiled_attention(qq[:, :, S // 2:], kk, vv, tiles, D ** -0.5)
-        grads = torch.autograd.grad((o.float() * d_out).sum(), (qq, kk, vv))
-        results[name] = (o, *grads)
-    for what, a, b in zip(("output", "dq", "dk", "dv"), results["tiles"], results["ref"]):
-        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
-        print(f"check: tiles {dtype} vs reference, {what}: rel-L2 {err:.2e} (bound 1e-2)")
-        if not err < 1e-2:
-            failures.append(f"tiles {what} rel-L2 {err:.2e}")
+    for case, cu, kernel in (("documents", documents, None), ("table", None, None), ("cudnn", None, "cudnn"),
+                             ("flash", None, "flash")):
+        results = {}
+        for name, dt, block in (("ref", torch.float64 if device.type == "cpu" else torch.float32, 1024),
+                                ("tiles", dtype, 1000)):
+            qq, kk, vv = (t.to(dt).requires_grad_() for t in (q, k, v))
+            tiles = pack_diagonals(plan_tiles(1, S, S // 2, S // 2, cu, block), block)
+            o = tiled_attention(qq[:, :, S // 2:], kk, vv, tiles, D ** -0.5, kernel=kernel if name == "tiles" else None)
+            grads = torch.autograd.grad((o.float() * d_out).sum(), (qq, kk, vv))
+            results[name] = (o, *grads)
+        errors = {what: ((a.double() - b.double()).norm() / b.double().norm()).item()
+                  for what, a, b in zip(("output", "dq", "dk", "dv"), results["tiles"], results["ref"])}
+        print(f"check: {case} tiles {dtype} vs reference, rel-L2 (bound 1e-2): "
+              + ", ".join(f"{what} {err:.2e}" for what, err in errors.items()))
+        failures += [f"{case} tiles {what} rel-L2 {err:.2e}" for what, err in errors.items() if not err < 1e-2]
     return failures
 
 
@@ -263,9 +279,157 @@ def run_per_rank_cost(args, device):
     return 1 if failures else 0
 
 
+def tiles_step(args, method, balanced, P, L, kernel, device, dtype):
+    """fwd+bwd of one rank's attention tiles (queries, keys and values given; no projections): all_gather, the rank's
+    L queries against the gathered row of P L keys; ring, its own block and a loopback ring of P. Contiguous: the
+    last rank (the slowest); balanced: rank 0 (every rank does the same work)."""
+    from deltacp.parallel.attention import DEFAULT_BLOCK
+    from deltacp.parallel.attention_tiles import plan_span_tiles, ring_attention, tile_kernel, tiled_attention
+    from deltacp.parallel.placement import Pieces
+
+    H, Hk, D, S = args.heads, args.kv_heads, args.head_dim, P * L
+    g = 0 if balanced else P - 1
+    torch.manual_seed(0)
+    q = torch.randn(1, H, L, D, device=device, dtype=dtype, requires_grad=True)
+    block = args.block or DEFAULT_BLOCK[tile_kernel(q)]
+    tiles = plan_span_tiles(1, S, Pieces(g, P, balanced, L).spans(), None, block)
+    keys = S if method == "all_gather" else L
+    k, v = (torch.randn(1, Hk, keys, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    d_out = torch.randn(1, H, L, D, device=device, dtype=dtype)
+
+    def step():
+        if method == "all_gather":
+            o = tiled_attention(q, k, v, tiles, D ** -0.5, kernel=kernel)
+        else:
+            o = ring_attention(q, k, v, tiles, D ** -0.5, LoopbackRing(P, g), balanced=balanced, kernel=kernel)
+        o.backward(d_out)
+        q.grad = k.grad = v.grad = None
+
+    stats = time_call(step, args, device)
+    del q, k, v
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return stats["median_ms"]
+
+
+def run_tiles(args, device):
+    """The tile kernels before and after: flash on every tile (what the tiles ran before the measured table) against
+    the table's choice, per rank, fwd+bwd; fails unless every row is at least --min-speedup faster."""
+    dtype = getattr(torch, args.dtype)
+    failures = correctness_check(device)
+    rows = []
+    for L in args.local_len:
+        for balanced in (False, True):
+            for method in ("all_gather", "ring"):
+                gc.collect()
+                ms = {kernel: tiles_step(args, method, balanced, args.tiles_cp, L, kernel, device, dtype)
+                      for kernel in ("flash", None)}
+                row = dict(bench="attention_cp_tiles", cp=args.tiles_cp, local_len=L, method=method,
+                           layout="balanced" if balanced else "contiguous", heads=args.heads, kv_heads=args.kv_heads,
+                           head_dim=args.head_dim, dtype=args.dtype, flash_ms=ms["flash"], table_ms=ms[None],
+                           speedup=ms["flash"] / ms[None])
+                rows.append(row)
+                if args.json:
+                    emit(row, args.json)
+                print(f"  {L:>7} {row['layout']:<10} {method:<10} flash {ms['flash']:9.2f} ms, "
+                      f"table {ms[None]:9.2f} ms, {row['speedup']:.2f}x", flush=True)
+                if not (math.isfinite(row["speedup"]) and row["speedup"] >= args.min_speedup):
+                    failures.append(f"{L} {row['layout']} {method}: {row['speedup']:.2f}x < {args.min_speedup}x")
+    print(f"\nAttention tiles per rank at CP{args.tiles_cp} on one {device.type} ({args.heads} heads, {args.kv_heads} "
+          f"KV heads, head dim {args.head_dim}, {args.dtype}, B=1, fwd+bwd of the tiles alone; contiguous: the last "
+          f"rank, balanced: rank 0); flash on every tile (the kernel before the table) vs the measured table "
+          f"(attention_tiles.CUDNN_TILES)")
+    print(f"{'tokens/rank':>11} {'layout':<10} {'method':<10} | {'flash ms':>9} {'table ms':>9} | {'speed-up':>8}")
+    for r in rows:
+        print(f"{r['local_len']:>11} {r['layout']:<10} {r['method']:<10} | {r['flash_ms']:>9.2f} "
+              f"{r['table_ms']:>9.2f} | {r['speedup']:>7.2f}x")
+    if failures:
+        print("FAILED: " + "; ".join(failures))
+    return 1 if failures else 0
+
+
+def document_loop(q, k, v, cu, scale):
+    """The per-document attention before the packed tiles: one causal SDPA per document (for comparison)."""
+    import torch.nn.functional as F
+
+    bounds = cu.tolist()
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                     scale=scale, enable_gqa=True)
+                      for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+
+
+def run_packed_docs(args, device):
+    """A packed row of --packed-len tokens holding n documents of equal length, n in --docs: fwd+bwd of Ulysses'
+    per-document attention over the whole row (cp = 1, or one Ulysses rank's heads) and of a CP rank's tiles
+    (all_gather, the last of --tiles-cp contiguous ranks), the tile plan built in every step as the model does; and
+    the per-document SDPA loop it replaces. Fails unless the most documents take at most --max-packed-ratio times
+    the time of the fewest."""
+    from deltacp.parallel.attention import DEFAULT_BLOCK, causal_document_attention
+    from deltacp.parallel.attention_tiles import tile_kernel, tiled_attention
+    from deltacp.parallel.documents import AttentionDocuments
+
+    dtype = getattr(torch, args.dtype)
+    H, Hk, D, S, P = args.heads, args.kv_heads, args.head_dim, args.packed_len, args.tiles_cp
+    L = S // P
+    torch.manual_seed(0)
+    q = torch.randn(1, H, S, D, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, Hk, S, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    d_out = torch.randn_like(q)
+    scale = D ** -0.5
+    block = args.block or DEFAULT_BLOCK[tile_kernel(q)]
+
+    def path(name, cu):
+        if name == "row":
+            return lambda: causal_document_attention(q, k, v, AttentionDocuments.build(cu), scale=scale,
+                                                     dropout_p=0.0).backward(d_out)
+        if name == "cp rank":
+            def rank():
+                tiles = AttentionDocuments.build(cu).tiles(1, S, [(S - L, S)], block)
+                tiled_attention(q[:, :, S - L:], k, v, tiles, scale).backward(d_out[:, :, S - L:])
+            return rank
+        return lambda: document_loop(q, k, v, cu, scale).backward(d_out)
+
+    rows, failures = [], []
+    for name in ("row", "cp rank", "loop (before)"):
+        ms = {}
+        for n in args.docs:
+            cu = torch.linspace(0, S, n + 1).round().long()
+            ms[n] = time_call(path(name, cu), args, device)["median_ms"]
+            q.grad = k.grad = v.grad = None
+        ratio = ms[max(args.docs)] / ms[min(args.docs)]
+        rows.append((name, ms, ratio))
+        if args.json:
+            emit(dict(bench="attention_packed_docs", path=name, tokens=S, docs=list(ms), ms=list(ms.values()),
+                      ratio=ratio), args.json)
+        if name != "loop (before)" and not (math.isfinite(ratio) and ratio <= args.max_packed_ratio):
+            failures.append(f"{name}: {max(args.docs)} documents take {ratio:.2f}x the time of {min(args.docs)} "
+                            f"(bound {args.max_packed_ratio}x)")
+    print(f"\nPacked row of {S} tokens, documents of equal length, fwd+bwd ms ({H} heads, {Hk} KV heads, head dim {D}, "
+          f"{args.dtype}; row: Ulysses' per-document attention over the whole row; cp rank: the last of {P} ranks' "
+          f"{L} queries, all_gather tiles; plans built in every step)")
+    print(f"{'path':<14} | " + " ".join(f"{str(n) + ' docs':>10}" for n in args.docs) + f" | {'ratio':>6}")
+    for name, ms, ratio in rows:
+        print(f"{name:<14} | " + " ".join(f"{ms[n]:>10.2f}" for n in args.docs) + f" | {ratio:>6.2f}")
+    if failures:
+        print("FAILED: " + "; ".join(failures))
+    return 1 if failures else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-rank-cost", action="store_true", help="one process: per-rank cost by scheme")
+    parser.add_argument("--tiles", action="store_true",
+                        help="per-rank attention tiles, flash on every tile vs the measured kernel table")
+    parser.add_argument("--packed-docs", action="store_true",
+                        help="a packed row of few vs many documents (and the per-document loop before)")
+    parser.add_argument("--local-len", type=int, nargs="+", default=[16384, 32768, 65536, 131072],
+                        help="--tiles: tokens per rank")
+    parser.add_argument("--tiles-cp", type=int, default=4, help="--tiles / --packed-docs: the CP degree simulated")
+    parser.add_argument("--min-speedup", type=float, default=1.5, help="--tiles: fail below this speed-up")
+    parser.add_argument("--packed-len", type=int, default=65536, help="--packed-docs: tokens of the packed row")
+    parser.add_argument("--docs", type=int, nargs="+", default=[10, 1000], help="--packed-docs: document counts")
+    parser.add_argument("--max-packed-ratio", type=float, default=1.3,
+                        help="--packed-docs: fail when the most documents take more than this times the fewest")
     parser.add_argument("--cp", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--global-len", type=int, nargs="+", default=[131072, 262144])
     parser.add_argument("--schemes", nargs="+", default=["ulysses", "all_gather", "ring"],
@@ -285,8 +449,9 @@ def main():
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--json", default=None, help="append JSON rows to this file")
     args = parser.parse_args()
-    if not args.per_rank_cost:
-        sys.exit("bench/attention_cp.py: only --per-rank-cost is implemented (a multi-GPU job: "
+    modes = [m for m in ("per_rank_cost", "tiles", "packed_docs") if getattr(args, m)]
+    if len(modes) != 1:
+        sys.exit("bench/attention_cp.py: give one of --per-rank-cost, --tiles, --packed-docs (a multi-GPU job: "
                  "tests/gpu/multi_gpu_checks.py runs all_gather/ring/2-D over NCCL)")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/attention_cp.py needs a CUDA GPU (or --device cpu for a smoke run)")
@@ -294,7 +459,8 @@ def main():
     if args.device == "cpu":
         args.dtype = "float32"
     start = time.time()
-    rc = run_per_rank_cost(args, device)
+    rc = {"per_rank_cost": run_per_rank_cost, "tiles": run_tiles, "packed_docs": run_packed_docs}[modes[0]](args,
+                                                                                                           device)
     print(f"(wall {time.time() - start:.0f} s)")
     sys.exit(rc)
 

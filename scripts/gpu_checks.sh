@@ -23,6 +23,14 @@
 #   bash scripts/gpu_checks.sh attention       full attention per-rank cost (Ulysses, KV all-gather, ring, 2-D u=2/4)
 #                                      at CP8/16/32 and 128K-512K, after a bf16 flash-tile vs fp32 check (about 5 min)
 #   bash scripts/gpu_checks.sh attention_long  the same at 1M tokens                      (about 6 minutes)
+#   bash scripts/gpu_checks.sh tiles   attention tile kernels: GPU tests (cuDNN tiles vs fp32, varlen packed rows of 10
+#                                      and 1,000 documents vs per-document SDPA, the deterministic switch), the kernel
+#                                      table's measurements (bench/attention_kernels.py: fails when CUDNN_TILES is out of
+#                                      date or flash under the deterministic switch is not reproducible), a 64K packed
+#                                      row of 1,000 vs 10 documents (fails above 1.3x)          (about 4 minutes)
+#   bash scripts/gpu_checks.sh tiles_speed  per-rank attention tiles at CP4, 16K-128K tokens per rank, all_gather and
+#                                      ring, contiguous and balanced: flash on every tile vs the measured table (fails
+#                                      below 1.5x)                                            (about 3 minutes)
 #   bash scripts/gpu_checks.sh layergroup  a 3 GDN + 1 attention layer group per rank (2B shapes) at CP8/16/32 and
 #                                      128K/512K: contiguous vs balanced sequence layout, p2p chain vs scan, 1-D vs 2-D
 #                                      (modelled links; about 6 minutes); LAYERGROUP_LONG=1: 1M tokens at CP16/32 instead
@@ -53,9 +61,11 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs" >&2
-     exit 2 ;; esac
+PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed"
+if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
+  echo "usage: $0 $PARTS" >&2
+  exit 2
+fi
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -179,6 +189,15 @@ layergroup)
   else
     check layer_group 590 python bench/layer_group.py --cp 8 16 32 --global-len 131072 524288 --json "$OUT/bench.jsonl"
   fi
+  ;;
+tiles)
+  check attention_kernel_tests 150 python -m pytest tests/gpu/test_attention_kernels.py \
+    tests/gpu/test_document_attention.py -q -s -ra -p no:cacheprovider
+  check attention_kernels 180 python bench/attention_kernels.py --json "$OUT/bench.jsonl"
+  check packed_docs 120 python bench/attention_cp.py --packed-docs --json "$OUT/bench.jsonl"
+  ;;
+tiles_speed)
+  check tiles_speedup 450 python bench/attention_cp.py --tiles --warmup 1 --repeat 2 --json "$OUT/bench.jsonl"
   ;;
 attention_long)
   check attention_per_rank_1m 580 python bench/attention_cp.py --per-rank-cost --cp 8 16 32 --global-len 1048576 \

@@ -119,6 +119,20 @@ def tiny_attention(config, layer_idx: int = 3) -> torch.nn.Module:
     return base
 
 
+def per_document_attention(q, k, v, cu, scale):
+    """Causal attention per document of the flattened [B * S] stream (q [B, H, S, D], k/v [B, Hk, S, D]), one
+    SDPA each: the reference of the tile-by-tile attention."""
+    import torch.nn.functional as F
+
+    B, H, S, D = q.shape
+    flat = [x.transpose(1, 2).reshape(B * S, x.shape[1], D) for x in (q, k, v)]
+    bounds = cu.tolist()
+    o = torch.cat([F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in flat), is_causal=True,
+                                                  scale=scale, enable_gqa=True)[0].transpose(0, 1)
+                   for a, b in zip(bounds[:-1], bounds[1:])])
+    return o.reshape(B, S, H, D).transpose(1, 2)
+
+
 def summed_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     grads = {}
     for name, p in module.named_parameters():

@@ -58,4 +58,6 @@ def test_long_packed_row_needs_no_dense_mask():
     print(f"\n128K packed row: {extra / 2**30:.2f} GiB above the inputs (a bool [S, S] mask alone: "
           f"{dense_mask / 2**30:.0f} GiB)")
     assert torch.isfinite(out.float()).all()
-    assert extra < 4 * out.numel() * out.element_size(), extra
+    # the output, its fp32 accumulator across tiles (2x), one 64K-token tile's copies (q, repeated K and V, its
+    # output: at most 2x the output here): 5x the output, a twelfth of the mask
+    assert extra < 6 * out.numel() * out.element_size(), extra

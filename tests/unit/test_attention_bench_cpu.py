@@ -56,3 +56,23 @@ def test_per_rank_steps_leave_no_reference_cycles():
         gc.set_debug(0)
         if enabled:
             gc.enable()
+
+
+def test_tile_and_packed_modes_print_tables_and_fail_on_their_bounds():
+    """--tiles and --packed-docs (run by `scripts/gpu_checks.sh tiles`/`tiles_speed`) print their tables, and exit 1
+    when their bound fails (a speed-up no run reaches)."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}")
+    common = ["--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--warmup", "0", "--repeat",
+              "1", "--tiles-cp", "2"]
+    runs = {"tiles": ["--tiles", "--local-len", "32", "--block", "16", "--min-speedup", "1000"],
+            "packed": ["--packed-docs", "--packed-len", "64", "--docs", "2", "16", "--max-packed-ratio", "1000"]}
+    for name, extra in runs.items():
+        result = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_cp.py"), *extra, *common],
+                                capture_output=True, text=True, timeout=300, env=env)
+        out = result.stdout + result.stderr
+        if name == "tiles":
+            assert result.returncode == 1 and "FAILED: 32 contiguous all_gather" in out, out[-3000:]
+            assert "32 balanced   ring" in out, out[-3000:]
+        else:
+            assert result.returncode == 0, out[-3000:]
+            assert "cp rank" in out and "loop (before)" in out, out[-3000:]

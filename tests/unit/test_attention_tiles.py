@@ -1,26 +1,17 @@
 """Tile-by-tile attention (parallel/attention_tiles.py) against one causal SDPA per document, float64, every
 kernel (the CPU flash op and the explicit math kernel that CUDA fp32/fp64 uses), output and gradients; the KV
-heads Ulysses sends each rank."""
+heads Ulysses sends each rank; packed tiles (one call for the diagonals of a query block's documents)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import deltacp.parallel.attention_tiles as tiles_mod
 from deltacp.parallel.attention import ulysses_kv_heads
 from deltacp.parallel.attention_tiles import plan_span_tiles, plan_tiles, split_tiles_by_block, tiled_attention
 from deltacp.parallel.placement import Pieces
+from helpers import per_document_attention
 
-
-def _reference(q, k, v, cu, scale):
-    """Causal attention per document of the flattened [B * S] stream, one SDPA each."""
-    B, H, S, D = q.shape
-    flat = [x.transpose(1, 2).reshape(B * S, x.shape[1], D) for x in (q, k, v)]
-    bounds = cu.tolist()
-    o = torch.cat([F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in flat), is_causal=True,
-                                                  scale=scale, enable_gqa=True)[0].transpose(0, 1)
-                   for a, b in zip(bounds[:-1], bounds[1:])])
-    return o.reshape(B, S, H, D).transpose(1, 2)
+_reference = per_document_attention  # causal attention per document of the flattened [B * S] stream, one SDPA each
 
 
 @pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
@@ -86,6 +77,8 @@ def test_ulysses_kv_heads(heads, kv, degree, expected):
 # ---------------------------------------------------------------------------------------------------------------
 
 SPAN_DOCS = [None, [0, 5, 17, 18, 40, 47, 64], [0, 64]]  # documents crossing piece boundaries (pieces of 8 at G=4)
+# many short documents; a document boundary on every piece boundary (a packed tile across a balanced member's pieces)
+PACKED_DOCS = [[0, 1, 2, 3, 5, 8, 9, 10, 30, 31, 33, 64], list(range(0, 65, 4))]
 
 
 def _expected_pairs(row_q, S, cu):
@@ -97,17 +90,22 @@ def _expected_pairs(row_q, S, cu):
 
 
 def _add_tile(covered, t, key_positions):
-    n_q, n_k = t.q[1] - t.q[0], t.k[1] - t.k[0]
-    ones = torch.ones(n_q, n_k, dtype=torch.int64)
-    covered[t.q[0]:t.q[1], key_positions] += ones.tril() if t.causal else ones
+    """Count tile t's (query, key) pairs; key_positions: the row positions of its keys. A packed tile is causal
+    within each of its diagonals."""
+    for u in tiles_mod.unpack(t):
+        a, b = u.k[0] - t.k[0], u.k[1] - t.k[0]
+        ones = torch.ones(u.q[1] - u.q[0], b - a, dtype=torch.int64)
+        covered[u.q[0]:u.q[1], key_positions[a:b]] += ones.tril() if u.causal else ones
 
 
 @pytest.mark.parametrize("balanced", [False, True])
-@pytest.mark.parametrize("block", [None, 3])
-@pytest.mark.parametrize("cu", SPAN_DOCS)
-def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu):
+@pytest.mark.parametrize("block", [None, 3, 7])
+@pytest.mark.parametrize("cu", SPAN_DOCS + PACKED_DOCS)
+@pytest.mark.parametrize("pack", [False, True])
+def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu, pack):
     """Every (query, key) pair a query may see lies in exactly one tile, for every member of groups of 1-4; and
-    once more after the ring's split by holder, whose re-based keys name the holder's own local keys."""
+    once more after the ring's split by holder, whose re-based keys name the holder's own local keys. pack: the
+    diagonals merged by `pack_diagonals` (at most `block` tokens each), which the ring cuts at piece boundaries."""
     S = 64
     for G in (1, 2, 4):
         L = S // G
@@ -115,9 +113,16 @@ def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu):
             pieces = Pieces(g, G, balanced, L)
             expected = _expected_pairs(pieces.row_index(), S, cu)
             tiles = plan_span_tiles(1, S, pieces.spans(), None if cu is None else torch.tensor(cu), block)
+            if pack:
+                tiles = tiles_mod.pack_diagonals(tiles, block)
+                for t in tiles:
+                    assert t.ragged == (cu is not None)
+                    if t.packed:
+                        assert t.causal and t.packed[0] == 0 and t.packed[-1] == t.q[1] - t.q[0] == t.k[1] - t.k[0]
+                        assert block is None or t.packed[-1] <= block
             covered = torch.zeros(L, S, dtype=torch.int64)
             for t in tiles:
-                _add_tile(covered, t, slice(*t.k))
+                _add_tile(covered, t, torch.arange(*t.k))
             assert torch.equal(covered, expected), (G, g)
             covered.zero_()
             buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
@@ -170,3 +175,44 @@ def test_ring_work_is_balanced_under_the_balanced_layout(G):
         spread[balanced] = (max(totals) / min(totals), max(steps) / max(min(steps), 1e-300))
     assert spread[True][0] < 1.05 and spread[True][1] < 1.05, spread
     assert spread[False][0] > 1.5, spread
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed tiles: the diagonals of a query block's documents in one call
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_packed_calls_follow_tokens_not_documents():
+    """A row of 1,000 documents needs no more tile calls than the same row holding 10 (per query block: one packed
+    call and at most one visible tile per document that began in an earlier block)."""
+    S, block = 4096, 1024
+    counts = {}
+    for n in (10, 1000):
+        cu = torch.linspace(0, S, n + 1).round().long()
+        tiles = tiles_mod.pack_diagonals(plan_span_tiles(1, S, [(0, S)], cu, block), block)
+        counts[n] = len(tiles)
+        assert len(tiles) <= 3 * S // block, (n, len(tiles))
+    assert counts[1000] <= counts[10] + S // block, counts
+
+
+@pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
+@pytest.mark.parametrize("spans, block", [([(0, 64)], None), ([(0, 64)], 9), ([(8, 16), (48, 56)], 8),
+                                          ([(24, 64)], 16)])
+def test_packed_tiles_match_per_document_sdpa(monkeypatch, kernel, spans, block):
+    """Packed plans on the CPU kernels (run diagonal by diagonal) against one SDPA per document, float64."""
+    monkeypatch.setattr(tiles_mod, "tile_kernel", lambda q: kernel)
+    torch.manual_seed(0)
+    S, H, Hk, D, scale = 64, 4, 2, 8, 0.37
+    cu = torch.tensor([0, 1, 2, 3, 5, 17, 18, 30, 31, 40, 47, 50, 64])
+    q, k, v = (torch.randn(1, h, S, D, dtype=torch.float64, requires_grad=True) for h in (H, Hk, Hk))
+    rows = torch.cat([torch.arange(a, b) for a, b in spans])
+    ref = _reference(q, k, v, cu, scale)[:, :, rows]
+    d_out = torch.randn_like(ref)
+    grads_ref = torch.autograd.grad((ref * d_out).sum(), (q, k, v))
+    tiles = tiles_mod.pack_diagonals(plan_span_tiles(1, S, spans, cu, block), block)
+    assert any(t.packed for t in tiles)
+    out = tiled_attention(q[:, :, rows], k, v, tiles, scale)
+    grads = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    assert (out - ref).abs().max() < 1e-12
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        assert (g - g_ref).abs().max() < 1e-12, name

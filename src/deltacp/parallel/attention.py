@@ -18,7 +18,8 @@ across groups are put in row order the same way (the ring instead routes each ke
 The `attention_mask` this forward takes is None (causal over the whole row) or the model pre-hook's
 `CPForwardContext`, whose `attention` describes per-document causal attention over the flattened [B * S]
 stream (packed documents, or padded rows as valid + padding documents). No [S, S] (or [s, S]) mask is ever
-built: Ulysses runs each document through causal SDPA on its own, all_gather / ring run fused attention per tile.
+built: all of them run fused attention tile by tile (`attention_tiles.py`; Ulysses over its whole row), the
+diagonals of a query block's documents packed into one varlen call.
 
 Shape legend: x_BsD local hidden states; q_BsHD local tokens, all heads; q_BHSD all tokens, local heads;
 q_BHLD the L = u*s tokens of a Ulysses group, local heads.
@@ -48,10 +49,11 @@ from deltacp.parallel.modes import attention_method
 from deltacp.parallel.placement import Pieces, from_row_order, to_row_order
 from deltacp.parallel.views import AttentionView, attention_view_of
 
-# Tile bound per kernel (tokens on each side of a tile): the fused kernels keep no [queries, keys] scores, so a
-# tile only bounds the head-expanded K/V copy (GQA) of one call; the math kernel (CUDA fp32/fp64) holds
+# Tile bound per kernel family (tokens on each side of a tile, `attention_tiles.tile_kernel`): the fused kernels
+# keep no [queries, keys] scores, so a tile only bounds the head-expanded K/V copy (GQA) of one flash call (cuDNN
+# reads the KV heads unexpanded) and the tokens of one packed call; the math kernel (CUDA fp32/fp64) holds
 # block x block scores.
-DEFAULT_BLOCK = {"flash_cuda": 65536, "flash_cpu": 65536, "math": 2048}
+DEFAULT_BLOCK = {"fused": 65536, "flash_cpu": 65536, "math": 2048}
 
 
 def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[int, int]:
@@ -73,24 +75,18 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
 def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                               docs: AttentionDocuments | None, *, scale: float, dropout_p: float) -> torch.Tensor:
     """Causal attention within each document of the flattened [B * S] stream (all of it when docs is None)."""
-    gqa = k_BHSD.shape[1] != q_BHSD.shape[1]
     if docs is None:
         return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale,
-                                              dropout_p=dropout_p, enable_gqa=gqa)
+                                              dropout_p=dropout_p, enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
     if dropout_p:
         raise NotImplementedError(f"attention_dropout={dropout_p} with packed documents or padding under CP is not "
                                   f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
-    # One causal SDPA per document (its fused kernels build no mask); rows of a batch are documents of the
-    # flattened stream. torch's varlen flash attention could do this in one call (torch 2.11, the verified GPU
-    # stack, has it without enable_gqa); it is not used until measured and verified here.
-    B, H, S, D = q_BHSD.shape
-    q_THD, k_THD, v_THD = (x.transpose(1, 2).reshape(B * S, x.shape[1], D) for x in (q_BHSD, k_BHSD, v_BHSD))
-    bounds = docs.cu_seqlens.tolist()
-    o_THD = torch.cat([
-        F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD)),
-                                       is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
-        for a, b in zip(bounds[:-1], bounds[1:])])
-    return o_THD.reshape(B, S, H, -1).transpose(1, 2)
+    # The whole row's queries as one span of tiles (`attention_tiles`): per query block, the diagonals of all its
+    # documents in one packed call (varlen flash on the GPU, diagonal by diagonal on the CPU), plus a visible tile
+    # for a document that began in an earlier block; rows of a batch are documents of the flattened stream.
+    B, _, S, _ = q_BHSD.shape
+    tiles = docs.tiles(B, S, [(0, S)], DEFAULT_BLOCK[tile_kernel(q_BHSD)])
+    return tiled_attention(q_BHSD, k_BHSD, v_BHSD, tiles, scale)
 
 
 def ulysses_kv_heads(num_heads: int, num_kv_heads: int, degree: int) -> torch.Tensor:

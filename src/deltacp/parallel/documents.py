@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltacp.ops.gdn.varlen import VarlenLayout, check_cu_seqlens
-from deltacp.parallel.attention_tiles import Tile, plan_span_tiles
+from deltacp.parallel.attention_tiles import Tile, pack_diagonals, plan_span_tiles
 
 
 def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor | None:
@@ -97,12 +97,13 @@ class AttentionDocuments:
 
     def tiles(self, B: int, S: int, spans, block: int | None) -> list[Tile]:
         """`attention_tiles.plan_span_tiles` of these documents for the queries of `spans` (row-position runs in
-        local order), planned once per forward (every full attention layer of the step asks for the same plan; the
-        context holding this object lives one forward)."""
+        local order), each run of consecutive documents' diagonals packed into one tile of at most `block` tokens
+        (`pack_diagonals`), planned once per forward (every full attention layer of the step asks for the same
+        plan; the context holding this object lives one forward)."""
         spans = tuple((int(lo), int(hi)) for lo, hi in spans)
         key = ("tiles", B, S, spans, block)
         if key not in self._cache:
-            self._cache[key] = plan_span_tiles(B, S, spans, self.cu_seqlens, block)
+            self._cache[key] = pack_diagonals(plan_span_tiles(B, S, spans, self.cu_seqlens, block), block)
         return self._cache[key]
 
     def on(self, device) -> torch.Tensor:
