@@ -8,11 +8,14 @@ from deltacp.distributed.mesh import init_cp_mesh
 from deltacp.models.adapters import supported_classes
 from deltacp.models.batch import shard_batch_for_cp
 from deltacp.models.checkpointing import apply_activation_checkpointing
+from deltacp.models.compose import parallelize_and_shard
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import IGNORE_INDEX, cp_causal_lm_loss, cp_cross_entropy, cp_linear_cross_entropy
 from deltacp.models.moe import cp_load_balancing_loss
 from deltacp.models.parallelize import parallelize_cp, sequence_layout_of
+from deltacp.models.pretrained import load_pretrained
 from deltacp.models.qwen3_5 import fully_shard_qwen3_5, parallelize_qwen3_5_cp
+from deltacp.models.save import save_pretrained
 from deltacp.parallel.placement import SEQUENCE_LAYOUTS
 from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel, cp_layer_of
 
@@ -31,9 +34,12 @@ __all__ = [
     "fully_shard_cp",
     "fully_shard_qwen3_5",
     "init_cp_mesh",
+    "load_pretrained",
+    "parallelize_and_shard",
     "parallelize_cp",
     "parallelize_qwen3_5_cp",
     "run_distributed",
+    "save_pretrained",
     "sequence_layout_of",
     "shard_batch_for_cp",
     "supported_classes",
