@@ -66,7 +66,8 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
           **kwargs):
     """The trainer of `case` (plain when cp_size is None). The reference runs one process at dp x the per-device
     batch, so that each optimizer step sees the same global batch as dp groups of PER_DEVICE rows. `cls` replaces
-    the trainer class, `args_extra` adds training arguments, other keywords go to the trainer."""
+    the trainer class, `args_extra` adds training arguments, `model` replaces the tiny model, other keywords go to
+    the trainer."""
     from deltacp.testing.hf import byte_tokenizer
 
     tok = byte_tokenizer()
@@ -80,7 +81,7 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
         collator = (DataCollatorForLanguageModeling(tok, mlm=False) if layout == "padded"
                     else DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True))
         args = TrainingArguments(**_common(out_dir, dp if cp_size is None else 1, args_extra or {}))
-        kwargs.update(model=tiny_model(), args=args, data_collator=collator, train_dataset=_tokenized(tok, train_lines),
+        kwargs.update(model=kwargs.pop("model", None) or tiny_model(), args=args, data_collator=collator, train_dataset=_tokenized(tok, train_lines),
                       eval_dataset=_tokenized(tok, eval_lines), processing_class=tok)
         base = Trainer
         if cp_size is not None:
@@ -91,7 +92,7 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
 
         sft = dict(padding_free=layout == "packed", max_length=None, bf16=False, gradient_checkpointing=True)
         args = SFTConfig(**_common(out_dir, dp if cp_size is None else 1, {**sft, **(args_extra or {})}))
-        kwargs.update(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
+        kwargs.update(model=kwargs.pop("model", None) or tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
                       eval_dataset=Dataset.from_dict({"text": eval_lines}), processing_class=tok)
         base = SFTTrainer
         if cp_size is not None:

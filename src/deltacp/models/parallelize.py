@@ -34,25 +34,41 @@ from deltacp.parallel.two_d import TwoDGroups
 
 logger = logging.getLogger(__name__)
 
-_PARALLELIZED = "_deltacp_parallelized"  # set on the text model once CP is applied
-_SEQUENCE_LAYOUT = "_deltacp_sequence_layout"  # the sequence layout it was parallelized with
+_SETTINGS = "_deltacp_cp_settings"  # set on the text model once CP is applied: the settings it was applied with
+
+
+def cp_settings_of(model: nn.Module) -> dict | None:
+    """The settings a model was parallelized with: `parallelize_cp`'s keywords and `cp` (the CP degree); None when
+    `parallelize_cp` has not been applied."""
+    settings = getattr(adapter_for(model).text, _SETTINGS, None)
+    return None if settings is None else dict(settings)
 
 
 def sequence_layout_of(model: nn.Module) -> str | None:
     """The `sequence_layout` a model was parallelized with (None: not parallelized); cut its batches with it."""
-    return getattr(adapter_for(model).text, _SEQUENCE_LAYOUT, None)
+    return (cp_settings_of(model) or {}).get("sequence_layout")
 
 
 def is_parallelized(model: nn.Module) -> bool:
     """Whether `parallelize_cp` has been applied to this model."""
-    return getattr(adapter_for(model).text, _PARALLELIZED, False)
+    return cp_settings_of(model) is not None
+
+
+def stop_kernelization(model: nn.Module) -> None:
+    """Turn transformers' hub-kernel layers off (`use_kernels`, on by default in `from_pretrained` of transformers
+    5.25): they are re-installed on every change between train() and eval() by replacing the instance forwards of
+    the decorated modules, the GDN module among them, which would silently drop its CP forward."""
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
+        logger.info("Turned off transformers' hub kernels of %s (their re-kernelization on train()/eval() would "
+                    "replace the CP forwards)", type(model).__name__)
 
 
 def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttentionContextParallel,
                 full: FullAttentionContextParallel, cp: int) -> dict:
     """Every layer checked for its style (raises naming the setting); the configuration every rank must share."""
     text = adapter.text
-    if getattr(text, _PARALLELIZED, False):
+    if getattr(text, _SETTINGS, None) is not None:
         raise ValueError("parallelize_cp: this model is already parallelized; apply CP once, to the single-device "
                          "model")
     layers = adapter.layers()
@@ -160,6 +176,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
         config.update(check_model(model, adapter, linear, full, cp))
     raise_together(group, "parallelize_cp", checks.error, agree=config)
 
+    stop_kernelization(model)
     linear_groups = linear.groups(cp_mesh)
     apply_linear_attention_cp(adapter, linear, group, linear_groups)
     shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
@@ -167,6 +184,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     if linear_attention_gdn_backend == "triton":
         apply_fused_decoder(model)
     install_input_hooks(adapter, cp_mesh, sequence_layout)
-    setattr(adapter.text, _PARALLELIZED, True)
-    setattr(adapter.text, _SEQUENCE_LAYOUT, sequence_layout)
+    setattr(adapter.text, _SETTINGS, {key: config[key] for key in ("cp", "ulysses_degree", "linear_attention_cp_mode",
+                                                                  "linear_attention_gdn_backend", "full_attention_cp",
+                                                                  "linear_attention_state_passing", "sequence_layout")})
     return model
