@@ -38,13 +38,18 @@
 #                                      decoder RMSNorm / add+RMSNorm / SwiGLU, the fused linear cross entropy (bf16 vs
 #                                      fp32 references, determinism, no recompiles, timings vs eager), then the loss op
 #                                      against liger-kernel (wheels in .whl/) at vocab 248,320 (about 7 minutes)
+#   bash scripts/gpu_checks.sh load    load_pretrained on one GPU (FSDP2 over one rank): every class against from_pretrained
+#                                      (parameters exact, logits), a synthetic 0.8B cut to 8 layers checked the same way,
+#                                      then the peak device memory and time of loading the 27B (bf16 checkpoint, loaded
+#                                      as bf16 and as float32; written to /tmp or /dev/shm, deleted after); exits
+#                                      non-zero when a loaded model differs (about 6 minutes)
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue" >&2
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|load) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|load" >&2
      exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -96,6 +101,11 @@ step)
     check "step_$size" 480 python bench/step.py "${args[@]}" --warmup 1 --repeat 2 --profile --profile-at 16384 \
       --json "$OUT/step.jsonl"
   done
+  ;;
+load)
+  check load_classes 90 python -m pytest tests/gpu/test_load_pretrained_gpu.py -q -s -ra -p no:cacheprovider
+  check load_check 150 python bench/load.py --gpu --size 0.8B --layers 8 --check --cleanup --json "$OUT/load.jsonl"
+  check load_27b 330 python bench/load.py --gpu --size 27B --dtype bfloat16 float32 --cleanup --json "$OUT/load.jsonl"
   ;;
 families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)
