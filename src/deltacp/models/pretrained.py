@@ -7,10 +7,10 @@ Steps: read config.json and the safetensors headers (no weights); build the mode
 checkpoint's dtype (or `dtype=`); check that every parameter has its stored tensor (`models/hf_format.py`: text
 prefixes, per-expert or fused experts, tied embeddings), on every rank together; apply CP, activation checkpointing
 and FSDP2 (`parallelize_and_shard`, the trainer's order) while the model is still on the meta device; allocate
-each rank's shard (`to_empty`); read it with torch.distributed.checkpoint's `HuggingFaceStorageReader`, which
-reads from each stored tensor only the rows the rank holds (safetensors slices) and converts them to the
-parameter's dtype as it copies them; recompute the non-persistent buffers (rotary inverse frequencies) as
-transformers does. No rank ever holds more than its shard of the parameters plus one stored slice in flight.
+each rank's shard (`to_empty`); fill it through torch.distributed.checkpoint's `HuggingFaceStorageReader`, which
+plans, for each stored tensor, the rows this rank holds, read with plain file reads in 64 MiB blocks and converted
+to the parameter's dtype as they are copied in (`row_reader`); recompute the non-persistent buffers (rotary inverse
+frequencies) as transformers does. No rank ever holds more than its shard of the parameters plus one block.
 
 Under FSDP2 (the default) each rank holds 1 / (dp x cp) of the model; with `fsdp=False` every rank holds all
 of it (read straight into the final dtype and device, no second copy).
@@ -77,18 +77,22 @@ def resolve_checkpoint_dir(path) -> Path:
                                 f"download it first (e.g. `hf download {path} --local-dir DIR`)") from None
 
 
-def resolve_class(path: Path, model_class) -> type:
-    """The transformers class to build: `model_class` (a class or its name) or config.json's architectures[0];
-    one `supported_classes()` lists, else NotImplementedError naming them."""
+def resolve_class(path: Path, model_class, config=None) -> type:
+    """The transformers class to build: `model_class` (a class or its name), else the architectures[0] of `config`
+    or of config.json; one `supported_classes()` lists, else NotImplementedError naming them."""
     import transformers
 
     if model_class is None:
         config_file = path / "config.json"
-        if not config_file.is_file():
+        if config is not None and getattr(config, "architectures", None):
+            architectures = config.architectures
+        elif not config_file.is_file():
             raise FileNotFoundError(f"{path}: no config.json")
-        architectures = json.loads(config_file.read_text()).get("architectures") or []
+        else:
+            architectures = json.loads(config_file.read_text()).get("architectures") or []
         if not architectures:
-            raise ValueError(f"{config_file} names no architectures: pass model_class= one of {supported_classes()}")
+            raise ValueError(f"{path}: the config names no architectures: pass model_class= one of "
+                             f"{supported_classes()}")
         model_class = architectures[0]
     name = model_class if isinstance(model_class, str) else getattr(model_class, "__name__", repr(model_class))
     if name not in supported_classes():
@@ -330,7 +334,7 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, dtype=None, fsdp: bool = True,
         every = checkpointing_every(activation_checkpointing)
         path = resolve_checkpoint_dir(path)
         stored = read_index(path)
-        cls = resolve_class(path, model_class)
+        cls = resolve_class(path, model_class, config)
         if config is None:
             config = cls.config_class.from_pretrained(str(path), local_files_only=True)
         dtype = resolve_dtype(dtype, config, path, stored)
