@@ -92,3 +92,11 @@ def test_unused_stored_tensors_are_left_with_a_warning(single_rank_group, checkp
     assert model.dtype == torch.bfloat16  # the checkpoint's dtype by default
     warned = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
     assert len(warned) == 1 and "1 stored tensor(s)" in warned[0] and "model.extra.weight" in warned[0], warned
+
+
+def test_a_quantized_checkpoint_is_refused(single_rank_group, checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match=r"a quantized checkpoint \(quantization_config: fp8\)"):
+        load_pretrained(checkpoint, _mesh(), config=transformers.Qwen3_5TextConfig(**tiny_config().to_dict()))

@@ -101,13 +101,17 @@ def resolve_class(path: Path, model_class, config=None) -> type:
     return getattr(transformers, name)
 
 
+def _raw_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+
+
 def resolve_dtype(dtype, config, path: Path, stored: dict[str, StoredTensor]) -> torch.dtype:
     """`dtype` (a torch dtype or its name); None / 'auto': the checkpoint's, as `from_pretrained` takes it (the
     config's dtype, else config.json's, else the floating dtype holding most of the stored bytes)."""
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None)
         if dtype is None:
-            raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+            raw = _raw_config(path)
             dtype = raw.get("dtype") or raw.get("torch_dtype")
         if dtype is None:
             by_dtype: dict = {}
@@ -147,6 +151,9 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
         if key in stored:
             if stored[key].shape != shape:
                 problems.append(f"{key} is stored with shape {stored[key].shape}, {name} has {shape}")
+            if not isinstance(stored[key].dtype, torch.dtype) or stored[key].dtype.is_floating_point != (
+                    tensor.is_floating_point()):
+                problems.append(f"{key} is stored as {stored[key].dtype}, {name} is {tensor.dtype}")
             sources[name] = Source(key=key)
             used.add(key)
             continue
@@ -337,6 +344,11 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, dtype=None, fsdp: bool = True,
         cls = resolve_class(path, model_class, config)
         if config is None:
             config = cls.config_class.from_pretrained(str(path), local_files_only=True)
+        quantized = getattr(config, "quantization_config", None) or _raw_config(path).get("quantization_config")
+        if quantized:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+            raise NotImplementedError(f"{path}: a quantized checkpoint (quantization_config: {method}); "
+                                      f"load_pretrained reads unquantized weights (the bf16 release)")
         dtype = resolve_dtype(dtype, config, path, stored)
         model = build_on_meta(cls, config, dtype)
         sources, unused = plan_sources(model, stored, path)
