@@ -56,12 +56,17 @@
 #                                      TRL's full-logits selective_log_softmax and a chunked checkpointed torch loop (TRL's
 #                                      rows need .whl/trl-1.16.0-py3-none-any.whl, installed --no-deps), d weight accuracy
 #                                      at 64K (about 5 minutes); exits non-zero when a deltacp check fails
+#   bash scripts/gpu_checks.sh load    load_pretrained on one GPU (FSDP2 over one rank): every class against from_pretrained
+#                                      (parameters exact, logits), a synthetic 0.8B cut to 8 layers checked the same way,
+#                                      then the peak device memory and time of loading the 27B (bf16 checkpoint, loaded
+#                                      as bf16 and as float32; written to /tmp or /dev/shm, deleted after); exits
+#                                      non-zero when a loaded model differs (about 6 minutes)
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed"
+PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load"
 if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
   echo "usage: $0 $PARTS" >&2
   exit 2
@@ -134,6 +139,11 @@ step_128k)
   # Qwen3.5-2B at 128K, every stack (a public stack that does not fit is reported as OOM; deltacp must fit)
   check step_2B_128K 480 python bench/step.py --size 2B --lengths 131072 --ac full selective --warmup 1 --repeat 2 \
     --json "$OUT/step.jsonl"
+  ;;
+load)
+  check load_classes 90 python -m pytest tests/gpu/test_load_pretrained_gpu.py -q -s -ra -p no:cacheprovider
+  check load_check 150 python bench/load.py --gpu --size 0.8B --layers 8 --check --cleanup --json "$OUT/load.jsonl"
+  check load_27b 330 python bench/load.py --gpu --size 27B --dtype bfloat16 float32 --cleanup --json "$OUT/load.jsonl"
   ;;
 families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)

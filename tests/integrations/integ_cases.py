@@ -66,8 +66,8 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
           train_lines: list[str] | None = None, **kwargs):
     """The trainer of `case` (plain when cp_size is None). The reference runs one process at dp x the per-device
     batch, so that each optimizer step sees the same global batch as dp groups of PER_DEVICE rows. `cls` replaces
-    the trainer class, `args_extra` adds training arguments, `train_lines` replaces the training texts, other
-    keywords go to the trainer."""
+    the trainer class, `args_extra` adds training arguments, `train_lines` replaces the training texts, `model`
+    (like every other keyword, which goes to the trainer) replaces the tiny model."""
     from deltacp.testing.hf import byte_tokenizer
 
     tok = byte_tokenizer()

@@ -62,3 +62,19 @@ def test_state_dict_keys_and_save_pretrained_survive(single_rank_group, tmp_path
     reloaded = type(base).from_pretrained(tmp_path)
     for key, value in base.state_dict().items():
         assert torch.equal(reloaded.state_dict()[key], value), key
+
+
+def test_cp_forwards_survive_train_and_eval_of_a_from_pretrained_model(single_rank_group, tmp_path):
+    """transformers 5.25's from_pretrained turns its hub-kernel layers on, and train()/eval() re-install them by
+    replacing instance forwards (the GDN module's among them): parallelize_cp turns them off, keeping its own."""
+    tiny_family_model("Qwen3_5MoeForCausalLM", torch.float32).save_pretrained(tmp_path)
+    model = transformers.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path)
+    assert model.use_kernels  # what makes the case
+    parallelize_cp(model, _mesh())
+    adapter = adapter_for(model)
+    modules = [m for layer in adapter.layers() for m in (adapter.linear_attention(layer), adapter.full_attention(layer))
+               if m is not None]
+    installed = [m.forward for m in modules]
+    model.train()
+    model.eval()
+    assert [m.forward for m in modules] == installed

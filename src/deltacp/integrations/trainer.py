@@ -25,8 +25,11 @@ optimizer exists):
   micro-batch's global mean, which the trainer divides by the accumulation steps. The value on every rank is the
   global value, so the trainer's logged loss and grad norm are the single-device ones;
 - evaluation: the loss of each batch over its dp group's CP ranks, gathered over dp in the trainer's order
-  (`eval_loss` as on one device); `save_model` gathers the full state dict and writes a normal transformers
-  directory.
+  (`eval_loss` as on one device); `save_model` writes a normal transformers directory, with FSDP2 through
+  `deltacp.save_pretrained` (each rank's shard streamed to the saving rank, never the whole model on one rank);
+- a model loaded by `deltacp.load_pretrained(path, init_cp_mesh(cp_size, dp), ...)` (built on the meta device, each
+  rank reading its shard) is taken as it is: CP and FSDP2 were applied while loading, with the same cp_size and CP
+  keywords as the trainer's (refused otherwise; bf16: load with FSDP2 mixed precision, `mp_policy=`).
 
 Anything the mixin cannot honour raises ValueError / NotImplementedError naming it, before any training.
 """
@@ -34,6 +37,7 @@ Anything the mixin cannot honour raises ValueError / NotImplementedError naming 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -43,7 +47,8 @@ from deltacp.models.checkpointing import DEFAULT_POLICY, apply_activation_checkp
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import cp_causal_lm_loss
 from deltacp.distributed.agree import raise_together
-from deltacp.models.parallelize import cp_styles, parallelize_cp
+from deltacp.models.parallelize import cp_settings_of, cp_styles, is_parallelized, parallelize_cp
+from deltacp.models.save import save_pretrained
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,12 @@ def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:
     public hook of the Trainer skips the wrap.
     """
     model._is_accelerate_prepared = True
+
+
+def _has_dtensors(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _known_trainer_classes() -> tuple[type, ...]:
@@ -155,13 +166,14 @@ class CPTrainerMixin:
         self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, args.device.type)
         self.dp_rank = self.cp_mesh.get_local_rank("dp")
         model = self.model
-        parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)  # batches are cut by the model's RowCut
+        if not is_parallelized(model):  # else deltacp.load_pretrained applied CP (and FSDP2) while loading
+            parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)  # batches are cut by the model's RowCut
         if args.activation_checkpointing:
             kw = args.activation_checkpointing_kwargs or {}
             apply_activation_checkpointing(model, int(kw.get("every_n_layers", 1)), policy=checkpointing_policy(kw))
             # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
             args.activation_checkpointing = args.gradient_checkpointing = False
-        if self.cp_fsdp:
+        if self.cp_fsdp and not _has_dtensors(model):
             mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
             fully_shard_cp(model, self.cp_mesh, mp_policy=mp_policy)
         mark_prepared_for_accelerate(model)
@@ -195,6 +207,15 @@ class CPTrainerMixin:
         text = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
         refuse(bool(getattr(text, "output_router_logits", False)),
                "the MoE auxiliary loss (output_router_logits / router_aux_loss_coef): set router_aux_loss_coef=0.0")
+        if is_parallelized(model):  # loaded by deltacp.load_pretrained: CP and FSDP2 applied while loading
+            loaded = cp_settings_of(model)
+            differ = {k: loaded[k] for k, v in dict(self._cp_parallelize, cp=self.cp_size).items() if loaded[k] != v}
+            refuse(differ, f"a model loaded by deltacp.load_pretrained with {differ}: give the trainer the same "
+                           f"cp_size and CP keywords")
+            refuse(self.cp_fsdp != _has_dtensors(model), f"fsdp={self.cp_fsdp} with a model loaded with "
+                                                         f"fsdp={not self.cp_fsdp}")
+            refuse(args.bf16 and _has_dtensors(model), "bf16=True with a model loaded by deltacp.load_pretrained: "
+                   "pass mp_policy=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) to load_pretrained")
         refuse(self.is_deepspeed_enabled, "DeepSpeed")
         refuse(self.is_fsdp_enabled or bool(args.fsdp),
                "the trainer's own FSDP (args.fsdp): deltacp shards the model itself, fsdp=True (the default)")
@@ -392,15 +413,19 @@ class CPTrainerMixin:
         raise_together(dist.group.WORLD, "deltacp: the training plan", None, agree=plan)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A normal transformers directory (save_pretrained: config, safetensors, the processing class) written by the
-        saving rank; with FSDP2 the full state dict is gathered first (a collective: every rank calls this)."""
+        """A normal transformers directory (config, safetensors, the processing class, the training arguments). With
+        FSDP2 the weights are written by `deltacp.save_pretrained`: every rank's shard streamed tensor by tensor to
+        the saving rank, never the whole model on one rank (a collective: every rank calls this); replicated
+        parameters by the saving rank's `save_pretrained`."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        state_dict = None
-        if self.cp_fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
-        if self.args.should_save:
-            self._save(output_dir, state_dict=state_dict)
+        if not self.cp_fsdp:
+            if self.args.should_save:
+                self._save(output_dir)
+        else:
+            save_pretrained(self.accelerator.unwrap_model(self.model), output_dir)
+            if self.args.should_save:  # what the trainer's _save writes beside the weights
+                tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         dist.barrier()

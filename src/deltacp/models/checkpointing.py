@@ -1,17 +1,19 @@
 """Activation checkpointing of a CP'd model: decoder layers recomputed in backward (non-reentrant), under a policy.
 
-    apply_activation_checkpointing(model)                         # every layer, policy "selective" (the default)
-    apply_activation_checkpointing(model, policy="full")          # every layer; only the layers' inputs kept
+    apply_activation_checkpointing(model)                         # every layer, policy "full" (the default)
+    apply_activation_checkpointing(model, policy="selective")     # every layer; attention outputs kept too
     apply_activation_checkpointing(model, num_layers=20)          # the first 20 layers only
 
 Policies (`POLICIES`):
 - full: a checkpointed layer keeps only its inputs; backward recomputes its whole forward.
-- selective (the default: it never recomputes more than full, and skips the quadratic part): as full, but each
+- selective (never recomputes more than full, and skips the quadratic part): as full, but each
   full attention's output and log-sum-exp are kept (`ops/recompute.py`: torch's
   selective checkpoint for SDPA's kernels, a kept-output store for the tiled / ring attention), so the recompute
   never runs the quadratic part again; it costs one attention output [tokens, heads x head_dim] (+ fp32 lse) per
   attention layer. GDN layers recompute as under full.
-`num_layers` checkpoints only the first n decoder layers (of those `every_n_layers` picks); the rest keep their
+Which is faster depends on the length (one H200, Qwen3.5-2B, cp = 1: selective 0.92x of full at 16K tokens, 1.07x
+at 64K, where attention dominates; NOTES.md): "full" stays the default, "selective" is the choice for long rows,
+and the trainer's `auto` weighs memory. `num_layers` checkpoints only the first n decoder layers (of those `every_n_layers` picks); the rest keep their
 activations (the last layers: their activations are freed first in backward, so the peak stays lowest;
 `models/memory.py` plans n for a budget).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -35,7 +38,7 @@ from deltacp.ops.recompute import selective_contexts
 logger = logging.getLogger(__name__)
 
 POLICIES = ("full", "selective")
-DEFAULT_POLICY = "selective"
+DEFAULT_POLICY = "full"
 
 
 def check_policy(policy: str, what: str = "policy") -> str:
@@ -64,3 +67,40 @@ def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *,
         layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
     logger.info("Applied activation checkpointing (%s) to %d of %d decoder layers", policy, len(chosen), len(layers))
     return len(chosen)
+
+
+@dataclass(frozen=True)
+class CheckpointingPlan:
+    """Which decoder layers `parallelize_and_shard` / `load_pretrained` checkpoint, under which policy (the
+    arguments of `apply_activation_checkpointing`)."""
+
+    policy: str = DEFAULT_POLICY
+    every_n_layers: int = 1
+    num_layers: int | None = None
+
+    def __post_init__(self):
+        check_policy(self.policy)
+        if not isinstance(self.every_n_layers, int) or isinstance(self.every_n_layers, bool) or self.every_n_layers < 1:
+            raise ValueError(f"every_n_layers={self.every_n_layers!r} must be an integer >= 1")
+
+    def apply(self, model: nn.Module) -> int:
+        return apply_activation_checkpointing(model, self.every_n_layers, policy=self.policy,
+                                              num_layers=self.num_layers)
+
+
+def checkpointing_plan(value) -> CheckpointingPlan | None:
+    """The plan of an `activation_checkpointing=` argument: False / 0 / None (none), True (every decoder layer,
+    the default policy), n >= 1 (every n-th layer), a policy name ("full" | "selective": every layer), or a
+    CheckpointingPlan."""
+    if isinstance(value, CheckpointingPlan):
+        return value
+    if value is None or value is False or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+        return None
+    if value is True:
+        return CheckpointingPlan()
+    if isinstance(value, int) and value >= 1:
+        return CheckpointingPlan(every_n_layers=value)
+    if isinstance(value, str):
+        return CheckpointingPlan(check_policy(value, "activation_checkpointing"))
+    raise ValueError(f"activation_checkpointing={value!r}: expected False, True (every decoder layer), an integer n "
+                     f">= 1 (every n-th layer), a policy {list(POLICIES)} or a CheckpointingPlan")

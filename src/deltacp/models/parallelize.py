@@ -44,6 +44,16 @@ def row_cut_of(model: nn.Module) -> RowCut | None:
     return getattr(adapter_for(model).text, _ROW_CUT, None)
 
 
+_SETTINGS = "_deltacp_cp_settings"  # set on the text model once CP is applied: the settings it was applied with
+
+
+def cp_settings_of(model: nn.Module) -> dict | None:
+    """The settings a model was parallelized with: `parallelize_cp`'s keywords and `cp` (the CP degree); None when
+    `parallelize_cp` has not been applied."""
+    settings = getattr(adapter_for(model).text, _SETTINGS, None)
+    return None if settings is None else dict(settings)
+
+
 def sequence_layout_of(model: nn.Module) -> str | None:
     """The `sequence_layout` a model was parallelized with (None: not parallelized); cut its batches with it."""
     cut = row_cut_of(model)
@@ -80,6 +90,19 @@ def refuse_wrapped(model: nn.Module) -> None:
     if sharded is not None:
         raise ValueError(f"parallelize_cp: parameter {sharded!r} is a DTensor (the model is already distributed, e.g. "
                          f"tensor parallel or FSDP); {order}")
+
+
+    return cp_settings_of(model) is not None
+
+
+def stop_kernelization(model: nn.Module) -> None:
+    """Turn transformers' hub-kernel layers off (`use_kernels`, on by default in `from_pretrained` of transformers
+    5.25): they are re-installed on every change between train() and eval() by replacing the instance forwards of
+    the decorated modules, the GDN module among them, which would silently drop its CP forward."""
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
+        logger.info("Turned off transformers' hub kernels of %s (their re-kernelization on train()/eval() would "
+                    "replace the CP forwards)", type(model).__name__)
 
 
 def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttentionContextParallel,
@@ -196,6 +219,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
         config.update(check_model(model, adapter, linear, full, cp))
     raise_together(group, "parallelize_cp", checks.error, agree=config)
 
+    stop_kernelization(model)
     linear_groups = linear.groups(cp_mesh)
     apply_linear_attention_cp(adapter, linear, group, linear_groups)
     shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
@@ -204,6 +228,9 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
         apply_fused_decoder(model)
     install_input_hooks(adapter, cp_mesh, sequence_layout)
     setattr(adapter.text, _ROW_CUT, row_cut(config, linear))
+    setattr(adapter.text, _SETTINGS, {key: config[key] for key in ("cp", "ulysses_degree", "linear_attention_cp_mode",
+                                                                  "linear_attention_gdn_backend", "full_attention_cp",
+                                                                  "linear_attention_state_passing", "sequence_layout")})
     return model
 
 

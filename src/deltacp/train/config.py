@@ -76,7 +76,9 @@ class ModelConfig:
     """Vision tower fields (Qwen3_5VisionConfig) of a ...ForConditionalGeneration model; empty: transformers'
     defaults. An error for the text-only classes."""
     pretrained: str | None = None
-    """A local directory with a Qwen3.5 text checkpoint (config.json + weights); no network. Excludes `config`."""
+    """A local transformers checkpoint directory (config.json + safetensors, e.g. a released Qwen3.5 checkpoint: the
+    text model of a multimodal one is read for a text model_class); no network. Loaded with
+    `deltacp.load_pretrained`: built on the meta device, each rank reading only its shard. Excludes `config`."""
     preset: str | None = None
     """A released Qwen3.5 dense size (0.8B, 2B, 4B, 9B, 27B; deltacp.models.presets): its Qwen3_5TextConfig
     fields (vocabulary 248,320), randomly initialised; `config` fields override them. Excludes `pretrained`."""

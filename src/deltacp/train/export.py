@@ -7,9 +7,10 @@
 without it, train.checkpoint.dir of the config. The single-device model is built from `train.model` of the
 run's config (Qwen3_5TextConfig fields or a local pretrained directory) on the CPU, the checkpoint is verified
 against its manifest and its model state loaded (DCP reshards: any world size / CP degree it was saved at; the
-optimizer state is not read), and `save_pretrained(out, safe_serialization=True)` writes config.json,
-generation_config.json and model.safetensors, so `Qwen3_5ForCausalLM.from_pretrained(out)` reloads it with the
-trained model's logits. A local Hugging Face tokenizer (train.data.tokenizer) is written alongside; the byte
+optimizer state is not read), and `deltacp.save_pretrained` writes what `model.save_pretrained` writes
+(config.json, generation_config.json, model.safetensors; above --max-shard-size, model-0000i-of-0000N.safetensors
+with their index), converting one block of one tensor at a time to --dtype (no second copy of the model), so
+`Qwen3_5ForCausalLM.from_pretrained(out)` reloads it with the trained model's logits. A local Hugging Face tokenizer (train.data.tokenizer) is written alongside; the byte
 tokenizer has no files (token id = byte value). `train.model: {pretrained: out}` trains from the export.
 
 The directory is written as `out.partial-PID` and renamed to `out` when complete. Errors are one line naming
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from deltacp.models.save import save_pretrained
 from deltacp.train.checkpoint import (
     CheckpointError,
     load_failure,
@@ -112,9 +114,10 @@ def load_trained_model(cfg: TrainConfig, checkpoint: Path) -> tuple[torch.nn.Mod
 
 
 def export_checkpoint(cfg: TrainConfig, out: str | Path, checkpoint: str | Path | None = None,
-                      dtype: str | None = None) -> Path:
+                      dtype: str | None = None, max_shard_size: int | str = "50GB") -> Path:
     """Write the checkpoint's model as a transformers directory `out` (see the module doc); returns out.
-    dtype: float32 | bfloat16 | float64; default float32 (float64 for a float64 run)."""
+    dtype: float32 | bfloat16 | float64; default float32 (float64 for a float64 run). max_shard_size: the largest
+    safetensors file (e.g. "5GB"); a bigger model is split into model-0000i-of-0000N.safetensors + index."""
     out = Path(out)
     dtype = dtype or ("float64" if cfg.dtype == "float64" else "float32")
     if dtype not in EXPORT_DTYPES:
@@ -127,11 +130,10 @@ def export_checkpoint(cfg: TrainConfig, out: str | Path, checkpoint: str | Path 
     finally:
         if created:
             dist.destroy_process_group()
-    model = model.to(EXPORT_DTYPES[dtype])
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        model.save_pretrained(partial, safe_serialization=True)
+        save_pretrained(model, partial, dtype=EXPORT_DTYPES[dtype], max_shard_size=max_shard_size)
         if cfg.data.tokenizer != "bytes":
             from transformers import AutoTokenizer
 
@@ -158,11 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="new (or empty) output directory")
     parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None,
                         help="weights dtype (default float32; float64 for a float64 run)")
+    parser.add_argument("--max-shard-size", default="50GB",
+                        help="largest safetensors file, e.g. 5GB (default 50GB, as save_pretrained)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
         checkpoint = resolve_checkpoint(cfg, args.checkpoint)
-        out = export_checkpoint(cfg, args.out, checkpoint, args.dtype)
+        out = export_checkpoint(cfg, args.out, checkpoint, args.dtype, args.max_shard_size)
     except (ConfigError, ExportError, OSError, ValueError) as exc:
         print(f"deltacp.train.export: {'config error: ' if isinstance(exc, ConfigError) else ''}"
               f"{_one_line(exc)}", file=sys.stderr)

@@ -1,7 +1,9 @@
 """The training job: a Qwen3.5 hybrid under context parallelism (+ FSDP2), driven by the trainer YAML.
 
-Order of application (one log line each, as in torchtitan): CP on every layer (`parallelize_cp`),
-activation checkpointing per decoder layer, FSDP2 last (`fully_shard_cp`, gradient divide factor 1).
+Order of application (one log line each, as in torchtitan; `parallelize_and_shard`): CP on every layer
+(`parallelize_cp`), activation checkpointing per decoder layer, FSDP2 last (`fully_shard_cp`, gradient divide
+factor 1). A pretrained model (`train.model.pretrained`) goes through `load_pretrained`: the same composition on the
+meta device, then each rank reads only its shard of the checkpoint (never the whole model on a rank).
 The mesh is 2-D, ("dp", "cp"), dp = world // cp unless train.accelerator.dp is given: CP modules use its "cp"
 dimension, FSDP2 shards over dp x cp flattened. Each dp group trains on its rows of the global batch (the data
 order is the global batch's, not a rank's). The loss is the mean over every valid token of the global batch:
@@ -32,10 +34,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.models.adapters import adapter_for
 from deltacp.models.batch import shard_batch_for_cp
-from deltacp.models.checkpointing import apply_activation_checkpointing
-from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
+from deltacp.models.checkpointing import CheckpointingPlan
+from deltacp.models.compose import parallelize_and_shard
+from deltacp.models.fsdp import all_reduce_cp_grads
 from deltacp.models.loss import cp_causal_lm_loss, cp_cross_entropy
-from deltacp.models.parallelize import parallelize_cp
+from deltacp.models.pretrained import load_pretrained
 from deltacp.parallel.style import cp_layer_of
 from deltacp.train.checkpoint import (
     CheckpointError,
@@ -134,7 +137,8 @@ def model_config(cfg: TrainConfig):
 
     model_cls = getattr(transformers, cfg.model.model_class)
     if cfg.model.pretrained is not None:
-        return model_cls.config_class.from_pretrained(cfg.model.pretrained, local_files_only=True)
+        config = model_cls.config_class.from_pretrained(cfg.model.pretrained, local_files_only=True)
+        return eager_experts_in_float64(cfg, config)
     if not cfg.model.config and cfg.model.preset is None:
         raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
                           f"({MODEL_CLASSES[cfg.model.model_class]} fields) or pretrained (a local directory)")
@@ -143,10 +147,21 @@ def model_config(cfg: TrainConfig):
         config = getattr(transformers, MULTIMODAL_CONFIGS[cfg.model.model_class])(
             text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
             tie_word_embeddings=config.tie_word_embeddings)
+    return eager_experts_in_float64(cfg, config)
+
+
+def eager_experts_in_float64(cfg: TrainConfig, config):
+    """Routed experts run transformers' eager experts in float64 (grouped_mm has no float64 kernel)."""
     if cfg.dtype == "float64" and getattr(config.get_text_config(), "num_experts", 0):
         config.get_text_config()._experts_implementation = "eager"
         config._experts_implementation = "eager"
     return config
+
+
+def param_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The parameters' dtype: float64 for train.dtype float64, else float32 (bfloat16 computes from fp32 master
+    weights through FSDP2 mixed precision)."""
+    return torch.float64 if cfg.dtype == "float64" else torch.float32
 
 
 def check_vocab(config, vocab_size: int) -> None:
@@ -174,7 +189,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     model_cls = getattr(transformers, cfg.model.model_class)
     torch.manual_seed(cfg.seed)
     if cfg.model.pretrained is not None:
-        model = model_cls.from_pretrained(cfg.model.pretrained, local_files_only=True, dtype=torch.float32)
+        model = model_cls.from_pretrained(cfg.model.pretrained, local_files_only=True, config=model_config(cfg),
+                                          dtype=param_dtype(cfg))
     else:
         model = model_cls(model_config(cfg))
     check_vocab(model.config, vocab_size)
@@ -182,9 +198,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
         from deltacp.models.gates import long_memory_gates_
 
         long_memory_gates_(model)
-    if cfg.dtype == "float64":
-        model = model.double()
-    return model
+    return model.to(param_dtype(cfg))
 
 
 def checkpointing_budget(cfg: TrainConfig, device: torch.device) -> int:
@@ -280,31 +294,26 @@ class Trainer:
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.data = TokenStream(cfg.data, cfg.seed)
 
-        model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
-        model = parallelize_cp(model, self.mesh, ulysses_degree=acc.ulysses_degree,
-                                       linear_attention_cp_mode=acc.linear_attention_cp_mode,
-                                       linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
-                                       full_attention_cp=acc.full_attention_cp,
-                                       linear_attention_state_passing=acc.linear_attention_state_passing,
-                                       sequence_layout=acc.sequence_layout)
-        self.ac_plan = None
-        if cfg.activation_checkpointing == "auto":  # the same plan on every rank (else they would recompute apart)
-            with LocalChecks() as checks:
-                self.ac_plan = plan_checkpointing(cfg, model, self.device, self.dp, self.world)
-            plan = self.ac_plan
-            raise_together(dist.group.WORLD, "train.activation_checkpointing=auto", checks.error,
-                           agree=dict(policy=str(plan and plan.policy), num_layers=plan and plan.num_layers))
-            if self.rank == 0:
-                (logger.info if plan.fits else logger.warning)(plan.describe())
-            if plan.policy is not None:
-                apply_activation_checkpointing(model, policy=plan.policy, num_layers=plan.num_layers)
-        elif cfg.activation_checkpointing != "none":
-            apply_activation_checkpointing(model, policy=cfg.activation_checkpointing)
-        if cfg.distributed.fsdp:
-            mp_policy = None
-            if cfg.dtype == "bfloat16":
-                mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            fully_shard_cp(model, self.mesh, mp_policy=mp_policy)
+        settings = dict(ulysses_degree=acc.ulysses_degree, linear_attention_cp_mode=acc.linear_attention_cp_mode,
+                        linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
+                        full_attention_cp=acc.full_attention_cp,
+                        linear_attention_state_passing=acc.linear_attention_state_passing,
+                        sequence_layout=acc.sequence_layout)
+        fsdp = cfg.distributed.fsdp
+        mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.dtype == "bfloat16" else None
+        checkpointing = self.checkpointing_plan(cfg)
+        if cfg.model.pretrained is not None:  # built on the meta device, each rank reads its shard
+            config = model_config(cfg)
+            check_vocab(config, self.data.tokenizer.vocab_size)
+            model = load_pretrained(cfg.model.pretrained, self.mesh, dtype=param_dtype(cfg), fsdp=fsdp,
+                                    model_class=cfg.model.model_class, config=config,
+                                    activation_checkpointing=checkpointing or False, mp_policy=mp_policy,
+                                    device=self.device, **settings).train()
+        else:
+            model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
+            parallelize_and_shard(model, self.mesh, fsdp=fsdp, activation_checkpointing=checkpointing or False,
+                                  mp_policy=mp_policy, **settings)
+        if fsdp:
             logger.info("Applied FSDP2 over dp %d x cp %d = %d ranks, flattened (mixed precision: %s)", self.dp,
                         self.cp, self.world, mp_policy)
         self.model = model
@@ -434,6 +443,23 @@ class Trainer:
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
                 f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
                 f"{' (packed documents)' if cfg.data.packing else ''}")
+
+    def checkpointing_plan(self, cfg: TrainConfig) -> CheckpointingPlan | None:
+        """train.activation_checkpointing as a plan; `auto` plans from the model's shapes (on the meta device) and
+        the memory budget, the same plan on every rank (else they would recompute apart), logged on rank 0."""
+        self.ac_plan = None
+        if cfg.activation_checkpointing == "none":
+            return None
+        if cfg.activation_checkpointing != "auto":
+            return CheckpointingPlan(cfg.activation_checkpointing)
+        with LocalChecks() as checks:
+            self.ac_plan = plan_checkpointing(cfg, model_skeleton(cfg), self.device, self.dp, self.world)
+        plan = self.ac_plan
+        raise_together(dist.group.WORLD, "train.activation_checkpointing=auto", checks.error,
+                       agree=dict(policy=str(plan and plan.policy), num_layers=plan and plan.num_layers))
+        if self.rank == 0:
+            (logger.info if plan.fits else logger.warning)(plan.describe())
+        return None if plan.policy is None else CheckpointingPlan(plan.policy, num_layers=plan.num_layers)
 
     def checkpointing_summary(self) -> str:
         """`full`, `none`, ..., or for auto its choice: `auto: selective 20/24 layers`."""

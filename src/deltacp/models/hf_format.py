@@ -1,0 +1,161 @@
+"""The transformers checkpoint format, as `load_pretrained` reads it and `save_pretrained` writes it.
+
+A checkpoint directory holds config.json and safetensors files: `model.safetensors`, or
+`model-0000i-of-0000N.safetensors` with `model.safetensors.index.json` (its weight_map names the file of every
+tensor). Stored names differ from the module names of the class being loaded in two ways (transformers 5.25's
+conversion mapping, `transformers/conversion_mapping.py`, does the same renaming on load):
+
+- the text model's prefix: a multimodal checkpoint (every released Qwen3.5 size is
+  `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`) stores the language model under
+  `model.language_model.`, a causal-LM one under `model.`, a bare text model under no prefix; any text class
+  loads from any of them (the vision tower, `model.visual.*`, and the multi-token-prediction head, `mtp.*`, are
+  then left unread, as transformers ignores them);
+- routed experts: the modules hold fused `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
+  [E, H, I]; a checkpoint stores them fused under those names (the released Qwen3.5 MoE sizes) or per expert,
+  `mlp.experts.{e}.gate_proj.weight` [I, H], `.up_proj.weight` [I, H], `.down_proj.weight` [H, I] (Qwen3-Next's
+  release, and what transformers 5.25's `save_pretrained` writes for every MoE family: the "qwen2_moe" mapping,
+  expert e's row of gate_up_proj = gate_proj then up_proj).
+
+Tied embeddings (`tie_word_embeddings`): the output embedding is the input embedding's parameter and is neither
+read nor written (transformers does not store it either). Non-persistent buffers (the rotary inverse
+frequencies) are never stored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from deltacp.models.adapters import adapter_for
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+TEXT_PREFIXES = ("model.language_model.", "model.", "")  # where checkpoints keep the text model, longest first
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+FUSED_EXPERTS = re.compile(r"(?P<base>.+\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)")
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a checkpoint: its file, shape and dtype (from the safetensors headers alone)."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | str  # the safetensors name where torch has no such dtype (e.g. F8_E4M3)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        itemsize = self.dtype.itemsize if isinstance(self.dtype, torch.dtype) else 1
+        return n * itemsize
+
+
+def read_index(path: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint directory `path`, read from the safetensors headers (no weights are read).
+    FileNotFoundError / ValueError naming the directory when it holds no safetensors or its index names a file
+    that is not there."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (a transformers checkpoint directory holds "
+                                f"{SINGLE_NAME}, or model-0000i-of-0000N.safetensors with {INDEX_NAME})")
+    if (path / INDEX_NAME).is_file():
+        named = set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
+        absent = sorted(named - {f.name for f in files})
+        if absent:
+            raise FileNotFoundError(f"{path}: {INDEX_NAME} names {len(absent)} file(s) that are not there, e.g. "
+                                    f"{absent[0]} (an incomplete download?)")
+    stored = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                dtype = part.get_dtype()
+                stored[key] = StoredTensor(str(file), tuple(part.get_shape()), _DTYPES.get(dtype, dtype))
+    return stored
+
+
+def text_prefix_of(model: nn.Module) -> str:
+    """The module path of the text model inside `model` ('' for a bare text model), with a trailing dot."""
+    text = adapter_for(model).text
+    for name, module in model.named_modules():
+        if module is text:
+            return f"{name}." if name else ""
+    raise ValueError(f"{type(model).__name__}: its text model is not one of its modules")  # not reached
+
+
+def stored_text_prefix(stored: dict[str, StoredTensor]) -> str | None:
+    """Where the checkpoint keeps the text model (one of TEXT_PREFIXES), found by its input embedding."""
+    for prefix in TEXT_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in stored:
+            return prefix
+    return None
+
+
+def stored_name(name: str, model_prefix: str, checkpoint_prefix: str) -> str:
+    """The checkpoint name of the model tensor `name` (text tensors move from the model's text prefix to the
+    checkpoint's; the others, the vision tower and the LM head, keep their names)."""
+    if name.startswith(model_prefix):
+        return checkpoint_prefix + name[len(model_prefix):]
+    return name
+
+
+def expert_keys(base: str, name: str, expert: int) -> tuple[str, ...]:
+    """The per-expert checkpoint names of expert `expert`'s row of the fused tensor `base.name`, in row order."""
+    return tuple(f"{base}.{expert}.{part}.weight" for part in EXPERT_PARTS[name])
+
+
+def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint of `model` holds: its parameters (a tied one once, under its first name) and its persistent
+    buffers, in module order."""
+    out = list(model.named_parameters(remove_duplicate=True))
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return out
+
+
+def row_split(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(this rank's rows, the global index of its first row, the number of ranks sharing the rows) of a model
+    tensor: a plain tensor is all rows of one holder; a DTensor must be sharded on dim 0 (FSDP2) or replicated over
+    a 1-D mesh. NotImplementedError naming the placement otherwise."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor, 0, 1
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    if mesh.ndim != 1 or placements[0] not in (Shard(0), Replicate()):
+        raise NotImplementedError(f"a DTensor with placements {placements} on a {mesh.ndim}-D mesh: pretrained "
+                                  f"loading and saving take FSDP2's Shard(0) or Replicate() over a 1-D mesh")
+    if placements[0] == Replicate():
+        return tensor.to_local(), 0, 1
+    size, offset = Shard.local_shard_size_and_offset(tensor.shape[0], mesh.size(), mesh.get_local_rank())
+    return tensor.to_local(), offset, mesh.size()
+
+
+def shard_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(count, first row) of rank `rank`'s share of `rows` rows sharded over `ranks` ranks on dim 0 (FSDP2)."""
+    from torch.distributed.tensor import Shard
+
+    return Shard.local_shard_size_and_offset(rows, ranks, rank)
+
+
+def transformers_class(model: nn.Module) -> type:
+    """The transformers class of a model, under FSDP2's wrapper class (`FSDPQwen3_5ForCausalLM`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
