@@ -28,6 +28,7 @@ load_pretrained) and under FSDP2 (dim 0 of every tensor sharded, the largest sha
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -195,6 +196,7 @@ def gpu_run(path: Path, dtypes: list[str], check: bool, json_path: str | None) -
     failed = 0
     try:
         for dtype in dtypes:
+            gc.collect()  # the previous dtype's model (FSDP2 modules hold reference cycles): freed before measuring
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

@@ -101,4 +101,7 @@ def test_selective_runs_attention_once_with_the_same_gradients(mesh, attention):
         assert loss == loss0, f"{policy}: loss {loss} vs {loss0}"
         err = ((grads - grads0).norm() / grads0.norm()).item()
         print(f"{attention} {policy}: gradients rel-L2 vs none {err:.2e}")
-        assert err < 1e-3, f"{policy}: gradients rel-L2 {err:.2e}"
+        # bf16 with backward kernels that are not bitwise reproducible (cuDNN's attention, atomics): a second run
+        # of the same step differs at ~4e-3 (seen on the H200: full 3.6e-3 vs none); 1e-2 is the bf16 bound of
+        # the other GPU tests
+        assert err < 1e-2, f"{policy}: gradients rel-L2 {err:.2e}"
