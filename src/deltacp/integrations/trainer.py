@@ -3,8 +3,10 @@
     trainer = CPSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds, processing_class=tok, cp_size=4)
     trainer.train()                     # torchrun --nproc-per-node 8 train.py: dp 2 x cp 4
 
-What the mixin does, in the trainer's own hooks (after the trainer's __init__ has prepared the model, before the
-optimizer exists):
+`CPTrainerBase` holds what every deltacp trainer integration shares (keywords, mesh, model, FSDP2, data sharding by
+dp rank, gradient sync, evaluation gathering, saving, the common refusals); `CPTrainerMixin` adds the language-model
+loss of `Trainer` / `SFTTrainer`, `integrations/grpo.py`'s `CPGRPOMixin` TRL's GRPO. What they do, in the trainer's
+own hooks (after the trainer's __init__ has prepared the model, before the optimizer exists):
 
 - mesh: ("dp", "cp") over the whole world, dp = world // cp_size; `parallelize_cp` on the trainer's model;
   `activation_checkpointing` (alias `gradient_checkpointing`) becomes deltacp's per-decoder-layer non-reentrant
@@ -63,24 +65,15 @@ def mark_prepared_for_accelerate(model: torch.nn.Module) -> None:
     model._is_accelerate_prepared = True
 
 
-def _known_trainer_classes() -> tuple[type, ...]:
-    """The trainer classes the mixin is verified on (what may follow it in the MRO)."""
-    from transformers import Trainer
-
-    known = [Trainer]
-    try:
-        from trl import SFTTrainer
-        from trl.trainer.base_trainer import _BaseTrainer
-    except ImportError:
-        pass
-    else:
-        known += [SFTTrainer, _BaseTrainer]
-    return tuple(known)
+def refusal(out: list[str], condition, message: str) -> None:
+    """Append `message` to the list of refusals when `condition` holds."""
+    if condition:
+        out.append(message)
 
 
-class CPTrainerMixin:
-    """Context parallelism (deltacp) for a transformers `Trainer` or TRL `SFTTrainer`: put it first,
-    `class MyTrainer(CPTrainerMixin, SFTTrainer)`, and pass `cp_size` (see the module docstring).
+class CPTrainerBase:
+    """What deltacp's trainer integrations share; not used alone: `CPTrainerMixin` (transformers' `Trainer`, TRL's
+    `SFTTrainer`) and `CPGRPOMixin` (TRL's `GRPOTrainer`) put it after themselves in the MRO.
 
     Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size),
     linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree, sequence_layout
@@ -106,6 +99,11 @@ class CPTrainerMixin:
         self._setup_cp()
 
     # -- set-up --------------------------------------------------------------------------------------------------
+    @classmethod
+    def _cp_verified_classes(cls) -> tuple[type, ...]:
+        """The trainer classes this integration is verified on (what may follow CPTrainerBase in the MRO)."""
+        raise NotImplementedError
+
     def _setup_cp(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deltacp: the CP trainer needs torch.distributed (launch with torchrun or accelerate "
@@ -117,13 +115,19 @@ class CPTrainerMixin:
         problems = self._cp_refusals()
         if problems:
             raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
-        args = self.args
-        self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, args.device.type)
+        self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, self.args.device.type)
         self.dp_rank = self.cp_mesh.get_local_rank("dp")
-        model = self.model
+        self._cp_prepare_model(self.model, train=True)
+        self.cp_sequence_layout = sequence_layout_of(self.model)  # every batch is cut with the model's layout
+        logger.info("deltacp: dp %d x cp %d, %s", self.dp_size, self.cp_size,
+                    "FSDP2 over dp x cp (summed gradients)" if self.cp_fsdp else "replicated parameters")
+
+    def _cp_prepare_model(self, model: torch.nn.Module, *, train: bool) -> None:
+        """`parallelize_cp`, then (the trained model) deltacp's activation checkpointing, then FSDP2 or nothing
+        (replicated); marked prepared for accelerate."""
+        args = self.args
         parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)
-        self.cp_sequence_layout = sequence_layout_of(model)  # every batch is cut with the model's layout
-        if args.activation_checkpointing:
+        if train and args.activation_checkpointing:
             every = int((args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1))
             apply_activation_checkpointing(model, every)
             # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
@@ -132,26 +136,23 @@ class CPTrainerMixin:
             mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
             fully_shard_cp(model, self.cp_mesh, mp_policy=mp_policy)
         mark_prepared_for_accelerate(model)
-        logger.info("deltacp: dp %d x cp %d, %s", self.dp_size, self.cp_size,
-                    "FSDP2 over dp x cp (summed gradients)" if self.cp_fsdp else "replicated parameters")
 
     def _cp_refusals(self) -> list[str]:
-        """What this trainer, its arguments, model and data ask for that the CP trainer cannot honour."""
+        """What this trainer, its arguments, model and data ask for that the CP trainer cannot honour (each
+        integration adds its own)."""
         from torch.utils.data import IterableDataset
 
         args, out = self.args, []
 
         def refuse(condition, message):
-            if condition:
-                out.append(message)
+            refusal(out, condition, message)
 
-        known = _known_trainer_classes()
+        known = self._cp_verified_classes()
         mro = type(self).__mro__
-        for cls in mro[mro.index(CPTrainerMixin) + 1:]:
+        for cls in mro[mro.index(CPTrainerBase) + 1:]:
             if cls is not object and cls not in known:
-                out.append(f"trainer class {cls.__name__} (the CP trainer replaces the loss, data and evaluation hooks "
-                           f"of {', '.join(k.__name__ for k in known)} only; RL and preference trainers have losses "
-                           f"of their own)")
+                out.append(f"trainer class {cls.__name__} (this CP trainer replaces the hooks of "
+                           f"{', '.join(k.__name__ for k in known)} only; other trainers have losses of their own)")
                 break
         model = self.model
         refuse(type(model).__name__.startswith("Peft") or hasattr(model, "peft_config"),
@@ -175,24 +176,15 @@ class CPTrainerMixin:
         refuse(self.model_init is not None, "model_init / hyperparameter search")
         refuse(self.cp_fsdp and (self.optimizer is not None or self.lr_scheduler is not None),
                "optimizers=(...) with fsdp=True (FSDP2 replaces the parameters): pass optimizer_cls_and_kwargs")
-        refuse(self.compute_loss_func is not None, "compute_loss_func (the loss is deltacp's fused cross entropy)")
-        refuse(self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
-               "compute_metrics / preprocess_logits_for_metrics (they need full logits; evaluation gives eval_loss)")
-        refuse(bool(args.include_for_metrics), "include_for_metrics")
-        refuse(args.label_smoothing_factor != 0, "label_smoothing_factor")
         refuse(args.neftune_noise_alpha is not None, "neftune_noise_alpha (its noise scales with each rank's length)")
         refuse(args.include_num_input_tokens_seen not in ("no", False),
                "include_num_input_tokens_seen (it would count each token on every CP rank)")
         refuse(args.torch_compile, "torch_compile")
         refuse(args.use_liger_kernel, "use_liger_kernel")
         refuse(args.auto_find_batch_size, "auto_find_batch_size")
-        refuse(not args.average_tokens_across_devices and self.dp_size > 1,
-               "average_tokens_across_devices=False with dp > 1 (the loss is the mean over every target of the "
-               "global batch, as on one device)")
         acc = args.accelerator_config
         refuse(acc.split_batches, "accelerator_config.split_batches")
         refuse(acc.dispatch_batches, "accelerator_config.dispatch_batches")
-        refuse(args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'")
         datasets = [self.train_dataset] + (list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict)
                                            else [self.eval_dataset])
         refuse(any(isinstance(d, IterableDataset) or type(d).__name__ == "IterableDataset" for d in datasets),
@@ -202,7 +194,6 @@ class CPTrainerMixin:
                "checkpoints with optimizer state (resuming is not supported yet): set save_only_model=True")
         refuse(args.load_best_model_at_end, "load_best_model_at_end")
         refuse(args.push_to_hub, "push_to_hub")
-        refuse(getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll"), f"loss_type={getattr(args, 'loss_type', None)!r}")
         refuse(getattr(args, "activation_offloading", False), "activation_offloading")
         if args.activation_checkpointing:
             kw = dict(args.activation_checkpointing_kwargs or {})
@@ -246,6 +237,102 @@ class CPTrainerMixin:
     def get_test_dataloader(self, test_dataset):
         return self._shard_by_dp(super().get_test_dataloader(test_dataset))
 
+    # -- gradients -----------------------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        sync = self.accelerator.sync_gradients
+        if self.cp_fsdp:  # FSDP2 reduce-scatters on the last micro-batch only (as accelerate's no_sync)
+            each = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+            self.accelerator.unwrap_model(model).set_requires_gradient_sync(bool(sync or each))
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not self.cp_fsdp and sync:
+            all_reduce_cp_grads(self.accelerator.unwrap_model(model), self.cp_mesh)
+        return loss
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    def _cp_gather_for_metrics(self, tensor, use_gather_object=False):
+        """gather_for_metrics over dp (the CP ranks of a dp group hold the same values): dp-rank order, the
+        duplicated samples of the last batch dropped as accelerate does."""
+        if use_gather_object or not isinstance(tensor, torch.Tensor):
+            raise NotImplementedError("deltacp: only loss tensors are gathered in evaluation under CP")
+        parts = [torch.empty_like(tensor) for _ in range(self.dp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.cp_mesh.get_group("dp"))
+        data = torch.cat(parts)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = data[: state.remainder]
+        return data
+
+    def evaluation_loop(self, *args, **kwargs):
+        self.gather_function = self._cp_gather_for_metrics  # the trainer resets it at the end of every loop
+        return super().evaluation_loop(*args, **kwargs)
+
+    # -- training entry and saving -------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        if resume_from_checkpoint not in (None, False):
+            raise NotImplementedError("deltacp: resuming from a checkpoint is not supported under CP yet")
+        if trial is not None:
+            raise NotImplementedError("deltacp: hyperparameter search trials are not supported under CP")
+        return super().train(ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A normal transformers directory (save_pretrained: config, safetensors, the processing class) written by the
+        saving rank; with FSDP2 the full state dict is gathered first (a collective: every rank calls this)."""
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = None
+        if self.cp_fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        dist.barrier()
+
+
+def _lm_trainer_classes() -> tuple[type, ...]:
+    """transformers' Trainer and TRL's SFTTrainer (and its base), where TRL is installed."""
+    from transformers import Trainer
+
+    known = [Trainer]
+    try:
+        from trl import SFTTrainer
+        from trl.trainer.base_trainer import _BaseTrainer
+    except ImportError:
+        pass
+    else:
+        known += [SFTTrainer, _BaseTrainer]
+    return tuple(known)
+
+
+class CPTrainerMixin(CPTrainerBase):
+    """Context parallelism (deltacp) for a transformers `Trainer` or TRL `SFTTrainer`: put it first,
+    `class MyTrainer(CPTrainerMixin, SFTTrainer)`, and pass `cp_size` (see the module docstring and
+    `CPTrainerBase` for the keywords). The loss is deltacp's fused linear cross entropy."""
+
+    @classmethod
+    def _cp_verified_classes(cls) -> tuple[type, ...]:
+        return _lm_trainer_classes()
+
+    def _cp_refusals(self) -> list[str]:
+        args, out = self.args, super()._cp_refusals()
+
+        def refuse(condition, message):
+            refusal(out, condition, message)
+
+        refuse(self.compute_loss_func is not None, "compute_loss_func (the loss is deltacp's fused cross entropy)")
+        refuse(self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
+               "compute_metrics / preprocess_logits_for_metrics (they need full logits; evaluation gives eval_loss)")
+        refuse(bool(args.include_for_metrics), "include_for_metrics")
+        refuse(args.label_smoothing_factor != 0, "label_smoothing_factor")
+        refuse(not args.average_tokens_across_devices and self.dp_size > 1,
+               "average_tokens_across_devices=False with dp > 1 (the loss is the mean over every target of the "
+               "global batch, as on one device)")
+        refuse(args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'")
+        refuse(getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll"),
+               f"loss_type={getattr(args, 'loss_type', None)!r}")
+        return out
+
+    # -- data ----------------------------------------------------------------------------------------------------
     def _cp_shard(self, batch) -> CPBatch:
         if isinstance(batch, CPBatch):
             return batch
@@ -286,16 +373,6 @@ class CPTrainerMixin:
         return self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh,
                              num_items_in_batch if scaled else None)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        sync = self.accelerator.sync_gradients
-        if self.cp_fsdp:  # FSDP2 reduce-scatters on the last micro-batch only (as accelerate's no_sync)
-            each = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
-            self.accelerator.unwrap_model(model).set_requires_gradient_sync(bool(sync or each))
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if not self.cp_fsdp and sync:
-            all_reduce_cp_grads(self.accelerator.unwrap_model(model), self.cp_mesh)
-        return loss
-
     # -- evaluation ----------------------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The batch's loss over its dp group (the mean over the batch's targets, as the trainer's per-batch loss)."""
@@ -309,45 +386,6 @@ class CPTrainerMixin:
             loss = self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh["cp"], None)
         return loss.detach(), None, None
 
-    def _cp_gather_for_metrics(self, tensor, use_gather_object=False):
-        """gather_for_metrics over dp (the CP ranks of a dp group hold the same values): dp-rank order, the
-        duplicated samples of the last batch dropped as accelerate does."""
-        if use_gather_object or not isinstance(tensor, torch.Tensor):
-            raise NotImplementedError("deltacp: only loss tensors are gathered in evaluation under CP")
-        parts = [torch.empty_like(tensor) for _ in range(self.dp_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.cp_mesh.get_group("dp"))
-        data = torch.cat(parts)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            data = data[: state.remainder]
-        return data
-
-    def evaluation_loop(self, *args, **kwargs):
-        self.gather_function = self._cp_gather_for_metrics  # the trainer resets it at the end of every loop
-        return super().evaluation_loop(*args, **kwargs)
-
     def predict(self, *args, **kwargs):
         raise NotImplementedError("deltacp: predict() returns logits, which are not gathered under CP; use evaluate() "
                                   "for the loss")
-
-    # -- training entry and saving -------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
-        if resume_from_checkpoint not in (None, False):
-            raise NotImplementedError("deltacp: resuming from a checkpoint is not supported under CP yet")
-        if trial is not None:
-            raise NotImplementedError("deltacp: hyperparameter search trials are not supported under CP")
-        return super().train(ignore_keys_for_eval=ignore_keys_for_eval)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A normal transformers directory (save_pretrained: config, safetensors, the processing class) written by the
-        saving rank; with FSDP2 the full state dict is gathered first (a collective: every rank calls this)."""
-        output_dir = self.args.output_dir if output_dir is None else output_dir
-        state_dict = None
-        if self.cp_fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
-        if self.args.should_save:
-            self._save(output_dir, state_dict=state_dict)
-        dist.barrier()

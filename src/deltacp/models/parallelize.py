@@ -17,6 +17,8 @@ gradients over the CP group with `all_reduce_cp_grads` when parameters are repli
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 
 from torch import nn
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _PARALLELIZED = "_deltacp_parallelized"  # set on the text model once CP is applied
 _SEQUENCE_LAYOUT = "_deltacp_sequence_layout"  # the sequence layout it was parallelized with
+_SUSPENDED = "_deltacp_suspended"  # True on the text model while `suspend_cp` holds it
 
 
 def sequence_layout_of(model: nn.Module) -> str | None:
@@ -110,19 +113,32 @@ def apply_fused_decoder(model: nn.Module) -> int:
     return install_fused_decoder(model)  # logs its line
 
 
+def _unless_suspended(text: nn.Module, hook):
+    """`hook`, a no-op (None: arguments or output unchanged) while `suspend_cp` holds the model of `text`."""
+
+    @functools.wraps(hook)
+    def run(*args, **kwargs):
+        return None if getattr(text, _SUSPENDED, False) else hook(*args, **kwargs)
+
+    return run
+
+
 def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_layout: str = "contiguous") -> None:
-    group = cp_group_of(cp_mesh)
-    adapter.text.register_forward_pre_hook(make_cp_inputs_hook(group, adapter, sequence_layout), with_kwargs=True)
+    group, text = cp_group_of(cp_mesh), adapter.text
+    text.register_forward_pre_hook(_unless_suspended(text, make_cp_inputs_hook(group, adapter, sequence_layout)),
+                                   with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(adapter.text).__name__)
     if adapter.multimodal is not None:
-        adapter.multimodal.register_forward_pre_hook(make_multimodal_hook(group, sequence_layout), with_kwargs=True)
+        adapter.multimodal.register_forward_pre_hook(
+            _unless_suspended(text, make_multimodal_hook(group, sequence_layout)), with_kwargs=True)
         logger.info("Applied the multimodal CP hook (vision on the whole batch, global mRoPE positions) to %s",
                     type(adapter.multimodal).__name__)
     if adapter.head is not None:
-        adapter.head.register_forward_pre_hook(refuse_local_loss, with_kwargs=True)
+        adapter.head.register_forward_pre_hook(_unless_suspended(text, refuse_local_loss), with_kwargs=True)
         if adapter.moe is not None:
-            adapter.head.register_forward_hook(make_aux_loss_hook(adapter.moe.num_experts, adapter.moe.top_k,
-                                                                  batch_group_of(cp_mesh)), with_kwargs=True)
+            adapter.head.register_forward_hook(
+                _unless_suspended(text, make_aux_loss_hook(adapter.moe.num_experts, adapter.moe.top_k,
+                                                           batch_group_of(cp_mesh))), with_kwargs=True)
             logger.info("Applied the global MoE auxiliary loss hook (%d experts, top %d) to %s",
                         adapter.moe.num_experts, adapter.moe.top_k, type(adapter.head).__name__)
 
@@ -170,3 +186,31 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     setattr(adapter.text, _PARALLELIZED, True)
     setattr(adapter.text, _SEQUENCE_LAYOUT, sequence_layout)
     return model
+
+
+@contextlib.contextmanager
+def suspend_cp(model: nn.Module):
+    """Inside, a model made CP by `parallelize_cp` runs as the single-device model on every rank: transformers' own
+    layer forwards on whatever each rank passes (whole sequences), inference caches allowed, nothing exchanged
+    between ranks; on exit the CP forwards are back. For generation with the model being trained (e.g. an RL
+    trainer's rollouts: each rank generates its own prompts). Parameters stay as they are: under FSDP2 every
+    forward all-gathers them, unless `unsharded_parameters` holds them (`models/fsdp.py`). Not re-entrant across
+    threads; nested calls are no-ops.
+    """
+    adapter = adapter_for(model)
+    text = adapter.text
+    if not getattr(text, _PARALLELIZED, False):
+        raise ValueError("suspend_cp: the model is not parallelized (parallelize_cp first)")
+    if getattr(text, _SUSPENDED, False):
+        yield model
+        return
+    mixers = [m for layer in adapter.layers() for m in (adapter.linear_attention(layer), adapter.full_attention(layer))
+              if m is not None and "forward" in m.__dict__]
+    saved = [(m, m.__dict__.pop("forward")) for m in mixers]  # the CP forwards, installed on the instances
+    setattr(text, _SUSPENDED, True)
+    try:
+        yield model
+    finally:
+        setattr(text, _SUSPENDED, False)
+        for module, forward in saved:
+            module.forward = forward
