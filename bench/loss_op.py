@@ -86,15 +86,16 @@ def old_chunked_sum(hidden, weight, targets, chunk_size=1024, *, weight_acc_dtyp
 # ---- the contenders: (hidden, weight, targets) -> mean loss -------------------------------------------------------
 def contenders(with_liger: bool, chunk_size=None, vocab_chunk_size=None):
     from deltacp.models import loss as L
+    from deltacp.ops.lm_head import chunks as C
 
     def deltacp(fp32_reductions, weight_grad="accumulate", chunk=chunk_size):
         def run(h, w, t):
-            saved, L.FP32_MATMUL_REDUCTIONS = L.FP32_MATMUL_REDUCTIONS, fp32_reductions
+            saved, C.FP32_MATMUL_REDUCTIONS = C.FP32_MATMUL_REDUCTIONS, fp32_reductions
             try:  # the mean: 1 / count folded into the gradients before rounding, as cp_linear_cross_entropy
                 return L.linear_cross_entropy_sum(h, w, None, t, chunk, vocab_chunk_size=vocab_chunk_size,
                                                   scale=1.0 / (t != IGNORE).sum().float(), weight_grad=weight_grad)
             finally:
-                L.FP32_MATMUL_REDUCTIONS = saved
+                C.FP32_MATMUL_REDUCTIONS = saved
         return run
 
     out = {

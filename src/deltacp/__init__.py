@@ -9,7 +9,14 @@ from deltacp.models.adapters import supported_classes
 from deltacp.models.batch import shard_batch_for_cp
 from deltacp.models.checkpointing import apply_activation_checkpointing
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
-from deltacp.models.loss import IGNORE_INDEX, cp_causal_lm_loss, cp_cross_entropy, cp_linear_cross_entropy
+from deltacp.models.loss import (
+    IGNORE_INDEX,
+    cp_causal_lm_loss,
+    cp_cross_entropy,
+    cp_linear_cross_entropy,
+    cp_token_logprobs,
+    linear_token_logprobs,
+)
 from deltacp.models.moe import cp_load_balancing_loss
 from deltacp.models.parallelize import parallelize_cp, sequence_layout_of
 from deltacp.models.qwen3_5 import fully_shard_qwen3_5, parallelize_qwen3_5_cp
@@ -28,9 +35,11 @@ __all__ = [
     "cp_layer_of",
     "cp_linear_cross_entropy",
     "cp_load_balancing_loss",
+    "cp_token_logprobs",
     "fully_shard_cp",
     "fully_shard_qwen3_5",
     "init_cp_mesh",
+    "linear_token_logprobs",
     "parallelize_cp",
     "parallelize_qwen3_5_cp",
     "run_distributed",

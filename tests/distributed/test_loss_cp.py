@@ -1,6 +1,15 @@
-"""cp_linear_cross_entropy under CP2 (gloo, one spawn): the value on every rank and the rank-summed gradients are the
-single-device ones (float64, 1e-12), one rank's targets all ignored; and in the whole model (CP2, FSDP2 on
-the same mesh, tied embeddings) `cp_causal_lm_loss` against the single-device model with full logits."""
+"""The head ops under CP4 (gloo, one spawn).
+
+cp_linear_cross_entropy: the value on every rank and the rank-summed gradients are the single-device ones (float64,
+1e-12), one rank's targets all ignored; in the whole model (FSDP2 on the same mesh, tied embeddings)
+`cp_causal_lm_loss` against the single-device model with full logits.
+
+cp_token_logprobs (float64 model): each rank's log-probabilities and entropy equal its slice (in its sequence
+layout) of log_softmax(logits / T) of the single-device model's full logits (1e-10), and the parameter gradients
+of sum(w * logp + u * entropy) for random per-token w, u, summed over ranks, equal the single-device ones (1e-8):
+both sequence layouts, unpacked rows (B = 2) and a packed row (documents crossing ranks), FSDP2 and activation
+checkpointing, tied embeddings, temperatures 0.7 / 1 / 1.3.
+"""
 
 import copy
 
@@ -11,10 +20,14 @@ from transformers import Qwen3_5ForCausalLM
 
 from deltacp import (
     all_reduce_cp_grads,
+    apply_activation_checkpointing,
     cp_causal_lm_loss,
     cp_cross_entropy,
     cp_linear_cross_entropy,
+    cp_token_logprobs,
+    fully_shard_cp,
     fully_shard_qwen3_5,
+    parallelize_cp,
     parallelize_qwen3_5_cp,
     shard_batch_for_cp,
 )
@@ -95,10 +108,75 @@ def model_worker(rank, world):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
+LOGPROB_CASES = [  # (sequence_layout, packed, fsdp, activation checkpointing, tied, temperature)
+    ("contiguous", False, False, False, False, 0.7),
+    ("balanced", True, True, True, True, 1.3),
+    ("balanced", False, False, True, False, 1.0),
+    ("contiguous", True, True, False, False, 0.7),
+]
+PACKED = [0, 5, 16, 30, 31, 50, 64]  # documents crossing pieces and ranks (pieces of 8 at CP4 under balanced)
+
+
+def _reference_logprobs(logits, targets, temperature):
+    """Independent of deltacp's op: log_softmax of the full logits / T, gathered; -sum p log p at every token."""
+    log_p = F.log_softmax(logits / temperature, dim=-1)
+    logp = log_p.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1).masked_fill(targets == -100, 0)
+    return logp, -(log_p.exp() * log_p).sum(-1)
+
+
+def logprobs_worker(rank, world):
+    torch.manual_seed(0)
+    bases = {tied: long_memory_gates_(Qwen3_5ForCausalLM(tiny_config(tie_word_embeddings=tied)).double())
+             for tied in (False, True)}
+    S = 64
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, S), generator=g)
+    w, u = torch.randn(2, S, generator=g, dtype=torch.float64), torch.randn(2, S, generator=g, dtype=torch.float64)
+    mesh, single = cp_mesh(), self_meshes()
+    failures = []
+    for layout, packed, fsdp, ac, tied, temperature in LOGPROB_CASES:
+        rows = slice(0, 1) if packed else slice(0, 2)
+        cu = torch.tensor(PACKED) if packed else None
+        # single device, full logits: the reference
+        ref = parallelize_cp(copy.deepcopy(bases[tied]), single, linear_attention_cp_mode="p2p")
+        batch = shard_batch_for_cp(ids[rows], single, cu_seqlens=cu)
+        targets = batch.pop("target_ids")
+        logp_ref, ent_ref = _reference_logprobs(ref(**batch, use_cache=False).logits, targets, temperature)
+        (w[rows] * logp_ref + u[rows] * ent_ref).sum().backward()
+        grads_ref = grads_of(ref)
+        # CP
+        model = parallelize_cp(copy.deepcopy(bases[tied]), mesh, linear_attention_cp_mode="p2p",
+                               sequence_layout=layout)
+        if ac:
+            apply_activation_checkpointing(model)
+        if fsdp:
+            fully_shard_cp(model, mesh)
+        batch = shard_batch_for_cp(ids[rows], mesh, cu_seqlens=cu, sequence_layout=layout)
+        targets = batch.pop("target_ids")
+        logp, ent = cp_token_logprobs(model, targets, mesh, temperature=temperature, return_entropy=True,
+                                      chunk_size=5, **batch, use_cache=False)
+        mine = lambda x: local_slice(x, rank, world, layout=layout)  # noqa: E731
+        (mine(w[rows]) * logp + mine(u[rows]) * ent).sum().backward()
+        if fsdp:
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        else:
+            all_reduce_cp_grads(model, mesh)
+            grads = grads_of(model)
+        assert logp.dtype == ent.dtype == torch.float64 and "forward" not in model.lm_head.__dict__
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        case = f"{layout} {'packed' if packed else 'B=2'} fsdp={fsdp} ac={ac} tied={tied} T={temperature}"
+        checks = {"logp": (rel_l2(logp, mine(logp_ref)), 1e-10), "entropy": (rel_l2(ent, mine(ent_ref)), 1e-10),
+                  "all grads": (rel_l2(flat(grads), flat(grads_ref)), 1e-8),
+                  "head grad": (rel_l2(grads[head], grads_ref[head]), 1e-8)}
+        failures += [f"{case} {k}: {v:.2e}" for k, (v, bound) in checks.items() if not v <= bound]
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
 def worker(rank, world):
     loss_worker(rank, world)
     model_worker(rank, world)
+    logprobs_worker(rank, world)
 
 
-def test_linear_cross_entropy_and_causal_lm_loss_cp2():
-    run_distributed(worker, 2, timeout_s=300)
+def test_linear_cross_entropy_causal_lm_loss_and_token_logprobs_cp4():
+    run_distributed(worker, 4, timeout_s=600)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltacp.models import loss as L
+from deltacp.ops.lm_head import cross_entropy as CE
 
 IGNORE = -100
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -279,8 +280,8 @@ def test_activation_checkpointing_runs_the_loss_once(single_rank_group, monkeypa
     from helpers import cp_mesh, flat, grads_of, tiny_config
 
     calls = []
-    real = L._linear_ce_two_pass
-    monkeypatch.setattr(L, "_linear_ce_two_pass",
+    real = CE._linear_ce_two_pass
+    monkeypatch.setattr(CE, "_linear_ce_two_pass",
                         lambda *a, **k: (calls.append(k["need_weight"]), real(*a, **k))[1])
     torch.manual_seed(0)
     base = Qwen3_5ForCausalLM(tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
@@ -305,6 +306,7 @@ _TRITON_CODE = r"""
 import sys, torch
 from deltacp.models import loss as L
 from deltacp.ops.fused import linear_ce as K
+from deltacp.ops.lm_head import kernels as LK
 
 def rel(a, b):
     a, b = a.double(), b.double()
@@ -324,7 +326,7 @@ for dt, max_block, cols_block in ((torch.float32, 16384, 2048), (torch.bfloat16,
     ours, ref = x.clone(), x.clone()
     lo, lr, so, sr = torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n)
     K.ce_rows_(ours, t, lo, so, scale, ignore_index=-100, compute_grad=True)
-    L._ce_rows_torch_(ref, t, lr, sr, scale, compute_grad=True)
+    LK.ce_rows_torch_(ref, t, lr, sr, scale, compute_grad=True)
     assert torch.equal(lo[[2, 7]], torch.zeros(2)) and torch.count_nonzero(ours[[2, 7]]) == 0
     assert (ours.float() - ref.float()).abs().max().item() <= ulp, (dt, "pass 1 grad")
     assert (so - sr).abs().max().item() <= 1e-5, (dt, "lse")
@@ -338,7 +340,7 @@ for dt, max_block, cols_block in ((torch.float32, 16384, 2048), (torch.bfloat16,
         chunk = x[:, cols].contiguous()
         ref2 = chunk.clone()
         K.ce_grad_cols_(chunk, t, so, scale, col0, ignore_index=-100)
-        L._ce_grad_cols_torch_(ref2, t, so, scale, col0)
+        LK.ce_grad_cols_torch_(ref2, t, so, scale, col0)
         assert torch.count_nonzero(chunk[[2, 7]]) == 0
         assert (chunk.float() - ref2.float()).abs().max().item() <= ulp, (dt, "pass 2 vs torch", col0)
         assert (chunk.float() - ours[:, cols].float()).abs().max().item() <= ulp, (dt, "pass 2 vs pass 1", col0)
