@@ -77,6 +77,21 @@ SCORED_KEYS = {"prompt_ids": ("left", "pad"), "prompt_mask": ("left", 0), "compl
                "num_items_in_batch": (None, None)}
 
 
+def _early_refusals(config) -> list[str]:
+    """What the GRPOConfig asks for that is refused before GRPOTrainer's own __init__ starts it."""
+    out = []
+    if config is None:
+        return out
+    refusal(out, getattr(config, "use_vllm", False),
+            f"use_vllm (vllm_mode={getattr(config, 'vllm_mode', None)!r}): vLLM's weight sync reads each parameter as "
+            f"a plain tensor, which deltacp's FSDP2 shards, and colocate mode keeps a second copy of the model "
+            f"beside the training memory CP saves; CPGRPOTrainer generates with the model itself (each CP rank a "
+            f"share of the completions)")
+    refusal(out, getattr(config, "use_transformers_continuous_batching", False),
+            "use_transformers_continuous_batching (it casts the model in place; not verified under CP)")
+    return out
+
+
 def _grpo_trainer_classes() -> tuple[type, ...]:
     from transformers import Trainer
     from trl import GRPOTrainer
@@ -94,6 +109,10 @@ class CPGRPOMixin(CPTrainerBase):
     def __init__(self, *args, padding_free: bool = True, **kwargs):
         if not isinstance(padding_free, bool):
             raise ValueError(f"deltacp: padding_free must be True or False, got {padding_free!r}")
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)  # GRPOTrainer(model, reward_funcs, args)
+        problems = _early_refusals(config)
+        if problems:  # what GRPOTrainer's own __init__ would start (a vLLM engine or server connection)
+            raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
         self.cp_padding_free = padding_free
         self._cp_share_rows = False  # True while TRL scores this rank's share of a generation batch
         self._cp_rng_state = None  # the generation's own random stream, between rounds
@@ -127,11 +146,7 @@ class CPGRPOMixin(CPTrainerBase):
         def refuse(condition, message):
             refusal(out, condition, message)
 
-        refuse(args.use_vllm, f"use_vllm (vllm_mode={args.vllm_mode!r}): vLLM's weight sync reads each parameter as a "
-                              f"plain tensor, which deltacp's FSDP2 shards, and colocate mode keeps a second copy of "
-                              f"the model; CPGRPOTrainer generates with the model itself (each CP rank a share)")
-        refuse(args.use_transformers_continuous_batching,
-               "use_transformers_continuous_batching (it casts the model in place; not verified under CP)")
+        out += _early_refusals(args)
         refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32 (the CP log-probabilities compute the head in the "
                                           "model's compute dtype and reduce in float32)")
         refuse(self.aux_loss_enabled, "the MoE auxiliary loss: set router_aux_loss_coef=0.0")

@@ -6,7 +6,8 @@ composition of named steps.
     loss = cp_causal_lm_loss(model, batch.pop("target_ids"), cp_mesh, **batch, use_cache=False)
 
 Steps (one log line each): check every layer on every rank and exchange the configuration once (every rank
-raises together); `apply_linear_attention_cp` (the GDN style on every `linear_attn`); `apply_full_attention_cp`
+raises together); `disable_hub_kernels` (transformers' hub kernels would put the classes' forwards back at every
+train() / eval()); `apply_linear_attention_cp` (the GDN style on every `linear_attn`); `apply_full_attention_cp`
 (the full attention style on every `self_attn`); on the Triton backend `apply_fused_decoder` (RMSNorm, residual
 add + RMSNorm: `models/fused_decoder.py`); `install_input_hooks` (the CP input hook on the text model, on a
 multimodal model the vision hook, on a causal-LM / conditional-generation wrapper the hook refusing `labels` and
@@ -83,6 +84,19 @@ def cp_styles(cp: int, ulysses_degree: int | None, linear_attention_cp_mode: str
     return (LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend, ulysses_degree,
                                            linear_attention_state_passing, sequence_layout),
             FullAttentionContextParallel(full_attention_cp, ulysses_degree, sequence_layout=sequence_layout))
+
+
+def disable_hub_kernels(model: nn.Module) -> bool:
+    """Turn transformers' hub kernels off on `model` (True if they were on). `from_pretrained` turns them on where
+    the `kernels` package is installed, and then every train() / eval() switch kernelizes the model again, which
+    removes every forward installed on an instance (the CP forwards) in favour of the class's. transformers' own
+    torch forwards remain where deltacp installs none."""
+    if not getattr(model, "use_kernels", False):
+        return False
+    model.use_kernels = False  # transformers' switch: resets the kernelized layers, no re-kernelizing on train()
+    logger.info("Turned transformers' hub kernels off on %s (they would replace the CP forwards at train() / eval())",
+                type(model).__name__)
+    return True
 
 
 def _install_on_layers(adapter: ModelAdapter, module_of, style, group, groups) -> int:
@@ -176,6 +190,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
         config.update(check_model(model, adapter, linear, full, cp))
     raise_together(group, "parallelize_cp", checks.error, agree=config)
 
+    disable_hub_kernels(model)
     linear_groups = linear.groups(cp_mesh)
     apply_linear_attention_cp(adapter, linear, group, linear_groups)
     shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
