@@ -30,7 +30,7 @@ import pytest
 from deltacp.distributed.launch import run_distributed
 import integ_cases
 
-LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL = 2e-6, 2e-6, 2e-6, 1e-5
+LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL, METRIC_REL = 2e-6, 2e-6, 2e-6, 1e-5, 2e-6
 CP2_CASES = ("trainer-padded", "sft-packed")
 DP2_CASES = ("trainer-padded", "trainer-packed", "sft-packed", "sft-padded")
 SAVED = "sft-packed"  # saved at dp2 x cp2; its reference saves too
@@ -132,6 +132,18 @@ def _compare(label: str, got: dict, ref: dict) -> list[str]:
     for name, value, bound in (("loss", loss, LOSS_REL), ("grad norm", gnorm, GNORM_REL), ("eval_loss", ev, EVAL_REL)):
         if not value <= bound:
             failures.append(f"{label}: {name} rel diff {value:.2e} > {bound:.0e} (got {got}, reference {ref})")
+    # TRL's token metrics (SFTTrainer only): the same keys on every step and in evaluation, the same values
+    pairs = [(f"step {i + 1} {k}", g[k], r[k]) for i, (g, r) in enumerate(zip(got["metrics"], ref["metrics"]))
+             for k in r]
+    pairs += [(f"eval {k}", got["eval_metrics"][k], v) for k, v in ref["eval_metrics"].items()]
+    assert [set(m) for m in got["metrics"]] == [set(m) for m in ref["metrics"]], (label, got["metrics"])
+    assert set(got["eval_metrics"]) == set(ref["eval_metrics"]), (label, got["eval_metrics"])
+    if label.startswith("sft"):
+        assert set(ref["metrics"][0]) == set(integ_cases.TOKEN_METRICS), ref["metrics"]
+    worst = max((_rel(g, r) for _, g, r in pairs), default=0.0)
+    if pairs:
+        print(f"{label}: token metrics (entropy, mean_token_accuracy, num_tokens) max rel {worst:.1e}")
+    failures += [f"{label}: {name} {g!r} vs {r!r}" for name, g, r in pairs if not _rel(g, r) <= METRIC_REL]
     return failures
 
 

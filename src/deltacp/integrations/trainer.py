@@ -48,6 +48,8 @@ from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_bat
 
 logger = logging.getLogger(__name__)
 
+NUM_TOKENS = "_deltacp_num_tokens"  # a CPBatch's input token count (TRL's num_tokens), popped before the model call
+
 PARALLELIZE_KEYS = ("linear_attention_cp_mode", "linear_attention_gdn_backend", "full_attention_cp", "ulysses_degree",
                     "sequence_layout")
 
@@ -334,11 +336,18 @@ class CPTrainerMixin(CPTrainerBase):
 
     # -- data ----------------------------------------------------------------------------------------------------
     def _cp_shard(self, batch) -> CPBatch:
+        """This rank's slice of a collated batch, carrying (under NUM_TOKENS, popped before the model call) the
+        batch's input token count as TRL's SFTTrainer counts it: the attention mask's ones, else the packed row's
+        length (before deltacp pads it)."""
         if isinstance(batch, CPBatch):
             return batch
         pad = getattr(self.processing_class, "pad_token_id", None)
-        return shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0,
-                                    sequence_layout=self.cp_sequence_layout)
+        cut = shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0,
+                                   sequence_layout=self.cp_sequence_layout)
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+        cut[NUM_TOKENS] = (int(mask.sum()) if mask is not None else
+                           positions.shape[1] if positions is not None else batch["input_ids"].numel())
+        return cut
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The step's micro-batches, each cut to this rank's CP slice, and the count of every valid target of the
@@ -357,11 +366,30 @@ class CPTrainerMixin(CPTrainerBase):
 
     # -- loss ----------------------------------------------------------------------------------------------------
     def _cp_loss(self, model, batch: CPBatch, mesh, num_items_in_batch):
+        """The loss; for a trainer that logs token metrics (TRL's SFTTrainer: `_metrics`), also its entropy,
+        mean_token_accuracy and num_tokens, over the whole global batch as TRL gathers them."""
         kwargs = dict(batch)
         target_ids = kwargs.pop("target_ids")
+        num_tokens = kwargs.pop(NUM_TOKENS, 0)
         model = self.accelerator.unwrap_model(model)
-        return cp_causal_lm_loss(model, target_ids, mesh, num_items_in_batch=num_items_in_batch, use_cache=False,
-                                 **kwargs)
+        metrics = getattr(self, "_metrics", None)
+        if metrics is None:
+            return cp_causal_lm_loss(model, target_ids, mesh, num_items_in_batch=num_items_in_batch,
+                                     use_cache=False, **kwargs)
+        loss, stats = cp_causal_lm_loss(model, target_ids, mesh, num_items_in_batch=num_items_in_batch,
+                                        use_cache=False, return_token_stats=True, **kwargs)
+        # every rank's targets once; the batch's tokens once per CP rank of its dp group
+        totals = torch.cat([stats.double(), torch.tensor([float(num_tokens)], device=stats.device,
+                                                         dtype=torch.float64)])
+        dist.all_reduce(totals)
+        entropy_sum, correct, valid, tokens = totals.tolist()
+        mode = "train" if self.model.training else "eval"
+        metrics[mode]["entropy"].append(entropy_sum / valid if valid > 0 else 0.0)
+        metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
+        if mode == "train":
+            self._total_train_tokens += round(tokens / self.cp_size)
+        metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
