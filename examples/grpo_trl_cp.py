@@ -15,6 +15,7 @@ the completions with the model itself; log-probabilities and the training step r
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import re
@@ -94,8 +95,10 @@ def main() -> None:
         save_strategy="no", bf16=gpu, use_cpu=not gpu, report_to=[], seed=0, disable_tqdm=True,
         activation_checkpointing=True)                  # deltacp's per-layer activation checkpointing
     callback = PrintRewards()
+    reward = functools.partial(sum_reward, eos_token_id=tokenizer.eos_token_id)
+    reward.__name__ = "sum_reward"  # the name TRL logs the reward under
     trainer = CPGRPOTrainer(
-        model=model, reward_funcs=lambda **kw: sum_reward(eos_token_id=tokenizer.eos_token_id, **kw), args=args,
+        model=model, reward_funcs=reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer, callbacks=[callback],
         cp_size=opts.cp, linear_attention_cp_mode=opts.mode)  # deltacp
     trainer.train()
@@ -105,7 +108,7 @@ def main() -> None:
         first, last = callback.rewards[:2], callback.rewards[-2:]
         print(f"dp {trainer.dp_size} x cp {trainer.cp_size}: mean reward {sum(first) / len(first):.3f} (first "
               f"logged steps) -> {sum(last) / len(last):.3f} (last); saved {final}")
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # torchrun started it; a process exiting with it alive can abort at exit
 
 
 if __name__ == "__main__":
