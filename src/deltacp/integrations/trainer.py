@@ -159,7 +159,10 @@ class CPTrainerBase:
         model = self.model
         refuse(type(model).__name__.startswith("Peft") or hasattr(model, "peft_config"),
                "PEFT models (CP applies to the transformers model itself)")
-        refuse(getattr(model, "is_gradient_checkpointing", False),
+        checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.2x; the older name
+        if checkpointing is None:                                             # warns in those versions
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        refuse(checkpointing,
                "a model with transformers' activation checkpointing enabled: set the training argument "
                "activation_checkpointing instead (deltacp applies its own per-layer checkpointing)")
         text = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
