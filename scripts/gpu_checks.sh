@@ -38,13 +38,16 @@
 #                                      decoder RMSNorm / add+RMSNorm / SwiGLU, the fused linear cross entropy (bf16 vs
 #                                      fp32 references, determinism, no recompiles, timings vs eager), then the loss op
 #                                      against liger-kernel (wheels in .whl/) at vocab 248,320 (about 7 minutes)
+#   bash scripts/gpu_checks.sh rl      examples/grpo_trl_cp.py on the GPUs (bf16, NCCL): CPSFTTrainer warm-up, then
+#                                      CPGRPOTrainer with generation on the model outside CP (FSDP2 parameters
+#                                      unsharded), at CP1 and, with 2+ GPUs, CP2 (about 3 minutes)
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue" >&2
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|rl) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|rl" >&2
      exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -139,6 +142,15 @@ multi)
   for cp in 2 4 8; do
     [ "$cp" -le "$ngpu" ] || continue
     check "multi_cp$cp" 300 torchrun --standalone --nproc-per-node "$cp" tests/gpu/multi_gpu_checks.py --steps 20
+  done
+  ;;
+rl)
+  # the example's last line is the table: the right-sum rate at the first and last logged GRPO steps
+  ngpu=$(nvidia-smi -L | wc -l)
+  for cp in 1 2; do
+    [ "$cp" -le "$ngpu" ] || { echo "=== grpo_cp$cp skipped: $ngpu GPU(s)"; continue; }
+    check "grpo_cp$cp" 280 torchrun --standalone --nproc-per-node "$cp" examples/grpo_trl_cp.py --cp "$cp" \
+      --sft-steps 20 --steps 30 --out "$OUT/grpo_cp$cp" --overwrite
   done
   ;;
 attention)

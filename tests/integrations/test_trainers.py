@@ -12,11 +12,17 @@ the same count and, documents being independent, the same loss and gradients.
 
 The same 2-rank spawn first checks how collated batches are cut and what the CP trainer refuses.
 
-Bounds (float32; observed: loss <= 1.8e-7, grad norm <= 2.2e-7, eval_loss 0, weights 7.6e-7, about 10x below them).
+The SFTTrainer's token metrics (entropy, mean_token_accuracy, num_tokens) are compared per step, and in evaluation
+at CP2 (at dp 2 the one-process reference evaluates each dp group's rows as its own batch, where TRL averages token
+metrics over the step's rows of every process).
+
+Bounds (float32; observed: loss <= 1.8e-7, grad norm <= 2.2e-7, eval_loss 0, weights 7.6e-7, token metrics 1.0e-7,
+about 10x below them).
 Mutations seen failing: loaders left sharded by world rank (CP ranks of a group get other rows: deltacp's input check
 raises at the first step); the target count not all-reduced (each rank's loss over its own count: loss and grad
 norm x2 at CP2, x4 at dp2 x cp2); the mean taken per dp group (count and loss over the CP group only: grad norm x2,
-loss 1e-3 off at dp2 x cp2).
+loss 1e-3 off at dp2 x cp2); the token metrics' sums not reduced over the ranks (each rank's own: entropy,
+accuracy and num_tokens off at CP2).
 """
 
 from __future__ import annotations
