@@ -38,6 +38,11 @@
 #                                      decoder RMSNorm / add+RMSNorm / SwiGLU, the fused linear cross entropy (bf16 vs
 #                                      fp32 references, determinism, no recompiles, timings vs eager), then the loss op
 #                                      against liger-kernel (wheels in .whl/) at vocab 248,320 (about 7 minutes)
+#   bash scripts/gpu_checks.sh logprobs  the token log-probability op: GPU tests (bf16 vs fp32 full logits at 4K, Triton vs
+#                                      torch kernels, peak memory, no_grad), then the bench at 16K / 64K vs TRL's fused head,
+#                                      TRL's full-logits selective_log_softmax and a chunked checkpointed torch loop (TRL's
+#                                      rows need .whl/trl-1.16.0-py3-none-any.whl, installed --no-deps), d weight accuracy
+#                                      at 64K (about 5 minutes); exits non-zero when a deltacp check fails
 #   bash scripts/gpu_checks.sh rl      examples/grpo_trl_cp.py on the GPUs (bf16, NCCL): CPSFTTrainer warm-up, then
 #                                      CPGRPOTrainer with generation on the model outside CP (FSDP2 parameters
 #                                      unsharded), at CP1 and, with 2+ GPUs, CP2 (about 3 minutes)
@@ -46,8 +51,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|rl) ;;
-  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|rl" >&2
+case "$part" in tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|logprobs|rl) ;;
+  *) echo "usage: $0 tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|glue|logprobs|rl" >&2
      exit 2 ;; esac
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -91,6 +96,14 @@ glue)
     check "$t" 150 python -m pytest "tests/gpu/test_${t}_gpu.py" -q -s -ra -p no:cacheprovider
   done
   check loss_op 150 python bench/loss_op.py --tokens 16384 65536 --hidden 2048 --json "$OUT/loss_op.jsonl"
+  ;;
+logprobs)
+  # TRL as a reference (trl.kernels imports only torch and transformers): pip download --no-deps trl==1.16.0 -d .whl
+  if ls .whl/trl-*.whl >/dev/null 2>&1; then
+    python -m pip install -q --no-deps --no-index .whl/trl-*.whl 2>&1 | grep -v WARNING
+  fi
+  check token_logprobs_tests 150 python -m pytest tests/gpu/test_token_logprobs_gpu.py -q -s -ra -p no:cacheprovider
+  check logprobs_op 400 python bench/logprobs_op.py --tokens 16384 65536 --hidden 2048 --json "$OUT/logprobs_op.jsonl"
   ;;
 step)
   # one size per call: STEP_SIZES=9B for the 9B shape cut to 8 layers (FLA autotunes each new length first)

@@ -8,6 +8,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen3_5TextConfig
 
 from deltacp.models.gates import long_memory_gates_  # noqa: F401  (re-exported for the tests)
@@ -16,6 +17,44 @@ from deltacp.models.gates import long_memory_gates_  # noqa: F401  (re-exported 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.detach().double(), ref.detach().double()
     return ((x - ref).norm() / ref.norm().clamp(min=1e-300)).item()
+
+
+def head_problem(tokens=37, hidden=12, vocab=50, dtype=torch.float64, ignored=(0, 5, 36), seed=0):
+    """An output head's inputs: hidden [tokens, hidden], weight [vocab, hidden] (scaled by hidden^-1/2), bias
+    [vocab], targets [tokens] with IGNORE_INDEX (-100) at `ignored`; drawn in float64, cast to `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5).to(dtype)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64).to(dtype)
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    t[list(ignored)] = -100
+    return h, w, b, t
+
+
+def cuda_head_problem(tokens, hidden, vocab, seed=0):
+    """The GPU tests' head inputs: bf16 hidden and weight (scaled by hidden^-1/2), targets with every 13th ignored,
+    and the CUDA generator they were drawn from (for more draws)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * hidden ** -0.5).bfloat16()
+    t = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    t[::13] = -100
+    return h, w, t, g
+
+
+class TensorShapes(TorchDispatchMode):
+    """Records the shape of every tensor an op under this mode returns (`.shapes`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.shapes.append(tuple(x.shape))
+        return out
 
 
 def tiny_config(**overrides) -> Qwen3_5TextConfig:

@@ -168,6 +168,8 @@ def logprobs_worker(rank, world):
         checks = {"logp": (rel_l2(logp, mine(logp_ref)), 1e-10), "entropy": (rel_l2(ent, mine(ent_ref)), 1e-10),
                   "all grads": (rel_l2(flat(grads), flat(grads_ref)), 1e-8),
                   "head grad": (rel_l2(grads[head], grads_ref[head]), 1e-8)}
+        if rank == 0:
+            print(case, {k: f"{v:.1e}" for k, (v, _) in checks.items()}, flush=True)
         failures += [f"{case} {k}: {v:.2e}" for k, (v, bound) in checks.items() if not v <= bound]
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 

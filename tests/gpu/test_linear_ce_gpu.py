@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import cuda_head_problem
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (the Triton linear cross-entropy kernels at vocab 248,320)")
 
@@ -32,11 +34,7 @@ def _rel(a, b):
 
 @pytest.fixture(scope="module")
 def problem():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(N, H, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-    t = torch.randint(0, V, (N,), device="cuda", generator=g)
-    t[::13] = -100
+    h, w, t, _ = cuda_head_problem(N, H, V)
     scale = 1.0 / (t != -100).sum().float()  # 0-d on the device, as cp_linear_cross_entropy passes it
     hr, wr = h.float().requires_grad_(), w.float().requires_grad_()
     ref = F.cross_entropy(hr @ wr.T, t, ignore_index=-100, reduction="sum") * scale

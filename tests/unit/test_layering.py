@@ -8,7 +8,9 @@ submodule only (not to its parent packages' __init__). Imports built at run time
     (a) no import cycle among the modules of deltacp;
     (b) imports point down only, by the package's rank below: a module imports modules of its own rank or lower;
         deltacp.testing is for tests and benches, and no library module imports it;
-    (c) ops.fused and ops.gdn.triton do not import each other (one of them may use the other, not both).
+    (c) ops.fused does not import each other with ops.gdn.triton nor with ops.lm_head (one of a pair may use the
+        other, not both: the head ops import their Triton kernels from ops.fused lazily);
+    (d) ops.gdn and ops.lm_head (two op families) import nothing of each other.
 
 Every violation is listed in the failure message as `file:line  importer -> imported`.
 """
@@ -36,7 +38,10 @@ RANKS: dict[str, int] = {
 }
 TOP = 5
 # pairs of subpackages that may not both import the other
-NOT_MUTUAL: tuple[tuple[str, str], ...] = (("deltacp.ops.fused", "deltacp.ops.gdn.triton"),)
+NOT_MUTUAL: tuple[tuple[str, str], ...] = (("deltacp.ops.fused", "deltacp.ops.gdn.triton"),
+                                           ("deltacp.ops.fused", "deltacp.ops.lm_head"))
+# pairs of subpackages of which neither imports the other
+INDEPENDENT: tuple[tuple[str, str], ...] = (("deltacp.ops.gdn", "deltacp.ops.lm_head"),)
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,11 @@ def mutual_violations(edges: list[Edge]) -> list[str]:
     return out
 
 
+def independence_violations(edges: list[Edge]) -> list[str]:
+    return [f"{e}  ({a} and {b} are independent op families)" for a, b in INDEPENDENT for e in edges
+            if _within(e.importer, a) and _within(e.imported, b) or _within(e.importer, b) and _within(e.imported, a)]
+
+
 def _fail_on(violations: list[str], what: str) -> None:
     assert not violations, f"{len(violations)} {what}:\n" + "\n".join("  " + v for v in violations)
 
@@ -225,7 +235,8 @@ def test_the_parser_sees_every_kind_of_import():
     # in a package's __init__, `from . import c` is the package's own submodule
     assert [e.imported for e in imports("deltacp.a", "from . import c\n", known, "a/__init__.py")] == ["deltacp.a.c"]
     assert {(e.importer, e.imported) for e in import_graph()} >= {
-        ("deltacp", "deltacp.parallel.style"), ("deltacp.ops.gdn.backends", "deltacp.ops.gdn.triton")}
+        ("deltacp", "deltacp.parallel.style"), ("deltacp.ops.gdn.backends", "deltacp.ops.gdn.triton"),
+        ("deltacp.ops.lm_head.kernels", "deltacp.ops.fused.token_logprobs")}
 
 
 def test_no_import_cycles():
@@ -240,8 +251,13 @@ def test_fused_and_gdn_triton_do_not_import_each_other():
     _fail_on(mutual_violations(import_graph()), "pairs of ops subpackages that import each other")
 
 
+def test_op_families_are_independent():
+    _fail_on(independence_violations(import_graph()), "imports between independent op families")
+
+
 def test_ops_layering():
     """What deltacp.ops alone must satisfy: no cycle through an ops module, no import out of ops."""
     edges = import_graph()
     ops = [e for e in edges if _within(e.importer, "deltacp.ops")]
-    _fail_on(cycle_report(ops) + layer_violations(ops) + mutual_violations(ops), "layering violations in deltacp.ops")
+    _fail_on(cycle_report(ops) + layer_violations(ops) + mutual_violations(ops) + independence_violations(ops),
+             "layering violations in deltacp.ops")

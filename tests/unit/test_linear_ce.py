@@ -31,19 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltacp.models import loss as L
 from deltacp.ops.lm_head import cross_entropy as CE
+from helpers import TensorShapes, head_problem
 
 IGNORE = -100
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _problem(tokens=37, hidden=12, vocab=50, dtype=torch.float64, ignored=(0, 5, 36), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
-    w = (torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5).to(dtype)
-    b = torch.randn(vocab, generator=g, dtype=torch.float64).to(dtype)
-    t = torch.randint(0, vocab, (tokens,), generator=g)
-    t[list(ignored)] = IGNORE
-    return h, w, b, t
 
 
 def _rel(a, b):
@@ -81,7 +72,7 @@ def _check(v, grads, rv, rgrads, tol=1e-12):
 @pytest.mark.parametrize("scale", [1.0, 3.7])
 def test_in_forward_gradients_match_full_logits_fp64(chunk, vchunk, bias, scale, mode):
     # rows 8..15 all ignored: with chunk 8 one whole token chunk contributes nothing
-    h, w, b, t = _problem(ignored=(0, 5, 36, *range(8, 16)))
+    h, w, b, t = head_problem(ignored=(0, 5, 36, *range(8, 16)))
     t[1], t[2] = 0, 49  # the first and the last column are targets
     b = b if bias else None
     ours = lambda h, w, b, t: L.linear_cross_entropy_sum(h, w, b, t, chunk, vocab_chunk_size=vchunk,  # noqa: E731
@@ -95,7 +86,7 @@ def test_in_forward_gradients_match_full_logits_fp64(chunk, vchunk, bias, scale,
 @pytest.mark.parametrize("bias", [True, False])
 def test_scale_folded_in_the_forward(bias):
     """scale=s (folded into the gradients before rounding, value s x sum) == grad_output s on the plain sum."""
-    h, w, b, t = _problem(ignored=(0, 5, 36, *range(8, 16)))
+    h, w, b, t = head_problem(ignored=(0, 5, 36, *range(8, 16)))
     b = b if bias else None
     s = torch.tensor(1 / 3.7, dtype=torch.float64)
     folded = lambda h, w, b, t: L.linear_cross_entropy_sum(h, w, b, t, 8, vocab_chunk_size=7, scale=s)  # noqa
@@ -110,7 +101,7 @@ def test_scale_folded_in_the_forward(bias):
                          ids=["hidden frozen", "weight and bias frozen", "only bias", "only weight"])
 @pytest.mark.parametrize("mode", L.WEIGHT_GRAD_MODES)
 def test_partial_requires_grad(need, mode):
-    h, w, b, t = _problem()
+    h, w, b, t = head_problem()
     ours = lambda h, w, b, t: L.linear_cross_entropy_sum(h, w, b, t, 8, vocab_chunk_size=16,  # noqa: E731
                                                          weight_grad=mode)
     v, grads = _run(ours, h, w, b, t, 2.0, need)
@@ -138,25 +129,12 @@ def test_budgeted_chunk_sizes():
         assert 2 * n * vc <= min(2 * n * hid, 256 * 2**20)
 
 
-class _Shapes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(x, torch.Tensor):
-                self.shapes.append(tuple(x.shape))
-        return out
-
-
 def test_no_gradient_wanted_computes_the_loss_only():
-    h, w, b, t = _problem(tokens=40, hidden=12, vocab=50)
+    h, w, b, t = head_problem(tokens=40, hidden=12, vocab=50)
     ref = _full_logits(h, w, b, t)
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     for mode, args in (("no_grad", leaves), ("nothing requires grad", (h, w, b))):
-        with _Shapes() as probe:
+        with TensorShapes() as probe:
             if mode == "no_grad":
                 with torch.no_grad():
                     v = L.linear_cross_entropy_sum(*args, t, 16, vocab_chunk_size=24)
@@ -168,7 +146,7 @@ def test_no_gradient_wanted_computes_the_loss_only():
 
 
 def test_backward_once():
-    h, w, b, t = _problem()
+    h, w, b, t = head_problem()
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     v = L.linear_cross_entropy_sum(*leaves, t, 8)
     v.backward(retain_graph=True)
@@ -223,7 +201,7 @@ def test_peak_bytes_no_weight_accumulator(vchunk):
     """bf16 weight [V, H], N tokens: peak above the inputs = dW (2 V H) + dh (2 N H) + pass 2's [N, columns]
     buffer + small, never an fp32 [V, H] accumulator (4 V H); pass 1's buffer is gone before dW exists."""
     N, H, V, chunk = 256, 512, 4096, 128
-    h, w, _, t = _problem(tokens=N, hidden=H, vocab=V, dtype=torch.bfloat16, ignored=range(0, N, 9))
+    h, w, _, t = head_problem(tokens=N, hidden=H, vocab=V, dtype=torch.bfloat16, ignored=range(0, N, 9))
     cols = vchunk or L.chunk_sizes(N, H, V, torch.bfloat16)[1]
     buffer2 = 2 * N * cols
     # CPU only: the PyTorch kernel's fp32 copy of the buffer and its scatter / mask temporaries; lse, loss rows
@@ -237,7 +215,7 @@ def test_peak_bytes_accumulate():
     """weight_grad="accumulate": peak above the inputs = dW (2 V H, summed in place) + dh (2 N H) + the [chunk, V]
     logits buffer + small: no fp32 accumulator, no pass-2 buffer."""
     N, H, V, chunk = 256, 512, 4096, 64
-    h, w, _, t = _problem(tokens=N, hidden=H, vocab=V, dtype=torch.bfloat16, ignored=range(0, N, 9))
+    h, w, _, t = head_problem(tokens=N, hidden=H, vocab=V, dtype=torch.bfloat16, ignored=range(0, N, 9))
     buffer1 = 2 * chunk * V
     slack = 4 * chunk * V + 64 * N + 4096  # CPU only: the PyTorch kernel's fp32 copy of the chunk and temporaries
     peak = _peak_bytes(h, w, t, chunk)
@@ -249,7 +227,7 @@ def test_bf16_weight_grad_one_rounding_beats_running_bf16_sum():
     """bf16: dW = one fp32 sum over all tokens, rounded once; a bf16 running sum over 32-token chunks (liger's
     default accumulation) is further from float64; dh and dW both within one-rounding error, scale folded in."""
     N, H, V = 512, 32, 300
-    h, w, b, t = _problem(tokens=N, hidden=H, vocab=V, dtype=torch.bfloat16, ignored=range(0, N, 11))
+    h, w, b, t = head_problem(tokens=N, hidden=H, vocab=V, dtype=torch.bfloat16, ignored=range(0, N, 11))
     count = (t != IGNORE).sum()
     exact = [x.double().requires_grad_() for x in (h, w)]
     ref_grads = torch.autograd.grad(_full_logits(*exact, None, t) / count, exact)

@@ -208,7 +208,7 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
 
 def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *, temperature: float = 1.0,
                       return_entropy: bool = False, chunk_size: int | None = None,
-                      vocab_chunk_size: int | None = None, weight_grad: str = "accumulate", **model_inputs):
+                      vocab_chunk_size: int | None = None, weight_grad: str = "two_pass", **model_inputs):
     """This rank's per-token log-probabilities of `target_ids` under softmax(logits / temperature) of a causal LM
     (CP'd, with or without FSDP2), without [tokens, vocab] logits: [B, s] (s this rank's local length, in its
     sequence layout, as `shard_batch_for_cp` cut the targets) in float32 (float64 for a float64 model), 0 where

@@ -3,6 +3,7 @@ Triton: each module imports it, and callers import a module lazily, only on the 
 
     conv.py       causal depthwise conv1d + SiLU + q/k/v split (CP halo and per-document taps), forward and backward
     linear_ce.py  cross entropy of one chunk of logits: per-row loss and softmax - onehot written over the logits
+    token_logprobs.py  tempered log-probabilities and entropy of a chunk of logits; their gradient over the logits
     gated_norm.py  the GDN layer's gated RMSNorm (transformers' Qwen3_5RMSNormGated): y; dx, dgate, dweight
     gates.py       the GDN gates g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), and their gradients
     decoder.py     decoder-layer glue: RMSNorm ((1 + w) form), residual add + RMSNorm, SwiGLU (Qwen3.5 numerics)

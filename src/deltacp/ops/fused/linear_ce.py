@@ -1,6 +1,6 @@
-"""The two Triton kernels of the fused linear cross entropy (`deltacp.models.loss`, two passes, gradients in the
-forward): per token chunk the loss rows, their logsumexp and the scaled logits gradient (pass 1); per vocabulary
-chunk the scaled logits gradient again, from the stored logsumexp (pass 2).
+"""The two Triton kernels of the fused linear cross entropy (`deltacp.ops.lm_head.cross_entropy`, two passes,
+gradients in the forward): per token chunk the loss rows, their logsumexp and the scaled logits gradient (pass 1);
+per vocabulary chunk the scaled logits gradient again, from the stored logsumexp (pass 2).
 
     ce_rows_(logits, targets, loss_rows, lse, scale, *, ignore_index, compute_grad)          # pass 1, [n, vocab]
     ce_grad_cols_(logits, targets, lse, scale, col0, *, ignore_index)                        # pass 2, [T, width]

@@ -111,6 +111,18 @@ def ce_grad_cols_triton_(logits, targets, lse, scale, col0):
     ce_grad_cols_(logits, targets, lse, scale, col0, ignore_index=IGNORE_INDEX)
 
 
+def lp_rows_triton_(logits, targets, lse, logp, ent, temperature):
+    from deltacp.ops.fused.token_logprobs import lp_rows_
+
+    lp_rows_(logits, targets, lse, logp, ent, temperature, ignore_index=IGNORE_INDEX)
+
+
+def lp_grad_triton_(logits, targets, lse, ent, g_lp, g_ent, temperature, col0):
+    from deltacp.ops.fused.token_logprobs import lp_grad_
+
+    lp_grad_(logits, targets, lse, ent, g_lp, g_ent, temperature, col0, ignore_index=IGNORE_INDEX)
+
+
 def select_impl(what: str, device: torch.device, dtype: torch.dtype, impl: str | None) -> str:
     """"triton" for CUDA bf16 / fp16 / fp32 logits, "torch" otherwise; `impl` forces one (tests: "triton" on CPU
     tensors under TRITON_INTERPRET=1)."""
@@ -133,7 +145,6 @@ def ce_kernels(device: torch.device, dtype: torch.dtype, impl: str | None):
 
 def lp_kernels(device: torch.device, dtype: torch.dtype, impl: str | None):
     """(forward, backward) kernels of the token log-probabilities (`select_impl`)."""
-    impl = select_impl("token log-probabilities", device, dtype, impl)
-    if impl == "triton" and device.type == "cuda":
-        pass  # Triton kernels: next commit
+    if select_impl("token log-probabilities", device, dtype, impl) == "triton":
+        return lp_rows_triton_, lp_grad_triton_
     return lp_rows_torch_, lp_grad_torch_
