@@ -15,7 +15,7 @@ The same 2-rank spawn generates for real (transformers' generate on the model ou
 greedy completions of two rounds, the second after an update, equal those of a plain single-device model with the
 weights of that moment, each CP rank generating half of them; and checks what is refused at construction.
 
-Bounds (float32; observed: loss <= 2.2e-7, grad norm <= 8.1e-6, kl <= 9.4e-7, entropy <= 2.6e-7, the rest equal;
+Bounds (float32; observed: loss <= 6.3e-7, grad norm <= 8.1e-6, kl <= 3.9e-6, entropy <= 2.6e-7, the rest equal;
 eval_loss 1.7e-7; float64 weights 4.3e-6 (TRL's fused head reduces in float32 even for a float64 model, and Adam
 amplifies the rounding of small gradients), about 10x below them).
 Mutations seen failing: see the test's docstring.

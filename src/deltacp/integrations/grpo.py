@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from deltacp.distributed.mesh import cp_group_of
 from deltacp.integrations.batch import completion_rows, completion_values, shard_collated_batch
-from deltacp.integrations.trainer import CPTrainerBase, refusal
+from deltacp.integrations.trainer import CPTrainerBase, raise_refusals, refusal
 from deltacp.models.batch import gather_cp_rows
 from deltacp.models.fsdp import unsharded_parameters
 from deltacp.models.loss import IGNORE_INDEX, cp_token_logprobs
@@ -110,9 +110,7 @@ class CPGRPOMixin(CPTrainerBase):
         if not isinstance(padding_free, bool):
             raise ValueError(f"deltacp: padding_free must be True or False, got {padding_free!r}")
         config = kwargs.get("args", args[2] if len(args) > 2 else None)  # GRPOTrainer(model, reward_funcs, args)
-        problems = _early_refusals(config)
-        if problems:  # what GRPOTrainer's own __init__ would start (a vLLM engine or server connection)
-            raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
+        raise_refusals(_early_refusals(config))  # what GRPOTrainer's own __init__ would start (a vLLM engine)
         self.cp_padding_free = padding_free
         self._cp_share_rows = False  # True while TRL scores this rank's share of a generation batch
         self._cp_rng_state = None  # the generation's own random stream, between rounds
@@ -135,6 +133,10 @@ class CPGRPOMixin(CPTrainerBase):
             if isinstance(value, deque):
                 self._logs[key] = deque(value, maxlen=args.generation_batch_size)
         set_seed(args.seed + self.dp_rank)  # the dp group's stream: the plain trainer's process seed (TRL's seed + rank)
+        logger.info("deltacp GRPO: generation batch %d (%d per dp group, %d generated per rank), %s rows under CP",
+                    args.generation_batch_size, args.generation_batch_size // self.dp_size,
+                    args.generation_batch_size // self.dp_size // self.cp_size,
+                    "packed padding-free" if self.cp_padding_free else "padded")
 
     def _cp_generation_batch(self) -> int:
         args = self.args

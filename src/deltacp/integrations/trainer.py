@@ -73,6 +73,12 @@ def refusal(out: list[str], condition, message: str) -> None:
         out.append(message)
 
 
+def raise_refusals(problems: list[str]) -> None:
+    """One ValueError naming every refused setting (raised on every rank alike: each computes the same list)."""
+    if problems:
+        raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
+
+
 class CPTrainerBase:
     """What deltacp's trainer integrations share; not used alone: `CPTrainerMixin` (transformers' `Trainer`, TRL's
     `SFTTrainer`) and `CPGRPOMixin` (TRL's `GRPOTrainer`) put it after themselves in the MRO.
@@ -114,9 +120,7 @@ class CPTrainerBase:
         if world % self.cp_size:
             raise ValueError(f"deltacp: the world size ({world}) must be a multiple of cp_size ({self.cp_size})")
         self.dp_size = world // self.cp_size
-        problems = self._cp_refusals()
-        if problems:
-            raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
+        raise_refusals(self._cp_refusals())
         self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, self.args.device.type)
         self.dp_rank = self.cp_mesh.get_local_rank("dp")
         self._cp_prepare_model(self.model, train=True)
