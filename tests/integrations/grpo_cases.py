@@ -39,7 +39,8 @@ CASES = {
     # dp2 x cp2 against TRL at dp 2 (two processes)
     "dr_grpo": (dict(loss_type="dr_grpo", beta=0.05, importance_sampling_level="sequence",
                      gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2,
-                     mask_truncated_completions=True),
+                     mask_truncated_completions=True, sync_ref_model=True, ref_model_sync_steps=2,
+                     ref_model_mixup_alpha=0.5),
                 dict(linear_attention_cp_mode="all_gather", sequence_layout="contiguous", padding_free=True)),
     "dapo": (dict(loss_type="dapo", beta=0.1, importance_sampling_level="token", gradient_accumulation_steps=2,
                   steps_per_generation=4),

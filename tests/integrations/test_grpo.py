@@ -8,7 +8,8 @@ gradient accumulation 2 with steps_per_generation 4, so generations are reused a
 clip; top_entropy_quantile 0.8; p2p, contiguous, packed rows; evaluation) and "bnpo" (sequence-level importance
 sampling, steps_per_generation 2, an entropy bonus; ulysses, balanced, padded rows, replicated parameters); at dp2 x cp2 against TRL at dp 2 (two processes: TRL's result depends on its process count,
 as each process shuffles and splits its own generation batch; a dp group stands for one process), "dr_grpo" (beta
-0.05, sequence-level, num_iterations 2, mask_truncated_completions; all_gather, contiguous, packed) and "dapo" (beta 0.1, token-level,
+0.05, sequence-level, num_iterations 2, mask_truncated_completions, the reference model mixed with the policy every 2
+steps; all_gather, contiguous, packed) and "dapo" (beta 0.1, token-level,
 steps_per_generation 4; p2p, balanced, padded rows; float64, the saved weights compared).
 
 The same 2-rank spawn generates for real (transformers' generate on the model outside CP, parameters unsharded):
