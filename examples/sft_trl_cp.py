@@ -7,7 +7,7 @@
 Everything is made here, nothing is downloaded: a tiny random-init Qwen3.5 (3 GDN + 1 full attention layers), a
 byte-level tokenizer and a small dataset of sentences. Compared with a plain SFTTrainer script, the deltacp lines are
 the import of CPSFTTrainer and `cp_size=` (marked "deltacp"). The trained model is saved as a normal transformers
-directory and reloaded on one device at the end.
+directory and reloaded on one device at the end; a second run into the same --out needs --overwrite.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here comes from the Hub
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 from trl import SFTConfig  # noqa: E402
@@ -54,7 +56,10 @@ def main() -> None:
                         help="linear_attention_cp_mode (GDN layers)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="runs/sft_trl_cp")
+    parser.add_argument("--overwrite", action="store_true", help="write into --out even if it holds a run")
     opts = parser.parse_args()
+    if os.path.isdir(opts.out) and os.listdir(opts.out) and not opts.overwrite:
+        sys.exit(f"{opts.out} holds an earlier run: pass --overwrite, or another --out")
     gpu = torch.cuda.is_available()
 
     tokenizer = byte_tokenizer()
@@ -64,7 +69,7 @@ def main() -> None:
         learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=3, logging_steps=5, save_strategy="no",
         eval_strategy="steps", eval_steps=opts.steps // 2, per_device_eval_batch_size=8,
         padding_free=True, max_length=None,              # packed rows: documents back to back, no padding
-        gradient_checkpointing=True,                     # deltacp's per-layer activation checkpointing
+        activation_checkpointing=True,                   # deltacp's per-layer activation checkpointing
         bf16=gpu, use_cpu=not gpu, report_to=[], seed=0, disable_tqdm=True)
     trainer = CPSFTTrainer(
         model=model, args=args, processing_class=tokenizer,
@@ -81,6 +86,7 @@ def main() -> None:
         prompt = tokenizer("12 plus 30 is", return_tensors="pt")
         out = reloaded.generate(**prompt, max_new_tokens=12, do_sample=False)
         print("greedy continuation:", repr(tokenizer.decode(out[0][prompt["input_ids"].shape[1]:])))
+    dist.destroy_process_group()  # torchrun started it; a process exiting with it alive can abort at exit
 
 
 if __name__ == "__main__":

@@ -61,12 +61,15 @@
 #                                      then the peak device memory and time of loading the 27B (bf16 checkpoint, loaded
 #                                      as bf16 and as float32; written to /tmp or /dev/shm, deleted after); exits
 #                                      non-zero when a loaded model differs (about 6 minutes)
+#   bash scripts/gpu_checks.sh rl      examples/grpo_trl_cp.py on the GPUs (bf16, NCCL): CPSFTTrainer warm-up, then
+#                                      CPGRPOTrainer with generation on the model outside CP (FSDP2 parameters
+#                                      unsharded), at CP1 and, with 2+ GPUs, CP2 (about 3 minutes)
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load"
+PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
   echo "usage: $0 $PARTS" >&2
   exit 2
@@ -187,6 +190,15 @@ multi)
   for cp in 2 4 8; do
     [ "$cp" -le "$ngpu" ] || continue
     check "multi_cp$cp" 300 torchrun --standalone --nproc-per-node "$cp" tests/gpu/multi_gpu_checks.py --steps 20
+  done
+  ;;
+rl)
+  # the example's last line is the table: the right-sum rate at the first and last logged GRPO steps
+  ngpu=$(nvidia-smi -L | wc -l)
+  for cp in 1 2; do
+    [ "$cp" -le "$ngpu" ] || { echo "=== grpo_cp$cp skipped: $ngpu GPU(s)"; continue; }
+    check "grpo_cp$cp" 280 torchrun --standalone --nproc-per-node "$cp" examples/grpo_trl_cp.py --cp "$cp" \
+      --sft-steps 20 --steps 30 --out "$OUT/grpo_cp$cp" --overwrite
   done
   ;;
 attention)

@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 STEPS, GA, PER_DEVICE = 3, 2, 2
+TOKEN_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")  # what TRL's SFTTrainer logs beside the loss
 VOCAB = 264  # the byte tokenizer's 258 ids, rounded up
 
 
@@ -116,8 +117,12 @@ def run_case(case: str, out_dir: str, *, cp_size: int | None = None, dp: int = 1
     checkpointed = [isinstance(layer.forward, functools.partial) for layer in layers]  # deltacp's checkpointing
     trainer.train()
     steps = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
-    result = dict(steps=steps, eval_loss=trainer.evaluate()["eval_loss"], checkpointed=checkpointed,
-                  trainer_checkpointing=bool(trainer.args.activation_checkpointing))
+    # TRL's SFTTrainer also logs token metrics (the plain Trainer none)
+    metrics = [{k: h[k] for k in TOKEN_METRICS if k in h} for h in trainer.state.log_history if "grad_norm" in h]
+    evaluation = trainer.evaluate()
+    result = dict(steps=steps, metrics=metrics, eval_loss=evaluation["eval_loss"], checkpointed=checkpointed,
+                  trainer_checkpointing=bool(trainer.args.activation_checkpointing),
+                  eval_metrics={k: evaluation[f"eval_{k}"] for k in TOKEN_METRICS if f"eval_{k}" in evaluation})
     if save:
         saved = os.path.join(out_dir, "saved")
         trainer.save_model(saved)

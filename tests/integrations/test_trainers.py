@@ -13,11 +13,17 @@ the same count and, documents being independent, the same loss and gradients.
 
 The same 2-rank spawn first checks how collated batches are cut and what the CP trainer refuses.
 
-Bounds (float32; observed: loss <= 1.8e-7, grad norm <= 2.2e-7, eval_loss 0, weights 7.6e-7, about 10x below them).
+The SFTTrainer's token metrics (entropy, mean_token_accuracy, num_tokens) are compared per step, and in evaluation
+at CP2 (at dp 2 the one-process reference evaluates each dp group's rows as its own batch, where TRL averages token
+metrics over the step's rows of every process).
+
+Bounds (float32; observed: loss <= 1.8e-7, grad norm <= 2.2e-7, eval_loss 0, weights 7.6e-7, token metrics 1.0e-7,
+about 10x below them).
 Mutations seen failing: loaders left sharded by world rank (CP ranks of a group get other rows: deltacp's input check
 raises at the first step); the target count not all-reduced (each rank's loss over its own count: loss and grad
 norm x2 at CP2, x4 at dp2 x cp2); the mean taken per dp group (count and loss over the CP group only: grad norm x2,
-loss 1e-3 off at dp2 x cp2).
+loss 1e-3 off at dp2 x cp2); the token metrics' sums not reduced over the ranks (each rank's own: entropy,
+accuracy and num_tokens off at CP2).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import pytest
 from deltacp.distributed.launch import run_distributed
 import integ_cases
 
-LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL = 2e-6, 2e-6, 2e-6, 1e-5
+LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL, METRIC_REL = 2e-6, 2e-6, 2e-6, 1e-5, 2e-6
 CP2_CASES = ("trainer-padded", "sft-packed")
 DP2_CASES = ("trainer-padded", "trainer-packed", "sft-packed", "sft-padded")
 SAVED = "sft-packed"  # saved at dp2 x cp2; its reference saves too
@@ -174,6 +180,21 @@ def _compare(label: str, got: dict, ref: dict) -> list[str]:
     for name, value, bound in (("loss", loss, LOSS_REL), ("grad norm", gnorm, GNORM_REL), ("eval_loss", ev, EVAL_REL)):
         if not value <= bound:
             failures.append(f"{label}: {name} rel diff {value:.2e} > {bound:.0e} (got {got}, reference {ref})")
+    # TRL's token metrics (SFTTrainer only): the same keys on every step and in evaluation, the same values
+    pairs = [(f"step {i + 1} {k}", g[k], r[k]) for i, (g, r) in enumerate(zip(got["metrics"], ref["metrics"]))
+             for k in r]
+    if label.endswith("/cp2"):
+        # at dp 2 the reference evaluates 2-row batches on one process, where its eval_loss is each dp group's; TRL
+        # averages token metrics per evaluation step, here over both dp groups' rows (TRL at dp 2 does the same)
+        pairs += [(f"eval {k}", got["eval_metrics"][k], v) for k, v in ref["eval_metrics"].items()]
+    assert [set(m) for m in got["metrics"]] == [set(m) for m in ref["metrics"]], (label, got["metrics"])
+    assert set(got["eval_metrics"]) == set(ref["eval_metrics"]), (label, got["eval_metrics"])
+    if label.startswith("sft"):
+        assert set(ref["metrics"][0]) == set(integ_cases.TOKEN_METRICS), ref["metrics"]
+    worst = max((_rel(g, r) for _, g, r in pairs), default=0.0)
+    if pairs:
+        print(f"{label}: token metrics (entropy, mean_token_accuracy, num_tokens) max rel {worst:.1e}")
+    failures += [f"{label}: {name} {g!r} vs {r!r}" for name, g, r in pairs if not _rel(g, r) <= METRIC_REL]
     return failures
 
 

@@ -299,21 +299,26 @@ def all_gather_autograd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def _gather_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's x concatenated along `dim` in rank order (not differentiable: the autograd Functions' forward)."""
+    staged = _needs_host_staging(x, group)
+    src = (x.detach().cpu() if staged else x.detach()).movedim(dim, 0).contiguous()
+    size = dist.get_world_size(group)
+    out = src.new_empty((size * src.shape[0], *src.shape[1:]))
+    if dist.get_backend(group) == "gloo":
+        parts = list(out.chunk(size))
+        dist.all_gather(parts, src, group=group)
+        out = torch.cat(parts)
+    else:
+        dist.all_gather_into_tensor(out, src, group=group)
+    return out.movedim(0, dim).to(x.device)
+
+
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        staged = _needs_host_staging(x, group)
-        src = (x.detach().cpu() if staged else x.detach()).movedim(dim, 0).contiguous()
-        size = dist.get_world_size(group)
-        out = src.new_empty((size * src.shape[0], *src.shape[1:]))
-        if dist.get_backend(group) == "gloo":
-            parts = list(out.chunk(size))
-            dist.all_gather(parts, src, group=group)
-            out = torch.cat(parts)
-        else:
-            dist.all_gather_into_tensor(out, src, group=group)
-        return out.movedim(0, dim).to(x.device)
+        return _gather_seq(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -336,6 +341,28 @@ def all_gather_seq_autograd(x: torch.Tensor, dim: int, group: ProcessGroup) -> t
     Backward: reduce-scatter of the gradient along `dim` (over gloo: all-reduce, each rank keeping its slice).
     """
     return _AllGatherSeq.apply(x, dim, group)
+
+
+class _AllGatherSeqReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.rank, ctx.size = dim, dist.get_rank(group), dist.get_world_size(group)
+        return _gather_seq(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def all_gather_seq_replicated(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's x concatenated along `dim` in rank order, for a function that every rank then computes
+    identically on the whole (the same loss of gathered per-token values on every rank of a CP group).
+
+    Backward: this rank's slice of the gradient along `dim`, no communication. Every rank holds the same gradient of
+    the whole, so each keeps what belongs to its own x; summing the copies over ranks (`all_gather_seq_autograd`'s
+    reduce-scatter) would count the one loss once per rank.
+    """
+    return _AllGatherSeqReplicated.apply(x, dim, group)
 
 
 class RingPassing:

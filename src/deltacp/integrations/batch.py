@@ -16,6 +16,9 @@ Either way the row is padded to at least the model's shortest row (p2p / all_gat
 piece's conv halo: at least that many tokens per piece). The batch is cut by the model's `RowCut` (its sequence
 layout and shortest piece, `deltacp.row_cut_of(model)`; the CP trainer passes the model).
 
+RL rows (TRL's GRPOTrainer: prompt left-padded, completion right-padded) become either kind by `completion_rows`, and
+`completion_values` takes the per-token values of a whole row back to TRL's [B, completion] layout.
+
 The targets are the labels shifted by one over the whole row (deltacp's rule): a label is learned where its token's
 predecessor is in the same document (packed) or valid (padded). Every key is checked and used or refused by name;
 a batch whose labels would make the single-device model learn something deltacp does not (a target across a
@@ -145,3 +148,64 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
         input_ids, mask, labels = _padded(batch, input_ids, labels, length, multiple, pad_token_id, what)
         out = shard_batch_for_cp(input_ids, mesh, attention_mask=mask, labels=labels, **cut)
     return CPBatch({k: v for k, v in out.items() if v is not None})
+
+
+def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
+                    padding_free: bool, multiple: int = 1, pad_token_id: int = 0) -> tuple[dict, torch.Tensor | None]:
+    """RL rows [B, L] (TRL's: a left-padded prompt, then the completion in the last `logits_to_keep` = k columns,
+    right-padded; `attention_mask` 1 on the valid tokens, one contiguous run per row) -> (a collated batch for
+    `shard_collated_batch`, index for `completion_values`).
+
+    The labels are TRL's: each valid token of the completion columns, -100 elsewhere (so the log-probability of
+    completion column c is read at the position before it, c - 1). padding_free=False: the padded rows, columns
+    appended (mask 0, label -100) to a multiple of `multiple` (cp, or 2 x cp under sequence_layout='balanced'), and
+    index None. padding_free=True: one packed row, every row's valid tokens back to back as a document (position
+    ids restarting at 0, `cu_seq_lens_q/k`, `max_length_q/k`; no padding computed), and index [B, k]: the packed
+    position whose target is completion column i of row b, -1 where there is none (a padded or masked completion
+    token, where TRL's value is 0; or a completion token opening its row, which has no predecessor).
+    """
+    B, L = input_ids.shape
+    k = int(logits_to_keep)
+    if tuple(attention_mask.shape) != (B, L) or not 0 < k < L:
+        raise ValueError(f"completion_rows: rows [B, L] = {(B, L)} with attention_mask of that shape and 0 < "
+                         f"logits_to_keep < L, got attention_mask {tuple(attention_mask.shape)}, logits_to_keep {k}")
+    valid = attention_mask.bool()
+    labels = input_ids.masked_fill(~valid, IGNORE_INDEX)
+    labels[:, :-k] = IGNORE_INDEX
+    if not padding_free:
+        extra = (-L) % multiple
+        if extra:
+            input_ids = torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_zeros((B, extra))], dim=1)
+            labels = torch.cat([labels, labels.new_full((B, extra), IGNORE_INDEX)], dim=1)
+        return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels), None
+    lengths = valid.sum(1)
+    first = valid.to(torch.int64).argmax(1)
+    last = L - 1 - valid.flip(1).to(torch.int64).argmax(1)
+    if bool(((lengths > 0) & (last - first + 1 != lengths)).any()):
+        raise ValueError("completion_rows: an attention_mask row has padding between valid tokens (RL rows are a "
+                         "left-padded prompt and a right-padded completion)")
+    offsets = torch.cumsum(lengths, 0) - lengths  # each row's first packed position
+    cu = torch.cat([offsets[lengths > 0], lengths.sum().reshape(1)]).to(torch.int32)
+    packed_labels = labels[valid][None].clone()
+    packed_labels[0, cu[:-1].long()] = IGNORE_INDEX  # a document's first token has no predecessor
+    positions = (torch.arange(int(lengths.sum()), device=input_ids.device)
+                 - torch.repeat_interleave(offsets[lengths > 0], lengths[lengths > 0]))[None]
+    before = torch.arange(L - k - 1, L - 1, device=input_ids.device)[None]  # the position predicting each column
+    has = (labels[:, -k:] != IGNORE_INDEX) & (before >= first[:, None])
+    index = torch.where(has, offsets[:, None] + before - first[:, None], -1)
+    longest = int(lengths.max())
+    batch = dict(input_ids=input_ids[valid][None], labels=packed_labels, position_ids=positions,
+                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return batch, index
+
+
+def completion_values(x_BS: torch.Tensor, index: torch.Tensor | None, length: int, logits_to_keep: int
+                      ) -> torch.Tensor:
+    """Per-token values of whole rows in row order (x_BS[b, j]: the value for the target at j + 1, e.g. gathered
+    from every CP rank) -> TRL's [B, logits_to_keep] completion layout, from `completion_rows`' index and the rows'
+    length L (0 where index is -1). Differentiable."""
+    k = int(logits_to_keep)
+    if index is None:
+        return x_BS[:, length - k - 1:length - 1]
+    return torch.where(index >= 0, x_BS[0][index.clamp(min=0)], x_BS.new_zeros(()))

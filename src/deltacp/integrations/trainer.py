@@ -3,22 +3,24 @@
     trainer = CPSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds, processing_class=tok, cp_size=4)
     trainer.train()                     # torchrun --nproc-per-node 8 train.py: dp 2 x cp 4
 
-What the mixin does, in the trainer's own hooks (after the trainer's __init__ has prepared the model, before the
-optimizer exists):
+`CPTrainerBase` holds what every deltacp trainer integration shares (keywords, mesh, model, FSDP2, data sharding by
+dp rank, gradient sync, evaluation gathering, saving, the common refusals); `CPTrainerMixin` adds the language-model
+loss of `Trainer` / `SFTTrainer`, `integrations/grpo.py`'s `CPGRPOMixin` TRL's GRPO. What they do, in the trainer's
+own hooks (after the trainer's __init__ has prepared the model, before the optimizer exists):
 
 - mesh: ("dp", "cp") over the whole world, dp = world // cp_size; `parallelize_cp` on the trainer's model;
   `activation_checkpointing` (alias `gradient_checkpointing`) becomes deltacp's per-decoder-layer non-reentrant
   checkpointing (p2p layers replay their received state), applied after CP and before FSDP2, in place of
   transformers' own (the argument is then set to False so that the trainer does not apply its own on top);
-  activation_checkpointing_kwargs may give `every_n_layers`, and `policy` ("selective", the default: each full
-  attention's output kept, `models/checkpointing.py`; "full") or `selective=False` (full);
+  activation_checkpointing_kwargs may give `every_n_layers`, and `policy` ("full", the default; "selective": each
+  full attention's output kept, `models/checkpointing.py`) or `selective=True`;
 - parameters: deltacp's FSDP2 over dp x cp with summed gradients (`fully_shard_cp`, the default, `fsdp=True`;
   `bf16=True` becomes FSDP2 mixed precision, bf16 compute, fp32 master weights and reduction), or replicated
   parameters whose gradients are summed over dp x cp after the last micro-batch (`fsdp=False`). Either way the
   reduced gradient is the single-device gradient, and accelerate is told not to wrap the model again (no DDP);
 - data: the trainer's data loaders are sharded by dp rank instead of world rank, so every CP rank of a dp group
   reads the same batches; each micro-batch is cut by `shard_collated_batch` (padded or padding-free packed rows)
-  with the model's sequence_layout;
+  for the model (its sequence layout, and padded up to its shortest row);
 - loss: deltacp's fused linear cross entropy (no [tokens, vocab] logits), the mean over every valid target of the
   step: divided by the count of the whole gradient-accumulation step over dp x cp (transformers'
   `num_items_in_batch`, counted the way deltacp cuts targets) when the trainer normalises that way, else the
@@ -31,32 +33,37 @@ optimizer exists):
   rank reading its shard) is taken as it is: CP and FSDP2 were applied while loading, with the same cp_size and CP
   keywords as the trainer's (refused otherwise; bf16: load with FSDP2 mixed precision, `mp_policy=`).
 
-Anything the mixin cannot honour raises ValueError / NotImplementedError naming it, before any training.
+The CP keywords are checked at construction, before the trainer prepares its datasets; at `train()` every rank
+checks that all plan the same steps. Anything the mixin cannot honour raises ValueError / NotImplementedError naming
+it, before any training.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
 import torch
 import torch.distributed as dist
 
+from deltacp.distributed.agree import raise_together
 from deltacp.distributed.mesh import init_cp_mesh
 from deltacp.models.checkpointing import DEFAULT_POLICY, apply_activation_checkpointing, check_policy
 from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
 from deltacp.models.loss import cp_causal_lm_loss
-from deltacp.distributed.agree import raise_together
 from deltacp.models.parallelize import cp_settings_of, cp_styles, is_parallelized, parallelize_cp
 from deltacp.models.save import save_pretrained
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
 logger = logging.getLogger(__name__)
 
+NUM_TOKENS = "_deltacp_num_tokens"  # a CPBatch's input token count (TRL's num_tokens), popped before the model call
+
 
 def checkpointing_policy(kwargs: dict) -> str:
     """deltacp's checkpointing policy from activation_checkpointing_kwargs: `policy` ("full" | "selective") or
-    `selective` (a bool: False is "full"); deltacp's default ("selective") when neither is given."""
+    `selective` (a bool: False is "full"); deltacp's default (DEFAULT_POLICY) when neither is given."""
     policy, selective = kwargs.get("policy"), kwargs.get("selective")
     if selective is not None and not isinstance(selective, bool):
         raise ValueError(f"activation_checkpointing_kwargs selective={selective!r} must be true or false")
@@ -88,30 +95,26 @@ def _has_dtensors(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _known_trainer_classes() -> tuple[type, ...]:
-    """The trainer classes the mixin is verified on (what may follow it in the MRO)."""
-    from transformers import Trainer
-
-    known = [Trainer]
-    try:
-        from trl import SFTTrainer
-        from trl.trainer.base_trainer import _BaseTrainer
-    except ImportError:
-        pass
-    else:
-        known += [SFTTrainer, _BaseTrainer]
-    return tuple(known)
+def refusal(out: list[str], condition, message: str) -> None:
+    """Append `message` to the list of refusals when `condition` holds."""
+    if condition:
+        out.append(message)
 
 
-class CPTrainerMixin:
-    """Context parallelism (deltacp) for a transformers `Trainer` or TRL `SFTTrainer`: put it first,
-    `class MyTrainer(CPTrainerMixin, SFTTrainer)`, and pass `cp_size` (see the module docstring).
+def raise_refusals(problems: list[str]) -> None:
+    """One ValueError naming every refused setting (raised on every rank alike: each computes the same list)."""
+    if problems:
+        raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
+
+
+class CPTrainerBase:
+    """What deltacp's trainer integrations share; not used alone: `CPTrainerMixin` (transformers' `Trainer`, TRL's
+    `SFTTrainer`) and `CPGRPOMixin` (TRL's `GRPOTrainer`) put it after themselves in the MRO.
 
     Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size),
     linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree,
     linear_attention_state_passing, sequence_layout (as `deltacp.parallelize_cp`; checked at construction; batches
-    are cut by the model's RowCut), fsdp (True: deltacp's FSDP2
-    over dp x cp; False: replicated parameters).
+    are cut by the model's RowCut), fsdp (True: deltacp's FSDP2 over dp x cp; False: replicated parameters).
     """
 
     def __init__(self, *args, cp_size: int, linear_attention_cp_mode: str = "ulysses",
@@ -139,8 +142,6 @@ class CPTrainerMixin:
 
     def _refuse_empty_datasets(self, args, kwargs) -> None:
         """An empty train or eval dataset would surface later as a bare StopIteration of the trainer's preparation."""
-        import inspect
-
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
         datasets = dict(train_dataset=bound.get("train_dataset"))
         evals = bound.get("eval_dataset")
@@ -151,6 +152,11 @@ class CPTrainerMixin:
                 raise ValueError(f"deltacp: {name} is empty (0 rows): nothing to train or evaluate on")
 
     # -- set-up --------------------------------------------------------------------------------------------------
+    @classmethod
+    def _cp_verified_classes(cls) -> tuple[type, ...]:
+        """The trainer classes this integration is verified on (what may follow CPTrainerBase in the MRO)."""
+        raise NotImplementedError
+
     def _setup_cp(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("deltacp: the CP trainer needs torch.distributed (launch with torchrun or accelerate "
@@ -159,16 +165,20 @@ class CPTrainerMixin:
         if world % self.cp_size:
             raise ValueError(f"deltacp: the world size ({world}) must be a multiple of cp_size ({self.cp_size})")
         self.dp_size = world // self.cp_size
-        problems = self._cp_refusals()
-        if problems:
-            raise ValueError("deltacp: not supported under context parallelism:\n  - " + "\n  - ".join(problems))
-        args = self.args
-        self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, args.device.type)
+        raise_refusals(self._cp_refusals())
+        self.cp_mesh = init_cp_mesh(self.cp_size, self.dp_size, self.args.device.type)
         self.dp_rank = self.cp_mesh.get_local_rank("dp")
-        model = self.model
+        self._cp_prepare_model(self.model, train=True)  # batches are then cut by the model's RowCut
+        logger.info("deltacp: dp %d x cp %d, %s", self.dp_size, self.cp_size,
+                    "FSDP2 over dp x cp (summed gradients)" if self.cp_fsdp else "replicated parameters")
+
+    def _cp_prepare_model(self, model: torch.nn.Module, *, train: bool) -> None:
+        """`parallelize_cp`, then (the trained model) deltacp's activation checkpointing, then FSDP2 or nothing
+        (replicated); marked prepared for accelerate."""
+        args = self.args
         if not is_parallelized(model):  # else deltacp.load_pretrained applied CP (and FSDP2) while loading
-            parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)  # batches are cut by the model's RowCut
-        if args.activation_checkpointing:
+            parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)
+        if train and args.activation_checkpointing:
             kw = args.activation_checkpointing_kwargs or {}
             apply_activation_checkpointing(model, int(kw.get("every_n_layers", 1)), policy=checkpointing_policy(kw))
             # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
@@ -177,31 +187,31 @@ class CPTrainerMixin:
             mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
             fully_shard_cp(model, self.cp_mesh, mp_policy=mp_policy)
         mark_prepared_for_accelerate(model)
-        logger.info("deltacp: dp %d x cp %d, %s", self.dp_size, self.cp_size,
-                    "FSDP2 over dp x cp (summed gradients)" if self.cp_fsdp else "replicated parameters")
 
     def _cp_refusals(self) -> list[str]:
-        """What this trainer, its arguments, model and data ask for that the CP trainer cannot honour."""
+        """What this trainer, its arguments, model and data ask for that the CP trainer cannot honour (each
+        integration adds its own)."""
         from torch.utils.data import IterableDataset
 
         args, out = self.args, []
 
         def refuse(condition, message):
-            if condition:
-                out.append(message)
+            refusal(out, condition, message)
 
-        known = _known_trainer_classes()
+        known = self._cp_verified_classes()
         mro = type(self).__mro__
-        for cls in mro[mro.index(CPTrainerMixin) + 1:]:
+        for cls in mro[mro.index(CPTrainerBase) + 1:]:
             if cls is not object and cls not in known:
-                out.append(f"trainer class {cls.__name__} (the CP trainer replaces the loss, data and evaluation hooks "
-                           f"of {', '.join(k.__name__ for k in known)} only; RL and preference trainers have losses "
-                           f"of their own)")
+                out.append(f"trainer class {cls.__name__} (this CP trainer replaces the hooks of "
+                           f"{', '.join(k.__name__ for k in known)} only; other trainers have losses of their own)")
                 break
         model = self.model
         refuse(type(model).__name__.startswith("Peft") or hasattr(model, "peft_config"),
                "PEFT models (CP applies to the transformers model itself)")
-        refuse(getattr(model, "is_gradient_checkpointing", False),
+        checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.2x; the older name
+        if checkpointing is None:                                             # warns in those versions
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        refuse(checkpointing,
                "a model with transformers' activation checkpointing enabled: set the training argument "
                "activation_checkpointing instead (deltacp applies its own per-layer checkpointing)")
         text = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
@@ -229,24 +239,15 @@ class CPTrainerMixin:
         refuse(self.model_init is not None, "model_init / hyperparameter search")
         refuse(self.cp_fsdp and (self.optimizer is not None or self.lr_scheduler is not None),
                "optimizers=(...) with fsdp=True (FSDP2 replaces the parameters): pass optimizer_cls_and_kwargs")
-        refuse(self.compute_loss_func is not None, "compute_loss_func (the loss is deltacp's fused cross entropy)")
-        refuse(self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
-               "compute_metrics / preprocess_logits_for_metrics (they need full logits; evaluation gives eval_loss)")
-        refuse(bool(args.include_for_metrics), "include_for_metrics")
-        refuse(args.label_smoothing_factor != 0, "label_smoothing_factor")
         refuse(args.neftune_noise_alpha is not None, "neftune_noise_alpha (its noise scales with each rank's length)")
         refuse(args.include_num_input_tokens_seen not in ("no", False),
                "include_num_input_tokens_seen (it would count each token on every CP rank)")
         refuse(args.torch_compile, "torch_compile")
         refuse(args.use_liger_kernel, "use_liger_kernel")
         refuse(args.auto_find_batch_size, "auto_find_batch_size")
-        refuse(not args.average_tokens_across_devices and self.dp_size > 1,
-               "average_tokens_across_devices=False with dp > 1 (the loss is the mean over every target of the "
-               "global batch, as on one device)")
         acc = args.accelerator_config
         refuse(acc.split_batches, "accelerator_config.split_batches")
         refuse(acc.dispatch_batches, "accelerator_config.dispatch_batches")
-        refuse(args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'")
         datasets = [self.train_dataset] + (list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict)
                                            else [self.eval_dataset])
         refuse(any(isinstance(d, IterableDataset) or type(d).__name__ == "IterableDataset" for d in datasets),
@@ -256,7 +257,6 @@ class CPTrainerMixin:
                "checkpoints with optimizer state (resuming is not supported yet): set save_only_model=True")
         refuse(args.load_best_model_at_end, "load_best_model_at_end")
         refuse(args.push_to_hub, "push_to_hub")
-        refuse(getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll"), f"loss_type={getattr(args, 'loss_type', None)!r}")
         refuse(getattr(args, "activation_offloading", False), "activation_offloading")
         if args.activation_checkpointing:
             kw = dict(args.activation_checkpointing_kwargs or {})
@@ -305,46 +305,7 @@ class CPTrainerMixin:
     def get_test_dataloader(self, test_dataset):
         return self._shard_by_dp(super().get_test_dataloader(test_dataset))
 
-    def _cp_shard(self, batch) -> CPBatch:
-        if isinstance(batch, CPBatch):
-            return batch
-        pad = getattr(self.processing_class, "pad_token_id", None)
-        return shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0,
-                                    model=self.accelerator.unwrap_model(self.model))
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The step's micro-batches, each cut to this rank's CP slice, and the count of every valid target of the
-        step over dp x cp (transformers' num_items_in_batch, counted on deltacp's targets)."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(self._cp_shard(next(epoch_iterator)))
-            except StopIteration:
-                break
-        if not batches:
-            return batches, None
-        count = sum((b["target_ids"] != IGNORE_INDEX).sum() for b in batches).reshape(1).to(device, torch.int64)
-        dist.all_reduce(count)  # the mesh is the whole world: every dp group's targets, once per CP rank each
-        return batches, count
-
-    # -- loss ----------------------------------------------------------------------------------------------------
-    def _cp_loss(self, model, batch: CPBatch, mesh, num_items_in_batch):
-        kwargs = dict(batch)
-        target_ids = kwargs.pop("target_ids")
-        model = self.accelerator.unwrap_model(model)
-        return cp_causal_lm_loss(model, target_ids, mesh, num_items_in_batch=num_items_in_batch, use_cache=False,
-                                 **kwargs)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if return_outputs:
-            raise NotImplementedError("deltacp: compute_loss(return_outputs=True): no logits exist under CP (the loss "
-                                      "is fused with the LM head)")
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)
-        if scaled is None:  # the trainer's own rule: the model normalises by num_items_in_batch when it accepts it
-            scaled = self.model_accepts_loss_kwargs
-        return self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh,
-                             num_items_in_batch if scaled else None)
-
+    # -- gradients -----------------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         sync = self.accelerator.sync_gradients
         if self.cp_fsdp:  # FSDP2 reduce-scatters on the last micro-batch only (as accelerate's no_sync)
@@ -356,18 +317,6 @@ class CPTrainerMixin:
         return loss
 
     # -- evaluation ----------------------------------------------------------------------------------------------
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The batch's loss over its dp group (the mean over the batch's targets, as the trainer's per-batch loss)."""
-        if not prediction_loss_only:
-            raise NotImplementedError("deltacp: predictions (logits) are not gathered under CP; evaluation gives the "
-                                      "loss (prediction_loss_only)")
-        inputs = self._prepare_inputs(inputs)
-        if inputs.get("labels") is None and not isinstance(inputs, CPBatch):
-            return None, None, None
-        with torch.no_grad():
-            loss = self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh["cp"], None)
-        return loss.detach(), None, None
-
     def _cp_gather_for_metrics(self, tensor, use_gather_object=False):
         """gather_for_metrics over dp (the CP ranks of a dp group hold the same values): dp-rank order, the
         duplicated samples of the last batch dropped as accelerate does."""
@@ -384,10 +333,6 @@ class CPTrainerMixin:
     def evaluation_loop(self, *args, **kwargs):
         self.gather_function = self._cp_gather_for_metrics  # the trainer resets it at the end of every loop
         return super().evaluation_loop(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        raise NotImplementedError("deltacp: predict() returns logits, which are not gathered under CP; use evaluate() "
-                                  "for the loss")
 
     # -- training entry and saving -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
@@ -429,3 +374,131 @@ class CPTrainerMixin:
                     tokenizer.save_pretrained(output_dir)
                 torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         dist.barrier()
+
+
+def _lm_trainer_classes() -> tuple[type, ...]:
+    """transformers' Trainer and TRL's SFTTrainer (and its base), where TRL is installed."""
+    from transformers import Trainer
+
+    known = [Trainer]
+    try:
+        from trl import SFTTrainer
+        from trl.trainer.base_trainer import _BaseTrainer
+    except ImportError:
+        pass
+    else:
+        known += [SFTTrainer, _BaseTrainer]
+    return tuple(known)
+
+
+class CPTrainerMixin(CPTrainerBase):
+    """Context parallelism (deltacp) for a transformers `Trainer` or TRL `SFTTrainer`: put it first,
+    `class MyTrainer(CPTrainerMixin, SFTTrainer)`, and pass `cp_size` (see the module docstring and
+    `CPTrainerBase` for the keywords). The loss is deltacp's fused linear cross entropy."""
+
+    @classmethod
+    def _cp_verified_classes(cls) -> tuple[type, ...]:
+        return _lm_trainer_classes()
+
+    def _cp_refusals(self) -> list[str]:
+        args, out = self.args, super()._cp_refusals()
+
+        def refuse(condition, message):
+            refusal(out, condition, message)
+
+        refuse(self.compute_loss_func is not None, "compute_loss_func (the loss is deltacp's fused cross entropy)")
+        refuse(self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
+               "compute_metrics / preprocess_logits_for_metrics (they need full logits; evaluation gives eval_loss)")
+        refuse(bool(args.include_for_metrics), "include_for_metrics")
+        refuse(args.label_smoothing_factor != 0, "label_smoothing_factor")
+        refuse(not args.average_tokens_across_devices and self.dp_size > 1,
+               "average_tokens_across_devices=False with dp > 1 (the loss is the mean over every target of the "
+               "global batch, as on one device)")
+        refuse(args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'")
+        refuse(getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll"),
+               f"loss_type={getattr(args, 'loss_type', None)!r}")
+        return out
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    def _cp_shard(self, batch) -> CPBatch:
+        """This rank's slice of a collated batch, carrying (under NUM_TOKENS, popped before the model call) the
+        batch's input token count as TRL's SFTTrainer counts it: the attention mask's ones, else the packed row's
+        length (before deltacp pads it)."""
+        if isinstance(batch, CPBatch):
+            return batch
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        cut = shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad if isinstance(pad, int) else 0,
+                                   model=self.accelerator.unwrap_model(self.model))
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+        cut[NUM_TOKENS] = (int(mask.sum()) if mask is not None else
+                           positions.shape[1] if positions is not None else batch["input_ids"].numel())
+        return cut
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, each cut to this rank's CP slice, and the count of every valid target of the
+        step over dp x cp (transformers' num_items_in_batch, counted on deltacp's targets)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(self._cp_shard(next(epoch_iterator)))
+            except StopIteration:
+                break
+        if not batches:
+            return batches, None
+        count = sum((b["target_ids"] != IGNORE_INDEX).sum() for b in batches).reshape(1).to(device, torch.int64)
+        dist.all_reduce(count)  # the mesh is the whole world: every dp group's targets, once per CP rank each
+        return batches, count
+
+    # -- loss ----------------------------------------------------------------------------------------------------
+    def _cp_loss(self, model, batch: CPBatch, mesh, num_items_in_batch):
+        """The loss; for a trainer that logs token metrics (TRL's SFTTrainer: `_metrics`), also its entropy,
+        mean_token_accuracy and num_tokens, over the whole global batch as TRL gathers them."""
+        kwargs = dict(batch)
+        target_ids = kwargs.pop("target_ids")
+        num_tokens = kwargs.pop(NUM_TOKENS, 0)
+        model = self.accelerator.unwrap_model(model)
+        metrics = getattr(self, "_metrics", None)
+        if metrics is None:
+            return cp_causal_lm_loss(model, target_ids, mesh, num_items_in_batch=num_items_in_batch,
+                                     use_cache=False, **kwargs)
+        loss, stats = cp_causal_lm_loss(model, target_ids, mesh, num_items_in_batch=num_items_in_batch,
+                                        use_cache=False, return_token_stats=True, **kwargs)
+        # every rank's targets once; the batch's tokens once per CP rank of its dp group
+        totals = torch.cat([stats.double(), torch.tensor([float(num_tokens)], device=stats.device,
+                                                         dtype=torch.float64)])
+        dist.all_reduce(totals)
+        entropy_sum, correct, valid, tokens = totals.tolist()
+        mode = "train" if self.model.training else "eval"
+        metrics[mode]["entropy"].append(entropy_sum / valid if valid > 0 else 0.0)
+        metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
+        if mode == "train":
+            self._total_train_tokens += round(tokens / self.cp_size)
+        metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise NotImplementedError("deltacp: compute_loss(return_outputs=True): no logits exist under CP (the loss "
+                                      "is fused with the LM head)")
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:  # the trainer's own rule: the model normalises by num_items_in_batch when it accepts it
+            scaled = self.model_accepts_loss_kwargs
+        return self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh,
+                             num_items_in_batch if scaled else None)
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The batch's loss over its dp group (the mean over the batch's targets, as the trainer's per-batch loss)."""
+        if not prediction_loss_only:
+            raise NotImplementedError("deltacp: predictions (logits) are not gathered under CP; evaluation gives the "
+                                      "loss (prediction_loss_only)")
+        inputs = self._prepare_inputs(inputs)
+        if inputs.get("labels") is None and not isinstance(inputs, CPBatch):
+            return None, None, None
+        with torch.no_grad():
+            loss = self._cp_loss(model, self._cp_shard(inputs), self.cp_mesh["cp"], None)
+        return loss.detach(), None, None
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("deltacp: predict() returns logits, which are not gathered under CP; use evaluate() "
+                                  "for the loss")

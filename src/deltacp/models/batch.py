@@ -15,13 +15,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
+from deltacp.distributed.collectives import all_gather_seq_replicated
 from deltacp.distributed.mesh import cp_group_of
 from deltacp.models.loss import IGNORE_INDEX
 from deltacp.ops.gdn.varlen import check_cu_seqlens
 from deltacp.parallel.documents import cu_seqlens_from_position_ids, fingerprints, position_ids_from_cu_seqlens
 from deltacp.models.inputs import BATCH_LAYOUT_KEY
 from deltacp.models.parallelize import row_cut_of
-from deltacp.parallel.placement import RowCut, check_sequence_layout, rank_pieces
+from deltacp.parallel.placement import RowCut, check_sequence_layout, rank_pieces, to_row_order
 
 
 def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, length: int, pad_token_id: int = 0
@@ -229,3 +230,18 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
     return dict(input_ids=cut(input_ids), position_ids=cut(positions), target_ids=cut(targets),
                 cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest, max_length_k=longest,
                 **{BATCH_LAYOUT_KEY: sequence_layout})
+
+
+
+def gather_cp_rows(x_Bs: torch.Tensor, cp_mesh: DeviceMesh, sequence_layout: str = "contiguous") -> torch.Tensor:
+    """The inverse of the cut, for per-token values: this rank's [B, s] (in its local order, as `shard_batch_for_cp`
+    cut the rows with `sequence_layout`) -> the whole rows [B, S] in row order, on every rank of the CP group.
+
+    For a loss that every rank then computes identically on the whole rows (e.g. TRL's RL losses on per-token
+    log-probabilities): the backward hands each rank the gradient of its own slice only (no communication), so the
+    parameter gradients summed over the CP ranks are the loss's gradient, as with a loss of each rank's own tokens.
+    """
+    group = cp_group_of(cp_mesh)
+    cp = dist.get_world_size(group)
+    rows = all_gather_seq_replicated(x_Bs, 1, group)  # member-major: every rank's local tokens in rank order
+    return to_row_order(rows, 1, cp, check_sequence_layout(sequence_layout) == "balanced")

@@ -7,6 +7,8 @@ reduction here is a plain sum: the reduced gradient is the single-device gradien
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,3 +51,26 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
             # SUM is the same result on every backend.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+@contextlib.contextmanager
+def unsharded_parameters(model: nn.Module):
+    """Hold the FSDP2 parameters of a model sharded by `fully_shard_cp` unsharded through every forward inside (e.g.
+    the decoding steps of a generation): one all-gather per FSDP unit on entry, none per forward, resharded on exit
+    (and `reshard_after_forward=True`, fully_shard_cp's default, set again). A collective over the model's mesh:
+    every rank enters together. Costs the full parameters in their compute dtype (the mixed-precision param_dtype)
+    on every rank while inside. A model without FSDP2 passes through unchanged.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        for unit in units:
+            unit.unshard()
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)

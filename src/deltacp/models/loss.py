@@ -42,6 +42,7 @@ from deltacp.ops.lm_head.chunks import (  # noqa: F401  (re-exported: their home
 from deltacp.ops.lm_head.cross_entropy import linear_cross_entropy_sum
 from deltacp.ops.lm_head.kernels import IGNORE_INDEX
 from deltacp.ops.lm_head.logprobs import linear_token_logprobs
+from deltacp.ops.lm_head.metrics import head_token_stats
 
 __all__ = ["IGNORE_INDEX", "cp_causal_lm_loss", "cp_cross_entropy", "cp_global_mean", "cp_linear_cross_entropy",
            "cp_token_logprobs", "linear_cross_entropy_sum", "linear_token_logprobs"]
@@ -164,9 +165,11 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
 def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *,
                       chunk_size: int | None = None, vocab_chunk_size: int | None = None,
                       weight_grad: str = "accumulate", num_items_in_batch: int | torch.Tensor | None = None,
-                      **model_kwargs) -> torch.Tensor:
+                      return_token_stats: bool = False, **model_kwargs):
     """`cp_linear_cross_entropy` of a causal LM (Qwen3_5ForCausalLM, CP'd, with or without FSDP2): no logits.
     `num_items_in_batch`: the normaliser of the summed loss (see `cp_linear_cross_entropy`; None: this call's count).
+    return_token_stats: (loss, this rank's [entropy sum, top-1 count, valid count] over its valid targets), for
+    logging (`head_token_stats`: one more head-sized matmul per token, no gradient; sum them over the batch group).
 
     Runs the model's own forward with `model_kwargs` (the CP input hook, FSDP2's hooks and activation
     checkpointing act as usual) with its output head replaced, for this call only, by the loss of the last
@@ -181,8 +184,12 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     `router_aux_loss_coef * aux_loss` (the global auxiliary loss, `models/moe.py`), as transformers adds it.
     """
     head = output_head(model, "cp_causal_lm_loss")
+    stats = []
 
     def loss_head(hidden: torch.Tensor) -> torch.Tensor:
+        if return_token_stats:
+            stats.append(head_token_stats(hidden.flatten(0, -2), head.weight, head.bias,
+                                          target_ids.reshape(-1).to(hidden.device)))
         return cp_linear_cross_entropy(hidden, head.weight, target_ids, cp_mesh, chunk_size=chunk_size,
                                        vocab_chunk_size=vocab_chunk_size, lm_head_bias=head.bias,
                                        weight_grad=weight_grad, num_items_in_batch=num_items_in_batch)
@@ -196,7 +203,7 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         if coef is None:  # a multimodal config keeps it in its text config
             coef = cfg.get_text_config().router_aux_loss_coef
         loss = loss + coef * aux.to(loss.dtype)
-    return loss
+    return (loss, stats[0]) if return_token_stats else loss
 
 
 def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *, temperature: float = 1.0,

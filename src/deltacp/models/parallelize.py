@@ -6,7 +6,8 @@ composition of named steps.
     loss = cp_causal_lm_loss(model, batch.pop("target_ids"), cp_mesh, **batch, use_cache=False)
 
 Steps (one log line each): check every layer on every rank and exchange the configuration once (every rank
-raises together); `apply_linear_attention_cp` (the GDN style on every `linear_attn`); `apply_full_attention_cp`
+raises together); `stop_kernelization` (transformers' hub kernels would put the classes' forwards back at every
+train() / eval()); `apply_linear_attention_cp` (the GDN style on every `linear_attn`); `apply_full_attention_cp`
 (the full attention style on every `self_attn`); on the Triton backend `apply_fused_decoder` (RMSNorm, residual
 add + RMSNorm: `models/fused_decoder.py`); `install_input_hooks` (the CP input hook on the text model, on a
 multimodal model the vision hook, on a causal-LM / conditional-generation wrapper the hook refusing `labels` and
@@ -17,6 +18,8 @@ gradients over the CP group with `all_reduce_cp_grads` when parameters are repli
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 
 from torch import nn
@@ -52,6 +55,9 @@ def cp_settings_of(model: nn.Module) -> dict | None:
     `parallelize_cp` has not been applied."""
     settings = getattr(adapter_for(model).text, _SETTINGS, None)
     return None if settings is None else dict(settings)
+
+
+_SUSPENDED = "_deltacp_suspended"  # True on the text model while `suspend_cp` holds it
 
 
 def sequence_layout_of(model: nn.Module) -> str | None:
@@ -164,19 +170,32 @@ def apply_fused_decoder(model: nn.Module) -> int:
     return install_fused_decoder(model)  # logs its line
 
 
+def _unless_suspended(text: nn.Module, hook):
+    """`hook`, a no-op (None: arguments or output unchanged) while `suspend_cp` holds the model of `text`."""
+
+    @functools.wraps(hook)
+    def run(*args, **kwargs):
+        return None if getattr(text, _SUSPENDED, False) else hook(*args, **kwargs)
+
+    return run
+
+
 def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_layout: str = "contiguous") -> None:
-    group = cp_group_of(cp_mesh)
-    adapter.text.register_forward_pre_hook(make_cp_inputs_hook(group, adapter, sequence_layout), with_kwargs=True)
+    group, text = cp_group_of(cp_mesh), adapter.text
+    text.register_forward_pre_hook(_unless_suspended(text, make_cp_inputs_hook(group, adapter, sequence_layout)),
+                                   with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(adapter.text).__name__)
     if adapter.multimodal is not None:
-        adapter.multimodal.register_forward_pre_hook(make_multimodal_hook(group, sequence_layout), with_kwargs=True)
+        adapter.multimodal.register_forward_pre_hook(
+            _unless_suspended(text, make_multimodal_hook(group, sequence_layout)), with_kwargs=True)
         logger.info("Applied the multimodal CP hook (vision on the whole batch, global mRoPE positions) to %s",
                     type(adapter.multimodal).__name__)
     if adapter.head is not None:
-        adapter.head.register_forward_pre_hook(refuse_local_loss, with_kwargs=True)
+        adapter.head.register_forward_pre_hook(_unless_suspended(text, refuse_local_loss), with_kwargs=True)
         if adapter.moe is not None:
-            adapter.head.register_forward_hook(make_aux_loss_hook(adapter.moe.num_experts, adapter.moe.top_k,
-                                                                  batch_group_of(cp_mesh)), with_kwargs=True)
+            adapter.head.register_forward_hook(
+                _unless_suspended(text, make_aux_loss_hook(adapter.moe.num_experts, adapter.moe.top_k,
+                                                           batch_group_of(cp_mesh))), with_kwargs=True)
             logger.info("Applied the global MoE auxiliary loss hook (%d experts, top %d) to %s",
                         adapter.moe.num_experts, adapter.moe.top_k, type(adapter.head).__name__)
 
@@ -240,3 +259,31 @@ def row_cut(config: dict, linear: LinearAttentionContextParallel) -> RowCut:
     halos = [value for key, value in config.items() if key.endswith(".conv_halo")]
     shortest = max(halos) if halos and linear.cp_mode.needs_halo else 1
     return RowCut(linear.sequence_layout, max(shortest, 1))
+
+
+@contextlib.contextmanager
+def suspend_cp(model: nn.Module):
+    """Inside, a model made CP by `parallelize_cp` runs as the single-device model on every rank: transformers' own
+    layer forwards on whatever each rank passes (whole sequences), inference caches allowed, nothing exchanged
+    between ranks; on exit the CP forwards are back. For generation with the model being trained (e.g. an RL
+    trainer's rollouts: each rank generates its own prompts). Parameters stay as they are: under FSDP2 every
+    forward all-gathers them, unless `unsharded_parameters` holds them (`models/fsdp.py`). Not re-entrant across
+    threads; nested calls are no-ops.
+    """
+    adapter = adapter_for(model)
+    text = adapter.text
+    if getattr(text, _ROW_CUT, None) is None:
+        raise ValueError("suspend_cp: the model is not parallelized (parallelize_cp first)")
+    if getattr(text, _SUSPENDED, False):
+        yield model
+        return
+    mixers = [m for layer in adapter.layers() for m in (adapter.linear_attention(layer), adapter.full_attention(layer))
+              if m is not None and "forward" in m.__dict__]
+    saved = [(m, m.__dict__.pop("forward")) for m in mixers]  # the CP forwards, installed on the instances
+    setattr(text, _SUSPENDED, True)
+    try:
+        yield model
+    finally:
+        setattr(text, _SUSPENDED, False)
+        for module, forward in saved:
+            module.forward = forward

@@ -9,11 +9,14 @@ around them live in `deltacp.models.loss`.
     cross_entropy.py  linear_cross_entropy_sum: the summed cross entropy, gradients computed in the forward
     logprobs.py       linear_token_logprobs: per-token log-probabilities (and entropy) under a temperature,
                       backward for any per-token upstream gradients (recomputing the logits)
+    metrics.py        head_token_stats: entropy and top-1 accuracy at the valid targets, for logging (no gradient)
 """
 
 from deltacp.ops.lm_head.chunks import WEIGHT_GRAD_MODES, chunk_sizes
 from deltacp.ops.lm_head.cross_entropy import linear_cross_entropy_sum
 from deltacp.ops.lm_head.kernels import IGNORE_INDEX
 from deltacp.ops.lm_head.logprobs import linear_token_logprobs
+from deltacp.ops.lm_head.metrics import head_token_stats
 
-__all__ = ["IGNORE_INDEX", "WEIGHT_GRAD_MODES", "chunk_sizes", "linear_cross_entropy_sum", "linear_token_logprobs"]
+__all__ = ["IGNORE_INDEX", "WEIGHT_GRAD_MODES", "chunk_sizes", "head_token_stats", "linear_cross_entropy_sum",
+           "linear_token_logprobs"]

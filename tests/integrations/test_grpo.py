@@ -1,0 +1,269 @@
+"""CPGRPOTrainer (TRL's GRPOTrainer under deltacp CP, gloo CPU ranks) against TRL's GRPOTrainer without CP: every
+logged number of every step (loss, grad norm, kl, clip ratios, entropy, rewards, completion lengths, tokens), the
+evaluation's metrics and the saved weights.
+
+Cases (grpo_cases.py: a tiny Qwen3.5, STEPS=3 optimizer steps, the same completions in both trainers from a
+test-only `rollout_func`): at CP2 against TRL on one process, "grpo" (beta 0.1, token-level importance sampling,
+gradient accumulation 2 with steps_per_generation 4, so generations are reused across optimizer steps and ratios
+clip; top_entropy_quantile 0.8; p2p, contiguous, packed rows; evaluation) and "bnpo" (sequence-level importance
+sampling, steps_per_generation 2, an entropy bonus; ulysses, balanced, padded rows, replicated parameters); at dp2 x cp2 against TRL at dp 2 (two processes: TRL's result depends on its process count,
+as each process shuffles and splits its own generation batch; a dp group stands for one process), "dr_grpo" (beta
+0.05, sequence-level, num_iterations 2, mask_truncated_completions, the reference model mixed with the policy every 2
+steps; all_gather, contiguous, packed) and "dapo" (beta 0.1, token-level,
+steps_per_generation 4; p2p, balanced, padded rows; float64, the saved weights compared).
+
+The same 2-rank spawn generates for real (transformers' generate on the model outside CP, parameters unsharded):
+greedy completions of two rounds, the second after an update, equal those of a plain single-device model with the
+weights of that moment, each CP rank generating half of them; and checks what is refused at construction.
+
+Bounds (float32; observed: loss <= 6.3e-7, grad norm <= 8.1e-6, kl <= 3.9e-6, entropy <= 2.6e-7, the rest equal;
+eval_loss 1.7e-7; float64 weights 4.3e-6 (TRL's fused head reduces in float32 even for a float64 model, and Adam
+amplifies the rounding of small gradients), about 10x below them).
+Mutations seen failing: see the test's docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from deltacp.distributed.launch import run_distributed
+import grpo_cases
+
+REL = {"loss": 2e-6, "grad_norm": 1e-4, "kl": 1e-5, "entropy": 3e-6}  # per key; the others: OTHER_REL
+OTHER_REL, CLIP_ABS, EVAL_REL, WEIGHT_REL = 1e-6, 1e-6, 2e-6, 5e-5
+CP2_CASES, DP2_CASES = ("grpo", "bnpo"), ("dr_grpo", "dapo")
+EVALUATED = "grpo"
+
+
+def _run(case: str, out: str, label: str, cp_size: int | None) -> dict:
+    return grpo_cases.run_case(case, os.path.join(out, label), os.path.join(out, "model"), cp_size=cp_size,
+                               save=case in grpo_cases.FLOAT64, evaluate=case == EVALUATED)
+
+
+def _dump(out: str, name: str, results: dict) -> None:
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(results, f)
+
+
+def _one_process(out: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    _dump(out, "ref-1.json", {case: _run(case, out, f"ref1-{case}", None) for case in CP2_CASES})
+
+
+def _check_refusals_and_kernels(out: str) -> None:
+    """At CP2: settings refused at construction on every rank, naming them; transformers' train() / eval() switches
+    leave the CP forwards of a from_pretrained model (hub kernels) in place."""
+    model_dir = os.path.join(out, "model")
+
+    def refused(**config) -> str:
+        with pytest.raises(ValueError) as info:
+            grpo_cases.build("grpo", os.path.join(out, "refused"), model_dir, cp_size=2, config_extra=config)
+        return str(info.value)
+
+    assert "use_vllm (vllm_mode='server')" in refused(use_vllm=True, vllm_mode="server")
+    message = refused(cast_lm_head_to_fp32=True, per_device_train_batch_size=3, steps_per_generation=1,
+                      num_generations=3, gradient_accumulation_steps=1)
+    for part in ("cast_lm_head_to_fp32", "per_device_train_batch_size x steps_per_generation = 3"):
+        assert part in message, (part, message)
+    trainer = grpo_cases.build("grpo", os.path.join(out, "kernels"), model_dir, cp_size=2)
+    gdn = trainer.model.model.layers[0].linear_attn
+    trainer.model.eval()
+    trainer.model.train()
+    assert "forward" in gdn.__dict__, "the CP forward was removed by a train() / eval() switch"
+
+
+def _check_generation(out: str) -> dict:
+    """Two greedy rounds generated under CP2 (one update between them) against a plain model's greedy completions
+    with the weights each round started from."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import Qwen3_5ForCausalLM
+
+    from deltacp.integrations import CPGRPOTrainer
+
+    rounds, shares = [], []
+
+    class Recording(CPGRPOTrainer):
+        def _generate(self, prompts):
+            shares.append(len(prompts))
+            return super()._generate(prompts)
+
+        def _generate_and_score_completions(self, inputs):
+            weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            scored = super()._generate_and_score_completions(inputs)
+            rounds.append((weights, [x["prompt"] for x in inputs], scored["completion_ids"].cpu(),
+                           scored["completion_mask"].cpu()))
+            return scored
+
+    model_dir = os.path.join(out, "model")
+    trainer = grpo_cases.build("grpo", os.path.join(out, "generation"), model_dir, cp_size=2, cls=Recording,
+                               rollout_func=None,
+                               config_extra=dict(max_steps=2, gradient_accumulation_steps=1, steps_per_generation=1,
+                                                 generation_kwargs=dict(do_sample=False), learning_rate=0.05,
+                                                 entropy_coef=0.1))  # greedy groups: the bonus moves the weights
+    trainer.train()
+    tok = trainer.processing_class
+    plain = Qwen3_5ForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    assert len(rounds) == 2 and shares == [2, 2], (len(rounds), shares)  # 4 rows a round, 2 generated per rank
+
+    def greedy(weights, prompts):
+        plain.load_state_dict(weights)
+        batch = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+        with torch.no_grad():
+            ids = plain.generate(**batch, max_new_tokens=grpo_cases.MAX_COMPLETION, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        out = []
+        for generated in ids[:, batch["input_ids"].shape[1]:].tolist():
+            out.append(generated[:generated.index(tok.eos_token_id) + 1] if tok.eos_token_id in generated
+                       else generated)
+        return out
+
+    for weights, prompts, completion_ids, completion_mask in rounds:
+        got = [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)]
+        assert got == greedy(weights, prompts), (prompts, got)
+    # the second round's completions are those of the updated weights, not of the first round's
+    stale = greedy(rounds[0][0], rounds[1][1]) != greedy(rounds[1][0], rounds[1][1])
+    return dict(rounds=len(rounds), shares=shares, updated_weights_change_completions=stale)
+
+
+def _worker2(rank: int, world: int, out: str) -> None:
+    _check_refusals_and_kernels(out)
+    generation = _check_generation(out)
+    results = {case: _run(case, out, f"cp2-{case}", 2) for case in CP2_CASES}
+    results.update({f"ref2-{case}": _run(case, out, f"ref2-{case}", None) for case in DP2_CASES})
+    if rank == 0:
+        _dump(out, "cp2.json", dict(results, generation=generation))
+
+
+def _worker4(rank: int, world: int, out: str) -> None:
+    results = {case: _run(case, out, f"cp4-{case}", 2) for case in DP2_CASES}
+    if rank == 0:
+        _dump(out, "cp4.json", results)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _compare(label: str, got: dict, ref: dict) -> tuple[list[str], dict]:
+    failures, worst = [], {}
+    assert len(got["steps"]) == len(ref["steps"]) == grpo_cases.STEPS, (label, len(got["steps"]), len(ref["steps"]))
+    for step, (g, r) in enumerate(zip(got["steps"], ref["steps"])):
+        assert set(g) == set(r), (label, step, sorted(set(g) ^ set(r)))
+        for key, value in r.items():
+            if key.startswith("clip_ratio"):
+                diff, bound = abs(g[key] - value), CLIP_ABS
+            else:
+                diff, bound = _rel(g[key], value), REL.get(key, OTHER_REL)
+            worst[key] = max(worst.get(key, 0.0), diff)
+            if not diff <= bound:
+                failures.append(f"{label} step {step + 1}: {key} {g[key]!r} vs {value!r} (diff {diff:.2e} > {bound:.0e})")
+    shown = {k: f"{v:.1e}" for k, v in worst.items() if k in REL or k.startswith("clip_ratio/region")}
+    print(f"{label}: {len(got['steps'])} steps, worst {shown}, others <= "
+          f"{max((v for k, v in worst.items() if k not in REL and not k.startswith('clip')), default=0):.1e}")
+    return failures, worst
+
+
+def _compare_eval(got: dict, ref: dict) -> list[str]:
+    failures = []
+    assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+    for key, value in ref.items():
+        if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
+            diff = _rel(got[key], value) if not key.startswith("eval_clip") else abs(got[key] - value)
+            if not diff <= EVAL_REL:
+                failures.append(f"evaluation: {key} {got[key]!r} vs {value!r} (diff {diff:.2e})")
+    print(f"evaluation: eval_loss rel {_rel(got['eval_loss'], ref['eval_loss']):.1e}")
+    return failures
+
+
+def _compare_weights(got_dir: str, ref_dir: str) -> list[str]:
+    import torch
+    from safetensors.torch import load_file
+
+    got, ref = (load_file(os.path.join(d, "model.safetensors")) for d in (got_dir, ref_dir))
+    assert got.keys() == ref.keys() and ref[next(iter(ref))].dtype == torch.float64
+    diff = torch.cat([(got[k] - ref[k]).flatten() for k in sorted(ref)]).norm()
+    rel = (diff / torch.cat([ref[k].flatten() for k in sorted(ref)]).norm()).item()
+    print(f"saved float64 weights: rel L2 {rel:.1e}")
+    return [] if rel <= WEIGHT_REL else [f"saved weights rel L2 {rel:.2e} > {WEIGHT_REL:.0e}"]
+
+
+def test_cp_grpo_trainer_matches_trl(tmp_path):
+    """CP2 and dp2 x cp2 against TRL without CP over 3 steps; real generation under CP2; refusals.
+
+    Mutations seen failing: the gathered log-probabilities' backward summed over the CP ranks
+    (all_gather_seq_autograd in gather_cp_rows: every gradient x2, grad norm x2 at CP2); the 1 / dp gradient scale
+    dropped (grad norm x2 at dp2 x cp2, clip ratios and weights off from step 2); dapo's global token count not
+    multiplied by cp (dapo's loss and grad norm x2)."""
+    import time
+
+    out, t0 = str(tmp_path), time.time()
+    grpo_cases.save_tiny_model(os.path.join(out, "model"))
+    ref_proc = multiprocessing.get_context("spawn").Process(target=_one_process, args=(out,))
+    ref_proc.start()
+    ref_proc.join(600)
+    if ref_proc.is_alive():
+        ref_proc.kill()
+        pytest.fail("the one-process reference runs did not finish in 600 s")
+    assert ref_proc.exitcode == 0, "the one-process reference runs failed"
+    t1 = time.time()
+    run_distributed(_worker2, 2, out, timeout_s=900)
+    t2 = time.time()
+    run_distributed(_worker4, 4, out, timeout_s=900)
+    print(f"times: one process {t1 - t0:.0f} s, 2 ranks {t2 - t1:.0f} s, 4 ranks {time.time() - t2:.0f} s")
+
+    results = {}
+    for name in ("ref-1", "cp2", "cp4"):
+        with open(os.path.join(out, f"{name}.json")) as f:
+            results[name] = json.load(f)
+    print(f"generation: {results['cp2']['generation']}")
+    failures = []
+    pairs = [(f"{c}/cp2", results["cp2"][c], results["ref-1"][c]) for c in CP2_CASES]
+    pairs += [(f"{c}/dp2xcp2", results["cp4"][c], results["cp2"][f"ref2-{c}"]) for c in DP2_CASES]
+    for label, got, ref in pairs:
+        found, _ = _compare(label, got, ref)
+        failures += found
+        assert any(s.get("clip_ratio/region_mean", 0) > 0 for s in ref["steps"]), f"{label}: no ratio was clipped"
+        assert all(s["grad_norm"] > 0 for s in ref["steps"])
+    for case in CP2_CASES + DP2_CASES:  # beta > 0 gives a KL term once the policy has moved
+        if grpo_cases.CASES[case][0]["beta"] > 0:
+            ref = results["ref-1"].get(case) or results["cp2"][f"ref2-{case}"]
+            assert ref["steps"][-1]["kl"] > 0, case
+    failures += _compare_eval(results["cp2"][EVALUATED]["eval"], results["ref-1"][EVALUATED]["eval"])
+    for case in grpo_cases.FLOAT64:
+        failures += _compare_weights(results["cp4"][case]["saved"], results["cp2"][f"ref2-{case}"]["saved"])
+    assert not failures, "\n".join(failures)
+
+
+def test_completion_rows_pack_and_unpack():
+    """completion_rows / completion_values against TRL's slicing: the value read for completion column c of a row
+    is the one at the position before it, in padded rows and in the packed row; 0 where TRL scores nothing."""
+    import torch
+
+    from deltacp.integrations.batch import completion_rows, completion_values
+
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    completion_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])  # row 3: a masked completion
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    ids = torch.arange(1, 22).reshape(3, 7) * mask
+    k = completion_mask.shape[1]
+    row_values = torch.arange(3 * 7, dtype=torch.float64).reshape(3, 7) + 100  # a value at every position
+    expected = torch.where(completion_mask.bool(), row_values[:, 2:6], 0)  # TRL: logits at L - k - 1 .. L - 2
+    padded, index = completion_rows(ids, mask, k, padding_free=False, multiple=4)
+    assert index is None and padded["input_ids"].shape == (3, 8) and padded["attention_mask"][:, 7].sum() == 0
+    got = completion_values(row_values, None, 7, k)
+    assert torch.equal(got * completion_mask, expected)
+    packed, index = completion_rows(ids, mask, k, padding_free=True)
+    valid = mask.bool()
+    assert torch.equal(packed["input_ids"][0], ids[valid])
+    assert packed["cu_seq_lens_q"].tolist() == [0, 4, 11, 12]
+    assert packed["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 0]
+    assert (packed["labels"][0] != -100).nonzero().flatten().tolist() == [2, 3, 7, 8, 9, 10]
+    got = completion_values(row_values[valid][None], index, 7, k)
+    assert torch.equal(got, expected)
