@@ -33,10 +33,12 @@ def _tile(lq, lk, causal=False, ragged=False, packed=()):
 @pytest.mark.parametrize("capability, head_dim, tile, deterministic, expected", [
     (H100, 256, _tile(16384, 16384, causal=True), False, "cudnn"),
     (H100, 256, _tile(8192, 65536), False, "cudnn"),
-    (H100, 256, _tile(4096, 65536), False, "flash"),  # below the measured sizes
+    (H100, 256, _tile(1024, 65536), False, "cudnn"),
+    (H100, 256, _tile(512, 65536), False, "flash"),  # below the measured sizes
     (H100, 256, _tile(16384, 16384, causal=True), True, "flash"),  # deterministic: FA2's deterministic backward
     (H100, 256, _tile(16384, 16384, ragged=True), False, "flash"),  # shapes that follow the documents
-    (H100, 128, _tile(16384, 16384), False, "flash"),  # no row for this head dim
+    (H100, 128, _tile(16384, 16384), False, "cudnn"),
+    (H100, 64, _tile(16384, 16384), False, "flash"),  # no row for this head dim
     ((8, 0), 256, _tile(16384, 16384), False, "flash"),  # no row for this device
     ((10, 0), 256, _tile(16384, 16384), False, "flash"),
     (H100, 256, _tile(64, 64, True, True, (0, 10, 64)), False, "flash_varlen"),
@@ -153,6 +155,8 @@ class StandIns:
 def fused(monkeypatch):
     """The fused family on the CPU, an H100-class device, the CUDA ops replaced by stand-ins, the table's sizes cut
     to the test's."""
+    import torch.distributed.tensor  # noqa: F401  (its op strategies name the real ops: registered before the swap)
+
     ops = StandIns()
     monkeypatch.setattr(tiles_mod, "tile_kernel", lambda q: "fused")
     monkeypatch.setattr(tiles_mod, "device_capability", lambda index: H100)

@@ -183,14 +183,17 @@ def _key_part(t: Tile, ka: int, kb: int) -> Tile:
 # ---------------------------------------------------------------------------------------------------------------
 
 # Where cuDNN's fused attention beats flash (FA2) on a bf16 tile: (capability, head dim, tile kind) -> the shortest
-# tile side (tokens) from which it does; every other device, head dim, kind or smaller tile runs flash. Measured on
-# an H200 (capability 9.0, torch 2.11 + cuDNN 9.19, 8 query heads, 2 KV heads, bf16), 2026-12-04, fwd / bwd ms,
-# flash -> cudnn: diagonal 16K 3.79 / 10.87 -> 1.73 / 6.71, 64K 62.7 / 166.6 -> 29.7 / 113.4; visible 16K x 16K
-# 6.73 / 21.24 -> 3.04 / 15.21, 8K x 64K 14.0 / 41.4 -> 6.0 / 28.3 (no smaller tile measured yet). Rows come from
-# `python bench/attention_kernels.py` (it prints them in this form); add a device by running it there.
+# tile side (tokens) from which it does; every other device, head dim, kind or smaller tile runs flash. The rows are
+# `python bench/attention_kernels.py` on an H200 (capability 9.0, torch 2.11 + cuDNN 9.19, 8 query heads, 2 KV
+# heads, bf16; `bash scripts/gpu_checks.sh tiles`), 2026-12-04: cuDNN faster fwd + bwd at every measured tile from
+# 1K to 64K on each side, head dim 128 and 256, 1.39-2.86x (head dim 256: diagonal 1.60-1.85x, visible 1.39-1.55x;
+# its backward gains least, 1.37x at 64K x 64K). Its first call at a new shape builds a plan (~100 ms, measured),
+# which is why ragged tiles stay on flash. Add a device by running the bench there.
 CUDNN_TILES: dict[tuple[tuple[int, int], int, str], int] = {
-    ((9, 0), 256, "diagonal"): 8192,
-    ((9, 0), 256, "visible"): 8192,
+    ((9, 0), 128, "diagonal"): 1024,
+    ((9, 0), 128, "visible"): 1024,
+    ((9, 0), 256, "diagonal"): 1024,
+    ((9, 0), 256, "visible"): 1024,
 }
 FUSED_KERNELS = ("cudnn", "flash")  # what `tiled_attention(kernel=)` may force (benches compare them)
 
