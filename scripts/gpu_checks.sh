@@ -213,7 +213,7 @@ layergroup)
   fi
   ;;
 tiles)
-  check attention_kernel_tests 150 python -m pytest tests/gpu/test_attention_kernels.py \
+  check attention_kernel_tests 150 python -m pytest tests/gpu/test_attention_kernels_gpu.py \
     tests/gpu/test_document_attention.py -q -s -ra -p no:cacheprovider
   check attention_kernels 180 python bench/attention_kernels.py --json "$OUT/bench.jsonl"
   check packed_docs 120 python bench/attention_cp.py --packed-docs --json "$OUT/bench.jsonl"

@@ -29,7 +29,8 @@ from deltacp.distributed.collectives import StatePassing
 from deltacp.parallel.placement import Pieces
 from deltacp.parallel.scan import exclusive_state_scan, scan_rounds, scan_schedule, simulate_exclusive_scan
 from deltacp.distributed.launch import run_distributed
-from deltacp.train.trainer import apply_activation_checkpointing, p2p_passings
+from deltacp.models.checkpointing import apply_activation_checkpointing
+from deltacp.train.trainer import p2p_passings
 from helpers import (cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, run_fwd_bwd, self_meshes,
                      tiny_config)
 

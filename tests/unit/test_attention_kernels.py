@@ -6,7 +6,7 @@
   varlen flash, packed offsets, forced kernels), with the torch ops replaced by float64 stand-ins that keep the
   real ops' calling conventions and refuse anything else (cuDNN: lse [b, H, l, 1], KV heads as they are; flash:
   equal head counts, lse [b, H, l]; varlen flash: [T, H, D] tokens, int32 offsets, lse [H, T]). The stand-ins
-  compute one tile's share from the given o and lse, as the kernels do. tests/gpu/test_attention_kernels.py runs
+  compute one tile's share from the given o and lse, as the kernels do. tests/gpu/test_attention_kernels_gpu.py runs
   the real ops on the device.
 """
 
