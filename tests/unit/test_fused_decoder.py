@@ -392,3 +392,26 @@ def test_parallelize_cp_installs_on_the_triton_backend_only(single_rank_group, c
         assert ("forward" in layer.input_layernorm.__dict__) == (backend == "triton")
         assert "forward" not in layer.mlp.__dict__
     assert sum("fused Triton decoder glue" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_norm_other_than_the_family_s_is_refused():
+    """The glue replaces the family's RMSNorm ((1 + w) form, `Family.norm`); another norm class is named, in a
+    layer and as the final norm, before anything is installed."""
+    import pytest
+    import torch
+    import transformers
+
+    from deltacp.models.fused_decoder import fused_decoder_installed, install_fused_decoder
+    from helpers import tiny_config
+
+    model = transformers.Qwen3_5ForCausalLM(tiny_config()).float()
+    hidden = model.config.hidden_size
+    model.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(hidden)
+    with pytest.raises(NotImplementedError, match=r"decoder layer 1: post_attention_layernorm is LayerNorm, not the "
+                                                  r"qwen3_5 family's Qwen3_5RMSNorm"):
+        install_fused_decoder(model)
+    model = transformers.Qwen3_5ForCausalLM(tiny_config()).float()
+    model.model.norm = torch.nn.LayerNorm(hidden)
+    with pytest.raises(NotImplementedError, match=r"final norm LayerNorm is not the qwen3_5 family's Qwen3_5RMSNorm"):
+        install_fused_decoder(model)
+    assert not fused_decoder_installed(model)

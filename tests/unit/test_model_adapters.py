@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from deltacp import parallelize_cp, parallelize_qwen3_5_cp, supported_classes
 from deltacp.models.adapters import adapter_for
-from helpers import FAMILY_CLASSES, image_batch, tiny_family_model
+from helpers import FAMILY_CLASSES, image_batch, tiny_config, tiny_family_model
 
 
 def _mesh():
@@ -27,6 +27,32 @@ def test_supported_classes_and_the_old_name():
         assert len(adapter.layers()) == 4 and adapter.head is model
         assert (adapter.multimodal is not None) == name.endswith("ConditionalGeneration")
         assert (adapter.moe is not None) == ("Moe" in name or "Next" in name)
+
+
+def test_every_family_record_names_transformers_classes():
+    """The family table (class names, importable without transformers) agrees with the installed transformers:
+    each class's config_class (and a multimodal one's sub-configs), the norm of a tiny model, the view's name."""
+    from deltacp.models.adapters import GDN_VIEWS
+    from deltacp.models.families import FAMILIES, family_of, trainable_classes
+
+    for family in FAMILIES:
+        classes = family.classes()
+        assert classes is not None, family.name
+        for role in ("causal_lm", "text_model"):
+            assert classes[role].config_class is getattr(transformers, family.text_config), (family.name, role)
+        if family.conditional is not None:
+            config_class = classes["conditional"].config_class
+            assert config_class is getattr(transformers, family.multimodal_config), family.name
+            assert config_class.sub_configs["text_config"] is getattr(transformers, family.text_config)
+            assert config_class.sub_configs["vision_config"] is getattr(transformers, family.vision_config)
+        assert family.gdn_view in GDN_VIEWS, family.name
+    models = {"Qwen3_5ForCausalLM": transformers.Qwen3_5ForCausalLM(tiny_config())}
+    models.update({name: tiny_family_model(name, torch.float32) for name in FAMILY_CLASSES})
+    for name, model in models.items():
+        adapter = adapter_for(model)
+        assert adapter.family is family_of(name) and name in trainable_classes()
+        assert type(adapter.text.norm).__name__ == adapter.family.norm, name
+        assert type(adapter.layers()[0].input_layernorm).__name__ == adapter.family.norm, name
 
 
 def test_unsupported_classes_are_named(single_rank_group):

@@ -6,17 +6,14 @@ in Qwen3-Next), the conv, gates and norms (the views registered with `parallel/v
 formed (2-D text positions, Qwen3.5's [4, B, S] text + mRoPE rows, or the 3 mRoPE rows alone of a multimodal
 forward), whether the MLPs are routed experts (their auxiliary loss is made global, `models/moe.py`) and
 whether a vision tower precedes the language model (`models/multimodal.py`). The CP algorithms see only what
-the adapter hands them. Adding a family is adding one `Family` here (and a view if its GDN reads differently)
-plus its parity test.
+the adapter hands them. The families themselves, by class name, are `models/families.py`'s `FAMILIES` (importable
+without transformers): adding a family is adding one `Family` there (and a GDN view here if its projections read
+differently, named in `Family.gdn_view`) plus its parity test.
 
     adapter = adapter_for(model)      # NotImplementedError naming the class and the supported ones
     adapter.text, adapter.layers(), adapter.multimodal, adapter.moe
 
-Supported (transformers classes; imported lazily, a family missing from the installed transformers is skipped):
-
-    qwen3_5       Qwen3_5ForCausalLM, Qwen3_5TextModel, Qwen3_5ForConditionalGeneration
-    qwen3_5_moe   Qwen3_5MoeForCausalLM, Qwen3_5MoeTextModel, Qwen3_5MoeForConditionalGeneration
-    qwen3_next    Qwen3NextForCausalLM, Qwen3NextModel
+Supported: `supported_classes()` (a family missing from the installed transformers is skipped).
 
 Shape legend: x_BsD local hidden states; *_BsGX per key-head group (Qwen3-Next's interleaved layout).
 """
@@ -30,6 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from deltacp.models.families import FAMILIES, Family, supported_classes
 from deltacp.parallel.views import AttentionView, GDNView, register_attention_view, register_gdn_view
 
 
@@ -71,42 +69,7 @@ class Qwen3NextGDNView(GDNView):
         return qkv_BsC, z.reshape(B, s, Hv, V), b.reshape(B, s, Hv), a.reshape(B, s, Hv)
 
 
-@dataclass(frozen=True)
-class Family:
-    """One model family: the transformers module and the class names of each role."""
-
-    name: str
-    module: str  # transformers.models.<...>.modeling_<...>
-    causal_lm: str
-    text_model: str
-    gdn: str
-    attention: str
-    gdn_view: type
-    conditional: str | None = None  # the multimodal ...ForConditionalGeneration
-    multimodal_model: str | None = None  # its inner model: vision tower + language model
-    mrope: bool = False  # 3-D (text + mRoPE) position ids
-
-    def classes(self) -> dict[str, type] | None:
-        try:
-            mod = importlib.import_module(self.module)
-        except ImportError:
-            return None
-        names = dict(causal_lm=self.causal_lm, text_model=self.text_model, gdn=self.gdn, attention=self.attention,
-                     conditional=self.conditional, multimodal_model=self.multimodal_model)
-        found = {role: getattr(mod, name, None) for role, name in names.items() if name is not None}
-        return found if all(found.values()) else None
-
-
-FAMILIES = (
-    Family("qwen3_5", "transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextModel",
-           "Qwen3_5GatedDeltaNet", "Qwen3_5Attention", Qwen3_5GDNView, "Qwen3_5ForConditionalGeneration",
-           "Qwen3_5Model", mrope=True),
-    Family("qwen3_5_moe", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeForCausalLM",
-           "Qwen3_5MoeTextModel", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeAttention", Qwen3_5GDNView,
-           "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeModel", mrope=True),
-    Family("qwen3_next", "transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextForCausalLM",
-           "Qwen3NextModel", "Qwen3NextGatedDeltaNet", "Qwen3NextAttention", Qwen3NextGDNView),
-)
+GDN_VIEWS = {view.__name__: view for view in (Qwen3_5GDNView, Qwen3NextGDNView)}  # Family.gdn_view -> class
 
 
 def _register_views() -> None:
@@ -114,7 +77,7 @@ def _register_views() -> None:
         classes = family.classes()
         if classes is None:
             continue
-        view_cls = type(family.gdn_view.__name__, (family.gdn_view,), {"family": family.name})
+        view_cls = type(family.gdn_view, (GDN_VIEWS[family.gdn_view],), {"family": family.name})
         register_gdn_view(classes["gdn"], view_cls)
         rotary = importlib.import_module(family.module).apply_rotary_pos_emb
         attention_view = type(f"{family.name}AttentionView", (AttentionView,), {"family": family.name})
@@ -176,13 +139,6 @@ class ModelAdapter:
         allowed = "[B, s], [4, B, s] (text + mRoPE rows) or [3, B, s] (mRoPE rows)" if self.family.mrope else "[B, s]"
         raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} for {type(self.model).__name__}: "
                          f"expected {allowed}")
-
-
-def supported_classes() -> list[str]:
-    names = []
-    for family in FAMILIES:
-        names += [n for n in (family.causal_lm, family.text_model, family.conditional) if n is not None]
-    return names
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:

@@ -36,8 +36,6 @@ from deltacp.ops.fused import check_device
 
 logger = logging.getLogger(__name__)
 
-NORM_CLASSES = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")  # (x * rsqrt(...) * (1 + w)).type_as(x)
-
 
 def _ops(name: str, x: torch.Tensor):
     """The kernels' module, after the one device rule of the Triton path (`ops.fused.check_device`: CUDA, or any
@@ -113,13 +111,15 @@ def install_fused_decoder(model: nn.Module) -> int:
     adapter = adapter_for(model)
     text = adapter.text
     layers = adapter.layers()
+    norm = adapter.family.norm  # (x * rsqrt(mean(x^2) + eps) * (1 + w)).type_as(x): the fused kernels' form
     for i, layer in enumerate(layers):
         for name in ("input_layernorm", "post_attention_layernorm"):
-            if type(getattr(layer, name)).__name__ not in NORM_CLASSES:
+            if type(getattr(layer, name)).__name__ != norm:
                 raise NotImplementedError(f"decoder layer {i}: {name} is {type(getattr(layer, name)).__name__}, "
-                                          f"not one of {NORM_CLASSES}")
-    if type(text.norm).__name__ not in NORM_CLASSES:
-        raise NotImplementedError(f"final norm {type(text.norm).__name__} is not one of {NORM_CLASSES}")
+                                          f"not the {adapter.family.name} family's {norm}")
+    if type(text.norm).__name__ != norm:
+        raise NotImplementedError(f"final norm {type(text.norm).__name__} is not the {adapter.family.name} family's "
+                                  f"{norm}")
     for layer in layers:
         _install(layer.input_layernorm, _norm_forward)
         _install(layer.post_attention_layernorm, _norm_forward)

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of
-from deltacp.models.adapters import supported_classes
+from deltacp.models.adapters import adapter_for, supported_classes
 from deltacp.models.checkpointing import CheckpointingPlan, checkpointing_plan
 from deltacp.models.compose import check_cp_settings, parallelize_and_shard
 from deltacp.models.hf_format import (
@@ -184,7 +184,7 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
         hint = ""
         if any(".visual." in m for m in missing):
             hint = (f"; the checkpoint has no vision tower: load its text model with model_class="
-                    f"{cls.replace('ForConditionalGeneration', 'ForCausalLM')}")
+                    f"{adapter_for(model).family.causal_lm}")
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) of {cls}, e.g. "
                          f"{'; '.join(missing[:3])}{hint}")
     if problems:

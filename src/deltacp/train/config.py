@@ -38,6 +38,7 @@ from typing import Any, Literal
 import yaml
 
 from deltacp.config import AcceleratorConfig
+from deltacp.models.families import FAMILIES, family_of, trainable_classes
 from deltacp.parallel.modes import gdn_mode
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -53,28 +54,20 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-MODEL_CLASSES = {  # trainable class -> the config class its `config` fields belong to (text fields)
-    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
-    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
-    "Qwen3NextForCausalLM": "Qwen3NextConfig",
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5TextConfig",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeTextConfig",
-}
-MULTIMODAL_CONFIGS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5Config",
-                      "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeConfig"}
+MODEL_CLASSES = trainable_classes()  # the families' classes with a language-model head (models/families.py)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_class: Literal["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
-                         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"] = "Qwen3_5ForCausalLM"
-    """The transformers class to train (any class parallelize_cp supports). `config` holds its text config's
-    fields (Qwen3_5TextConfig, Qwen3_5MoeTextConfig, Qwen3NextConfig); the multimodal classes train on text and
-    take their vision tower's fields in `vision_config`. MoE: set `output_router_logits: true` in `config` to add
-    router_aux_loss_coef x the (global) auxiliary loss to the loss."""
+    model_class: Literal[MODEL_CLASSES] = "Qwen3_5ForCausalLM"
+    """The transformers class to train (any class with a language-model head parallelize_cp supports). `config`
+    holds its family's text config fields (`Family.text_config`: Qwen3_5TextConfig, Qwen3_5MoeTextConfig,
+    Qwen3NextConfig); the multimodal classes train on text and take their vision tower's fields in
+    `vision_config`. MoE: set `output_router_logits: true` in `config` to add router_aux_loss_coef x the (global)
+    auxiliary loss to the loss."""
     vision_config: dict = field(default_factory=dict)
-    """Vision tower fields (Qwen3_5VisionConfig) of a ...ForConditionalGeneration model; empty: transformers'
-    defaults. An error for the text-only classes."""
+    """Vision tower fields (the family's `Family.vision_config`, e.g. Qwen3_5VisionConfig) of a
+    ...ForConditionalGeneration model; empty: transformers' defaults. An error for the text-only classes."""
     pretrained: str | None = None
     """A local transformers checkpoint directory (config.json + safetensors, e.g. a released Qwen3.5 checkpoint: the
     text model of a multimodal one is read for a text model_class); no network. Loaded with
@@ -418,25 +411,27 @@ def config_from_dict(raw: dict) -> TrainConfig:
     if cfg.model.pretrained is not None and (cfg.model.config or cfg.model.preset is not None):
         raise ConfigError("train.model: give either pretrained (a local directory) or preset/config (fields), not "
                           "both")
+    family = family_of(cfg.model.model_class)
     if cfg.model.preset is not None:
         from deltacp.models.presets import QWEN3_5_PRESETS
 
-        if MODEL_CLASSES[cfg.model.model_class] != "Qwen3_5TextConfig":
+        if not family.presets:
+            preset_classes = [n for f in FAMILIES if f.presets for n in f.trainable_classes()]
             raise ConfigError(f"train.model.preset: the presets are the dense Qwen3.5 sizes (model_class "
-                              f"Qwen3_5ForCausalLM or Qwen3_5ForConditionalGeneration), not "
-                              f"{cfg.model.model_class}")
+                              f"{' or '.join(preset_classes)}), not {cfg.model.model_class}")
         if cfg.model.preset not in QWEN3_5_PRESETS:
             raise ConfigError(f"train.model.preset={cfg.model.preset!r} is not known; expected one of "
                               f"{list(QWEN3_5_PRESETS)}")
     if cfg.model.pretrained is not None and cfg.model.gate_init != "default":
         raise ConfigError(f"train.model.gate_init={cfg.model.gate_init!r} would overwrite the gates (A_log, dt_bias) "
                           f"of the pretrained model in train.model.pretrained; use gate_init: default")
-    check_model_config_keys(cfg.model.config, config_class=MODEL_CLASSES[cfg.model.model_class])
+    check_model_config_keys(cfg.model.config, config_class=family.text_config)
     if cfg.model.vision_config:
-        if cfg.model.model_class not in MULTIMODAL_CONFIGS:
+        if cfg.model.model_class != family.conditional:
+            multimodal = [f.conditional for f in FAMILIES if f.conditional is not None]
             raise ConfigError(f"train.model.vision_config is for the multimodal classes "
-                              f"({', '.join(MULTIMODAL_CONFIGS)}), not model_class {cfg.model.model_class}")
-        check_model_config_keys(cfg.model.vision_config, "train.model.vision_config", "Qwen3_5VisionConfig")
+                              f"({', '.join(multimodal)}), not model_class {cfg.model.model_class}")
+        check_model_config_keys(cfg.model.vision_config, "train.model.vision_config", family.vision_config)
     check_dtype_fsdp(cfg)
     check_activation_checkpointing(cfg)
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:

@@ -36,6 +36,7 @@ from deltacp.models.adapters import adapter_for
 from deltacp.models.batch import shard_batch_for_cp
 from deltacp.models.checkpointing import CheckpointingPlan
 from deltacp.models.compose import parallelize_and_shard
+from deltacp.models.families import family_of
 from deltacp.models.fsdp import all_reduce_cp_grads
 from deltacp.models.loss import cp_causal_lm_loss, cp_cross_entropy
 from deltacp.models.pretrained import load_pretrained
@@ -133,18 +134,17 @@ def model_config(cfg: TrainConfig):
     read as `from_pretrained` reads it)."""
     import transformers
 
-    from deltacp.train.config import MODEL_CLASSES, MULTIMODAL_CONFIGS
-
+    family = family_of(cfg.model.model_class)
     model_cls = getattr(transformers, cfg.model.model_class)
     if cfg.model.pretrained is not None:
         config = model_cls.config_class.from_pretrained(cfg.model.pretrained, local_files_only=True)
         return eager_experts_in_float64(cfg, config)
     if not cfg.model.config and cfg.model.preset is None:
         raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
-                          f"({MODEL_CLASSES[cfg.model.model_class]} fields) or pretrained (a local directory)")
-    config = getattr(transformers, MODEL_CLASSES[cfg.model.model_class])(**model_config_fields(cfg.model))
-    if cfg.model.model_class in MULTIMODAL_CONFIGS:
-        config = getattr(transformers, MULTIMODAL_CONFIGS[cfg.model.model_class])(
+                          f"({family.text_config} fields) or pretrained (a local directory)")
+    config = getattr(transformers, family.text_config)(**model_config_fields(cfg.model))
+    if cfg.model.model_class == family.conditional:
+        config = getattr(transformers, family.multimodal_config)(
             text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
             tie_word_embeddings=config.tie_word_embeddings)
     return eager_experts_in_float64(cfg, config)
