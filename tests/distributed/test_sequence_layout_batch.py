@@ -3,7 +3,8 @@
 groups), checked against `helpers.local_slice` and targets written here from the whole row; the row length rules;
 and the model's input hook at CP2: default position ids at the rank's row positions, and a batch cut with another
 layout than the model's refused on every rank, naming sequence_layout; the multimodal hook's mRoPE positions and
-embeddings are the rank's pieces of the whole row's; the trainer (train.accelerator.sequence_layout=balanced, dp2
+embeddings are the rank's pieces of the whole row's; an odd local length refused with one message by the hooks and
+by each layer applied on its own; the trainer (train.accelerator.sequence_layout=balanced, dp2
 x cp2) cuts its batches with the model's layout (a step passes the hook's check). The layers themselves are not
 checked here (a pre-hook after deltacp's captures what they would receive and stops the forward; the trainer step
 runs them without checking values): their parity under 'balanced' is tested with them.
@@ -19,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3_5ForCausalLM
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5GatedDeltaNet
 
-from deltacp import parallelize_cp, shard_batch_for_cp
+from deltacp import FullAttentionContextParallel, LinearAttentionContextParallel, parallelize_cp, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
 from deltacp.integrations.batch import shard_collated_batch
 from deltacp.models.adapters import adapter_for
@@ -218,8 +220,30 @@ def _check_hook(mesh, cp: int, r: int) -> None:
             _expect(ValueError, tagged, lambda: _captured(model, **{k: v for k, v in batch.items()
                                                                     if k not in ("target_ids", "position_ids")}))
     # an odd number of local tokens cannot be two pieces
-    _expect(ValueError, r"sequence_layout='balanced' needs an even number of tokens on every rank .* got 7",
-            lambda: _captured(balanced, input_ids=ids[:, :7]))
+    _expect(ValueError, _odd(7, cp), lambda: _captured(balanced, input_ids=ids[:, :7]))
+
+
+def _odd(s: int, cp: int) -> str:
+    """The one message of an odd local length under 'balanced' (placement.check_local_length), wherever it is met."""
+    return (rf"^sequence_layout='balanced' needs an even number of local tokens on every rank \(its two equal pieces "
+            rf"of the row\), got {s}: the row length must be divisible by 2 x cp \({2 * cp}\); cut the batch with "
+            rf"shard_batch_for_cp\(sequence_layout='balanced'\)")
+
+
+def _check_layers_refuse_odd_lengths(mesh, cp: int) -> None:
+    """A layer applied on its own (no model hook before it) meets the same rule with the same message: the GDN
+    style (p2p, Ulysses), Ulysses attention, and the attention across Ulysses groups (u = 2: cp counts every rank of the row)."""
+    config = tiny_config()
+    x = torch.randn(1, 7, config.hidden_size)
+    for mode in ("p2p", "ulysses"):
+        gdn = LinearAttentionContextParallel(mode=mode, sequence_layout="balanced").apply(
+            Qwen3_5GatedDeltaNet(config, 0), mesh)
+        _expect(ValueError, _odd(7, cp), lambda: gdn(x))
+    cos_sin = (torch.ones(1, 7, config.head_dim), torch.zeros(1, 7, config.head_dim))
+    for method, u in (("ulysses", None), ("all_gather", 2)):
+        attention = FullAttentionContextParallel(method, ulysses_degree=u, sequence_layout="balanced").apply(
+            Qwen3_5Attention(config, 3), mesh)
+        _expect(ValueError, _odd(7, cp), lambda: attention(x, cos_sin))
 
 
 def _check_multimodal(mesh, single, cp: int, r: int) -> None:
@@ -239,6 +263,9 @@ def _check_multimodal(mesh, single, cp: int, r: int) -> None:
                                                                  layout="balanced"))
     assert torch.equal(seen["mine"]["inputs_embeds"], local_slice(seen["row"]["inputs_embeds"], r, cp,
                                                                   layout="balanced"))
+    _expect(ValueError, _odd(15, cp), lambda: _captured(model, input_ids=batch["input_ids"][:, :15],
+                                                         mm_token_type_ids=batch["mm_token_type_ids"][:, :15],
+                                                         pixel_values=pixel_values, image_grid_thw=grid))
 
 
 def _check_trainer() -> None:
@@ -263,6 +290,7 @@ def layout_worker(rank, world):
     one_d = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     two_d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
     _check_cuts(one_d, world, rank)
+    _check_layers_refuse_odd_lengths(one_d, world)
     _check_cuts(two_d, world // 2, rank % (world // 2))
     _check_hook(two_d, world // 2, rank % (world // 2))
     _check_multimodal(two_d, self_meshes(), world // 2, rank % (world // 2))

@@ -43,5 +43,8 @@ def test_layout_names_and_piece_lengths_are_checked():
     with pytest.raises(ValueError, match=r"sequence_layout='zigzag' is not supported; expected one of "
                                          r"\('contiguous', 'balanced'\)"):
         check_sequence_layout("zigzag")
-    with pytest.raises(ValueError, match="even number of local tokens"):
-        rank_pieces("balanced", 0, 2, 5)
+    with pytest.raises(ValueError, match=r"^sequence_layout='balanced' needs an even number of local tokens on every "
+                                         r"rank \(its two equal pieces of the row\), got 5: the row length must be "
+                                         r"divisible by 2 x cp \(6\)"):
+        rank_pieces("balanced", 0, 3, 5)
+    assert rank_pieces("contiguous", 0, 3, 5).length == 5

@@ -143,11 +143,7 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
                 raise ValueError(f"packed documents (cu_seq_lens_q / cu_seq_lens_k / max_length_q / max_length_k) "
                                  f"need one row (B = 1) under CP, got a batch of {B} rows of {s} tokens on this rank: "
                                  f"pack the rows into one (shard_batch_for_cp does it for one packed row)")
-            if balanced and s % 2:
-                raise ValueError(f"sequence_layout='balanced' needs an even number of tokens on every rank (its two "
-                                 f"pieces of the row), got {s}: the row length must be divisible by 2 x cp "
-                                 f"({2 * cp}); cut the batch with shard_batch_for_cp(sequence_layout='balanced')")
-            pieces = rank_pieces(sequence_layout, rank, cp, s)
+            pieces = rank_pieces(sequence_layout, rank, cp, s)  # balanced: an even s (placement.check_local_length)
             if positions is not None:
                 text_positions = adapter.text_positions(positions)
             if text_positions is not None and (text_positions.shape[-1] != s or text_positions.shape[0] not in (1, B)):

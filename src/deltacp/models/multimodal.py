@@ -30,7 +30,7 @@ import torch.distributed as dist
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.collectives import all_gather_tokens
 from deltacp.parallel.documents import fingerprints
-from deltacp.parallel.placement import check_sequence_layout, rank_pieces, to_row_order
+from deltacp.parallel.placement import check_local_length, check_sequence_layout, rank_pieces, to_row_order
 
 _REFUSED = ("pixel_values_videos", "video_grid_thw", "mm_encoder_outputs", "cache", "past_key_values")
 
@@ -78,10 +78,7 @@ def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
                 if types is not None and tuple(types.shape) != tuple(input_ids.shape):
                     raise ValueError(f"mm_token_type_ids must be the rank's slice {tuple(input_ids.shape)}, got "
                                      f"{tuple(types.shape)}")
-                if balanced and s % 2:
-                    raise ValueError(f"sequence_layout='balanced' needs an even number of tokens on every rank (its "
-                                     f"two pieces of the row), got {s}: the row length must be divisible by 2 x cp "
-                                     f"({2 * cp}); cut the batch with shard_batch_for_cp(sequence_layout='balanced')")
+                check_local_length(balanced, s, cp)
         images = {"image_grid_thw": grid, "pixel_values_shape": None if pixel_values is None else
                   torch.tensor(pixel_values.shape)}
         raise_together(group, f"{type(module).__name__} under CP", checks.error, device=local.device,

@@ -46,7 +46,7 @@ from deltacp.parallel.attention_tiles import plan_span_tiles, ring_attention, ti
 from deltacp.distributed.mesh import across_subgroup, cp_group_of, dedicated_cp_groups, ulysses_subgroup
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
 from deltacp.parallel.modes import attention_method
-from deltacp.parallel.placement import Pieces, from_row_order, to_row_order
+from deltacp.parallel.placement import Pieces, check_local_length, from_row_order, to_row_order
 from deltacp.parallel.views import AttentionView, attention_view_of
 
 # Tile bound per kernel family (tokens on each side of a tile, `attention_tiles.tile_kernel`): the fused kernels
@@ -128,9 +128,6 @@ def seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced: bool = False):
     each in row order). Returns q, k, v as [B, H, P*s, D]."""
     P = 1 if group is None else dist.get_world_size(group)
     B, s, heads, D = q_BsHD.shape
-    if balanced and s % 2:
-        raise ValueError(f"sequence_layout='balanced' needs an even number of local tokens (two equal pieces), "
-                         f"got {s}")
     if P == 1:
         return tuple(x.transpose(1, 2) for x in (q_BsHD, k_BsHD, v_BsHD))
     index = ulysses_kv_heads(heads, k_BsHD.shape[2], P)
@@ -179,7 +176,9 @@ def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden
     (`placement.py`); the all-to-all's tokens are put in row order for the attention and back after it."""
     hidden_states, docs = _attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, "Ulysses")
-    attention_head_layout(view.num_heads, view.num_kv_heads, dist.get_world_size(group))
+    cp = dist.get_world_size(group)
+    attention_head_layout(view.num_heads, view.num_kv_heads, cp)
+    check_local_length(balanced, hidden_states.shape[1], cp)
     q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
     q_BHSD, k_BHSD, v_BHSD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced)  # the whole row, row order
     o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=view.scaling, dropout_p=view.dropout)
@@ -217,10 +216,12 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     if view.dropout:
         raise NotImplementedError(f"attention_dropout={view.dropout} with full_attention_cp={plan.method!r} is not "
                                   f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
+    G, g = dist.get_world_size(plan.across_group), dist.get_rank(plan.across_group)
+    u = 1 if plan.ulysses_group is None else dist.get_world_size(plan.ulysses_group)
+    check_local_length(plan.balanced, hidden_states.shape[1], u * G)
     q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
     q_BHLD, k_BHLD, v_BHLD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, plan.ulysses_group, plan.balanced)
     B, _, L, D = q_BHLD.shape
-    G, g = dist.get_world_size(plan.across_group), dist.get_rank(plan.across_group)
     S = G * L
     spans = Pieces(g, G, plan.balanced, L).spans()  # the group's query runs of the row, in local order
     block = plan.block if plan.block is not None else DEFAULT_BLOCK[tile_kernel(q_BHLD)]

@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.collectives import StatePassing
 from deltacp.ops.gdn.contract import GDNBackend
-from deltacp.parallel.placement import Pieces
+from deltacp.parallel.placement import Pieces, check_local_length
 from deltacp.parallel.views import GDNView
 from deltacp.parallel.documents import (
     CPForwardContext,
@@ -125,8 +125,7 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
     if ctx.padding is not None:
         hidden_states = (hidden_states * ctx.padding[:, :, None]).to(hidden_states.dtype)
     B, s, _ = hidden_states.shape
-    if layer.balanced and s % 2:
-        raise ValueError(f"sequence_layout='balanced' needs an even number of local tokens (two equal pieces), got {s}")
+    check_local_length(layer.balanced, s, dist.get_world_size(layer.group))
     piece = s // 2 if layer.balanced else s
     if layer.mode.needs_halo and piece < layer.halo:
         raise ValueError(f"linear_attention_cp_mode={layer.mode.name!r} needs local pieces of at least the conv halo "

@@ -40,6 +40,17 @@ def pieces_per_rank(sequence_layout: str) -> int:
     return 2 if check_sequence_layout(sequence_layout) == "balanced" else 1
 
 
+def check_local_length(balanced: bool, local_tokens: int, cp: int) -> None:
+    """The layouts' one rule on a rank's length: 'balanced' holds two equal pieces of the row, so an even number
+    of local tokens (a row length divisible by 2 x cp, cp being the members holding the row). ValueError naming
+    the layout, the local length and the row-length rule; every check of it, from the batch hooks to the layers,
+    is this one."""
+    if balanced and local_tokens % 2:
+        raise ValueError(f"sequence_layout='balanced' needs an even number of local tokens on every rank (its two "
+                         f"equal pieces of the row), got {local_tokens}: the row length must be divisible by 2 x cp "
+                         f"({2 * cp}); cut the batch with shard_batch_for_cp(sequence_layout='balanced')")
+
+
 @dataclass(frozen=True)
 class Pieces:
     """The pieces of a row that member `member` of a sequence group of `members` holds, in local order (slot 0,
@@ -51,9 +62,7 @@ class Pieces:
     length: int  # local tokens (all slots)
 
     def __post_init__(self):
-        if self.length % self.per_member:
-            raise ValueError(f"sequence_layout='balanced' needs an even number of local tokens (two equal pieces), "
-                             f"got {self.length}")
+        check_local_length(self.balanced, self.length, self.members)
 
     @property
     def per_member(self) -> int:
