@@ -40,6 +40,7 @@ import yaml
 from deltacp.config import AcceleratorConfig
 from deltacp.models.families import FAMILIES, family_of, trainable_classes
 from deltacp.parallel.modes import gdn_mode
+from deltacp.parallel.placement import pieces_per_rank
 
 DTYPES = ("float32", "float64", "bfloat16")
 
@@ -447,7 +448,7 @@ def config_from_dict(raw: dict) -> TrainConfig:
                           f"({2 * cp}) with train.accelerator.sequence_layout='balanced' (every rank holds two equal "
                           f"pieces of the row)")
     halo = model_config_fields(cfg.model).get("linear_conv_kernel_dim", 4) - 1  # transformers' default kernel: 4
-    pieces = 2 * cp if cfg.accelerator.sequence_layout == "balanced" else cp
+    pieces = cp * pieces_per_rank(cfg.accelerator.sequence_layout)
     if gdn_mode(cfg.accelerator.linear_attention_cp_mode).needs_halo and cfg.data.seq_len // pieces < halo:
         raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / {pieces} pieces (cp {cp}, sequence_layout "
                           f"{cfg.accelerator.sequence_layout!r}) is below the conv halo ({halo} tokens) that mode "
