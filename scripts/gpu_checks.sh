@@ -49,7 +49,8 @@
 #   bash scripts/gpu_checks.sh step_128k  the same for Qwen3.5-2B at 128K (about 5 minutes)
 #   bash scripts/gpu_checks.sh glue    the fused glue kernels on the GPU: conv + SiLU + q/k/v, gates and gated RMSNorm,
 #                                      decoder RMSNorm / add+RMSNorm / SwiGLU, the fused linear cross entropy (bf16 vs
-#                                      fp32 references, determinism, no recompiles, timings vs eager), then the loss op
+#                                      fp32 references, determinism, no recompiles, timings vs eager; the model losses'
+#                                      kernels following the GDN backend), then the loss op
 #                                      against liger-kernel (wheels in .whl/) at vocab 248,320 (about 7 minutes)
 #   bash scripts/gpu_checks.sh logprobs  the token log-probability op: GPU tests (bf16 vs fp32 full logits at 4K, Triton vs
 #                                      torch kernels, peak memory, no_grad), then the bench at 16K / 64K vs TRL's fused head,

@@ -6,7 +6,8 @@ the value (rel 1e-4), dh, dW (rel-L2 < 1e-2, within 1.5x of the old recompute-in
 bench/loss_op.py carries it), dW no worse than a bf16 running sum over 256-token chunks (liger-kernel's default
 accumulation), peak memory above the inputs = dW + dh + the logits buffer + small (no [vocab, hidden]
 accumulator), cuBLAS's global reduced-precision setting restored, and torch.no_grad giving the same value
-without gradient buffers.
+without gradient buffers. Plus: a CP'd model's loss and log-probabilities run the kernels of its GDN backend
+(eager: PyTorch, triton: Triton), not the device's choice.
 """
 
 from __future__ import annotations
@@ -106,3 +107,58 @@ def test_no_grad_same_value_no_buffers(problem):
     extra = torch.cuda.max_memory_allocated() - base
     assert torch.equal(v, v_grad), (v.item(), v_grad.item())
     assert extra < 300 * 2**20, f"no-grad loss used {extra / 2**20:.0f} MiB above its inputs (logits chunk 243 MiB)"
+
+
+def test_model_losses_run_their_backend_s_kernels(monkeypatch):
+    """On CUDA bf16 (where kernels="auto" would pick Triton) the model-level loss and log-probabilities run the
+    kernels of the model's GDN backend: eager -> the PyTorch kernels, triton -> the Triton ones; the two models
+    (same weights) give the same loss and log-probabilities up to bf16 and the two GDN implementations (a sanity
+    bound of 2e-2; the kernels' accuracy is the tests above)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from deltacp import cp_causal_lm_loss, cp_token_logprobs, parallelize_cp, shard_batch_for_cp
+    from deltacp.distributed.launch import free_port
+    from deltacp.ops.lm_head import kernels as K
+
+    chosen = []
+    select = K.select_impl
+
+    def spy(*args, **kwargs):
+        chosen.append(select(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(K, "select_impl", spy)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("cp",))
+        config = Qwen3_5TextConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                                   linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128)
+        torch.manual_seed(0)
+        base = Qwen3_5ForCausalLM(config).to("cuda", torch.bfloat16)
+        ids = torch.randint(0, 4096, (1, 1024), device="cuda")
+        results = {}
+        for backend, want in (("eager", "torch"), ("triton", "triton")):
+            model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode="p2p",
+                                   linear_attention_gdn_backend=backend)
+            batch = shard_batch_for_cp(ids, mesh)
+            targets = batch.pop("target_ids")
+            chosen.clear()
+            loss = cp_causal_lm_loss(model, targets, mesh, **batch, use_cache=False)
+            loss.backward()
+            with torch.no_grad():
+                logp = cp_token_logprobs(model, targets, mesh, **batch, use_cache=False)
+            assert chosen and set(chosen) == {want}, (backend, chosen)
+            results[backend] = (loss.detach().float(), logp.float())
+        print("loss eager / triton:", results["eager"][0].item(), results["triton"][0].item())
+        for a, b in zip(results["eager"], results["triton"]):
+            assert _rel(b, a) < 2e-2, _rel(b, a)
+    finally:
+        dist.destroy_process_group()

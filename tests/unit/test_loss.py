@@ -151,3 +151,61 @@ def test_train_loss_key():
     assert config_from_dict({"train": {"loss": "cross_entropy"}}).loss == "cross_entropy"
     with pytest.raises(ConfigError, match=r"train\.loss='fused' is not supported"):
         config_from_dict({"train": {"loss": "fused"}})
+
+
+def test_kernels_keyword_and_the_model_s_backend(mesh, monkeypatch):
+    """`kernels` of the hidden-state functions ("auto" | "torch" | "triton", checked by name) reaches the kernel
+    selection; the model-level loss and log-probabilities ask for their model's GDN backend's kernels (eager:
+    "torch", triton: "triton"; "auto" for a model CP was not applied to), not the device's."""
+    import transformers
+
+    from deltacp import cp_causal_lm_loss, cp_token_logprobs, linear_token_logprobs, parallelize_cp
+    from deltacp.models.loss import head_kernels_of
+    from deltacp.ops.lm_head import kernels as K
+    from helpers import tiny_config
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h, w, b, t = _problem(torch.float32)
+    for fn in (lambda: cp_linear_cross_entropy(h, w, t, mesh, kernels="triton"),
+               lambda: linear_token_logprobs(h, w, t, kernels="triton")):
+        with pytest.raises(RuntimeError, match=r"^kernels='triton' needs CUDA tensors; got logits on device 'cpu'"):
+            fn()
+    asked = []
+    select = K.select_impl
+
+    def spy(what, device, dtype, impl="auto"):
+        asked.append(impl)
+        return select(what, device, dtype, "torch" if impl == "triton" else impl)  # triton needs CUDA: run torch
+
+    monkeypatch.setattr(K, "select_impl", spy)
+    ref = cp_linear_cross_entropy(h, w, t, mesh, lm_head_bias=b)
+    for kernels in ("auto", "torch", "triton"):
+        asked.clear()
+        assert torch.equal(cp_linear_cross_entropy(h, w, t, mesh, lm_head_bias=b, kernels=kernels), ref)
+        linear_token_logprobs(h, w, t, bias=b, kernels=kernels).sum().backward()
+        assert set(asked) == {kernels}, (kernels, asked)
+    for fn in (lambda k: cp_linear_cross_entropy(h, w, t, mesh, kernels=k),
+               lambda k: linear_token_logprobs(h, w, t, kernels=k)):
+        with pytest.raises(ValueError, match=r": kernels='cuda' is not supported; expected one of \('auto', "
+                                             r"'torch', 'triton'\)"):
+            fn("cuda")
+    hd, wd, _, td = _problem(torch.float64)
+    with pytest.raises(ValueError, match=r"^cp_linear_cross_entropy: kernels='triton' takes bf16 / fp16 / fp32"):
+        cp_linear_cross_entropy(hd, wd, td, mesh, kernels="triton")
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (1, 16))
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), IGNORE)], dim=1)
+    plain = transformers.Qwen3_5ForCausalLM(tiny_config()).float()
+    assert head_kernels_of(plain) == "auto"
+    for backend, kernels in (("eager", "torch"), ("triton", "triton")):
+        model = parallelize_cp(transformers.Qwen3_5ForCausalLM(tiny_config()).float(), mesh,
+                               linear_attention_cp_mode="p2p", linear_attention_gdn_backend=backend)
+        assert head_kernels_of(model) == kernels
+    model = parallelize_cp(plain, mesh, linear_attention_cp_mode="p2p")  # eager: its forward runs on the CPU
+    asked.clear()
+    cp_causal_lm_loss(model, targets, mesh, input_ids=ids, use_cache=False).backward()
+    assert asked and set(asked) == {"torch"}, asked
+    asked.clear()
+    cp_token_logprobs(model, targets, mesh, input_ids=ids, use_cache=False).sum().backward()
+    assert asked and set(asked) == {"torch"}, asked

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of
+from deltacp.models.parallelize import cp_settings_of
 from deltacp.ops.lm_head.checks import check_chunk, check_head, check_targets, check_temperature, check_weight_grad
 from deltacp.ops.lm_head.chunks import (  # noqa: F401  (re-exported: their home was here)
     CHUNK_MULTIPLE,
@@ -40,12 +41,12 @@ from deltacp.ops.lm_head.chunks import (  # noqa: F401  (re-exported: their home
     vocab_budget_bytes,
 )
 from deltacp.ops.lm_head.cross_entropy import linear_cross_entropy_sum
-from deltacp.ops.lm_head.kernels import IGNORE_INDEX
+from deltacp.ops.lm_head.kernels import IGNORE_INDEX, check_kernels
 from deltacp.ops.lm_head.logprobs import linear_token_logprobs
 from deltacp.ops.lm_head.metrics import head_token_stats
 
 __all__ = ["IGNORE_INDEX", "cp_causal_lm_loss", "cp_cross_entropy", "cp_global_mean", "cp_linear_cross_entropy",
-           "cp_token_logprobs", "linear_cross_entropy_sum", "linear_token_logprobs"]
+           "cp_token_logprobs", "head_kernels_of", "linear_cross_entropy_sum", "linear_token_logprobs"]
 
 
 def cp_global_mean(local_sum: torch.Tensor, n_valid: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
@@ -90,7 +91,8 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
                             cp_mesh: DeviceMesh, *, chunk_size: int | None = None,
                             vocab_chunk_size: int | None = None,
                             lm_head_bias: torch.Tensor | None = None, weight_grad: str = "accumulate",
-                            num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+                            num_items_in_batch: int | torch.Tensor | None = None,
+                            kernels: str = "auto") -> torch.Tensor:
     """Mean cross entropy of `hidden_states @ lm_head_weight.T (+ lm_head_bias)` over every valid target of the
     global batch, without ever holding [tokens, vocab] logits.
 
@@ -114,7 +116,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     them by its grad_output (1.0 for loss.backward(): exact), no recompute. Once: a second backward through the
     same loss (retain_graph) raises, double backward too. Without gradients (torch.no_grad, no input requiring
     grad) only the loss is computed. The logits are computed in the input dtype (as nn.Linear), `chunk_size` tokens
-    at a time into one reused buffer; one kernel (Triton on CUDA) forms the loss terms and each row's logsumexp
+    at a time into one reused buffer; one kernel (`kernels`, below) forms the loss terms and each row's logsumexp
     (float32; float64 stays float64) and, over the logits, (softmax - onehot) / count; then the chunk's
     d hidden_states rows (one matmul accumulating in fp32, rounded once) and d bias (column sums in fp32). The
     weight's gradient, by `weight_grad`:
@@ -129,6 +131,11 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
         `chunk_size` (default: as many tokens as fit 256 MiB) freed before d weight exists; peak 2 V H + 2 T H +
         min(256 MiB, 2 T H) + 8 T bytes. Slower at long rows, more exact (NOTES.md, the loss op).
 
+    kernels: the kernels over each logits chunk (`ops/lm_head/kernels.py`, one contract): "auto" (default) Triton
+    for CUDA bf16 / fp16 / fp32 inputs, PyTorch otherwise; "torch" PyTorch on any device and dtype; "triton" the
+    Triton kernels (CUDA, or any device under TRITON_INTERPRET=1; not float64). `cp_causal_lm_loss` passes the
+    model's GDN backend's choice (`head_kernels_of`: eager "torch", triton "triton").
+
     From a Qwen3_5ForCausalLM (CP'd): the text model's last hidden state (after the final norm) and the head,
     `hidden = model.model(**kwargs).last_hidden_state` and `model.lm_head.weight` (tied embeddings work the
     same: the weight is the embedding matrix, both uses' gradients add up). Under FSDP2 the head's weight is
@@ -139,6 +146,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     check_chunk(fn, "chunk_size", chunk_size)
     check_chunk(fn, "vocab_chunk_size", vocab_chunk_size)
     check_weight_grad(fn, weight_grad)
+    check_kernels(fn, kernels, hidden_states.dtype)
     check_head(fn, hidden_states, lm_head_weight, lm_head_bias, target_ids,
                ("hidden_states", "lm_head_weight", "lm_head_bias", "target_ids"),
                "cp_causal_lm_loss(model, target_ids, cp_mesh, **inputs)")
@@ -155,7 +163,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     scale = (1.0 / count.clamp(min=1).to(acc)).reshape(())  # on the device
     local = linear_cross_entropy_sum(hidden, lm_head_weight, lm_head_bias, targets, chunk_size,  # this rank's
                                      vocab_chunk_size=vocab_chunk_size, scale=scale,  # sum / count
-                                     weight_grad=weight_grad)
+                                     weight_grad=weight_grad, impl=kernels)
     global_mean = local.detach().clone()
     dist.all_reduce(global_mean, group=group)
     # the value: the global mean on every rank; the gradient: this rank's share (local's, already scaled)
@@ -182,8 +190,11 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
 
     With routed experts whose forward returns `aux_loss` (output_router_logits), the result is the loss plus
     `router_aux_loss_coef * aux_loss` (the global auxiliary loss, `models/moe.py`), as transformers adds it.
+
+    The loss's kernels follow the model's GDN backend (`head_kernels_of`): PyTorch with eager, Triton with triton.
     """
     head = output_head(model, "cp_causal_lm_loss")
+    kernels = head_kernels_of(model)
     stats = []
 
     def loss_head(hidden: torch.Tensor) -> torch.Tensor:
@@ -192,7 +203,8 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
                                           target_ids.reshape(-1).to(hidden.device)))
         return cp_linear_cross_entropy(hidden, head.weight, target_ids, cp_mesh, chunk_size=chunk_size,
                                        vocab_chunk_size=vocab_chunk_size, lm_head_bias=head.bias,
-                                       weight_grad=weight_grad, num_items_in_batch=num_items_in_batch)
+                                       weight_grad=weight_grad, num_items_in_batch=num_items_in_batch,
+                                       kernels=kernels)
 
     output = forward_with_head(model, head, loss_head, model_kwargs)
     loss = output.logits
@@ -232,7 +244,8 @@ def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
 
     Checked on every rank before the forward (one small all-gather over the batch group; every rank raises
     together): the temperature (a finite number > 0), the chunk sizes, weight_grad, the targets (integers in
-    [0, vocab) or IGNORE_INDEX). The MoE auxiliary loss is not added (no loss here).
+    [0, vocab) or IGNORE_INDEX). The MoE auxiliary loss is not added (no loss here). The kernels follow the
+    model's GDN backend (`head_kernels_of`): PyTorch with eager, Triton with triton.
     """
     fn = "cp_token_logprobs"
     with LocalChecks() as checks:
@@ -242,17 +255,39 @@ def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         check_chunk(fn, "vocab_chunk_size", vocab_chunk_size)
         check_weight_grad(fn, weight_grad)
         check_targets(fn, target_ids, head.out_features)
+        kernels = head_kernels_of(model)
     raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device)
 
     def logprob_head(hidden: torch.Tensor) -> torch.Tensor:
         out = linear_token_logprobs(hidden, head.weight, target_ids.to(hidden.device), bias=head.bias,
                                     temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size,
-                                    vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad)
+                                    vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad, kernels=kernels)
         # one tensor through the model's output (its `logits` field; FSDP2's pre-backward hook sees it)
         return torch.stack(out, dim=-1) if return_entropy else out
 
     out = forward_with_head(model, head, logprob_head, model_inputs).logits
     return tuple(out.unbind(-1)) if return_entropy else out
+
+
+def head_kernels_of(model: nn.Module) -> str:
+    """The output-head kernels (`ops/lm_head/kernels.py`'s KERNELS) of a model: its GDN backend's, "torch" with
+    the eager backend (PyTorch throughout: the readable reference), "triton" with the Triton one (CUDA, or
+    TRITON_INTERPRET=1); "auto" (the device rule) for a model `parallelize_cp` has not touched (any class with an
+    nn.Linear head). The one place the model-facing losses read the backend."""
+    try:
+        settings = cp_settings_of(model)
+    except NotImplementedError:  # a class no adapter knows: parallelize_cp was not applied to it
+        settings = None
+    backend = None if settings is None else settings["linear_attention_gdn_backend"]
+    match backend:
+        case None:
+            return "auto"
+        case "eager":
+            return "torch"
+        case "triton":
+            return "triton"
+        case _:
+            raise ValueError(f"no output-head kernels for linear_attention_gdn_backend={backend!r}")
 
 
 def output_head(model: nn.Module, fn: str) -> nn.Linear:

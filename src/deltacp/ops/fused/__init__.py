@@ -20,11 +20,12 @@ import os
 import torch
 
 
-def device_error(name: str, x: torch.Tensor) -> RuntimeError:
-    return RuntimeError(f"backend='triton' needs CUDA tensors; got {name} on device {str(x.device)!r}")
+def device_error(name: str, x: torch.Tensor, setting: str = "backend='triton'") -> RuntimeError:
+    return RuntimeError(f"{setting} needs CUDA tensors; got {name} on device {str(x.device)!r}")
 
 
-def check_device(name: str, x: torch.Tensor) -> None:
-    """Raise the documented device error unless x is a CUDA tensor (or Triton runs interpreted, for tests)."""
+def check_device(name: str, x: torch.Tensor, setting: str = "backend='triton'") -> None:
+    """Raise the documented device error, naming the setting that chose Triton, unless x is a CUDA tensor (or
+    Triton runs interpreted, for tests)."""
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise device_error(name, x)
+        raise device_error(name, x, setting)

@@ -84,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              targets: torch.Tensor, chunk_size: int | None = None, *,
                              vocab_chunk_size: int | None = None, scale: torch.Tensor | None = None,
-                             impl: str | None = None, weight_grad: str = "accumulate") -> torch.Tensor:
+                             impl: str = "auto", weight_grad: str = "accumulate") -> torch.Tensor:
     """scale x the sum over valid rows of cross_entropy(hidden @ weight.T + bias, targets), one rank, no checks
     (callers check).
 
@@ -92,8 +92,9 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     device (None: 1), folded into every gradient before it is rounded (1 / count for a mean). With gradients
     wanted (grad mode on and an input requiring grad) they are computed in this call; otherwise only the loss.
     `chunk_size` / `vocab_chunk_size`: pass 1's token chunk / pass 2's vocabulary chunk (None: `chunk_sizes`).
-    `impl`: the kernels ("torch" / "triton"; None: Triton for CUDA tensors). `weight_grad`: "two_pass" (dW rounded
-    once) or "accumulate" (dW summed in place over token chunks in the weight's dtype; see `chunks.chunk_loop`).
+    `impl`: the kernels (`kernels.KERNELS`: "auto", Triton for CUDA tensors; "torch"; "triton"). `weight_grad`:
+    "two_pass" (dW rounded once) or "accumulate" (dW summed in place over token chunks in the weight's dtype; see
+    `chunks.chunk_loop`).
     """
     if weight_grad not in WEIGHT_GRAD_MODES:
         raise ValueError(f"linear cross entropy: weight_grad={weight_grad!r}; expected one of {WEIGHT_GRAD_MODES}")

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from deltacp.ops.fused import check_device
+
 IGNORE_INDEX = -100
 """Targets with this value are not trained on (transformers' convention): padding, each document's last token."""
 
-IMPLS = ("torch", "triton")
+KERNELS = ("auto", "torch", "triton")
+"""The kernel choices: "torch" (any device, float64), "triton" (CUDA bf16 / fp16 / fp32, or any device under
+TRITON_INTERPRET=1), "auto" (Triton for CUDA bf16 / fp16 / fp32 logits, torch otherwise)."""
 
 
 # ---- PyTorch ----------------------------------------------------------------------------------------------------
@@ -100,6 +104,7 @@ def lp_grad_torch_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tenso
 # ---- Triton (lazy) ------------------------------------------------------------------------------------------------
 
 def ce_rows_triton_(logits, targets, loss_rows, lse, scale, *, compute_grad):
+    check_device("logits", logits, "kernels='triton'")  # the Triton paths' device rule (a chunk's first kernel)
     from deltacp.ops.fused.linear_ce import ce_rows_  # imports triton: only on this path
 
     ce_rows_(logits, targets, loss_rows, lse, scale, ignore_index=IGNORE_INDEX, compute_grad=compute_grad)
@@ -112,6 +117,7 @@ def ce_grad_cols_triton_(logits, targets, lse, scale, col0):
 
 
 def lp_rows_triton_(logits, targets, lse, logp, ent, temperature):
+    check_device("logits", logits, "kernels='triton'")
     from deltacp.ops.fused.token_logprobs import lp_rows_
 
     lp_rows_(logits, targets, lse, logp, ent, temperature, ignore_index=IGNORE_INDEX)
@@ -123,27 +129,36 @@ def lp_grad_triton_(logits, targets, lse, ent, g_lp, g_ent, temperature, col0):
     lp_grad_(logits, targets, lse, ent, g_lp, g_ent, temperature, col0, ignore_index=IGNORE_INDEX)
 
 
-def select_impl(what: str, device: torch.device, dtype: torch.dtype, impl: str | None) -> str:
-    """"triton" for CUDA bf16 / fp16 / fp32 logits, "torch" otherwise; `impl` forces one (tests: "triton" on CPU
-    tensors under TRITON_INTERPRET=1)."""
-    if impl is None:
+def check_kernels(what: str, impl, dtype: torch.dtype) -> None:
+    """`impl` is one of KERNELS and fits logits of `dtype` (the Triton kernels take no float64); else ValueError
+    naming `what` (the caller: the public functions pass their name)."""
+    if impl not in KERNELS:
+        raise ValueError(f"{what}: kernels={impl!r} is not supported; expected one of {KERNELS}")
+    if impl == "triton" and dtype == torch.float64:
+        raise ValueError(f"{what}: kernels='triton' takes bf16 / fp16 / fp32 logits, not float64 (kernels='torch' "
+                         f"does)")
+
+
+def select_impl(what: str, device: torch.device, dtype: torch.dtype, impl: str = "auto") -> str:
+    """The kernels to run, "torch" or "triton" (`impl` checked by `check_kernels`): "auto" is "triton" for CUDA
+    bf16 / fp16 / fp32 logits, "torch" otherwise; "torch" / "triton" force one (the model-facing losses pass
+    their model's GDN backend's choice, `models/loss.head_kernels_of`; tests force "triton" on CPU tensors under
+    TRITON_INTERPRET=1)."""
+    check_kernels(what, impl, dtype)
+    if impl == "auto":
         return "triton" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32) \
             else "torch"
-    if impl not in IMPLS:
-        raise ValueError(f"{what}: unknown kernel {impl!r} (torch or triton)")
-    if impl == "triton" and dtype == torch.float64:
-        raise ValueError(f"{what}: the Triton kernels take bf16 / fp16 / fp32 logits, not float64")
     return impl
 
 
-def ce_kernels(device: torch.device, dtype: torch.dtype, impl: str | None):
+def ce_kernels(device: torch.device, dtype: torch.dtype, impl: str = "auto"):
     """(pass 1, pass 2) kernels of the linear cross entropy (`select_impl`)."""
     if select_impl("linear cross entropy", device, dtype, impl) == "triton":
         return ce_rows_triton_, ce_grad_cols_triton_
     return ce_rows_torch_, ce_grad_cols_torch_
 
 
-def lp_kernels(device: torch.device, dtype: torch.dtype, impl: str | None):
+def lp_kernels(device: torch.device, dtype: torch.dtype, impl: str = "auto"):
     """(forward, backward) kernels of the token log-probabilities (`select_impl`)."""
     if select_impl("token log-probabilities", device, dtype, impl) == "triton":
         return lp_rows_triton_, lp_grad_triton_

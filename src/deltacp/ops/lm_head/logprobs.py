@@ -21,7 +21,7 @@ import torch
 
 from deltacp.ops.lm_head.checks import check_chunk, check_head, check_temperature, check_weight_grad
 from deltacp.ops.lm_head.chunks import chunk_loop, chunk_sizes, wants_grad
-from deltacp.ops.lm_head.kernels import lp_kernels
+from deltacp.ops.lm_head.kernels import check_kernels, lp_kernels
 
 
 def token_logprobs_fwd(hidden, weight, bias, targets, temperature, with_entropy, chunk_size, kernels):
@@ -96,9 +96,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                    temperature: float = 1.0, return_entropy: bool = False, chunk_size: int | None = None, *,
-                   vocab_chunk_size: int | None = None, weight_grad: str = "two_pass", impl: str | None = None):
+                   vocab_chunk_size: int | None = None, weight_grad: str = "two_pass", impl: str = "auto"):
     """`linear_token_logprobs` on hidden [tokens, H] and targets [tokens], no checks (callers check); `impl`: the
-    kernels ("torch" / "triton"; None: Triton for CUDA bf16 / fp16 / fp32)."""
+    kernels (`kernels.KERNELS`: "auto", Triton for CUDA bf16 / fp16 / fp32; "torch"; "triton")."""
     chunk_size, vocab_chunk_size = chunk_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype,
                                                chunk_size, vocab_chunk_size, weight_grad)
     if not wants_grad(hidden, weight, bias):
@@ -113,7 +113,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, *,
                           bias: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
                           chunk_size: int | None = None, vocab_chunk_size: int | None = None,
-                          weight_grad: str = "two_pass"):
+                          weight_grad: str = "two_pass", kernels: str = "auto"):
     """Per-token log-probabilities of `target_ids` under softmax((hidden @ weight.T + bias) / temperature), without
     [tokens, vocab] logits; with return_entropy, (logp, entropy) of the same tempered distribution.
 
@@ -134,6 +134,11 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_ids
         cross entropy's one-signed gradient barely notices; TRL's fused head keeps an fp32 [vocab, hidden]
         accumulator for the same reason.
     Saved for backward: references to the inputs plus 4 bytes a token (8 with entropy; float64 twice that).
+
+    kernels: the kernels over each logits chunk (`ops/lm_head/kernels.py`, one contract): "auto" (default) Triton
+    for CUDA bf16 / fp16 / fp32 inputs, PyTorch otherwise; "torch" PyTorch on any device and dtype; "triton" the
+    Triton kernels (CUDA, or any device under TRITON_INTERPRET=1; not float64). `cp_token_logprobs` passes the
+    model's GDN backend's choice (eager: "torch", triton: "triton").
     """
     fn = "linear_token_logprobs"
     check_head(fn, hidden, weight, bias, target_ids, ("hidden", "weight", "bias", "target_ids"),
@@ -145,9 +150,10 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_ids
     check_chunk(fn, "chunk_size", chunk_size)
     check_chunk(fn, "vocab_chunk_size", vocab_chunk_size)
     check_weight_grad(fn, weight_grad)
+    check_kernels(fn, kernels, hidden.dtype)
     out = token_logprobs(hidden.flatten(0, -2) if hidden.ndim > 1 else hidden[None], weight, bias,
                          target_ids.reshape(-1).to(hidden.device), temperature, return_entropy, chunk_size,
-                         vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad)
+                         vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad, impl=kernels)
     if return_entropy:
         return tuple(x.view(target_ids.shape) for x in out)
     return out.view(target_ids.shape)
