@@ -52,8 +52,8 @@ class AcceleratorConfig:
 
     linear_attention_state_passing: str = "chain"
     """How p2p's state travels between ranks: chain (P - 1 sequential hops) or scan (ceil(log2 P) rounds of
-    point-to-point exchanges; faster from about 4-6 ranks on, docs/design.md 4.2.1). Only with a mode that has
-    state hops (p2p)."""
+    point-to-point exchanges; from how many ranks it is faster: README, measured in NOTES.md "The p2p state
+    scan"). Only with a mode that has state hops (p2p)."""
 
     sequence_layout: str = "contiguous"
     """Which tokens of a row each CP rank holds, in every layer: contiguous (rank r: positions [r s, (r + 1) s)) or

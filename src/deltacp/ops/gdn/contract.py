@@ -11,9 +11,10 @@ Shape legend (all backends):
     S      [B, Hv, K, V]
 
 A backend offers these operations; the CP modes are built from them and never see kernels, and backends
-never see ranks. Every operation takes `cu_seqlens`: None (each row is one sequence), or, for one packed row
-(B = 1), the document offsets [0, ..., T] or a prebuilt `varlen.VarlenLayout` (what a CP step builds once and
-hands to every layer). The state restarts at each document start; the entering state feeds the first document
+never see ranks or modes. The GDN-core operations (the op, prepare_chunks, state_summary,
+initial_state_grad) take `cu_seqlens` (the conv takes document starts, `doc_start_s`): None (each row is one
+sequence), or, for one packed row (B = 1), the document offsets [0, ..., T] or a prebuilt `varlen.VarlenLayout`
+(what a CP step builds once and hands to every layer). The state restarts at each document start; the entering state feeds the first document
 only when it continues from before the row (`VarlenLayout.first_continues`; True for plain offsets); final
 states and S are the last document's; M is zero when the entering state cannot reach the end. Documents need
 not align to the chunk size, and T is never a compile-time constant.
