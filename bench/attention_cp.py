@@ -107,6 +107,7 @@ def rank_step(args, scheme, P, S, device, dtype, last):
     from deltacp.parallel.attention import causal_document_attention, project_qkv, ulysses_kv_heads
     from deltacp.parallel.views import attention_view_of
     from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tiled_attention
+    import deltacp.models.adapters  # noqa: F401  (registers the families' views: parallel/ knows no model class)
 
     H, Hk, D, B = args.heads, args.kv_heads, args.head_dim, 1
     s = S // P

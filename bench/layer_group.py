@@ -61,6 +61,7 @@ def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: 
     from deltacp.parallel.attention_tiles import plan_span_tiles, ring_attention, tiled_attention
     from deltacp.parallel.placement import Pieces
     from deltacp.parallel.views import attention_view_of
+    import deltacp.models.adapters  # noqa: F401  (registers the families' views: parallel/ knows no model class)
 
     H, Hk, D, B = args.heads, args.kv_heads, args.head_dim, 1
     G, L = P // u, u * (S // P)

@@ -49,6 +49,9 @@ def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'deltacp' has no attribute {name!r}")
+    if module.startswith("deltacp.parallel."):
+        # the styles read a layer through its family's view, registered by the adapters (parallel/ knows no model)
+        importlib.import_module("deltacp.models.adapters")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # loaded once
     return value

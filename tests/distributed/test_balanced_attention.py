@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
+from deltacp import FullAttentionContextParallel
 from deltacp.distributed.launch import run_distributed
 from deltacp.parallel.attention import install_ulysses_attention
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, cu_seqlens_from_padding
-from deltacp.parallel.style import FullAttentionContextParallel
 from helpers import (cp_mesh, grads_of, local_slice, rel_l2, self_meshes, summed_grads, tiny_attention,
                      tiny_config)
 

@@ -2,6 +2,8 @@
 them, and a parallelized model keeps transformers' own state_dict keys and save_pretrained."""
 
 import copy
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +106,30 @@ def test_cp_forwards_survive_train_and_eval_of_a_from_pretrained_model(single_ra
     model.train()
     model.eval()
     assert [m.forward for m in modules] == installed
+
+
+def test_a_style_taken_from_deltacp_finds_the_family_views():
+    """In a fresh interpreter, `from deltacp import LinearAttentionContextParallel` (nothing else of deltacp) applies
+    to transformers' GDN and attention modules: taking a style registers the families' views (mutation seen failing:
+    deltacp's lazy loader not importing the adapters)."""
+    import subprocess
+    import sys
+
+    code = """
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from deltacp import FullAttentionContextParallel, LinearAttentionContextParallel
+from deltacp.distributed.launch import free_port
+from helpers import tiny_attention, tiny_config
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+LinearAttentionContextParallel(mode="p2p").apply(Qwen3_5GatedDeltaNet(tiny_config(), 0), mesh)
+FullAttentionContextParallel("ulysses").apply(tiny_attention(tiny_config()), mesh)
+dist.destroy_process_group()
+print("APPLIED")
+"""
+    tests = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])))
+    assert "APPLIED" in out.stdout, out.stderr[-3000:]

@@ -2,8 +2,9 @@
 
 The CP algorithms (GDN modes, Ulysses attention) read a layer only through these two views. A model family's
 adapter (`deltacp.models.adapters`) subclasses them for its module classes and registers a factory per class
-here (importing deltacp registers every family); `parallel/` itself knows no model class. Views read the module's parameters at call time (FSDP2 swaps a
-module's parameters between sharded and unsharded tensors around each forward).
+here (importing `deltacp.models.adapters` registers every family: any model-level function does, and so does
+taking a style from `deltacp`); `parallel/` itself knows no model class. Views read the module's parameters at
+call time (FSDP2 swaps a module's parameters between sharded and unsharded tensors around each forward).
 
 GDNView hands over, per call, the pre-conv channels in the order [q | k | v] (key heads, then value heads),
 the output gate z, and the per-value-head beta and gate inputs b, a; plus the conv, A_log, dt_bias, the gated
