@@ -47,6 +47,17 @@ _PUBLIC: dict[str, str] = {  # name -> the module that defines it
 __all__ = sorted(_PUBLIC)
 
 
+def _register_families() -> None:
+    """The model families' views (`models/adapters.py`) register themselves when first needed: a style applied to a
+    module imports them then (`parallel/views.py`), not `import deltacp`."""
+    from deltacp.parallel.views import register_family_loader
+
+    register_family_loader(lambda: importlib.import_module("deltacp.models.adapters"))
+
+
+_register_families()
+
+
 def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
