@@ -29,6 +29,7 @@ _PUBLIC: dict[str, str] = {  # name -> the module that defines it
     "linear_token_logprobs": "deltacp.models.loss",
     "cp_load_balancing_loss": "deltacp.models.moe",
     "parallelize_cp": "deltacp.models.parallelize",
+    "cp_plan_of": "deltacp.models.parallelize",
     "row_cut_of": "deltacp.models.parallelize",
     "sequence_layout_of": "deltacp.models.parallelize",
     "suspend_cp": "deltacp.models.parallelize",
@@ -37,6 +38,7 @@ _PUBLIC: dict[str, str] = {  # name -> the module that defines it
     "parallelize_qwen3_5_cp": "deltacp.models.qwen3_5",
     "save_pretrained": "deltacp.models.save",
     "SEQUENCE_LAYOUTS": "deltacp.parallel.placement",
+    "CPPlan": "deltacp.parallel.plan",
     "FullAttentionContextParallel": "deltacp.parallel.style",
     "LinearAttentionContextParallel": "deltacp.parallel.style",
     "cp_layer_of": "deltacp.parallel.style",
@@ -45,13 +47,21 @@ _PUBLIC: dict[str, str] = {  # name -> the module that defines it
 __all__ = sorted(_PUBLIC)
 
 
+def _register_families() -> None:
+    """The model families' views (`models/adapters.py`) register themselves when first needed: a style applied to a
+    module imports them then (`parallel/views.py`), not `import deltacp`."""
+    from deltacp.parallel.views import register_family_loader
+
+    register_family_loader(lambda: importlib.import_module("deltacp.models.adapters"))
+
+
+_register_families()
+
+
 def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'deltacp' has no attribute {name!r}")
-    if module.startswith("deltacp.parallel."):
-        # the styles read a layer through its family's view, registered by the adapters (parallel/ knows no model)
-        importlib.import_module("deltacp.models.adapters")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # loaded once
     return value

@@ -3,8 +3,8 @@
     train:
       accelerator:
         dp: null          # data-parallel degree: null derives world // (cp * tp); given, world = dp x cp x tp
-        cp: 4
         tp: 1
+        cp: 4             # the CP plan's fields from here on (deltacp.parallel.plan.CPPlan: every CP setting)
         ulysses_degree: null          # null / cp: 1-D; u < cp dividing cp: the 2-D layout (parallel/layout.py)
         linear_attention_cp_mode: p2p
         linear_attention_gdn_backend: triton
@@ -12,97 +12,93 @@
         linear_attention_state_passing: chain   # p2p's state hops: chain | scan (log-depth)
         sequence_layout: contiguous   # which tokens each rank holds: contiguous | balanced (parallel/placement.py)
 
-`validate()` runs on every rank before the first collective, so a bad value is an error everywhere,
-never a hang.
+The CP settings are the fields of `CPPlan` (their meaning and rules are there, written once); this section adds the
+data- and tensor-parallel degrees. Validated on every rank before the first collective, so a bad value is an error
+everywhere, never a hang.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field
 
-from deltacp.parallel.layout import validate_cp_layout
-from deltacp.distributed.collectives import StatePassing
-from deltacp.parallel.modes import canonical_name, gdn_mode
-from deltacp.parallel.placement import check_sequence_layout
+from deltacp.parallel.plan import CPPlan
 
-STATE_PASSING = StatePassing.SCHEDULES
+PREFIX = "train.accelerator."
+OWN_KEYS = ("dp", "tp")
+
+
+def _degree(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{PREFIX}{name} must be {'null or ' if allow_none else ''}an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
 class AcceleratorConfig:
-    cp: int = 1
-    """Context-parallel degree (>= 1): ranks that share one sequence."""
-    tp: int = 1
-    """Tensor-parallel degree; must be 1 while linear attention CP is on (linear attention TP+CP is out of scope)."""
+    """train.accelerator: the CP plan (its fields flat in the YAML, read as attributes here: `acc.cp`,
+    `acc.linear_attention_cp_mode`, ...) and the other parallel degrees."""
+
     dp: int | None = None
     """Data-parallel degree: groups of cp ranks that each read their share of the global batch. None: derived as
     world_size // (cp * tp); given: world_size must equal dp x cp x tp."""
-    ulysses_degree: int | None = None
-    """null (or cp): the 1-D layout, every layer over the whole CP group. u < cp dividing cp: the 2-D layout, cp / u
-    groups of u consecutive ranks; every layer runs Ulysses inside a group (its heads must divide by u) and across
-    groups linear_attention_cp_mode (p2p | all_gather) and full_attention_cp (all_gather | ring)."""
-    linear_attention_cp_mode: str = "ulysses"
-    """One of ulysses | p2p | all_gather (with ulysses_degree < cp: p2p | all_gather, the across-group method)."""
-    linear_attention_gdn_backend: str = "eager"
-    """One of eager | triton."""
-    full_attention_cp: str = "ulysses"
-    """Full attention CP: ulysses (heads split cp ways: num_attention_heads must divide by cp), all_gather (KV
-    all-gather, no head limit; 'allgather' is accepted) or ring (KV blocks passed around a ring; memory of two
-    blocks). With ulysses_degree < cp: all_gather | ring, the across-group method."""
+    tp: int = 1
+    """Tensor-parallel degree; must be 1 while linear attention CP is on (linear attention TP+CP is out of scope)."""
+    plan: CPPlan = field(default_factory=lambda: CPPlan(cp=1, prefix=PREFIX))
+    """Every CP setting (`deltacp.parallel.plan.CPPlan`); cp defaults to 1 here."""
 
-    linear_attention_state_passing: str = "chain"
-    """How p2p's state travels between ranks: chain (P - 1 sequential hops) or scan (ceil(log2 P) rounds of
-    point-to-point exchanges; from how many ranks it is faster: README, measured in NOTES.md "The p2p state
-    scan"). Only with a mode that has state hops (p2p)."""
+    def __post_init__(self):
+        _degree("dp", self.dp, allow_none=True)
+        _degree("tp", self.tp)
+        if self.tp != 1:
+            raise ValueError(f"{PREFIX}tp={self.tp} is not supported with linear attention CP: tp must be 1")
+        if self.plan.cp is None:
+            raise ValueError(f"{PREFIX}cp must be an integer >= 1, got None")
 
-    sequence_layout: str = "contiguous"
-    """Which tokens of a row each CP rank holds, in every layer: contiguous (rank r: positions [r s, (r + 1) s)) or
-    balanced (rank r: pieces r and 2 cp - 1 - r of the row cut into 2 cp, equal causal attention work per rank;
-    train.data.seq_len must then divide by 2 x cp). `parallelize_cp(sequence_layout=)`, `parallel/placement.py`."""
+    def __getattr__(self, name: str):
+        """The plan's settings, as `train.accelerator.<name>` (only called for names that are not fields)."""
+        if not name.startswith("_") and name in CPPlan.setting_names():
+            return getattr(self.__dict__["plan"], name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The section's keys: dp, tp and the plan's fields."""
+        return OWN_KEYS + CPPlan.setting_names()
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "AcceleratorConfig":
         raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - set(cls.keys()))
         if unknown:
-            raise ValueError(f"train.accelerator: unknown key(s) {unknown}; allowed keys are {sorted(known)}")
-        for key in ("linear_attention_cp_mode", "full_attention_cp"):  # one spelling from here on
-            if key in raw:
-                raw[key] = canonical_name(raw[key])
-        config = cls(**raw)
-        config.validate()
-        return config
+            raise ValueError(f"train.accelerator: unknown key(s) {unknown}; allowed keys are {sorted(cls.keys())}")
+        own = {k: raw.pop(k) for k in OWN_KEYS if k in raw}
+        raw.setdefault("cp", 1)
+        return cls(**own, plan=CPPlan(**raw, prefix=PREFIX))
+
+    def to_dict(self) -> dict:
+        """The section as the YAML holds it (flat)."""
+        return {"dp": self.dp, "tp": self.tp, **self.plan.settings()}
+
+    def replace(self, **changes) -> "AcceleratorConfig":
+        """A copy with `changes` to any key of the section (validated again)."""
+        own = {k: changes.pop(k) for k in OWN_KEYS if k in changes}
+        plan = self.plan.replace(**changes) if changes else self.plan
+        return dataclasses.replace(self, **own, plan=plan)
 
     def validate(self, world_size: int | None = None) -> None:
-        for name in ("cp", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"train.accelerator.{name} must be an integer >= 1, got {value!r}")
-        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
-            raise ValueError(f"train.accelerator.dp must be null or an integer >= 1, got {self.dp!r}")
-        mode = gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix="train.accelerator.")
-        if self.linear_attention_state_passing not in STATE_PASSING:
-            raise ValueError(f"train.accelerator.linear_attention_state_passing={self.linear_attention_state_passing!r} "
-                             f"is not supported; expected one of {STATE_PASSING}")
-        if self.linear_attention_state_passing != "chain" and not mode.state_hops:
-            raise ValueError(f"train.accelerator.linear_attention_state_passing={self.linear_attention_state_passing!r}"
-                             f" needs a mode with state hops (p2p), not linear_attention_cp_mode={mode.name!r}")
-        check_sequence_layout(self.sequence_layout, prefix="train.accelerator.")
-        if self.tp != 1:
-            raise ValueError(f"train.accelerator.tp={self.tp} is not supported with linear attention CP: tp must be 1")
-        validate_cp_layout(self.cp, self.ulysses_degree, self.linear_attention_cp_mode, self.full_attention_cp,
-                           prefix="train.accelerator.")
+        """The rules that need the world size (the others ran when the section was built)."""
         if world_size is None:
             return
-        if self.dp is None and world_size % (self.cp * self.tp):
-            raise ValueError(f"train.accelerator.cp ({self.cp}) x tp ({self.tp}) must divide the world size "
-                             f"({world_size}) (train.accelerator.dp is null: derived as world // (cp x tp))")
-        if self.dp is not None and self.dp * self.cp * self.tp != world_size:
-            raise ValueError(f"train.accelerator.dp ({self.dp}) x cp ({self.cp}) x tp ({self.tp}) = "
-                             f"{self.dp * self.cp * self.tp} must equal the world size ({world_size}); set "
-                             f"train.accelerator.dp to null to derive it")
+        cp = self.plan.cp
+        if self.dp is None and world_size % (cp * self.tp):
+            raise ValueError(f"{PREFIX}cp ({cp}) x tp ({self.tp}) must divide the world size ({world_size}) "
+                             f"(train.accelerator.dp is null: derived as world // (cp x tp))")
+        if self.dp is not None and self.dp * cp * self.tp != world_size:
+            raise ValueError(f"{PREFIX}dp ({self.dp}) x cp ({cp}) x tp ({self.tp}) = {self.dp * cp * self.tp} must "
+                             f"equal the world size ({world_size}); set train.accelerator.dp to null to derive it")
 
     def data_parallel(self, world_size: int) -> int:
         """The dp degree at this world size (after `validate(world_size)`)."""
-        return self.dp if self.dp is not None else world_size // (self.cp * self.tp)
+        return self.dp if self.dp is not None else world_size // (self.plan.cp * self.tp)

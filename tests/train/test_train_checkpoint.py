@@ -175,7 +175,7 @@ def save_at_cp2_worker(rank, world, cfg):
 def resume_at_cp4_worker(rank, world, cfg, results):
     from deltacp.train.trainer import Trainer, with_cp
 
-    cfg = replace(cfg, accelerator=replace(cfg.accelerator, sequence_layout="balanced"))  # saved: contiguous
+    cfg = replace(cfg, accelerator=cfg.accelerator.replace(sequence_layout="balanced"))  # saved: contiguous
     full = Trainer(with_cp(replace(cfg, checkpoint=CheckpointConfig()), world), progress=False).fit()
     trainer = Trainer(with_cp(cfg, world), progress=False)
     messages = []

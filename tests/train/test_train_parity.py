@@ -166,7 +166,7 @@ def attention_cp_worker(rank, world, results):
     base = _main_cfg()
     for u, method, layout in ((None, "all_gather", "contiguous"), (2, "ring", "contiguous"),
                               (None, "ring", "balanced")):
-        acc = replace(base.accelerator, ulysses_degree=u, full_attention_cp=method, sequence_layout=layout,
+        acc = base.accelerator.replace(ulysses_degree=u, full_attention_cp=method, sequence_layout=layout,
                       linear_attention_state_passing="scan" if layout == "balanced" else "chain")
         label, cfg = cp_configs(replace(base, accelerator=acc), world, STEPS, ["p2p"])[0]
         trainer = Trainer(cfg, progress=False)

@@ -46,13 +46,11 @@ def test_a_good_config_gets_to_the_ranks(launches, capsys):
 
 @pytest.mark.parametrize("sets, cp, words", [
     (["train.model.config.num_attention_heads=6"], 4,
-     "with train.accelerator (cp=4, linear_attention_cp_mode='p2p', full_attention_cp='ulysses', ulysses_degree=None)"
-     ": decoder layer 3 (full_attention): Ulysses full attention needs num_attention_heads (6) divisible by the CP "
+     "with train.accelerator (cp=4 linear_attention_cp_mode=p2p): decoder layer 3 (full_attention): Ulysses full attention needs num_attention_heads (6) divisible by the CP "
      "degree (4)"),
     (["train.accelerator.linear_attention_cp_mode=ulysses", "train.model.config.linear_num_key_heads=2",
       "train.model.config.linear_num_value_heads=6"], 4,
-     "with train.accelerator (cp=4, linear_attention_cp_mode='ulysses', full_attention_cp='ulysses', "
-     "ulysses_degree=None): decoder layer 0 (linear_attention)"),
+     "with train.accelerator (cp=4): decoder layer 0 (linear_attention)"),
     (["train.model.config={}", "train.model.preset=0.8B"], 16,  # 8 attention heads
      ": decoder layer 3 (full_attention): Ulysses full attention needs num_attention_heads (8) divisible by the CP "
      "degree (16)"),

@@ -51,7 +51,7 @@ def test_accelerator_config_defaults_and_world_size():
     assert (config.cp, config.tp, config.ulysses_degree) == (1, 1, None)
     assert (config.linear_attention_cp_mode, config.linear_attention_gdn_backend) == ("ulysses", "eager")
     with pytest.raises(ValueError, match=r"cp \(3\) x tp \(1\) must divide the world size \(4\)"):
-        AcceleratorConfig(cp=3).validate(world_size=4)
+        AcceleratorConfig.from_dict({"cp": 3}).validate(world_size=4)
 
 
 def _tiny_model():

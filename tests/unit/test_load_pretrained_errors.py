@@ -72,8 +72,8 @@ def test_classes_and_settings_it_does_not_take(single_rank_group, checkpoint):
         load_pretrained(checkpoint, _mesh(), model_class="LlamaForCausalLM")
     with pytest.raises(ValueError, match=r"dtype='int8' is not supported; expected one of \['float32', 'bfloat16'"):
         load_pretrained(checkpoint, _mesh(), dtype="int8")
-    with pytest.raises(TypeError, match=r"unknown keyword 'linear_attention_mode'; the CP settings are "
-                                        r"parallelize_cp's keywords \['ulysses_degree', 'linear_attention_cp_mode'"):
+    with pytest.raises(TypeError, match=r"load_pretrained: unknown keyword 'linear_attention_mode'; the CP settings "
+                                        r"are \['cp', 'ulysses_degree', 'linear_attention_cp_mode'"):
         load_pretrained(checkpoint, _mesh(), linear_attention_mode="p2p")
     with pytest.raises(ValueError, match=r"activation_checkpointing=-1: expected False, True"):
         load_pretrained(checkpoint, _mesh(), activation_checkpointing=-1)

@@ -49,10 +49,12 @@ import torch.distributed as dist
 
 from deltacp.distributed.agree import raise_together
 from deltacp.distributed.mesh import init_cp_mesh
-from deltacp.models.checkpointing import DEFAULT_POLICY, apply_activation_checkpointing, check_policy
-from deltacp.models.fsdp import all_reduce_cp_grads, fully_shard_cp
+from deltacp.models.checkpointing import DEFAULT_POLICY, CheckpointingPlan, check_policy
+from deltacp.models.compose import parallelize_and_shard
+from deltacp.models.fsdp import all_reduce_cp_grads
 from deltacp.models.loss import cp_causal_lm_loss
-from deltacp.models.parallelize import cp_settings_of, cp_styles, is_parallelized, parallelize_cp
+from deltacp.models.parallelize import cp_plan_of, is_parallelized
+from deltacp.parallel.plan import CPPlan
 from deltacp.models.save import save_pretrained
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
@@ -111,29 +113,25 @@ class CPTrainerBase:
     """What deltacp's trainer integrations share; not used alone: `CPTrainerMixin` (transformers' `Trainer`, TRL's
     `SFTTrainer`) and `CPGRPOMixin` (TRL's `GRPOTrainer`) put it after themselves in the MRO.
 
-    Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size),
-    linear_attention_cp_mode, linear_attention_gdn_backend, full_attention_cp, ulysses_degree,
-    linear_attention_state_passing, sequence_layout (as `deltacp.parallelize_cp`; checked at construction; batches
-    are cut by the model's RowCut), fsdp (True: deltacp's FSDP2 over dp x cp; False: replicated parameters).
+    Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size), plan (a
+    `deltacp.CPPlan`: every CP setting) or its fields as keywords (linear_attention_cp_mode,
+    linear_attention_gdn_backend, full_attention_cp, ulysses_degree, linear_attention_state_passing,
+    sequence_layout, as `deltacp.parallelize_cp`), checked at construction; batches are cut by the model's RowCut;
+    fsdp (True: deltacp's FSDP2 over dp x cp; False: replicated parameters).
     """
 
-    def __init__(self, *args, cp_size: int, linear_attention_cp_mode: str = "ulysses",
-                 linear_attention_gdn_backend: str = "eager", full_attention_cp: str = "ulysses",
-                 ulysses_degree: int | None = None, linear_attention_state_passing: str = "chain",
-                 sequence_layout: str = "contiguous", fsdp: bool = True, **kwargs):
-        # Every CP keyword is checked here, before the trainer prepares its datasets (which can take minutes)
+    def __init__(self, *args, cp_size: int, plan: CPPlan | None = None, fsdp: bool = True, **kwargs):
+        # Every CP setting is checked here, before the trainer prepares its datasets (which can take minutes)
         if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
             raise ValueError(f"deltacp: cp_size must be a positive integer, got {cp_size!r}")
         if not isinstance(fsdp, bool):
             raise ValueError(f"deltacp: fsdp must be True or False, got {fsdp!r}")
-        self._cp_parallelize = dict(linear_attention_cp_mode=linear_attention_cp_mode,
-                                    linear_attention_gdn_backend=linear_attention_gdn_backend,
-                                    full_attention_cp=full_attention_cp, ulysses_degree=ulysses_degree,
-                                    linear_attention_state_passing=linear_attention_state_passing,
-                                    sequence_layout=sequence_layout)
+        if "cp" in kwargs:
+            raise TypeError("deltacp: the CP degree is cp_size (the trainer's keyword), not cp")
+        settings = {name: kwargs.pop(name) for name in CPPlan.setting_names() if name in kwargs}
         try:  # the rules that need no model
-            cp_styles(cp_size, **self._cp_parallelize)
-        except (ValueError, NotImplementedError) as e:
+            self.cp_plan = CPPlan.resolve(plan, settings, cp_size, "the CP trainer")
+        except (ValueError, NotImplementedError, TypeError) as e:
             raise type(e)(f"deltacp: {e}") from None
         self._refuse_empty_datasets(args, kwargs)
         self.cp_size, self.cp_fsdp = cp_size, fsdp
@@ -173,19 +171,24 @@ class CPTrainerBase:
                     "FSDP2 over dp x cp (summed gradients)" if self.cp_fsdp else "replicated parameters")
 
     def _cp_prepare_model(self, model: torch.nn.Module, *, train: bool) -> None:
-        """`parallelize_cp`, then (the trained model) deltacp's activation checkpointing, then FSDP2 or nothing
-        (replicated); marked prepared for accelerate."""
+        """The composition every deltacp trainer applies (`parallelize_and_shard`: CP, then for the trained model
+        deltacp's activation checkpointing, then FSDP2 or nothing), unless deltacp.load_pretrained applied it while
+        loading (then only the checkpointing asked of the trainer); marked prepared for accelerate."""
         args = self.args
-        if not is_parallelized(model):  # else deltacp.load_pretrained applied CP (and FSDP2) while loading
-            parallelize_cp(model, self.cp_mesh, **self._cp_parallelize)
+        checkpointing = None
         if train and args.activation_checkpointing:
             kw = args.activation_checkpointing_kwargs or {}
-            apply_activation_checkpointing(model, int(kw.get("every_n_layers", 1)), policy=checkpointing_policy(kw))
+            checkpointing = CheckpointingPlan(checkpointing_policy(kw), int(kw.get("every_n_layers", 1)))
             # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
             args.activation_checkpointing = args.gradient_checkpointing = False
-        if self.cp_fsdp and not _has_dtensors(model):
+        if is_parallelized(model):
+            if checkpointing is not None:
+                checkpointing.apply(model)
+        else:
             mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-            fully_shard_cp(model, self.cp_mesh, mp_policy=mp_policy)
+            parallelize_and_shard(model, self.cp_mesh, self.cp_plan, fsdp=self.cp_fsdp,
+                                  activation_checkpointing=checkpointing or False,
+                                  mp_policy=mp_policy if self.cp_fsdp else None)
         mark_prepared_for_accelerate(model)
 
     def _cp_refusals(self) -> list[str]:
@@ -218,8 +221,8 @@ class CPTrainerBase:
         refuse(bool(getattr(text, "output_router_logits", False)),
                "the MoE auxiliary loss (output_router_logits / router_aux_loss_coef): set router_aux_loss_coef=0.0")
         if is_parallelized(model):  # loaded by deltacp.load_pretrained: CP and FSDP2 applied while loading
-            loaded = cp_settings_of(model)
-            differ = {k: loaded[k] for k, v in dict(self._cp_parallelize, cp=self.cp_size).items() if loaded[k] != v}
+            loaded, mine = cp_plan_of(model).settings(), self.cp_plan.settings()
+            differ = {k: loaded[k] for k, v in mine.items() if loaded[k] != v}
             refuse(differ, f"a model loaded by deltacp.load_pretrained with {differ}: give the trainer the same "
                            f"cp_size and CP keywords")
             refuse(self.cp_fsdp != _has_dtensors(model), f"fsdp={self.cp_fsdp} with a model loaded with "

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of
-from deltacp.models.parallelize import cp_settings_of
+from deltacp.models.parallelize import cp_plan_of
 from deltacp.ops.lm_head.checks import check_chunk, check_head, check_targets, check_temperature, check_weight_grad
 from deltacp.ops.lm_head.chunks import (  # noqa: F401  (re-exported: their home was here)
     CHUNK_MULTIPLE,
@@ -275,10 +275,10 @@ def head_kernels_of(model: nn.Module) -> str:
     TRITON_INTERPRET=1); "auto" (the device rule) for a model `parallelize_cp` has not touched (any class with an
     nn.Linear head). The one place the model-facing losses read the backend."""
     try:
-        settings = cp_settings_of(model)
+        plan = cp_plan_of(model)
     except NotImplementedError:  # a class no adapter knows: parallelize_cp was not applied to it
-        settings = None
-    backend = None if settings is None else settings["linear_attention_gdn_backend"]
+        plan = None
+    backend = None if plan is None else plan.linear_attention_gdn_backend
     match backend:
         case None:
             return "auto"

@@ -31,8 +31,8 @@ from deltacp.models.adapters import ModelAdapter, adapter_for
 from deltacp.models.inputs import make_cp_inputs_hook, refuse_local_loss
 from deltacp.models.moe import make_aux_loss_hook
 from deltacp.models.multimodal import make_multimodal_hook
-from deltacp.parallel.layout import validate_cp_layout
 from deltacp.parallel.placement import RowCut
+from deltacp.parallel.plan import CPPlan
 from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel
 from deltacp.parallel.two_d import TwoDGroups
 
@@ -47,17 +47,14 @@ def row_cut_of(model: nn.Module) -> RowCut | None:
     return getattr(adapter_for(model).text, _ROW_CUT, None)
 
 
-_SETTINGS = "_deltacp_cp_settings"  # set on the text model once CP is applied: the settings it was applied with
-
-
-def cp_settings_of(model: nn.Module) -> dict | None:
-    """The settings a model was parallelized with: `parallelize_cp`'s keywords and `cp` (the CP degree); None when
-    `parallelize_cp` has not been applied."""
-    settings = getattr(adapter_for(model).text, _SETTINGS, None)
-    return None if settings is None else dict(settings)
-
-
+_PLAN = "_deltacp_cp_plan"  # set on the text model once CP is applied: its CPPlan (cp known)
 _SUSPENDED = "_deltacp_suspended"  # True on the text model while `suspend_cp` holds it
+
+
+def cp_plan_of(model: nn.Module) -> CPPlan | None:
+    """The CPPlan a model was parallelized with (its cp: the mesh's); None when `parallelize_cp` has not been
+    applied."""
+    return getattr(adapter_for(model).text, _PLAN, None)
 
 
 def sequence_layout_of(model: nn.Module) -> str | None:
@@ -98,9 +95,6 @@ def refuse_wrapped(model: nn.Module) -> None:
                          f"tensor parallel or FSDP); {order}")
 
 
-    return cp_settings_of(model) is not None
-
-
 def stop_kernelization(model: nn.Module) -> None:
     """Turn transformers' hub-kernel layers off (`use_kernels`, on by default in `from_pretrained` of transformers
     5.25): they are re-installed on every change between train() and eval() by replacing the instance forwards of
@@ -129,17 +123,6 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
             raise type(e)(f"decoder layer {i} ({text.config.layer_types[i]}): {e}") from None
         config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
     return config
-
-
-def cp_styles(cp: int, ulysses_degree: int | None, linear_attention_cp_mode: str, linear_attention_gdn_backend: str,
-              full_attention_cp: str, linear_attention_state_passing: str = "chain",
-              sequence_layout: str = "contiguous"
-              ) -> tuple[LinearAttentionContextParallel, FullAttentionContextParallel]:
-    """The two styles of a layout, after its model-independent rules (raises naming the setting)."""
-    validate_cp_layout(cp, ulysses_degree, linear_attention_cp_mode, full_attention_cp)
-    return (LinearAttentionContextParallel(linear_attention_cp_mode, linear_attention_gdn_backend, ulysses_degree,
-                                           linear_attention_state_passing, sequence_layout),
-            FullAttentionContextParallel(full_attention_cp, ulysses_degree, sequence_layout=sequence_layout))
 
 
 def _install_on_layers(adapter: ModelAdapter, module_of, style, group, groups) -> int:
@@ -200,39 +183,35 @@ def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_lay
                         adapter.moe.num_experts, adapter.moe.top_k, type(adapter.head).__name__)
 
 
-def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | None = None,
-                   linear_attention_cp_mode: str = "ulysses", linear_attention_gdn_backend: str = "eager",
-                   full_attention_cp: str = "ulysses", linear_attention_state_passing: str = "chain",
-                   sequence_layout: str = "contiguous") -> nn.Module:
+def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = None, **settings) -> nn.Module:
     """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
 
-    On each rank, `model(**shard_batch_for_cp(...) without target_ids, use_cache=False).logits` is that rank's
-    slice of the single-device logits (per document, for packed rows).
+    On each rank, `model(**shard_batch_for_cp(..., model=model) without target_ids, use_cache=False).logits` is that
+    rank's slice of the single-device logits (per document, for packed rows).
 
-    linear_attention_cp_mode: ulysses | p2p | all_gather (`parallel/modes.py`). full_attention_cp: 'ulysses' (heads
-    split cp ways: the heads must divide by cp), 'all_gather' (KV all-gather, no head limit; 'allgather' is
-    accepted) or 'ring' (KV ring). ulysses_degree: None / cp (1-D layout) or u < cp dividing cp: the 2-D layout,
-    Ulysses inside groups of u consecutive ranks, linear_attention_cp_mode (p2p | all_gather) and
-    full_attention_cp (all_gather | ring) across groups (`parallel/layout.py`). linear_attention_state_passing:
-    how p2p's state travels between ranks, 'chain' (P - 1 hops) or 'scan' (ceil(log2 P) rounds; `parallel/scan.py`).
-    sequence_layout: which tokens each rank holds, 'contiguous' (rank r: positions [r s, (r + 1) s)) or 'balanced'
-    (rank r: pieces r and 2P - 1 - r of 2P, equal causal attention work per rank; `parallel/placement.py`); cut the
-    batch with the same `shard_batch_for_cp(sequence_layout=...)`.
+    plan: a `CPPlan` (`parallel/plan.py`: every CP setting, validated once; its cp, if given, must be the mesh's), or
+    its fields as keywords, as in earlier versions: linear_attention_cp_mode (ulysses | p2p | all_gather),
+    linear_attention_gdn_backend (eager | triton), full_attention_cp ('ulysses': heads split cp ways, the heads
+    must divide by cp; 'all_gather' ('allgather' accepted) or 'ring': no head limit), ulysses_degree (None / cp:
+    the 1-D layout; u < cp dividing cp: the 2-D layout, `parallel/layout.py`), linear_attention_state_passing
+    ('chain' | 'scan', `parallel/scan.py`), sequence_layout ('contiguous' | 'balanced', `parallel/placement.py`; the
+    batch is cut with the same, `shard_batch_for_cp(..., model=model)`). An int in the plan's place is the
+    ulysses_degree of the older positional signature.
     """
     # one rank calling twice: raised here, before any collective the others would never join
     if any(getattr(m, _ROW_CUT, None) is not None for m in model.modules()):
         raise ValueError("parallelize_cp: this model is already parallelized; apply CP once, to the single-device "
                          "model")
+    if isinstance(plan, int) and not isinstance(plan, bool):  # parallelize_cp(model, mesh, ulysses_degree)
+        plan, settings = None, dict(settings, ulysses_degree=plan)
     group = cp_group_of(cp_mesh)
     cp = group.size()
-    config = dict(linear_attention_cp_mode=linear_attention_cp_mode,
-                  linear_attention_gdn_backend=linear_attention_gdn_backend, cp=cp, ulysses_degree=ulysses_degree,
-                  full_attention_cp=full_attention_cp, linear_attention_state_passing=linear_attention_state_passing,
-                  sequence_layout=sequence_layout)
     adapter = linear = full = None
+    config = {}
     with LocalChecks() as checks:  # every check first; a check failing on some ranks must not leave others waiting
-        linear, full = cp_styles(cp, ulysses_degree, linear_attention_cp_mode, linear_attention_gdn_backend,
-                                 full_attention_cp, linear_attention_state_passing, sequence_layout)
+        plan = CPPlan.resolve(plan, settings, cp)
+        config = plan.settings()
+        linear, full = plan.styles()
         refuse_wrapped(model)
         adapter = adapter_for(model)
         config.update(check_model(model, adapter, linear, full, cp))
@@ -243,22 +222,20 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, ulysses_degree: int | 
     apply_linear_attention_cp(adapter, linear, group, linear_groups)
     shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
     apply_full_attention_cp(adapter, full, group, full.groups(cp_mesh, shared), cp)
-    if linear_attention_gdn_backend == "triton":
+    if plan.linear_attention_gdn_backend == "triton":
         apply_fused_decoder(model)
-    install_input_hooks(adapter, cp_mesh, sequence_layout)
-    setattr(adapter.text, _ROW_CUT, row_cut(config, linear))
-    setattr(adapter.text, _SETTINGS, {key: config[key] for key in ("cp", "ulysses_degree", "linear_attention_cp_mode",
-                                                                  "linear_attention_gdn_backend", "full_attention_cp",
-                                                                  "linear_attention_state_passing", "sequence_layout")})
+    install_input_hooks(adapter, cp_mesh, plan.sequence_layout)
+    setattr(adapter.text, _ROW_CUT, row_cut(config, plan))
+    setattr(adapter.text, _PLAN, plan)
+    logger.info("Applied CP: %s", plan.describe())
     return model
 
 
-def row_cut(config: dict, linear: LinearAttentionContextParallel) -> RowCut:
-    """The model's RowCut from its checked configuration: the longest conv halo of its GDN layers is every piece's
-    minimum where the GDN mode reads the previous piece's tail."""
+def row_cut(config: dict, plan: CPPlan) -> RowCut:
+    """The model's RowCut from its checked configuration: every piece holds at least what the plan's GDN mode needs
+    of the longest conv halo of the model's GDN layers (`CPPlan.min_piece_length`)."""
     halos = [value for key, value in config.items() if key.endswith(".conv_halo")]
-    shortest = max(halos) if halos and linear.cp_mode.needs_halo else 1
-    return RowCut(linear.sequence_layout, max(shortest, 1))
+    return RowCut(plan.sequence_layout, plan.min_piece_length(max(halos, default=0)))
 
 
 @contextlib.contextmanager

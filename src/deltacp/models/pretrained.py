@@ -33,10 +33,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
-from deltacp.distributed.mesh import batch_group_of
+from deltacp.distributed.mesh import batch_group_of, cp_group_of
 from deltacp.models.adapters import adapter_for, supported_classes
 from deltacp.models.checkpointing import CheckpointingPlan, checkpointing_plan
-from deltacp.models.compose import check_cp_settings, parallelize_and_shard
+from deltacp.models.compose import parallelize_and_shard
+from deltacp.parallel.plan import CPPlan
 from deltacp.models.hf_format import (
     FUSED_EXPERTS,
     StoredTensor,
@@ -314,9 +315,10 @@ def tied_head(model: nn.Module) -> bool:
     return head is not None and head.weight is model.get_input_embeddings().weight
 
 
-def load_pretrained(path, cp_mesh: DeviceMesh, *, dtype=None, fsdp: bool = True, model_class=None, config=None,
+def load_pretrained(path, cp_mesh: DeviceMesh, *, plan: CPPlan | None = None, dtype=None, fsdp: bool = True,
+                    model_class=None, config=None,
                     activation_checkpointing: bool | int | str | CheckpointingPlan = False, mp_policy=None, device=None,
-                    **cp_settings) -> nn.Module:
+                    **settings) -> nn.Module:
     """The model of the transformers checkpoint directory `path` under CP on `cp_mesh` (every rank calls this);
     each rank reads only the part of each stored tensor that it holds.
 
@@ -328,7 +330,8 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, dtype=None, fsdp: bool = True,
     False, True (every decoder layer), n (every n-th), "full" / "selective" or a CheckpointingPlan
     (`models/checkpointing.py`), applied between CP and FSDP2. mp_policy: FSDP2 mixed
     precision (a `MixedPrecisionPolicy` or its keywords). device: where the parameters live; None: this rank's
-    GPU on a CUDA mesh, else the CPU. The other keywords are `parallelize_cp`'s (linear_attention_cp_mode, ...).
+    GPU on a CUDA mesh, else the CPU. plan: the CP settings (a `CPPlan`), or its fields as the other keywords
+    (linear_attention_cp_mode, ..., as `parallelize_cp`).
 
     Returns the model in eval mode (as `from_pretrained`), on `device`, CP applied (and FSDP2: its parameters are
     DTensors). Errors (a missing file, a tensor the checkpoint lacks, a bad setting) are raised on every rank
@@ -336,11 +339,11 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, dtype=None, fsdp: bool = True,
     """
     group = batch_group_of(cp_mesh)
     start = time.perf_counter()
-    model = sources = unused = plan = None
+    model = sources = unused = checkpointing = None
     agree = {}
     with LocalChecks() as checks:
-        check_cp_settings(cp_settings, "load_pretrained")
-        plan = checkpointing_plan(activation_checkpointing)
+        plan = CPPlan.resolve(plan, settings, cp_group_of(cp_mesh).size(), "load_pretrained")
+        checkpointing = checkpointing_plan(activation_checkpointing)
         path = resolve_checkpoint_dir(path)
         stored = read_index(path)
         cls = resolve_class(path, model_class, config)
@@ -359,8 +362,8 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, dtype=None, fsdp: bool = True,
     if unused and group.rank() == 0:
         logger.warning("load_pretrained: %d stored tensor(s) of %s are not part of %s and were not read, e.g. %s",
                        len(unused), path, cls.__name__, unused[:3])
-    parallelize_and_shard(model, cp_mesh, fsdp=fsdp, activation_checkpointing=plan or False, mp_policy=mp_policy,
-                          **cp_settings)
+    parallelize_and_shard(model, cp_mesh, plan, fsdp=fsdp, activation_checkpointing=checkpointing or False,
+                          mp_policy=mp_policy)
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device()) if cp_mesh.device_type == "cuda"
                   else torch.device(cp_mesh.device_type))

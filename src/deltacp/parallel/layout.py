@@ -20,6 +20,14 @@ from __future__ import annotations
 from deltacp.parallel.modes import ATTENTION_METHODS, GDN_MODES, attention_method, gdn_mode
 
 
+def check_ulysses_degree_value(ulysses_degree, prefix: str = "") -> None:
+    """None or an integer >= 1 (what can be checked before cp is known)."""
+    if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or isinstance(ulysses_degree, bool)
+                                       or ulysses_degree < 1):
+        raise ValueError(f"{prefix}ulysses_degree={ulysses_degree!r} is not supported: None or an integer >= 1 "
+                         f"dividing cp")
+
+
 def check_ulysses_degree(cp: int, ulysses_degree, prefix: str = "") -> None:
     if ulysses_degree is None:
         return

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from deltacp.distributed.collectives import StatePassing
 from deltacp.ops.gdn.backends import GDN_BACKENDS
 from deltacp.parallel.all_gather import all_gather_mixer, all_gather_scan
 from deltacp.parallel.p2p import p2p_mixer, p2p_scan
@@ -97,3 +98,15 @@ def gdn_mode(name, backend: str | None = None, prefix: str = "") -> GDNMode:
 def attention_method(name, prefix: str = "") -> AttentionMethod:
     """The registered full-attention method `name` (or an alias); raises naming the setting and the allowed values."""
     return _resolve(ATTENTION_METHODS, name, "full_attention_cp", prefix)
+
+
+def check_state_passing(state_passing, mode: GDNMode, prefix: str = "") -> str:
+    """`linear_attention_state_passing`: a schedule of `StatePassing` (chain | scan), and other than 'chain' only for a
+    mode with state hops. Raises naming the setting and the allowed values."""
+    if state_passing not in StatePassing.SCHEDULES:
+        raise ValueError(f"{prefix}linear_attention_state_passing={state_passing!r} is not supported; expected one of "
+                         f"{StatePassing.SCHEDULES}")
+    if state_passing != "chain" and not mode.state_hops:
+        raise ValueError(f"{prefix}linear_attention_state_passing={state_passing!r} schedules the state hops of a mode "
+                         f"that has them (p2p); linear_attention_cp_mode={mode.name!r} has none: leave it 'chain'")
+    return state_passing

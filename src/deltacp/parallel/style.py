@@ -36,8 +36,8 @@ from deltacp.parallel.attention import (
     install_ulysses_attention,
 )
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
-from deltacp.parallel.layout import attention_two_d_degree, linear_two_d_degree
-from deltacp.parallel.modes import attention_method, gdn_mode
+from deltacp.parallel.layout import attention_two_d_degree, check_ulysses_degree_value, linear_two_d_degree
+from deltacp.parallel.modes import attention_method, check_state_passing, gdn_mode
 from deltacp.parallel.placement import check_sequence_layout
 from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
@@ -50,12 +50,6 @@ def cp_layer_of(module: nn.Module) -> GDNLayerCP | None:
     """What a GDN module made CP by `LinearAttentionContextParallel` runs with (mode, backend, process groups,
     p2p state hops); None for a module that is not."""
     return getattr(module, _CP_LAYER, None)
-
-
-def _check_degree(ulysses_degree) -> None:
-    if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or isinstance(ulysses_degree, bool)
-                                       or ulysses_degree < 1):
-        raise ValueError(f"ulysses_degree={ulysses_degree!r} is not supported: None or an integer >= 1 dividing cp")
 
 
 class _ContextParallelStyle(ParallelStyle):
@@ -97,15 +91,12 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         super().__init__()
         self.sequence_layout = check_sequence_layout(sequence_layout)
         self.cp_mode = gdn_mode(mode, backend)
-        _check_degree(ulysses_degree)
+        check_ulysses_degree_value(ulysses_degree)
         self.mode = self.cp_mode.name
         self.backend = backend
         self.ulysses_degree = ulysses_degree
         # the state hops of a mode that has them: "chain" (P - 1 hops) or "scan" (log-depth, parallel/scan.py)
-        self.state_passing = StatePassing.check_schedule(state_passing)
-        if state_passing != "chain" and not self.cp_mode.state_hops:
-            raise ValueError(f"state_passing={state_passing!r} schedules the state hops of a mode that has them "
-                             f"(p2p); linear_attention_cp_mode={self.mode!r} has none: leave it 'chain'")
+        self.state_passing = check_state_passing(state_passing, self.cp_mode)
         self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
 
     def groups(self, cp_mesh: DeviceMesh) -> TwoDGroups | object | None:
@@ -181,7 +172,7 @@ class FullAttentionContextParallel(_ContextParallelStyle):
         super().__init__()
         self.sequence_layout = check_sequence_layout(sequence_layout)
         self.cp_method = attention_method(method)
-        _check_degree(ulysses_degree)
+        check_ulysses_degree_value(ulysses_degree)
         self.method = self.cp_method.name
         self.ulysses_degree = ulysses_degree
         self.block = block

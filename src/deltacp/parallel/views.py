@@ -2,9 +2,9 @@
 
 The CP algorithms (GDN modes, Ulysses attention) read a layer only through these two views. A model family's
 adapter (`deltacp.models.adapters`) subclasses them for its module classes and registers a factory per class
-here (importing `deltacp.models.adapters` registers every family: any model-level function does, and so does
-taking a style from `deltacp`); `parallel/` itself knows no model class. Views read the module's parameters at
-call time (FSDP2 swaps a module's parameters between sharded and unsharded tensors around each forward).
+here (deltacp's package registers a loader that imports `deltacp.models.adapters`, which registers every family,
+before the first lookup); `parallel/` itself knows no model class. Views read the module's parameters at call time
+(FSDP2 swaps a module's parameters between sharded and unsharded tensors around each forward).
 
 GDNView hands over, per call, the pre-conv channels in the order [q | k | v] (key heads, then value heads),
 the output gate z, and the per-value-head beta and gate inputs b, a; plus the conv, A_log, dt_bias, the gated
@@ -106,6 +106,18 @@ class AttentionView:
 
 _GDN_VIEWS: dict[type, Callable[[nn.Module], GDNView]] = {}
 _ATTENTION_VIEWS: dict[type, Callable[[nn.Module], AttentionView]] = {}
+_FAMILY_LOADERS: list[Callable[[], object]] = []  # run once, before the first lookup: they register the families
+
+
+def register_family_loader(load: Callable[[], object]) -> None:
+    """`load()` registers views (importing the model adapters); run before the first lookup. deltacp's package
+    registers the adapters' import here, so that `import deltacp` stays light and `parallel/` imports no model."""
+    _FAMILY_LOADERS.append(load)
+
+
+def _load_families() -> None:
+    while _FAMILY_LOADERS:
+        _FAMILY_LOADERS.pop(0)()
 
 
 def register_gdn_view(module_class: type, factory: Callable[[nn.Module], GDNView]) -> None:
@@ -117,6 +129,7 @@ def register_attention_view(module_class: type, factory: Callable[[nn.Module], A
 
 
 def _lookup(registry: dict, module: nn.Module, what: str):
+    _load_families()
     for cls in type(module).__mro__:
         if cls in registry:
             return registry[cls](module)

@@ -39,8 +39,6 @@ import yaml
 
 from deltacp.config import AcceleratorConfig
 from deltacp.models.families import FAMILIES, family_of, trainable_classes
-from deltacp.parallel.modes import gdn_mode
-from deltacp.parallel.placement import pieces_per_rank
 
 DTYPES = ("float32", "float64", "bfloat16")
 
@@ -447,12 +445,13 @@ def config_from_dict(raw: dict) -> TrainConfig:
         raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) must be divisible by 2 x train.accelerator.cp "
                           f"({2 * cp}) with train.accelerator.sequence_layout='balanced' (every rank holds two equal "
                           f"pieces of the row)")
+    plan = cfg.accelerator.plan
     halo = model_config_fields(cfg.model).get("linear_conv_kernel_dim", 4) - 1  # transformers' default kernel: 4
-    pieces = cp * pieces_per_rank(cfg.accelerator.sequence_layout)
-    if gdn_mode(cfg.accelerator.linear_attention_cp_mode).needs_halo and cfg.data.seq_len // pieces < halo:
+    pieces = cp * plan.pieces_per_rank()
+    if cfg.data.seq_len // pieces < plan.min_piece_length(halo):
         raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / {pieces} pieces (cp {cp}, sequence_layout "
-                          f"{cfg.accelerator.sequence_layout!r}) is below the conv halo ({halo} tokens) that mode "
-                          f"{cfg.accelerator.linear_attention_cp_mode!r} needs in every piece")
+                          f"{plan.sequence_layout!r}) is below the conv halo ({halo} tokens) that mode "
+                          f"{plan.linear_attention_cp_mode!r} needs in every piece")
     return cfg
 
 
@@ -492,6 +491,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
     def convert(obj):
+        if isinstance(obj, AcceleratorConfig):  # the CP plan's fields flat in the section, as the YAML holds them
+            return obj.to_dict()
         if dataclasses.is_dataclass(obj):
             return {f.name: convert(getattr(obj, f.name)) for f in fields(obj)}
         if isinstance(obj, (list, tuple)):

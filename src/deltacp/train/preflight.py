@@ -35,14 +35,11 @@ def check_cp_layers(model: torch.nn.Module, acc: AcceleratorConfig) -> None:
     """Every decoder layer of `model` (any device, meta too) through the checks parallelize_cp runs on it at
     train.accelerator's settings (the same function); ConfigError naming the layer, the settings and the rule."""
     from deltacp.models.adapters import adapter_for
-    from deltacp.models.parallelize import check_model, cp_styles
+    from deltacp.models.parallelize import check_model
 
-    settings = (f"train.accelerator (cp={acc.cp}, linear_attention_cp_mode={acc.linear_attention_cp_mode!r}, "
-                f"full_attention_cp={acc.full_attention_cp!r}, ulysses_degree={acc.ulysses_degree})")
+    settings = f"train.accelerator ({acc.plan.describe()})"
     try:
-        linear, full = cp_styles(acc.cp, acc.ulysses_degree, acc.linear_attention_cp_mode,
-                                 acc.linear_attention_gdn_backend, acc.full_attention_cp,
-                                 acc.linear_attention_state_passing, acc.sequence_layout)
+        linear, full = acc.plan.styles()
         check_model(model, adapter_for(model), linear, full, acc.cp)
     except (ValueError, NotImplementedError, ImportError) as exc:
         raise ConfigError(f"train.model ({type(model).__name__}) with {settings}: {exc}") from None

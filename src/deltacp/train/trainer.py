@@ -294,11 +294,7 @@ class Trainer:
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.data = TokenStream(cfg.data, cfg.seed)
 
-        settings = dict(ulysses_degree=acc.ulysses_degree, linear_attention_cp_mode=acc.linear_attention_cp_mode,
-                        linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
-                        full_attention_cp=acc.full_attention_cp,
-                        linear_attention_state_passing=acc.linear_attention_state_passing,
-                        sequence_layout=acc.sequence_layout)
+        plan = acc.plan  # every CP setting (train.accelerator's CPPlan)
         fsdp = cfg.distributed.fsdp
         mp_policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.dtype == "bfloat16" else None
         checkpointing = self.checkpointing_plan(cfg)
@@ -308,11 +304,11 @@ class Trainer:
             model = load_pretrained(cfg.model.pretrained, self.mesh, dtype=param_dtype(cfg), fsdp=fsdp,
                                     model_class=cfg.model.model_class, config=config,
                                     activation_checkpointing=checkpointing or False, mp_policy=mp_policy,
-                                    device=self.device, **settings).train()
+                                    device=self.device, plan=plan).train()
         else:
             model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
-            parallelize_and_shard(model, self.mesh, fsdp=fsdp, activation_checkpointing=checkpointing or False,
-                                  mp_policy=mp_policy, **settings)
+            parallelize_and_shard(model, self.mesh, plan, fsdp=fsdp, activation_checkpointing=checkpointing or False,
+                                  mp_policy=mp_policy)
         if fsdp:
             logger.info("Applied FSDP2 over dp %d x cp %d = %d ranks, flattened (mixed precision: %s)", self.dp,
                         self.cp, self.world, mp_policy)
@@ -434,11 +430,7 @@ class Trainer:
         source = (f"from {cfg.model.pretrained}" if cfg.model.pretrained else
                   f"preset {cfg.model.preset}, random init" if cfg.model.preset else "from train.model.config, random init")
         return (f"deltacp.train: {cfg.model.model_class} {kinds} ({self.n_params / 1e6:.2f} M params, {source}) "
-                f"| dp={self.dp} x cp={self.cp} "
-                f"mode={acc.linear_attention_cp_mode} backend={acc.linear_attention_gdn_backend} "
-                f"attention={acc.full_attention_cp} layout={acc.sequence_layout}"
-                f"{'' if acc.linear_attention_state_passing == 'chain' else f' state_passing={acc.linear_attention_state_passing}'}"
-                f"{'' if acc.ulysses_degree is None else f' ulysses_degree={acc.ulysses_degree}'} | {cfg.dtype} | "
+                f"| dp={self.dp} x {acc.plan.describe(defaults=True)} | {cfg.dtype} | "
                 f"AC {self.checkpointing_summary()} | fsdp={cfg.distributed.fsdp} | "
                 f"{self.device.type}/{dist.get_backend()} | data {cfg.data.source} ({len(self.data.files)} files), "
                 f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
@@ -546,7 +538,7 @@ def with_cp(cfg: TrainConfig, cp: int, mode: str | None = None, dp: int | None =
     size); ulysses_degree is kept where it still names a 2-D layout at this cp (divides it, below it), else
     null."""
     u = cfg.accelerator.ulysses_degree
-    acc = replace(cfg.accelerator, cp=cp, dp=dp, ulysses_degree=u if u is not None and u < cp and cp % u == 0 else None,
+    acc = cfg.accelerator.replace(cp=cp, dp=dp, ulysses_degree=u if u is not None and u < cp and cp % u == 0 else None,
                   linear_attention_cp_mode=mode or cfg.accelerator.linear_attention_cp_mode)
     acc.validate()
     return replace(cfg, accelerator=acc)
