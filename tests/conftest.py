@@ -18,3 +18,16 @@ def single_rank_group():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def _fork_ranks_from_a_preloaded_server():
+    """Ranks of run_distributed forked from one server that imported torch, transformers and deltacp once per session
+    (a spawned rank pays ~4 s of CPU in imports; the suite starts a few hundred ranks)."""
+    from deltacp.distributed.launch import set_start_method
+
+    set_start_method("forkserver", preload=["torch", "torch.distributed", "transformers",
+                                            "transformers.models.qwen3_5.modeling_qwen3_5", "deltacp",
+                                            "deltacp.train.trainer", "helpers"])
+
+
+_fork_ranks_from_a_preloaded_server()
