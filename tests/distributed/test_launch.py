@@ -53,7 +53,7 @@ def sleeper(rank, world, out):
 
 
 if __name__ == "__main__":
-    set_start_method("forkserver", preload=["torch"])
+    set_start_method("forkserver", preload=["deltacp.distributed.launch"])
     run_distributed(sleeper, 2, sys.argv[1], timeout_s=600)
 """
 

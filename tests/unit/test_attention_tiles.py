@@ -11,6 +11,8 @@ from deltacp.parallel.attention import ulysses_kv_heads
 from deltacp.parallel.attention_tiles import plan_span_tiles, plan_tiles, split_tiles_by_block, tiled_attention
 from deltacp.parallel.placement import Pieces
 
+pytestmark = pytest.mark.fast
+
 
 def _reference(q, k, v, cu, scale):
     """Causal attention per document of the flattened [B * S] stream, one SDPA each."""

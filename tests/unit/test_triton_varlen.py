@@ -209,6 +209,7 @@ def test_lengths_are_runtime_values():
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.fast
 def test_kernel_tables():
     """The Triton kernels' view of a packed row (no triton needed): per chunk of the chunk-aligned layout its first
     token and token count, per document its first token and first chunk (last row: the totals)."""
