@@ -21,13 +21,11 @@ def single_rank_group():
 
 
 def _fork_ranks_from_a_preloaded_server():
-    """Ranks of run_distributed forked from one server that imported torch, transformers and deltacp once per session
-    (a spawned rank pays ~4 s of CPU in imports; the suite starts a few hundred ranks)."""
+    """Ranks of run_distributed forked from one server that imported torch, transformers and deltacp once per
+    session (rank_preload.py; a spawned rank pays ~4 s of CPU in imports, and the suite starts a few hundred)."""
     from deltacp.distributed.launch import set_start_method
 
-    set_start_method("forkserver", preload=["torch", "torch.distributed", "transformers",
-                                            "transformers.models.qwen3_5.modeling_qwen3_5", "deltacp",
-                                            "deltacp.train.trainer", "helpers"])
+    set_start_method("forkserver", preload=["rank_preload"])
 
 
 _fork_ranks_from_a_preloaded_server()

@@ -21,8 +21,9 @@ def state_worker(rank, world, caller_pid, expected, forked):
     assert os.environ.get("DELTACP_TEST_MARK") == expected["mark"], os.environ.get("DELTACP_TEST_MARK")
     assert os.getcwd() == expected["cwd"], os.getcwd()
     assert sys.path[0] == expected["path0"], sys.path[:3]
-    # a forked rank is the server's child, a spawned one the caller's
+    # a forked rank is the server's child, a spawned one the caller's; the server imported the preload
     assert (os.getppid() != caller_pid) == forked, (os.getppid(), caller_pid)
+    assert ("rank_preload" in sys.modules) == forked
 
 
 def test_forked_ranks_run_with_the_callers_state_and_import_time_variables_spawn(monkeypatch, tmp_path):

@@ -64,6 +64,22 @@ def set_start_method(method: str, preload: tuple[str, ...] | list[str] = ()) -> 
     _start.update(method=method, server_env=_import_time_env())
 
 
+def _ensure_server() -> None:
+    """Start the forkserver unless it runs, with this process's sys.path for its preload imports (a fresh
+    interpreter; Python 3.11's server does not apply the sys.path multiprocessing hands it)."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -138,7 +154,7 @@ def stop_processes(processes, grace_s: float = STOP_GRACE_S) -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s: float, parent_pid: int,
-           caller_state: tuple[dict, str, list] | None) -> None:
+           caller_state: dict[str, str] | None) -> None:
     if caller_state is None:  # spawned: a child of the caller, with its environment
         die_with_parent(parent_pid)
     else:  # forked by the server, with the server's state
@@ -146,11 +162,8 @@ def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s
         # The server outlives the caller while a rank lives (each rank holds the pipe whose closing tells the
         # server its caller ended), so the rank watches the caller itself.
         die_with_caller(parent_pid)
-        environ, cwd, path = caller_state
-        os.environ.clear()
-        os.environ.update(environ)
-        os.chdir(cwd)
-        sys.path[:] = path
+        os.environ.clear()  # (multiprocessing gives it the caller's sys.path and working directory)
+        os.environ.update(caller_state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the ranks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
@@ -183,7 +196,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 600, collecti
         method = _start["method"]
         if method == "forkserver" and _import_time_env() != _start["server_env"]:
             method = "spawn"  # the server's modules were imported under other values of these variables
-        caller_state = (dict(os.environ), os.getcwd(), list(sys.path)) if method == "forkserver" else None
+        caller_state = None
+        if method == "forkserver":
+            _ensure_server()
+            caller_state = dict(os.environ)
         ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, collective_timeout_s, os.getpid(),
                                                caller_state), nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
