@@ -7,12 +7,15 @@ queue that other forwards fill.
 
 import copy
 
+import pytest
 import torch
 
 from deltacp import all_reduce_cp_grads, cp_cross_entropy, parallelize_qwen3_5_cp, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
 from deltacp.models.checkpointing import apply_activation_checkpointing
 from helpers import cp_mesh, flat, grads_of, long_memory_gates_, rel_l2, tiny_config
+
+pytestmark = pytest.mark.fast
 
 
 def _grads_of_step(model, mesh, ids, cu, extra_forward_ids=None):

@@ -9,6 +9,7 @@
 import copy
 from functools import partial
 
+import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
@@ -101,6 +102,7 @@ def model_parity_worker(rank, world):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
+@pytest.mark.fast
 def test_model_parity_cp4_with_and_without_fsdp():
     run_distributed(model_parity_worker, 4, timeout_s=900)
 
