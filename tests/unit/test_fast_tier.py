@@ -45,8 +45,8 @@ class Module:
         self.top = [n for n in self.tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
 
     def marked(self) -> bool:
-        return any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
-                   and _fast(n.value) for n in self.tree.body)
+        return any(isinstance(n, ast.Assign) and _fast(n.value)
+                   and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets) for n in self.tree.body)
 
     def fast_tests(self) -> list[ast.AST]:
         if self.marked():
@@ -181,6 +181,6 @@ def test_the_reader_on_a_made_up_tree(tmp_path):
     (tmp_path / "cases.py").write_text("def build():\n    from deltacp.testing.hf import byte_tokenizer\n")
     touched, spawning = fast_tier(tmp_path)
     assert touched == {"unit/test_a.py": {"deltacp.models.batch"},
-                       "unit/test_c.py": {"deltacp.distributed.launch", "deltacp.integrations", "deltacp.ops.fused.conv",
-                                          "deltacp.testing.hf"}}
+                       "unit/test_c.py": {"deltacp.distributed.launch", "deltacp.integrations",
+                                          "deltacp.ops.fused.conv", "deltacp.testing.hf"}}
     assert spawning == {"unit/test_c.py"}

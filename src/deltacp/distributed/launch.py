@@ -19,9 +19,9 @@ blocking forever. No rank outlives the process that spawned it:
 Ranks start as fresh interpreters ("spawn", the default) or, after `set_start_method("forkserver", preload)`, are
 forked from one server process that imported the `preload` modules once (the test suite does this: a rank then
 starts in milliseconds instead of seconds of imports). Either way a rank runs with the caller's environment, working
-directory and sys.path as they are at the call, and dies with the caller (a forked rank: by watching the caller,
-who is not its parent, through a pidfd). The preloaded modules saw the server's environment, though: a call made while a variable
-that is read at import (IMPORT_TIME_ENV: TRITON_INTERPRET picks Triton's interpreter when triton is imported)
+directory and sys.path as they are at the call, and dies with the caller (a forked rank by watching the caller, who
+is not its parent, through a pidfd). The preloaded modules saw the server's environment, though: a call made while
+a variable read at import (IMPORT_TIME_ENV: TRITON_INTERPRET picks Triton's interpreter when triton is imported)
 differs from the server's spawns its ranks instead.
 """
 
