@@ -85,6 +85,18 @@ def self_meshes() -> DeviceMesh:
     return mine
 
 
+def computed_once(*fns) -> list:
+    """fns[i]() run on rank i % world alone, and every result (tensors, numbers, containers of them) sent to every
+    rank, in order: references that every rank would compute identically, computed once and spread over the ranks
+    (which share the machine's cores). Collective: every rank calls it, with as many functions."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {i: fn() for i, fn in enumerate(fns) if i % world == rank}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    results = {i: r for part in parts for i, r in part.items()}
+    return [results[i] for i in range(len(fns))]
+
+
 def clone_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)
 

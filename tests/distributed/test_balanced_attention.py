@@ -75,6 +75,6 @@ def balanced_attention_worker(rank, world):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.fast), 4, 8])
 def test_balanced_attention_parity(world):
     run_distributed(balanced_attention_worker, world, timeout_s=900)

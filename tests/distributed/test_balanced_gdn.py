@@ -92,6 +92,6 @@ def _check_messages(log, rank, world, passing, tag, failures):
             failures.append(f"{tag}: {len(rounds)} scan rounds, expected at most {want}: {forward}")
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.fast), 4, 8])
 def test_balanced_gdn_layer_parity(world):
     run_distributed(balanced_gdn_worker, world, timeout_s=900)

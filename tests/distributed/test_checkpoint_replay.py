@@ -14,6 +14,7 @@ run as often as without checkpointing, where full checkpointing runs them twice.
 
 import copy
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -22,6 +23,8 @@ from deltacp.distributed.launch import run_distributed
 from deltacp.models.checkpointing import apply_activation_checkpointing
 from deltacp.train.trainer import p2p_passings
 from helpers import cp_mesh, flat, grads_of, long_memory_gates_, rel_l2, tiny_config
+
+pytestmark = pytest.mark.fast
 
 # the attention forward kernel of the CPU (written here, not taken from deltacp's list)
 CPU_ATTENTION_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"

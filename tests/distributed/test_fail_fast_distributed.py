@@ -12,6 +12,8 @@ from deltacp import LinearAttentionContextParallel, parallelize_qwen3_5_cp
 from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, tiny_config
 
+pytestmark = pytest.mark.fast
+
 
 def _expect(error, pattern, fn):
     with pytest.raises(error, match=pattern):

@@ -122,6 +122,6 @@ def layer_parity_worker(rank, world):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.fast), 4, 8])
 def test_layer_parity(world):
     run_distributed(layer_parity_worker, world, timeout_s=900)

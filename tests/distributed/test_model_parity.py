@@ -7,7 +7,9 @@
 """
 
 import copy
+from functools import partial
 
+import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
@@ -21,7 +23,8 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.distributed.launch import run_distributed
-from helpers import long_memory_gates_, cp_mesh, flat, grads_of, local_slice, rel_l2, self_meshes, tiny_config
+from helpers import (computed_once, cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes,
+                     tiny_config)
 
 MODES = ("ulysses", "p2p", "all_gather")
 
@@ -44,25 +47,35 @@ def model_parity_worker(rank, world):
     mask[1, 201:] = 0
     failures = []
 
-    tf = copy.deepcopy(base)
-    out_tf = tf(input_ids=ids, attention_mask=mask, labels=torch.where(mask.bool(), ids, -100), use_cache=False)
-    out_tf.loss.backward()
     single_mesh = self_meshes()
     mesh = cp_mesh()
-    for mode in MODES:
+
+    def transformers_reference():
+        tf = copy.deepcopy(base)
+        out_tf = tf(input_ids=ids, attention_mask=mask, labels=torch.where(mask.bool(), ids, -100), use_cache=False)
+        out_tf.loss.backward()
+        return out_tf.logits.detach(), out_tf.loss.detach(), grads_of(tf)
+
+    def reference(mode):
         ref = parallelize_qwen3_5_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode=mode)
         logits_ref, loss_ref = _step(ref, single_mesh, ids, mask)
-        grads_ref = grads_of(ref)
+        return logits_ref, loss_ref, grads_of(ref)
+
+    (logits_tf, loss_tf, grads_tf), *refs = computed_once(transformers_reference,
+                                                          *(partial(reference, mode) for mode in MODES))
+    refs = dict(zip(MODES, refs))
+    for mode in MODES:
+        logits_ref, loss_ref, grads_ref = refs[mode]
         if mode == "ulysses":
             # logits at padded positions are not defined (transformers lets a padded query attend to the row's
             # valid keys, deltacp to the padding only); every valid position, the loss and the gradients match
             valid = mask.bool()
-            if (rel_l2(logits_ref[valid], out_tf.logits[valid]) > 1e-6
-                    or abs(loss_ref - out_tf.loss) > 1e-6 * loss_ref):
+            if (rel_l2(logits_ref[valid], logits_tf[valid]) > 1e-6
+                    or abs(loss_ref - loss_tf) > 1e-6 * loss_ref):
                 failures.append(f"single vs transformers logits/loss "
-                                f"{rel_l2(logits_ref[valid], out_tf.logits[valid]):.2e}")
-            if rel_l2(flat(grads_ref), flat(grads_of(tf))) > 1e-4:
-                failures.append(f"single vs transformers grads {rel_l2(flat(grads_ref), flat(grads_of(tf))):.2e}")
+                                f"{rel_l2(logits_ref[valid], logits_tf[valid]):.2e}")
+            if rel_l2(flat(grads_ref), flat(grads_tf)) > 1e-4:
+                failures.append(f"single vs transformers grads {rel_l2(flat(grads_ref), flat(grads_tf)):.2e}")
         for fsdp in (False, True):
             cp = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode)
             if fsdp:
@@ -89,6 +102,7 @@ def model_parity_worker(rank, world):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
+@pytest.mark.fast
 def test_model_parity_cp4_with_and_without_fsdp():
     run_distributed(model_parity_worker, 4, timeout_s=900)
 
@@ -104,11 +118,17 @@ def padding_worker(rank, world):
     mask[:,:valid] = 1
     failures = []
     single_mesh = self_meshes()
-    for mode in MODES:
+
+    def reference(mode):
         ref = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(base), single_mesh)
         xr = x.clone().requires_grad_()
         out_ref = ref(xr, attention_mask=mask)
         (out_ref * d_out).sum().backward()
+        return out_ref.detach(), xr.grad, flat(grads_of(ref))
+
+    refs = dict(zip(MODES, computed_once(*(partial(reference, mode) for mode in MODES))))
+    for mode in MODES:
+        out_ref, dx_ref, g_ref = refs[mode]
         cp = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(base), cp_mesh())
         xl = local_slice(x, rank, world).clone().requires_grad_()
         out = cp(xl, attention_mask=local_slice(mask, rank, world))
@@ -119,12 +139,12 @@ def padding_worker(rank, world):
         valid_local = ~pad
         if rel_l2(out[valid_local], local_slice(out_ref, rank, world)[valid_local]) > 1e-8:
             failures.append(f"{mode}: valid outputs differ")
-        if rel_l2(xl.grad, local_slice(xr.grad, rank, world)) > 1e-8:
+        if rel_l2(xl.grad, local_slice(dx_ref, rank, world)) > 1e-8:
             failures.append(f"{mode}: input gradients differ")
         grads = grads_of(cp)
         for g in grads.values():
             torch.distributed.all_reduce(g)
-        if rel_l2(flat(grads), flat(grads_of(ref))) > 1e-8:
+        if rel_l2(flat(grads), g_ref) > 1e-8:
             failures.append(f"{mode}: parameter gradients differ")
     assert not failures, f"rank {rank}: " + "; ".join(failures)
 

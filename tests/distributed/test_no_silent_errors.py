@@ -24,6 +24,8 @@ from deltacp import cp_causal_lm_loss, parallelize_cp, row_cut_of, shard_batch_f
 from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, flat, grads_of, long_memory_gates_, self_meshes, summed_grads, tiny_config
 
+pytestmark = pytest.mark.fast
+
 
 def _expect(error, pattern, fn):
     with pytest.raises(error, match=pattern):

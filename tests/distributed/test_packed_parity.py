@@ -11,6 +11,7 @@ cu_seqlens, by restarting position ids, and padded to a multiple of cp.
 """
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.distributed.launch import run_distributed
-from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_config
+from helpers import (computed_once, cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes,
+                     tiny_config)
 
 MODES = ("ulysses", "p2p", "all_gather")
 S = 256
@@ -64,21 +66,30 @@ def gdn_packed_worker(rank, world):
     d_out = torch.randn(1, S, 64, dtype=torch.float64)
     single_mesh, mesh = self_meshes(), cp_mesh()
     failures = []
-    for name, lengths in LAYOUTS.items():
-        cu = _cu(lengths)
+
+    def reference(cu):
         # independent reference: the unmodified transformers layer on each document alone
         tf = copy.deepcopy(base)
         xt = x.clone().requires_grad_()
         out_tf = _per_document(lambda xd: tf(xd), cu, xt)
         (out_tf * d_out).sum().backward()
+        refs = {}
         for mode in MODES:
             ref = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(base), single_mesh)
             xr = x.clone().requires_grad_()
             out_ref = ref(xr, cu_seq_lens_q=cu)
             (out_ref * d_out).sum().backward()
+            refs[mode] = out_ref.detach(), xr.grad, flat(grads_of(ref))
+        return (out_tf.detach(), xt.grad, flat(grads_of(tf))), refs
+
+    layouts = [(name, lengths, _cu(lengths)) for name, lengths in LAYOUTS.items()]
+    references = computed_once(*(partial(reference, cu) for _, _, cu in layouts))
+    for (name, lengths, cu), ((out_tf, dx_tf, g_tf), refs) in zip(layouts, references):
+        for mode in MODES:
+            out_ref, dx_ref, g_ref = refs[mode]
             if rank == 0 and mode == "ulysses":
-                for what, value in (("output", rel_l2(out_ref, out_tf)), ("input grad", rel_l2(xr.grad, xt.grad)),
-                                    ("param grads", rel_l2(flat(grads_of(ref)), flat(grads_of(tf))))):
+                for what, value in (("output", rel_l2(out_ref, out_tf)), ("input grad", rel_l2(dx_ref, dx_tf)),
+                                    ("param grads", rel_l2(g_ref, g_tf))):
                     if not value < 1e-5:
                         failures.append(f"{name}: single vs transformers per document {what}: {value:.2e}")
             cp = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(base), mesh)
@@ -87,8 +98,8 @@ def gdn_packed_worker(rank, world):
             (out * local_slice(d_out, rank, world)).sum().backward()
             all_reduce_cp_grads(cp, mesh)
             checks = {"output": rel_l2(out, local_slice(out_ref, rank, world)),
-                      "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
-                      "param grads": rel_l2(flat(grads_of(cp)), flat(grads_of(ref)))}
+                      "input grad": rel_l2(xl.grad, local_slice(dx_ref, rank, world)),
+                      "param grads": rel_l2(flat(grads_of(cp)), g_ref)}
             failures += [f"{name} CP{world} {mode} {k}: {v:.2e}" for k, v in checks.items() if not v < 1e-8]
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
@@ -133,20 +144,29 @@ def model_packed_worker(rank, world, cases):
     base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config()).double())
     single_mesh, mesh = self_meshes(), cp_mesh()
     failures = []
-    for name, how, lengths in cases:
-        ids = torch.randint(0, 256, (1, sum(lengths)))
-        cu = _cu(lengths)
-        pad = world if sum(lengths) % world else None
+
+    def reference(ids, how, cu, pad):
         tf = copy.deepcopy(base)
         logits_tf, loss_tf = _tf_per_document(tf, ids, cu)
         loss_tf.backward()
+        refs = {}
         for mode in MODES:
             ref = parallelize_qwen3_5_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode=mode)
             logits_ref, loss_ref = _cp_step(ref, single_mesh, ids, how, cu, pad)
-            logits_ref = logits_ref[:,:ids.shape[1]]  # without the padding document
+            refs[mode] = logits_ref[:, :ids.shape[1]], loss_ref, flat(grads_of(ref))  # without the padding document
+        return (logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf))), refs
+
+    runs = []
+    for name, how, lengths in cases:
+        ids = torch.randint(0, 256, (1, sum(lengths)))
+        runs.append((name, how, ids, _cu(lengths), world if sum(lengths) % world else None))
+    references = computed_once(*(partial(reference, ids, how, cu, pad) for _, how, ids, cu, pad in runs))
+    for (name, how, ids, cu, pad), ((logits_tf, loss_tf, g_tf), refs) in zip(runs, references):
+        for mode in MODES:
+            logits_ref, loss_ref, g_ref = refs[mode]
             if mode == "ulysses":
                 checks = {"logits": rel_l2(logits_ref, logits_tf), "loss": abs(loss_ref / loss_tf - 1).item(),
-                          "grads": rel_l2(flat(grads_of(ref)), flat(grads_of(tf)))}
+                          "grads": rel_l2(g_ref, g_tf)}
                 failures += [f"{name} single vs transformers per document {k}: {v:.2e}" for k, v in checks.items()
                              if not v < 1e-5]
             cp = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode)
@@ -159,7 +179,7 @@ def model_packed_worker(rank, world, cases):
             # unpacked model parity test; the GDN layers alone are held to 1e-8 above.
             checks = {"logits": rel_l2(logits[:,:mine.stop - mine.start], logits_ref[:, mine]),
                       "loss": abs(loss / loss_ref - 1).item(),
-                      "grads": rel_l2(flat(grads_of(cp)), flat(grads_of(ref)))}
+                      "grads": rel_l2(flat(grads_of(cp)), g_ref)}
             failures += [f"{name} ({how}) CP{world} {mode} {k}: {v:.2e}" for k, v in checks.items() if not v < 1e-7]
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 

@@ -28,6 +28,8 @@ from deltacp.integrations.batch import shard_collated_batch
 from deltacp.models.adapters import adapter_for
 from helpers import image_batch, local_slice, self_meshes, tiny_config, tiny_family_model
 
+pytestmark = pytest.mark.fast
+
 IGNORE = -100
 
 

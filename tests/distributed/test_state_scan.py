@@ -69,6 +69,7 @@ def _close(got, ref, what):
     assert err < EXACT, f"{what}: rel err {err:.3e}"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("n", list(range(1, 34)))
 def test_scan_in_process_matches_chain(n):
     zero = {p for p in range(n) if p % 3 == 1}  # documents starting inside those slices
@@ -83,6 +84,7 @@ def test_scan_in_process_matches_chain(n):
         _close(g, r, f"n={n} reverse position {p}")
 
 
+@pytest.mark.fast
 def test_scan_schedule_is_static_and_log_depth():
     for n in range(1, 40):
         schedules = [scan_schedule(p, n) for p in range(n)]
@@ -101,6 +103,7 @@ def test_scan_schedule_is_static_and_log_depth():
     assert all(g.dtype == torch.float32 for g in got[1:])
 
 
+@pytest.mark.fast
 def test_unknown_state_passing_raises_at_construction():
     with pytest.raises(ValueError, match="state_passing='tree'"):
         LinearAttentionContextParallel(mode="p2p", state_passing="tree")

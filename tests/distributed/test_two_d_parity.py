@@ -13,6 +13,7 @@ One spawn per world size runs every check (spawning is the expensive part):
 """
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,8 @@ from deltacp import shard_batch_for_cp
 from deltacp.parallel.attention import attention_cp_plan, install_kv_cp_attention
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, cu_seqlens_from_padding
 from deltacp.distributed.launch import run_distributed
-from helpers import (cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_attention,
-                     tiny_config)
+from helpers import (computed_once, cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes,
+                     tiny_attention, tiny_config)
 
 TIGHT = 1e-8
 PACKED = [0, 3, 40, 41, 100, 160, 161, 230, 256]  # lengths 1 and 3, boundaries inside and on rank boundaries
@@ -49,16 +50,24 @@ def attention_checks(rank, world, failures):
     mask[1, 200:] = 0  # right padding of row 1: crosses rank boundaries
     cases = {"unpacked": (2, None), "packed": (1, torch.tensor(PACKED)),
              "padding": (2, cu_seqlens_from_padding(mask))}
+    inputs = {}
     for name, (B, cu) in cases.items():
         x = torch.randn(B, S, 64, dtype=torch.float64)
         d_out = torch.randn(B, S, 64, dtype=torch.float64)
         positions = torch.arange(S).expand(B, S)
         cos, sin = rotary(x, positions[None].expand(3, -1, -1))
         ctx = None if cu is None else CPForwardContext(attention=AttentionDocuments.build(cu))
+        inputs[name] = x, d_out, cos, sin, ctx
+
+    def reference(x, d_out, cos, sin, ctx):
         ref = install_kv_cp_attention(copy.deepcopy(base), attention_cp_plan(single, "all_gather", 1))
         xr = x.clone().requires_grad_()
         out_ref, _ = ref(xr, (cos, sin), ctx)
         (out_ref * d_out).sum().backward()
+        return out_ref.detach(), xr.grad, flat(grads_of(ref))
+
+    refs = computed_once(*(partial(reference, *inputs[name]) for name in cases))
+    for (name, (x, d_out, cos, sin, ctx)), (out_ref, dx_ref, g_ref) in zip(inputs.items(), refs):
         for method in ("all_gather", "ring"):
             for u, block in ((1, None), (2, 16), (4, 7)):
                 cp = install_kv_cp_attention(copy.deepcopy(base), attention_cp_plan(mesh, method, u, block=block))
@@ -69,8 +78,8 @@ def attention_checks(rank, world, failures):
                 valid = slice(None) if name != "padding" else local_slice(mask, rank, world).bool()
                 _record(failures, f"attention {name} {method} u={u} block={block}", {
                     "output": rel_l2(out[valid], local_slice(out_ref, rank, world)[valid]),
-                    "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
-                    "param grads": rel_l2(flat(grads_of(cp)), flat(grads_of(ref)))}, TIGHT)
+                    "input grad": rel_l2(xl.grad, local_slice(dx_ref, rank, world)),
+                    "param grads": rel_l2(flat(grads_of(cp)), g_ref)}, TIGHT)
 
 
 def gdn_two_d_checks(rank, world, failures):
@@ -80,23 +89,28 @@ def gdn_two_d_checks(rank, world, failures):
     x = torch.randn(1, S, 64, dtype=torch.float64)
     d_out = torch.randn(1, S, 64, dtype=torch.float64)
     mesh, single = cp_mesh(), self_meshes()
-    for cu in (None, torch.tensor(PACKED)):
+    runs = [(cu, mode) for cu in (None, torch.tensor(PACKED)) for mode in ("p2p", "all_gather")]
+
+    def reference(cu, mode):
+        ref = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(base), single)
+        xr = x.clone().requires_grad_()
+        out_ref = ref(xr, **({} if cu is None else {"cu_seq_lens_q": cu}))
+        (out_ref * d_out).sum().backward()
+        return out_ref.detach(), xr.grad, flat(grads_of(ref))
+
+    refs = computed_once(*(partial(reference, cu, mode) for cu, mode in runs))
+    for (cu, mode), (out_ref, dx_ref, g_ref) in zip(runs, refs):
         kw = {} if cu is None else {"cu_seq_lens_q": cu}
-        for mode in ("p2p", "all_gather"):
-            ref = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(base), single)
-            xr = x.clone().requires_grad_()
-            out_ref = ref(xr, **kw)
-            (out_ref * d_out).sum().backward()
-            for u in (2, 4):
-                cp = LinearAttentionContextParallel(mode=mode, ulysses_degree=u).apply(copy.deepcopy(base), mesh)
-                xl = local_slice(x, rank, world).clone().requires_grad_()
-                out = cp(xl, **kw)
-                (out * local_slice(d_out, rank, world)).sum().backward()
-                all_reduce_cp_grads(cp, mesh)
-                _record(failures, f"GDN 2-D {mode} u={u} {'packed' if cu is not None else 'unpacked'}", {
-                    "output": rel_l2(out, local_slice(out_ref, rank, world)),
-                    "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
-                    "param grads": rel_l2(flat(grads_of(cp)), flat(grads_of(ref)))}, TIGHT)
+        for u in (2, 4):
+            cp = LinearAttentionContextParallel(mode=mode, ulysses_degree=u).apply(copy.deepcopy(base), mesh)
+            xl = local_slice(x, rank, world).clone().requires_grad_()
+            out = cp(xl, **kw)
+            (out * local_slice(d_out, rank, world)).sum().backward()
+            all_reduce_cp_grads(cp, mesh)
+            _record(failures, f"GDN 2-D {mode} u={u} {'packed' if cu is not None else 'unpacked'}", {
+                "output": rel_l2(out, local_slice(out_ref, rank, world)),
+                "input grad": rel_l2(xl.grad, local_slice(dx_ref, rank, world)),
+                "param grads": rel_l2(flat(grads_of(cp)), g_ref)}, TIGHT)
 
 
 def _model_step(model, mesh, ids, cu, layout="contiguous"):
@@ -120,12 +134,13 @@ def model_checks(rank, world, failures):
     base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config()).double())
     ids = torch.randint(0, 256, (1, 256))
     mesh, single = cp_mesh(), self_meshes()
-    refs = {}
-    for packed in (False, True):
-        cu = torch.tensor(PACKED) if packed else None
+
+    def reference(packed):
         ref = parallelize_qwen3_5_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p")
-        logits_ref, loss_ref = _model_step(ref, single, ids, cu)
-        refs[packed] = (logits_ref, loss_ref, flat(grads_of(ref)))
+        logits_ref, loss_ref = _model_step(ref, single, ids, torch.tensor(PACKED) if packed else None)
+        return logits_ref, loss_ref, flat(grads_of(ref))
+
+    refs = dict(zip((False, True), computed_once(partial(reference, False), partial(reference, True))))
     for u, mode, method, packed in MODEL_LAYOUTS:
         logits_ref, loss_ref, g_ref = refs[packed]
         cp = parallelize_qwen3_5_cp(copy.deepcopy(base), mesh, ulysses_degree=u, linear_attention_cp_mode=mode,
@@ -178,8 +193,8 @@ def cp16_train_worker(rank, world):
             opt.zero_grad(set_to_none=True)
         return losses, flat({n: p.detach() for n, p in model.named_parameters()})
 
-    losses_ref, weights_ref = train(parallelize_qwen3_5_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p"),
-                                    single)
+    (losses_ref, weights_ref), = computed_once(
+        lambda: train(parallelize_qwen3_5_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p"), single))
     # contiguous, then the balanced layout (pieces of 4 tokens, 32 of them) with the scan over the pieces
     for u, mode, method, passing, layout in ((None, "p2p", "all_gather", "chain", "contiguous"),
                                              (2, "p2p", "ring", "chain", "contiguous"),

@@ -11,7 +11,8 @@ step) with padded rows: on the CPU transformers refuses packed rows for Qwen3.5 
 documents apart without the causal_conv1d kernel), and padded rows of the same documents have the same targets,
 the same count and, documents being independent, the same loss and gradients.
 
-The same 2-rank spawn first checks how collated batches are cut and what the CP trainer refuses.
+A 2-rank spawn of its own (in the fast tier) checks how collated batches are cut, what the CP trainer refuses and the
+fault trial's cases.
 
 The SFTTrainer's token metrics (entropy, mean_token_accuracy, num_tokens) are compared per step, and in evaluation
 at CP2 (at dp 2 the one-process reference evaluates each dp group's rows as its own batch, where TRL averages token
@@ -151,10 +152,18 @@ def _check_fault_cases(out_dir: str) -> None:
     assert len(losses) == len(short) and all(loss == loss for loss in losses), losses
 
 
+def _checks_worker(rank: int, world: int, out_dir: str) -> None:
+    _check_batches_and_refusals(out_dir)
+    _check_fault_cases(out_dir)
+
+
+@pytest.mark.fast
+def test_batches_refusals_and_fault_cases_cp2(tmp_path):
+    """At CP2: how collated batches are cut, what the CP trainer refuses, the fault trial's cases."""
+    run_distributed(_checks_worker, 2, str(tmp_path), timeout_s=600)
+
+
 def _cp_worker(rank: int, world: int, out_dir: str, runs: list) -> None:
-    if world == 2:
-        _check_batches_and_refusals(out_dir)
-        _check_fault_cases(out_dir)
     dp = world // 2
     results = {}
     for case, label, kwargs in runs:

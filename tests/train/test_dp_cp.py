@@ -15,6 +15,7 @@ import csv
 import shutil
 from dataclasses import replace
 
+import pytest
 import torch.distributed as dist
 
 from deltacp.distributed.launch import run_distributed
@@ -119,6 +120,7 @@ def test_dp2_cp4_through_the_parity_tool(tmp_path, capsys):
           f"rel {max(float(r['grad_norm_rel']) for r in rows):.2e}")
 
 
+@pytest.mark.fast
 def test_dp_groups_split_the_global_batch_in_order():
     import torch
 

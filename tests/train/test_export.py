@@ -15,6 +15,8 @@ from deltacp.train.config import load_config
 from deltacp.train.export import main as export_main
 from test_train_parity import MAIN
 
+pytestmark = pytest.mark.fast
+
 SMALL = ["train.logging.progress=none", "train.data.seq_len=64", "train.schedule.warmup_steps=1", "train.steps=3"]
 
 

@@ -61,6 +61,7 @@ def _truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("damage, name, cause", [
     (_flip_byte, "__0_0.distcp", "is corrupted: sha256"),
     (_truncate, "__0_0.distcp", "is truncated"),
@@ -81,6 +82,7 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(one_rank, saved, tmp_pat
     assert cause in line, line
 
 
+@pytest.mark.fast
 def test_a_newest_checkpoint_without_metadata_is_refused_not_skipped(one_rank, saved, tmp_path):
     from deltacp.train.export import resolve_checkpoint
     from deltacp.train.trainer import plan_checkpoint_dir
@@ -102,6 +104,7 @@ def test_a_newest_checkpoint_without_metadata_is_refused_not_skipped(one_rank, s
         resolve_checkpoint(_cfg(ckpt), ckpt)
 
 
+@pytest.mark.fast
 def test_resume_after_the_model_changed_names_checkpoint_and_cause(one_rank, saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
@@ -150,11 +153,13 @@ def test_a_run_never_deletes_or_resumes_another_runs_checkpoints(one_rank, tmp_p
     assert read_json(ckpt / "step_00000001" / MANIFEST)["run_id"] == run_b
 
 
+@pytest.mark.fast
 def test_overwrite_needs_resume_false():
     with pytest.raises(ConfigError, match=r"^train\.checkpoint\.overwrite=true needs train\.checkpoint\.resume=false"):
         load_config(MAIN, ["train.checkpoint.overwrite=true"])
 
 
+@pytest.mark.fast
 def test_a_backend_other_than_the_process_groups_is_an_error(one_rank):
     from deltacp.train.trainer import Trainer
 
@@ -213,6 +218,7 @@ def test_a_cp2_checkpoint_resumes_at_cp4_with_the_losses_of_an_uninterrupted_cp4
 # -- the same checkpoint errors, before any rank starts ----------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("change, sets, words", [
     (None, [], None),  # a checkpoint this run can resume gets to the ranks
     (lambda p: _truncate(p / "__0_0.distcp"), [], "checkpoint error: checkpoint file {p}/__0_0.distcp is truncated"),

@@ -8,6 +8,8 @@ import torch
 
 from deltacp.train.config import ConfigError, config_from_dict, config_to_dict, load_config
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "configs" / "tiny_cp4.yaml"
 

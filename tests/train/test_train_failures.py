@@ -7,6 +7,8 @@ from deltacp.train.cli import describe_failure
 from deltacp.train.config import ConfigError, load_config
 from test_train_parity import MAIN
 
+pytestmark = pytest.mark.fast
+
 
 def _die_after_step_2(trainer, row):
     if trainer.rank == 1 and row["step"] == 2:

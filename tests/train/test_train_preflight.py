@@ -12,6 +12,8 @@ import pytest
 from deltacp.train import cli
 from test_train_parity import MAIN
 
+pytestmark = pytest.mark.fast
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "deltacp"
 
 

@@ -11,6 +11,8 @@ from deltacp.parallel.attention_tiles import plan_span_tiles, plan_tiles, split_
 from deltacp.parallel.placement import Pieces
 from helpers import per_document_attention
 
+pytestmark = pytest.mark.fast
+
 _reference = per_document_attention  # causal attention per document of the flattened [B * S] stream, one SDPA each
 
 

@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from deltacp import LinearAttentionContextParallel, parallelize_qwen3_5_cp
 from deltacp.config import AcceleratorConfig
 
+pytestmark = pytest.mark.fast
+
 
 def test_unknown_mode_and_backend():
     with pytest.raises(ValueError, match=r"linear_attention_cp_mode='ring'.*'ulysses', 'p2p', 'all_gather'"):

@@ -245,6 +245,7 @@ def test_fused_conv_vs_eager_under_interpreter():
     print(out.stdout)
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fused_conv_refuses_bad_inputs():
     """Checked before any launch (no GPU, no interpreter needed)."""
@@ -269,6 +270,7 @@ def test_fused_conv_refuses_bad_inputs():
             conv_silu_split(x, kw.pop("weight_CK"), kw.pop("bias_C"), kw.pop("dilation"), **kw)
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fused_conv_lengths_are_runtime_values():
     """The sequence length (and what scales with it: the row stride of x, the backward's span) is never a

@@ -367,6 +367,7 @@ def test_model_fused_vs_transformers_fp32(interpreter_run):
 
 
 
+@pytest.mark.fast
 def test_parallelize_cp_installs_on_the_triton_backend_only(single_rank_group, caplog):
     """No forward runs here (the Triton GDN needs CUDA or the interpreter): installation only, which loads no
     kernel (so this runs without triton too)."""

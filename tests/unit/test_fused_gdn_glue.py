@@ -38,6 +38,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 _CODE = r"""

@@ -6,6 +6,8 @@ import torch
 from deltacp.ops.gdn import eager, naive, summary
 from helpers import rel_l2
 
+pytestmark = pytest.mark.fast
+
 
 def _inputs(B=2, T=150, Hk=2, Hv=4, K=16, V=8, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)

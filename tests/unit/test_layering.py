@@ -22,6 +22,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = "deltacp"
 TESTING = "deltacp.testing"

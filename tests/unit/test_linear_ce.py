@@ -33,6 +33,8 @@ from deltacp.models import loss as L
 from deltacp.ops.lm_head import cross_entropy as CE
 from helpers import TensorShapes, head_problem
 
+pytestmark = pytest.mark.fast
+
 IGNORE = -100
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -13,6 +13,8 @@ from deltacp.distributed.launch import free_port
 from deltacp.train.config import ConfigError, config_from_dict
 from helpers import rel_l2
 
+pytestmark = pytest.mark.fast
+
 IGNORE = -100
 
 

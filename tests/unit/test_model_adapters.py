@@ -14,6 +14,8 @@ from deltacp import parallelize_cp, parallelize_qwen3_5_cp, supported_classes
 from deltacp.models.adapters import adapter_for
 from helpers import FAMILY_CLASSES, image_batch, tiny_config, tiny_family_model
 
+pytestmark = pytest.mark.fast
+
 
 def _mesh():
     return init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))

@@ -7,6 +7,8 @@ import torch
 
 from deltacp.parallel.placement import Pieces, check_sequence_layout, from_row_order, rank_pieces, to_row_order
 
+pytestmark = pytest.mark.fast
+
 
 def _expected_positions(layout: str, rank: int, P: int, S: int) -> list[int]:
     if layout == "contiguous":

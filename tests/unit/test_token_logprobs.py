@@ -30,6 +30,8 @@ from deltacp import linear_token_logprobs
 from deltacp.ops.lm_head.logprobs import token_logprobs
 from helpers import TensorShapes, head_problem, rel_l2
 
+pytestmark = pytest.mark.fast
+
 IGNORE = -100
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

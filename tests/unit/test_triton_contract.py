@@ -45,11 +45,13 @@ def _cuda_like(*a, **kw):
     return [_FakeCuda(x) for x in _inputs(*a, **kw)]
 
 
+@pytest.mark.fast
 def test_device_error():
     with pytest.raises(RuntimeError, match=r"needs CUDA tensors; got q on device 'cpu'"):
         TritonGDNBackend().check(*_inputs("cpu"))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name,idx,bad", [("q", 0, torch.float32), ("k", 1, torch.float16), ("v", 2, torch.float32),
                                           ("beta", 4, torch.float32), ("g", 3, torch.bfloat16)])
 def test_dtype_errors(name, idx, bad):
@@ -59,23 +61,27 @@ def test_dtype_errors(name, idx, bad):
         check_triton_contract(*xs, triton_version="3.6.0")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 256)])
 def test_head_dim_error(K, V):
     with pytest.raises(ValueError, match=rf"head_k_dim = head_v_dim = 128 only; got head_k_dim={K}, head_v_dim={V}"):
         check_triton_contract(*_cuda_like(K=K, V=V), triton_version="3.6.0")
 
 
+@pytest.mark.fast
 def test_head_ratio_error():
     with pytest.raises(ValueError, match=r"Hv=5, Hk=2"):
         check_triton_contract(*_cuda_like(Hv=5), triton_version="3.6.0")
 
 
+@pytest.mark.fast
 def test_no_chunk_divisibility_requirement():
     """The op pads every sequence to whole chunks itself: no length condition (p2p ranks' slices included)."""
     check_triton_contract(*_cuda_like(T=100), triton_version="3.6.0")
     check_triton_contract(*_cuda_like(T=1), triton_version="3.6.0")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("ver", ["3.3.1", "3.4.0", "3.5.9", "4.0.0", "4.1.0+git1234"])
 def test_version_outside_range_errors(ver):
     with pytest.raises(RuntimeError, match=rf"^triton=={re.escape(ver)} is outside the range the Triton GDN kernels "
@@ -94,18 +100,21 @@ def self_check_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("ver", ["3.6.0", "3.6.1", "3.6.0+git1234"])
 def test_verified_version_accepted_without_self_check(ver, self_check_calls):
     check_triton_contract(*_cuda_like(), triton_version=ver)
     assert self_check_calls == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("ver", ["3.7.0", "3.8.2", "3.9.0", "3.10.0"])
 def test_unverified_version_runs_the_self_check_on_the_inputs_device(ver, self_check_calls):
     check_triton_contract(*_cuda_like(), triton_version=ver)
     assert self_check_calls == [("cuda:0", {"triton_version": ver})]
 
 
+@pytest.mark.fast
 def test_self_check_refusal_propagates(monkeypatch):
     from deltacp.ops.gdn.triton import selfcheck
 
@@ -117,6 +126,7 @@ def test_self_check_refusal_propagates(monkeypatch):
         check_triton_contract(*_cuda_like(), triton_version="3.8.0")
 
 
+@pytest.mark.fast
 def test_version_checked_from_installed(monkeypatch):
     import deltacp.ops.gdn.triton.contract_check as cc
 
@@ -125,6 +135,7 @@ def test_version_checked_from_installed(monkeypatch):
         check_triton_contract(*_cuda_like())
 
 
+@pytest.mark.fast
 def test_pyproject_triton_extra_is_the_accepted_range():
     """pyproject's `triton` extra and the runtime check say the same range."""
     import tomllib

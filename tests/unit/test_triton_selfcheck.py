@@ -115,6 +115,7 @@ def test_interpreter_self_check_refuses_a_wrong_kernel_and_caches_the_failure(tm
 
 # ---- without kernels ---------------------------------------------------------------------------------------
 
+@pytest.mark.fast
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv(selfcheck.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -126,6 +127,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert selfcheck.cache_dir() == tmp_path / "mine"
 
 
+@pytest.mark.fast
 def test_cache_key_names_triton_device_and_deltacp(monkeypatch, tmp_path):
     monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
     key = selfcheck.cache_key("cpu", "3.8.0")
@@ -140,6 +142,7 @@ def _fake_record(key, passed, value):
     return {"key": key, "passed": passed, "figures": [{"name": "unpacked o rel-L2", "value": value, "bound": 3e-2}]}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("passed", [True, False])
 def test_cached_verdict_is_used_without_running(monkeypatch, tmp_path, passed):
     monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
@@ -157,6 +160,7 @@ def test_cached_verdict_is_used_without_running(monkeypatch, tmp_path, passed):
         selfcheck.run_self_check("cpu", triton_version="3.8.0")
 
 
+@pytest.mark.fast
 def test_cache_for_another_key_is_not_used(monkeypatch, tmp_path):
     """A file whose key does not match (another Triton, say) is ignored: the check runs."""
     monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
@@ -170,6 +174,7 @@ def test_cache_for_another_key_is_not_used(monkeypatch, tmp_path):
         selfcheck.run_self_check("cpu", triton_version="3.8.0")  # a NaN fails
 
 
+@pytest.mark.fast
 def test_exception_in_check_refuses_and_is_not_cached(monkeypatch, tmp_path):
     monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -185,6 +190,7 @@ def test_exception_in_check_refuses_and_is_not_cached(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.fast
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"CUDA device, or on the CPU under TRITON_INTERPRET=1; got device 'cpu'"):

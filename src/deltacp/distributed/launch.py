@@ -15,6 +15,14 @@ blocking forever. No rank outlives the process that spawned it:
   thread that watches the parent pid), so even a SIGKILLed parent takes its ranks with it;
 - ranks ignore SIGINT: a Ctrl-C in a terminal reaches the whole process group, and the parent alone decides
   (it stops the ranks as above), so the ranks print nothing of their own.
+
+Ranks start as fresh interpreters ("spawn", the default) or, after `set_start_method("forkserver", preload)`, are
+forked from one server process that imported the `preload` modules once (the test suite does this: a rank then
+starts in milliseconds instead of seconds of imports). Either way a rank runs with the caller's environment, working
+directory and sys.path as they are at the call, and dies with the caller (a forked rank by watching the caller, who
+is not its parent, through a pidfd). The preloaded modules saw the server's environment, though: a call made while
+a variable read at import (IMPORT_TIME_ENV: TRITON_INTERPRET picks Triton's interpreter when triton is imported)
+differs from the server's spawns its ranks instead.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
@@ -35,6 +44,40 @@ import torch.multiprocessing as mp
 
 STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
+START_METHODS = ("spawn", "forkserver")
+IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
+_start: dict = {"method": "spawn", "server_env": {}}
+
+
+def _import_time_env() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in IMPORT_TIME_ENV}
+
+
+def set_start_method(method: str, preload: tuple[str, ...] | list[str] = ()) -> None:
+    """How run_distributed starts its ranks from now on in this process: "spawn" (a fresh interpreter per rank,
+    the default) or "forkserver" (forked from one server that imports the modules in `preload` once, at its
+    first use, with the IMPORT_TIME_ENV variables as they are now)."""
+    if method not in START_METHODS:
+        raise ValueError(f"set_start_method: method must be one of {START_METHODS}, got {method!r}")
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(list(preload))
+    _start.update(method=method, server_env=_import_time_env())
+
+
+def _ensure_server() -> None:
+    """Start the forkserver unless it runs, with this process's sys.path for its preload imports (a fresh
+    interpreter; Python 3.11's server does not apply the sys.path multiprocessing hands it)."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def free_port() -> int:
@@ -64,6 +107,32 @@ def die_with_parent(parent_pid: int) -> None:
         threading.Thread(target=watch, name="deltacp-parent-watch", daemon=True).start()
 
 
+def die_with_caller(caller_pid: int) -> None:
+    """Make this process exit when `caller_pid`, which is not its parent, ends (a rank forked by the server, whose
+    parent is the server); exit now if it already has. A thread waits on a pidfd of the caller (Linux >= 5.3: it
+    also sees a caller that ended but was not reaped yet); elsewhere it polls the pid every 0.5 s."""
+    try:
+        fd = os.pidfd_open(caller_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the caller has ended
+        else:
+            while True:
+                try:
+                    os.kill(caller_pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="deltacp-caller-watch", daemon=True).start()
+
+
 def stop_processes(processes, grace_s: float = STOP_GRACE_S) -> int:
     """SIGTERM every live process, wait up to grace_s for all, then SIGKILL the rest; returns how many were
     killed with SIGKILL."""
@@ -84,8 +153,17 @@ def stop_processes(processes, grace_s: float = STOP_GRACE_S) -> int:
     return len(stubborn)
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s: float, parent_pid: int) -> None:
-    die_with_parent(parent_pid)
+def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s: float, parent_pid: int,
+           caller_state: dict[str, str] | None) -> None:
+    if caller_state is None:  # spawned: a child of the caller, with its environment
+        die_with_parent(parent_pid)
+    else:  # forked by the server, with the server's state
+        die_with_parent(os.getppid())
+        # The server outlives the caller while a rank lives (each rank holds the pipe whose closing tells the
+        # server its caller ended), so the rank watches the caller itself.
+        die_with_caller(parent_pid)
+        os.environ.clear()  # (multiprocessing gives it the caller's sys.path and working directory)
+        os.environ.update(caller_state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the ranks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
@@ -115,8 +193,15 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 600, collecti
     started_before = {p.pid for p in multiprocessing.active_children()}
     ctx = None
     try:
-        ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, collective_timeout_s, os.getpid()),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        method = _start["method"]
+        if method == "forkserver" and _import_time_env() != _start["server_env"]:
+            method = "spawn"  # the server's modules were imported under other values of these variables
+        caller_state = None
+        if method == "forkserver":
+            _ensure_server()
+            caller_state = dict(os.environ)
+        ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, collective_timeout_s, os.getpid(),
+                                               caller_state), nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
