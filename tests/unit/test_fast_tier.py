@@ -92,11 +92,20 @@ def _is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
+def _exports() -> dict[str, str]:
+    """deltacp's public names -> their modules: the lazy table `_PUBLIC` of deltacp/__init__.py (a literal dict)."""
+    for node in ast.parse((SRC / "deltacp" / "__init__.py").read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                      else None)
+        if isinstance(target, ast.Name) and target.id == "_PUBLIC":
+            return ast.literal_eval(node.value)
+    raise AssertionError("deltacp/__init__.py has no _PUBLIC table of its exports")
+
+
 def _deltacp_modules(names: set[str]) -> set[str]:
     """The deltacp modules these import names are (`from deltacp import X`: the module deltacp takes X from), read
     from the sources: importing them here could fix Triton's mode before a test picks it."""
-    exports = {a.asname or a.name: n.module for n in ast.parse((SRC / "deltacp" / "__init__.py").read_text()).body
-               if isinstance(n, ast.ImportFrom) and n.module for a in n.names}
+    exports = _exports()
     out = set()
     for name in names:
         if name != "deltacp" and not name.startswith("deltacp."):
