@@ -23,6 +23,8 @@ from deltacp.parallel.documents import AttentionDocuments
 from deltacp.parallel.placement import Pieces
 from helpers import per_document_attention
 
+pytestmark = pytest.mark.fast
+
 H100 = (9, 0)
 
 

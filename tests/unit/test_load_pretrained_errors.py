@@ -15,6 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from deltacp import load_pretrained
 from helpers import tiny_config
 
+pytestmark = pytest.mark.fast
+
 
 def _mesh():
     return init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))

@@ -12,6 +12,8 @@ from deltacp import CPPlan, cp_plan_of, parallelize_cp, row_cut_of
 from deltacp.config import AcceleratorConfig
 from helpers import tiny_config
 
+pytestmark = pytest.mark.fast
+
 
 def test_a_plan_validates_each_rule_once_naming_the_setting():
     plan = CPPlan(linear_attention_cp_mode="allgather", full_attention_cp="allgather")

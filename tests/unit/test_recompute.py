@@ -22,6 +22,8 @@ import deltacp.ops.recompute as recompute
 from deltacp.models.checkpointing import apply_activation_checkpointing
 from helpers import cp_mesh, rel_l2, tiny_config
 
+pytestmark = pytest.mark.fast
+
 
 class _Twice(torch.autograd.Function):
     """y = 2 x through a kept call (its backward needs nothing kept)."""
