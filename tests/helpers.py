@@ -97,6 +97,22 @@ def computed_once(*fns) -> list:
     return [results[i] for i in range(len(fns))]
 
 
+def run_in_process(fn, *args, timeout_s: float = 600, what: str = "the one-process reference runs") -> None:
+    """fn(*args) in a freshly spawned process (a reference that must not share this process's state, e.g. the
+    plain trainers on one process); pytest fails naming `what` if it fails or outlives `timeout_s`."""
+    import multiprocessing
+
+    import pytest
+
+    proc = multiprocessing.get_context("spawn").Process(target=fn, args=args)
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail(f"{what} did not finish in {timeout_s:.0f} s")
+    assert proc.exitcode == 0, f"{what} failed"
+
+
 def clone_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)
 

@@ -25,13 +25,13 @@ Mutations seen failing: see the test's docstring.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 
 import pytest
 
 from deltacp.distributed.launch import run_distributed
 import grpo_cases
+from helpers import run_in_process
 
 REL = {"loss": 2e-6, "grad_norm": 1e-4, "kl": 1e-5, "entropy": 3e-6}  # per key; the others: OTHER_REL
 OTHER_REL, CLIP_ABS, EVAL_REL, WEIGHT_REL = 1e-6, 1e-6, 2e-6, 5e-5
@@ -205,13 +205,7 @@ def test_cp_grpo_trainer_matches_trl(tmp_path):
 
     out, t0 = str(tmp_path), time.time()
     grpo_cases.save_tiny_model(os.path.join(out, "model"))
-    ref_proc = multiprocessing.get_context("spawn").Process(target=_one_process, args=(out,))
-    ref_proc.start()
-    ref_proc.join(600)
-    if ref_proc.is_alive():
-        ref_proc.kill()
-        pytest.fail("the one-process reference runs did not finish in 600 s")
-    assert ref_proc.exitcode == 0, "the one-process reference runs failed"
+    run_in_process(_one_process, out)
     t1 = time.time()
     run_distributed(_worker2, 2, out, timeout_s=900)
     t2 = time.time()

@@ -30,13 +30,13 @@ accuracy and num_tokens off at CP2).
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 
 import pytest
 
 from deltacp.distributed.launch import run_distributed
 import integ_cases
+from helpers import run_in_process
 
 LOSS_REL, GNORM_REL, EVAL_REL, WEIGHT_REL, METRIC_REL = 2e-6, 2e-6, 2e-6, 1e-5, 2e-6
 CP2_CASES = ("trainer-padded", "sft-packed")
@@ -228,13 +228,7 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights."""
     import time
     out, t0 = str(tmp_path), time.time()
-    ref_proc = multiprocessing.get_context("spawn").Process(target=_reference_main, args=(out,))
-    ref_proc.start()
-    ref_proc.join(600)
-    if ref_proc.is_alive():
-        ref_proc.kill()
-        pytest.fail("the one-process reference runs did not finish in 600 s")
-    assert ref_proc.exitcode == 0, "the one-process reference runs failed"
+    run_in_process(_reference_main, out)
     t1 = time.time()
     cp2_runs = [(c, f"{c}/cp2", {}) for c in CP2_CASES]
     cp2_runs.append(("sft-packed", "sft-packed/cp2-full",
