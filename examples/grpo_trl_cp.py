@@ -31,7 +31,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, Qwen3_5ForCausalLM, Qwen3_5TextConfig, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, SFTConfig  # noqa: E402
 
-from deltacp.integrations import CPGRPOTrainer, CPSFTTrainer  # deltacp  # noqa: E402
+from deltacp.integrations import CPGRPOTrainer, CPSFTTrainer, checkpointing_arguments  # deltacp  # noqa: E402
 from deltacp.testing.hf import byte_tokenizer  # a tokenizer that needs no download (use your own)  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def main() -> None:
         sys.exit(f"{opts.out} holds an earlier run: pass --overwrite, or another --out")
     gpu = torch.cuda.is_available()
     common = dict(bf16=gpu, use_cpu=not gpu, report_to=[], seed=0, disable_tqdm=True, save_strategy="no",
-                  lr_scheduler_type="constant", activation_checkpointing=True)  # deltacp's per-layer checkpointing
+                  lr_scheduler_type="constant", **checkpointing_arguments())  # deltacp's per-layer checkpointing
     cp = dict(cp_size=opts.cp, linear_attention_cp_mode=opts.mode)  # deltacp
     tokenizer = byte_tokenizer()
     rng = random.Random(0)

@@ -25,7 +25,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 from trl import SFTConfig  # noqa: E402
 
-from deltacp.integrations import CPSFTTrainer  # deltacp  # noqa: E402
+from deltacp.integrations import CPSFTTrainer, checkpointing_arguments  # deltacp  # noqa: E402
 from deltacp.testing.hf import byte_tokenizer  # a tokenizer that needs no download (use your own)  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main() -> None:
         learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=3, logging_steps=5, save_strategy="no",
         eval_strategy="steps", eval_steps=opts.steps // 2, per_device_eval_batch_size=8,
         padding_free=True, max_length=None,              # packed rows: documents back to back, no padding
-        activation_checkpointing=True,                   # deltacp's per-layer activation checkpointing
+        **checkpointing_arguments(),                     # deltacp's per-layer activation checkpointing
         bf16=gpu, use_cpu=not gpu, report_to=[], seed=0, disable_tqdm=True)
     trainer = CPSFTTrainer(
         model=model, args=args, processing_class=tokenizer,

@@ -93,7 +93,9 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
-        sft = dict(padding_free=layout == "packed", max_length=None, bf16=False, gradient_checkpointing=True)
+        from deltacp.integrations import checkpointing_arguments
+
+        sft = dict(padding_free=layout == "packed", max_length=None, bf16=False, **checkpointing_arguments())
         args = SFTConfig(**_common(out_dir, dp if cp_size is None else 1, {**sft, **(args_extra or {})}))
         kwargs = dict(dict(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
                            eval_dataset=Dataset.from_dict({"text": eval_lines}), processing_class=tok), **kwargs)
@@ -112,6 +114,8 @@ def run_case(case: str, out_dir: str, *, cp_size: int | None = None, dp: int = 1
         cp_kwargs["args_extra"] = dict(save_strategy="steps", save_steps=STEPS, save_only_model=True)
     import functools
 
+    from deltacp.integrations.trainer import trainer_checkpointing
+
     trainer = build(case, out_dir, cp_size=cp_size, dp=dp, **cp_kwargs)
     layers = trainer.model.get_decoder().layers
     checkpointed = [isinstance(layer.forward, functools.partial) for layer in layers]  # deltacp's checkpointing
@@ -121,7 +125,7 @@ def run_case(case: str, out_dir: str, *, cp_size: int | None = None, dp: int = 1
     metrics = [{k: h[k] for k in TOKEN_METRICS if k in h} for h in trainer.state.log_history if "grad_norm" in h]
     evaluation = trainer.evaluate()
     result = dict(steps=steps, metrics=metrics, eval_loss=evaluation["eval_loss"], checkpointed=checkpointed,
-                  trainer_checkpointing=bool(trainer.args.activation_checkpointing),
+                  trainer_checkpointing=trainer_checkpointing(trainer.args)[0],
                   eval_metrics={k: evaluation[f"eval_{k}"] for k in TOKEN_METRICS if f"eval_{k}" in evaluation})
     if save:
         saved = os.path.join(out_dir, "saved")

@@ -35,6 +35,7 @@ import os
 import pytest
 
 from deltacp.distributed.launch import run_distributed
+from deltacp.integrations import checkpointing_arguments
 import integ_cases
 from helpers import run_in_process
 
@@ -105,11 +106,9 @@ def _check_batches_and_refusals(out_dir: str) -> None:
                  "include_num_input_tokens_seen", "compute_metrics"):
         assert part in message, (part, message)
     assert "fsdp=False" in refused(args_extra=dict(bf16=True), fsdp=False)
-    message = refused(args_extra=dict(activation_checkpointing=True,
-                                      activation_checkpointing_kwargs=dict(policy="partial", offload=True)))
+    message = refused(args_extra=checkpointing_arguments(policy="partial", offload=True))
     assert "policy='partial' is not an activation checkpointing policy" in message and "offload" in message, message
-    message = refused(args_extra=dict(activation_checkpointing=True,
-                                      activation_checkpointing_kwargs=dict(policy="full", selective=True)))
+    message = refused(args_extra=checkpointing_arguments(policy="full", selective=True))
     assert "policy='full' and selective=True disagree" in message, message
     trainer = integ_cases.build("trainer-padded", os.path.join(out_dir, "refusals"), cp_size=2, dp=1)
     with pytest.raises(NotImplementedError, match="resuming"):
@@ -232,7 +231,7 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     t1 = time.time()
     cp2_runs = [(c, f"{c}/cp2", {}) for c in CP2_CASES]
     cp2_runs.append(("sft-packed", "sft-packed/cp2-full",
-                     dict(args_extra=dict(activation_checkpointing_kwargs={"selective": False}))))
+                     dict(args_extra=checkpointing_arguments(selective=False))))
     run_distributed(_cp_worker, 2, out, cp2_runs, timeout_s=600)
     t2 = time.time()
     dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]

@@ -15,10 +15,11 @@ of your own. Needs the `integrations` extra (accelerate; trl for CPSFTTrainer an
 """
 
 from deltacp.integrations.batch import CPBatch, shard_collated_batch
-from deltacp.integrations.trainer import CPTrainerBase, CPTrainerMixin, mark_prepared_for_accelerate
+from deltacp.integrations.trainer import (CPTrainerBase, CPTrainerMixin, checkpointing_arguments,
+                                          mark_prepared_for_accelerate)
 
 __all__ = ["CPBatch", "CPGRPOMixin", "CPGRPOTrainer", "CPSFTTrainer", "CPTrainer", "CPTrainerBase", "CPTrainerMixin",
-           "mark_prepared_for_accelerate", "shard_collated_batch"]
+           "checkpointing_arguments", "mark_prepared_for_accelerate", "shard_collated_batch"]
 
 
 def __getattr__(name: str):

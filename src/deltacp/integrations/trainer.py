@@ -63,6 +63,28 @@ logger = logging.getLogger(__name__)
 NUM_TOKENS = "_deltacp_num_tokens"  # a CPBatch's input token count (TRL's num_tokens), popped before the model call
 
 
+def checkpointing_arguments(**kwargs) -> dict:
+    """The training arguments that turn on (deltacp's) activation checkpointing, under the names the installed
+    transformers uses: `activation_checkpointing` / `_kwargs` where TrainingArguments has them (newer releases, where
+    `gradient_checkpointing` is a deprecated alias), `gradient_checkpointing` / `_kwargs` before (5.17 among them).
+    `kwargs` (every_n_layers, policy, selective) go to the `_kwargs` field.
+
+        SFTConfig(..., **checkpointing_arguments(policy="selective"))"""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    name = ("activation_checkpointing" if "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
+            else "gradient_checkpointing")
+    return {name: True, **({f"{name}_kwargs": kwargs} if kwargs else {})}
+
+
+def trainer_checkpointing(args) -> tuple[bool, dict]:
+    """(on, kwargs) of the trainer's activation checkpointing, read under either transformers' name."""
+    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    return bool(getattr(args, name)), dict(getattr(args, f"{name}_kwargs", None) or {})
+
+
 def checkpointing_policy(kwargs: dict) -> str:
     """deltacp's checkpointing policy from activation_checkpointing_kwargs: `policy` ("full" | "selective") or
     `selective` (a bool: False is "full"); deltacp's default (DEFAULT_POLICY) when neither is given."""
@@ -176,11 +198,13 @@ class CPTrainerBase:
         loading (then only the checkpointing asked of the trainer); marked prepared for accelerate."""
         args = self.args
         checkpointing = None
-        if train and args.activation_checkpointing:
-            kw = args.activation_checkpointing_kwargs or {}
+        on, kw = trainer_checkpointing(args)
+        if train and on:
             checkpointing = CheckpointingPlan(checkpointing_policy(kw), int(kw.get("every_n_layers", 1)))
             # the trainer would apply transformers' own checkpointing on top at train(): deltacp's replaces it
-            args.activation_checkpointing = args.gradient_checkpointing = False
+            for name in ("activation_checkpointing", "gradient_checkpointing"):
+                if hasattr(args, name):
+                    setattr(args, name, False)
         if is_parallelized(model):
             if checkpointing is not None:
                 checkpointing.apply(model)
@@ -261,8 +285,8 @@ class CPTrainerBase:
         refuse(args.load_best_model_at_end, "load_best_model_at_end")
         refuse(args.push_to_hub, "push_to_hub")
         refuse(getattr(args, "activation_offloading", False), "activation_offloading")
-        if args.activation_checkpointing:
-            kw = dict(args.activation_checkpointing_kwargs or {})
+        on, kw = trainer_checkpointing(args)
+        if on:
             every = kw.pop("every_n_layers", 1)
             refuse(not isinstance(every, int) or isinstance(every, bool) or every < 1,
                    f"activation_checkpointing_kwargs every_n_layers={every!r}")
