@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -298,11 +300,14 @@ def tiles_step(args, method, balanced, P, L, kernel, device, dtype):
     k, v = (torch.randn(1, Hk, keys, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     d_out = torch.randn(1, H, L, D, device=device, dtype=dtype)
 
+    # kernel "default": no kernel keyword (the tiles of a deltacp source older than the table: --tiles-before)
+    chosen = {} if kernel == "default" else {"kernel": kernel}
+
     def step():
         if method == "all_gather":
-            o = tiled_attention(q, k, v, tiles, D ** -0.5, kernel=kernel)
+            o = tiled_attention(q, k, v, tiles, D ** -0.5, **chosen)
         else:
-            o = ring_attention(q, k, v, tiles, D ** -0.5, LoopbackRing(P, g), balanced=balanced, kernel=kernel)
+            o = ring_attention(q, k, v, tiles, D ** -0.5, LoopbackRing(P, g), balanced=balanced, **chosen)
         o.backward(d_out)
         q.grad = k.grad = v.grad = None
 
@@ -313,37 +318,87 @@ def tiles_step(args, method, balanced, P, L, kernel, device, dtype):
     return stats["median_ms"]
 
 
+def tiles_rows(args):
+    """(tokens per rank, balanced, method) of every --tiles row."""
+    return [(L, balanced, method) for L in args.local_len for balanced in (False, True)
+            for method in ("all_gather", "ring")]
+
+
+def tiles_before(args) -> dict:
+    """ms per --tiles row of the deltacp source at --tiles-before (its own kernels and merges), timed in a child
+    process that imports deltacp from there."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(args.tiles_before, "src"),
+                                                        os.path.dirname(os.path.abspath(__file__))]))
+    cmd = [sys.executable, os.path.abspath(__file__), "--tiles-worker", "--device", args.device,
+           "--tiles-cp", str(args.tiles_cp), "--local-len", *map(str, args.local_len), "--heads", str(args.heads),
+           "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim), "--dtype", args.dtype,
+           "--warmup", str(args.warmup), "--repeat", str(args.repeat)]
+    if args.block:
+        cmd += ["--block", str(args.block)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"--tiles-before {args.tiles_before}: the child failed:\n{done.stderr[-3000:]}")
+    out = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[(r["local_len"], r["balanced"], r["method"])] = r["ms"]
+    return out
+
+
+def run_tiles_worker(args, device):
+    """--tiles-worker: the rows of --tiles with the imported deltacp's default kernels, one JSON line each."""
+    import deltacp
+
+    print(f"# deltacp from {os.path.dirname(deltacp.__file__)}", file=sys.stderr)
+    dtype = getattr(torch, args.dtype)
+    for L, balanced, method in tiles_rows(args):
+        gc.collect()
+        ms = tiles_step(args, method, balanced, args.tiles_cp, L, "default", device, dtype)
+        print(json.dumps(dict(local_len=L, balanced=balanced, method=method, ms=ms)), flush=True)
+    return 0
+
+
 def run_tiles(args, device):
-    """The tile kernels before and after: flash on every tile (what the tiles ran before the measured table) against
-    the table's choice, per rank, fwd+bwd; fails unless every row is at least --min-speedup faster."""
+    """The tile kernels before and after: flash on every tile (the kernel before the table, with this source's
+    merges) against the table's choice, per rank, fwd+bwd; with --tiles-before, also the tiles of that older source
+    (its kernels and merges: the speed-up the issue asks for is against it). Fails unless every row is at least
+    --min-speedup faster than the baseline: the older source when given, else flash on every tile."""
     dtype = getattr(torch, args.dtype)
     failures = correctness_check(device)
+    before = tiles_before(args) if args.tiles_before else {}
     rows = []
-    for L in args.local_len:
-        for balanced in (False, True):
-            for method in ("all_gather", "ring"):
-                gc.collect()
-                ms = {kernel: tiles_step(args, method, balanced, args.tiles_cp, L, kernel, device, dtype)
-                      for kernel in ("flash", None)}
-                row = dict(bench="attention_cp_tiles", cp=args.tiles_cp, local_len=L, method=method,
-                           layout="balanced" if balanced else "contiguous", heads=args.heads, kv_heads=args.kv_heads,
-                           head_dim=args.head_dim, dtype=args.dtype, flash_ms=ms["flash"], table_ms=ms[None],
-                           speedup=ms["flash"] / ms[None])
-                rows.append(row)
-                if args.json:
-                    emit(row, args.json)
-                print(f"  {L:>7} {row['layout']:<10} {method:<10} flash {ms['flash']:9.2f} ms, "
-                      f"table {ms[None]:9.2f} ms, {row['speedup']:.2f}x", flush=True)
-                if not (math.isfinite(row["speedup"]) and row["speedup"] >= args.min_speedup):
-                    failures.append(f"{L} {row['layout']} {method}: {row['speedup']:.2f}x < {args.min_speedup}x")
+    for L, balanced, method in tiles_rows(args):
+        gc.collect()
+        ms = {kernel: tiles_step(args, method, balanced, args.tiles_cp, L, kernel, device, dtype)
+              for kernel in ("flash", None)}
+        row = dict(bench="attention_cp_tiles", cp=args.tiles_cp, local_len=L, method=method,
+                   layout="balanced" if balanced else "contiguous", heads=args.heads, kv_heads=args.kv_heads,
+                   head_dim=args.head_dim, dtype=args.dtype, flash_ms=ms["flash"], table_ms=ms[None],
+                   speedup=ms["flash"] / ms[None])
+        if before:
+            row.update(before_ms=before[(L, balanced, method)], speedup_before=before[(L, balanced, method)] / ms[None])
+        rows.append(row)
+        if args.json:
+            emit(row, args.json)
+        print(f"  {L:>7} {row['layout']:<10} {method:<10} flash {ms['flash']:9.2f} ms, "
+              f"table {ms[None]:9.2f} ms, {row['speedup']:.2f}x", flush=True)
+        gain = row.get("speedup_before", row["speedup"])
+        if not (math.isfinite(gain) and gain >= args.min_speedup):
+            failures.append(f"{L} {row['layout']} {method}: {gain:.2f}x < {args.min_speedup}x "
+                            f"(vs {'the source before' if before else 'flash on every tile'})")
     print(f"\nAttention tiles per rank at CP{args.tiles_cp} on one {device.type} ({args.heads} heads, {args.kv_heads} "
           f"KV heads, head dim {args.head_dim}, {args.dtype}, B=1, fwd+bwd of the tiles alone; contiguous: the last "
           f"rank, balanced: rank 0); flash on every tile (the kernel before the table) vs the measured table "
-          f"(attention_tiles.CUDNN_TILES)")
-    print(f"{'tokens/rank':>11} {'layout':<10} {'method':<10} | {'flash ms':>9} {'table ms':>9} | {'speed-up':>8}")
+          f"(attention_tiles.CUDNN_TILES)" + (f"; before: the deltacp source at {args.tiles_before}" if before else ""))
+    extra = f" {'before ms':>9}" if before else ""
+    print(f"{'tokens/rank':>11} {'layout':<10} {'method':<10} |{extra} {'flash ms':>9} {'table ms':>9} | "
+          f"{'vs flash':>8}" + (f" {'vs before':>9}" if before else ""))
     for r in rows:
-        print(f"{r['local_len']:>11} {r['layout']:<10} {r['method']:<10} | {r['flash_ms']:>9.2f} "
-              f"{r['table_ms']:>9.2f} | {r['speedup']:>7.2f}x")
+        print(f"{r['local_len']:>11} {r['layout']:<10} {r['method']:<10} |"
+              + (f" {r['before_ms']:>9.2f}" if before else "")
+              + f" {r['flash_ms']:>9.2f} {r['table_ms']:>9.2f} | {r['speedup']:>7.2f}x"
+              + (f" {r['speedup_before']:>8.2f}x" if before else ""))
     if failures:
         print("FAILED: " + "; ".join(failures))
     return 1 if failures else 0
@@ -425,6 +480,10 @@ def main():
                         help="a packed row of few vs many documents (and the per-document loop before)")
     parser.add_argument("--local-len", type=int, nargs="+", default=[16384, 32768, 65536, 131072],
                         help="--tiles: tokens per rank")
+    parser.add_argument("--tiles-before", default=None, metavar="DIR",
+                        help="--tiles: also time the tiles of the deltacp source in DIR (DIR/src; e.g. a checkout of "
+                             "the commit before the kernel table): the speed-up is then checked against it")
+    parser.add_argument("--tiles-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tiles-cp", type=int, default=4, help="--tiles / --packed-docs: the CP degree simulated")
     parser.add_argument("--min-speedup", type=float, default=1.5, help="--tiles: fail below this speed-up")
     parser.add_argument("--packed-len", type=int, default=65536, help="--packed-docs: tokens of the packed row")
@@ -450,7 +509,7 @@ def main():
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--json", default=None, help="append JSON rows to this file")
     args = parser.parse_args()
-    modes = [m for m in ("per_rank_cost", "tiles", "packed_docs") if getattr(args, m)]
+    modes = [m for m in ("per_rank_cost", "tiles", "packed_docs", "tiles_worker") if getattr(args, m)]
     if len(modes) != 1:
         sys.exit("bench/attention_cp.py: give one of --per-rank-cost, --tiles, --packed-docs (a multi-GPU job: "
                  "tests/gpu/multi_gpu_checks.py runs all_gather/ring/2-D over NCCL)")
@@ -460,8 +519,8 @@ def main():
     if args.device == "cpu":
         args.dtype = "float32"
     start = time.time()
-    rc = {"per_rank_cost": run_per_rank_cost, "tiles": run_tiles, "packed_docs": run_packed_docs}[modes[0]](args,
-                                                                                                           device)
+    rc = {"per_rank_cost": run_per_rank_cost, "tiles": run_tiles, "packed_docs": run_packed_docs,
+          "tiles_worker": run_tiles_worker}[modes[0]](args, device)
     print(f"(wall {time.time() - start:.0f} s)")
     sys.exit(rc)
 

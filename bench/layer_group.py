@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_cp  # noqa: E402
 import state_scan  # noqa: E402
 from cp_layer import LoopbackStatePassing, build_layer, fwd_bwd, loopback_halo  # noqa: E402
-from timing import emit  # noqa: E402
+from timing import KERNEL_CLASSES, emit, profile_step  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -51,7 +51,8 @@ from timing import emit  # noqa: E402
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: bool, device, dtype) -> dict:
+def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: bool, device, dtype,
+                   profile: bool = False) -> dict:
     """fwd+bwd of the attention layer of member g of G = P / u groups: its group's tokens (u s, after the in-group
     Ulysses) for H / u query heads, against every key of the row (all_gather: the gathered row; ring: its own
     keys, the others passing by)."""
@@ -93,6 +94,8 @@ def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: 
         module.zero_grad(set_to_none=True)
 
     stats = attention_cp.time_call(step, args, device)
+    if profile:
+        stats["profile_ms"] = profile_step(step, args.profile_top)[0]
     del module, x, rest
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -118,7 +121,7 @@ def _row_order(own_BHLD: torch.Tensor, rest_BHRD: torch.Tensor, spans) -> torch.
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def gdn_rank(args, P: int, S: int, u: int, balanced: bool, device, dtype, mesh) -> dict:
+def gdn_rank(args, P: int, S: int, u: int, balanced: bool, device, dtype, mesh, profile: bool = False) -> dict:
     """fwd+bwd of a middle rank's GDN layer: Hv / u value heads (and their q/k heads) over the group's u s tokens
     (u = 1: all heads over s), p2p with a loopback state passing (member 1 of 3: every neighbouring piece is
     remote under both layouts, so every receive is served at once)."""
@@ -134,7 +137,10 @@ def gdn_rank(args, P: int, S: int, u: int, balanced: bool, device, dtype, mesh) 
     cp_layer_of(layer).passing = LoopbackStatePassing(state, torch.randn_like(state))
     x = torch.randn(1, u * (S // P), args.hidden, device=device, dtype=dtype, requires_grad=True)
     with loopback_halo():
-        stats = attention_cp.time_call(fwd_bwd(layer, x, torch.randn_like(x)), args, device)
+        step = fwd_bwd(layer, x, torch.randn_like(x))
+        stats = attention_cp.time_call(step, args, device)
+        if profile:
+            stats["profile_ms"] = profile_step(step, args.profile_top)[0]
     del layer, x
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,7 +204,7 @@ def configurations(args, P: int) -> list[dict]:
         if u < P and P % u == 0 and args.heads % u == 0 and args.v_heads % u == 0:
             out.append(dict(name=f"contiguous 2-D u={u}", balanced=False, u=u, method="all_gather", passing="chain"))
             out.append(dict(name=f"balanced 2-D u={u}", balanced=True, u=u, method="all_gather", passing="scan"))
-    return out
+    return [c for c in out if args.configs is None or c["name"].startswith(tuple(args.configs))]
 
 
 def run(args, device, dtype, mesh) -> list[dict]:
@@ -215,16 +221,18 @@ def run(args, device, dtype, mesh) -> list[dict]:
                 akey = (c["method"], u, balanced)
                 if akey not in attention_cache:
                     ranks = sorted({0, G // 2, G - 1}) if balanced else sorted({0, G - 1})
-                    timed = {g: attention_rank(args, c["method"], P, S, u, g, balanced, device, dtype)
+                    timed = {g: attention_rank(args, c["method"], P, S, u, g, balanced, device, dtype,
+                                               profile=args.profile and g == ranks[-1])
                              for g in ranks}
                     times = [t["median_ms"] for t in timed.values()]
                     attention_cache[akey] = dict(
                         slowest=max(times), mean=statistics.mean(times) if balanced else (times[0] + times[-1]) / 2,
-                        peak=max(t["peak_gib"] for t in timed.values()), n_kv=next(iter(timed.values()))["n_kv"])
+                        peak=max(t["peak_gib"] for t in timed.values()), n_kv=next(iter(timed.values()))["n_kv"],
+                        profile=timed[ranks[-1]].get("profile_ms"))
                 a = attention_cache[akey]
                 gkey = (u, balanced)
                 if gkey not in gdn_cache:
-                    gdn_cache[gkey] = gdn_rank(args, P, S, u, balanced, device, dtype, mesh)
+                    gdn_cache[gkey] = gdn_rank(args, P, S, u, balanced, device, dtype, mesh, profile=args.profile)
                 gd = gdn_cache[gkey]
                 # attention communication: bench/attention_cp.py's bytes and links
                 scheme = c["method"] if u == 1 else f"2d-u{u}"
@@ -247,6 +255,9 @@ def run(args, device, dtype, mesh) -> list[dict]:
                            attention_peak_gib=a["peak"], attention_model_ms=attention_ms,
                            gdn_compute_ms=gd["median_ms"], gdn_peak_gib=gd["peak_gib"], gdn_passing_ms=passing,
                            gdn_model_ms=gdn_ms, step_model_ms=3 * gdn_ms + attention_ms)
+                if args.profile:  # the layer group's kernels: 3 GDN layers + the attention layer of the last rank
+                    row["kernel_classes"] = {k: 3 * gd["profile_ms"].get(k, 0.0) + a["profile"].get(k, 0.0)
+                                         for k in {*gd["profile_ms"], *a["profile"]}}
                 rows.append(row)
                 if args.json:
                     emit(row, args.json)
@@ -266,6 +277,18 @@ def report(rows: list[dict]) -> bool:
               f"{r['attention_slowest_ms']:>9.2f} {r['attention_mean_ms']:>8.2f} {r['attention_imbalance']:>9.3f} "
               f"{r['attention_peak_gib']:>6.2f} | {r['gdn_compute_ms']:>7.2f} {r['gdn_passing_ms']:>7.3f} "
               f"{r['gdn_peak_gib']:>6.2f} | {r['step_model_ms']:>8.2f}")
+    profiled = [r for r in rows if "kernel_classes" in r]
+    if profiled:
+        classes = [c for c, _ in KERNEL_CLASSES] + ["other"]
+        print("\nCUDA kernel time of the layer group by class (ms; share of its total): 3 x a middle rank's GDN layer "
+              "+ the last timed rank's attention layer")
+        print(f"{'CP':>3} {'tokens':>8} {'configuration':<20} {'attn':<10} " + " ".join(f"{c:>16}" for c in classes)
+              + f" {'total':>9}")
+        for r in profiled:
+            prof, total = r["kernel_classes"], sum(r["kernel_classes"].values())
+            print(f"{r['cp']:>3} {r['global_len']:>8} {r['config']:<20} {r['method']:<10} "
+                  + " ".join(f"{prof.get(c, 0.0):>9.1f} ({100 * prof.get(c, 0.0) / total:>3.0f}%)" for c in classes)
+                  + f" {total:>9.1f}")
     print("\nPer (CP, tokens): balanced 1-D (scan, best attention method) against contiguous 1-D (best method) and the"
           " best contiguous 2-D:")
     for key in sorted({(r["cp"], r["global_len"]) for r in rows}):
@@ -275,6 +298,12 @@ def report(rows: list[dict]) -> bool:
         con = best(lambda r: r["config"] == "contiguous 1-D")
         two = best(lambda r: r["config"].startswith("contiguous 2-D"))
         two_bal = best(lambda r: r["config"].startswith("balanced 2-D"))
+        if bal is None or con is None:  # --configs left one side out: the steps measured, no ratio
+            line = f"  CP{key[0]} {key[1]}: " + "; ".join(
+                f"{r['config']} ({r['method']}, {r['passing']}) {r['step_model_ms']:.1f} ms"
+                for r in (bal, con, two, two_bal) if r is not None)
+            print(line)
+            continue
         imb = max(r["attention_imbalance"] for r in group if r["config"] == "balanced 1-D")
         line = (f"  CP{key[0]} {key[1]}: balanced attention slowest/mean {imb:.3f} (contiguous "
                 f"{max(r['attention_imbalance'] for r in group if r['config'] == 'contiguous 1-D'):.3f}); "
@@ -312,6 +341,12 @@ def main() -> None:
     ap.add_argument("--across-gbps", type=float, default=None,
                     help="the state passing's link (default: --intra-gbps)")
     ap.add_argument("--latency-us", type=float, default=15.0, help="per-message latency of the state passing")
+    ap.add_argument("--configs", nargs="+", default=None, metavar="PREFIX",
+                    help="only the configurations whose name starts with one of these (e.g. 'balanced'); default all")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA kernel time by class of each configuration's layer group (3 GDN layers of a middle "
+                         "rank + the last timed rank's attention layer), one extra call each")
+    ap.add_argument("--profile-top", type=int, default=8, help="with --profile: the kernels printed per call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -321,6 +356,8 @@ def main() -> None:
     if args.block is None:
         args.block = attention_cp_default_block(device, getattr(torch, args.dtype))
     dtype = getattr(torch, args.dtype)
+    if args.profile and not cuda:
+        ap.error("--profile reads CUDA kernel times: it needs --device cuda")
     if cuda:
         torch.cuda.set_device(0)
     import torch.distributed as dist

@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import sys
-from collections import defaultdict
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -49,38 +47,13 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from real_shapes import build_model  # noqa: E402  (the released shape, seeded, bf16, SDPA)
-from timing import emit, time_cuda  # noqa: E402
+from timing import KERNEL_CLASSES, emit, profile_step, time_cuda  # noqa: E402
 
 IGNORE_INDEX = -100
 PUBLIC_STACKS = ("liger", "flce")
 # (size, layers or None, tokens) -> (deltacp full / liger, deltacp selective / liger): the issue's done-when speed-ups
 # of the whole step over the liger stack (selective at no more peak memory than the liger stack's)
 TARGETS = {("2B", None, 65536): (1.35, 1.45), ("9B", 8, 65536): (1.25, None)}
-
-# (class, pattern over the lower-cased kernel name); the first that matches names the kernel's class
-KERNEL_CLASSES: list[tuple[str, str]] = [
-    ("optimizer", r"multi_tensor|adam|foreach"),
-    ("attention", r"flash|fmha|attention|sdpa|pytorch_flash|cudnn.*mha"),
-    ("loss", r"cross_entropy|liger|_ce_|lce|logsumexp|nll"),
-    ("gdn op", r"chunk|wy_|wu_fwd|o_fwd|kkt|solve_tril|state_|dqkwg|recompute_w_u|prepare_wy|l2norm|merge_16x16"
-               r"|fwd_kernel_o|bwd_kernel_dqkwg|bwd_kernel_dhu|fwd_kernel_h|gated_delta|tril|head_sum|group_sum"
-               r"|dv_local"),
-    ("conv", r"conv|depthwise"),
-    ("norm", r"norm"),
-    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|sm80_|matmul|splitk"),
-    ("copy/cast", r"direct_copy|copy_kernel|catarray|cat_batched|transpose"),
-    ("elementwise", r"elementwise|vectorized|reduce|index|scatter|gather|fill|silu|sigmoid|softplus|exp|mul|add"
-                    r"|where|sum|mean|pow|rsqrt|act|swiglu|rotary|embedding"),
-]
-
-
-def kernel_class(name: str) -> str:
-    low = name.lower()
-    for cls, pattern in KERNEL_CLASSES:
-        if re.search(pattern, low):
-            return cls
-    return "other"
-
 
 def shifted_targets(ids: torch.Tensor) -> torch.Tensor:
     """Next-token targets of one row, the last ignored (the loss both stacks compute)."""
@@ -151,26 +124,6 @@ def make_step(loss_fn, opt):
         opt.zero_grad(set_to_none=True)
         return loss
     return step
-
-
-def profile_step(step, top: int) -> dict[str, float]:
-    """CUDA kernel time (ms) of one step by class; prints the `top` kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    by_class: dict[str, float] = defaultdict(float)
-    by_name: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us = e.time_range.elapsed_us()
-            by_class[kernel_class(e.name)] += us / 1e3
-            by_name[e.name] += us / 1e3
-    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"    {ms:9.2f} ms  [{kernel_class(name)}]  {name[:140]}")
-    return dict(by_class), dict(by_name)
 
 
 def free():

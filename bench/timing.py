@@ -7,7 +7,9 @@ statistics (`reduce_max_over_ranks`). First compile/autotune is excluded by the 
 from __future__ import annotations
 
 import json
+import re
 import statistics
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -85,3 +87,48 @@ def emit(row: dict, path: str | None = None) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+# (class, pattern over the lower-cased kernel name); the first that matches names the kernel's class
+KERNEL_CLASSES: list[tuple[str, str]] = [
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("attention", r"flash|fmha|attention|sdpa|pytorch_flash|cudnn.*mha"),
+    ("loss", r"cross_entropy|liger|_ce_|lce|logsumexp|nll"),
+    ("gdn op", r"chunk|wy_|wu_fwd|o_fwd|kkt|solve_tril|state_|dqkwg|recompute_w_u|prepare_wy|l2norm|merge_16x16"
+               r"|fwd_kernel_o|bwd_kernel_dqkwg|bwd_kernel_dhu|fwd_kernel_h|gated_delta|tril|head_sum|group_sum"
+               r"|dv_local"),
+    ("conv", r"conv|depthwise"),
+    ("norm", r"norm"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|sm80_|matmul|splitk"),
+    ("copy/cast", r"direct_copy|copy_kernel|catarray|cat_batched|transpose"),
+    ("elementwise", r"elementwise|vectorized|reduce|index|scatter|gather|fill|silu|sigmoid|softplus|exp|mul|add"
+                    r"|where|sum|mean|pow|rsqrt|act|swiglu|rotary|embedding"),
+]
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, pattern in KERNEL_CLASSES:
+        if re.search(pattern, low):
+            return cls
+    return "other"
+
+
+def profile_step(step, top: int) -> tuple[dict[str, float], dict[str, float]]:
+    """CUDA kernel time (ms) of one call of `step`, by class and by kernel name; prints the `top` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_class: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.time_range.elapsed_us()
+            by_class[kernel_class(e.name)] += us / 1e3
+            by_name[e.name] += us / 1e3
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {ms:9.2f} ms  [{kernel_class(name)}]  {name[:140]}")
+    return dict(by_class), dict(by_name)

@@ -29,11 +29,15 @@
 #                                      date or flash under the deterministic switch is not reproducible), a 64K packed
 #                                      row of 1,000 vs 10 documents (fails above 1.3x)          (about 4 minutes)
 #   bash scripts/gpu_checks.sh tiles_speed  per-rank attention tiles at CP4, 16K-128K tokens per rank, all_gather and
-#                                      ring, contiguous and balanced: flash on every tile vs the measured table (fails
-#                                      below 1.5x)                                            (about 3 minutes)
+#                                      ring, contiguous and balanced: flash on every tile vs the measured table, and,
+#                                      when .whl/before_tiles/src holds the source before the table (git archive
+#                                      8764f85^1 src | tar -x -C .whl/before_tiles), that source's tiles; fails below
+#                                      1.5x over the source before (over flash when it is absent)  (about 5 minutes)
 #   bash scripts/gpu_checks.sh layergroup  a 3 GDN + 1 attention layer group per rank (2B shapes) at CP8/16/32 and
 #                                      128K/512K: contiguous vs balanced sequence layout, p2p chain vs scan, 1-D vs 2-D
 #                                      (modelled links; about 6 minutes); LAYERGROUP_LONG=1: 1M tokens at CP16/32 instead
+#   bash scripts/gpu_checks.sh layergroup_balanced  the balanced 1-D and 2-D (u=2) layer groups at CP16/32, 512K and 1M,
+#                                      with the kernel time of each by class (about 4 minutes)
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
 #                                      full attention all_gather/ring and the 2-D layouts, 20 steps with and without
 #                                      activation checkpointing, FSDP2 on
@@ -70,7 +74,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
   echo "usage: $0 $PARTS" >&2
   exit 2
@@ -213,6 +217,10 @@ layergroup)
     check layer_group 590 python bench/layer_group.py --cp 8 16 32 --global-len 131072 524288 --json "$OUT/bench.jsonl"
   fi
   ;;
+layergroup_balanced)
+  check layer_group_balanced 590 python bench/layer_group.py --cp 16 32 --global-len 524288 1048576 \
+    --configs "balanced 1-D" "balanced 2-D u=2" --profile --json "$OUT/bench.jsonl"
+  ;;
 tiles)
   check attention_kernel_tests 150 python -m pytest tests/gpu/test_attention_kernels_gpu.py \
     tests/gpu/test_document_attention.py -q -s -ra -p no:cacheprovider
@@ -220,7 +228,10 @@ tiles)
   check packed_docs 120 python bench/attention_cp.py --packed-docs --json "$OUT/bench.jsonl"
   ;;
 tiles_speed)
-  check tiles_speedup 450 python bench/attention_cp.py --tiles --warmup 1 --repeat 2 --json "$OUT/bench.jsonl"
+  before=()
+  [ -d .whl/before_tiles/src ] && before=(--tiles-before .whl/before_tiles)
+  check tiles_speedup 560 python bench/attention_cp.py --tiles --warmup 1 --repeat 2 "${before[@]}" \
+    --json "$OUT/bench.jsonl"
   ;;
 attention_long)
   check attention_per_rank_1m 580 python bench/attention_cp.py --per-rank-cost --cp 8 16 32 --global-len 1048576 \

@@ -76,3 +76,10 @@ def test_tile_and_packed_modes_print_tables_and_fail_on_their_bounds():
         else:
             assert result.returncode == 0, out[-3000:]
             assert "cp rank" in out and "loop (before)" in out, out[-3000:]
+    # --tiles-before: a source's own tiles timed in a child process that imports deltacp from DIR/src (this source
+    # here); the bound is then checked against it
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_cp.py"), *runs["tiles"], *common,
+                             "--tiles-before", str(ROOT)], capture_output=True, text=True, timeout=300, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "(vs the source before)" in out and "vs before" in out, out[-3000:]
+    assert f"before: the deltacp source at {ROOT}" in out, out[-3000:]

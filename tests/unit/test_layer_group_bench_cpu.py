@@ -21,3 +21,13 @@ def test_layer_group_bench_cpu_smoke():
     for config in ("contiguous 1-D", "balanced 1-D", "contiguous 2-D u=2", "balanced 2-D u=2"):
         assert f" {config} " in out, out[-3000:]
     assert "CP4 256: balanced attention slowest/mean" in out, out[-3000:]
+    # --configs keeps the configurations named (the summary then lists the steps it has); --profile needs CUDA
+    result = subprocess.run([*result.args, "--configs", "balanced 2-D"], capture_output=True, text=True, timeout=300,
+                            env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    rows = [line for line in out.splitlines() if line.startswith("  4      256 ")]
+    assert rows and all(" balanced 2-D u=2 " in line for line in rows), out[-3000:]
+    assert "CP4 256: balanced 2-D u=2 (all_gather, scan)" in out, out[-3000:]
+    result = subprocess.run([*result.args, "--profile"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2 and "--profile reads CUDA kernel times" in result.stderr, result.stderr[-3000:]
