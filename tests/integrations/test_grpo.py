@@ -261,3 +261,27 @@ def test_completion_rows_pack_and_unpack():
     assert (packed["labels"][0] != -100).nonzero().flatten().tolist() == [2, 3, 7, 8, 9, 10]
     got = completion_values(row_values[valid][None], index, 7, k)
     assert torch.equal(got, expected)
+
+
+def test_padded_rows_reach_the_models_shortest_row():
+    """A model whose pieces must hold the conv halo (p2p, all_gather) takes rows of at least `min_row_length`:
+    completion_rows pads GRPO's rows up to it (right, masked, ignored), so that shard_collated_batch has nothing left
+    to append to left-padded rows; where it would, the error names the real cause."""
+    import torch
+
+    from deltacp.integrations.batch import _padded, completion_rows
+
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
+    ids = torch.arange(1, 13).reshape(2, 6) * mask
+    rows, _ = completion_rows(ids, mask, 2, padding_free=False, multiple=4, min_length=12)
+    assert rows["input_ids"].shape == (2, 12) and rows["attention_mask"][:, 6:].sum() == 0
+    assert bool((rows["labels"][:, 6:] == -100).all()) and torch.equal(rows["input_ids"][:, :6], ids)
+    rows, _ = completion_rows(ids, mask, 2, padding_free=False, multiple=4)
+    assert rows["input_ids"].shape == (2, 8)
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    with pytest.raises(ValueError, match=r"left-padded rows of length 6 need 12 columns \(the shortest row the "
+                                         r"model's pieces allow"):
+        _padded(batch, ids, labels, 12, 4, 0, "cp")
+    with pytest.raises(ValueError, match=r"left-padded rows of length 6 need 8 columns \(a multiple of cp=4\)"):
+        _padded(batch, ids, labels, 8, 4, 0, "cp")

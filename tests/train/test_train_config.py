@@ -337,3 +337,5 @@ def test_a_pretrained_override_replaces_the_files_field_model(tmp_path):
         _load(f"train.model.pretrained={tmp_path}", "train.model.gate_init=long_memory")
     with pytest.raises(ConfigError, match="give either pretrained"):
         _load(f"train.model.pretrained={tmp_path}", "train.model.config.hidden_size=32")
+    # pretrained=null names no directory: the file's model stays as it is
+    assert _load("train.model.pretrained=null") == _load()

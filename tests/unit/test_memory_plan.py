@@ -140,3 +140,17 @@ def test_plan_of_the_released_2b_at_64k_fits_an_h200_without_checkpointing_some_
                                       budget_bytes=int(0.9 * 139 * 2 ** 30))
     assert p.fits and p.policy == "selective" and 0 < p.num_layers < 24, p.describe()
     assert "selective on the first" in p.describe()
+
+
+def test_all_gather_keeps_the_keys_and_values_of_every_gathered_row():
+    """Under all_gather a rank keeps the gathered K/V of every row it holds a piece of: B unpacked rows of S tokens
+    cost B S tokens of K/V (2 Hkv Dh e each), not one row's."""
+    shape, cp, B, S, e = _shape_2b(), 4, 3, 8192, 2
+    kv = 2 * shape.kv_heads * shape.head_dim * e
+    one_row = layer_bytes(shape, "full_attention", B * S // cp, e, row_tokens=S, full_attention_cp="all_gather")
+    every_row = layer_bytes(shape, "full_attention", B * S // cp, e, row_tokens=S, gathered_tokens=B * S,
+                            full_attention_cp="all_gather")
+    assert every_row[None] - one_row[None] == (B - 1) * S * kv
+    ulysses = layer_bytes(shape, "full_attention", B * S // cp, e, row_tokens=S, gathered_tokens=B * S)
+    assert ulysses == layer_bytes(shape, "full_attention", B * S // cp, e)  # nothing gathered
+    assert every_row["full"] == one_row["full"]  # a checkpointed layer keeps its input only

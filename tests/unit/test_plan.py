@@ -83,5 +83,5 @@ def test_the_integrations_take_every_plan_field_at_construction():
     with pytest.raises(ValueError, match=r"deltacp: the CP trainer: give the CP settings as plan=CPPlan\(\.\.\.\) or as "
                                          r"keywords, not both \(got plan and \['sequence_layout'\]\)"):
         CPTrainer(model=None, cp_size=2, plan=CPPlan(), sequence_layout="balanced")
-    with pytest.raises(ValueError, match=r"deltacp: the CP trainer: the plan's cp=4 is not the CP mesh's degree"):
+    with pytest.raises(ValueError, match=r"deltacp: the CP trainer: the plan's cp=4 is not cp_size \(2\)"):
         CPTrainer(model=None, cp_size=2, plan=CPPlan(cp=4))

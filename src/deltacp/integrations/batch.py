@@ -100,9 +100,11 @@ def _padded(batch: Mapping, input_ids: torch.Tensor, labels: torch.Tensor, lengt
     if extra == 0:
         return input_ids, mask, labels
     if bool((~valid[:, 0] & valid[:, -1]).any()):
-        raise ValueError(f"deltacp: left-padded rows of length {S}, not a multiple of {what}={multiple}: deltacp pads "
-                         f"on the right, which would leave holes in the mask; pad to a multiple of {multiple} in the "
-                         f"collator (pad_to_multiple_of) or pad on the right")
+        why = (f"a multiple of {what}={multiple}" if length == -(-S // multiple) * multiple else
+               f"the shortest row the model's pieces allow, each holding its conv halo, rounded to {what}={multiple}")
+        raise ValueError(f"deltacp: left-padded rows of length {S} need {length} columns ({why}): deltacp pads on the "
+                         f"right, which would leave holes in the mask; pad them to {length} in the collator or pad on "
+                         f"the right")
     mask = valid.to(input_ids.dtype) if mask is None else mask
     return (torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1),
             torch.cat([mask, mask.new_zeros((B, extra))], dim=1),
@@ -151,15 +153,16 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
 
 
 def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
-                    padding_free: bool, multiple: int = 1, pad_token_id: int = 0) -> tuple[dict, torch.Tensor | None]:
+                    padding_free: bool, multiple: int = 1, min_length: int = 0,
+                    pad_token_id: int = 0) -> tuple[dict, torch.Tensor | None]:
     """RL rows [B, L] (TRL's: a left-padded prompt, then the completion in the last `logits_to_keep` = k columns,
     right-padded; `attention_mask` 1 on the valid tokens, one contiguous run per row) -> (a collated batch for
     `shard_collated_batch`, index for `completion_values`).
 
     The labels are TRL's: each valid token of the completion columns, -100 elsewhere (so the log-probability of
     completion column c is read at the position before it, c - 1). padding_free=False: the padded rows, columns
-    appended (mask 0, label -100) to a multiple of `multiple` (cp, or 2 x cp under sequence_layout='balanced'), and
-    index None. padding_free=True: one packed row, every row's valid tokens back to back as a document (position
+    appended (mask 0, label -100) up to a multiple of `multiple` (cp, or 2 x cp under sequence_layout='balanced')
+    of at least `min_length` (the model's shortest row, `RowCut.min_row_length`), and index None. padding_free=True: one packed row, every row's valid tokens back to back as a document (position
     ids restarting at 0, `cu_seq_lens_q/k`, `max_length_q/k`; no padding computed), and index [B, k]: the packed
     position whose target is completion column i of row b, -1 where there is none (a padded or masked completion
     token, where TRL's value is 0; or a completion token opening its row, which has no predecessor).
@@ -173,7 +176,7 @@ def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logit
     labels = input_ids.masked_fill(~valid, IGNORE_INDEX)
     labels[:, :-k] = IGNORE_INDEX
     if not padding_free:
-        extra = (-L) % multiple
+        extra = -(-max(L, min_length) // multiple) * multiple - L
         if extra:
             input_ids = torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_zeros((B, extra))], dim=1)

@@ -61,11 +61,10 @@ import torch.distributed as dist
 from deltacp.distributed.mesh import cp_group_of
 from deltacp.integrations.batch import completion_rows, completion_values, shard_collated_batch
 from deltacp.integrations.trainer import CPTrainerBase, raise_refusals, refusal
-from deltacp.models.batch import gather_cp_rows
+from deltacp.models.batch import batch_row_cut, gather_cp_rows
 from deltacp.models.fsdp import unsharded_parameters
 from deltacp.models.loss import IGNORE_INDEX, cp_token_logprobs
 from deltacp.models.parallelize import sequence_layout_of, suspend_cp
-from deltacp.parallel.placement import pieces_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +285,10 @@ class CPGRPOMixin(CPTrainerBase):
         nothing is scored, as TRL's) of this rank's tokens, gathered into the whole [B, logits_to_keep]."""
         model = self.accelerator.unwrap_model(model)
         layout, pad = sequence_layout_of(model), self.processing_class.pad_token_id
+        row_cut = batch_row_cut(None, model, "CPGRPOTrainer")
         batch, index = completion_rows(input_ids, attention_mask, logits_to_keep, padding_free=self.cp_padding_free,
-                                       multiple=self.cp_size * pieces_per_rank(layout), pad_token_id=pad)
+                                       multiple=row_cut.pieces(self.cp_size),
+                                       min_length=row_cut.min_row_length(self.cp_size), pad_token_id=pad)
         cut = dict(shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad, model=model))
         target_ids = cut.pop("target_ids")
         out = cp_token_logprobs(model, target_ids, self.cp_mesh,

@@ -152,7 +152,7 @@ class CPTrainerBase:
             raise TypeError("deltacp: the CP degree is cp_size (the trainer's keyword), not cp")
         settings = {name: kwargs.pop(name) for name in CPPlan.setting_names() if name in kwargs}
         try:  # the rules that need no model
-            self.cp_plan = CPPlan.resolve(plan, settings, cp_size, "the CP trainer")
+            self.cp_plan = CPPlan.resolve(plan, settings, cp_size, "the CP trainer", cp_name="cp_size")
         except (ValueError, NotImplementedError, TypeError) as e:
             raise type(e)(f"deltacp: {e}") from None
         self._refuse_empty_datasets(args, kwargs)

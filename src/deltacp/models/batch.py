@@ -25,18 +25,18 @@ from deltacp.models.parallelize import row_cut_of
 from deltacp.parallel.placement import RowCut, check_sequence_layout, rank_pieces, to_row_order
 
 
-def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, length: int, pad_token_id: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad a packed row [1, S] to `length` tokens (>= S) with one padding document.
+def pad_packed_row(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int, pad_token_id: int = 0, *,
+                   min_length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad a packed row [1, S] with one padding document to the shortest length that is a multiple of `multiple`
+    (the CP degree; 2 x cp under sequence_layout='balanced') and at least max(S, `min_length`) (the shortest row
+    a model's `RowCut` admits).
 
     The padding tokens form a document of their own, so no real document reads them or is read by them;
-    `shard_batch_for_cp(pad_to_multiple_of=)` calls this (with the row length its model's `RowCut` admits) and
-    ignores their targets.
+    `shard_batch_for_cp(pad_to_multiple_of=)` calls this and ignores their targets.
     """
     S = input_ids.shape[1]
+    length = -(-max(S, min_length) // multiple) * multiple
     extra = length - S
-    if extra < 0:
-        raise ValueError(f"pad_packed_row: length {length} is shorter than the row ({S} tokens)")
     if extra == 0:
         return input_ids, cu_seqlens
     pad = input_ids.new_full((input_ids.shape[0], extra), pad_token_id)
@@ -200,7 +200,8 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
                                                    attention_mask=attention_mask, position_ids=position_ids,
                                                    mm_token_type_ids=mm_token_type_ids, document_offsets=cu), ok)))
     if cu is not None and padded != S:
-        input_ids, cu = pad_packed_row(input_ids, cu, padded, pad_token_id)
+        input_ids, cu = pad_packed_row(input_ids, cu, pad_to_multiple_of, pad_token_id,
+                                       min_length=row_cut.min_row_length(cp))
         labels = torch.cat([labels, labels.new_full((1, input_ids.shape[1] - S), IGNORE_INDEX)], dim=1)
         S = input_ids.shape[1]
     targets = torch.full_like(labels, IGNORE_INDEX)

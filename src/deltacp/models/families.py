@@ -1,9 +1,10 @@
 """The supported model families, by transformers class NAME: one `Family` per family, the only place that names
 a family's classes.
 
-Importing this module imports nothing else (no torch, no transformers): the trainer's config checks read it before
-transformers' models load (`python -m deltacp.train` reports a bad config first). `models/adapters.py` resolves
-the names, registers each family's views and finds a model's adapter; the trainer builds configs from
+This module imports nothing but the standard library (the deltacp package around it loads torch; nothing here loads
+transformers): the trainer's config checks read it before transformers' models load (`python -m deltacp.train`
+reports a bad config first). `models/adapters.py` resolves the names, registers each family's views and finds a
+model's adapter; the trainer builds configs from
 `text_config` / `multimodal_config`; the fused decoder glue replaces the family's `norm`. Adding a family is adding
 one `Family` here (and a GDN view in `models/adapters.py` if its projections read differently) plus its parity
 test.

@@ -50,6 +50,7 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
             # With factor 1, FSDP2 would reduce float32/bf16 with PREMUL_SUM(1), which gloo lacks; a plain
             # SUM is the same result on every backend.
             module.set_force_sum_reduction_for_comms(True)
+    model._deltacp_reshard_after_forward = reshard_after_forward  # what unsharded_parameters sets again on exit
     return model
 
 
@@ -57,13 +58,14 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
 def unsharded_parameters(model: nn.Module):
     """Hold the FSDP2 parameters of a model sharded by `fully_shard_cp` unsharded through every forward inside (e.g.
     the decoding steps of a generation): one all-gather per FSDP unit on entry, none per forward, resharded on exit
-    (and `reshard_after_forward=True`, fully_shard_cp's default, set again). A collective over the model's mesh:
+    (and the `reshard_after_forward` fully_shard_cp was given set again). A collective over the model's mesh:
     every rank enters together. Costs the full parameters in their compute dtype (the mixed-precision param_dtype)
     on every rank while inside. A model without FSDP2 passes through unchanged.
     """
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    reshard = getattr(model, "_deltacp_reshard_after_forward", True)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
     try:
@@ -73,4 +75,4 @@ def unsharded_parameters(model: nn.Module):
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            unit.set_reshard_after_forward(reshard, recurse=False)

@@ -154,6 +154,15 @@ def shard_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
     return Shard.local_shard_size_and_offset(rows, ranks, rank)
 
 
+def dominant_dtype(sizes) -> torch.dtype | None:
+    """The dtype holding the most bytes among (dtype, nbytes) pairs (None for none): what a checkpoint's config
+    states as its dtype when nothing else does."""
+    by_dtype: dict = {}
+    for dtype, nbytes in sizes:
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+    return max(by_dtype, key=by_dtype.get) if by_dtype else None
+
+
 def transformers_class(model: nn.Module) -> type:
     """The transformers class of a model, under FSDP2's wrapper class (`FSDPQwen3_5ForCausalLM`)."""
     from torch.distributed.fsdp import FSDPModule

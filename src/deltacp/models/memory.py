@@ -22,8 +22,8 @@ Bytes one decoder layer keeps for its backward, per rank (T tokens on the rank, 
                                                    + 5 x 64 Hv f (chunk matrices) + 5 Hv f
   full attention                                   2 (Hq + Hkv) Dh f (the q/k norms in fp32) + (4 Hq + 2 Hkv) Dh e
                                                    (q, k, v, o, the gate, the out projection's input) + Hq f (lse);
-                                                   under full_attention_cp='all_gather' k and v are the gathered row's
-                                                   (row_tokens instead of T)
+                                                   under full_attention_cp='all_gather' k and v are the gathered
+                                                   rows' (gathered_tokens instead of T: every row of the rank's batch)
 
 Under policy "full" a checkpointed layer keeps its input (D e); "selective" adds, on attention layers, the attention
 output and its log-sum-exp (Hq Dh e + Hq f). A layer that is not checkpointed keeps all of the above ("none").
@@ -85,9 +85,11 @@ class LayerShapes:
 
 
 def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_tokens: int | None = None,
-                backend: str = "triton", full_attention_cp: str = "ulysses") -> dict[str | None, int]:
+                gathered_tokens: int | None = None, backend: str = "triton",
+                full_attention_cp: str = "ulysses") -> dict[str | None, int]:
     """{None: not checkpointed, "full": ..., "selective": ...} bytes the layer keeps for backward on one rank of
-    `tokens` tokens (module doc). row_tokens: the tokens of a whole row (the K/V that all_gather keeps)."""
+    `tokens` tokens (module doc). gathered_tokens: the tokens of every row the rank holds a piece of (the K/V that
+    all_gather keeps; default row_tokens, the tokens of one row, then `tokens`)."""
     f = max(e, 4)
     T, D = tokens, shape.hidden
     common = 4 * D * e + (3 * D * f if backend == "eager" else 0)
@@ -116,8 +118,8 @@ def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_token
         kept_output = Hq * Dh * e + Hq * f
     else:
         raise ValueError(f"layer type {kind!r}: expected 'linear_attention' or 'full_attention'")
-    row = row_tokens if row_tokens is not None else tokens
-    none = T * (common + mlp + mixer) + row * per_row
+    gathered = next(n for n in (gathered_tokens, row_tokens, tokens) if n is not None)
+    none = T * (common + mlp + mixer) + gathered * per_row
     return {None: none, "full": T * D * e, "selective": T * (D * e + kept_output)}
 
 
@@ -179,14 +181,16 @@ class CheckpointPlan:
 
 
 def plan_activation_checkpointing(shape: LayerShapes, *, tokens: int, activation_bytes: int, static_bytes: int,
-                                  budget_bytes: int, row_tokens: int | None = None, backend: str = "triton",
+                                  budget_bytes: int, row_tokens: int | None = None,
+                                  gathered_tokens: int | None = None, backend: str = "triton",
                                   full_attention_cp: str = "ulysses") -> CheckpointPlan:
-    """The plan of the module doc for one rank holding `tokens` tokens (row_tokens: the whole row's)."""
+    """The plan of the module doc for one rank holding `tokens` tokens (row_tokens: one whole row's, for the attention
+    context; gathered_tokens: every row's the rank holds a piece of, for all_gather's K/V; see `layer_bytes`)."""
     e = activation_bytes
     kinds = shape.layer_types
     L = len(kinds)
-    kept = [layer_bytes(shape, k, tokens, e, row_tokens=row_tokens, backend=backend,
-                        full_attention_cp=full_attention_cp) for k in kinds]
+    kept = [layer_bytes(shape, k, tokens, e, row_tokens=row_tokens, gathered_tokens=gathered_tokens,
+                        backend=backend, full_attention_cp=full_attention_cp) for k in kinds]
     flops = [layer_forward_flops(shape, k, tokens, row_tokens) for k in kinds]
     TDe = tokens * shape.hidden * e
 

@@ -41,6 +41,7 @@ from deltacp.parallel.plan import CPPlan
 from deltacp.models.hf_format import (
     FUSED_EXPERTS,
     StoredTensor,
+    dominant_dtype,
     expert_keys,
     model_tensors,
     read_index,
@@ -116,11 +117,8 @@ def resolve_dtype(dtype, config, path: Path, stored: dict[str, StoredTensor]) ->
             raw = _raw_config(path)
             dtype = raw.get("dtype") or raw.get("torch_dtype")
         if dtype is None:
-            by_dtype: dict = {}
-            for t in stored.values():
-                if isinstance(t.dtype, torch.dtype) and t.dtype.is_floating_point:
-                    by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
-            dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
+            dtype = dominant_dtype((t.dtype, t.nbytes) for t in stored.values()
+                                   if isinstance(t.dtype, torch.dtype) and t.dtype.is_floating_point) or torch.float32
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; expected one of {list(DTYPES)}, a torch dtype, None "

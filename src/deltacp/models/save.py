@@ -39,6 +39,7 @@ from deltacp.models.hf_format import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
     SINGLE_NAME,
+    dominant_dtype,
     expert_keys,
     model_tensors,
     row_split,
@@ -209,10 +210,7 @@ def _write_configs(model: nn.Module, out: Path, entries: list[Entry], dtype: tor
     config = copy.deepcopy(model.config)
     config.architectures = [transformers_class(model).__name__]
     if dtype is None:  # the dtype most of the stored bytes have
-        by_dtype: dict = {}
-        for e in entries:
-            by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
-        dtype = max(by_dtype, key=by_dtype.get)
+        dtype = dominant_dtype((e.dtype, e.nbytes) for e in entries)
     config.dtype = dtype
     config.save_pretrained(out)
     generation = getattr(model, "generation_config", None)

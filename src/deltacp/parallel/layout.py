@@ -24,8 +24,8 @@ def check_ulysses_degree_value(ulysses_degree, prefix: str = "") -> None:
     """None or an integer >= 1 (what can be checked before cp is known)."""
     if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or isinstance(ulysses_degree, bool)
                                        or ulysses_degree < 1):
-        raise ValueError(f"{prefix}ulysses_degree={ulysses_degree!r} is not supported: None or an integer >= 1 "
-                         f"dividing cp")
+        raise ValueError(f"{prefix}ulysses_degree={ulysses_degree!r} is not supported: "
+                         f"{'null' if prefix else 'None'} or an integer >= 1 dividing cp")
 
 
 def check_ulysses_degree(cp: int, ulysses_degree, prefix: str = "") -> None:

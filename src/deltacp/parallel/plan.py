@@ -77,9 +77,10 @@ class CPPlan:
 
     @classmethod
     def resolve(cls, plan: "CPPlan | None", settings: dict, cp: int | None = None, what: str = "parallelize_cp",
-                prefix: str = "") -> "CPPlan":
+                prefix: str = "", cp_name: str = "the CP mesh's degree") -> "CPPlan":
         """The plan of a call that takes `plan` or the settings as keywords (not both), with the CP degree `cp`
-        (the mesh's, when known: a plan's own cp must equal it). Raises naming an unknown keyword."""
+        (the mesh's, when known, or the setting `cp_name` names: a plan's own cp must equal it). Raises naming an
+        unknown keyword."""
         unknown = sorted(set(settings) - set(cls.setting_names()))
         if unknown:
             raise TypeError(f"{what}: unknown keyword {unknown[0]!r}; the CP settings are {list(cls.setting_names())} "
@@ -92,7 +93,7 @@ class CPPlan:
         if plan is None:
             plan = cls(**settings, prefix=prefix)
         if cp is not None and plan.cp not in (None, cp):
-            raise ValueError(f"{what}: the plan's cp={plan.cp} is not the CP mesh's degree ({cp})")
+            raise ValueError(f"{what}: the plan's cp={plan.cp} is not {cp_name} ({cp})")
         return plan if cp is None or plan.cp == cp else plan.replace(cp=cp)
 
     def replace(self, **changes) -> "CPPlan":

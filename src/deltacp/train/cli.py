@@ -28,8 +28,9 @@ import signal
 import sys
 import traceback
 
-# Only the config is imported up front: a bad key or value is reported before torch.distributed, the checkpoint
-# code and transformers' models load (seconds on a busy machine).
+# Only the config is imported up front (it loads torch and torch.distributed, through the CP plan's rules): a bad key
+# or value is reported before transformers' models, the checkpoint code and the process group load (seconds on a
+# busy machine).
 from deltacp.train.config import ConfigError, TrainConfig, load_config
 
 _COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset|refused)|closed by peer|broken pipe|"

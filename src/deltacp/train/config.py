@@ -179,7 +179,7 @@ class TrainConfig:
     rank 0."""
     activation_checkpointing_budget_gib: float | None = None
     """auto: the memory budget of one rank in GiB (null: activation_checkpointing_budget_fraction of its device's
-    memory; required on CPU and where ranks share a GPU)."""
+    memory, divided among the ranks of the node that share the device; required on CPU)."""
     activation_checkpointing_budget_fraction: float | None = None
     """auto: the budget as a fraction of the device's memory, in (0, 1] (null: 0.9)."""
     loss: Literal["linear_cross_entropy", "cross_entropy"] = "linear_cross_entropy"
@@ -476,10 +476,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """The config of the YAML file `path` with `--set` overrides applied. An override of train.model.pretrained
     (fine-tuning a file's setup from a checkpoint directory, e.g. an export) replaces the file's description of a
     model built from fields (train.model preset, config, vision_config, gate_init) unless an override sets them
-    too: the pretrained directory's config.json describes the model."""
+    too: the pretrained directory's config.json describes the model. `train.model.pretrained=null` drops nothing."""
     raw = {"train": {}} if path is None else yaml.safe_load(Path(path).read_text()) or {}
     overridden = [a.split("=", 1)[0].strip() for a in overrides]
-    if "train.model.pretrained" in overridden and isinstance(raw.get("train", {}).get("model"), dict):
+    pretrained = [yaml.safe_load(a.split("=", 1)[1]) if "=" in a else None for a in overrides
+                  if a.split("=", 1)[0].strip() == "train.model.pretrained"]
+    if pretrained and pretrained[-1] is not None and isinstance(raw.get("train", {}).get("model"), dict):
         model = raw["train"]["model"]
         for key in _FIELD_MODEL_KEYS:
             if not any(o == f"train.model.{key}" or o.startswith(f"train.model.{key}.") for o in overridden):

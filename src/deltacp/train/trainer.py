@@ -203,7 +203,9 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
 
 def checkpointing_budget(cfg: TrainConfig, device: torch.device) -> int:
     """Bytes one rank may hold under train.activation_checkpointing=auto: the budget in GiB, or the fraction (default
-    0.9) of its CUDA device's memory; ConfigError on CPU without a budget in GiB."""
+    0.9) of its CUDA device's memory, shared evenly by the ranks of this node that use the device (LOCAL_WORLD_SIZE
+    ranks round-robin over the visible GPUs, as `resolve_device` places them); ConfigError on CPU without a budget in
+    GiB."""
     from deltacp.train.config import DEFAULT_BUDGET_FRACTION
 
     if cfg.activation_checkpointing_budget_gib is not None:
@@ -212,7 +214,8 @@ def checkpointing_budget(cfg: TrainConfig, device: torch.device) -> int:
         raise ConfigError(f"train.activation_checkpointing=auto on {device.type} needs "
                           f"train.activation_checkpointing_budget_gib (there is no device memory to take a fraction of)")
     fraction = cfg.activation_checkpointing_budget_fraction or DEFAULT_BUDGET_FRACTION
-    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
+    sharing = -(-int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // torch.cuda.device_count())
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory / sharing)
 
 
 def plan_checkpointing(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, dp: int, world: int):
@@ -232,8 +235,8 @@ def plan_checkpointing(cfg: TrainConfig, model: torch.nn.Module, device: torch.d
     return plan_activation_checkpointing(
         LayerShapes.of(adapter.text_config), tokens=rows * data.seq_len // acc.cp, activation_bytes=e,
         static_bytes=static, budget_bytes=checkpointing_budget(cfg, device),
-        row_tokens=rows * data.seq_len if data.packing else data.seq_len, backend=acc.linear_attention_gdn_backend,
-        full_attention_cp=acc.full_attention_cp)
+        row_tokens=rows * data.seq_len if data.packing else data.seq_len, gathered_tokens=rows * data.seq_len,
+        backend=acc.linear_attention_gdn_backend, full_attention_cp=acc.full_attention_cp)
 
 
 def p2p_passings(model: torch.nn.Module) -> list:
@@ -539,6 +542,5 @@ def with_cp(cfg: TrainConfig, cp: int, mode: str | None = None, dp: int | None =
     null."""
     u = cfg.accelerator.ulysses_degree
     acc = cfg.accelerator.replace(cp=cp, dp=dp, ulysses_degree=u if u is not None and u < cp and cp % u == 0 else None,
-                  linear_attention_cp_mode=mode or cfg.accelerator.linear_attention_cp_mode)
-    acc.validate()
-    return replace(cfg, accelerator=acc)
+                                  linear_attention_cp_mode=mode or cfg.accelerator.linear_attention_cp_mode)
+    return replace(cfg, accelerator=acc)  # replace validates the section again

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from deltacp.ops.lm_head.chunks import WEIGHT_GRAD_MODES, chunk_loop, chunk_sizes, wants_grad
+from deltacp.ops.lm_head.checks import check_weight_grad
+from deltacp.ops.lm_head.chunks import chunk_loop, chunk_sizes, wants_grad
 from deltacp.ops.lm_head.kernels import ce_kernels
 
 
@@ -96,8 +97,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     "two_pass" (dW rounded once) or "accumulate" (dW summed in place over token chunks in the weight's dtype; see
     `chunks.chunk_loop`).
     """
-    if weight_grad not in WEIGHT_GRAD_MODES:
-        raise ValueError(f"linear cross entropy: weight_grad={weight_grad!r}; expected one of {WEIGHT_GRAD_MODES}")
+    check_weight_grad("linear cross entropy", weight_grad)
     chunk_size, vocab_chunk_size = chunk_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype,
                                                chunk_size, vocab_chunk_size, weight_grad)
     acc = torch.promote_types(hidden.dtype, torch.float32)
