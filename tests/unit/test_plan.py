@@ -85,3 +85,14 @@ def test_the_integrations_take_every_plan_field_at_construction():
         CPTrainer(model=None, cp_size=2, plan=CPPlan(), sequence_layout="balanced")
     with pytest.raises(ValueError, match=r"deltacp: the CP trainer: the plan's cp=4 is not cp_size \(2\)"):
         CPTrainer(model=None, cp_size=2, plan=CPPlan(cp=4))
+
+
+def test_a_checkpointing_plan_checks_its_settings_when_built():
+    """CheckpointingPlan refuses what apply_activation_checkpointing would, when it is built (one check for both)."""
+    from deltacp.models.checkpointing import CheckpointingPlan
+
+    for bad, message in ((dict(policy="partial"), "policy='partial' is not an activation checkpointing policy"),
+                         (dict(every_n_layers=0), "every_n_layers=0 must be an integer >= 1"),
+                         (dict(num_layers=-1), "num_layers=-1 must be None or an integer >= 0")):
+        with pytest.raises(ValueError, match=message):
+            CheckpointingPlan(**bad)

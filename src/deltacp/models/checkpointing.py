@@ -48,16 +48,21 @@ def check_policy(policy: str, what: str = "policy") -> str:
     return policy
 
 
+def check_plan(policy, every_n_layers, num_layers) -> None:
+    """The settings of a checkpointing plan: a policy, every_n_layers >= 1, num_layers None or >= 0."""
+    check_policy(policy)
+    if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers={every_n_layers!r} must be an integer >= 1")
+    if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0):
+        raise ValueError(f"num_layers={num_layers!r} must be None or an integer >= 0")
+
+
 def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *, policy: str = DEFAULT_POLICY,
                                    num_layers: int | None = None) -> int:
     """Activation checkpointing of every `every_n_layers`-th decoder layer (1: all) of any supported model, the first
     `num_layers` of them (None: all), under `policy` ("selective" | "full"); returns the number of layers
     checkpointed."""
-    if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
-        raise ValueError(f"every_n_layers={every_n_layers!r} must be an integer >= 1")
-    check_policy(policy)
-    if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0):
-        raise ValueError(f"num_layers={num_layers!r} must be None or an integer >= 0")
+    check_plan(policy, every_n_layers, num_layers)
     layers = adapter_for(model).layers()
     chosen = layers[::every_n_layers][:num_layers]
     kwargs = dict(use_reentrant=False)
@@ -79,9 +84,7 @@ class CheckpointingPlan:
     num_layers: int | None = None
 
     def __post_init__(self):
-        check_policy(self.policy)
-        if not isinstance(self.every_n_layers, int) or isinstance(self.every_n_layers, bool) or self.every_n_layers < 1:
-            raise ValueError(f"every_n_layers={self.every_n_layers!r} must be an integer >= 1")
+        check_plan(self.policy, self.every_n_layers, self.num_layers)
 
     def apply(self, model: nn.Module) -> int:
         return apply_activation_checkpointing(model, self.every_n_layers, policy=self.policy,
