@@ -249,7 +249,7 @@ def test_completion_rows_pack_and_unpack():
     k = completion_mask.shape[1]
     row_values = torch.arange(3 * 7, dtype=torch.float64).reshape(3, 7) + 100  # a value at every position
     expected = torch.where(completion_mask.bool(), row_values[:, 2:6], 0)  # TRL: logits at L - k - 1 .. L - 2
-    padded, index = completion_rows(ids, mask, k, padding_free=False, multiple=4)
+    padded, index = completion_rows(ids, mask, k, padding_free=False, cp=4)
     assert index is None and padded["input_ids"].shape == (3, 8) and padded["attention_mask"][:, 7].sum() == 0
     got = completion_values(row_values, None, 7, k)
     assert torch.equal(got * completion_mask, expected)
@@ -270,13 +270,14 @@ def test_padded_rows_reach_the_models_shortest_row():
     import torch
 
     from deltacp.integrations.batch import _padded, completion_rows
+    from deltacp.parallel.placement import RowCut
 
     mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
     ids = torch.arange(1, 13).reshape(2, 6) * mask
-    rows, _ = completion_rows(ids, mask, 2, padding_free=False, multiple=4, min_length=12)
+    rows, _ = completion_rows(ids, mask, 2, padding_free=False, row_cut=RowCut("contiguous", 3), cp=4)
     assert rows["input_ids"].shape == (2, 12) and rows["attention_mask"][:, 6:].sum() == 0
     assert bool((rows["labels"][:, 6:] == -100).all()) and torch.equal(rows["input_ids"][:, :6], ids)
-    rows, _ = completion_rows(ids, mask, 2, padding_free=False, multiple=4)
+    rows, _ = completion_rows(ids, mask, 2, padding_free=False, row_cut=RowCut("balanced"), cp=2)
     assert rows["input_ids"].shape == (2, 8)
     labels = ids.masked_fill(mask == 0, -100)
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)

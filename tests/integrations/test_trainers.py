@@ -149,6 +149,24 @@ def _check_fault_cases(out_dir: str) -> None:
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == len(short) and all(loss == loss for loss in losses), losses
+    # GRPO's padded rows (padding_free=False) under that model: left-padded rows of 8 columns (a multiple of 2 x cp,
+    # short of its 12-token shortest row) are padded up to 12 by completion_rows, so the cut appends nothing to
+    # left-padded rows; padded to the multiple alone, the cut refuses them, naming why
+    import torch
+
+    from deltacp.integrations import shard_collated_batch
+    from deltacp.integrations.batch import completion_rows
+    from deltacp.models.batch import batch_row_cut
+
+    model, cut = trainer.model, batch_row_cut(None, trainer.model)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0]])
+    ids = torch.arange(1, 17).reshape(2, 8) * mask
+    rows, _ = completion_rows(ids, mask, 3, padding_free=False, row_cut=cut, cp=2)  # what CPGRPOTrainer calls
+    assert cut.min_row_length(2) == 12 and rows["input_ids"].shape == (2, 12)
+    assert shard_collated_batch(rows, trainer.cp_mesh, model=model)["input_ids"].shape == (2, 6)
+    rows, _ = completion_rows(ids, mask, 3, padding_free=False, cp=4)  # a multiple of 2 x cp only
+    with pytest.raises(ValueError, match=r"left-padded rows of length 8 need 12 columns \(the shortest row"):
+        shard_collated_batch(rows, trainer.cp_mesh, model=model)
 
 
 def _checks_worker(rank: int, world: int, out_dir: str) -> None:

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deltacp.distributed.mesh import cp_group_of
 from deltacp.models.batch import batch_row_cut, shard_batch_for_cp
 from deltacp.models.loss import IGNORE_INDEX
+from deltacp.parallel.placement import RowCut
 
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", *PACKING_KEYS)
@@ -153,7 +154,7 @@ def shard_collated_batch(batch: Mapping, mesh: DeviceMesh, *, pad_token_id: int 
 
 
 def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *,
-                    padding_free: bool, multiple: int = 1, min_length: int = 0,
+                    padding_free: bool, row_cut: RowCut | None = None, cp: int = 1,
                     pad_token_id: int = 0) -> tuple[dict, torch.Tensor | None]:
     """RL rows [B, L] (TRL's: a left-padded prompt, then the completion in the last `logits_to_keep` = k columns,
     right-padded; `attention_mask` 1 on the valid tokens, one contiguous run per row) -> (a collated batch for
@@ -161,8 +162,8 @@ def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logit
 
     The labels are TRL's: each valid token of the completion columns, -100 elsewhere (so the log-probability of
     completion column c is read at the position before it, c - 1). padding_free=False: the padded rows, columns
-    appended (mask 0, label -100) up to a multiple of `multiple` (cp, or 2 x cp under sequence_layout='balanced')
-    of at least `min_length` (the model's shortest row, `RowCut.min_row_length`), and index None. padding_free=True: one packed row, every row's valid tokens back to back as a document (position
+    appended (mask 0, label -100) up to the length `row_cut` (the model's, `batch_row_cut`; default contiguous, no
+    minimum) admits over `cp` ranks: a multiple of its pieces, at least its shortest row; and index None. padding_free=True: one packed row, every row's valid tokens back to back as a document (position
     ids restarting at 0, `cu_seq_lens_q/k`, `max_length_q/k`; no padding computed), and index [B, k]: the packed
     position whose target is completion column i of row b, -1 where there is none (a padded or masked completion
     token, where TRL's value is 0; or a completion token opening its row, which has no predecessor).
@@ -176,7 +177,8 @@ def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logit
     labels = input_ids.masked_fill(~valid, IGNORE_INDEX)
     labels[:, :-k] = IGNORE_INDEX
     if not padding_free:
-        extra = -(-max(L, min_length) // multiple) * multiple - L
+        row_cut = row_cut or RowCut()
+        extra = row_cut.padded_length(L, cp, row_cut.pieces(cp)) - L
         if extra:
             input_ids = torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_zeros((B, extra))], dim=1)

@@ -285,10 +285,9 @@ class CPGRPOMixin(CPTrainerBase):
         nothing is scored, as TRL's) of this rank's tokens, gathered into the whole [B, logits_to_keep]."""
         model = self.accelerator.unwrap_model(model)
         layout, pad = sequence_layout_of(model), self.processing_class.pad_token_id
-        row_cut = batch_row_cut(None, model, "CPGRPOTrainer")
         batch, index = completion_rows(input_ids, attention_mask, logits_to_keep, padding_free=self.cp_padding_free,
-                                       multiple=row_cut.pieces(self.cp_size),
-                                       min_length=row_cut.min_row_length(self.cp_size), pad_token_id=pad)
+                                       row_cut=batch_row_cut(None, model, "CPGRPOTrainer"), cp=self.cp_size,
+                                       pad_token_id=pad)
         cut = dict(shard_collated_batch(batch, self.cp_mesh, pad_token_id=pad, model=model))
         target_ids = cut.pop("target_ids")
         out = cp_token_logprobs(model, target_ids, self.cp_mesh,
