@@ -10,6 +10,7 @@ from transformers import Qwen3_5ForCausalLM
 
 from deltacp import CPPlan, cp_plan_of, parallelize_cp, row_cut_of
 from deltacp.config import AcceleratorConfig
+from deltacp.parallel.placement import RowCut
 from helpers import tiny_config
 
 pytestmark = pytest.mark.fast
@@ -32,9 +33,9 @@ def test_a_plan_validates_each_rule_once_naming_the_setting():
     with pytest.raises(ValueError, match=r"cp must be an integer >= 1, got 0"):
         CPPlan(cp=0)
     # what the settings imply, asked of the plan
-    assert CPPlan(linear_attention_cp_mode="p2p").min_piece_length(3) == 3
-    assert CPPlan(linear_attention_cp_mode="ulysses").min_piece_length(3) == 1
-    assert CPPlan(sequence_layout="balanced").pieces_per_rank() == 2
+    assert CPPlan(linear_attention_cp_mode="p2p").row_cut(3) == RowCut("contiguous", 3)
+    assert CPPlan(linear_attention_cp_mode="ulysses").row_cut(3) == RowCut("contiguous", 1)
+    assert CPPlan(sequence_layout="balanced").row_cut(3).pieces(4) == 8
 
 
 def test_resolve_takes_a_plan_or_the_keywords_not_both():

@@ -235,7 +235,7 @@ def row_cut(config: dict, plan: CPPlan) -> RowCut:
     """The model's RowCut from its checked configuration: every piece holds at least what the plan's GDN mode needs
     of the longest conv halo of the model's GDN layers (`CPPlan.min_piece_length`)."""
     halos = [value for key, value in config.items() if key.endswith(".conv_halo")]
-    return RowCut(plan.sequence_layout, plan.min_piece_length(max(halos, default=0)))
+    return plan.row_cut(max(halos, default=0))
 
 
 @contextlib.contextmanager

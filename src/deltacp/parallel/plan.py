@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 
 from deltacp.parallel.layout import check_ulysses_degree, check_ulysses_degree_value, validate_cp_layout
 from deltacp.parallel.modes import canonical_name, check_state_passing, gdn_mode
-from deltacp.parallel.placement import check_sequence_layout
+from deltacp.parallel.placement import RowCut, check_sequence_layout
 
 @dataclass(frozen=True)
 class CPPlan:
@@ -105,14 +105,12 @@ class CPPlan:
         return {name: getattr(self, name) for name in self.setting_names()}
 
     # -- what the settings imply ---------------------------------------------------------------------------------
-    def pieces_per_rank(self) -> int:
-        return 2 if self.sequence_layout == "balanced" else 1
-
-    def min_piece_length(self, conv_halo: int) -> int:
-        """The fewest tokens each piece of a row must hold for GDN layers whose causal conv reads `conv_halo`
-        ((kernel - 1) x dilation) tokens back: the halo where the mode reads the previous piece's tail (p2p,
-        all_gather), else 1."""
-        return max(conv_halo, 1) if gdn_mode(self.linear_attention_cp_mode).needs_halo else 1
+    def row_cut(self, conv_halo: int) -> RowCut:
+        """How rows are cut under this plan for GDN layers whose causal conv reads `conv_halo` ((kernel - 1) x
+        dilation) tokens back: its sequence layout, and the fewest tokens each piece holds: the halo where the mode
+        reads the previous piece's tail (p2p, all_gather), else 1."""
+        needs = gdn_mode(self.linear_attention_cp_mode).needs_halo
+        return RowCut(self.sequence_layout, max(conv_halo, 1) if needs else 1)
 
     def styles(self):
         """(LinearAttentionContextParallel, FullAttentionContextParallel) of this plan (cp must be known)."""

@@ -127,9 +127,8 @@ def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace, laun
     rank before its process group)."""
     try:
         cfg = load_config(args.config, args.set)
-    except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
-        print(f"deltacp.train: config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except CONFIG_ERRORS as exc:
+        _exit_with("config error", exc)
     from deltacp.train.checkpoint import CheckpointError
     from deltacp.train.preflight import preflight
 
@@ -146,12 +145,19 @@ def parse_config(parser: argparse.ArgumentParser, args: argparse.Namespace, laun
                 cfg.validate_world(int(os.environ.get("WORLD_SIZE", "1")))
             preflight(cfg, spawn=args.spawn is not None)
     except CheckpointError as exc:
-        print(f"deltacp.train: checkpoint error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
-        print(f"deltacp.train: config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with("checkpoint error", exc)
+    except CONFIG_ERRORS as exc:
+        _exit_with("config error", exc)
     return cfg
+
+
+CONFIG_ERRORS = (ConfigError, ValueError, NotImplementedError, OSError)  # a bad config, reported in one line
+
+
+def _exit_with(kind: str, exc: BaseException):
+    """One line on stderr and exit status 2, before any rank starts."""
+    print(f"deltacp.train: {kind}: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:

@@ -447,10 +447,10 @@ def config_from_dict(raw: dict) -> TrainConfig:
                           f"pieces of the row)")
     plan = cfg.accelerator.plan
     halo = model_config_fields(cfg.model).get("linear_conv_kernel_dim", 4) - 1  # transformers' default kernel: 4
-    pieces = cp * plan.pieces_per_rank()
-    if cfg.data.seq_len // pieces < plan.min_piece_length(halo):
-        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / {pieces} pieces (cp {cp}, sequence_layout "
-                          f"{plan.sequence_layout!r}) is below the conv halo ({halo} tokens) that mode "
+    cut = plan.row_cut(halo)
+    if cfg.data.seq_len < cut.min_row_length(cp):
+        raise ConfigError(f"train.data.seq_len ({cfg.data.seq_len}) / {cut.pieces(cp)} pieces (cp {cp}, "
+                          f"sequence_layout {plan.sequence_layout!r}) is below the conv halo ({halo} tokens) that mode "
                           f"{plan.linear_attention_cp_mode!r} needs in every piece")
     return cfg
 
