@@ -71,7 +71,26 @@ def _check_refusals_and_kernels(out: str) -> None:
                       num_generations=3, gradient_accumulation_steps=1)
     for part in ("cast_lm_head_to_fp32", "per_device_train_batch_size x steps_per_generation = 3"):
         assert part in message, (part, message)
-    trainer = grpo_cases.build("grpo", os.path.join(out, "kernels"), model_dir, cp_size=2)
+    # GRPOConfig derived generation_batch_size from dp x cp processes: the trainer's change of it is announced
+    import logging
+
+    import torch.distributed as dist
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("deltacp.integrations.grpo").addHandler(handler)
+    try:
+        trainer = grpo_cases.build("grpo", os.path.join(out, "kernels"), model_dir, cp_size=2,
+                                   config_extra=dict(generation_batch_size=8, steps_per_generation=None))
+    finally:
+        logging.getLogger("deltacp.integrations.grpo").removeHandler(handler)
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    if dist.get_rank() == 0:
+        assert len(warned) == 1 and "GRPOConfig derived generation_batch_size=8 from a world of 2 processes" in warned[0]
+        assert "set steps_per_generation instead" in warned[0], warned
+    else:
+        assert not warned, warned
     gdn = trainer.model.model.layers[0].linear_attn
     trainer.model.eval()
     trainer.model.train()

@@ -108,6 +108,8 @@ def _check_batches_and_refusals(out_dir: str) -> None:
     assert "fsdp=False" in refused(args_extra=dict(bf16=True), fsdp=False)
     message = refused(args_extra=checkpointing_arguments(policy="partial", offload=True))
     assert "policy='partial' is not an activation checkpointing policy" in message and "offload" in message, message
+    message = refused(args_extra=checkpointing_arguments(bogus_key=1))
+    assert "activation_checkpointing_kwargs ['bogus_key'] (deltacp's checkpointing takes every_n_layers" in message
     message = refused(args_extra=checkpointing_arguments(policy="full", selective=True))
     assert "policy='full' and selective=True disagree" in message, message
     trainer = integ_cases.build("trainer-padded", os.path.join(out_dir, "refusals"), cp_size=2, dp=1)

@@ -127,7 +127,17 @@ class CPGRPOMixin(CPTrainerBase):
         if self.ref_model is not None:
             self._cp_prepare_model(self.ref_model, train=False)
         args = self.args
-        args.generation_batch_size = self._cp_generation_batch()
+        derived, args.generation_batch_size = args.generation_batch_size, self._cp_generation_batch()
+        if derived != args.generation_batch_size and dist.get_rank() == 0:
+            # GRPOConfig cannot tell us which of the two the user set: say what changed, once
+            logger.warning(
+                "deltacp GRPO: GRPOConfig derived generation_batch_size=%d from a world of %d processes (dp %d x cp "
+                "%d); under CP the generation batch is per_device_train_batch_size x dp x steps_per_generation = "
+                "%d x %d x %d = %d. If you set generation_batch_size, GRPOConfig divided it by the CP ranks too: set "
+                "steps_per_generation instead (e.g. steps_per_generation=%d for %d completions per round)",
+                derived, self.dp_size * self.cp_size, self.dp_size, self.cp_size, args.per_device_train_batch_size,
+                self.dp_size, args.steps_per_generation, args.generation_batch_size,
+                max(1, derived // (args.per_device_train_batch_size * self.dp_size)), derived)
         for key, value in self._logs.items():  # TRL sized its completion logs by the world's generation batch
             if isinstance(value, deque):
                 self._logs[key] = deque(value, maxlen=args.generation_batch_size)

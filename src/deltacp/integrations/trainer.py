@@ -298,7 +298,9 @@ class CPTrainerBase:
                 out.append(str(exc))
             kw.pop("policy", None)
             kw.pop("selective", None)
-            refuse(bool(kw), f"activation_checkpointing_kwargs {sorted(kw)}")
+            refuse(bool(kw), f"activation_checkpointing_kwargs {sorted(kw)} (deltacp's checkpointing takes "
+                             f"every_n_layers, policy ('full' | 'selective'), selective, use_reentrant=False, "
+                             f"offload=False)")
         return out
 
     # -- data ----------------------------------------------------------------------------------------------------
