@@ -87,8 +87,10 @@ def _check_refusals_and_kernels(out: str) -> None:
         logging.getLogger("deltacp.integrations.grpo").removeHandler(handler)
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     if dist.get_rank() == 0:
-        assert len(warned) == 1 and "GRPOConfig derived generation_batch_size=8 from a world of 2 processes" in warned[0]
-        assert "set steps_per_generation instead" in warned[0], warned
+        assert len(warned) == 1 and ("generation batch = per_device_train_batch_size x dp x steps_per_generation = "
+                                     "4 x 1 x 1 = 4 completions per round (GRPOConfig counted the 2 cp ranks as "
+                                     "processes: 8)") in warned[0], warned
+        assert "(steps_per_generation=2 would give 8)" in warned[0], warned
     else:
         assert not warned, warned
     gdn = trainer.model.model.layers[0].linear_attn

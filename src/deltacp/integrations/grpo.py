@@ -131,13 +131,12 @@ class CPGRPOMixin(CPTrainerBase):
         if derived != args.generation_batch_size and dist.get_rank() == 0:
             # GRPOConfig cannot tell us which of the two the user set: say what changed, once
             logger.warning(
-                "deltacp GRPO: GRPOConfig derived generation_batch_size=%d from a world of %d processes (dp %d x cp "
-                "%d); under CP the generation batch is per_device_train_batch_size x dp x steps_per_generation = "
-                "%d x %d x %d = %d. If you set generation_batch_size, GRPOConfig divided it by the CP ranks too: set "
-                "steps_per_generation instead (e.g. steps_per_generation=%d for %d completions per round)",
-                derived, self.dp_size * self.cp_size, self.dp_size, self.cp_size, args.per_device_train_batch_size,
-                self.dp_size, args.steps_per_generation, args.generation_batch_size,
-                max(1, derived // (args.per_device_train_batch_size * self.dp_size)), derived)
+                "deltacp GRPO: generation batch = per_device_train_batch_size x dp x steps_per_generation = %d x %d x "
+                "%d = %d completions per round (GRPOConfig counted the %d cp ranks as processes: %d). Under CP set "
+                "steps_per_generation to generate more per round: a generation_batch_size given to GRPOConfig was "
+                "divided by the cp ranks (steps_per_generation=%d would give %d)",
+                args.per_device_train_batch_size, self.dp_size, args.steps_per_generation, args.generation_batch_size,
+                self.cp_size, derived, max(1, derived // (args.per_device_train_batch_size * self.dp_size)), derived)
         for key, value in self._logs.items():  # TRL sized its completion logs by the world's generation batch
             if isinstance(value, deque):
                 self._logs[key] = deque(value, maxlen=args.generation_batch_size)
