@@ -30,9 +30,9 @@ Two more measurements of the attention tiles alone (no projections):
 tile (the kernel the tiles ran before the measured table) and with the table's choice (`CUDNN_TILES`: cuDNN
 where it was measured faster), and fails below --min-speedup (1.5). With --tiles-before DIR it also times the
 tiles of the deltacp source in DIR/src (e.g. `git archive 8764f85^1 src`, the source before the table: its kernels
-and merges) in a child process, and the bound is then checked against that source. --packed-docs times Ulysses' per-document
-attention of a whole packed row and a CP rank's tiles of it, at 10 and 1,000 documents of equal length (and the
-per-document SDPA loop they replaced), and fails when 1,000 documents take more than --max-packed-ratio (1.3)
+and merges) in a child process, and the bound is then checked against that source. --packed-docs times Ulysses'
+per-document attention of a whole packed row and a CP rank's tiles of it, at 10 and 1,000 documents of equal length
+(and the per-document SDPA loop they replaced), and fails when 1,000 documents take more than --max-packed-ratio (1.3)
 times the time of 10.
 
 A correctness check runs first (bf16 tiles vs the fp32 reference at 8K: with documents, and without through each

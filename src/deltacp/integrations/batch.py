@@ -163,7 +163,8 @@ def completion_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logit
     The labels are TRL's: each valid token of the completion columns, -100 elsewhere (so the log-probability of
     completion column c is read at the position before it, c - 1). padding_free=False: the padded rows, columns
     appended (mask 0, label -100) up to the length `row_cut` (the model's, `batch_row_cut`; default contiguous, no
-    minimum) admits over `cp` ranks: a multiple of its pieces, at least its shortest row; and index None. padding_free=True: one packed row, every row's valid tokens back to back as a document (position
+    minimum) admits over `cp` ranks: a multiple of its pieces, at least its shortest row; and index None.
+    padding_free=True: one packed row, every row's valid tokens back to back as a document (position
     ids restarting at 0, `cu_seq_lens_q/k`, `max_length_q/k`; no padding computed), and index [B, k]: the packed
     position whose target is completion column i of row b, -1 where there is none (a padded or masked completion
     token, where TRL's value is 0; or a completion token opening its row, which has no predecessor).
