@@ -6,6 +6,7 @@ Per attention method, policies none / full / selective, one training step each (
   - the attention forward kernels that reach the GPU (counted below autograd by a dispatch mode: ops whose name says
     attention and not backward) run once per attention layer under none and selective, twice under full; the op
     torch picked for SDPA is therefore one of `ATTENTION_FORWARD_OPS` (else selective would run it twice);
+  - the MLPs' down_proj products run once per layer under every policy (the recompute skips them);
   - the loss is the same under every policy and the gradients of full and selective equal none's within rel-L2
     1e-3 (bf16; the same kernels on the same values);
   - the peak memory of each policy is printed (selective - full: one attention output [tokens, 8 x 256] bf16 and its
@@ -29,15 +30,27 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 TOKENS = 16384
 
 
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default, torch.ops.aten.addmm.out)
+
+
 class AttentionKernels(TorchDispatchMode):
-    def __init__(self):
+    """Counts the attention forward kernels by name, and the down_proj forward products (matmuls whose second
+    operand is a down_proj weight transposed; the backward reads it as it is)."""
+
+    def __init__(self, model):
         super().__init__()
         self.forward: dict[str, int] = {}
+        self.down_weights = {layer.mlp.down_proj.weight.data_ptr() for layer in model.model.layers}
+        self.down_shape = (model.config.intermediate_size, model.config.hidden_size)
+        self.down_products = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         if "attention" in name and "backward" not in name:
             self.forward[name] = self.forward.get(name, 0) + 1
+        if func in MATMULS:
+            b = args[2] if "addmm" in name else args[1]
+            self.down_products += b.data_ptr() in self.down_weights and tuple(b.shape) == self.down_shape
         return func(*args, **(kwargs or {}))
 
 
@@ -82,22 +95,27 @@ def test_selective_runs_attention_once_with_the_same_gradients(mesh, attention):
         batch = shard_batch_for_cp(ids, mesh)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        with AttentionKernels() as kernels:
+        with AttentionKernels(model) as kernels:
             loss = cp_causal_lm_loss(model, batch.pop("target_ids"), mesh, **batch, use_cache=False)
             loss.backward()
         torch.cuda.synchronize()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-        results[policy] = (loss.item(), grads, dict(kernels.forward), torch.cuda.max_memory_allocated() / 2 ** 30)
+        results[policy] = (loss.item(), grads, dict(kernels.forward), torch.cuda.max_memory_allocated() / 2 ** 30,
+                           kernels.down_products)
         del model
         torch.cuda.empty_cache()
-    for policy, (loss, _, kernels, peak) in results.items():
-        print(f"{attention} {policy}: loss {loss:.6f}, attention forward kernels {kernels}, peak {peak:.2f} GiB")
-    loss0, grads0, kernels0, _ = results[None]
+    for policy, (loss, _, kernels, peak, down) in results.items():
+        print(f"{attention} {policy}: loss {loss:.6f}, attention forward kernels {kernels}, down_proj products "
+              f"{down}, peak {peak:.2f} GiB")
+    loss0, grads0, kernels0, _, down0 = results[None]
     assert sum(kernels0.values()) >= 1, kernels0
+    assert down0 == 4, down0  # one per layer
     for policy in ("full", "selective"):
-        loss, grads, kernels, _ = results[policy]
+        loss, grads, kernels, _, down = results[policy]
         expected = {name: (2 if policy == "full" else 1) * n for name, n in kernels0.items()}
         assert kernels == expected, f"{policy}: {kernels}, without checkpointing {kernels0}"
+        assert down == down0, f"{policy}: {down} down_proj products, without checkpointing {down0} (the recompute " \
+                              f"must skip them)"
         assert loss == loss0, f"{policy}: loss {loss} vs {loss0}"
         err = ((grads - grads0).norm() / grads0.norm()).item()
         print(f"{attention} {policy}: gradients rel-L2 vs none {err:.2e}")

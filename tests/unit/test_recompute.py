@@ -142,3 +142,114 @@ def test_apply_activation_checkpointing_arguments(single_rank_group):
     assert apply_activation_checkpointing(model, policy="full", num_layers=3) == 3
     assert ["forward" in layer.__dict__ and hasattr(layer.forward, "func") for layer in layers] == \
         [True, True, True, False]
+
+
+class _DownProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the down_proj forward products: matmuls whose second operand is a down_proj weight transposed
+    ([intermediate, hidden]; the backward's dx product reads the weight as it is, [hidden, intermediate])."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.weights = {layer.mlp.down_proj.weight.data_ptr() for layer in model.model.layers}
+        self.shape = (model.config.intermediate_size, model.config.hidden_size)
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                    torch.ops.aten.addmm.out):
+            b = args[2] if func in (torch.ops.aten.addmm.default, torch.ops.aten.addmm.out) else args[1]
+            self.count += b.data_ptr() in self.weights and tuple(b.shape) == self.shape
+        return func(*args, **(kwargs or {}))
+
+
+def _grads_and_backward_down_products(model, ids):
+    from deltacp import cp_causal_lm_loss, shard_batch_for_cp
+
+    mesh = cp_mesh()
+    batch = shard_batch_for_cp(ids, mesh)
+    loss = cp_causal_lm_loss(model, batch.pop("target_ids"), mesh, **batch, use_cache=False)
+    counter = _DownProducts(model)
+    with counter:
+        loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), counter.count
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_skips_the_down_projection_exactly(single_rank_group, monkeypatch, policy):
+    """The recompute of a checkpointed layer does not run its MLP's down_proj product (early stop ends it at the
+    MLP's saves) and the gradients are bitwise those without checkpointing; with early stop off, or with an op after
+    the MLP that saves a tensor, the product runs in the recompute and the gradients stay bitwise."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from transformers import Qwen3_5ForCausalLM
+
+    from deltacp import parallelize_cp
+
+    torch.manual_seed(0)
+    base = Qwen3_5ForCausalLM(tiny_config(intermediate_size=96)).double()
+    ids = torch.randint(0, 256, (1, 40))
+    mesh = cp_mesh()
+
+    def cp_model():
+        return parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode="p2p")
+
+    expected, none = _grads_and_backward_down_products(cp_model(), ids)
+    assert none == 0
+
+    model = cp_model()
+    apply_activation_checkpointing(model, policy=policy)
+    got, skipped = _grads_and_backward_down_products(model, ids)
+    assert skipped == 0 and torch.equal(got, expected)
+
+    # an op after the layer that saves its output (sin saves its input), inside the checkpoint: the recompute goes
+    # on past the MLP, whose output it needs
+    model, reference = cp_model(), cp_model()
+    for m in (model, reference):
+        for layer in m.model.layers:
+            layer.forward = lambda *a, f=layer.forward, **k: torch.sin(f(*a, **k))
+    expected_saving, _ = _grads_and_backward_down_products(reference, ids)
+    apply_activation_checkpointing(model, policy=policy)
+    got, recomputed = _grads_and_backward_down_products(model, ids)
+    assert torch.equal(got, expected_saving) and recomputed == 4
+
+    model = cp_model()
+    apply_activation_checkpointing(model, policy=policy)
+    with set_checkpoint_early_stop(False):
+        got, recomputed = _grads_and_backward_down_products(model, ids)
+    assert recomputed == 4 and torch.equal(got, expected)
+
+
+def test_region_mlp_saves_gate_and_up_only():
+    """In a checkpoint region the dense MLP's Function saves g, u (and the weight), not silu(g) or the product; its
+    gradients equal autograd's of transformers' chain bitwise (float64 and bfloat16), with and without a bias."""
+    for dtype in (torch.float64, torch.bfloat16):
+        for with_bias in (False, True):
+            torch.manual_seed(1)
+            g, u = (torch.randn(2, 5, 24, dtype=dtype, requires_grad=True) for _ in range(2))
+            w = torch.randn(8, 24, dtype=dtype, requires_grad=True)
+            b = torch.randn(8, dtype=dtype, requires_grad=True) if with_bias else None
+            dy = torch.randn(2, 5, 8, dtype=dtype)
+            leaves = [t for t in (g, u, w, b) if t is not None]
+            y0 = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w, b)
+            expected = torch.autograd.grad(y0, leaves, dy)
+            saved = []
+            token = recompute._ACTIVE.set((None, False))
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    y = recompute.region_swiglu_down(g, u, w, b)
+            finally:
+                recompute._ACTIVE.reset(token)
+            assert [t.shape for t in saved] == [g.shape, u.shape, w.shape]
+            assert torch.equal(y, y0)
+            got = torch.autograd.grad(y, leaves, dy)
+            assert all(torch.equal(a, e) for a, e in zip(got, expected)), (dtype, with_bias)
+
+
+def test_region_mlp_is_installed_only_on_plain_dense_mlps(single_rank_group):
+    from deltacp import parallelize_cp
+
+    model = parallelize_cp(_tiny_model(), cp_mesh(), linear_attention_cp_mode="p2p")
+    layers = list(model.model.layers)
+    layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)  # a user's hook on down_proj must still run
+    layers[2].mlp.act_fn = torch.nn.GELU()
+    apply_activation_checkpointing(model)
+    assert ["forward" in layer.mlp.__dict__ for layer in layers] == [True, False, False, True]

@@ -30,6 +30,7 @@ class Family:
     gdn: str
     attention: str
     norm: str  # the decoder's RMSNorm: (x * rsqrt(mean(x^2) + eps) * (1 + w)).type_as(x), the fused glue's form
+    mlp: str  # the dense MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)) (activation checkpointing's SwiGLU form)
     gdn_view: str  # the GDNView subclass of models/adapters.py that reads its GDN projections
     text_config: str  # the config class of the text model (the trainer's train.model.config fields)
     conditional: str | None = None  # the multimodal ...ForConditionalGeneration
@@ -63,17 +64,17 @@ class Family:
 FAMILIES = (
     Family("qwen3_5", "transformers.models.qwen3_5.modeling_qwen3_5", causal_lm="Qwen3_5ForCausalLM",
            text_model="Qwen3_5TextModel", gdn="Qwen3_5GatedDeltaNet", attention="Qwen3_5Attention",
-           norm="Qwen3_5RMSNorm", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5TextConfig",
+           norm="Qwen3_5RMSNorm", mlp="Qwen3_5MLP", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5TextConfig",
            conditional="Qwen3_5ForConditionalGeneration", multimodal_model="Qwen3_5Model",
            multimodal_config="Qwen3_5Config", vision_config="Qwen3_5VisionConfig", mrope=True, presets=True),
     Family("qwen3_5_moe", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", causal_lm="Qwen3_5MoeForCausalLM",
            text_model="Qwen3_5MoeTextModel", gdn="Qwen3_5MoeGatedDeltaNet", attention="Qwen3_5MoeAttention",
-           norm="Qwen3_5MoeRMSNorm", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5MoeTextConfig",
+           norm="Qwen3_5MoeRMSNorm", mlp="Qwen3_5MoeMLP", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5MoeTextConfig",
            conditional="Qwen3_5MoeForConditionalGeneration", multimodal_model="Qwen3_5MoeModel",
            multimodal_config="Qwen3_5MoeConfig", vision_config="Qwen3_5MoeVisionConfig", mrope=True),
     Family("qwen3_next", "transformers.models.qwen3_next.modeling_qwen3_next", causal_lm="Qwen3NextForCausalLM",
            text_model="Qwen3NextModel", gdn="Qwen3NextGatedDeltaNet", attention="Qwen3NextAttention",
-           norm="Qwen3NextRMSNorm", gdn_view="Qwen3NextGDNView", text_config="Qwen3NextConfig"),
+           norm="Qwen3NextRMSNorm", mlp="Qwen3NextMLP", gdn_view="Qwen3NextGDNView", text_config="Qwen3NextConfig"),
 )
 
 

@@ -26,16 +26,18 @@ Bytes one decoder layer keeps for its backward, per rank (T tokens on the rank, 
                                                    rows' (gathered_tokens instead of T: every row of the rank's batch)
 
 Under policy "full" a checkpointed layer keeps its input (D e); "selective" adds, on attention layers, the attention
-output and its log-sum-exp (Hq Dh e + Hq f). A layer that is not checkpointed keeps all of the above ("none").
-Estimated peak = static (parameters, gradients, optimizer states, unsharded compute copies: `static_bytes`) + what
-every layer keeps + the larger of the end of the forward (4 T D e: final norm, loss input gradient, a logits chunk
-about T x D) and the backward of a checkpointed layer (its recompute: the largest checkpointed layer's full
-activations, and the gradient flow, 2 T D e). On the 2B shape at cp = 1 (bench/step.py, full) this is 17.4 / 27.5
-GiB at 16K / 64K tokens against 16.2 / 25.9 measured (NOTES.md): about 7% high, on the safe side.
+output and its log-sum-exp (Hq Dh e + Hq f). A layer that is not checkpointed keeps all of the above ("none"); the
+recompute of a checkpointed layer holds the same but for a dense MLP's 2 I e ("recompute": its MLP saves the gate and
+up projections only, `ops/recompute.py`). Estimated peak = static (parameters, gradients, optimizer states,
+unsharded compute copies: `static_bytes`) + what every layer keeps + the larger of the end of the forward (4 T D e:
+final norm, loss input gradient, a logits chunk about T x D) and the backward of a checkpointed layer (the largest
+checkpointed layer's recompute and the gradient flow, 2 T D e). On the 2B shape at cp = 1 (bench/step.py, full)
+this was 17.4 / 27.5 GiB at 16K / 64K tokens against 16.2 / 25.9 measured (NOTES.md, before the MLP's recompute
+kept half: that lowers both sides): about 7% high, on the safe side.
 
 The plan keeps the last decoder layers un-checkpointed (their activations are the first freed in backward) and
 checkpoints the first n under one policy; among every (policy, n) that fits the budget it takes the one with the
-least recompute (forward FLOPs of the checkpointed layers: matmuls and the attention core, which "selective" does
+least recompute (FLOPs of the checkpointed layers' recompute: matmuls and the attention core, which "selective" does
 not recompute), then the least memory. When nothing fits, every layer under "full" (fits=False: the caller warns).
 """
 
@@ -87,8 +89,8 @@ class LayerShapes:
 def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_tokens: int | None = None,
                 gathered_tokens: int | None = None, backend: str = "triton",
                 full_attention_cp: str = "ulysses") -> dict[str | None, int]:
-    """{None: not checkpointed, "full": ..., "selective": ...} bytes the layer keeps for backward on one rank of
-    `tokens` tokens (module doc). gathered_tokens: the tokens of every row the rank holds a piece of (the K/V that
+    """{None: not checkpointed, "recompute": its recompute when checkpointed, "full": ..., "selective": ...} bytes the
+    layer keeps for backward on one rank of `tokens` tokens (module doc). gathered_tokens: the tokens of every row the rank holds a piece of (the K/V that
     all_gather keeps; default row_tokens, the tokens of one row, then `tokens`)."""
     f = max(e, 4)
     T, D = tokens, shape.hidden
@@ -99,6 +101,7 @@ def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_token
             + shape.experts * f
     else:
         mlp = 4 * shape.intermediate * e
+    recompute_saves = 2 * shape.intermediate * e  # a dense MLP's silu(g) and product, not saved in a recompute
     Hv, qk = shape.gdn_v_heads, shape.gdn_qk_heads * shape.gdn_k_dim
     vd = Hv * shape.gdn_v_dim
     conv = 2 * qk + vd
@@ -120,20 +123,22 @@ def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_token
         raise ValueError(f"layer type {kind!r}: expected 'linear_attention' or 'full_attention'")
     gathered = next(n for n in (gathered_tokens, row_tokens, tokens) if n is not None)
     none = T * (common + mlp + mixer) + gathered * per_row
-    return {None: none, "full": T * D * e, "selective": T * (D * e + kept_output)}
+    return {None: none, "recompute": none - T * recompute_saves, "full": T * D * e,
+            "selective": T * (D * e + kept_output)}
 
 
 def layer_forward_flops(shape: LayerShapes, kind: str, tokens: int, row_tokens: int | None = None
                         ) -> tuple[float, float]:
-    """(forward FLOPs of one decoder layer on `tokens` tokens, of which the attention core's), for ranking the
-    recompute of plans: matmuls 2 x tokens x weights; causal attention 2 Hq Dh x tokens x mean context (row_tokens
-    / 2 on average: the rank's tokens see half the row), the GDN core 4 x tokens x Hv Dk Dv (chunked, small)."""
+    """(FLOPs of the recompute of one checkpointed decoder layer on `tokens` tokens, of which the attention core's),
+    for ranking plans: matmuls 2 x tokens x weights, a dense MLP's gate and up projections only (the recompute
+    skips its down projection: `ops/recompute.py`); causal attention 2 Hq Dh x tokens x mean context (row_tokens /
+    2 on average: the rank's tokens see half the row), the GDN core 4 x tokens x Hv Dk Dv (chunked, small)."""
     T, D = tokens, shape.hidden
     row = row_tokens if row_tokens is not None else tokens
     if shape.experts:
         mlp = 2 * T * D * 3 * (shape.experts_per_token * shape.expert_intermediate + shape.shared_intermediate)
     else:
-        mlp = 2 * T * D * 3 * shape.intermediate
+        mlp = 2 * T * D * 2 * shape.intermediate
     if kind == "linear_attention":
         qk, vd = shape.gdn_qk_heads * shape.gdn_k_dim, shape.gdn_v_heads * shape.gdn_v_dim
         proj = 2 * T * D * (2 * qk + 2 * vd + 2 * shape.gdn_v_heads) + 2 * T * vd * D
@@ -196,7 +201,7 @@ def plan_activation_checkpointing(shape: LayerShapes, *, tokens: int, activation
 
     def peak(policy, n):
         held = static_bytes + sum(kept[i][policy] if i < n else kept[i][None] for i in range(L))
-        recompute = max((kept[i][None] for i in range(n)), default=0)
+        recompute = max((kept[i]["recompute"] for i in range(n)), default=0)
         return held + max(4 * TDe, recompute + 2 * TDe)
 
     best = None
