@@ -218,3 +218,25 @@ def test_packed_tiles_match_per_document_sdpa(monkeypatch, kernel, spans, block)
     assert (out - ref).abs().max() < 1e-12
     for name, g, g_ref in zip("qkv", grads, grads_ref):
         assert (g - g_ref).abs().max() < 1e-12, name
+
+
+def test_operand_copies_keep_within_their_budget():
+    from deltacp.parallel.attention_tiles import NO_COPIES, OperandCopies
+
+    x = torch.randn(1, 4, 16, 8)  # 2 KiB per [1, 4, 16, 8] float32 copy
+    made = []
+
+    def make(a, b):
+        return lambda: made.append((a, b)) or x[:, :, a:b].contiguous()
+
+    copies = OperandCopies(budget=x[:, :, :8].numel() * 4 + x[:, :, :4].numel() * 4)  # rows 0-8 and 0-4 fit
+    first = copies(x, (0, 1), (0, 8), "plain", make(0, 8))
+    assert copies(x, (0, 1), (0, 8), "plain", make(0, 8)) is first and made == [(0, 8)]
+    copies(x, (0, 1), (8, 16), "plain", make(8, 16))  # over the budget: made, not kept
+    copies(x, (0, 1), (8, 16), "plain", make(8, 16))
+    assert made == [(0, 8), (8, 16), (8, 16)]
+    small = copies(x, (0, 1), (0, 4), "plain", make(0, 4))  # still fits
+    assert copies(x, (0, 1), (0, 4), "plain", make(0, 4)) is small and copies.held == x[:, :, :12].numel() * 4
+    other = x.clone()  # another tensor with the same key parts is not confused with x
+    assert not torch.equal(copies(other, (0, 1), (0, 8), "plain", lambda: other[:, :, :8].contiguous() + 1), first)
+    assert NO_COPIES(x, (0, 1), (0, 8), "plain", make(0, 8)) is not first and NO_COPIES.held == 0

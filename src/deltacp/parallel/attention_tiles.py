@@ -9,6 +9,12 @@ tile runs a fused kernel with `is_causal` False or True (square), and the tiles 
 
     lse = logaddexp(lse_a, lse_b)        o = o_a exp(lse_a - lse) + o_b exp(lse_b - lse)
 
+into a float32 accumulator (`TileAccumulator`; on CUDA one pass of `ops/fused/attention_merge.py` per tile, the
+eager ops elsewhere). A kernel reads its operands contiguous (the query heads folded onto the KV heads for a
+visible tile: a view of the same copy); the ring keeps those copies of its query pieces for the whole call, within
+twice the queries' bytes, and of each block for its step (`OperandCopies`), where every step would otherwise copy
+them again.
+
 Backward recomputes each tile with the merged output and log-sum-exp (the flash backward of a tile given the
 global O and lse yields exactly that tile's share of dq, dk, dv), so nothing of size [queries, keys] is saved.
 `block` bounds both sides of a tile (None: one tile per document part); the memory of a tile's call is the
@@ -285,17 +291,57 @@ def _slices(t: Tile, q, k, v):
     return q[r, :, t.q[0]:t.q[1]], k[r, :, t.k[0]:t.k[1]], v[r, :, t.k[0]:t.k[1]]
 
 
-def _dense_views(kernel: str, t: Tile, q_t, k_t, v_t, groups):
-    """Heads matched for one dense call. A fully visible tile folds the query heads that read one KV head into its
-    query length ([b, Hk, groups * lq, D] against [b, Hk, lk, D]): exact, since every query sees every key of the
-    tile, and K, V are neither repeated nor their gradients summed. The causal diagonal keeps one query row per
-    position (the kernel's mask is positional): cuDNN reads the KV heads as they are (GQA), the other kernels
-    get K, V repeated per query head."""
-    if groups > 1 and not t.causal:
-        return _fold(q_t, groups), k_t.contiguous(), v_t.contiguous()
-    if kernel == "cudnn":
-        return q_t.contiguous(), k_t.contiguous(), v_t.contiguous()
-    return q_t.contiguous(), _expand(k_t, groups).contiguous(), _expand(v_t, groups).contiguous()
+class OperandCopies:
+    """The laid-out copies of tile operands (contiguous, K/V repeated per query head, token-major) made once per
+    (tensor, rows, positions, form) and handed out again while this lives and they fit `budget` bytes (None: no
+    bound; past the budget a copy is made anew at each use, as without this). A ring attention call keeps one for its
+    query-side operands (q; in backward dO, o and lse), which every ring step's tiles read again, bounded by twice
+    the rank's queries' bytes, and one per step for the block's keys and values, which the step's query pieces
+    share (unbounded: one block's worth). `NO_COPIES` keeps nothing (the tiled attention: its tiles rarely share an
+    operand, and holding copies would raise its peak)."""
+
+    def __init__(self, keep: bool = True, budget: int | None = None):
+        self.keep, self.budget, self.held = keep, budget, 0
+        self._made: dict = {}
+
+    def __call__(self, x: torch.Tensor, rows: tuple[int, int], span: tuple[int, int], form, make):
+        if not self.keep:
+            return make()
+        key = (id(x), rows, span, form)
+        hit = self._made.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        copy = make()
+        size = copy.untyped_storage().nbytes()
+        if self.budget is None or self.held + size <= self.budget:
+            self._made[key] = (x, copy)
+            self.held += size
+        return copy
+
+
+NO_COPIES = OperandCopies(keep=False)
+
+
+def _dense_views(kernel: str, t: Tile, q, k, v, groups, qc: OperandCopies, kc: OperandCopies):
+    """Heads matched for one dense call, from q [B, H, L, D] and k, v [B, Hk, S, D] (copies through qc, kc). A fully
+    visible tile folds the query heads that read one KV head into its query length ([b, Hk, groups * lq, D] against
+    [b, Hk, lk, D]): exact, since every query sees every key of the tile, and K, V are neither repeated nor their
+    gradients summed. The causal diagonal keeps one query row per position (the kernel's mask is positional):
+    cuDNN reads the KV heads as they are (GQA), the other kernels get K, V repeated per query head."""
+    q_t, k_t, v_t = _slices(t, q, k, v)
+    qq = _query_side(t, q, groups, groups > 1 and not t.causal, qc)
+    if kernel == "cudnn" or groups == 1 or not t.causal:
+        return qq, kc(k, t.rows, t.k, "plain", k_t.contiguous), kc(v, t.rows, t.k, "plain", v_t.contiguous)
+    return (qq, kc(k, t.rows, t.k, "expand", lambda: _expand(k_t, groups).contiguous()),
+            kc(v, t.rows, t.k, "expand", lambda: _expand(v_t, groups).contiguous()))
+
+
+def _query_side(t: Tile, x, groups: int, folded: bool, qc: OperandCopies):
+    """x's rows of the tile's queries (q, dO, o or lse: [B, H, L, ...]) contiguous (cuDNN also caches a plan per
+    layout, built with these), heads folded onto the KV heads for a visible tile: a view of the contiguous copy,
+    which the diagonal tiles of the same queries share."""
+    x_t = qc(x, t.rows, t.q, "plain", x[slice(*t.rows), :, slice(*t.q)].contiguous)
+    return _fold(x_t, groups) if folded else x_t
 
 
 def _offsets(t: Tile, device):
@@ -304,19 +350,26 @@ def _offsets(t: Tile, device):
     return cu, max(b - a for a, b in zip(t.packed[:-1], t.packed[1:]))
 
 
-def tile_forward(kernel: str, t: Tile, q, k, v, scale: float):
+def _thd_views(t: Tile, q, k, v, groups, qc: OperandCopies, kc: OperandCopies):
+    q_t, k_t, v_t = _slices(t, q, k, v)
+    return (qc(q, t.rows, t.q, "thd", lambda: _thd(q_t)), kc(k, t.rows, t.k, "thd", lambda: _thd(k_t, groups)),
+            kc(v, t.rows, t.k, "thd", lambda: _thd(v_t, groups)))
+
+
+def tile_forward(kernel: str, t: Tile, q, k, v, scale: float, qc: OperandCopies = NO_COPIES,
+                 kc: OperandCopies = NO_COPIES):
     """One tile of q [B, H, L, D] against k/v [B, Hk, S, D]: o [b, H, lq, D], lse [b, H, lq], and what the kernel's
     backward needs of its forward (sequence metadata and RNG state, passed back as the forward returned them, as
-    torch's own ring attention does; None for the CPU and math kernels)."""
+    torch's own ring attention does; None for the CPU and math kernels). qc, kc: where the query-side and key-side
+    operand copies come from (`OperandCopies`)."""
     groups = q.shape[1] // k.shape[1]
-    q_t, k_t, v_t = _slices(t, q, k, v)
     if kernel == "flash_varlen":  # lse comes [H, lq]
         cu, longest = _offsets(t, q.device)
-        out = torch.ops.aten._flash_attention_forward(
-            _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), cu, cu, longest, longest, 0.0, True, False, scale=scale)
+        out = torch.ops.aten._flash_attention_forward(*_thd_views(t, q, k, v, groups, qc, kc), cu, cu, longest,
+                                                      longest, 0.0, True, False, scale=scale)
         return _from_thd(out[0]), out[1][None], (cu, longest, out[2], out[3])
     folded = groups > 1 and not t.causal
-    qq, kk, vv = _dense_views(kernel, t, q_t, k_t, v_t, groups)
+    qq, kk, vv = _dense_views(kernel, t, q, k, v, groups, qc, kc)
     match kernel:
         case "cudnn":  # lse comes [b, h, l, 1]
             out = torch.ops.aten._scaled_dot_product_cudnn_attention(qq, kk, vv, None, True, 0.0, t.causal, False,
@@ -343,25 +396,24 @@ def _math_scores(q, k, causal: bool, scale: float):
     return s
 
 
-def tile_backward(kernel: str, t: Tile, meta, do, q, k, v, o, lse, scale: float):
+def tile_backward(kernel: str, t: Tile, meta, do, q, k, v, o, lse, scale: float, qc: OperandCopies = NO_COPIES,
+                  kc: OperandCopies = NO_COPIES):
     """One tile's share of the gradients given the merged o and lse (all [B, H, L, ...] like q): dq_t [b, H, lq, D],
-    dk_t / dv_t [b, Hk, lk, D]."""
+    dk_t / dv_t [b, Hk, lk, D]. qc, kc: as `tile_forward`'s."""
     groups = q.shape[1] // k.shape[1]
-    q_t, k_t, v_t = _slices(t, q, k, v)
-    r, qs = slice(*t.rows), slice(*t.q)
-    do_t, o_t, lse_t = do[r, :, qs], o[r, :, qs], lse[r, :, qs]
     if kernel == "flash_varlen":
         cu, longest, rng_state, unused = meta
+        r, qs = slice(*t.rows), slice(*t.q)
+        qq, kk, vv = _thd_views(t, q, k, v, groups, qc, kc)
         dq_t, dk_t, dv_t = torch.ops.aten._flash_attention_backward(
-            _thd(do_t), _thd(q_t), _thd(k_t, groups), _thd(v_t, groups), _thd(o_t), lse_t[0].contiguous(), cu, cu,
-            longest, longest, 0.0, True, rng_state, unused, scale=scale)
+            qc(do, t.rows, t.q, "thd", lambda: _thd(do[r, :, qs])), qq, kk, vv,
+            qc(o, t.rows, t.q, "thd", lambda: _thd(o[r, :, qs])),
+            qc(lse, t.rows, t.q, "thd", lambda: lse[r, :, qs][0].contiguous()), cu, cu, longest, longest, 0.0,
+            True, rng_state, unused, scale=scale)
         return _from_thd(dq_t), _reduce(_from_thd(dk_t), groups), _reduce(_from_thd(dv_t), groups)
     folded = groups > 1 and not t.causal
-    qq, kk, vv = _dense_views(kernel, t, q_t, k_t, v_t, groups)
-    if folded:
-        do_t, o_t, lse_t = _fold(do_t, groups), _fold(o_t, groups), _fold(lse_t, groups)
-    # o, dO and the statistics always contiguous (cuDNN also caches a plan per q/k/v layout, built with theirs)
-    do_t, o_t, lse_t = do_t.contiguous(), o_t.contiguous(), lse_t.contiguous()
+    qq, kk, vv = _dense_views(kernel, t, q, k, v, groups, qc, kc)
+    do_t, o_t, lse_t = (_query_side(t, x, groups, folded, qc) for x in (do, o, lse))
     match kernel:
         case "cudnn":
             cum_q, cum_k, max_q, max_k, seed, offset = meta
@@ -387,15 +439,33 @@ def tile_backward(kernel: str, t: Tile, meta, do, q, k, v, o, lse, scale: float)
     return dq_t, dk_t, dv_t
 
 
+def merge_eager(o, lse, o_t, lse_t) -> None:
+    """(o, lse) <- their log-sum-exp merge with a tile's (o_t, lse_t), in place (module doc), in torch ops."""
+    new = torch.logaddexp(lse, lse_t)
+    o.mul_((lse - new).exp()[..., None]).add_(o_t * (lse_t - new).exp()[..., None])
+    lse.copy_(new)
+
+
+def tile_merge(q):
+    """The merge of q's device: on CUDA the one-pass kernel (`ops/fused/attention_merge.py`: the accumulator read
+    and written once, where the eager ops pass over it five times), elsewhere `merge_eager`."""
+    if q.is_cuda:
+        from deltacp.ops.fused.attention_merge import merge_  # imports triton
+
+        return merge_
+    return merge_eager
+
+
 class TileAccumulator:
-    """Merges tiles' (o, lse) into the output of every query (in the compute dtype). The first tile that reaches
-    a query range is written as it is (what the merge with nothing gives, bit for bit)."""
+    """Merges tiles' (o, lse) into the output of every query (in the compute dtype), with `tile_merge(q)`. The first
+    tile that reaches a query range is written as it is (what the merge with nothing gives, bit for bit)."""
 
     def __init__(self, q):
         B, H, L, D = q.shape
         self.o = q.new_zeros((B, H, L, D), dtype=compute_dtype(q))
         self.lse = q.new_full((B, H, L), float("-inf"), dtype=compute_dtype(q))
         self._reached = [([], []) for _ in range(B)]  # per row: sorted disjoint query ranges merged so far
+        self._merge = tile_merge(q)
 
     def _first(self, t: Tile) -> bool:
         """Whether no query of the tile was merged before (and mark them merged)."""
@@ -417,28 +487,30 @@ class TileAccumulator:
             o.copy_(o_t)
             lse.copy_(lse_t)
             return
-        new = torch.logaddexp(lse, lse_t)
-        o.mul_((lse - new).exp()[..., None]).add_(o_t * (lse_t - new).exp()[..., None])
-        lse.copy_(new)
+        self._merge(o, lse, o_t, lse_t)
 
 
-def forward_tiles(acc: TileAccumulator, tiles, q, k, v, scale, kernel: str | None = None) -> list:
+def forward_tiles(acc: TileAccumulator, tiles, q, k, v, scale, kernel: str | None = None,
+                  qc: OperandCopies = NO_COPIES) -> list:
     """Merge every tile into `acc`; returns the calls made, (tile, kernel, metadata), for `backward_tiles`. A packed
-    tile whose kernel has no varlen form runs diagonal by diagonal."""
+    tile whose kernel has no varlen form runs diagonal by diagonal. qc: the caller's query-side copies (the key-side
+    ones live for this call when qc keeps its copies)."""
     runs = []
+    kc = OperandCopies(keep=qc.keep)
     for t in tiles:
         name = choose_kernel(q, t, kernel)
         for u in [t] if name == "flash_varlen" else unpack(t):
-            o_t, lse_t, meta = tile_forward(name, u, q, k, v, scale)
+            o_t, lse_t, meta = tile_forward(name, u, q, k, v, scale, qc, kc)
             acc.add(u, o_t, lse_t)
             runs.append((u, name, meta))
     return runs
 
 
-def backward_tiles(runs, do, q, k, v, o, lse, scale, dq, dk, dv):
-    """Accumulate every call's dq, dk, dv (in place; dk/dv have k's heads)."""
+def backward_tiles(runs, do, q, k, v, o, lse, scale, dq, dk, dv, qc: OperandCopies = NO_COPIES):
+    """Accumulate every call's dq, dk, dv (in place; dk/dv have k's heads). qc: as `forward_tiles`'s."""
+    kc = OperandCopies(keep=qc.keep)
     for t, name, meta in runs:
-        dq_t, dk_t, dv_t = tile_backward(name, t, meta, do, q, k, v, o, lse, scale)
+        dq_t, dk_t, dv_t = tile_backward(name, t, meta, do, q, k, v, o, lse, scale, qc, kc)
         r, qs, ks = slice(*t.rows), slice(*t.q), slice(*t.k)
         dq[r, :, qs].add_(dq_t)
         dk[r, :, ks].add_(dk_t)
@@ -499,11 +571,12 @@ class _RingAttention(torch.autograd.Function):
             G, g = ring.size, ring.rank
             acc = TileAccumulator(q)
             kv = torch.stack([k, v])
-            runs = {}
+            # the query pieces' copies, made at the first step that reads them
+            runs, copies = {}, OperandCopies(budget=2 * q.numel() * q.element_size())
             for t in range(G):
                 src = (g - t) % G
                 pending = ring.exchange(kv, "kv") if t < G - 1 else None
-                runs[src] = forward_tiles(acc, buckets.get(src, ()), q, kv[0], kv[1], scale, kernel)
+                runs[src] = forward_tiles(acc, buckets.get(src, ()), q, kv[0], kv[1], scale, kernel, copies)
                 if pending is not None:
                     kv = pending.wait()
             return acc.o.to(q.dtype), acc.lse, runs
@@ -524,12 +597,13 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=dt)
         kv = torch.stack([k, v])
         do = do.contiguous()
+        copies = OperandCopies(budget=2 * q.numel() * q.element_size())  # q, dO, o, lse pieces, shared by the steps
         incoming = None  # the accumulator of the block held now, from the ranks that held it before
         for t in range(G):
             src = (g - t) % G
             pending = ring.exchange(kv, "kv bwd") if t < G - 1 else None
             dkv = torch.zeros_like(kv, dtype=dt)
-            backward_tiles(ctx.runs[src], do, q, kv[0], kv[1], o, lse, ctx.scale, dq, dkv[0], dkv[1])
+            backward_tiles(ctx.runs[src], do, q, kv[0], kv[1], o, lse, ctx.scale, dq, dkv[0], dkv[1], copies)
             if incoming is not None:
                 dkv += incoming.wait()
             # the accumulator of block src follows it to rank g + 1 (after the last step: its owner); the hop
