@@ -15,11 +15,17 @@ Shape legend: x_BsC pre-conv [q | k | v] channels of the local tokens; weight_CK
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from deltacp.distributed.collectives import conv_halo_exchange
 from deltacp.parallel.documents import DocumentSegment
 from deltacp.parallel.gdn_layer import GDNLayerCP
 from deltacp.parallel.placement import Pieces
+
+
+def whole_row_here(halo_group, pieces: Pieces) -> bool:
+    """Whether the halo group is this rank alone, holding the row as one piece (no conv halo to exchange)."""
+    return pieces.per_member == 1 and dist.get_world_size(halo_group) == 1
 
 
 def conv_silu_qkv(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
@@ -30,7 +36,11 @@ def conv_silu_qkv(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tenso
     a view of x); else one call per piece, with its documents.
 
     halo_group: None (the row is whole here: one piece, zeros on the left), or the group over which `pieces` are
-    held, whose holders of the previous pieces send the conv halos (a collective: every rank of it calls this)."""
+    held, whose holders of the previous pieces send the conv halos (a collective: every rank of it calls this). A
+    group of one rank holding the row as one piece needs no halo: it runs as None (no exchange, and no backward that
+    writes a zero gradient over the whole input for autograd to add to the conv's)."""
+    if halo_group is not None and whole_row_here(halo_group, pieces):
+        halo_group = None
     left = None if halo_group is None else conv_halo_exchange(x_BsC, layer.halo, halo_group, pieces)
     m = layer.view
     heads = (qk_heads, m.head_k_dim, m.head_v_dim)
