@@ -2,9 +2,10 @@
 
 Estimate: what each decoder layer's backward keeps, measured on deltacp's forwards (one gloo rank, cp = 1, p2p): the
 storages autograd saves during the layer's forward (`saved_tensors_hooks`; parameters left out), against
-`layer_bytes(...)[None]`, and in a checkpoint region (what a recompute saves) against `["recompute"]`, within 3% (Triton) / 10% (eager), for two shapes (GQA and not), a GDN and a full attention layer each: the
-Triton backend with its fused decoder glue (real kernels under TRITON_INTERPRET=1, bf16, in a spawned rank so the
-interpreter is set before triton loads) and the eager backend (bf16 and float32).
+`layer_bytes(...)[None]`, and in a checkpoint region (what a recompute saves) against `["recompute"]`, within 3%
+(Triton) / 10% (eager), for two shapes (GQA and not), a GDN and a full attention layer each: the Triton backend with
+its fused decoder glue (real kernels under TRITON_INTERPRET=1, bf16, in a spawned rank so the interpreter is set
+before triton loads) and the eager backend (bf16 and float32).
 
 Plan: scenarios whose budgets are set from the estimate: an ample budget plans no checkpointing; a budget between
 "selective everywhere" and one layer less plans selective on every layer; between "full everywhere" and

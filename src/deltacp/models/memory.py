@@ -90,8 +90,9 @@ def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_token
                 gathered_tokens: int | None = None, backend: str = "triton",
                 full_attention_cp: str = "ulysses") -> dict[str | None, int]:
     """{None: not checkpointed, "recompute": its recompute when checkpointed, "full": ..., "selective": ...} bytes the
-    layer keeps for backward on one rank of `tokens` tokens (module doc). gathered_tokens: the tokens of every row the rank holds a piece of (the K/V that
-    all_gather keeps; default row_tokens, the tokens of one row, then `tokens`)."""
+    layer keeps for backward on one rank of `tokens` tokens (module doc). gathered_tokens: the tokens of every row
+    the rank holds a piece of (the K/V that all_gather keeps; default row_tokens, the tokens of one row, then
+    `tokens`)."""
     f = max(e, 4)
     T, D = tokens, shape.hidden
     common = 4 * D * e + (3 * D * f if backend == "eager" else 0)

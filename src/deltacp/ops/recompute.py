@@ -27,10 +27,10 @@ nothing after the MLP saves a tensor (the layer's residual add does not), and to
 a recompute once every tensor its forward saved is saved again (early stop, its default): so the recompute never
 runs silu, the product with u or the down projection, whose inputs are all the backward needs. Where the recompute
 goes on past the call (early stop switched off, or a later op that saves), they are computed after all, so what
-follows sees the forward's value: the skip never changes a result. It spares a dense layer's recompute its largest
-matmul but two (21-24% of its matmul FLOPs at Qwen3.5-2B's shapes, 4% of a training step's under full
-checkpointing) and two elementwise passes, which move to the backward, and halves the MLP's share of the
-recomputed layer's memory.
+follows sees the forward's value: the skip never changes a result. It spares a dense layer's recompute one of its
+MLP's three matmuls (21-24% of the layer's recompute matmul FLOPs at Qwen3.5-2B's shapes, 4% of a training step's
+under full checkpointing) and two elementwise passes, which move to the backward, and halves the MLP's share of
+the recomputed layer's memory.
 
 Collectives inside the region: everything not kept is recomputed as under full checkpointing (the same
 collectives, in the same order, on every rank: the Ulysses all-to-alls, the K/V all-gather, the conv halo); a
@@ -206,7 +206,7 @@ class _SwiGLUDown(torch.autograd.Function):
     torch's selective checkpoint requires. The backward recomputes s = silu(g) and h = s u, then forms autograd's
     gradients of the same chain with the same ops: dw = dy^T h, dh = dy w (its mm node's products for a row-major h
     and a contiguous w), du = dh s, dg = silu_backward(dh u, g), db = dy summed over tokens; so the same numbers,
-    one [tokens, intermediate] buffer at a time beyond g and u."""
+    with at most three [tokens, intermediate] buffers alive beyond g and u."""
 
     @staticmethod
     def forward(ctx, g, u, weight, bias, compute):

@@ -8,8 +8,9 @@ dimension contiguous); o_t, lse_t: the tile's output (its kernel's dtype and lay
 form runs six kernels and reads or writes the [rows, heads, D] accumulator five times (mul_, a float32 copy of o_t
 times its weight, add_); this reads o and o_t once and writes o once. logaddexp as torch computes it,
 max + log1p(exp(-|a - b|)), libdevice's exp and log1p on the GPU (numpy's under the interpreter); the products may
-contract to an FMA, so results differ from the eager chain in the last bits of the compute dtype. Two -inf statistics (a row that sees
-no key in either, which no tile plan produces) give lse -inf and o 0 where the eager chain gives NaN.
+contract to an FMA, so results differ from the eager chain in the last bits of the compute dtype. Two -inf
+statistics (a row that sees no key in either, which no tile plan produces) give lse -inf and o 0 where the eager
+chain gives NaN.
 
 Importing this module imports triton; on the CPU the kernel runs under TRITON_INTERPRET=1.
 """
