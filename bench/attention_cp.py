@@ -144,7 +144,7 @@ def rank_step(args, scheme, P, S, device, dtype, last):
             tiles = plan_tiles(B, S, q0, L, None, args.block)
             if scheme == "ring":  # blocks of L keys pass by; the rank's own block is k, v
                 o = ring_attention(q, k.contiguous(), v.contiguous(), tiles, module.scaling,
-                                   LoopbackRing(S // L, q0 // L))
+                                   LoopbackRing(S // L, q0 // L), block=args.block)
             else:  # the gathered row: keys before, own keys, keys after (all held, as the all-gather does)
                 before, after = rest[:, :, :, :q0], rest[:, :, :, q0:]
                 k_all = torch.cat([before[0], k, after[0]], dim=2)
@@ -302,14 +302,17 @@ def tiles_step(args, method, balanced, P, L, kernel, device, dtype):
     k, v = (torch.randn(1, Hk, keys, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     d_out = torch.randn(1, H, L, D, device=device, dtype=dtype)
 
-    # kernel "default": no kernel keyword (the tiles of a deltacp source older than the table: --tiles-before)
+    # kernel "default": no kernel or block keyword (the tiles of a deltacp source older than the table:
+    # --tiles-before)
     chosen = {} if kernel == "default" else {"kernel": kernel}
+    ring_bound = {} if kernel == "default" else {"block": block}
 
     def step():
         if method == "all_gather":
             o = tiled_attention(q, k, v, tiles, D ** -0.5, **chosen)
         else:
-            o = ring_attention(q, k, v, tiles, D ** -0.5, LoopbackRing(P, g), balanced=balanced, **chosen)
+            o = ring_attention(q, k, v, tiles, D ** -0.5, LoopbackRing(P, g), balanced=balanced, **chosen,
+                               **ring_bound)
         o.backward(d_out)
         q.grad = k.grad = v.grad = None
 

@@ -84,7 +84,7 @@ def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if method == "ring":
             o = ring_attention(q, k.contiguous(), v.contiguous(), tiles, module.scaling,
-                               attention_cp.LoopbackRing(G, g), balanced=balanced)
+                               attention_cp.LoopbackRing(G, g), balanced=balanced, block=args.block)
         else:
             k_all, v_all = (_row_order(own, rest[i], spans) for i, own in enumerate((k, v)))
             o = tiled_attention(q, k_all, v_all, tiles, module.scaling)

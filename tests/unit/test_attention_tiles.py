@@ -127,12 +127,13 @@ def test_span_tiles_and_ring_holders_cover_each_pair_once(balanced, block, cu, p
                 _add_tile(covered, t, torch.arange(*t.k))
             assert torch.equal(covered, expected), (G, g)
             covered.zero_()
-            buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
+            buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder, block)
             assert set(buckets) <= set(range(G))
             for member, part in buckets.items():
                 held = Pieces(member, G, balanced, L).row_index()  # the holder's local keys, row positions
                 for t in part:
                     assert 0 <= t.k[0] < t.k[1] <= L
+                    assert block is None or t.k[1] - t.k[0] <= block  # rejoined parts stay within the bound
                     _add_tile(covered, t, held[t.k[0]:t.k[1]])
             assert torch.equal(covered, expected), (G, g, "ring")
 
@@ -240,3 +241,23 @@ def test_operand_copies_keep_within_their_budget():
     other = x.clone()  # another tensor with the same key parts is not confused with x
     assert not torch.equal(copies(other, (0, 1), (0, 8), "plain", lambda: other[:, :, :8].contiguous() + 1), first)
     assert NO_COPIES(x, (0, 1), (0, 8), "plain", make(0, 8)) is not first and NO_COPIES.held == 0
+
+
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_ring_rejoins_a_visible_tile_over_both_pieces_of_a_balanced_holder(G):
+    """A balanced rank's late query piece sees both pieces of every later member h > g's block: the two parts of its
+    visible tile are one tile of the whole block on that member (one kernel call, not two); a bound below the block
+    keeps them apart."""
+    L = 16
+    for g in range(G):
+        pieces = Pieces(g, G, True, L)
+        tiles = plan_span_tiles(1, G * L, pieces.spans(), None, None)
+        late = pieces.spans()[1]
+        buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
+        for h in range(g + 1, G):
+            whole = [t for t in buckets[h] if not t.causal and t.q == (L // 2, L)]
+            assert [t.k for t in whole] == [(0, L)], (g, h, buckets[h])
+        apart = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder, L // 2)
+        for h in range(g + 1, G):
+            assert sorted(t.k for t in apart[h] if not t.causal and t.q == (L // 2, L)) == [(0, L // 2), (L // 2, L)]
+        assert late[1] - late[0] == L // 2

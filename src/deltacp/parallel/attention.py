@@ -235,7 +235,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
             o_BHLD = tiled_attention(q_BHLD, k_BHSD, v_BHSD, tiles, view.scaling)
         case "ring":
             o_BHLD = ring_attention(q_BHLD, k_BHLD.contiguous(), v_BHLD.contiguous(), tiles, view.scaling,
-                                    plan.ring, plan.balanced)
+                                    plan.ring, plan.balanced, block=block)
     return view.o_proj(heads_to_seq(o_BHLD, plan.ulysses_group, plan.balanced) * torch.sigmoid(gate)), None
 
 

@@ -153,11 +153,15 @@ def unpack(t: Tile) -> list[Tile]:
             for a, b in zip(t.packed[:-1], t.packed[1:])]
 
 
-def split_tiles_by_block(tiles: list[Tile], block_len: int, holder=None) -> dict[int, list[Tile]]:
+def split_tiles_by_block(tiles: list[Tile], block_len: int, holder=None, block: int | None = None
+                         ) -> dict[int, list[Tile]]:
     """Tiles cut at key positions that are multiples of `block_len` (the row's pieces: piece p holds key positions
     [p * block_len, (p + 1) * block_len)) and grouped by the ring member holding the key piece; keys re-based to
     that member's local keys. `holder(p)` -> (member, slot): the member holds p as its slot-th piece of
-    block_len keys (`placement.Pieces.holder`); None: member p holds piece p alone (a contiguous layout)."""
+    block_len keys (`placement.Pieces.holder`); None: member p holds piece p alone (a contiguous layout). Two
+    parts of one visible tile that land next to each other in a member's local keys (a balanced member's two
+    pieces, both before the queries) are one tile again, of at most `block` keys (None: no bound): one kernel
+    call where there were two, exact since every query of a visible tile sees every key."""
     out: dict[int, list[Tile]] = {}
     for t in tiles:
         ka, kb = t.k
@@ -167,7 +171,14 @@ def split_tiles_by_block(tiles: list[Tile], block_len: int, holder=None) -> dict
             part = _key_part(t, ka, end)
             member, slot = (p, 0) if holder is None else holder(p)
             shift = slot * block_len - p * block_len
-            out.setdefault(member, []).append(replace(part, k=(ka + shift, end + shift)))
+            part = replace(part, k=(ka + shift, end + shift))
+            bucket = out.setdefault(member, [])
+            last = bucket[-1] if bucket else None
+            if last is not None and not part.causal and not last.causal and (last.rows, last.q) == (part.rows, part.q) \
+                    and last.k[1] == part.k[0] and (block is None or part.k[1] - last.k[0] <= block):
+                bucket[-1] = replace(last, k=(last.k[0], part.k[1]), ragged=last.ragged or part.ragged)
+            else:
+                bucket.append(part)
             ka = end
     return out
 
@@ -617,12 +628,14 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, tiles: list[Tile],
-                   scale: float, ring, balanced: bool = False, kernel: str | None = None) -> torch.Tensor:
+                   scale: float, ring, balanced: bool = False, kernel: str | None = None,
+                   block: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the keys the tiles name, with keys and values held one block per rank
     and passed around the ring. The rank's queries, keys and values are its pieces of the row in local order
     (`placement.Pieces` of member g = ring.rank of G = ring.size: row positions [g L, (g + 1) L); balanced,
-    pieces g and 2G - 1 - g of L / 2 each). Differentiable. `kernel`: as `tiled_attention`'s."""
+    pieces g and 2G - 1 - g of L / 2 each). Differentiable. `kernel`: as `tiled_attention`'s; `block`: the bound
+    the tiles were planned with (the ring rejoins a visible tile's parts within it: `split_tiles_by_block`)."""
     check_forced_kernel(kernel)
     pieces = Pieces(ring.rank, ring.size, balanced, q_BHLD.shape[2])
-    buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder)
+    buckets = split_tiles_by_block(tiles, pieces.piece_length, pieces.holder, block)
     return _RingAttention.apply(q_BHLD, k_BHLD, v_BHLD, buckets, scale, ring, kernel)
