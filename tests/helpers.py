@@ -252,3 +252,26 @@ def image_batch(B: int, S: int, grid=(1, 4, 4), starts=(5,), seed: int = 0):
     pixel_values = torch.randn(patches, 3 * 2 * 2 * 2, generator=gen, dtype=torch.float64)
     grid_thw = torch.tensor([list(grid)] * len(starts))
     return ids, types, pixel_values, grid_thw
+
+
+class DownProjProducts(TorchDispatchMode):
+    """Counts the down_proj forward products of a decoder model's MLPs while active: matmuls whose second operand is
+    a down_proj weight transposed ([intermediate, hidden]; the backward's dx product reads it as it is)."""
+
+    MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+               torch.ops.aten.addmm.out)
+
+    def __init__(self, model):
+        super().__init__()
+        self.weights = {layer.mlp.down_proj.weight.data_ptr() for layer in model.model.layers}
+        self.shape = (model.config.intermediate_size, model.config.hidden_size)
+        self.count = 0
+
+    def observe(self, func, args) -> None:
+        if func in self.MATMULS:
+            b = args[2] if "addmm" in str(func) else args[1]
+            self.count += b.data_ptr() in self.weights and tuple(b.shape) == self.shape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.observe(func, args)
+        return func(*args, **(kwargs or {}))

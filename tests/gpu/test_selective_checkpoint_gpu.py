@@ -21,7 +21,8 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import DownProjProducts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU; the CPU tests of selective checkpointing are "
@@ -30,27 +31,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 TOKENS = 16384
 
 
-MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default, torch.ops.aten.addmm.out)
-
-
-class AttentionKernels(TorchDispatchMode):
-    """Counts the attention forward kernels by name, and the down_proj forward products (matmuls whose second
-    operand is a down_proj weight transposed; the backward reads it as it is)."""
+class AttentionKernels(DownProjProducts):
+    """Counts the attention forward kernels by name, and the down_proj forward products (`DownProjProducts`)."""
 
     def __init__(self, model):
-        super().__init__()
+        super().__init__(model)
         self.forward: dict[str, int] = {}
-        self.down_weights = {layer.mlp.down_proj.weight.data_ptr() for layer in model.model.layers}
-        self.down_shape = (model.config.intermediate_size, model.config.hidden_size)
-        self.down_products = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         if "attention" in name and "backward" not in name:
             self.forward[name] = self.forward.get(name, 0) + 1
-        if func in MATMULS:
-            b = args[2] if "addmm" in name else args[1]
-            self.down_products += b.data_ptr() in self.down_weights and tuple(b.shape) == self.down_shape
+        self.observe(func, args)
         return func(*args, **(kwargs or {}))
 
 
@@ -101,7 +93,7 @@ def test_selective_runs_attention_once_with_the_same_gradients(mesh, attention):
         torch.cuda.synchronize()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         results[policy] = (loss.item(), grads, dict(kernels.forward), torch.cuda.max_memory_allocated() / 2 ** 30,
-                           kernels.down_products)
+                           kernels.count)
         del model
         torch.cuda.empty_cache()
     for policy, (loss, _, kernels, peak, down) in results.items():

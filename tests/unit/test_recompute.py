@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import deltacp.ops.recompute as recompute
 from deltacp.models.checkpointing import apply_activation_checkpointing
-from helpers import cp_mesh, rel_l2, tiny_config
+from helpers import DownProjProducts, cp_mesh, rel_l2, tiny_config
 
 pytestmark = pytest.mark.fast
 
@@ -144,31 +144,13 @@ def test_apply_activation_checkpointing_arguments(single_rank_group):
         [True, True, True, False]
 
 
-class _DownProducts(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the down_proj forward products: matmuls whose second operand is a down_proj weight transposed
-    ([intermediate, hidden]; the backward's dx product reads the weight as it is, [hidden, intermediate])."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.weights = {layer.mlp.down_proj.weight.data_ptr() for layer in model.model.layers}
-        self.shape = (model.config.intermediate_size, model.config.hidden_size)
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
-                    torch.ops.aten.addmm.out):
-            b = args[2] if func in (torch.ops.aten.addmm.default, torch.ops.aten.addmm.out) else args[1]
-            self.count += b.data_ptr() in self.weights and tuple(b.shape) == self.shape
-        return func(*args, **(kwargs or {}))
-
-
 def _grads_and_backward_down_products(model, ids):
     from deltacp import cp_causal_lm_loss, shard_batch_for_cp
 
     mesh = cp_mesh()
     batch = shard_batch_for_cp(ids, mesh)
     loss = cp_causal_lm_loss(model, batch.pop("target_ids"), mesh, **batch, use_cache=False)
-    counter = _DownProducts(model)
+    counter = DownProjProducts(model)
     with counter:
         loss.backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()]), counter.count

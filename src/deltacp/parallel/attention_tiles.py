@@ -333,6 +333,11 @@ class OperandCopies:
 NO_COPIES = OperandCopies(keep=False)
 
 
+def _query_copies(q) -> OperandCopies:
+    """A ring call's query-side copies: kept within twice the bytes of the rank's queries."""
+    return OperandCopies(budget=2 * q.numel() * q.element_size())
+
+
 def _dense_views(kernel: str, t: Tile, q, k, v, groups, qc: OperandCopies, kc: OperandCopies):
     """Heads matched for one dense call, from q [B, H, L, D] and k, v [B, Hk, S, D] (copies through qc, kc). A fully
     visible tile folds the query heads that read one KV head into its query length ([b, Hk, groups * lq, D] against
@@ -583,7 +588,7 @@ class _RingAttention(torch.autograd.Function):
             acc = TileAccumulator(q)
             kv = torch.stack([k, v])
             # the query pieces' copies, made at the first step that reads them
-            runs, copies = {}, OperandCopies(budget=2 * q.numel() * q.element_size())
+            runs, copies = {}, _query_copies(q)
             for t in range(G):
                 src = (g - t) % G
                 pending = ring.exchange(kv, "kv") if t < G - 1 else None
@@ -608,7 +613,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=dt)
         kv = torch.stack([k, v])
         do = do.contiguous()
-        copies = OperandCopies(budget=2 * q.numel() * q.element_size())  # q, dO, o, lse pieces, shared by the steps
+        copies = _query_copies(q)  # q, dO, o and lse of the query pieces, shared by the steps
         incoming = None  # the accumulator of the block held now, from the ranks that held it before
         for t in range(G):
             src = (g - t) % G
