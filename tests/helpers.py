@@ -3,6 +3,7 @@ reference meshes."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -275,3 +276,69 @@ class DownProjProducts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.observe(func, args)
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def float64_upcasts(factories_in=()):
+    """Within the block, a cast of a float64 tensor to float32 keeps float64 (`Tensor.to`, `Tensor.float`,
+    `Tensor.type`, the `dtype=` of softmax / log_softmax), and the modules of `factories_in` see a `torch` whose
+    tensor factories (zeros, empty, full, ones, tensor and their `_like` forms) make float64 where they are asked for
+    float32 (TRL's chunked log-probability head allocates float32 accumulators; widened everywhere, the factories
+    would also widen buffers that a collective fills with float32 bytes).
+
+    transformers (RMSNorms, gates, rotary, its GDN fallback) and TRL compute in float32 where a bf16 model wants it;
+    for a float64 model that rounds to float32, so a float64 run of theirs and one of ours differ by float32
+    rounding, which training amplifies. Inside the block both compute in float64 throughout, and a parity test bounds
+    the difference by float64 rounding instead of sitting at float32 noise. Applied alike to the reference and to
+    the run under test; other dtypes are untouched."""
+    import types
+
+    import torch.nn.functional as F
+
+    f64, f32 = torch.float64, torch.float32
+    to, float_, type_ = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
+    softmaxes = {name: getattr(F, name) for name in ("softmax", "log_softmax")}
+
+    def widened_to(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        if self.dtype == f64 and out.dtype == f32:
+            out = to(self, device=out.device, dtype=f64, copy=kwargs.get("copy", False),
+                     memory_format=kwargs.get("memory_format", torch.preserve_format))
+        return out
+
+    def widened_float(self, *args, **kwargs):
+        return self if self.dtype == f64 else float_(self, *args, **kwargs)
+
+    def widened_type(self, dtype=None, *args, **kwargs):
+        if dtype in (f32, "torch.FloatTensor") and self.dtype == f64:
+            return self
+        return type_(self, dtype, *args, **kwargs)
+
+    def widened(fn):
+        def call(*args, **kwargs):
+            if kwargs.get("dtype") == f32:
+                kwargs["dtype"] = f64
+            return fn(*args, **kwargs)
+        return call
+
+    factories = {name: widened(getattr(torch, name)) for name in (
+        "zeros", "empty", "full", "ones", "tensor", "zeros_like", "empty_like", "full_like", "ones_like")}
+
+    class WidenedTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return factories[name] if name in factories else getattr(torch, name)
+
+    modules = {module: module.torch for module in factories_in}
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = widened_to, widened_float, widened_type
+    for name, fn in softmaxes.items():
+        setattr(F, name, widened(fn))
+    for module in modules:
+        module.torch = WidenedTorch("torch")
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, float_, type_
+        for name, fn in softmaxes.items():
+            setattr(F, name, fn)
+        for module, original in modules.items():
+            module.torch = original

@@ -17,6 +17,8 @@ import random
 
 import torch
 
+from helpers import float64_upcasts
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -46,7 +48,7 @@ CASES = {
                   steps_per_generation=4),
              dict(linear_attention_cp_mode="p2p", sequence_layout="balanced", padding_free=False)),
 }
-FLOAT64 = ("dapo",)  # the final weights compared in float64 (float32 gate gradients round differently)
+SAVED = ("dapo",)  # the cases whose final weights are compared
 
 
 def save_tiny_model(path: str) -> None:
@@ -122,21 +124,24 @@ def build(case: str, out_dir: str, model_dir: str, *, cp_size: int | None, dtype
 
 def run_case(case: str, out_dir: str, model_dir: str, *, cp_size: int | None = None, save: bool = False,
              evaluate: bool = False, **kwargs) -> dict:
-    """Train STEPS steps; every logged step's numbers; with `save`, the saved model's directory; with `evaluate`,
+    """Train STEPS steps in float64 (transformers' and TRL's float32 upcasts widened alike for the reference and for
+    CP: `float64_upcasts`); every logged step's numbers; with `save`, the saved model's directory; with `evaluate`,
     the evaluation's metrics on a small prompt set."""
-    dtype = torch.float64 if case in FLOAT64 else torch.float32
     if evaluate:
         from datasets import Dataset
 
         kwargs["eval_dataset"] = Dataset.from_dict({"prompt": prompts(100)[60:68]})
-    trainer = build(case, out_dir, model_dir, cp_size=cp_size, dtype=dtype, **kwargs)
-    trainer.train()
-    steps = [{k: v for k, v in h.items() if k not in SKIPPED_KEYS} for h in trainer.state.log_history
-             if "grad_norm" in h]
-    result = dict(steps=steps)
-    if evaluate:
-        result["eval"] = trainer.evaluate()
-    if save:
-        result["saved"] = os.path.join(out_dir, "saved")
-        trainer.save_model(result["saved"])
+    import trl.kernels.chunked_logprob
+
+    with float64_upcasts(factories_in=[trl.kernels.chunked_logprob]):
+        trainer = build(case, out_dir, model_dir, cp_size=cp_size, dtype=torch.float64, **kwargs)
+        trainer.train()
+        steps = [{k: v for k, v in h.items() if k not in SKIPPED_KEYS} for h in trainer.state.log_history
+                 if "grad_norm" in h]
+        result = dict(steps=steps)
+        if evaluate:
+            result["eval"] = trainer.evaluate()
+        if save:
+            result["saved"] = os.path.join(out_dir, "saved")
+            trainer.save_model(result["saved"])
     return result

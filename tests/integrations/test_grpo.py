@@ -16,9 +16,13 @@ The same 2-rank spawn generates for real (transformers' generate on the model ou
 greedy completions of two rounds, the second after an update, equal those of a plain single-device model with the
 weights of that moment, each CP rank generating half of them; and checks what is refused at construction.
 
-Bounds (float32; observed: loss <= 6.3e-7, grad norm <= 8.1e-6, kl <= 3.9e-6, entropy <= 2.6e-7, the rest equal;
-eval_loss 1.7e-7; float64 weights 4.3e-6 (TRL's fused head reduces in float32 even for a float64 model, and Adam
-amplifies the rounding of small gradients), about 10x below them).
+Bounds: every run is float64 with transformers' and TRL's float32 upcasts widened alike in the reference and under
+CP (`helpers.float64_upcasts`), so CP and TRL differ by float64 rounding: observed on the 2-core CPU VM (torch
+2.13.0, transformers 5.25.0, TRL 1.16.0; 2026-12-05) at most 1.4e-14 relative for every logged number, eval_loss
+6.3e-16, the saved weights 3.0e-14; the bound 1e-11 leaves 700x for other machines and versions. One exception:
+the training loss that the Trainer logs at dp2 x cp2 passes through its float32 accumulator (`torch.tensor(0.0)`,
+averaged over the dp processes, which differ in number: 2 against 4), so it carries a few float32 roundings
+(observed 9.1e-8, 1.5 ulp); its bound, 1e-6, is 16 float32 ulps.
 Mutations seen failing: see the test's docstring.
 """
 
@@ -33,15 +37,16 @@ from deltacp.distributed.launch import run_distributed
 import grpo_cases
 from helpers import run_in_process
 
-REL = {"loss": 2e-6, "grad_norm": 1e-4, "kl": 1e-5, "entropy": 3e-6}  # per key; the others: OTHER_REL
-OTHER_REL, CLIP_ABS, EVAL_REL, WEIGHT_REL = 1e-6, 1e-6, 2e-6, 5e-5
+FLOAT64_REL = 1e-11  # every logged number, eval metrics, saved weights: float64 rounding (module docstring)
+LOGGED_LOSS_REL = 1e-6  # the logged training loss at dp2 x cp2: the Trainer's float32 accumulator
+CLIP_ABS = 1e-12  # clip ratios: counts over the same tokens, equal unless a ratio sits within rounding of the clip
 CP2_CASES, DP2_CASES = ("grpo", "bnpo"), ("dr_grpo", "dapo")
 EVALUATED = "grpo"
 
 
 def _run(case: str, out: str, label: str, cp_size: int | None) -> dict:
     return grpo_cases.run_case(case, os.path.join(out, label), os.path.join(out, "model"), cp_size=cp_size,
-                               save=case in grpo_cases.FLOAT64, evaluate=case == EVALUATED)
+                               save=case in grpo_cases.SAVED, evaluate=case == EVALUATED)
 
 
 def _dump(out: str, name: str, results: dict) -> None:
@@ -172,23 +177,25 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def _compare(label: str, got: dict, ref: dict) -> tuple[list[str], dict]:
+def _compare(label: str, got: dict, ref: dict, loss_bound: float) -> list[str]:
+    """Every logged number of every step; prints the worst difference of each kind against its bound."""
     failures, worst = [], {}
     assert len(got["steps"]) == len(ref["steps"]) == grpo_cases.STEPS, (label, len(got["steps"]), len(ref["steps"]))
     for step, (g, r) in enumerate(zip(got["steps"], ref["steps"])):
         assert set(g) == set(r), (label, step, sorted(set(g) ^ set(r)))
         for key, value in r.items():
             if key.startswith("clip_ratio"):
-                diff, bound = abs(g[key] - value), CLIP_ABS
+                kind, diff, bound = "clip ratios (abs)", abs(g[key] - value), CLIP_ABS
+            elif key == "loss":
+                kind, diff, bound = "loss", _rel(g[key], value), loss_bound
             else:
-                diff, bound = _rel(g[key], value), REL.get(key, OTHER_REL)
-            worst[key] = max(worst.get(key, 0.0), diff)
+                kind, diff, bound = "the others", _rel(g[key], value), FLOAT64_REL
+            worst[kind] = max(worst.get(kind, (0.0, bound)), (diff, bound))
             if not diff <= bound:
                 failures.append(f"{label} step {step + 1}: {key} {g[key]!r} vs {value!r} (diff {diff:.2e} > {bound:.0e})")
-    shown = {k: f"{v:.1e}" for k, v in worst.items() if k in REL or k.startswith("clip_ratio/region")}
-    print(f"{label}: {len(got['steps'])} steps, worst {shown}, others <= "
-          f"{max((v for k, v in worst.items() if k not in REL and not k.startswith('clip')), default=0):.1e}")
-    return failures, worst
+    print(f"{label}: {len(got['steps'])} steps, worst " + ", ".join(
+        f"{kind} {diff:.1e} (bound {bound:.0e})" for kind, (diff, bound) in worst.items()))
+    return failures
 
 
 def _compare_eval(got: dict, ref: dict) -> list[str]:
@@ -197,9 +204,9 @@ def _compare_eval(got: dict, ref: dict) -> list[str]:
     for key, value in ref.items():
         if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
             diff = _rel(got[key], value) if not key.startswith("eval_clip") else abs(got[key] - value)
-            if not diff <= EVAL_REL:
+            if not diff <= FLOAT64_REL:
                 failures.append(f"evaluation: {key} {got[key]!r} vs {value!r} (diff {diff:.2e})")
-    print(f"evaluation: eval_loss rel {_rel(got['eval_loss'], ref['eval_loss']):.1e}")
+    print(f"evaluation: eval_loss rel {_rel(got['eval_loss'], ref['eval_loss']):.1e} (bound {FLOAT64_REL:.0e})")
     return failures
 
 
@@ -211,8 +218,8 @@ def _compare_weights(got_dir: str, ref_dir: str) -> list[str]:
     assert got.keys() == ref.keys() and ref[next(iter(ref))].dtype == torch.float64
     diff = torch.cat([(got[k] - ref[k]).flatten() for k in sorted(ref)]).norm()
     rel = (diff / torch.cat([ref[k].flatten() for k in sorted(ref)]).norm()).item()
-    print(f"saved float64 weights: rel L2 {rel:.1e}")
-    return [] if rel <= WEIGHT_REL else [f"saved weights rel L2 {rel:.2e} > {WEIGHT_REL:.0e}"]
+    print(f"saved float64 weights: rel L2 {rel:.1e} (bound {FLOAT64_REL:.0e})")
+    return [] if rel <= FLOAT64_REL else [f"saved weights rel L2 {rel:.2e} > {FLOAT64_REL:.0e}"]
 
 
 def test_cp_grpo_trainer_matches_trl(tmp_path):
@@ -239,11 +246,10 @@ def test_cp_grpo_trainer_matches_trl(tmp_path):
             results[name] = json.load(f)
     print(f"generation: {results['cp2']['generation']}")
     failures = []
-    pairs = [(f"{c}/cp2", results["cp2"][c], results["ref-1"][c]) for c in CP2_CASES]
-    pairs += [(f"{c}/dp2xcp2", results["cp4"][c], results["cp2"][f"ref2-{c}"]) for c in DP2_CASES]
-    for label, got, ref in pairs:
-        found, _ = _compare(label, got, ref)
-        failures += found
+    pairs = [(f"{c}/cp2", results["cp2"][c], results["ref-1"][c], FLOAT64_REL) for c in CP2_CASES]
+    pairs += [(f"{c}/dp2xcp2", results["cp4"][c], results["cp2"][f"ref2-{c}"], LOGGED_LOSS_REL) for c in DP2_CASES]
+    for label, got, ref, loss_bound in pairs:
+        failures += _compare(label, got, ref, loss_bound)
         assert any(s.get("clip_ratio/region_mean", 0) > 0 for s in ref["steps"]), f"{label}: no ratio was clipped"
         assert all(s["grad_norm"] > 0 for s in ref["steps"])
     for case in CP2_CASES + DP2_CASES:  # beta > 0 gives a KL term once the policy has moved
@@ -251,7 +257,7 @@ def test_cp_grpo_trainer_matches_trl(tmp_path):
             ref = results["ref-1"].get(case) or results["cp2"][f"ref2-{case}"]
             assert ref["steps"][-1]["kl"] > 0, case
     failures += _compare_eval(results["cp2"][EVALUATED]["eval"], results["ref-1"][EVALUATED]["eval"])
-    for case in grpo_cases.FLOAT64:
+    for case in grpo_cases.SAVED:
         failures += _compare_weights(results["cp4"][case]["saved"], results["cp2"][f"ref2-{case}"]["saved"])
     assert not failures, "\n".join(failures)
 
