@@ -3,7 +3,6 @@
 # Arguments go to pytest: `bash scripts/test.sh -m fast` is the fast tier (README, "Tests": both commands' times).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-. scripts/setup.sh
 # Triton too (CPU build of the wheel), so the TRITON_INTERPRET=1 kernel parity test runs here.
-python -m pip install -q -e ".[test,triton]"
+DELTACP_EXTRAS=test,triton . scripts/setup.sh
 python -m pytest tests -ra -q --durations=25 "$@"
