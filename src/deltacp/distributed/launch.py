@@ -175,10 +175,18 @@ def _entry(rank: int, world_size: int, port: int, fn, args, collective_timeout_s
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    # Skip interpreter finalisation on success: with torch 2.11 over gloo a rank aborted there ("terminate called
-    # without an active exception", no Python frame left) in some runs of a 2-rank job (how often: NOTES.md,
-    # Operational facts), after all its work and the group's destruction were done. A failing rank still raises
-    # above and reports its traceback.
+    exit_after_success()
+
+
+def exit_after_success() -> None:
+    """End a rank whose work succeeded without interpreter finalisation: over gloo a rank aborted there
+    ("terminate called without an active exception", no Python frame left, exit status 1) in some runs of 2-rank
+    jobs, spawned and under torchrun alike (how often: NOTES.md, Operational facts), after all its work and the
+    group's destruction were done. Logs and the standard streams are flushed first; a failing rank never gets
+    here and reports its traceback as usual."""
+    import logging
+
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
