@@ -128,11 +128,25 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 
 
 @pytest.mark.fast
-def test_cache_key_names_triton_device_and_deltacp(monkeypatch, tmp_path):
+@pytest.mark.parametrize("installed", [True, False])
+def test_cache_key_names_triton_device_and_deltacp(monkeypatch, tmp_path, installed):
+    """The key holds the installed package's version, or "unknown" in a checkout run from src/ without installing
+    (PYTHONPATH=src), and the sources' digest either way."""
+    import importlib.metadata
+
+    def version(name):
+        if not installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "0.7.1"
+
     monkeypatch.setenv(selfcheck.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(selfcheck.importlib.metadata, "version", version)
+    selfcheck.deltacp_version.cache_clear()
+    monkeypatch.setattr(selfcheck, "deltacp_version", selfcheck.deltacp_version.__wrapped__)
     key = selfcheck.cache_key("cpu", "3.8.0")
     assert key["triton"] == "3.8.0" and key["device"].startswith("cpu")
-    assert key["deltacp"].startswith("0.") and "+src." in key["deltacp"]
+    assert re.fullmatch(r"(0\.7\.1|unknown)\+src\.[0-9a-f]{12}", key["deltacp"]), key
+    assert key["deltacp"].startswith("0.7.1+" if installed else "unknown+")
     paths = {selfcheck.cache_path(k) for k in (key, {**key, "triton": "3.8.1"}, {**key, "device": "NVIDIA H200"},
                                                 {**key, "deltacp": "0.2.0"})}
     assert len(paths) == 4 and all(p.parent == tmp_path for p in paths)
