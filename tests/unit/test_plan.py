@@ -32,6 +32,9 @@ def test_a_plan_validates_each_rule_once_naming_the_setting():
         CPPlan(cp=4, ulysses_degree=3)
     with pytest.raises(ValueError, match=r"cp must be an integer >= 1, got 0"):
         CPPlan(cp=0)
+    with pytest.raises(ValueError, match=r"^full_attention_cp='bogus' is not supported; expected one of \('ulysses', "
+                                         r"'all_gather', 'ring'\)"):  # at construction, cp unknown (was: at apply)
+        CPPlan(full_attention_cp="bogus")
     # what the settings imply, asked of the plan
     assert CPPlan(linear_attention_cp_mode="p2p").row_cut(3) == RowCut("contiguous", 3)
     assert CPPlan(linear_attention_cp_mode="ulysses").row_cut(3) == RowCut("contiguous", 1)

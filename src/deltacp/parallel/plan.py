@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from deltacp.parallel.layout import check_ulysses_degree, check_ulysses_degree_value, validate_cp_layout
-from deltacp.parallel.modes import canonical_name, check_state_passing, gdn_mode
+from deltacp.parallel.modes import attention_method, canonical_name, check_state_passing, gdn_mode
 from deltacp.parallel.placement import RowCut, check_sequence_layout
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class CPPlan:
             raise ValueError(f"{p}cp must be an integer >= 1, got {self.cp!r}")
         mode = gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix=p)
         check_state_passing(self.linear_attention_state_passing, mode, p)
+        attention_method(self.full_attention_cp, prefix=p)
         check_sequence_layout(self.sequence_layout, prefix=p)
         check_ulysses_degree_value(self.ulysses_degree, p)
         if self.cp is not None:
