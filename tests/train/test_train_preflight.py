@@ -176,3 +176,36 @@ def test_no_private_names_are_imported_across_train_modules():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("deltacp.train"):
                 found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert found == []
+
+
+def test_a_metrics_file_that_cannot_be_written_is_refused_before_spawning(launches, capsys, tmp_path, monkeypatch):
+    """train.logging.metrics_file: a directory, or a file whose directory cannot be created, is one line before any
+    rank starts (it used to fail at run time on rank 0); a missing directory that can be created is fine (rank 0
+    creates it)."""
+    (tmp_path / "file").write_text("")
+    line = refused(capsys, launches, f"train.logging.metrics_file={tmp_path}")
+    assert line == f"deltacp.train: config error: train.logging.metrics_file='{tmp_path}' is a directory; name a file " \
+                   f"(JSON lines)", line
+    target = tmp_path / "file" / "m.jsonl"
+    line = refused(capsys, launches, f"train.logging.metrics_file={target}")
+    assert line == (f"deltacp.train: config error: train.logging.metrics_file='{target}': its directory "
+                    f"{tmp_path / 'file'} is not a directory"), line
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    line = refused(capsys, launches, f"train.logging.metrics_file={tmp_path / 'new' / 'm.jsonl'}")
+    assert "its directory" in line and f"cannot be created: {tmp_path} is not writable" in line, line
+    monkeypatch.setattr(os, "access", real_access)
+    cli.main(["--config", str(MAIN), "--set", f"train.logging.metrics_file={tmp_path / 'new' / 'm.jsonl'}",
+              "--spawn", "4"])
+    assert len(launches) == 1
+
+
+def test_progress_creates_the_metrics_files_directory(tmp_path):
+    import io
+
+    from deltacp.train.progress import Progress
+
+    path = tmp_path / "a" / "b" / "m.jsonl"
+    progress = Progress(1, mode="line", metrics_file=str(path), stream=io.StringIO())
+    progress.metrics.close()
+    assert path.exists()

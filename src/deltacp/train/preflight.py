@@ -12,7 +12,8 @@ gives the model a target (read in order until one does: no second pass over the 
 train.checkpoint.dir must be a writable directory (or creatable), and what it holds is judged as the ranks would
 (`plan_checkpoint_dir`): the checkpoint to resume must have its manifest, every file it lists at its size, a
 model state of this model's shapes and this run's data stream (seed, number of files); the checksums are verified
-by the ranks, collectively, when they load it.
+by the ranks, collectively, when they load it. train.logging.metrics_file, when set, must be a file whose directory
+is writable or can be created.
 
 Errors are ConfigError (naming the key) or CheckpointError (naming the file); the ranks run their own checks
 again, so a Trainer built without the launcher refuses the same things, on every rank together.
@@ -58,20 +59,43 @@ def check_data(cfg: TrainConfig) -> tuple[int, int]:
     return tokenizer.vocab_size, len(files)
 
 
-def check_writable_dir(key: str, path: str | Path) -> None:
-    """`path` is a writable directory, or can be created as one (its nearest existing ancestor is a writable
-    directory); ConfigError naming the key and the path otherwise. Creates nothing."""
-    path = Path(path)
+def _unwritable(path: Path) -> str | None:
+    """Why `path` is neither a writable directory nor creatable as one (its nearest existing ancestor must be a
+    writable directory), or None. Creates nothing."""
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        where = "is not a directory" if existing == path else f"cannot be created: {existing} is not a directory"
-        raise ConfigError(f"{key}={str(path)!r} {where}")
+        return "is not a directory" if existing == path else f"cannot be created: {existing} is not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        raise ConfigError(f"{key}={str(path)!r} {where} (permission denied or a read-only file system); choose a "
-                          f"writable directory")
+        return f"{where} (permission denied or a read-only file system); choose a writable directory"
+    return None
+
+
+def check_writable_dir(key: str, path: str | Path) -> None:
+    """`path` is a writable directory, or can be created as one; ConfigError naming the key and the path
+    otherwise. Creates nothing."""
+    problem = _unwritable(Path(path))
+    if problem:
+        raise ConfigError(f"{key}={str(path)!r} {problem}")
+
+
+def check_metrics_file(cfg: TrainConfig) -> None:
+    """train.logging.metrics_file, when set, is a file that rank 0 can append to: not a directory, in a directory
+    that is writable or can be created (rank 0 creates it). ConfigError naming the key otherwise."""
+    path = cfg.logging.metrics_file
+    if not path:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"train.logging.metrics_file={str(path)!r} is a directory; name a file (JSON lines)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"train.logging.metrics_file={str(path)!r} is not writable (permission denied or a "
+                          f"read-only file system)")
+    problem = _unwritable(path.parent)
+    if problem:
+        raise ConfigError(f"train.logging.metrics_file={str(path)!r}: its directory {path.parent} {problem}")
 
 
 def check_checkpoint_dir(cfg: TrainConfig, model: torch.nn.Module, num_files: int) -> None:
@@ -134,3 +158,4 @@ def preflight(cfg: TrainConfig, spawn: bool) -> None:
     vocab_size, num_files = check_data(cfg)
     check_vocab(model.config, vocab_size)
     check_checkpoint_dir(cfg, model, num_files)
+    check_metrics_file(cfg)

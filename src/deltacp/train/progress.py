@@ -6,6 +6,7 @@ import json
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,7 +25,10 @@ class Progress:
         if mode == "auto":
             mode = "bar" if self.stream.isatty() else "line"
         self.mode = mode
-        self.metrics = open(metrics_file, "a") if (enabled and metrics_file) else None
+        self.metrics = None
+        if enabled and metrics_file:  # (preflight checked that its directory is writable or can be created)
+            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(metrics_file, "a")
         self.start = time.perf_counter()
         self._open_bar = False
 
