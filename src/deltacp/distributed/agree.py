@@ -14,12 +14,14 @@ failing ranks and the first failure's message, and when the agreed values differ
 ValueError naming each differing field and what each rank holds. Nothing is raised when all is well.
 
 Two transports, one outcome: with `device` given, the header travels as one int64 tensor (the per-forward input
-checks: values are ints or tuples of ints; a failure's messages follow in a second, object exchange that only
-a failing step pays); without it, as Python objects (configurations of strings and numbers, once per setup).
+checks: values are ints, tuples of ints or floats, a float as its exact bit pattern; a failure's messages follow in
+a second, object exchange that only a failing step pays); without it, as Python objects (configurations of strings
+and numbers, once per setup).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 
 import torch
@@ -48,13 +50,29 @@ def _describe(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
-def _flatten(agree: Mapping) -> tuple[list[int], list[tuple[str, int, int]]]:
+def _flatten(agree: Mapping) -> tuple[list[int], list[tuple[str, int, int, bool]]]:
+    """The int64 header of `agree`: ints as they are, a float as its float64 bit pattern (exact, and told apart
+    from every other float); spans (name, start, end, is_float) to read it back."""
     values, spans = [], []
     for name, value in agree.items():
-        items = [int(x) for x in value] if isinstance(value, (tuple, list)) else [int(value)]
-        spans.append((name, len(values), len(values) + len(items)))
+        is_float = isinstance(value, float)
+        if is_float:
+            items = [struct.unpack("<q", struct.pack("<d", value))[0]]
+        else:
+            items = [int(x) for x in value] if isinstance(value, (tuple, list)) else [int(value)]
+        spans.append((name, len(values), len(values) + len(items), is_float))
         values += items
     return values, spans
+
+
+def _unflatten(row: list[int], spans) -> dict:
+    out = {}
+    for name, a, b, is_float in spans:
+        if is_float:
+            out[name] = struct.unpack("<d", struct.pack("<q", row[a]))[0]
+        else:
+            out[name] = tuple(row[a:b]) if b - a > 1 else row[a]
+    return out
 
 
 def _gather_header(header: torch.Tensor, group) -> torch.Tensor:
@@ -86,8 +104,7 @@ def raise_together(group, what: str, error: BaseException | None = None, *, agre
         messages: list = [None] * P
         if failed:
             dist.all_gather_object(messages, _describe(error), group=group)
-        per_rank = [{name: tuple(row[1 + a:1 + b].tolist()) if b - a > 1 else int(row[1 + a])
-                     for name, a, b in spans} for row in headers]
+        per_rank = [_unflatten(row[1:].tolist(), spans) for row in headers]
     else:
         payloads: list = [None] * P
         dist.all_gather_object(payloads, (_describe(error), agree), group=group)

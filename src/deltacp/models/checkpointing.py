@@ -64,15 +64,37 @@ def check_plan(policy, every_n_layers, num_layers) -> None:
         raise ValueError(f"num_layers={num_layers!r} must be None or an integer >= 0")
 
 
+_APPLIED = "_deltacp_checkpointing"  # set on the text model: (policy, every_n_layers, num_layers, layers checkpointed)
+
+
+def checkpointing_signature(text: nn.Module) -> tuple[int, int, int, int]:
+    """What `apply_activation_checkpointing` did to a text model, as four ints (all 0: nothing): the policy's index
+    in POLICIES + 1, every_n_layers, num_layers (-1: None), the number of layers checkpointed. The CP input hook
+    has every rank agree on it before the first layer runs (`models/inputs.py`): a rank that checkpoints where
+    another does not would recompute (and run its collectives again) alone."""
+    return getattr(text, _APPLIED, (0, 0, 0, 0))
+
+
 def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *, policy: str = DEFAULT_POLICY,
                                    num_layers: int | None = None) -> int:
     """Activation checkpointing of every `every_n_layers`-th decoder layer (1: all) of any supported model, the first
     `num_layers` of them (None: all), under `policy` ("selective" | "full"); returns the number of layers
-    checkpointed."""
+    checkpointed.
+
+    Once per model: a second call raises (checkpointing nested in checkpointing recomputes every layer twice). Every
+    rank must apply the same plan; a CP'd model checks that at its first forward, on every rank together."""
     check_plan(policy, every_n_layers, num_layers)
     adapter = adapter_for(model)
+    applied = checkpointing_signature(adapter.text)
+    if applied[0]:
+        raise ValueError(f"apply_activation_checkpointing: already applied to this {type(model).__name__} "
+                         f"(policy={POLICIES[applied[0] - 1]!r}, every_n_layers={applied[1]}, num_layers="
+                         f"{None if applied[2] < 0 else applied[2]}: {applied[3]} layers); apply it once, to the "
+                         f"unwrapped model (load_pretrained / parallelize_and_shard already apply theirs)")
     layers = adapter.layers()
     chosen = layers[::every_n_layers][:num_layers]
+    setattr(adapter.text, _APPLIED, (POLICIES.index(policy) + 1, every_n_layers,
+                                     -1 if num_layers is None else num_layers, len(chosen)))
     kwargs = dict(use_reentrant=False, context_fn=selective_contexts if policy == "selective" else full_contexts)
     for layer in chosen:
         _install_region_mlp(layer, adapter.family.mlp)

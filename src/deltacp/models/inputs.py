@@ -14,6 +14,7 @@ import torch.distributed as dist
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.collectives import all_gather_tokens
 from deltacp.models.adapters import ModelAdapter
+from deltacp.models.checkpointing import checkpointing_signature
 from deltacp.parallel.documents import (
     PACKING_KEYWORDS,
     AttentionDocuments,
@@ -167,6 +168,7 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
                                   position_ids=positions is not None, text_position_ids=text_positions is not None,
                                   output_router_logits=bool(kwargs.get("output_router_logits")),
                                   sequence_layout_balanced=int(balanced),
+                                  activation_checkpointing=checkpointing_signature(adapter.text),
                                   batch_layout=SEQUENCE_LAYOUTS.index(batch_layout)
                                   if batch_layout in SEQUENCE_LAYOUTS else -1,
                                   **fingerprints(packing, ok=checks.error is None)))

@@ -18,6 +18,7 @@ takes any per-token upstream gradients and recomputes the logits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of
-from deltacp.models.parallelize import cp_plan_of
+from deltacp.models.parallelize import cp_plan_of, require_parallelized
 from deltacp.ops.lm_head.checks import check_chunk, check_head, check_targets, check_temperature, check_weight_grad
 from deltacp.ops.lm_head.chunks import (  # noqa: F401  (re-exported: their home was here)
     CHUNK_MULTIPLE,
@@ -192,9 +193,15 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     `router_aux_loss_coef * aux_loss` (the global auxiliary loss, `models/moe.py`), as transformers adds it.
 
     The loss's kernels follow the model's GDN backend (`head_kernels_of`): PyTorch with eager, Triton with triton.
+    A model CP is not applied to (or one inside `suspend_cp`) is refused on every rank together before the forward
+    (one small all-gather over the batch group).
     """
-    head = output_head(model, "cp_causal_lm_loss")
-    kernels = head_kernels_of(model)
+    fn = "cp_causal_lm_loss"
+    with LocalChecks() as checks:
+        require_parallelized(model, fn)
+        head = output_head(model, fn)
+        kernels = head_kernels_of(model)
+    raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device)
     stats = []
 
     def loss_head(hidden: torch.Tensor) -> torch.Tensor:
@@ -243,12 +250,14 @@ def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     (torch.no_grad: the old policy, the reference model) only the forward pass over the logits runs.
 
     Checked on every rank before the forward (one small all-gather over the batch group; every rank raises
-    together): the temperature (a finite number > 0), the chunk sizes, weight_grad, the targets (integers in
-    [0, vocab) or IGNORE_INDEX). The MoE auxiliary loss is not added (no loss here). The kernels follow the
+    together): that CP is applied to the model (and it is not inside `suspend_cp`), the temperature (a finite
+    number > 0, the same on every rank), the chunk sizes, weight_grad, the targets (integers in [0, vocab) or
+    IGNORE_INDEX). The MoE auxiliary loss is not added (no loss here). The kernels follow the
     model's GDN backend (`head_kernels_of`): PyTorch with eager, Triton with triton.
     """
     fn = "cp_token_logprobs"
     with LocalChecks() as checks:
+        require_parallelized(model, fn)
         head = output_head(model, fn)
         check_temperature(fn, temperature)
         check_chunk(fn, "chunk_size", chunk_size)
@@ -256,7 +265,9 @@ def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         check_weight_grad(fn, weight_grad)
         check_targets(fn, target_ids, head.out_features)
         kernels = head_kernels_of(model)
-    raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device)
+    same = float(temperature) if isinstance(temperature, (int, float)) else math.nan  # (a bad one raised above)
+    raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device,
+                   agree=dict(temperature=same))
 
     def logprob_head(hidden: torch.Tensor) -> torch.Tensor:
         out = linear_token_logprobs(hidden, head.weight, target_ids.to(hidden.device), bias=head.bias,

@@ -68,6 +68,22 @@ def is_parallelized(model: nn.Module) -> bool:
     return row_cut_of(model) is not None
 
 
+def require_parallelized(model: nn.Module, fn: str) -> None:
+    """ValueError naming `fn` and the fix unless CP is applied to `model` and active: a model `parallelize_cp` never
+    touched (an RL reference model left unwrapped, say) would run each rank's slice as a sequence of its own and
+    give wrong numbers without a word; inside `suspend_cp` the model is the single-device one. NotImplementedError
+    for a class no family supports."""
+    text = adapter_for(model).text
+    if getattr(text, _ROW_CUT, None) is None:
+        raise ValueError(f"{fn}: context parallelism is not applied to this {type(model).__name__}: each rank's slice "
+                         f"would run as a sequence of its own (wrong log-probabilities and losses). Apply "
+                         f"parallelize_cp(model, mesh, ...) first (or load it with deltacp.load_pretrained); an RL "
+                         f"reference or old-policy model needs it too")
+    if getattr(text, _SUSPENDED, False):
+        raise ValueError(f"{fn}: the model is inside suspend_cp (it runs as the single-device model there); call "
+                         f"{fn} outside the suspend_cp block")
+
+
 def refuse_wrapped(model: nn.Module) -> None:
     """A model some other parallelism already wraps: CP must come first (its hooks and the loss scaling assume the
     plain transformers modules; FSDP2 applied before CP averages gradients over the mesh, 1 / cp of the right
