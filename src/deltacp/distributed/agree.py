@@ -31,16 +31,18 @@ CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
 class LocalChecks:
-    """A block whose check errors are kept (`.error`) instead of raised, for `raise_together`."""
+    """A block whose check errors are kept (`.error`) instead of raised, for `raise_together`. `also`: more
+    exception types to keep (OSError where the block reads or writes files: a path missing on one rank only)."""
 
-    def __init__(self):
+    def __init__(self, *also: type[BaseException]):
         self.error: BaseException | None = None
+        self.kept = CHECK_ERRORS + also
 
     def __enter__(self) -> "LocalChecks":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None and isinstance(exc, CHECK_ERRORS):
+        if exc is not None and isinstance(exc, self.kept):
             self.error = exc
             return True
         return False

@@ -23,8 +23,10 @@ frequencies) are never stored.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,19 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 SAFETENSORS_DTYPES = {dtype: name for name, dtype in _DTYPES.items()}
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}  # what load_pretrained builds in and save_pretrained stores
+
+
+def float_dtype(value, setting: str, also: str = "") -> torch.dtype:
+    """A floating dtype of FLOAT_DTYPES, given as a torch dtype or its name; ValueError naming `setting` and the
+    allowed values (`also`: the other values the caller takes) otherwise: an integer dtype would store cast weights
+    that transformers refuses."""
+    dtype = FLOAT_DTYPES.get(value) if isinstance(value, str) else value
+    if dtype not in FLOAT_DTYPES.values():
+        raise ValueError(f"{setting}={value!r} is not supported; expected one of {list(FLOAT_DTYPES)} (a torch dtype "
+                         f"or its name){also}")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -61,31 +76,109 @@ class StoredTensor:
         return n * itemsize
 
 
-def read_index(path: str | Path) -> dict[str, StoredTensor]:
-    """Every tensor of the checkpoint directory `path`, read from the safetensors headers (no weights are read).
-    FileNotFoundError / ValueError naming the directory when it holds no safetensors or its index names a file
-    that is not there."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files (a transformers checkpoint directory holds "
-                                f"{SINGLE_NAME}, or model-0000i-of-0000N.safetensors with {INDEX_NAME})")
-    if (path / INDEX_NAME).is_file():
-        named = set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
-        absent = sorted(named - {f.name for f in files})
+def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of the checkpoint directory `path` that transformers reads, and the index's weight_map
+    (None without an index): with `model.safetensors.index.json`, exactly the files its weight_map names (another
+    `*.safetensors` beside them, a stale `model.safetensors` say, is not read); else `model.safetensors`. Any other
+    layout is refused, as transformers refuses it. FileNotFoundError / ValueError naming the directory or file."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not a mapping of tensor names to file names")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+        names = sorted(set(weight_map.values()))
+        absent = [name for name in names if not (path / name).is_file()]
         if absent:
             raise FileNotFoundError(f"{path}: {INDEX_NAME} names {len(absent)} file(s) that are not there, e.g. "
                                     f"{absent[0]} (an incomplete download?)")
+        return [path / name for name in names], weight_map
+    if (path / SINGLE_NAME).is_file():
+        return [path / SINGLE_NAME], None
+    others = sorted(p.name for p in path.glob("*.safetensors"))
+    if others:
+        raise FileNotFoundError(f"{path}: {len(others)} safetensors file(s) ({', '.join(others[:3])}) but neither "
+                                f"{SINGLE_NAME} nor {INDEX_NAME}: transformers reads only those (an index names the "
+                                f"shards)")
+    raise FileNotFoundError(f"{path}: no *.safetensors files (a transformers checkpoint directory holds "
+                            f"{SINGLE_NAME}, or model-0000i-of-0000N.safetensors with {INDEX_NAME})")
+
+
+def read_header(file: Path) -> tuple[dict, int, bytes]:
+    """The safetensors header of `file` (tensor name -> dtype, shape, data_offsets), the byte where its data
+    begins, and the header's raw bytes. ValueError naming the file for anything that is not a whole safetensors
+    file (too short, a header that is not JSON, tensors that end past the file: truncated)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        start = f.read(8)
+        (length,) = struct.unpack("<Q", start) if len(start) == 8 else (None,)
+        if length is None or length > size - 8:
+            raise ValueError(f"{file}: not a safetensors file ({size} bytes, no complete header; truncated?)")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+        header.pop("__metadata__", None)
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{file}: not a safetensors file (its header does not parse: {type(exc).__name__}: "
+                         f"{exc})") from None
+    if 8 + length + end > size:
+        raise ValueError(f"{file}: truncated: its tensors end at byte {8 + length + end}, the file has {size}")
+    return header, 8 + length, raw
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a checkpoint directory holds, from its index and safetensors headers alone (no weights read)."""
+
+    stored: dict[str, StoredTensor]
+    digest: str  # sha256 of config.json, the index, each read file's name, size, header and sampled data
+
+
+def scan_checkpoint(path: str | Path) -> Checkpoint:
+    """Every tensor of the checkpoint directory `path` that transformers would read (`checkpoint_files`: with an
+    index, each name from the file its weight_map gives), and the checkpoint's digest. Errors name the directory
+    or file: no safetensors, an index naming a missing file or a tensor its file lacks, a file that is not whole."""
+    path = Path(path)
+    files, weight_map = checkpoint_files(path)
+    digest = hashlib.sha256()
+    for extra in (path / "config.json", path / INDEX_NAME):
+        digest.update(extra.name.encode() + b"\0" + (extra.read_bytes() if extra.is_file() else b"-") + b"\0")
     stored = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                part = f.get_slice(key)
-                dtype = part.get_dtype()
-                stored[key] = StoredTensor(str(file), tuple(part.get_shape()), _DTYPES.get(dtype, dtype))
-    return stored
+        header, start, raw = read_header(file)
+        digest.update(f"{file.name}\0{file.stat().st_size}\0".encode() + raw + _sampled_data(file, start))
+        for key, info in header.items():
+            if weight_map is None or weight_map.get(key) == file.name:
+                dtype = info.get("dtype")
+                stored[key] = StoredTensor(str(file), tuple(info["shape"]), _DTYPES.get(dtype, dtype))
+    if weight_map is not None:
+        lacking = sorted(set(weight_map) - set(stored))
+        if lacking:
+            raise ValueError(f"{path}: {INDEX_NAME} puts {len(lacking)} tensor(s) in files that do not hold them, "
+                             f"e.g. {lacking[0]} in {weight_map[lacking[0]]}")
+    return Checkpoint(stored, digest.hexdigest())
+
+
+def _sampled_data(file: Path, start: int, windows: int = 4, size: int = 4096) -> bytes:
+    """`windows` runs of `size` bytes of the file's data, spread from its first byte to its last: two checkpoints of
+    the same shapes (same headers and sizes) almost surely differ there, and the read costs nothing next to the
+    weights."""
+    end = file.stat().st_size
+    span = max(end - start - size, 0)
+    out = []
+    with open(file, "rb") as f:
+        for i in range(windows):
+            f.seek(start + span * i // max(windows - 1, 1))
+            out.append(f.read(size))
+    return b"".join(out)
+
+
+def read_index(path: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint directory `path` (`scan_checkpoint`'s `stored`)."""
+    return scan_checkpoint(path).stored
 
 
 def text_prefix_of(model: nn.Module) -> str:

@@ -3,9 +3,11 @@
     mesh = init_cp_mesh(cp=4, dp=2)                                  # 8 ranks (torchrun)
     model = load_pretrained("Qwen3.5-27B", mesh, linear_attention_cp_mode="p2p", activation_checkpointing=True)
 
-Steps: read config.json and the safetensors headers (no weights); build the model on the meta device in the
+Steps: read config.json and the safetensors headers of the files transformers reads (the index's, else
+model.safetensors; no weights); build the model on the meta device in the
 checkpoint's dtype (or `dtype=`); check that every parameter has its stored tensor (`models/hf_format.py`: text
-prefixes, per-expert or fused experts, tied embeddings), on every rank together; apply CP, activation checkpointing
+prefixes, per-expert or fused experts, tied embeddings), and that every rank read the same checkpoint, on every
+rank together; apply CP, activation checkpointing
 and FSDP2 (`parallelize_and_shard`, the trainer's order) while the model is still on the meta device; allocate
 each rank's shard (`to_empty`); fill it through torch.distributed.checkpoint's `HuggingFaceStorageReader`, which
 plans, for each stored tensor, the rows this rank holds, read with plain file reads in 64 MiB blocks and converted
@@ -23,7 +25,6 @@ import json
 import logging
 import math
 import re
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +40,15 @@ from deltacp.models.checkpointing import CheckpointingPlan, checkpointing_plan
 from deltacp.models.compose import parallelize_and_shard
 from deltacp.parallel.plan import CPPlan
 from deltacp.models.hf_format import (
+    FLOAT_DTYPES,
     FUSED_EXPERTS,
     StoredTensor,
     dominant_dtype,
     expert_keys,
+    float_dtype,
     model_tensors,
-    read_index,
+    read_header,
+    scan_checkpoint,
     row_split,
     stored_name,
     stored_text_prefix,
@@ -53,7 +57,7 @@ from deltacp.models.hf_format import (
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = FLOAT_DTYPES  # (the name this module exported)
 
 
 @dataclass(frozen=True)
@@ -119,14 +123,7 @@ def resolve_dtype(dtype, config, path: Path, stored: dict[str, StoredTensor]) ->
         if dtype is None:
             dtype = dominant_dtype((t.dtype, t.nbytes) for t in stored.values()
                                    if isinstance(t.dtype, torch.dtype) and t.dtype.is_floating_point) or torch.float32
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; expected one of {list(DTYPES)}, a torch dtype, None "
-                             f"or 'auto' (the checkpoint's)")
-        dtype = DTYPES[dtype]
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype={dtype} is not supported; expected one of {list(DTYPES)}")
-    return dtype
+    return float_dtype(dtype, "dtype", also=", None or 'auto' (the checkpoint's)")
 
 
 def build_on_meta(cls: type, config, dtype: torch.dtype) -> nn.Module:
@@ -196,26 +193,42 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
     return sources, unused
 
 
-def row_reader(path: Path, block_bytes: int):
-    """torch.distributed.checkpoint's `HuggingFaceStorageReader` (its metadata, planning and resharding), reading
-    the slices it plans, each a run of whole rows of a stored tensor (a dim-0 shard, a whole tensor: all that FSDP2
+def row_reader(path: Path, stored: dict[str, StoredTensor], block_bytes: int):
+    """torch.distributed.checkpoint's `HuggingFaceStorageReader` (its planning and resharding) over the tensors of
+    `stored` (the files the index names: `scan_checkpoint`), reading the slices it plans, each a run of whole rows of a stored tensor (a dim-0 shard, a whole tensor: all that FSDP2
     and the per-expert rows ask for), with plain file reads, `block_bytes` at a time, converted into the
     destination as they arrive. Why not its safetensors reads: they go through a memory map, whose pages of a file
     stay resident (and count in the rank's RSS) until the file is closed, which adds the rank's share of the whole
     file to its peak (measured on 4 ranks loading a ~96 MiB one-file bf16 checkpoint as float32: 0.86-1.05x of its
     bytes per rank, against 0.58x here, the rank's share being 0.50x); here the peak is one block."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
     from torch.futures import Future
 
     class RowReader(HuggingFaceStorageReader):
+        def read_metadata(self) -> Metadata:
+            """The tensors of `stored` only (HuggingFaceStorageReader's own lists every *.safetensors in the
+            directory, a stale file beside the index's shards included)."""
+            tensors, storage = {}, {}
+            for key, info in stored.items():
+                if not isinstance(info.dtype, torch.dtype):
+                    continue  # a dtype torch lacks (plan_sources refuses it where a parameter needs it)
+                zero = torch.Size([0] * len(info.shape))
+                tensors[key] = TensorStorageMetadata(TensorProperties(dtype=info.dtype), torch.Size(info.shape),
+                                                     [ChunkStorageMetadata(zero, torch.Size(info.shape))])
+                storage[MetadataIndex(fqn=key, offset=zero)] = info
+            metadata = Metadata(state_dict_metadata=tensors, storage_data=storage)
+            metadata.storage_meta = StorageMeta(load_id=self.load_id)
+            return metadata
+
         def read_data(self, plan, planner):
             per_file: dict[str, list] = {}
             for item in plan.items:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+                per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
             for file, items in per_file.items():
+                header, start, _ = read_header(Path(file))
                 with open(file, "rb", buffering=0) as f:
-                    (size,) = struct.unpack("<Q", f.read(8))
-                    header, start = json.loads(f.read(size)), 8 + size
                     for item in items:
                         begin = start + header[item.storage_index.fqn]["data_offsets"][0]
                         _read_rows(f, begin, self.storage_data[item.storage_index], item, planner, block_bytes)
@@ -255,7 +268,7 @@ def _read_rows(f, begin: int, info, item, planner, block_bytes: int) -> None:
     planner.commit_tensor(item, target)
 
 
-def read_weights(model: nn.Module, sources: dict[str, Source], path: Path, group,
+def read_weights(model: nn.Module, sources: dict[str, Source], path: Path, stored: dict[str, StoredTensor], group,
                  block_bytes: int = 64 * 2**20) -> int:
     """Fill every rank's share of the model tensors from the checkpoint (collective over `group`); returns the
     bytes this rank holds. torch.distributed.checkpoint plans the reads: per tensor, the rows of each stored tensor
@@ -276,7 +289,7 @@ def read_weights(model: nn.Module, sources: dict[str, Source], path: Path, group
                 state[key] = row[start:start + rows]
                 start += rows
     with torch.no_grad():
-        load(state, storage_reader=row_reader(path, block_bytes), process_group=group)
+        load(state, storage_reader=row_reader(path, stored, block_bytes), process_group=group)
     return held
 
 
@@ -313,6 +326,21 @@ def tied_head(model: nn.Module) -> bool:
     return head is not None and head.weight is model.get_input_embeddings().weight
 
 
+def load_device(device, cp_mesh: DeviceMesh) -> torch.device:
+    """Where load_pretrained puts the parameters: `device`, or (None) this rank's GPU on a CUDA mesh, else the CPU.
+    The meta device is refused: it holds no weights to read into (build a model without weights with
+    `build_on_meta`, then `parallelize_cp`)."""
+    if device is None:
+        return (torch.device("cuda", torch.cuda.current_device()) if cp_mesh.device_type == "cuda"
+                else torch.device(cp_mesh.device_type))
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("load_pretrained: device='meta' holds no weights to read into; expected None (this rank's "
+                         "GPU on a CUDA mesh, else the CPU), 'cpu' or a CUDA device (for a model without weights, "
+                         "build it on the meta device and apply parallelize_cp)")
+    return device
+
+
 def load_pretrained(path, cp_mesh: DeviceMesh, *, plan: CPPlan | None = None, dtype=None, fsdp: bool = True,
                     model_class=None, config=None,
                     activation_checkpointing: bool | int | str | CheckpointingPlan = False, mp_policy=None, device=None,
@@ -331,19 +359,26 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, plan: CPPlan | None = None, dt
     GPU on a CUDA mesh, else the CPU. plan: the CP settings (a `CPPlan`), or its fields as the other keywords
     (linear_attention_cp_mode, ..., as `parallelize_cp`).
 
+    Reads exactly what transformers reads: the files `model.safetensors.index.json` names (each tensor from the file
+    its weight_map gives; another `*.safetensors` beside them is ignored), else `model.safetensors`.
+
     Returns the model in eval mode (as `from_pretrained`), on `device`, CP applied (and FSDP2: its parameters are
-    DTensors). Errors (a missing file, a tensor the checkpoint lacks, a bad setting) are raised on every rank
-    together, before any weight is read.
+    DTensors). Errors (a file missing or unreadable on any rank, a tensor the checkpoint lacks, a bad setting,
+    device='meta') are raised on every rank together, before any weight is read; so are ranks given different
+    checkpoints (a digest of their config.json, index, file sizes, safetensors headers and 16 KiB of each file's data
+    sampled at four places).
     """
     group = batch_group_of(cp_mesh)
     start = time.perf_counter()
-    model = sources = unused = checkpointing = None
+    model = sources = unused = checkpointing = stored = None
     agree = {}
-    with LocalChecks() as checks:
+    with LocalChecks(OSError) as checks:  # (a file missing or unreadable on one rank: every rank raises)
         plan = CPPlan.resolve(plan, settings, cp_group_of(cp_mesh).size(), "load_pretrained")
         checkpointing = checkpointing_plan(activation_checkpointing)
+        device = load_device(device, cp_mesh)
         path = resolve_checkpoint_dir(path)
-        stored = read_index(path)
+        checkpoint = scan_checkpoint(path)
+        stored = checkpoint.stored
         cls = resolve_class(path, model_class, config)
         if config is None:
             config = cls.config_class.from_pretrained(str(path), local_files_only=True)
@@ -355,21 +390,19 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, plan: CPPlan | None = None, dt
         dtype = resolve_dtype(dtype, config, path, stored)
         model = build_on_meta(cls, config, dtype)
         sources, unused = plan_sources(model, stored, path)
-        agree = dict(model_class=cls.__name__, dtype=str(dtype), fsdp=fsdp, tensors=len(sources))
+        agree = dict(model_class=cls.__name__, dtype=str(dtype), fsdp=fsdp, tensors=len(sources),
+                     checkpoint=checkpoint.digest)
     raise_together(group, "load_pretrained", checks.error, agree=agree)
     if unused and group.rank() == 0:
         logger.warning("load_pretrained: %d stored tensor(s) of %s are not part of %s and were not read, e.g. %s",
                        len(unused), path, cls.__name__, unused[:3])
     parallelize_and_shard(model, cp_mesh, plan, fsdp=fsdp, activation_checkpointing=checkpointing or False,
                           mp_policy=mp_policy)
-    if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device()) if cp_mesh.device_type == "cuda"
-                  else torch.device(cp_mesh.device_type))
     tied = tied_head(model)
     model.to_empty(device=device)
     if tied and not tied_head(model):  # to_empty gives each module its own parameter (FSDP2 keeps them shared)
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    held = read_weights(model, sources, path, group)
+    held = read_weights(model, sources, path, stored, group)
     init_buffers(model)
     logger.info("Loaded %s from %s (%s, %d tensors, %.2f GiB on this rank) in %.1f s", cls.__name__, path, dtype,
                 len(sources), held / 2**30, time.perf_counter() - start)

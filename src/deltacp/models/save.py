@@ -19,12 +19,14 @@ parameters: the writing rank converts its own copy block by block).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
+import os
 import re
+import shutil
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,7 @@ from deltacp.models.hf_format import (
     SINGLE_NAME,
     dominant_dtype,
     expert_keys,
+    float_dtype,
     model_tensors,
     row_split,
     shard_rows,
@@ -131,15 +134,48 @@ def _group_of(entries: list[Entry]):
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _stream(files: list[OutFile], out: Path, group, block_bytes: int) -> None:
-    """Every rank sends its shard of every entry, block by block, to group rank 0, which writes the files."""
+class _Writer:
+    """The writing rank's files: the first OSError (disk full, a file that cannot be created) is kept and every later
+    write dropped, so that the rank goes on receiving the other ranks' blocks (they would wait in their sends) and
+    every rank raises it together after the stream."""
+
+    def __init__(self, out: Path):
+        self.out, self.error, self.handle = out, None, None
+
+    def _try(self, fn, *args):
+        if self.error is None:
+            try:
+                return fn(*args)
+            except OSError as exc:
+                self.error = exc
+        return None
+
+    def open(self, name: str) -> None:
+        self.close()
+        self.handle = self._try(open, self.out / name, "wb")
+
+    def write(self, data) -> None:
+        if self.handle is not None:
+            self._try(self.handle.write, data)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self._try(self.handle.close)
+            self.handle = None
+
+
+def _stream(files: list[OutFile], writer: _Writer | None, group, block_bytes: int) -> None:
+    """Every rank sends its shard of every entry, block by block, to group rank 0, which writes the files
+    (`writer`: rank 0's; None on the others)."""
     rank = 0 if group is None else dist.get_rank(group)
     for f in files:
-        with open(out / f.name, "wb") if rank == 0 else contextlib.nullcontext() as handle:
-            if rank == 0:
-                handle.write(_header(f))
-            for entry in f.entries:
-                _stream_entry(entry, handle, rank, group, block_bytes)
+        if rank == 0:
+            writer.open(f.name)
+            writer.write(_header(f))
+        for entry in f.entries:
+            _stream_entry(entry, writer, rank, group, block_bytes)
+    if rank == 0:
+        writer.close()
 
 
 @torch.no_grad()
@@ -165,44 +201,122 @@ def _stream_entry(entry: Entry, handle, rank: int, group, block_bytes: int) -> N
             handle.write(block.cpu().reshape(-1).view(torch.uint8).numpy())
 
 
-def save_pretrained(model: nn.Module, path, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "50GB",
-                    block_bytes: int = BLOCK_BYTES) -> Path:
+def _together(group, what: str, checks: LocalChecks) -> None:
+    if group is not None:
+        raise_together(group, what, checks.error)
+    elif checks.error is not None:
+        raise checks.error
+
+
+def save_pretrained(model: nn.Module, path, *, dtype: torch.dtype | str | None = None,
+                    max_shard_size: int | str = "50GB", block_bytes: int = BLOCK_BYTES) -> Path:
     """Write `model` (any supported class; FSDP2-sharded, replicated or on one process) as a transformers
     checkpoint directory `path` (see the module docstring); every rank holding a shard calls this, rank 0 of the
-    model's mesh writes. dtype: the stored floating dtype (None: each parameter's own, e.g. float32 master
-    weights). Files of an earlier save in `path` (model*.safetensors, the index) are replaced, as
-    `model.save_pretrained` does. Returns `path`."""
+    model's mesh writes. dtype: the stored floating dtype, a torch dtype or its name (float32, bfloat16, float16,
+    float64; None: each parameter's own, e.g. float32 master weights). Returns `path`.
+
+    Atomic: the new export is written to a staging directory beside `path` (`.NAME.staging-*`) and swapped in only
+    when complete, so an earlier export in `path` stays loadable until then, whatever happens to the ranks (a
+    staging directory a killed save left is removed by the next save to `path`). What `path` held besides the
+    weights, the index and the configs (a tokenizer, say) is carried over, as `model.save_pretrained`, writing in
+    place, leaves it. Errors (a bad dtype, a path that cannot be written, a write that fails on the writing rank, a
+    full disk included) are raised on every rank together; then `path` is as it was."""
     from transformers.utils.hub import convert_file_size_to_int
 
     out = Path(path)
-    entries = _entries(model, dtype)
-    group = _group_of(entries)
+    group = _group_of(_entries(model, None))
     rank = 0 if group is None else dist.get_rank(group)
-    files = _files(entries, convert_file_size_to_int(max_shard_size))
+    files = entries = writer = staging = None
     with LocalChecks() as checks:
+        dtype = None if dtype is None else float_dtype(dtype, "save_pretrained: dtype",
+                                                       also=" or None (each parameter's own)")
+        entries = _entries(model, dtype)
+        files = _files(entries, convert_file_size_to_int(max_shard_size))
         unsupported = sorted({str(e.dtype) for e in entries if e.dtype not in SAFETENSORS_DTYPES})
         if unsupported:
             raise ValueError(f"save_pretrained: no safetensors dtype for {unsupported}")
+    if checks.error is None and rank == 0:
+        with LocalChecks(OSError) as checks:
+            staging = _staging_dir(out)
+            writer = _Writer(staging)
+    _together(group, "save_pretrained", checks)
+    _stream(files, writer, group, block_bytes)
+    with LocalChecks(OSError) as checks:
         if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            for old in out.iterdir():
-                if _WEIGHT_FILES.fullmatch(old.name) or old.name == INDEX_NAME:
-                    old.unlink()
-    if group is not None:
-        raise_together(group, "save_pretrained", checks.error)
-    elif checks.error is not None:
-        raise checks.error
-    _stream(files, out, group, block_bytes)
-    if rank == 0:
-        if len(files) > 1:
-            weight_map = {key: f.name for f in files for e in f.entries for key, _ in e.pieces}
-            index = {"metadata": {"total_parameters": sum(e.tensor.numel() for e in entries),
-                                  "total_size": sum(f.nbytes for f in files)}, "weight_map": weight_map}
-            (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _write_configs(model, out, entries, dtype)
-    if group is not None:
-        dist.barrier(group)  # no rank returns before the directory is complete
+            if writer.error is not None:
+                raise writer.error
+            if len(files) > 1:
+                weight_map = {key: f.name for f in files for e in f.entries for key, _ in e.pieces}
+                index = {"metadata": {"total_parameters": sum(e.tensor.numel() for e in entries),
+                                      "total_size": sum(f.nbytes for f in files)}, "weight_map": weight_map}
+                (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            _write_configs(model, staging, entries, dtype)
+            _swap_in(staging, out)
+    if rank == 0 and checks.error is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+    _together(group, "save_pretrained", checks)  # (also: no rank returns before the directory is complete)
     return out
+
+
+def _staging_dir(out: Path) -> Path:
+    """A new empty directory beside `out` to write the export into (same file system: renames are atomic); the
+    staging directories of earlier saves to `out` that were killed are removed first. OSError when `out` is a file
+    or its parent cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"save_pretrained: {out} exists and is not a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # (mkdtemp's 0700 would become the export's mode)
+    return staging
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Make `staging` the directory `out`: first the files of an earlier `out` that are not weights, the index or
+    configs the new export writes are linked (or copied) into it; then one atomic exchange of the two directories
+    (renameat2 RENAME_EXCHANGE, Linux), or where the file system lacks it two renames (a kill between them leaves
+    the old export whole in `.NAME.old-*`); the old directory is removed last."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    written = {p.name for p in staging.iterdir()}
+    for old in out.iterdir():
+        if old.name in written or _WEIGHT_FILES.fullmatch(old.name) or old.name == INDEX_NAME:
+            continue
+        if old.is_dir() and not old.is_symlink():
+            shutil.copytree(old, staging / old.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(old, staging / old.name)
+    if _exchange(staging, out):
+        shutil.rmtree(staging, ignore_errors=True)  # (now the old export)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, old / out.name)
+    os.rename(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux renameat2 with RENAME_EXCHANGE); False where unavailable."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def _write_configs(model: nn.Module, out: Path, entries: list[Entry], dtype: torch.dtype | None) -> None:

@@ -1,0 +1,191 @@
+"""The fault trial's checkpoint cases (2026-12-05): load_pretrained / save_pretrained never load the wrong weights,
+never lose an export, and raise file errors on every rank together. One 2-rank spawn, plus one-process cases.
+
+- a stale model.safetensors beside an index and its shards: the index's files are read (it loaded the stale one);
+  shards without an index are refused, as transformers refuses them;
+- ranks pointed at different checkpoints of the same shapes: every rank refuses (they loaded a mixture);
+- a checkpoint path missing on one rank, an unwritable save path, a write failing on the writing rank: every rank
+  raises (the peer got "Connection reset by peer" or waited the whole timeout);
+- save_pretrained's dtype: floating dtypes and their names only (int8 wrote weights transformers refuses, a name
+  failed with AttributeError);
+- a re-save over a good export that fails midway, or is killed (kill -9): the old export still loads (it was
+  deleted first);
+- device='meta' (a meta-tensor error), a truncated safetensors file (an error naming no file).
+
+Mutations seen failing: see each test's docstring.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from deltacp import load_pretrained, save_pretrained
+from deltacp.distributed.launch import run_distributed
+from deltacp.models.hf_format import read_index
+from deltacp.models import save as save_module
+from helpers import cp_mesh, tiny_config
+
+pytestmark = pytest.mark.fast
+
+
+def _model(seed: int) -> transformers.Qwen3_5ForCausalLM:
+    torch.manual_seed(seed)
+    return transformers.Qwen3_5ForCausalLM(tiny_config())
+
+
+def _params(path) -> dict[str, torch.Tensor]:
+    return dict(transformers.Qwen3_5ForCausalLM.from_pretrained(path).state_dict())
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _expect(error, pattern, fn):
+    with pytest.raises(error, match=pattern):
+        fn()
+
+
+def _gathered(model) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+
+
+def _worker(rank, world, root):
+    root = Path(root)
+    mesh = cp_mesh()
+    good, other = root / "sharded", root / "other"  # (sharded/ also holds a stale model.safetensors)
+    # the index's shards, not the stale single file beside them
+    model = load_pretrained(good, mesh, linear_attention_cp_mode="p2p", dtype=torch.float32)
+    expected = torch.load(root / "expected.pt")
+    got = _gathered(model)
+    assert all(torch.equal(got[k], expected[k]) for k in expected), "the stale model.safetensors was read"
+    # ranks given different checkpoints of the same shapes
+    _expect(ValueError, r"load_pretrained: ranks disagree on checkpoint",
+            lambda: load_pretrained(good if rank == 0 else other, mesh, linear_attention_cp_mode="p2p"))
+    # a path missing on rank 1 only
+    if rank == 1:
+        _expect(FileNotFoundError, r"not a local checkpoint directory",
+                lambda: load_pretrained(root / "missing", mesh, linear_attention_cp_mode="p2p"))
+    else:
+        _expect(RuntimeError, r"load_pretrained: the checks failed on rank\(s\) \[1\] \(rank 1: FileNotFoundError",
+                lambda: load_pretrained(good, mesh, linear_attention_cp_mode="p2p"))
+    _expect(ValueError, r"load_pretrained: device='meta' holds no weights",
+            lambda: load_pretrained(good, mesh, linear_attention_cp_mode="p2p", device="meta"))
+
+    # save: an unwritable path on the writing rank (rank 0), a bad dtype on one rank, a write failing midway
+    (root / "a_file").touch()
+    bad = root / "a_file" / "export" if rank == 0 else root / f"fine_{rank}"
+    _expect((NotADirectoryError, FileExistsError, RuntimeError), r"a_file|rank\(s\) \[0\]",
+            lambda: save_pretrained(model, bad))
+    _expect((ValueError, RuntimeError), r"save_pretrained: dtype=torch\.int8 is not supported; expected one of "
+                                        r"\['float32', 'bfloat16', 'float16', 'float64'\]|rank\(s\) \[1\]",
+            lambda: save_pretrained(model, root / "export", dtype=torch.float32 if rank == 0 else torch.int8))
+    save_pretrained(model, root / "export", dtype="bfloat16")  # a dtype's name
+    first = _params(root / "export") if rank == 0 else None
+    if rank == 0:
+        assert first["lm_head.weight"].dtype == torch.bfloat16
+        (root / "export" / "tokenizer.json").write_text("{}")  # kept by a re-save, as transformers keeps it
+    real_write, calls = save_module._Writer.write, []
+
+    def failing_write(self, data):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")  # (kept by _Writer._try like a real write's)
+        real_write(self, data)
+
+    save_module._Writer.write = lambda self, data: self._try(failing_write, self, data)
+    try:
+        _expect((OSError, RuntimeError), r"No space left on device",
+                lambda: save_pretrained(model, root / "export", dtype=torch.float32, block_bytes=256))
+    finally:
+        save_module._Writer.write = real_write
+    if rank == 0:
+        assert _same(_params(root / "export"), first), "the old export changed"
+        assert not list(root.glob(".export.staging-*")), "a staging directory was left"
+    torch.distributed.barrier()
+    save_pretrained(model, root / "export", dtype=torch.float32, max_shard_size="20KB")  # replaces it
+    if rank == 0:
+        again = _params(root / "export")
+        assert again["lm_head.weight"].dtype == torch.float32 and _same(
+            {k: v.to(torch.bfloat16) for k, v in again.items()}, first)
+        assert (root / "export" / "tokenizer.json").read_text() == "{}"
+        assert not (root / "export" / "model.safetensors").exists()  # now shards with their index
+
+
+def test_checkpoint_faults_on_two_ranks(tmp_path):
+    """Mutations seen failing: the RowReader's metadata from every file (HuggingFaceStorageReader's: the stale
+    weights load); the digest left out of the agreed values (the ranks load a mixture); OSError not kept by
+    load_pretrained's checks (rank 0 waits in the exchange, rank 1 raises alone: a gloo connection error); the
+    write error not kept by the writer (the senders wait, then a gloo error); the staging swap replaced by writing
+    into the export (the old export is gone after the failed re-save)."""
+    good = _model(0)
+    good.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    torch.save({k: v.clone() for k, v in good.state_dict().items()}, tmp_path / "expected.pt")
+    stale = _model(1).state_dict()  # a stale single file of the same shapes beside the shards
+    save_file({k: v.contiguous() for k, v in stale.items()},
+              tmp_path / "sharded" / "model.safetensors", metadata={"format": "pt"})
+    _model(2).save_pretrained(tmp_path / "other", max_shard_size="20KB")
+    run_distributed(_worker, 2, str(tmp_path), timeout_s=300, collective_timeout_s=60)
+
+
+def test_shards_without_an_index_and_a_truncated_file_are_named(tmp_path):
+    """Mutations seen failing: the header's length check removed (a truncated file: safetensors' error or a short
+    read, naming no file)."""
+    _model(0).save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")
+    (tmp_path / "ckpt" / "model.safetensors.index.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"safetensors file\(s\) \(model-00001-of-.*but neither "
+                                                r"model\.safetensors nor model\.safetensors\.index\.json"):
+        read_index(tmp_path / "ckpt")
+    _model(0).save_pretrained(tmp_path / "one")
+    weights = tmp_path / "one" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{weights}: truncated: its tensors end at byte \d+, the file has \d+"):
+        read_index(tmp_path / "one")
+    weights.write_bytes(b"\x05")
+    with pytest.raises(ValueError, match=rf"{weights}: not a safetensors file \(1 bytes"):
+        read_index(tmp_path / "one")
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import os, sys, time, torch, transformers
+    sys.path.insert(0, {tests!r})
+    from helpers import tiny_config
+    from deltacp import save_pretrained
+    from deltacp.models import save as save_module
+    real = save_module._Writer.write
+    def slow(self, data):
+        real(self, data)
+        print("writing", flush=True)
+        time.sleep(30)  # killed here, the new export half written
+    save_module._Writer.write = slow
+    torch.manual_seed(5)
+    save_pretrained(transformers.Qwen3_5ForCausalLM(tiny_config()), {out!r})
+""")
+
+
+def test_a_killed_resave_leaves_the_old_export_loadable(tmp_path):
+    """kill -9 of the saving process while it writes over a good export: the old export loads, unchanged.
+    Mutation seen failing: the staging swap replaced by writing into the export."""
+    out = tmp_path / "export"
+    save_pretrained(_model(0), out)
+    before = _params(out)
+    code = KILLED_SAVE.format(tests=str(Path(__file__).resolve().parents[1]), out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert _same(_params(out), before)
+    save_pretrained(_model(1), out)  # the next save clears the killed one's staging directory
+    assert not list(tmp_path.glob(".export.staging-*"))
+    assert not _same(_params(out), before)
