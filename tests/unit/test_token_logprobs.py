@@ -271,36 +271,38 @@ def test_argument_errors(single_rank_group):
 
 
 def test_cp_token_logprobs_checks(single_rank_group):
-    """Checked on every rank before the model runs (one rank here): the head's type, the temperature, targets."""
+    """Checked on every rank before the model runs (one rank here): that CP is applied, the head's type, the
+    temperature, the chunk sizes, the targets."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3_5ForCausalLM
 
-    from deltacp import cp_token_logprobs
-
-    class Tiny(nn.Module):
-        def __init__(self, head):
-            super().__init__()
-            self.head = head
-            self.calls = 0
-
-        def get_output_embeddings(self):
-            return self.head
-
-        def forward(self, x):
-            self.calls += 1
-            raise AssertionError("the model must not run")
+    from deltacp import cp_token_logprobs, parallelize_cp
+    from helpers import tiny_config
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    calls = []
+
+    def model_with(head=None, cp=True):
+        model = Qwen3_5ForCausalLM(tiny_config(vocab_size=9))
+        if cp:
+            model = parallelize_cp(model, mesh)
+        if head is not None:
+            model.lm_head = head
+        model.forward = lambda *a, **k: calls.append(1)  # the model must not run
+        return model
+
     t = torch.tensor([[1, 2, IGNORE]])
+    with pytest.raises(ValueError, match="cp_token_logprobs: context parallelism is not applied"):
+        cp_token_logprobs(model_with(cp=False), t, mesh)
     with pytest.raises(TypeError, match="cp_token_logprobs: the model's output head must be an nn.Linear"):
-        cp_token_logprobs(Tiny(nn.Identity()), t, mesh, x=None)
+        cp_token_logprobs(model_with(nn.Identity()), t, mesh)
     for kwargs, match in ((dict(temperature=0), "temperature must be a finite number > 0"),
                           (dict(chunk_size=-1), "chunk_size must be a positive integer"),
                           (dict(target_ids=torch.tensor([[1, 9, 2]])), "target 9 is out of bounds for vocab 9")):
-        model = Tiny(nn.Linear(4, 9))
         with pytest.raises(ValueError, match=match):
-            cp_token_logprobs(model, kwargs.pop("target_ids", t), mesh, x=None, **kwargs)
-        assert model.calls == 0
+            cp_token_logprobs(model_with(), kwargs.pop("target_ids", t), mesh, **kwargs)
+    assert not calls
 
 
 _TRITON_CODE = r"""
