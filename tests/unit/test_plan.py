@@ -35,6 +35,9 @@ def test_a_plan_validates_each_rule_once_naming_the_setting():
     with pytest.raises(ValueError, match=r"^full_attention_cp='bogus' is not supported; expected one of \('ulysses', "
                                          r"'all_gather', 'ring'\)"):  # at construction, cp unknown (was: at apply)
         CPPlan(full_attention_cp="bogus")
+    with pytest.raises(ValueError, match=r"^linear_attention_gdn_backend=None is not supported; expected one of "
+                                         r"\('eager', 'triton'\)"):  # (it built: None skipped the backend check)
+        CPPlan(linear_attention_gdn_backend=None)
     # what the settings imply, asked of the plan
     assert CPPlan(linear_attention_cp_mode="p2p").row_cut(3) == RowCut("contiguous", 3)
     assert CPPlan(linear_attention_cp_mode="ulysses").row_cut(3) == RowCut("contiguous", 1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+from deltacp.ops.gdn.backends import GDN_BACKENDS
 from deltacp.parallel.layout import check_ulysses_degree, check_ulysses_degree_value, validate_cp_layout
 from deltacp.parallel.modes import attention_method, canonical_name, check_state_passing, gdn_mode
 from deltacp.parallel.placement import RowCut, check_sequence_layout
@@ -61,6 +62,9 @@ class CPPlan:
         p = self.prefix
         if self.cp is not None and (not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1):
             raise ValueError(f"{p}cp must be an integer >= 1, got {self.cp!r}")
+        if self.linear_attention_gdn_backend not in GDN_BACKENDS:  # (gdn_mode skips a backend of None)
+            raise ValueError(f"{p}linear_attention_gdn_backend={self.linear_attention_gdn_backend!r} is not supported; "
+                             f"expected one of {GDN_BACKENDS}")
         mode = gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix=p)
         check_state_passing(self.linear_attention_state_passing, mode, p)
         attention_method(self.full_attention_cp, prefix=p)
