@@ -5,9 +5,12 @@ on every rank together, naming the fix, never run silently, never a crash or a h
   each rank's slice ran as a sequence of its own, logp 5.7e-3 off) and inside suspend_cp;
 - a different temperature on each rank;
 - apply_activation_checkpointing on rank 0 only (a gloo abort under Ulysses, a hang under p2p), and applied twice
-  (it nested: 1.7x the step time).
+  (it nested: 1.7x the step time; now the same plan again is a no-op, another plan raises).
 
-Mutations seen failing: see the test's docstring.
+Also (a second spawn): FSDP2 applied after CP passes, FSDP2 alone and shard_batch_for_cp(model=) of a plain model
+are refused, and CP applied at cp = 1 keeps working.
+
+Mutations seen failing: see each test's docstring.
 """
 
 import copy
@@ -64,13 +67,64 @@ def _worker(rank, world):
     model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode="p2p")
     apply_activation_checkpointing(model, policy="selective")
     _raises_on_every_rank(ValueError, r"apply_activation_checkpointing: already applied to this Qwen3_5ForCausalLM "
-                                      r"\(policy='selective', every_n_layers=1, num_layers=None: 4 layers\)",
+                                      r"\(policy='selective', every_n_layers=1, num_layers=None: 4 layers\), asked "
+                                      r"again with policy='full', every_n_layers=1, num_layers=None",
                           lambda: apply_activation_checkpointing(model))
+    forwards = [layer.forward for layer in model.model.layers]
+    assert apply_activation_checkpointing(model, policy="selective") == 4  # the same plan again: nothing nested
+    assert [layer.forward for layer in model.model.layers] == forwards
     cp_causal_lm_loss(model, targets, mesh, **batch, use_cache=False).backward()  # the model still trains
 
 
 def test_entry_point_faults_raise_on_every_rank():
     """Mutations seen failing: require_parallelized removed from the losses (rank-local sequences, no error); the
     temperature left out of the agreed values (no error); the checkpointing signature left out of the input hook's
-    agreed values (rank 1 aborts in gloo, SIGABRT, at the ulysses case); the second-apply check removed (no error)."""
+    agreed values (rank 1 aborts in gloo, SIGABRT, at the ulysses case); the second-apply check removed (no error);
+    the same-plan no-op made to raise as well (the second selective apply raised)."""
     run_distributed(_worker, 2, timeout_s=300, collective_timeout_s=60)
+
+
+def _wrapped_worker(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from deltacp import fully_shard_cp, init_cp_mesh
+
+    mesh = cp_mesh()
+    torch.manual_seed(0)
+    base = long_memory_gates_(Qwen3_5ForCausalLM(tiny_config())).double()
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(1))
+
+    # shard_batch_for_cp(model=) of a model CP was not applied to: refused on every rank together
+    _raises_on_every_rank(ValueError, r"shard_batch_for_cp: model= must be a model parallelize_cp was applied to",
+                          lambda: shard_batch_for_cp(ids, mesh, model=copy.deepcopy(base)))
+
+    batch = shard_batch_for_cp(ids, mesh)
+    targets = batch.pop("target_ids")
+    reference = cp_token_logprobs(parallelize_cp(copy.deepcopy(base), mesh), targets, mesh, **batch, use_cache=False)
+    # FSDP2 after CP (deltacp's order) is a CP'd model; FSDP2 alone is not
+    sharded = fully_shard_cp(parallelize_cp(copy.deepcopy(base), mesh), mesh)
+    logp = cp_token_logprobs(sharded, targets, mesh, **batch, use_cache=False)
+    torch.testing.assert_close(logp, reference, rtol=1e-12, atol=1e-12)
+    only_fsdp = fully_shard(copy.deepcopy(base), mesh=mesh)  # torch's own (fully_shard_cp refuses a plain model)
+    for fn in (cp_token_logprobs, cp_causal_lm_loss):
+        _raises_on_every_rank(ValueError, rf"{fn.__name__}: context parallelism is not applied to this "
+                                          r"FSDPQwen3_5ForCausalLM",
+                              lambda: fn(only_fsdp, targets, mesh, **batch, use_cache=False))
+
+    # CP applied with cp = 1 (dp 2 x cp 1): each rank holds whole rows, the single-device numbers
+    mesh1 = init_cp_mesh(1, 2)
+    one = parallelize_cp(copy.deepcopy(base), mesh1)
+    whole = shard_batch_for_cp(ids, mesh1, model=one)
+    target1 = whole.pop("target_ids")
+    logp = cp_token_logprobs(one, target1, mesh1, **whole, use_cache=False)
+    logits = base(input_ids=ids, use_cache=False).logits
+    expected = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(logp[:, :-1], expected, rtol=1e-6, atol=1e-7)  # transformers' own GDN kernels
+    cp_causal_lm_loss(one, target1, mesh1, **whole, use_cache=False).backward()
+
+
+def test_wrapped_and_cp1_models_at_the_entry_points():
+    """FSDP2 after CP passes the CP-applied check (same log-probabilities as unsharded); FSDP2 without CP and
+    shard_batch_for_cp(model=) of a plain model are refused on both ranks; CP at cp = 1 keeps working. Mutation seen
+    failing: require_parallelized removed from cp_token_logprobs (the FSDP2-only model ran, no error)."""
+    run_distributed(_wrapped_worker, 2, timeout_s=300, collective_timeout_s=60)

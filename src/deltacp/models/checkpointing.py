@@ -81,26 +81,41 @@ def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *,
     `num_layers` of them (None: all), under `policy` ("selective" | "full"); returns the number of layers
     checkpointed.
 
-    Once per model: a second call raises (checkpointing nested in checkpointing recomputes every layer twice). Every
-    rank must apply the same plan; a CP'd model checks that at its first forward, on every rank together."""
+    Once per model: asking again for the plan already applied changes nothing (checkpointing nested in
+    checkpointing would recompute every layer twice); another plan raises, naming the one applied. Every rank must
+    apply the same plan; a CP'd model checks that at its first forward, on every rank together."""
     check_plan(policy, every_n_layers, num_layers)
     adapter = adapter_for(model)
     applied = checkpointing_signature(adapter.text)
+    asked = (POLICIES.index(policy) + 1, every_n_layers, -1 if num_layers is None else num_layers)
     if applied[0]:
-        raise ValueError(f"apply_activation_checkpointing: already applied to this {type(model).__name__} "
-                         f"(policy={POLICIES[applied[0] - 1]!r}, every_n_layers={applied[1]}, num_layers="
-                         f"{None if applied[2] < 0 else applied[2]}: {applied[3]} layers); apply it once, to the "
-                         f"unwrapped model (load_pretrained / parallelize_and_shard already apply theirs)")
+        return _already_applied(model, applied, asked)
     layers = adapter.layers()
     chosen = layers[::every_n_layers][:num_layers]
-    setattr(adapter.text, _APPLIED, (POLICIES.index(policy) + 1, every_n_layers,
-                                     -1 if num_layers is None else num_layers, len(chosen)))
+    setattr(adapter.text, _APPLIED, (*asked, len(chosen)))
     kwargs = dict(use_reentrant=False, context_fn=selective_contexts if policy == "selective" else full_contexts)
     for layer in chosen:
         _install_region_mlp(layer, adapter.family.mlp)
         layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
     logger.info("Applied activation checkpointing (%s) to %d of %d decoder layers", policy, len(chosen), len(layers))
     return len(chosen)
+
+
+def _already_applied(model: nn.Module, applied: tuple, asked: tuple) -> int:
+    """A second `apply_activation_checkpointing`: the layers already checkpointed when `asked` (policy index + 1,
+    every_n_layers, num_layers or -1) is the plan `applied`, else ValueError naming both."""
+    def describe(plan):
+        return (f"policy={POLICIES[plan[0] - 1]!r}, every_n_layers={plan[1]}, "
+                f"num_layers={None if plan[2] < 0 else plan[2]}")
+
+    if tuple(applied[:3]) == asked:
+        logger.info("Activation checkpointing (%s) is already applied to %s; left as it is", describe(applied),
+                    type(model).__name__)
+        return applied[3]
+    raise ValueError(f"apply_activation_checkpointing: already applied to this {type(model).__name__} "
+                     f"({describe(applied)}: {applied[3]} layers), asked again with {describe(asked)}: apply one "
+                     f"plan, once (load_pretrained, parallelize_and_shard and the CP trainers' activation_checkpointing "
+                     f"argument apply theirs)")
 
 
 def _swiglu_mlp_forward(self, x):
