@@ -2,7 +2,8 @@
 on every rank together, naming the fix, never run silently, never a crash or a hang.
 
 - cp_token_logprobs and cp_causal_lm_loss on a model CP was never applied to (an RL reference model left unwrapped:
-  each rank's slice ran as a sequence of its own, logp 5.7e-3 off) and inside suspend_cp;
+  each rank's slice ran as a sequence of its own, logp 5.7e-3 off) and inside suspend_cp; all_reduce_cp_grads and
+  fully_shard_cp on such a model (their gradient sums assume each rank's loss is its share);
 - a different temperature on each rank;
 - apply_activation_checkpointing on rank 0 only (a gloo abort under Ulysses, a hang under p2p), and applied twice
   (it nested: 1.7x the step time; now the same plan again is a no-op, another plan raises).
@@ -19,8 +20,8 @@ import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM
 
-from deltacp import (apply_activation_checkpointing, cp_causal_lm_loss, cp_token_logprobs, parallelize_cp,
-                     shard_batch_for_cp, suspend_cp)
+from deltacp import (all_reduce_cp_grads, apply_activation_checkpointing, cp_causal_lm_loss, cp_token_logprobs,
+                     fully_shard_cp, parallelize_cp, shard_batch_for_cp, suspend_cp)
 from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, long_memory_gates_, tiny_config
 
@@ -45,6 +46,9 @@ def _worker(rank, world):
         _raises_on_every_rank(ValueError, rf"{fn.__name__}: context parallelism is not applied to this "
                                           r"Qwen3_5ForCausalLM.*Apply parallelize_cp\(model, mesh, \.\.\.\) first",
                               lambda: fn(plain, targets, mesh, **batch, use_cache=False))
+    for fn in (all_reduce_cp_grads, fully_shard_cp):  # their sums over the mesh are right for a CP'd model only
+        _raises_on_every_rank(ValueError, rf"{fn.__name__}: context parallelism is not applied",
+                              lambda: fn(plain, mesh))
 
     model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode="p2p")
     with suspend_cp(model):

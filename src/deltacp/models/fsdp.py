@@ -13,14 +13,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of, batch_mesh_of
 from deltacp.models.adapters import adapter_for
+from deltacp.models.parallelize import require_parallelized
 
 
 def all_reduce_cp_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Sum replicated parameters' gradients over every rank of the mesh (without FSDP): the CP group, or dp x cp
-    for a ("dp", "cp") mesh, whose ranks together hold the global batch the loss averages over."""
+    for a ("dp", "cp") mesh, whose ranks together hold the global batch the loss averages over. A model CP was not
+    applied to is refused on every rank together (one small all-gather first)."""
     group = batch_group_of(cp_mesh)
+    _require_cp(model, group, "all_reduce_cp_grads")
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, group=group)
@@ -33,10 +37,11 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
     (the vision tower goes with the root).
 
     FSDP2 would average over its mesh; here the reduction is a plain sum (divide factor 1, see the module
-    docstring).
+    docstring). A model CP was not applied to is refused on every rank together.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    _require_cp(model, batch_group_of(mesh), "fully_shard_cp")
     kwargs = dict(mesh=batch_mesh_of(mesh), reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy if isinstance(mp_policy, MixedPrecisionPolicy) else MixedPrecisionPolicy(
@@ -52,6 +57,14 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
             module.set_force_sum_reduction_for_comms(True)
     model._deltacp_reshard_after_forward = reshard_after_forward  # what unsharded_parameters sets again on exit
     return model
+
+
+def _require_cp(model: nn.Module, group, fn: str) -> None:
+    """Sums over the mesh are right only for a CP'd model (each rank's loss its share of the global batch): a model
+    CP was not applied to is refused on every rank together (`require_parallelized`)."""
+    with LocalChecks() as checks:
+        require_parallelized(model, fn)
+    raise_together(group, fn, checks.error, device=next(model.parameters()).device)
 
 
 @contextlib.contextmanager
