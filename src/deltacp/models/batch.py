@@ -53,7 +53,7 @@ def batch_row_cut(sequence_layout: str | None, model: nn.Module | None, what: st
     cut = row_cut_of(model)
     if cut is None:
         raise ValueError(f"{what}: model= must be a model parallelize_cp was applied to ({type(model).__name__} is "
-                         f"not)")
+                         f"not): apply parallelize_cp(model, mesh, ...) first, or load it with deltacp.load_pretrained")
     if sequence_layout is not None and sequence_layout != cut.sequence_layout:
         raise ValueError(f"{what}: sequence_layout={sequence_layout!r}, but the model was parallelized with "
                          f"sequence_layout={cut.sequence_layout!r}; leave sequence_layout out (model= gives it)")
