@@ -1,8 +1,9 @@
 """The fault trial's checkpoint cases (2026-12-05): load_pretrained / save_pretrained never load the wrong weights,
 never lose an export, and raise file errors on every rank together. One 2-rank spawn, plus one-process cases.
 
-- a stale model.safetensors beside an index and its shards: the index's files are read (it loaded the stale one);
-  shards without an index are refused, as transformers refuses them;
+- shards of an older save beside an index and its shards: the index's files are read (every *.safetensors was);
+  a stale model.safetensors beside an index is refused (it was loaded; transformers reads it, ignoring the index,
+  which is likely the newer save); shards without an index are refused, as transformers refuses them;
 - ranks pointed at different checkpoints of the same shapes: every rank refuses (they loaded a mixture);
 - a checkpoint path missing on one rank, an unwritable save path, a write failing on the writing rank: every rank
   raises (the peer got "Connection reset by peer" or waited the whole timeout);
@@ -15,6 +16,7 @@ never lose an export, and raise file errors on every rank together. One 2-rank s
 Mutations seen failing: see each test's docstring.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +32,7 @@ from safetensors.torch import save_file
 from deltacp import load_pretrained, save_pretrained
 from deltacp.distributed.launch import run_distributed
 from deltacp.models.hf_format import read_index
+from deltacp.models.pretrained import resolve_class
 from deltacp.models import save as save_module
 from helpers import cp_mesh, tiny_config
 
@@ -61,12 +64,12 @@ def _gathered(model) -> dict[str, torch.Tensor]:
 def _worker(rank, world, root):
     root = Path(root)
     mesh = cp_mesh()
-    good, other = root / "sharded", root / "other"  # (sharded/ also holds a stale model.safetensors)
-    # the index's shards, not the stale single file beside them
+    good, other = root / "sharded", root / "other"  # (sharded/ also holds shards of an older save)
+    # the index's shards, not the stale ones beside them
     model = load_pretrained(good, mesh, linear_attention_cp_mode="p2p", dtype=torch.float32)
     expected = torch.load(root / "expected.pt")
     got = _gathered(model)
-    assert all(torch.equal(got[k], expected[k]) for k in expected), "the stale model.safetensors was read"
+    assert all(torch.equal(got[k], expected[k]) for k in expected), "the stale shards were read"
     # ranks given different checkpoints of the same shapes
     _expect(ValueError, r"load_pretrained: ranks disagree on checkpoint",
             lambda: load_pretrained(good if rank == 0 else other, mesh, linear_attention_cp_mode="p2p"))
@@ -88,6 +91,7 @@ def _worker(rank, world, root):
     _expect((ValueError, RuntimeError), r"save_pretrained: dtype=torch\.int8 is not supported; expected one of "
                                         r"\['float32', 'bfloat16', 'float16', 'float64'\]|rank\(s\) \[1\]",
             lambda: save_pretrained(model, root / "export", dtype=torch.float32 if rank == 0 else torch.int8))
+    assert rank != 0 or not list(root.glob(".export.staging-*")), "the failed save left its staging directory"
     save_pretrained(model, root / "export", dtype="bfloat16")  # a dtype's name
     first = _params(root / "export") if rank == 0 else None
     if rank == 0:
@@ -125,21 +129,52 @@ def test_checkpoint_faults_on_two_ranks(tmp_path):
     weights load); the digest left out of the agreed values (the ranks load a mixture); OSError not kept by
     load_pretrained's checks (rank 0 waits in the exchange, rank 1 raises alone: a gloo connection error); the
     write error not kept by the writer (the senders wait, then a gloo error); the staging swap replaced by writing
-    into the export (the old export is gone after the failed re-save)."""
+    into the export (the old export is gone after the failed re-save); the staging directory kept when another
+    rank's check fails (a stray directory)."""
     good = _model(0)
     good.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     torch.save({k: v.clone() for k, v in good.state_dict().items()}, tmp_path / "expected.pt")
-    stale = _model(1).state_dict()  # a stale single file of the same shapes beside the shards
-    save_file({k: v.contiguous() for k, v in stale.items()},
-              tmp_path / "sharded" / "model.safetensors", metadata={"format": "pt"})
+    _model(1).save_pretrained(tmp_path / "stale", max_shard_size="60KB")  # an older save's shards, other names
+    for shard in (tmp_path / "stale").glob("model-*.safetensors"):
+        assert not (tmp_path / "sharded" / shard.name).exists()
+        shard.rename(tmp_path / "sharded" / shard.name)
     _model(2).save_pretrained(tmp_path / "other", max_shard_size="20KB")
     run_distributed(_worker, 2, str(tmp_path), timeout_s=300, collective_timeout_s=60)
 
 
+def test_a_stale_single_file_beside_an_index_is_refused(tmp_path):
+    """An index and its shards beside a model.safetensors the index does not name: transformers 5.25 reads the
+    single file (checked here), the index is likely the newer save: refused, naming both. Mutation seen failing:
+    the check removed (the shards load, unlike transformers)."""
+    _model(0).save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")
+    stale = _model(1)
+    save_file({k: v.contiguous() for k, v in stale.state_dict().items()}, tmp_path / "ckpt" / "model.safetensors",
+              metadata={"format": "pt"})
+    assert _same(_params(tmp_path / "ckpt"), dict(stale.state_dict()))  # transformers' choice
+    with pytest.raises(ValueError, match=r"ckpt: both model\.safetensors and model\.safetensors\.index\.json "
+                                         r"\(naming 28 other file\(s\), e\.g\. model-00001-of-00028\.safetensors\)"):
+        read_index(tmp_path / "ckpt")
+
+
+def test_each_tensor_is_read_from_the_file_the_weight_map_names(tmp_path):
+    """A tensor that two named files hold (a shard rewritten by hand, say) is read from the one the weight_map gives;
+    a file the index does not name is not even opened. Mutations seen failing: every tensor of every named file kept
+    (the later file's copy won); every *.safetensors of the directory opened (the unnamed junk file refused)."""
+    ckpt = tmp_path / "ckpt"
+    _model(0).save_pretrained(ckpt, max_shard_size="20KB")
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    first, last = sorted(set(weight_map.values()))[0], sorted(set(weight_map.values()))[-1]
+    key = next(k for k, f in weight_map.items() if f == first)
+    extra = {k: v.contiguous() for k, v in _model(1).state_dict().items() if weight_map.get(k) == last or k == key}
+    save_file(extra, ckpt / last, metadata={"format": "pt"})  # the last file also holds a stale copy of `key`
+    (ckpt / "consolidated.safetensors").write_bytes(b"junk")
+    assert read_index(ckpt)[key].file == str(ckpt / first)
+
+
 def test_shards_without_an_index_and_a_truncated_file_are_named(tmp_path):
     """Mutations seen failing: the header's length check removed (a truncated file: safetensors' error or a short
-    read, naming no file)."""
+    read, naming no file); config.json read without naming it (json's message alone)."""
     _model(0).save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")
     (tmp_path / "ckpt" / "model.safetensors.index.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"safetensors file\(s\) \(model-00001-of-.*but neither "
@@ -153,6 +188,9 @@ def test_shards_without_an_index_and_a_truncated_file_are_named(tmp_path):
     weights.write_bytes(b"\x05")
     with pytest.raises(ValueError, match=rf"{weights}: not a safetensors file \(1 bytes"):
         read_index(tmp_path / "one")
+    (tmp_path / "one" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'one' / 'config.json'}: not JSON"):
+        resolve_class(tmp_path / "one", None)
 
 
 KILLED_SAVE = textwrap.dedent("""
@@ -189,3 +227,17 @@ def test_a_killed_resave_leaves_the_old_export_loadable(tmp_path):
     save_pretrained(_model(1), out)  # the next save clears the killed one's staging directory
     assert not list(tmp_path.glob(".export.staging-*"))
     assert not _same(_params(out), before)
+
+
+def test_a_resave_through_a_symlinked_export_replaces_its_target(tmp_path):
+    """An export directory reached through a symlink (on another disk, say): the re-save replaces the target's
+    contents and the link stays a link, nothing left beside either. Mutation seen failing: staging beside the link
+    (the link was swapped for a directory, the old export left behind a stray staging link)."""
+    (tmp_path / "disk").mkdir()
+    save_pretrained(_model(0), tmp_path / "disk" / "export")
+    (tmp_path / "export").symlink_to(tmp_path / "disk" / "export", target_is_directory=True)
+    save_pretrained(_model(1), tmp_path / "export")
+    assert (tmp_path / "export").is_symlink()
+    assert _same(_params(tmp_path / "disk" / "export"), dict(_model(1).state_dict()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "export"]
+    assert [p.name for p in (tmp_path / "disk").iterdir()] == ["export"]

@@ -77,10 +77,12 @@ class StoredTensor:
 
 
 def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of the checkpoint directory `path` that transformers reads, and the index's weight_map
-    (None without an index): with `model.safetensors.index.json`, exactly the files its weight_map names (another
-    `*.safetensors` beside them, a stale `model.safetensors` say, is not read); else `model.safetensors`. Any other
-    layout is refused, as transformers refuses it. FileNotFoundError / ValueError naming the directory or file."""
+    """The safetensors files of the checkpoint directory `path` to read, and the index's weight_map (None without an
+    index): with `model.safetensors.index.json`, exactly the files its weight_map names (another `*.safetensors`
+    beside them, shards of an older save say, is not read); else `model.safetensors`. Refused, naming the files:
+    shards without an index (transformers refuses them too), and an index beside a `model.safetensors` it does not
+    name: transformers 5.25 then reads `model.safetensors` and ignores the index, while the index is most likely the
+    newer save, so either choice could load stale weights without a word. FileNotFoundError / ValueError."""
     index = path / INDEX_NAME
     if index.is_file():
         try:
@@ -94,6 +96,10 @@ def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
         if absent:
             raise FileNotFoundError(f"{path}: {INDEX_NAME} names {len(absent)} file(s) that are not there, e.g. "
                                     f"{absent[0]} (an incomplete download?)")
+        if (path / SINGLE_NAME).is_file() and SINGLE_NAME not in names:
+            raise ValueError(f"{path}: both {SINGLE_NAME} and {INDEX_NAME} (naming {len(names)} other file(s), e.g. "
+                             f"{names[0] if names else 'none'}): which is the checkpoint is ambiguous (transformers "
+                             f"reads {SINGLE_NAME}, ignoring the index); remove the stale one")
         return [path / name for name in names], weight_map
     if (path / SINGLE_NAME).is_file():
         return [path / SINGLE_NAME], None

@@ -3,16 +3,16 @@
     mesh = init_cp_mesh(cp=4, dp=2)                                  # 8 ranks (torchrun)
     model = load_pretrained("Qwen3.5-27B", mesh, linear_attention_cp_mode="p2p", activation_checkpointing=True)
 
-Steps: read config.json and the safetensors headers of the files transformers reads (the index's, else
-model.safetensors; no weights); build the model on the meta device in the
-checkpoint's dtype (or `dtype=`); check that every parameter has its stored tensor (`models/hf_format.py`: text
-prefixes, per-expert or fused experts, tied embeddings), and that every rank read the same checkpoint, on every
-rank together; apply CP, activation checkpointing
-and FSDP2 (`parallelize_and_shard`, the trainer's order) while the model is still on the meta device; allocate
-each rank's shard (`to_empty`); fill it through torch.distributed.checkpoint's `HuggingFaceStorageReader`, which
-plans, for each stored tensor, the rows this rank holds, read with plain file reads in 64 MiB blocks and converted
-to the parameter's dtype as they are copied in (`row_reader`); recompute the non-persistent buffers (rotary inverse
-frequencies) as transformers does. No rank ever holds more than its shard of the parameters plus one block.
+Steps: read config.json and the safetensors headers of the checkpoint's files (the index's, else model.safetensors;
+no weights but a few KiB sampled for the digest); build the model on the meta device in the checkpoint's dtype (or
+`dtype=`); check that every parameter has its stored tensor (`models/hf_format.py`: text prefixes, per-expert or
+fused experts, tied embeddings), and that every rank read the same checkpoint, on every rank together; apply CP,
+activation checkpointing and FSDP2 (`parallelize_and_shard`, the trainer's order) while the model is still on the
+meta device; allocate each rank's shard (`to_empty`); fill it through torch.distributed.checkpoint's
+`HuggingFaceStorageReader`, which plans, for each stored tensor, the rows this rank holds, read with plain file
+reads in 64 MiB blocks and converted to the parameter's dtype as they are copied in (`row_reader`); recompute the
+non-persistent buffers (rotary inverse frequencies) as transformers does. No rank ever holds more than its shard of
+the parameters plus one block.
 
 Under FSDP2 (the default) each rank holds 1 / (dp x cp) of the model; with `fsdp=False` every rank holds all
 of it (read straight into the final dtype and device, no second copy).
@@ -90,13 +90,12 @@ def resolve_class(path: Path, model_class, config=None) -> type:
     import transformers
 
     if model_class is None:
-        config_file = path / "config.json"
         if config is not None and getattr(config, "architectures", None):
             architectures = config.architectures
-        elif not config_file.is_file():
+        elif not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json")
         else:
-            architectures = json.loads(config_file.read_text()).get("architectures") or []
+            architectures = _raw_config(path).get("architectures") or []
         if not architectures:
             raise ValueError(f"{path}: the config names no architectures: pass model_class= one of "
                              f"{supported_classes()}")
@@ -109,7 +108,17 @@ def resolve_class(path: Path, model_class, config=None) -> type:
 
 
 def _raw_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    """config.json of `path` as read ({} without one); ValueError naming the file where it is not a JSON object."""
+    file = path / "config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{file}: not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return raw
 
 
 def resolve_dtype(dtype, config, path: Path, stored: dict[str, StoredTensor]) -> torch.dtype:
@@ -195,12 +204,13 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
 
 def row_reader(path: Path, stored: dict[str, StoredTensor], block_bytes: int):
     """torch.distributed.checkpoint's `HuggingFaceStorageReader` (its planning and resharding) over the tensors of
-    `stored` (the files the index names: `scan_checkpoint`), reading the slices it plans, each a run of whole rows of a stored tensor (a dim-0 shard, a whole tensor: all that FSDP2
-    and the per-expert rows ask for), with plain file reads, `block_bytes` at a time, converted into the
-    destination as they arrive. Why not its safetensors reads: they go through a memory map, whose pages of a file
-    stay resident (and count in the rank's RSS) until the file is closed, which adds the rank's share of the whole
-    file to its peak (measured on 4 ranks loading a ~96 MiB one-file bf16 checkpoint as float32: 0.86-1.05x of its
-    bytes per rank, against 0.58x here, the rank's share being 0.50x); here the peak is one block."""
+    `stored` (the files the index names: `scan_checkpoint`), reading the slices it plans, each a run of whole rows of a
+    stored tensor (a dim-0 shard, a whole tensor: all that FSDP2 and the per-expert rows ask for), with plain file
+    reads, `block_bytes` at a time, converted into the destination as they arrive. Why not its safetensors reads:
+    they go through a memory map, whose pages of a file stay resident (and count in the rank's RSS) until the file
+    is closed, which adds the rank's share of the whole file to its peak (measured on 4 ranks loading a ~96 MiB
+    one-file bf16 checkpoint as float32: 0.86-1.05x of its bytes per rank, against 0.58x here, the rank's share
+    being 0.50x); here the peak is one block."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                        TensorProperties, TensorStorageMetadata)
@@ -359,8 +369,10 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, plan: CPPlan | None = None, dt
     GPU on a CUDA mesh, else the CPU. plan: the CP settings (a `CPPlan`), or its fields as the other keywords
     (linear_attention_cp_mode, ..., as `parallelize_cp`).
 
-    Reads exactly what transformers reads: the files `model.safetensors.index.json` names (each tensor from the file
-    its weight_map gives; another `*.safetensors` beside them is ignored), else `model.safetensors`.
+    Reads the files `model.safetensors.index.json` names (each tensor from the file its weight_map gives; another
+    `*.safetensors` beside them is ignored), else `model.safetensors`; refuses shards without an index and an index
+    beside a `model.safetensors` it does not name (transformers would read that file: which one is stale is
+    unknown), as `hf_format.checkpoint_files` says.
 
     Returns the model in eval mode (as `from_pretrained`), on `device`, CP applied (and FSDP2: its parameters are
     DTensors). Errors (a file missing or unreadable on any rank, a tensor the checkpoint lacks, a bad setting,

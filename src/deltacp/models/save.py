@@ -215,15 +215,19 @@ def save_pretrained(model: nn.Module, path, *, dtype: torch.dtype | str | None =
     model's mesh writes. dtype: the stored floating dtype, a torch dtype or its name (float32, bfloat16, float16,
     float64; None: each parameter's own, e.g. float32 master weights). Returns `path`.
 
-    Atomic: the new export is written to a staging directory beside `path` (`.NAME.staging-*`) and swapped in only
-    when complete, so an earlier export in `path` stays loadable until then, whatever happens to the ranks (a
-    staging directory a killed save left is removed by the next save to `path`). What `path` held besides the
-    weights, the index and the configs (a tokenizer, say) is carried over, as `model.save_pretrained`, writing in
-    place, leaves it. Errors (a bad dtype, a path that cannot be written, a write that fails on the writing rank, a
-    full disk included) are raised on every rank together; then `path` is as it was."""
+    Atomic: the new export is written to a staging directory beside `path` (`.NAME.staging-*`; beside its target
+    where `path` is a symlink, which stays one) and swapped in only when complete, so an earlier export in `path`
+    stays loadable until then, whatever happens to the ranks (a staging directory a killed save left is removed by
+    the next save to `path`). What `path` held besides the weights, the index and the configs (a tokenizer, say) is
+    carried over, as `model.save_pretrained`, writing in place, leaves it. Errors (a bad dtype; a path the writing
+    rank, the only one that touches the file system, cannot create or write; a write that fails on it, a full disk
+    included) are raised on every rank together; then `path` is as it was and no staging directory is left. Not
+    covered: a rank that dies or fails outside the file writes mid-save leaves the others waiting in the stream
+    until the process group's timeout (`path` is unchanged then too)."""
     from transformers.utils.hub import convert_file_size_to_int
 
     out = Path(path)
+    target = out.resolve()  # (a symlinked export directory: its target is replaced, the link kept)
     group = _group_of(_entries(model, None))
     rank = 0 if group is None else dist.get_rank(group)
     files = entries = writer = staging = None
@@ -237,25 +241,33 @@ def save_pretrained(model: nn.Module, path, *, dtype: torch.dtype | str | None =
             raise ValueError(f"save_pretrained: no safetensors dtype for {unsupported}")
     if checks.error is None and rank == 0:
         with LocalChecks(OSError) as checks:
-            staging = _staging_dir(out)
+            staging = _staging_dir(target)
             writer = _Writer(staging)
-    _together(group, "save_pretrained", checks)
-    _stream(files, writer, group, block_bytes)
-    with LocalChecks(OSError) as checks:
-        if rank == 0:
-            if writer.error is not None:
-                raise writer.error
-            if len(files) > 1:
-                weight_map = {key: f.name for f in files for e in f.entries for key, _ in e.pieces}
-                index = {"metadata": {"total_parameters": sum(e.tensor.numel() for e in entries),
-                                      "total_size": sum(f.nbytes for f in files)}, "weight_map": weight_map}
-                (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            _write_configs(model, staging, entries, dtype)
-            _swap_in(staging, out)
-    if rank == 0 and checks.error is not None:
-        shutil.rmtree(staging, ignore_errors=True)
-    _together(group, "save_pretrained", checks)  # (also: no rank returns before the directory is complete)
+    try:
+        _together(group, "save_pretrained", checks)
+        _stream(files, writer, group, block_bytes)
+        with LocalChecks(OSError) as checks:
+            if rank == 0:
+                _finish(model, staging, writer, files, entries, dtype)
+                _swap_in(staging, target)
+        _together(group, "save_pretrained", checks)  # (also: no rank returns before the directory is complete)
+    finally:  # a failed save leaves no staging directory (a swapped-in one is gone already)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _finish(model: nn.Module, staging: Path, writer: _Writer, files: list[OutFile], entries: list[Entry],
+            dtype: torch.dtype | None) -> None:
+    """After the stream, on the writing rank: its first write error, else the index (several files) and configs."""
+    if writer.error is not None:
+        raise writer.error
+    if len(files) > 1:
+        weight_map = {key: f.name for f in files for e in f.entries for key, _ in e.pieces}
+        index = {"metadata": {"total_parameters": sum(e.tensor.numel() for e in entries),
+                              "total_size": sum(f.nbytes for f in files)}, "weight_map": weight_map}
+        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _write_configs(model, staging, entries, dtype)
 
 
 def _staging_dir(out: Path) -> Path:
