@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from deltacp import load_pretrained, save_pretrained
 from deltacp.distributed.launch import run_distributed
 from deltacp.models.hf_format import read_index
-from deltacp.models.pretrained import resolve_class
+from deltacp.models.pretrained import load_device, resolve_class
 from deltacp.models import save as save_module
 from helpers import cp_mesh, tiny_config
 
@@ -193,6 +193,12 @@ def test_shards_without_an_index_and_a_truncated_file_are_named(tmp_path):
         resolve_class(tmp_path / "one", None)
 
 
+def test_a_device_that_is_not_one_is_named():
+    """device='gpu' (torch's own RuntimeError named no setting). Mutation seen failing: torch.device unwrapped."""
+    with pytest.raises(ValueError, match=r"load_pretrained: device='gpu' is not a device; expected None"):
+        load_device("gpu", None)
+
+
 KILLED_SAVE = textwrap.dedent("""
     import os, sys, time, torch, transformers
     sys.path.insert(0, {tests!r})
@@ -241,3 +247,27 @@ def test_a_resave_through_a_symlinked_export_replaces_its_target(tmp_path):
     assert _same(_params(tmp_path / "disk" / "export"), dict(_model(1).state_dict()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "export"]
     assert [p.name for p in (tmp_path / "disk").iterdir()] == ["export"]
+
+
+def test_without_an_atomic_exchange_a_save_killed_between_its_renames_is_undone(tmp_path, monkeypatch):
+    """A file system without renameat2's exchange (NFS, say): two renames. A save killed between them (the old
+    export moved aside, the new one not yet in place) is undone by the next save, even one that fails; a re-save
+    keeps the tokenizer and leaves nothing beside the export. Mutation seen failing: the moved-aside export not put
+    back (nothing at the path)."""
+    monkeypatch.setattr(save_module, "_exchange", lambda a, b: False)
+    out = tmp_path / "export"
+    save_pretrained(_model(0), out)
+    (out / "tokenizer.json").write_text("{}")
+    save_pretrained(_model(1), out)
+    assert (out / "tokenizer.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    before = _params(out)
+    (tmp_path / ".export.old-x1").mkdir()
+    out.rename(tmp_path / ".export.old-x1" / "export")  # as a kill between the two renames leaves it
+    monkeypatch.setattr(save_module._Writer, "open", lambda self, name: self._try(_full_disk))
+    with pytest.raises(OSError, match="No space left on device"):
+        save_pretrained(_model(2), out)
+    assert _same(_params(out), before) and sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def _full_disk():
+    raise OSError(28, "No space left on device")

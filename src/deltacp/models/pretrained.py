@@ -343,12 +343,16 @@ def load_device(device, cp_mesh: DeviceMesh) -> torch.device:
     if device is None:
         return (torch.device("cuda", torch.cuda.current_device()) if cp_mesh.device_type == "cuda"
                 else torch.device(cp_mesh.device_type))
-    device = torch.device(device)
-    if device.type == "meta":
-        raise ValueError("load_pretrained: device='meta' holds no weights to read into; expected None (this rank's "
-                         "GPU on a CUDA mesh, else the CPU), 'cpu' or a CUDA device (for a model without weights, "
-                         "build it on the meta device and apply parallelize_cp)")
-    return device
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type == "meta":
+        why = "holds no weights to read into" if parsed is not None else "is not a device"
+        raise ValueError(f"load_pretrained: device={device!r} {why}; expected None (this rank's GPU on a CUDA mesh, "
+                         f"else the CPU), 'cpu' or a CUDA device (for a model without weights, build it on the meta "
+                         f"device and apply parallelize_cp)")
+    return parsed
 
 
 def load_pretrained(path, cp_mesh: DeviceMesh, *, plan: CPPlan | None = None, dtype=None, fsdp: bool = True,

@@ -271,12 +271,17 @@ def _finish(model: nn.Module, staging: Path, writer: _Writer, files: list[OutFil
 
 
 def _staging_dir(out: Path) -> Path:
-    """A new empty directory beside `out` to write the export into (same file system: renames are atomic); the
-    staging directories of earlier saves to `out` that were killed are removed first. OSError when `out` is a file
-    or its parent cannot be written."""
+    """A new empty directory beside `out` to write the export into (same file system: renames are atomic). What
+    earlier saves to `out` that were killed left is cleared first: their staging directories are removed; an old
+    export a save moved aside (`_swap_in` without an exchange) goes back to `out` if `out` is missing (killed between
+    the two renames), else is removed. OSError when `out` is a file or its parent cannot be written."""
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"save_pretrained: {out} exists and is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for aside in out.parent.glob(f".{out.name}.old-*"):
+        if not out.exists() and (aside / out.name).is_dir():
+            os.rename(aside / out.name, out)
+        shutil.rmtree(aside, ignore_errors=True)
     for stale in out.parent.glob(f".{out.name}.staging-*"):
         shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
@@ -289,8 +294,9 @@ def _staging_dir(out: Path) -> Path:
 def _swap_in(staging: Path, out: Path) -> None:
     """Make `staging` the directory `out`: first the files of an earlier `out` that are not weights, the index or
     configs the new export writes are linked (or copied) into it; then one atomic exchange of the two directories
-    (renameat2 RENAME_EXCHANGE, Linux), or where the file system lacks it two renames (a kill between them leaves
-    the old export whole in `.NAME.old-*`); the old directory is removed last."""
+    (renameat2 RENAME_EXCHANGE, Linux), or where the file system lacks it (NFS, say) two renames (a kill between
+    them leaves the old export whole in `.NAME.old-*`, put back by the next save); the old directory is removed
+    last."""
     if not out.exists():
         os.rename(staging, out)
         return
@@ -307,7 +313,11 @@ def _swap_in(staging: Path, out: Path) -> None:
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     os.rename(out, old / out.name)
-    os.rename(staging, out)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(old / out.name, out)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
