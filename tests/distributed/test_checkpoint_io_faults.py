@@ -10,8 +10,10 @@ never lose an export, and raise file errors on every rank together. One 2-rank s
 - save_pretrained's dtype: floating dtypes and their names only (int8 wrote weights transformers refuses, a name
   failed with AttributeError);
 - a re-save over a good export that fails midway, or is killed (kill -9): the old export still loads (it was
-  deleted first);
-- device='meta' (a meta-tensor error), a truncated safetensors file (an error naming no file).
+  deleted first); also through a symlinked export directory, and with two renames where the file system has no
+  atomic exchange;
+- device='meta' (a meta-tensor error) or not a device, a truncated safetensors file or a config.json that is not
+  JSON (errors naming no file).
 
 Mutations seen failing: see each test's docstring.
 """
