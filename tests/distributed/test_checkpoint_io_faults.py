@@ -201,6 +201,16 @@ def test_a_device_that_is_not_one_is_named():
         load_device("gpu", None)
 
 
+def test_a_bad_max_shard_size_is_named_before_anything_is_written(tmp_path):
+    """max_shard_size=None (an AttributeError from transformers), 'abc' (a ValueError naming `size`), 0. Mutation
+    seen failing: transformers' conversion unwrapped."""
+    for bad in (None, "abc", 0):
+        with pytest.raises(ValueError, match=rf"save_pretrained: max_shard_size={bad!r} is not supported; expected a "
+                                             rf"positive number of bytes or a size string such as '5GB'"):
+            save_pretrained(_model(0), tmp_path / "export", max_shard_size=bad)
+    assert not list(tmp_path.iterdir())
+
+
 KILLED_SAVE = textwrap.dedent("""
     import os, sys, time, torch, transformers
     sys.path.insert(0, {tests!r})

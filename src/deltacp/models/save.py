@@ -224,8 +224,6 @@ def save_pretrained(model: nn.Module, path, *, dtype: torch.dtype | str | None =
     included) are raised on every rank together; then `path` is as it was and no staging directory is left. Not
     covered: a rank that dies or fails outside the file writes mid-save leaves the others waiting in the stream
     until the process group's timeout (`path` is unchanged then too)."""
-    from transformers.utils.hub import convert_file_size_to_int
-
     out = Path(path)
     target = out.resolve()  # (a symlinked export directory: its target is replaced, the link kept)
     group = _group_of(_entries(model, None))
@@ -235,7 +233,7 @@ def save_pretrained(model: nn.Module, path, *, dtype: torch.dtype | str | None =
         dtype = None if dtype is None else float_dtype(dtype, "save_pretrained: dtype",
                                                        also=" or None (each parameter's own)")
         entries = _entries(model, dtype)
-        files = _files(entries, convert_file_size_to_int(max_shard_size))
+        files = _files(entries, _shard_bytes(max_shard_size))
         unsupported = sorted({str(e.dtype) for e in entries if e.dtype not in SAFETENSORS_DTYPES})
         if unsupported:
             raise ValueError(f"save_pretrained: no safetensors dtype for {unsupported}")
@@ -255,6 +253,21 @@ def save_pretrained(model: nn.Module, path, *, dtype: torch.dtype | str | None =
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _shard_bytes(max_shard_size) -> int:
+    """`max_shard_size` in bytes (an int, or a string as transformers takes it: "5GB", "500MiB"); ValueError naming
+    the setting otherwise (transformers' own names `size`, or is an AttributeError for None)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size = convert_file_size_to_int(max_shard_size)
+    except (ValueError, TypeError, AttributeError):
+        size = None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"save_pretrained: max_shard_size={max_shard_size!r} is not supported; expected a positive "
+                         f"number of bytes or a size string such as '5GB' or '500MiB'")
+    return size
 
 
 def _finish(model: nn.Module, staging: Path, writer: _Writer, files: list[OutFile], entries: list[Entry],
