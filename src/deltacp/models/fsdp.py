@@ -17,6 +17,8 @@ from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of, batch_mesh_of
 from deltacp.models.adapters import adapter_for
 from deltacp.models.parallelize import require_parallelized
+from deltacp.parallel.attention import has_attention_cp
+from deltacp.parallel.style import cp_layer_of
 
 
 def all_reduce_cp_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
@@ -61,9 +63,12 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
 
 def _require_cp(model: nn.Module, group, fn: str) -> None:
     """Sums over the mesh are right only for a CP'd model (each rank's loss its share of the global batch): a model
-    CP was not applied to is refused on every rank together (`require_parallelized`)."""
+    CP was not applied to is refused on every rank together (`require_parallelized`); a module holding layers with
+    a CP forward installed (GDN or full attention layers used on their own) passes."""
     with LocalChecks() as checks:
-        require_parallelized(model, fn)
+        layers_with_cp = any(cp_layer_of(m) is not None or has_attention_cp(m) for m in model.modules())
+        if not layers_with_cp:
+            require_parallelized(model, fn)
     raise_together(group, fn, checks.error, device=next(model.parameters()).device)
 
 

@@ -266,6 +266,12 @@ def install_kv_cp_attention(module: nn.Module, plan: AttentionCP) -> nn.Module:
     return module
 
 
+def has_attention_cp(module: nn.Module) -> bool:
+    """Whether a full attention CP forward (Ulysses, KV all-gather or ring) is installed on this module."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, partial) and forward.func in (ulysses_attention_forward, kv_cp_attention_forward)
+
+
 def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int | None = None,
                       balanced: bool = False) -> AttentionCP:
     """The groups of KV all-gather / ring full attention with Ulysses degree `degree` inside groups (1: none).
