@@ -1,21 +1,16 @@
-"""Model adapters: where each transformers model family keeps what context parallelism needs.
+"""Model adapters: where things are in one model instance of a supported family, for applying CP to it.
 
-One adapter per family says where the text model, its decoder layers, GDN and full-attention modules are, how
-to read q/k/v, z, b, a (separate projections in Qwen3.5, fused head-interleaved `in_proj_qkvz` / `in_proj_ba`
-in Qwen3-Next), the conv, gates and norms (the views registered with `parallel/views.py`), how positions are
-formed (2-D text positions, Qwen3.5's [4, B, S] text + mRoPE rows, or the 3 mRoPE rows alone of a multimodal
-forward), whether the MLPs are routed experts (their auxiliary loss is made global, `models/moe.py`) and
-whether a vision tower precedes the language model (`models/multimodal.py`). The CP algorithms see only what
-the adapter hands them. The families themselves, by class name, are `models/families.py`'s `FAMILIES` (importable
-without transformers): adding a family is adding one `Family` there (and a GDN view here if its projections read
-differently, named in `Family.gdn_view`) plus its parity test.
+The families and their views live in their homes (`deltacp.families`, registered in `models/families.py`); here
+every family's views are registered with `parallel/views.py` for its module classes, and `adapter_for(model)` finds
+a model's text model, decoder layers, linear-attention and full-attention modules, how its positions are formed
+(2-D text positions, Qwen3.5's [4, B, S] text + mRoPE rows, or the 3 mRoPE rows alone of a multimodal forward),
+whether its MLPs are routed experts (their auxiliary loss is made global, `models/moe.py`) and whether a vision
+tower precedes the language model (`models/multimodal.py`). The CP algorithms see only the views.
 
     adapter = adapter_for(model)      # NotImplementedError naming the class and the supported ones
     adapter.text, adapter.layers(), adapter.multimodal, adapter.moe
 
 Supported: `supported_classes()` (a family missing from the installed transformers is skipped).
-
-Shape legend: x_BsD local hidden states; *_BsGX per key-head group (Qwen3-Next's interleaved layout).
 """
 
 from __future__ import annotations
@@ -27,64 +22,31 @@ from functools import partial
 import torch
 from torch import nn
 
-from deltacp.models.families import FAMILIES, Family, supported_classes
-from deltacp.parallel.views import AttentionView, GDNView, register_attention_view, register_gdn_view
-
-
-class Qwen3_5GDNView(GDNView):
-    """Qwen3.5 (dense and MoE): separate projections in_proj_qkv ([q | k | v] channels), in_proj_z, in_proj_b,
-    in_proj_a."""
-
-    family = "qwen3_5"
-
-    def project(self, x_BsD):
-        m = self.module
-        B, s, _ = x_BsD.shape
-        return (m.in_proj_qkv(x_BsD), m.in_proj_z(x_BsD).reshape(B, s, -1, m.head_v_dim), m.in_proj_b(x_BsD),
-                m.in_proj_a(x_BsD))
-
-
-class Qwen3NextGDNView(GDNView):
-    """Qwen3-Next: fused projections, interleaved per key-head group g (of Hk groups):
-
-        in_proj_qkvz -> per group [q_g (K) | k_g (K) | v_g (r V) | z_g (r V)]      r = Hv / Hk
-        in_proj_ba   -> per group [b_g (r) | a_g (r)]
-
-    De-interleaved exactly as transformers' `fix_query_key_value_ordering`: q, k of every group in group order,
-    value heads g*r .. g*r + r-1 in order; then [q | k | v] concatenated as the conv channels.
-    """
-
-    family = "qwen3_next"
-
-    def project(self, x_BsD):
-        m = self.module
-        B, s, _ = x_BsD.shape
-        Hk, Hv, K, V = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-        r = Hv // Hk
-        qkvz_BsGX = m.in_proj_qkvz(x_BsD).view(B, s, Hk, 2 * K + 2 * r * V)
-        ba_BsGX = m.in_proj_ba(x_BsD).view(B, s, Hk, 2 * r)
-        q, k, v, z = torch.split(qkvz_BsGX, [K, K, r * V, r * V], dim=3)
-        b, a = torch.split(ba_BsGX, [r, r], dim=3)
-        qkv_BsC = torch.cat([q.reshape(B, s, Hk * K), k.reshape(B, s, Hk * K), v.reshape(B, s, Hv * V)], dim=-1)
-        return qkv_BsC, z.reshape(B, s, Hv, V), b.reshape(B, s, Hv), a.reshape(B, s, Hv)
-
-
-GDN_VIEWS = {view.__name__: view for view in (Qwen3_5GDNView, Qwen3NextGDNView)}  # Family.gdn_view -> class
+from deltacp.models.families import Family, families, supported_classes
+from deltacp.parallel.views import register_attention_view, register_mixer_view
 
 
 def _register_views() -> None:
-    for family in FAMILIES:
+    for family in families():
         classes = family.classes()
         if classes is None:
             continue
-        view_cls = type(family.gdn_view, (GDN_VIEWS[family.gdn_view],), {"family": family.name})
-        register_gdn_view(classes["gdn"], view_cls)
-        rotary = importlib.import_module(family.module).apply_rotary_pos_emb
-        attention_view = type(f"{family.name}AttentionView", (AttentionView,), {"family": family.name})
-        register_attention_view(classes["attention"], partial(attention_view, apply_rotary=rotary))
+        register_mixer_view(classes["gdn"], family.mixer_view)
+        rotary = getattr(importlib.import_module(family.module), "apply_rotary_pos_emb", None)
+        register_attention_view(classes["attention"], partial(family.attention_view, apply_rotary=rotary))
 
 
 _register_views()
+
+
+def __getattr__(name: str):
+    """The view classes by the names of earlier versions (`Qwen3_5GDNView`, `GDN_VIEWS`), from the homes."""
+    views = {family.gdn_view: family.mixer_view for family in families()}
+    if name == "GDN_VIEWS":
+        return views
+    if name in views:
+        return views[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -143,7 +105,7 @@ class ModelAdapter:
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
     """The adapter of a supported model, or NotImplementedError naming its class and the supported classes."""
-    for family in FAMILIES:
+    for family in families():
         classes = family.classes()
         if classes is None:
             continue

@@ -1,13 +1,10 @@
-"""The supported model families, by transformers class NAME: one `Family` per family, the only place that names
-a family's classes.
+"""The registry of supported model families, by transformers class NAME.
 
-This module imports nothing but the standard library (the deltacp package around it loads torch; nothing here loads
-transformers): the trainer's config checks read it before transformers' models load (`python -m deltacp.train`
+Each family's home (`deltacp.families.<family>`) describes it with one `Family` and registers it here; the homes load
+at the first use of the registry (`FAMILIES`, `family_of`, ...), never at `import deltacp`, and import no transformers
+module: the trainer's config checks read the registry before transformers' models load (`python -m deltacp.train`
 reports a bad config first). `models/adapters.py` resolves the names, registers each family's views and finds a
-model's adapter; the trainer builds configs from
-`text_config` / `multimodal_config`; the fused decoder glue replaces the family's `norm`. Adding a family is adding
-one `Family` here (and a GDN view in `models/adapters.py` if its projections read differently) plus its parity
-test.
+model's adapter; the trainer builds configs from `text_config` / `multimodal_config`.
 
     family_of("Qwen3_5MoeForCausalLM").text_config     # 'Qwen3_5MoeTextConfig'
     trainable_classes()                                # the classes the trainer builds (train.model.model_class)
@@ -31,7 +28,7 @@ class Family:
     attention: str
     norm: str  # the decoder's RMSNorm: (x * rsqrt(mean(x^2) + eps) * (1 + w)).type_as(x), the fused glue's form
     mlp: str  # the dense MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)) (activation checkpointing's SwiGLU form)
-    gdn_view: str  # the GDNView subclass of models/adapters.py that reads its GDN projections
+    gdn_view: str  # the name of its linear mixer's view class (`mixer_view`)
     text_config: str  # the config class of the text model (the trainer's train.model.config fields)
     conditional: str | None = None  # the multimodal ...ForConditionalGeneration
     multimodal_model: str | None = None  # its inner model: vision tower + language model
@@ -39,6 +36,9 @@ class Family:
     vision_config: str | None = None  # the vision tower's config class (train.model.vision_config fields)
     mrope: bool = False  # 3-D (text + mRoPE) position ids
     presets: bool = False  # models/presets.py's released sizes are text_config fields of this family
+    mixer_view: object = None  # its linear mixer's view: a `parallel.views.LinearMixerView` subclass
+    attention_view: object = None  # its full attention's view: an `AttentionView` subclass (takes apply_rotary=)
+    fused_decoder: bool = True  # its decoder norms are the (1 + w) form the fused Triton glue computes
 
     def trainable_classes(self) -> tuple[str, ...]:
         """The classes with a language-model head: what the trainer builds."""
@@ -61,36 +61,42 @@ class Family:
         return found if all(found.values()) else None
 
 
-FAMILIES = (
-    Family("qwen3_5", "transformers.models.qwen3_5.modeling_qwen3_5", causal_lm="Qwen3_5ForCausalLM",
-           text_model="Qwen3_5TextModel", gdn="Qwen3_5GatedDeltaNet", attention="Qwen3_5Attention",
-           norm="Qwen3_5RMSNorm", mlp="Qwen3_5MLP", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5TextConfig",
-           conditional="Qwen3_5ForConditionalGeneration", multimodal_model="Qwen3_5Model",
-           multimodal_config="Qwen3_5Config", vision_config="Qwen3_5VisionConfig", mrope=True, presets=True),
-    Family("qwen3_5_moe", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", causal_lm="Qwen3_5MoeForCausalLM",
-           text_model="Qwen3_5MoeTextModel", gdn="Qwen3_5MoeGatedDeltaNet", attention="Qwen3_5MoeAttention",
-           norm="Qwen3_5MoeRMSNorm", mlp="Qwen3_5MoeMLP", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5MoeTextConfig",
-           conditional="Qwen3_5MoeForConditionalGeneration", multimodal_model="Qwen3_5MoeModel",
-           multimodal_config="Qwen3_5MoeConfig", vision_config="Qwen3_5MoeVisionConfig", mrope=True),
-    Family("qwen3_next", "transformers.models.qwen3_next.modeling_qwen3_next", causal_lm="Qwen3NextForCausalLM",
-           text_model="Qwen3NextModel", gdn="Qwen3NextGatedDeltaNet", attention="Qwen3NextAttention",
-           norm="Qwen3NextRMSNorm", mlp="Qwen3NextMLP", gdn_view="Qwen3NextGDNView", text_config="Qwen3NextConfig"),
-)
+_REGISTERED: list[Family] = []
+
+
+def register_family(family: Family) -> Family:
+    """Register a family (its home calls this at import); returns it. A name registered twice raises."""
+    if any(f.name == family.name for f in _REGISTERED):
+        raise ValueError(f"model family {family.name!r} is registered twice")
+    _REGISTERED.append(family)
+    return family
+
+
+def families() -> tuple[Family, ...]:
+    """Every registered family, the homes of `deltacp.families` loaded first."""
+    importlib.import_module("deltacp.families")
+    return tuple(_REGISTERED)
+
+
+def __getattr__(name: str):
+    if name == "FAMILIES":  # the registry as the constant of earlier versions
+        return families()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def supported_classes() -> list[str]:
     """Every class name parallelize_cp takes, family by family."""
-    return [name for family in FAMILIES for name in family.model_classes()]
+    return [name for family in families() for name in family.model_classes()]
 
 
 def trainable_classes() -> tuple[str, ...]:
     """The class names the trainer builds (train.model.model_class), family by family."""
-    return tuple(name for family in FAMILIES for name in family.trainable_classes())
+    return tuple(name for family in families() for name in family.trainable_classes())
 
 
 def family_of(class_name: str) -> Family:
     """The family of a supported class name, or NotImplementedError naming it and the supported ones."""
-    for family in FAMILIES:
+    for family in families():
         if class_name in family.model_classes():
             return family
     raise NotImplementedError(f"{class_name} is not a supported class; expected one of {supported_classes()}")

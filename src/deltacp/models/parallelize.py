@@ -239,7 +239,12 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = 
     shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
     apply_full_attention_cp(adapter, full, group, full.groups(cp_mesh, shared), cp)
     if plan.linear_attention_gdn_backend == "triton":
-        apply_fused_decoder(model)
+        if adapter.family.fused_decoder:
+            apply_fused_decoder(model)
+        else:
+            logger.info("The fused Triton decoder glue computes the (1 + w) RMSNorm; %s's decoder norms are another "
+                        "form: its decoder layers keep transformers' forwards (the mixers run the Triton backend)",
+                        adapter.family.name)
     install_input_hooks(adapter, cp_mesh, plan.sequence_layout)
     setattr(adapter.text, _ROW_CUT, row_cut(config, plan))
     setattr(adapter.text, _PLAN, plan)

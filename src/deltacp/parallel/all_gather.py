@@ -10,20 +10,22 @@ from __future__ import annotations
 import torch
 
 from deltacp.distributed.collectives import all_gather_autograd
-from deltacp.ops.gdn.summary import apply_summary
+from deltacp.ops.recurrence import Transition
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
 from deltacp.parallel.placement import Pieces
 from deltacp.parallel.shard import GDNShard, scan_inputs
 
 
-def _compose_prefixes(packed_NBHKX: torch.Tensor, positions: tuple[int, ...], K: int) -> torch.Tensor:
-    """[slots, B, H, K, V]: the state entering each of `positions`, from the row-ordered summaries of all pieces."""
-    state = torch.zeros_like(packed_NBHKX[0, ..., K:])
+def _compose_prefixes(packed_NBHKX: torch.Tensor, positions: tuple[int, ...], transition: Transition,
+                      w: int) -> torch.Tensor:
+    """[slots, B, H, K, V]: the state entering each of `positions`, from the row-ordered packed summaries [M | S]
+    of all pieces (M's packed width w, `ops/recurrence.Transition`)."""
+    state = torch.zeros_like(packed_NBHKX[0, ..., w:])
     states, done = [], 0
     for p in positions:  # increasing
         for r in range(done, p):
-            state = apply_summary(packed_NBHKX[r, ..., :K], packed_NBHKX[r, ..., K:], state)
+            state = transition.apply(packed_NBHKX[r, ..., :w], packed_NBHKX[r, ..., w:], state)
         done = p
         states.append(state)
     return torch.stack(states)
@@ -38,21 +40,21 @@ class _EnteringStates(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, packed_NBHKX, positions, K):
+    def forward(ctx, packed_NBHKX, positions, transition, w):
         ctx.save_for_backward(packed_NBHKX)
-        ctx.positions, ctx.K = positions, K
-        return _compose_prefixes(packed_NBHKX, positions, K)
+        ctx.positions, ctx.transition, ctx.w = positions, transition, w
+        return _compose_prefixes(packed_NBHKX, positions, transition, w)
 
     @staticmethod
     def backward(ctx, grad_states):
         (packed,) = ctx.saved_tensors
         with torch.enable_grad():
             packed = packed.detach().requires_grad_()
-            states = _compose_prefixes(packed, ctx.positions, ctx.K)
+            states = _compose_prefixes(packed, ctx.positions, ctx.transition, ctx.w)
             if not states.requires_grad:  # only the row's first piece here: no summary reaches it
-                return torch.zeros_like(packed), None, None
+                return torch.zeros_like(packed), None, None, None
             (grad,) = torch.autograd.grad(states, packed, grad_states)
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _AnchorBackward(torch.autograd.Function):
@@ -69,36 +71,36 @@ class _AnchorBackward(torch.autograd.Function):
         return grad_o, grad_o.new_zeros(shape, dtype=dtype)
 
 
-def all_gather_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+def all_gather_mixer(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
                      ctx: CPForwardContext) -> torch.Tensor:
-    return all_gather_scan(layer, GDNShard.whole(layer), qkv_BsC, b_BsH, a_BsH, ctx)
+    return all_gather_scan(layer, GDNShard.whole(layer), pre_BsC, extras_BsHX, ctx)
 
 
-def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor,
-                    a_BsH: torch.Tensor, ctx: CPForwardContext) -> torch.Tensor:
+def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+                    ctx: CPForwardContext) -> torch.Tensor:
     """The all_gather scan of `shard`'s heads over this rank's pieces of the row held by its group."""
-    m = layer.view
+    rec = layer.recurrence
     group = shard.seq_group
     pieces = Pieces(torch.distributed.get_rank(group), torch.distributed.get_world_size(group), layer.balanced,
-                    qkv_BsC.shape[1])
+                    pre_BsC.shape[1])
     docs = document_segments(ctx, pieces)
-    inputs = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, pieces, docs)
+    inputs = scan_inputs(layer, shard, pre_BsC, extras_BsHX, pieces, docs)
 
     # with documents, M = 0 wherever the entering state cannot reach the end of the piece (varlen.py)
-    summaries = [torch.cat(layer.backend.state_summary(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=lay),
-                           dim=-1) for (q, k, v, g, beta), lay in zip(inputs.calls, inputs.layouts)]
-    packed = torch.stack(inputs.per_slot(summaries))  # [slots, B, H, K, K + V]
+    summaries = [torch.cat(rec.summary(x, cu_seqlens=lay), dim=-1) for x, lay in zip(inputs.calls, inputs.layouts)]
+    K = layer.view.state_dims[0]
+    w = rec.transition.width(K)
+    packed = torch.stack(inputs.per_slot(summaries))  # [slots, B, H, K, w + V]
     gathered = all_gather_autograd(packed, group)  # [members, slots, ...], member-major
     order = [member * pieces.per_member + slot for member, slot in map(pieces.holder, range(pieces.total))]
     by_piece = gathered.flatten(0, 1).index_select(0, torch.tensor(order, device=gathered.device))
-    states = _EnteringStates.apply(by_piece, pieces.positions, m.head_k_dim)
+    states = _EnteringStates.apply(by_piece, pieces.positions, rec.transition, w)
     reads = [d is None or d.layout.first_continues for d in docs]
     entering = inputs.to_calls([states[slot] if r else None for slot, r in enumerate(reads)], states,
                                states.shape[1:], states.dtype)
-    outs = [layer.backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=entering[c],
-                                                 use_qk_l2norm_in_kernel=True, cu_seqlens=inputs.layouts[c])[0]
-            for c, (q, k, v, g, beta) in enumerate(inputs.calls)]
-    o = inputs.join(outs, qkv_BsC.shape[0])
+    outs = [rec.forward(x, initial_state=entering[c], cu_seqlens=inputs.layouts[c])[0]
+            for c, x in enumerate(inputs.calls)]
+    o = inputs.join(outs, pre_BsC.shape[0])
     # a piece whose first document starts in it reads no entering state, but the states' backward (and with it
     # the all-gather's collective) must still run here as on every other rank
     return o if all(reads) else _AnchorBackward.apply(o, states)

@@ -1,8 +1,9 @@
-"""Full attention CP for a gated full attention (Qwen3.5 dense/MoE, Qwen3-Next: through the family's
-`AttentionView`): Ulysses, KV all-gather, ring, and the 2-D layout.
+"""Full attention CP for any family's full attention (through its `AttentionView`): Ulysses, KV all-gather, ring,
+and the 2-D layout.
 
-Every method: local projections, q/k norms and rotary (position embeddings of the rank's global positions),
-then its exchange and causal attention, then the output gate and projection.
+Every method: the view's local projections, q/k norms and rotary (position embeddings of the rank's global
+positions; None for a NoPE layer), then its exchange and causal attention, then the view's output path (any output
+gate, the output projection).
 - ulysses: all-to-all to head shards over the whole sequence (each rank gets its query heads and the KV heads
   they read, `ulysses_kv_heads`), causal attention, all-to-all back;
 - all_gather / ring (`kv_cp_attention_forward`): optionally Ulysses inside a group of u consecutive ranks (the
@@ -41,7 +42,6 @@ from deltacp.distributed.collectives import (
     all_to_all_head_to_seq,
     all_to_all_seq_to_head,
 )
-from deltacp.ops.precision import compute_dtype
 from deltacp.parallel.attention_tiles import plan_span_tiles, ring_attention, tile_kernel, tiled_attention
 from deltacp.distributed.mesh import across_subgroup, cp_group_of, dedicated_cp_groups, ulysses_subgroup
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
@@ -64,14 +64,6 @@ def attention_head_layout(num_heads: int, num_kv_heads: int, cp: int) -> tuple[i
     return num_heads // cp, ulysses_kv_heads(num_heads, num_kv_heads, cp).shape[1]
 
 
-def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3_5RMSNorm (scale 1 + w), with its float32 upcast widened to float64 for float64."""
-    dt = compute_dtype(x)
-    h = x.to(dt)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.to(dt))).type_as(x)
-
-
 def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                               docs: AttentionDocuments | None, *, scale: float, dropout_p: float) -> torch.Tensor:
     """Causal attention within each document of the flattened [B * S] stream (all of it when docs is None)."""
@@ -80,7 +72,7 @@ def causal_document_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD
                                               dropout_p=dropout_p, enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
     if dropout_p:
         raise NotImplementedError(f"attention_dropout={dropout_p} with packed documents or padding under CP is not "
-                                  f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
+                                  f"supported (set attention_dropout=0.0)")
     # The whole row's queries as one span of tiles (`attention_tiles`): per query block, the diagonals of all its
     # documents in one packed call (varlen flash on the GPU, diagonal by diagonal on the CPU), plus a visible tile
     # for a document that began in an earlier block; rows of a batch are documents of the flattened stream.
@@ -103,22 +95,6 @@ def ulysses_kv_heads(num_heads: int, num_kv_heads: int, degree: int) -> torch.Te
     if len({len(r) for r in rows}) != 1:
         rows = [[(j * hq + i) // groups for i in range(hq)] for j in range(degree)]
     return torch.tensor(rows)
-
-
-def project_qkv(view: AttentionView, hidden_states: torch.Tensor, position_embeddings):
-    """Local q (with its output gate), k, v of a gated full attention: projections, q/k norms, the family's
-    rotary."""
-    D = view.head_dim
-    B, s, _ = hidden_states.shape
-    heads, kv_heads = view.num_heads, view.num_kv_heads
-    q_BsHD, gate = torch.chunk(view.q_proj(hidden_states).view(B, s, heads, 2 * D), 2, dim=-1)
-    gate = gate.reshape(B, s, heads * D)
-    q_BsHD = zero_centered_rms_norm(q_BsHD, *view.q_norm)
-    k_BsHD = zero_centered_rms_norm(view.k_proj(hidden_states).view(B, s, kv_heads, D), *view.k_norm)
-    v_BsHD = view.v_proj(hidden_states).view(B, s, kv_heads, D)
-    cos, sin = position_embeddings
-    q_BsHD, k_BsHD = view.apply_rotary(q_BsHD, k_BsHD, cos, sin)
-    return q_BsHD, k_BsHD, v_BsHD, gate
 
 
 def seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced: bool = False):
@@ -166,7 +142,7 @@ def _attention_inputs(view: AttentionView, hidden_states, attention_mask, unsupp
 
 
 def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden_states: torch.Tensor,
-                              position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                               attention_mask: CPForwardContext | None = None, cache=None, past_key_values=None,
                               use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
                               output_router_logits: bool | None = None, **unsupported):
@@ -179,10 +155,10 @@ def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden
     cp = dist.get_world_size(group)
     attention_head_layout(view.num_heads, view.num_kv_heads, cp)
     check_local_length(balanced, hidden_states.shape[1], cp)
-    q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
+    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, position_embeddings)
     q_BHSD, k_BHSD, v_BHSD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced)  # the whole row, row order
     o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=view.scaling, dropout_p=view.dropout)
-    return view.o_proj(heads_to_seq(o_BHSD, group, balanced) * torch.sigmoid(gate)), None
+    return view.output(heads_to_seq(o_BHSD, group, balanced), out), None
 
 
 @dataclass
@@ -198,7 +174,7 @@ class AttentionCP:
 
 
 def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_states: torch.Tensor,
-                            position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                            position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                             attention_mask: CPForwardContext | None = None, cache=None, past_key_values=None,
                             use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
                             output_router_logits: bool | None = None, **unsupported):
@@ -215,11 +191,11 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
                                             past_key_values, use_cache, f"{plan.method}")
     if view.dropout:
         raise NotImplementedError(f"attention_dropout={view.dropout} with full_attention_cp={plan.method!r} is not "
-                                  f"supported (set attention_dropout=0.0, as Qwen3.5 ships)")
+                                  f"supported (set attention_dropout=0.0)")
     G, g = dist.get_world_size(plan.across_group), dist.get_rank(plan.across_group)
     u = 1 if plan.ulysses_group is None else dist.get_world_size(plan.ulysses_group)
     check_local_length(plan.balanced, hidden_states.shape[1], u * G)
-    q_BsHD, k_BsHD, v_BsHD, gate = project_qkv(view, hidden_states, position_embeddings)
+    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, position_embeddings)
     q_BHLD, k_BHLD, v_BHLD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, plan.ulysses_group, plan.balanced)
     B, _, L, D = q_BHLD.shape
     S = G * L
@@ -236,7 +212,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
         case "ring":
             o_BHLD = ring_attention(q_BHLD, k_BHLD.contiguous(), v_BHLD.contiguous(), tiles, view.scaling,
                                     plan.ring, plan.balanced, block=block)
-    return view.o_proj(heads_to_seq(o_BHLD, plan.ulysses_group, plan.balanced) * torch.sigmoid(gate)), None
+    return view.output(heads_to_seq(o_BHLD, plan.ulysses_group, plan.balanced), out), None
 
 
 def check_attention_module(module: nn.Module, cp: int, method: str, ulysses_degree: int) -> dict:

@@ -1,6 +1,7 @@
-"""The causal depthwise conv of a GDN layer under CP: where its left context comes from. The conv math (+ SiLU and
-the q/k/v split) is the backend's `conv_silu_split` (`ops/gdn/contract.py`; eager: `ops/gdn/eager.py`, Triton:
-the fused kernel of `ops/fused/conv.py`).
+"""The causal depthwise conv of a linear-recurrent layer under CP: where its left context comes from. The conv math
+(+ SiLU and the split into the parts the family's view names, `LinearMixerView.conv_heads`) is the backend's
+`conv_silu_split` (`ops/gdn/contract.py`; eager: `ops/gdn/eager.py`, Triton: the fused kernel of
+`ops/fused/conv.py`).
 
 Locally (Ulysses: the whole sequence) the conv's left padding is zeros. With a halo (p2p, all_gather, the 2-D
 layout across groups) the last (kernel-1)*dilation pre-conv tokens of the piece before each local piece arrive by
@@ -9,7 +10,7 @@ the first piece, the next rank for the second, the rank itself when its two piec
 piece gets zeros). With packed documents no token of another document enters a conv window: the backend gets
 each token's document start (`documents.DocumentSegment.doc_start`).
 
-Shape legend: x_BsC pre-conv [q | k | v] channels of the local tokens; weight_CK depthwise kernels [C, kernel].
+Shape legend: x_BsC pre-conv channels of the local tokens; weight_CK depthwise kernels [C, kernel].
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ def whole_row_here(halo_group, pieces: Pieces) -> bool:
     return pieces.per_member == 1 and dist.get_world_size(halo_group) == 1
 
 
-def conv_silu_qkv(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
-                  qk_heads: int, pieces: Pieces, docs: list[DocumentSegment | None], halo_group=None,
-                  batched: bool = True) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """q, k [rows, n, qk_heads, K], v [rows, n, Hv, V] = split of SiLU(causal conv of x) by the layer's backend, per
-    call: batched (pieces without documents), one call over the B x slots rows of the pieces (row b * slots + slot,
+def conv_parts(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
+               key_heads: int, pieces: Pieces, docs: list[DocumentSegment | None], halo_group=None,
+               batched: bool = True) -> list[tuple[torch.Tensor, ...]]:
+    """The parts [rows, n, heads, dim] of SiLU(causal conv of x) by the layer's backend (split as the view's
+    `conv_heads(key_heads)` says), per call: batched (pieces without documents), one call over the B x slots rows of the pieces (row b * slots + slot,
     a view of x); else one call per piece, with its documents.
 
     halo_group: None (the row is whole here: one piece, zeros on the left), or the group over which `pieces` are
@@ -42,8 +43,7 @@ def conv_silu_qkv(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tenso
     if halo_group is not None and whole_row_here(halo_group, pieces):
         halo_group = None
     left = None if halo_group is None else conv_halo_exchange(x_BsC, layer.halo, halo_group, pieces)
-    m = layer.view
-    heads = (qk_heads, m.head_k_dim, m.head_v_dim)
+    heads = layer.view.conv_heads(key_heads)
     slots = pieces.per_member
     if batched:
         if any(d is not None for d in docs) and slots > 1:

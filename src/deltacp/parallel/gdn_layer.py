@@ -1,13 +1,14 @@
-"""The CP forward of a GDN layer (any family, through its `GDNView`): model semantics around a CP token mixer.
+"""The CP forward of a linear-recurrent layer (any family, through its `LinearMixerView`): model semantics around
+a CP token mixer.
 
-Projections, gates, gated RMSNorm and the out projection are the module's own (its parameters, its
-order of operations, transformers' upcasting policy for bf16), handed over by the family's view
-(`parallel/views.py`); only the conv + GDN core between them is replaced by the mode's token mixer, which
-owns the layout and the communication. The gates and the gated RMSNorm are computed by the layer's GDN backend
-(`backend.gates`, `backend.gated_rms_norm`: eager PyTorch, or fused Triton kernels with the same rounding points).
+Projections, gates, the output path (gated norm, output projection) are the module's own (its parameters, its order
+of operations, transformers' upcasting policy for bf16), handed over by the family's view (`parallel/views.py`);
+only the conv + recurrence between them is replaced by the mode's token mixer, which owns the layout and the
+communication. The recurrence is the view's (`ops/recurrence.py`), computed by the layer's backend (eager PyTorch,
+or Triton kernels with the same rounding points).
 
-Shape legend: x_BsD local hidden states; qkv_BsC pre-conv [q | k | v] channels of the local tokens;
-b_BsH / a_BsH per-value-head beta and gate inputs; o_BsHV core output of the local tokens.
+Shape legend: x_BsD local hidden states; pre_BsC pre-conv channels of the local tokens; extras_BsHX the per-value-
+head inputs that skip the conv; o_BsHV core output of the local tokens.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from torch.distributed import ProcessGroup
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.collectives import StatePassing
 from deltacp.ops.gdn.contract import GDNBackend
+from deltacp.ops.recurrence import Recurrence
 from deltacp.parallel.placement import Pieces, check_local_length
-from deltacp.parallel.views import GDNView
+from deltacp.parallel.views import LinearMixerView
 from deltacp.parallel.documents import (
     CPForwardContext,
     DocumentSegment,
@@ -36,13 +38,14 @@ from deltacp.parallel.documents import (
 
 @dataclass
 class GDNLayerCP:
-    """What a CP token mixer needs of one GDN layer on one rank."""
+    """What a CP token mixer needs of one linear-recurrent layer on one rank."""
 
-    view: GDNView
+    view: LinearMixerView
     group: ProcessGroup
     mode: "GDNMode"  # the registry's entry (parallel/modes.py)
-    backend: GDNBackend
-    mixer: Callable[["GDNLayerCP", torch.Tensor, torch.Tensor, torch.Tensor, CPForwardContext], torch.Tensor]
+    backend: GDNBackend  # the kernels: the recurrence's and the conv's
+    recurrence: Recurrence  # the view's recurrence over `backend`
+    mixer: Callable[["GDNLayerCP", torch.Tensor, torch.Tensor, CPForwardContext], torch.Tensor]
     passing: StatePassing | None = None  # p2p: the state hops (1-D: over the CP ranks; 2-D: across groups)
     two_d: "TwoDGroups | None" = None  # the 2-D layout's process groups (parallel/two_d.py)
     channels: dict = field(default_factory=dict)  # Ulysses: this rank's conv channels, per (rank, P, device)
@@ -54,15 +57,15 @@ class GDNLayerCP:
 
     @property
     def conv_weight_CK(self) -> torch.Tensor:
-        return self.view.conv1d.weight.squeeze(1)
+        return self.view.conv.weight.squeeze(1)
 
     @property
     def conv_dilation(self) -> int:
-        return self.view.conv1d.dilation[0]
+        return self.view.conv.dilation[0]
 
     @property
     def halo(self) -> int:
-        return (self.view.conv1d.kernel_size[0] - 1) * self.conv_dilation
+        return (self.view.conv.kernel_size[0] - 1) * self.conv_dilation
 
 
 def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
@@ -106,7 +109,7 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
                    cache_params=None, use_cache: bool | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                    max_length_q=None, max_length_k=None, output_router_logits: bool | None = None,
                    **unsupported) -> torch.Tensor:
-    """The CP forward of one GDN layer on this rank's slice [B, s, hidden] of the sequence.
+    """The CP forward of one linear-recurrent layer on this rank's slice [B, s, hidden] of the sequence.
 
     attention_mask: the model hook's `CPForwardContext`, or the local 2-D padding mask, or None.
     cu_seq_lens_q/k, max_length_q/k: transformers' packing keywords with GLOBAL offsets (layer used on its own).
@@ -132,9 +135,6 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
                          f"((kernel-1)*dilation = {layer.halo}) tokens, got {piece} (local tokens {s}, "
                          f"sequence_layout={'balanced' if layer.balanced else 'contiguous'!r})")
 
-    qkv_BsC, z_BsHV, b_BsH, a_BsH = v.project(hidden_states)
-
-    o_BsHV = layer.mixer(layer, qkv_BsC, b_BsH, a_BsH, ctx)
-
-    o_BsHV = layer.backend.gated_rms_norm(o_BsHV, z_BsHV, v.norm_weight, v.norm_eps)
-    return v.out_proj(o_BsHV.reshape(B, s, -1))
+    pre_BsC, extras_BsHX, out = v.project(hidden_states)
+    o_BsHV = layer.mixer(layer, pre_BsC, extras_BsHX, ctx)
+    return v.output(o_BsHV, out, layer.backend)

@@ -34,8 +34,8 @@ class GDNMode:
     """One linear-attention CP mode."""
 
     name: str
-    mixer: Callable  # (layer, qkv_BsC, b_BsH, a_BsH, ctx) -> o_BsHV: the 1-D token mixer
-    across: Callable | None  # (layer, shard, qkv, b, a, ctx) -> o: the scan across Ulysses groups (2-D); None: 1-D only
+    mixer: Callable  # (layer, pre_BsC, extras_BsHX, ctx) -> o_BsHV: the 1-D token mixer
+    across: Callable | None  # (layer, shard, pre, extras, ctx) -> o: the scan across Ulysses groups (2-D); None: 1-D only
     backends: tuple[str, ...]  # GDN backends it runs on
     needs_halo: bool  # reads the previous rank's conv tail: local tokens >= (kernel - 1) * dilation
     state_hops: bool  # point-to-point state traffic, on a communicator of its own (docs/design.md, schedule)

@@ -41,9 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from deltacp.distributed.collectives import StatePassing, in_backward_pass
-from deltacp.ops.gdn.contract import GDNBackend
-from deltacp.ops.gdn.summary import apply_summary, summary_grad
 from deltacp.ops.precision import compute_dtype
+from deltacp.ops.recurrence import Recurrence, RecurrenceInputs, Transition
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
 from deltacp.parallel.placement import Pieces
@@ -56,7 +55,8 @@ class _Hops:
     """What the backward hop of one p2p call needs besides its saved tensors."""
 
     passing: StatePassing
-    backend: GDNBackend
+    recurrence: Recurrence
+    n_inputs: int  # tensors of one call's RecurrenceInputs
     pieces: Pieces
     inputs: PieceInputs  # the backend calls (their tensors dropped: they travel through save_for_backward)
     reads_state_in: list[bool]  # per slot: its outputs read the entering state
@@ -89,30 +89,32 @@ class _StateGradHop(torch.autograd.Function):
         grads_o = inputs.split(grad_o, pieces)
         local_calls = []
         for c in range(len(inputs.calls)):
-            q, k, v, g, beta, *staged = saved[at:at + hops.saved[c]]
+            x = RecurrenceInputs(*saved[at:at + hops.n_inputs])
+            staged = saved[at + hops.n_inputs:at + hops.saved[c]]
             at += hops.saved[c]
             if not any(hops.reads_state_in[j] for j in inputs.slots_of(c)):
                 local_calls.append(None)
                 continue
-            prepared = hops.backend.prepared_from_saved(tuple(staged)) if hops.staged[c] else None
-            local_calls.append(hops.backend.initial_state_grad(q, k, v, g, beta, grads_o[c],
-                                                               use_qk_l2norm_in_kernel=True, prepared=prepared,
-                                                               cu_seqlens=inputs.layouts[c]))
+            prepared = hops.recurrence.prepared_from_saved(tuple(staged)) if hops.staged[c] else None
+            local_calls.append(hops.recurrence.initial_state_grad(x, grads_o[c], prepared=prepared,
+                                                                  cu_seqlens=inputs.layouts[c]))
         # a piece that does not read the entering state has none of its gradient
         local = [grad if reads else None for grad, reads in zip(inputs.per_slot(local_calls), hops.reads_state_in)]
         local = [grad_o.new_zeros(hops.state_shape, dtype=hops.state_dtype) if grad is None else grad.contiguous()
                  for grad in local]
         if passing.schedule == "scan":  # dH_out from every later piece's (Mᵀ, dH_in_local) in log-depth rounds
-            grad_out = exclusive_state_scan([None if m is None else m.mT for m in ms], local, passing, pieces,
-                                            state_shape=hops.state_shape, dtype=hops.state_dtype,
-                                            device=grad_o.device, reverse=True, what="dH")
+            tr = hops.recurrence.transition
+            grad_out = exclusive_state_scan([None if m is None else tr.transpose(m) for m in ms], local, passing,
+                                            pieces, state_shape=hops.state_shape, dtype=hops.state_dtype,
+                                            device=grad_o.device, reverse=True, what="dH", transition=tr)
         else:
-            grad_out = _chain_backward(passing, pieces, ms, local, grad_o)
+            grad_out = _chain_backward(passing, pieces, ms, local, grad_o, hops.recurrence.transition)
         grad_ht = inputs.to_calls(grad_out, grad_o, hops.state_shape, hops.state_dtype)
         return (grad_o, None, None, *grad_ht[:ctx.n_ht], *([None] * len(saved)))
 
 
-def _chain_backward(passing: StatePassing, pieces: Pieces, ms: list, local: list, like: torch.Tensor) -> list:
+def _chain_backward(passing: StatePassing, pieces: Pieces, ms: list, local: list, like: torch.Tensor,
+                    transition: Transition) -> list:
     """dH_out of every local piece by the chain, pieces in reverse row order: receive dH_out from the holder of the
     next piece, send dH_in = Mᵀ dH_out + dH_in_local to the holder of the previous one."""
     grad_out = [None] * pieces.per_member
@@ -128,7 +130,7 @@ def _chain_backward(passing: StatePassing, pieces: Pieces, ms: list, local: list
                 grad_out[slot] = passing.post_recv(like.new_empty(grad_in.shape, dtype=grad_in.dtype), member,
                                                    "dH_out").wait()
             if ms[slot] is not None:
-                grad_in = summary_grad(ms[slot], grad_out[slot], grad_in)
+                grad_in = transition.grad_in(ms[slot], grad_out[slot], grad_in)
         if piece > 0:
             member, _ = pieces.holder(piece - 1)
             if member == pieces.member:
@@ -140,7 +142,8 @@ def _chain_backward(passing: StatePassing, pieces: Pieces, ms: list, local: list
     return grad_out
 
 
-def _chain_forward(passing: StatePassing, pieces: Pieces, summaries: list, first_recv, like: torch.Tensor) -> list:
+def _chain_forward(passing: StatePassing, pieces: Pieces, summaries: list, first_recv, like: torch.Tensor,
+                   transition: Transition) -> list:
     """H_in of every local piece by the chain, pieces in row order: receive H_in from the holder of the previous
     piece (the first one's receive already posted), send H_out = M H_in + S on to the holder of the next one."""
     states_in = [None] * pieces.per_member
@@ -155,7 +158,7 @@ def _chain_forward(passing: StatePassing, pieces: Pieces, summaries: list, first
                 states_in[slot] = pending.wait()
         if piece + 1 < pieces.total:
             m, s = summaries[slot]
-            state_out = s if m is None else apply_summary(m, s, states_in[slot])
+            state_out = s if m is None else transition.apply(m, s, states_in[slot])
             member, _ = pieces.holder(piece + 1)
             if member == pieces.member:
                 state_out_by_piece[piece] = state_out
@@ -164,22 +167,22 @@ def _chain_forward(passing: StatePassing, pieces: Pieces, summaries: list, first
     return states_in
 
 
-def p2p_mixer(layer: GDNLayerCP, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+def p2p_mixer(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
               ctx: CPForwardContext) -> torch.Tensor:
-    return p2p_scan(layer, GDNShard.whole(layer), qkv_BsC, b_BsH, a_BsH, ctx)
+    return p2p_scan(layer, GDNShard.whole(layer), pre_BsC, extras_BsHX, ctx)
 
 
-def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+def p2p_scan(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
              ctx: CPForwardContext) -> torch.Tensor:
     """The p2p scan of `shard`'s heads over this rank's pieces of the row, the state passing on layer.passing
     (its rank and size, with the layer's sequence layout, say which pieces of the row these tokens are)."""
-    m = layer.view
+    rec = layer.recurrence
     passing: StatePassing = layer.passing
     passing.wait_sends()  # buffers of the previous step's sends
-    B, s = qkv_BsC.shape[:2]
+    B, s = pre_BsC.shape[:2]
     pieces = Pieces(passing.rank, passing.size, layer.balanced, s)
-    state_shape = (B, shard.v_heads, m.head_k_dim, m.head_v_dim)
-    state_dtype = compute_dtype(qkv_BsC)
+    state_shape = (B, shard.v_heads, *layer.view.state_dims)
+    state_dtype = compute_dtype(pre_BsC)
     grad_enabled = torch.is_grad_enabled()
     recompute = in_backward_pass() and grad_enabled  # a checkpoint recompute replays H_in: no receive
     docs = document_segments(ctx, pieces)
@@ -195,7 +198,7 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
 
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
-    inputs = scan_inputs(layer, shard, qkv_BsC, b_BsH, a_BsH, pieces, docs)
+    inputs = scan_inputs(layer, shard, pre_BsC, extras_BsHX, pieces, docs)
     calls = range(len(inputs.calls))
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:
@@ -204,10 +207,9 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
             "no record in this forward's context: checkpoint the decoder layers of a model parallelized with "
             "parallelize_cp (its forward context carries the received states), or pass the same "
             "deltacp CPForwardContext as attention_mask to the forward and its recompute")
-    # what the summary, the output pass and the dH_in pass would each build from k, v, g, beta (T, W, U), once
+    # what the summary, the output pass and the dH_in pass would each build from the inputs (GDN: T, W, U), once
     with torch.no_grad():
-        prepared = [layer.backend.prepare_chunks(k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=lay)
-                    for (q, k, v, g, beta), lay in zip(inputs.calls, inputs.layouts)]
+        prepared = [rec.prepare(x, cu_seqlens=lay) for x, lay in zip(inputs.calls, inputs.layouts)]
 
     if recompute:
         states_in, summary_ms = ctx.replay[replay_key]
@@ -215,9 +217,9 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
         scan = passing.schedule == "scan"
         first_recv = None
         if not scan and pieces.positions[0] > 0:  # posted before the summaries, which overlap its arrival
-            first_recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device),
+            first_recv = passing.post_recv(torch.empty(state_shape, dtype=state_dtype, device=pre_BsC.device),
                                            pieces.holder(pieces.positions[0] - 1)[0], "H_in")
-        # no autograd: the gradient that would flow through (M, S) reaches k, v, g, beta through the local GDN's
+        # no autograd: the gradient that would flow through (M, S) reaches the inputs through the local recurrence's
         # final state instead (see _StateGradHop); the row's last piece has no H_out that anyone reads. One call
         # summarises every piece it holds (M where any of them needs it; a piece that does not gets None).
         ms_calls, ss_calls = [], []
@@ -228,48 +230,49 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: t
                     ms_calls.append(None)
                     ss_calls.append(None)
                     continue
-                q, k, v, g, beta = inputs.calls[c]
-                sm, ss = layer.backend.state_summary(
-                    k.detach(), v.detach(), g.detach(), beta.detach(), use_qk_l2norm_in_kernel=True,
-                    prepared=prepared[c], need_transition=any(need_transition[j] for j in slots),
-                    cu_seqlens=inputs.layouts[c])
+                sm, ss = rec.summary(inputs.calls[c].detach(), prepared=prepared[c],
+                                     need_transition=any(need_transition[j] for j in slots),
+                                     cu_seqlens=inputs.layouts[c])
                 ms_calls.append(sm)
                 ss_calls.append(ss)
         summary_ms = [m if need else None for m, need in zip(inputs.per_slot(ms_calls), need_transition)]
         summary_ss = [s_ if not end else None for s_, end in zip(inputs.per_slot(ss_calls), last)]
         if scan:  # H_in of every piece from every earlier piece's (M, S) in log-depth rounds
             states_in = exclusive_state_scan(summary_ms, summary_ss, passing, pieces, state_shape=state_shape,
-                                             dtype=state_dtype, device=qkv_BsC.device, what="H")
+                                             dtype=state_dtype, device=pre_BsC.device, what="H",
+                                             transition=rec.transition)
         else:
             states_in = _chain_forward(passing, pieces, list(zip(summary_ms, summary_ss)), first_recv,
-                                       torch.empty(state_shape, dtype=state_dtype, device=qkv_BsC.device))
+                                       torch.empty(state_shape, dtype=state_dtype, device=pre_BsC.device),
+                                       rec.transition)
         if grad_enabled:
             ctx.replay[replay_key] = (states_in, summary_ms)
 
     entering = inputs.to_calls([st if reads else None for st, reads in zip(states_in, reads_state_in)],
-                               qkv_BsC, state_shape, state_dtype)
+                               pre_BsC, state_shape, state_dtype)
     outs, finals = [], []
     with torch.profiler.record_function("deltacp::p2p output"):
         for c in calls:
-            q, k, v, g, beta = inputs.calls[c]
-            o, ht = layer.backend.chunk_gated_delta_rule(
-                q, k, v, g, beta, initial_state=entering[c],
+            o, ht = rec.forward(
+                inputs.calls[c], initial_state=entering[c],
                 output_final_state=grad_enabled and not all(last[j] for j in inputs.slots_of(c)),
-                use_qk_l2norm_in_kernel=True, prepared=prepared[c], cu_seqlens=inputs.layouts[c])
+                prepared=prepared[c], cu_seqlens=inputs.layouts[c])
             outs.append(o)
             finals.append(ht)
     o = inputs.join(outs, B)
     if not grad_enabled:
         return o
     saved, counts, staged = [], [], []
+    n_inputs = len(inputs.calls[0])
     for c in calls:
         reads = any(reads_state_in[j] for j in inputs.slots_of(c))
         stage = prepared[c] is not None and reads
-        part = [*inputs.calls[c], *(prepared[c].tensors_for_backward() if stage else ())] if reads else [None] * 5
+        part = ([*inputs.calls[c], *(prepared[c].tensors_for_backward() if stage else ())] if reads
+                else [None] * n_inputs)
         saved += part
         counts.append(len(part))
         staged.append(stage)
-    hops = _Hops(passing, layer.backend, pieces, PieceInputs([()] * len(inputs.calls), inputs.layouts, inputs.slots,
+    hops = _Hops(passing, rec, n_inputs, pieces, PieceInputs([()] * len(inputs.calls), inputs.layouts, inputs.slots,
                                                              inputs.batched),
                  reads_state_in, staged, counts, len(summary_ms), state_shape, state_dtype)
     return _StateGradHop.apply(o, hops, len(finals), *finals, *summary_ms, *saved)

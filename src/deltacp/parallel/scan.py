@@ -11,7 +11,8 @@ dH_out_r = (g_{r+1} ∘ ... ∘ g_{P-1})(0) with g_j(X) = M_jᵀ X + dH_in_local
 reverse order (position p = P - 1 - r) with transposed maps.
 
 Algorithm (Hillis-Steele, exclusive) at position p of n, rounds d = 0 .. ceil(log2 n) - 1, offset o = 2^d. The
-position keeps two running summaries, each [M | S] ([..., K, K + V]) or S alone ([..., K, V]):
+position keeps two running summaries, each [M | S] ([..., K, w + V], M packed as the recurrence's
+`ops/recurrence.Transition` declares: w = K for a full M, 1 for a diagonal or scalar one) or S alone ([..., K, V]):
 
     inc = f_p ∘ ... ∘ f_{p-2^d+1}        (only while p still sends)
     exc = f_{p-1} ∘ ... ∘ f_{p-2^d+1}    (starts as the identity)
@@ -24,8 +25,8 @@ never read): a message carries M iff its sender's position is >= o. That depends
 `scan_schedule` is the whole message pattern, the same for any data. A rank whose M is zero sends zeros where the
 schedule says M, and skips its own products (its inc is kept as S alone).
 
-Per position and round: at most two compositions (K x K by K x (K + V) products, or K x K by K x V where the result
-reaches position 0). Memory: three summaries (exc, inc, the received one) whatever n, never a gather of n
+Per position and round: at most two compositions (full M: K x K by K x (K + V) products, or K x K by K x V where
+the result reaches position 0; a diagonal M: elementwise). Memory: three summaries (exc, inc, the received one) whatever n, never a gather of n
 summaries. Products run in
 promote(dtype, float32): float32 for float32/bf16 states, float64 stays float64.
 
@@ -46,6 +47,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from deltacp.distributed.collectives import StatePassing
+from deltacp.ops.recurrence import FULL, Transition
 from deltacp.parallel.placement import Pieces
 
 
@@ -83,8 +85,10 @@ def scan_schedule(position: int, n: int) -> list[ScanRound]:
     return rounds
 
 
-def _mul_add(m: torch.Tensor, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """m @ x + s over the leading dims (one baddbmm)."""
+def _mul_add(m: torch.Tensor, x: torch.Tensor, s: torch.Tensor, transition: Transition) -> torch.Tensor:
+    """M x + s over the leading dims (a full M: one baddbmm)."""
+    if transition.kind != "full":
+        return transition.apply(m, s, x)
     lead = m.shape[:-2]
     out = torch.baddbmm(s.reshape(-1, *s.shape[-2:]), m.reshape(-1, *m.shape[-2:]), x.reshape(-1, *x.shape[-2:]))
     return out.reshape(*lead, *out.shape[-2:])
@@ -95,15 +99,17 @@ class ScanState:
     (None if it sends nothing), `incoming(rnd)` an empty buffer for the one it receives, `absorb(rnd, x)` takes what
     arrived; `result()` is the S of exc: the state entering this position (None at position 0).
 
-    m: [..., K, K] or None (the zero map on the state); s: [..., K, V], or None where the position never sends
-    (position n - 1: its own map is never read)."""
+    m: packed [..., K, w] (`transition`) or None (the zero map on the state); s: [..., K, V], or None where the
+    position never sends (position n - 1: its own map is never read)."""
 
     def __init__(self, m: torch.Tensor | None, s: torch.Tensor | None, position: int, n: int, *,
-                 state_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str):
+                 state_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
+                 transition: Transition = FULL):
         self.position = position
         self.schedule = scan_schedule(position, n)
         self.state_shape = tuple(state_shape)
-        self.k = self.state_shape[-2]
+        self.transition = transition
+        self.k = transition.width(self.state_shape[-2])  # M's packed columns
         self.dtype = torch.promote_types(dtype, torch.float32)
         self.device = torch.device(device)
         sends = any(r.send_to is not None for r in self.schedule)
@@ -142,10 +148,10 @@ class ScanState:
         k = self.k
         m_l, s_l = later[..., :k], later[..., k:]
         if keep_m:
-            out = torch.matmul(m_l, earlier)
+            out = self.transition.mul(m_l, earlier)
             out[..., k:] += s_l
             return out
-        return _mul_add(m_l, earlier[..., k:] if self._with_m(earlier) else earlier, s_l)
+        return _mul_add(m_l, earlier[..., k:] if self._with_m(earlier) else earlier, s_l, self.transition)
 
     def absorb(self, rnd: ScanRound, x: torch.Tensor | None) -> None:
         if rnd.recv_from is None:
@@ -170,8 +176,8 @@ class ScanState:
 
 def exclusive_state_scan(ms: Sequence[torch.Tensor | None], ss: Sequence[torch.Tensor | None],
                          passing: StatePassing, pieces: Pieces, *, state_shape: Sequence[int], dtype: torch.dtype,
-                         device: torch.device | str, reverse: bool = False, what: str = "scan"
-                         ) -> list[torch.Tensor | None]:
+                         device: torch.device | str, reverse: bool = False, what: str = "scan",
+                         transition: Transition = FULL) -> list[torch.Tensor | None]:
     """The state entering each local piece: the S of the composition of the earlier pieces' maps (M, S) applied to a
     zero state, in ceil(log2 N) rounds over `passing`'s group (N = pieces.total, the positions of the scan; each
     member runs the positions of its pieces). reverse: the pieces in reverse order (the backward: pass Mᵀ and
@@ -188,8 +194,8 @@ def exclusive_state_scan(ms: Sequence[torch.Tensor | None], ss: Sequence[torch.T
     def holder(position: int) -> tuple[int, int]:
         return pieces.holder(position_of(position))
 
-    states = [ScanState(m, s, position_of(piece), n, state_shape=state_shape, dtype=dtype, device=device)
-              for m, s, piece in zip(ms, ss, pieces.positions)]
+    states = [ScanState(m, s, position_of(piece), n, state_shape=state_shape, dtype=dtype, device=device,
+                        transition=transition) for m, s, piece in zip(ms, ss, pieces.positions)]
     for d in range(scan_rounds(n)):
         rounds = [st.schedule[d] for st in states]
         local, sends, recvs = {}, [], []
@@ -217,16 +223,16 @@ def exclusive_state_scan(ms: Sequence[torch.Tensor | None], ss: Sequence[torch.T
 
 
 def simulate_exclusive_scan(ms: Sequence[torch.Tensor | None], ss: Sequence[torch.Tensor | None], *,
-                            on_step: Callable[[ScanState, int, str], ContextManager] | None = None
-                            ) -> list[torch.Tensor | None]:
+                            on_step: Callable[[ScanState, int, str], ContextManager] | None = None,
+                            transition: Transition = FULL) -> list[torch.Tensor | None]:
     """The scan over n = len(ss) positions in one process, in lockstep: each round, every position's message, then
     every position absorbs its own. Returns each position's entering state (None at position 0). `on_step(state,
     round, "out" | "in")` wraps each position's own work of a round (building its message; absorbing the received
     one) in a context manager, e.g. to time what one rank would spend on its own device (`bench/state_scan.py`)."""
     n = len(ss)
     like = next(s for s in ss if s is not None)
-    states = [ScanState(m, s, p, n, state_shape=like.shape, dtype=like.dtype, device=like.device)
-              for p, (m, s) in enumerate(zip(ms, ss))]
+    states = [ScanState(m, s, p, n, state_shape=like.shape, dtype=like.dtype, device=like.device,
+                        transition=transition) for p, (m, s) in enumerate(zip(ms, ss))]
     step = on_step or (lambda state, d, phase: contextlib.nullcontext())
     for d in range(scan_rounds(n)):
         sent = []

@@ -1,10 +1,11 @@
-"""What one rank's GDN scan covers: its heads (with their conv channels and gate parameters) and the group over
-which its tokens are one slice of the row. The 1-D p2p / all_gather modes scan every head of the rank's own
+"""What one rank's scan covers: its heads (with their conv channels) and the group over which its tokens are one
+slice of the row. The 1-D p2p / all_gather modes scan every head of the rank's own
 slice; Ulysses scans Hv / P heads of the whole row (no group: the sequence is whole here); the 2-D layout
 (`two_d.py`) scans Hv / u heads of its Ulysses group's slice, across the same heads of the other groups.
 
-`scan_inputs` is the start every mode's scan shares: the causal conv + SiLU + q/k/v split (with the halo from the
-previous piece), the gates, and the backend's contract check, for the local pieces (`placement.Pieces`: one under
+`scan_inputs` is the start every mode's scan shares: the causal conv (with the halo from the previous piece), the
+family's recurrence inputs of these heads (`LinearMixerView.inputs`: its gates) and the recurrence's contract check,
+for the local pieces (`placement.Pieces`: one under
 the contiguous layout, two under the balanced one) as `PieceInputs`: the backend calls that cover them.
 """
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from deltacp.ops.gdn.varlen import VarlenLayout
-from deltacp.parallel.conv import conv_silu_qkv
+from deltacp.ops.recurrence import RecurrenceInputs
+from deltacp.parallel.conv import conv_parts
 from deltacp.parallel.documents import DocumentSegment
 from deltacp.parallel.gdn_layer import GDNLayerCP
 from deltacp.parallel.placement import Pieces
@@ -23,18 +25,18 @@ from deltacp.parallel.placement import Pieces
 
 @dataclass
 class GDNShard:
-    qk_heads: int  # q/k heads scanned here (after any repeat to the value heads)
+    key_heads: int  # key heads scanned here (after any repeat to the value heads)
     v_heads: int
-    conv_weight_CK: torch.Tensor  # this shard's [q | k | v] conv channels
+    conv_weight_CK: torch.Tensor  # this shard's pre-conv channels
     conv_bias_C: torch.Tensor | None
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
+    heads: slice  # the module's value heads scanned here
     seq_group: object | None  # the ranks whose slices make the row (halo from the previous one); None: whole here
 
     @classmethod
     def whole(cls, layer: GDNLayerCP) -> "GDNShard":
-        m = layer.view
-        return cls(m.num_k_heads, m.num_v_heads, layer.conv_weight_CK, m.conv1d.bias, m.A_log, m.dt_bias, layer.group)
+        layout = layer.view.layout
+        return cls(layout.key_heads, layout.value_heads, layer.conv_weight_CK, layer.view.conv.bias,
+                   slice(0, layout.value_heads), layer.group)
 
 
 @dataclass
@@ -42,9 +44,9 @@ class PieceInputs:
     """The scan inputs of a rank's pieces as the backend calls see them. Batched (pieces of unpacked rows, and any
     single piece): ONE call over B x slots rows, row b * slots + slot holding slot `slot` of row b (a view of the
     local tokens [B, slots * n], no copy). Not batched (two pieces of a packed row, each with its own documents):
-    one call per piece. `calls[c]` = (q, k, v, g, beta), `layouts[c]` its documents (VarlenLayout or None)."""
+    one call per piece. `calls[c]`: the call's `RecurrenceInputs`, `layouts[c]` its documents (VarlenLayout or None)."""
 
-    calls: list[tuple[torch.Tensor, ...]]
+    calls: list[RecurrenceInputs]
     layouts: list[VarlenLayout | None]
     slots: int
     batched: bool
@@ -93,24 +95,23 @@ class PieceInputs:
         return [x[:, pieces.local(slot)].contiguous() for slot in range(self.slots)]
 
 
-def scan_inputs(layer: GDNLayerCP, shard: GDNShard, qkv_BsC: torch.Tensor, b_BsH: torch.Tensor, a_BsH: torch.Tensor,
+def scan_inputs(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
                 pieces: Pieces, docs: list[DocumentSegment | None]) -> PieceInputs:
-    """q, k [rows, n, qk_heads, K], v [rows, n, Hv, V], g, beta [rows, n, Hv] of this shard per backend call
-    (`PieceInputs`), checked against the backend's contract. Contiguous once here (the Triton backend writes them
-    so; eager's are views of the conv output): the backend's saves and the modes' own autograd nodes then share
-    these tensors instead of views keeping the whole conv output alive through the backward."""
+    """The recurrence inputs of this shard per backend call (`PieceInputs`), checked against the recurrence's
+    contract. Contiguous once here (the Triton backend writes them so; eager's are views of the conv output): the
+    backend's saves and the modes' own autograd nodes then share these tensors instead of views keeping the whole
+    conv output alive through the backward."""
     batched = pieces.per_member == 1 or all(d is None for d in docs)
-    qkvs = conv_silu_qkv(layer, qkv_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.qk_heads, pieces, docs,
-                         shard.seq_group, batched)
-    g, beta = layer.backend.gates(a_BsH, b_BsH, shard.A_log, shard.dt_bias)
+    parts = conv_parts(layer, pre_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.key_heads, pieces, docs,
+                       shard.seq_group, batched)
     inputs = PieceInputs([], [d.layout if d is not None else None for d in docs][:1 if batched else None],
                          pieces.per_member, batched)
-    for call, qkv in enumerate(qkvs):
-        q, k, v = (t.contiguous() for t in qkv)
+    for call, part in enumerate(parts):
         if batched:
-            g_c, beta_c = (t.unflatten(1, (pieces.per_member, -1)).flatten(0, 1).contiguous() for t in (g, beta))
+            extras = extras_BsHX.unflatten(1, (pieces.per_member, -1)).flatten(0, 1)
         else:
-            g_c, beta_c = (t[:, pieces.local(call)].contiguous() for t in (g, beta))
-        layer.backend.check(q, k, v, g_c, beta_c)
-        inputs.calls.append((q, k, v, g_c, beta_c))
+            extras = extras_BsHX[:, pieces.local(call)]
+        x = layer.view.inputs(part, extras, shard.heads, layer.backend).contiguous()
+        layer.recurrence.check(x)
+        inputs.calls.append(x)
     return inputs

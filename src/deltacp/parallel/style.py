@@ -41,7 +41,7 @@ from deltacp.parallel.modes import attention_method, check_state_passing, gdn_mo
 from deltacp.parallel.placement import check_sequence_layout
 from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
-from deltacp.parallel.views import GDNView, gdn_view_of
+from deltacp.parallel.views import LinearMixerView, mixer_view_of
 
 _CP_LAYER = "_deltacp_cp"  # the attribute under which a CP'd GDN module keeps its GDNLayerCP
 
@@ -111,31 +111,35 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
             return None
         return dedicated_cp_groups(cp_mesh) if cp > 1 else cp_group_of(cp_mesh)
 
-    def check_module(self, module: nn.Module | GDNView, cp: int) -> dict:
+    def check_module(self, module: nn.Module | LinearMixerView, cp: int) -> dict:
         """Validate the module (through its family's view) for this mode and return the configuration every rank
         must share."""
-        view = gdn_view_of(module)
-        conv = view.conv1d
-        conv_dim = 2 * view.num_k_heads * view.head_k_dim + view.num_v_heads * view.head_v_dim
-        if conv.stride[0] != 1 or conv.groups != conv_dim or conv.in_channels != conv.out_channels:
-            raise ValueError(f"linear attention CP needs a depthwise causal conv with stride 1 and groups == "
-                             f"conv_dim ({conv_dim}); got stride {conv.stride[0]}, groups {conv.groups}")
+        view = mixer_view_of(module)
+        conv, layout = view.conv, view.layout
+        if conv.stride[0] != 1 or conv.groups != layout.channels or conv.in_channels != conv.out_channels:
+            raise ValueError(f"linear attention CP needs a depthwise causal conv with stride 1 and groups == the "
+                             f"pre-conv channels ({layout.channels}); got stride {conv.stride[0]}, groups "
+                             f"{conv.groups}")
         if conv.padding[0] != (conv.kernel_size[0] - 1) * conv.dilation[0]:
             raise ValueError(f"linear attention CP needs a causal conv with padding (kernel-1)*dilation = "
                              f"{(conv.kernel_size[0] - 1) * conv.dilation[0]}, got padding {conv.padding[0]}")
-        if view.num_v_heads % view.num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({view.num_v_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({view.num_k_heads})")
+        if view.conv_activation != "silu":
+            raise NotImplementedError(f"linear attention CP computes the conv's activation as SiLU; this layer's "
+                                      f"is {view.conv_activation!r} (hidden_act)")
+        if layout.value_heads % layout.key_heads:
+            raise ValueError(f"{layout.value_setting} ({layout.value_heads}) must be a multiple of "
+                             f"{layout.key_setting} ({layout.key_heads})")
         u = linear_two_d_degree(cp, self.ulysses_degree, self.mode)
-        if u is not None and view.num_v_heads % u:
-            raise ValueError(f"ulysses_degree={u} must divide linear_num_value_heads ({view.num_v_heads}): in the "
-                             f"2-D layout GDN layers split their heads over each Ulysses group of {u} ranks")
+        if u is not None and layout.value_heads % u:
+            raise ValueError(f"ulysses_degree={u} must divide {layout.value_setting} ({layout.value_heads}): in the "
+                             f"2-D layout linear layers split their heads over each Ulysses group of {u} ranks")
         if self.cp_mode.across is None:  # the heads split over the whole CP group
-            ulysses_head_layout(view.num_k_heads, view.num_v_heads, cp)
+            ulysses_head_layout(layout, cp)
         param = view.parameter()
+        K, V = view.state_dims
         return dict(linear_attention_cp_mode=self.mode, linear_attention_gdn_backend=self.backend, cp=cp,
-                    ulysses_degree=u, family=view.family, num_k_heads=view.num_k_heads,
-                    num_v_heads=view.num_v_heads, head_k_dim=view.head_k_dim, head_v_dim=view.head_v_dim,
+                    ulysses_degree=u, family=view.family, num_k_heads=layout.key_heads,
+                    num_v_heads=layout.value_heads, head_k_dim=K, head_v_dim=V, channels=layout.channels,
                     state_passing=self.state_passing, sequence_layout=self.sequence_layout,
                     conv_kernel=conv.kernel_size[0], conv_halo=(conv.kernel_size[0] - 1) * conv.dilation[0],
                     dtype=str(param.dtype), device_type=param.device.type)
@@ -143,7 +147,9 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
     def install(self, module: nn.Module, group, groups=None) -> nn.Module:
         """Install the CP forward (after `check_module` and the configuration exchange), with `groups(cp_mesh)`."""
         two_d = isinstance(groups, TwoDGroups)
-        layer = GDNLayerCP(view=gdn_view_of(module), group=group, mode=self.cp_mode, backend=self.gdn_backend,
+        view = mixer_view_of(module)
+        layer = GDNLayerCP(view=view, group=group, mode=self.cp_mode, backend=self.gdn_backend,
+                           recurrence=view.recurrence(self.gdn_backend),
                            mixer=two_d_mixer if two_d else self.cp_mode.mixer,
                            balanced=self.sequence_layout == "balanced")
         if two_d:

@@ -1,23 +1,23 @@
 """What a CP algorithm sees of a model's layer: a view, never the model class.
 
-The CP algorithms (GDN modes, Ulysses attention) read a layer only through these two views. A model family's
-adapter (`deltacp.models.adapters`) subclasses them for its module classes and registers a factory per class
-here (deltacp's package registers a loader that imports `deltacp.models.adapters`, which registers every family,
-before the first lookup); `parallel/` itself knows no model class. Views read the module's parameters at call time
-(FSDP2 swaps a module's parameters between sharded and unsharded tensors around each forward).
+The CP algorithms (the linear-attention modes, the full-attention methods) read a layer only through these two
+views. Each model family's home (`deltacp.families.<family>`) subclasses them for its module classes and registers
+a factory per class here (deltacp's package registers a loader that imports the families before the first lookup);
+`parallel/` itself knows no model class, no gate formula and no parameter name. Views read the module's parameters
+at call time (FSDP2 swaps a module's parameters between sharded and unsharded tensors around each forward).
 
-GDNView hands over, per call, the pre-conv channels in the order [q | k | v] (key heads, then value heads),
-the output gate z, and the per-value-head beta and gate inputs b, a; plus the conv, A_log, dt_bias, the gated
-norm's weight and epsilon, and the out projection. AttentionView hands over the projections of a gated full
-attention (q_proj emits query and output gate per head), its q/k norms, head counts and the family's rotary
-embedding.
+LinearMixerView describes a linear-recurrent mixer: its head layout and pre-conv channels (`HeadLayout`), its conv,
+the path from projections to the recurrence inputs (`ops/recurrence.py`) and from the recurrence output to the
+mixer's output. AttentionView describes a full attention: head counts, and the path from projections to q/k/v and
+from attention output to the layer's output.
 
-Shape legend: x_BsD local hidden states; qkv_BsC pre-conv channels [q | k | v]; z_BsHV per value head;
-b_BsH, a_BsH per value head.
+Shape legend: x_BsD local hidden states; pre_BsC pre-conv channels; extras_BsHX per value head; o_BsHV per value
+head.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -37,30 +37,100 @@ def _reads(path: str) -> property:
     return property(get, doc=f"module.{path}, read at call time")
 
 
-class GDNView:
-    """One GDN module as the CP algorithms need it (subclassed per model family)."""
+@dataclass(frozen=True)
+class HeadLayout:
+    """How a linear mixer's heads and pre-conv channels are laid out: key heads (shared by groups of value heads:
+    key head i serves value heads i*r .. (i+1)*r - 1, r = value_heads / key_heads) and value heads; the pre-conv
+    channels are `groups` in order, each (kind, dim): `kind` "key" (key_heads x dim channels) or "value"
+    (value_heads x dim). A slice of value heads owns its value channels and the key channels of the key heads it
+    reads (repeated when the slices do not hold whole key heads, which is exact for a depthwise conv)."""
+
+    key_heads: int
+    value_heads: int
+    groups: tuple[tuple[str, int], ...]
+    key_setting: str = "key heads"  # the config fields that set the head counts, for error messages
+    value_setting: str = "value heads"
+
+    @property
+    def channels(self) -> int:
+        return sum((self.key_heads if kind == "key" else self.value_heads) * dim for kind, dim in self.groups)
+
+    def split(self, parts: int) -> tuple[int, int]:
+        """(key heads after any repeat, value heads) of each of `parts` equal slices of the value heads, or
+        ValueError naming the setting."""
+        if self.value_heads % parts:
+            raise ValueError(f"splitting heads {parts} ways needs {self.value_setting} ({self.value_heads}) "
+                             f"divisible by {parts}")
+        key = self.key_heads if self.key_heads % parts == 0 else self.value_heads
+        return key // parts, self.value_heads // parts
+
+    def slice_channels(self, part: int, parts: int, device) -> torch.Tensor:
+        """The pre-conv channel indices of value-head slice `part` of `parts`, in the module's channel order."""
+        key_local, value_local = self.split(parts)
+        value = torch.arange(part * value_local, (part + 1) * value_local, device=device)
+        if self.key_heads % parts == 0:
+            key = torch.arange(part * key_local, (part + 1) * key_local, device=device)
+        else:
+            key = value // (self.value_heads // self.key_heads)
+        out, base = [], 0
+        for kind, dim in self.groups:
+            heads, total = (key, self.key_heads) if kind == "key" else (value, self.value_heads)
+            out.append(base + (heads[:, None] * dim + torch.arange(dim, device=device)).flatten())
+            base += total * dim
+        return torch.cat(out)
+
+
+class LinearMixerView:
+    """One linear-recurrent token mixer as the CP algorithms need it: the family's description, subclassed per
+    family (its home in `deltacp.families`). The CP layer reads only this:
+
+        layout                      HeadLayout: heads and pre-conv channels
+        conv                        the depthwise causal conv over the pre-conv channels (nn.Conv1d)
+        conv_activation             its activation's name (the CP conv computes "silu")
+        extras                      per-token inputs per value head that skip the conv (e.g. GDN's b and a)
+        state_dims                  (K, V) of the recurrent state
+        project(x)                  -> (pre_BsC, extras_BsHX [B, s, Hv, extras], out): the module's projections
+        conv_heads(key_heads)       -> the split of the conv output the backend's conv op makes
+        inputs(parts, extras, heads, backend) -> RecurrenceInputs of value heads `heads` (a slice) from the conv
+                                    output parts and the extras of those heads: the family's gate formula
+        recurrence(backend)         -> the Recurrence (`ops/recurrence.py`) the inputs are for
+        output(o_BsHV, out, backend) -> the mixer's output [B, s, hidden] (gated norm, output projection)
+
+    Parameters are read at call time (FSDP2 swaps them between sharded and unsharded tensors)."""
 
     family = "generic"
+    extras = 0
 
     def __init__(self, module: nn.Module):
         self.module = module
 
-    # head layout
-    num_k_heads = _reads("num_k_heads")
-    num_v_heads = _reads("num_v_heads")
-    head_k_dim = _reads("head_k_dim")
-    head_v_dim = _reads("head_v_dim")
+    conv = _reads("conv1d")
 
-    # parameters and submodules, read at call time
-    conv1d = _reads("conv1d")
-    A_log = _reads("A_log")
-    dt_bias = _reads("dt_bias")
-    norm_weight = _reads("norm.weight")
-    norm_eps = _reads("norm.variance_epsilon")
-    out_proj = _reads("out_proj")  # view.out_proj(x) calls the module's projection
+    @property
+    def layout(self) -> HeadLayout:
+        raise NotImplementedError
 
-    def project(self, x_BsD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, s, hidden] -> qkv_BsC [B, s, q|k|v channels], z_BsHV [B, s, Hv, V], b_BsH, a_BsH [B, s, Hv]."""
+    @property
+    def conv_activation(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def state_dims(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def project(self, x_BsD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+        raise NotImplementedError
+
+    def conv_heads(self, key_heads: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def inputs(self, parts, extras_BnHX: torch.Tensor, heads: slice, backend):
+        raise NotImplementedError
+
+    def recurrence(self, backend):
+        raise NotImplementedError
+
+    def output(self, o_BsHV: torch.Tensor, out, backend) -> torch.Tensor:
         raise NotImplementedError
 
     def parameter(self) -> torch.Tensor:
@@ -68,12 +138,21 @@ class GDNView:
         return next(self.module.parameters())
 
 
+GDNView = LinearMixerView  # the name of earlier versions
+
+
 class AttentionView:
-    """One gated full-attention module (q_proj emits query and output gate per head) as Ulysses CP needs it."""
+    """One full-attention module as the attention CP methods need it (subclassed per family):
+
+        num_heads, num_kv_heads, head_dim, scaling, dropout
+        project(x, position_embeddings) -> (q_BsHD, k_BsHD, v_BsHD, out): the local projections, q/k norms and
+                                    rotary (position_embeddings None: the family's NoPE layers)
+        output(o_BsX, out)          -> [B, s, hidden]: any output gate, then the output projection
+    """
 
     family = "generic"
 
-    def __init__(self, module: nn.Module, apply_rotary: Callable):
+    def __init__(self, module: nn.Module, apply_rotary: Callable | None = None):
         self.module = module
         self._apply_rotary = apply_rotary
 
@@ -86,25 +165,21 @@ class AttentionView:
     def dropout(self) -> float:
         return self.module.attention_dropout if self.module.training else 0.0
 
-    q_proj = _reads("q_proj")  # the module's projections, called as view.q_proj(x)
-    k_proj = _reads("k_proj")
-    v_proj = _reads("v_proj")
-    o_proj = _reads("o_proj")
-
-    @property
-    def q_norm(self) -> tuple[torch.Tensor, float]:
-        return self.module.q_norm.weight, self.module.q_norm.eps
-
-    @property
-    def k_norm(self) -> tuple[torch.Tensor, float]:
-        return self.module.k_norm.weight, self.module.k_norm.eps
-
-    def apply_rotary(self, q_BsHD: torch.Tensor, k_BsHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """The family's rotary embedding of the local tokens (partial rotary and mRoPE are in cos/sin)."""
+    def apply_rotary(self, q_BsHD: torch.Tensor, k_BsHD: torch.Tensor, position_embeddings):
+        """The family's rotary embedding of the local tokens (partial rotary and mRoPE are in cos/sin); None: none."""
+        if position_embeddings is None:
+            return q_BsHD, k_BsHD
+        cos, sin = position_embeddings
         return self._apply_rotary(q_BsHD, k_BsHD, cos, sin, unsqueeze_dim=2)
 
+    def project(self, x_BsD: torch.Tensor, position_embeddings):
+        raise NotImplementedError
 
-_GDN_VIEWS: dict[type, Callable[[nn.Module], GDNView]] = {}
+    def output(self, o_BsX: torch.Tensor, out) -> torch.Tensor:
+        raise NotImplementedError
+
+
+_MIXER_VIEWS: dict[type, Callable[[nn.Module], LinearMixerView]] = {}
 _ATTENTION_VIEWS: dict[type, Callable[[nn.Module], AttentionView]] = {}
 _FAMILY_LOADERS: list[Callable[[], object]] = []  # run once, before the first lookup: they register the families
 
@@ -120,8 +195,11 @@ def _load_families() -> None:
         _FAMILY_LOADERS.pop(0)()
 
 
-def register_gdn_view(module_class: type, factory: Callable[[nn.Module], GDNView]) -> None:
-    _GDN_VIEWS[module_class] = factory
+def register_mixer_view(module_class: type, factory: Callable[[nn.Module], LinearMixerView]) -> None:
+    _MIXER_VIEWS[module_class] = factory
+
+
+register_gdn_view = register_mixer_view  # the name of earlier versions
 
 
 def register_attention_view(module_class: type, factory: Callable[[nn.Module], AttentionView]) -> None:
@@ -137,11 +215,14 @@ def _lookup(registry: dict, module: nn.Module, what: str):
     raise NotImplementedError(f"{what} applies to transformers' {known}; got {type(module).__name__}")
 
 
-def gdn_view_of(module: nn.Module) -> GDNView:
-    """The registered view of a GDN module, or NotImplementedError naming its class and the supported ones."""
-    if isinstance(module, GDNView):
+def mixer_view_of(module: nn.Module) -> LinearMixerView:
+    """The registered view of a linear mixer, or NotImplementedError naming its class and the supported ones."""
+    if isinstance(module, LinearMixerView):
         return module
-    return _lookup(_GDN_VIEWS, module, "LinearAttentionContextParallel")
+    return _lookup(_MIXER_VIEWS, module, "LinearAttentionContextParallel")
+
+
+gdn_view_of = mixer_view_of  # the name of earlier versions
 
 
 def attention_view_of(module: nn.Module) -> AttentionView:

@@ -1,0 +1,18 @@
+"""One home per model family: everything deltacp knows of a family lives in its module here.
+
+    qwen3_5.py      Qwen3.5 dense, MoE and multimodal (gated attention shared with Qwen3-Next)
+    qwen3_next.py   Qwen3-Next
+    olmo_hybrid.py  OLMo-Hybrid
+    gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
+
+A home holds the family's `Family` record (class names by role, its text config, whether its decoder norms take the
+fused Triton glue, multimodal classes), registered with `models/families.py`, and its views (`parallel/views.py`):
+the linear mixer's description (head layout, projections -> recurrence inputs -> output) and the full attention's
+(projections, norms, rotary, output gate). The CP layer reads nothing else of a family. Adding a family: a module
+here, its import below, its parity test (docs/design.md, "Adding a family").
+"""
+
+# each registers its family, in this order (the order of supported_classes())
+from deltacp.families import qwen3_5  # noqa: F401  isort: skip
+from deltacp.families import qwen3_next  # noqa: F401  isort: skip
+from deltacp.families import olmo_hybrid  # noqa: F401  isort: skip

@@ -1,0 +1,71 @@
+"""OLMo-Hybrid (`OlmoHybridForCausalLM`, `OlmoHybridModel`; transformers 5.25): its family record, GDN view and
+attention view.
+
+GDN (`OlmoHybridGatedDeltaNet`): separate projections q_proj, k_proj (key_dim each), v_proj (value_dim), a_proj,
+b_proj (one per value head) and g_proj (the output gate, value_dim), all without bias; one depthwise conv over
+cat[q, k, v]; beta = sigmoid(b), times 2 under `linear_allow_neg_eigval` (the state may then flip sign); gated
+RMSNorm `o_norm` (norm before gate, weight * x, eps 1e-5) and `o_proj`. Head dims are free (the config defaults:
+K = 0.75 hidden / key heads, V = 2 K).
+Attention (`OlmoHybridAttention`, Olmo3's): no output gate; q_norm / k_norm are RMSNorms (weight * x) over the WHOLE
+projected width (heads x head_dim) before the reshape to heads; RoPE only when the config sets a rope theta (the
+text model's `rotary_emb` is then present; otherwise NoPE, and the layer receives position_embeddings=None).
+Decoder layers: the GDN ones pre-norm, the attention ones post-norm (no input norm); the decoder norm is weight * x,
+not Qwen3.5's (1 + w), so the fused Triton decoder glue does not apply (`Family.fused_decoder`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltacp.families.gdn import GatedDeltaNetView, extras
+from deltacp.models.families import Family, register_family
+from deltacp.ops.precision import compute_dtype
+from deltacp.parallel.views import AttentionView
+
+
+class OlmoHybridGDNView(GatedDeltaNetView):
+    family = "olmo_hybrid"
+    norm_name = "o_norm"
+    out_proj_name = "o_proj"
+
+    @property
+    def beta_scale(self) -> float:
+        return 2.0 if self.module.allow_neg_eigval else 1.0
+
+    def project(self, x_BsD):
+        m = self.module
+        B, s, _ = x_BsD.shape
+        pre_BsC = torch.cat([m.q_proj(x_BsD), m.k_proj(x_BsD), m.v_proj(x_BsD)], dim=-1)
+        return pre_BsC, extras(m.b_proj(x_BsD), m.a_proj(x_BsD)), m.g_proj(x_BsD).reshape(B, s, -1, m.head_v_dim)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' OlmoHybridRMSNorm (weight * x, the product in float32), float32 widened to float64 for
+    float64."""
+    dt = compute_dtype(x)
+    h = x.to(dt)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+class OlmoHybridAttentionView(AttentionView):
+    family = "olmo_hybrid"
+
+    def project(self, x_BsD, position_embeddings):
+        m, D = self.module, self.head_dim
+        B, s, _ = x_BsD.shape
+        q = rms_norm(m.q_proj(x_BsD), m.q_norm.weight, m.q_norm.variance_epsilon).view(B, s, -1, D)
+        k = rms_norm(m.k_proj(x_BsD), m.k_norm.weight, m.k_norm.variance_epsilon).view(B, s, -1, D)
+        v = m.v_proj(x_BsD).view(B, s, -1, D)
+        q, k = self.apply_rotary(q, k, position_embeddings)
+        return q, k, v, None
+
+    def output(self, o_BsX, out):
+        return self.module.o_proj(o_BsX)
+
+
+OLMO_HYBRID = register_family(Family(
+    "olmo_hybrid", "transformers.models.olmo_hybrid.modeling_olmo_hybrid", causal_lm="OlmoHybridForCausalLM",
+    text_model="OlmoHybridModel", gdn="OlmoHybridGatedDeltaNet", attention="OlmoHybridAttention",
+    norm="OlmoHybridRMSNorm", mlp="OlmoHybridMLP", gdn_view="OlmoHybridGDNView", text_config="OlmoHybridConfig",
+    mixer_view=OlmoHybridGDNView, attention_view=OlmoHybridAttentionView, fused_decoder=False))
