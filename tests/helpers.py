@@ -236,6 +236,43 @@ def tiny_family_model(name: str, dtype=torch.float64) -> torch.nn.Module:
     return long_memory_gates_(model).to(dtype)
 
 
+OLMO_LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+
+
+def tiny_olmo_hybrid(rope: bool = True, dtype=torch.float64, beta_gain: float = 20.0, **overrides) -> torch.nn.Module:
+    """A tiny random OlmoHybridForCausalLM as transformers builds it (seeded: the same on every rank): hidden 32,
+    layers GDN / attention / GDN / GDN, 2 key heads for 8 value heads of K = 12, V = 24, attention 8 heads over 2 KV
+    heads of 8; RoPE, or NoPE (rope=False: no rope theta, no rotary module). Slowly decaying gates; the b projection
+    scaled by `beta_gain` so that beta = 2 sigmoid(b) reaches 2 on many tokens (the state flips sign)."""
+    import transformers
+
+    fields = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, layer_types=OLMO_LAYERS,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                  linear_num_value_heads=8, linear_key_head_dim=12, linear_value_head_dim=24, linear_conv_kernel_dim=4,
+                  max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+                  eos_token_id=1, linear_allow_neg_eigval=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0} if rope else None)
+    fields.update(overrides)
+    config = transformers.OlmoHybridConfig(**fields)
+    if not rope:
+        config.rope_parameters = None
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.OlmoHybridForCausalLM(config)
+    assert (model.model.rotary_emb is not None) == rope
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None:  # norm weights away from their init of ones
+                attn.q_norm.weight.normal_(1, 0.1)
+                attn.k_norm.weight.normal_(1, 0.1)
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is not None:
+                gdn.b_proj.weight.mul_(beta_gain)
+                gdn.o_norm.weight.normal_(1, 0.1)
+    return long_memory_gates_(model).to(dtype)
+
+
 def image_batch(B: int, S: int, grid=(1, 4, 4), starts=(5,), seed: int = 0):
     """Token ids [B, S] with one image (grid t, h, w patches; merged 2x2) per entry of `starts` in row 0 (a
     vision-start token, the image tokens, a vision-end token), the processor's mm_token_type_ids, pixel_values

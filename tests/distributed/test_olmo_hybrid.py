@@ -1,0 +1,146 @@
+"""OLMo-Hybrid under CP on gloo, float64: every mode, both sequence layouts, padded and packed rows, at CP2/4/8.
+
+The tiny model (`tiny_olmo_hybrid`): hidden 32, layers [GDN, attention, GDN, GDN] (the attention layer post-norm, the
+GDN layers pre-norm), 2 key heads serving 8 value heads of K = 12, V = 24 (K != V, neither a power of two; the key
+heads do not divide CP4/CP8, so Ulysses repeats them), beta = 2 sigmoid(b) (`linear_allow_neg_eigval`) with the b
+projection scaled so that beta reaches 2 (the state flips sign), slowly decaying gates (the state of one rank
+matters on the next), attention with full-width q/k norms, GQA, with RoPE or NoPE.
+
+References:
+- the unmodified transformers model (per document for packed rows: transformers ignores the packing keywords),
+  float32 accuracy (its norms, gates and GDN fallback compute in float32 even in a float64 model);
+- deltacp's single-device computation (one-rank mesh), CP against it at 1e-8: this rank's logits, the loss, every
+  parameter gradient summed over ranks, the grad norm. Both sides run under `float64_upcasts` (transformers'
+  float32 casts widened alike), so they differ by float64 rounding only.
+"""
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltacp import (
+    all_reduce_cp_grads,
+    apply_activation_checkpointing,
+    cp_cross_entropy,
+    fully_shard_cp,
+    parallelize_cp,
+    shard_batch_for_cp,
+)
+from deltacp.distributed.launch import run_distributed
+from helpers import computed_once, cp_mesh, flat, float64_upcasts, grads_of, rel_l2, self_meshes, tiny_olmo_hybrid
+
+S = 64
+LENGTHS = [1, 3, 20, 7, 33]  # packed row: documents shorter than the conv kernel, crossing rank boundaries
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+
+
+def _transformers(model, ids, mask, cu):
+    """The unmodified model: logits and the mean next-token loss (per document for a packed row)."""
+    if cu is None:
+        labels = ids if mask is None else torch.where(mask.bool(), ids, -100)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        return out.logits, out.loss
+    bounds = cu.tolist()
+    logits = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits
+                        for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+    total = sum(F.cross_entropy(logits[0, a:b - 1], ids[0, a + 1:b], reduction="sum")
+                for a, b in zip(bounds[:-1], bounds[1:]) if b - a > 1)
+    return logits, total / sum(b - a - 1 for a, b in zip(bounds[:-1], bounds[1:]) if b - a > 1)
+
+
+def _step(model, mesh, ids, mask, cu, fsdp=False):
+    batch = shard_batch_for_cp(ids, mesh, attention_mask=mask, cu_seqlens=cu, model=model)
+    with float64_upcasts():
+        logits = model(**{k: v for k, v in batch.items() if k != "target_ids" and v is not None},
+                       use_cache=False).logits
+        loss = cp_cross_entropy(logits, batch["target_ids"], mesh)
+        loss.backward()
+    if fsdp:
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    else:
+        all_reduce_cp_grads(model, mesh)
+        grads = grads_of(model)
+    return logits.detach(), loss.detach(), flat(grads)
+
+
+def olmo_worker(rank, world, cases):
+    single_mesh, mesh = self_meshes(), cp_mesh()
+    failures = []
+    gen = torch.Generator().manual_seed(3)
+    padded_ids = torch.randint(0, 256, (2, S), generator=gen)
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1, 45:] = 0
+    packed_ids = torch.randint(0, 256, (1, sum(LENGTHS)), generator=gen)
+    batches = {"padded": (padded_ids, mask, None), "packed": (packed_ids, None, _cu(LENGTHS))}
+
+    def reference(rope, kind):
+        base = tiny_olmo_hybrid(rope)
+        ids, m, cu = batches[kind]
+        tf = copy.deepcopy(base)
+        logits_tf, loss_tf = _transformers(tf, ids, m, cu)
+        loss_tf.backward()
+        ref = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p")
+        return logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf)), _step(ref, single_mesh, ids, m, cu)
+
+    keys = sorted({(rope, kind) for rope, kind, *_ in cases})
+    refs = dict(zip(keys, computed_once(*(partial(reference, *key) for key in keys))))
+    checked = set()
+    for rope, kind, mode, layout, extra in cases:
+        tag = f"{'rope' if rope else 'nope'} {kind} CP{world} {mode} {layout} {extra or ''}"
+        ids, m, cu = batches[kind]
+        logits_tf, loss_tf, grads_tf, (logits_ref, loss_ref, grads_ref) = refs[(rope, kind)]
+        if (rope, kind) not in checked:  # deltacp's single-device path against the unmodified model
+            checked.add((rope, kind))
+            valid = torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool()
+            checks = {"logits": rel_l2(logits_ref[valid], logits_tf[valid]),
+                      "loss": abs(loss_ref / loss_tf - 1).item(), "grads": rel_l2(grads_ref, grads_tf)}
+            bounds = {"logits": 1e-6, "loss": 1e-6, "grads": 1e-4}
+            failures += [f"{tag} single vs transformers {k}: {v:.2e}" for k, v in checks.items() if not v < bounds[k]]
+        settings = dict(linear_attention_cp_mode=mode, sequence_layout=layout)
+        if extra == "scan":
+            settings["linear_attention_state_passing"] = "scan"
+        if extra == "2d":
+            settings.update(ulysses_degree=2, full_attention_cp="all_gather")
+        if mode != "ulysses" and extra != "2d":
+            settings["full_attention_cp"] = "ring" if layout == "balanced" else "all_gather"
+        model = parallelize_cp(tiny_olmo_hybrid(rope), mesh, **settings)
+        fsdp = extra == "fsdp+checkpointing"
+        if fsdp:
+            apply_activation_checkpointing(model)
+            fully_shard_cp(model, mesh)
+        logits, loss, grads = _step(model, mesh, ids, m, cu, fsdp)
+        batch = shard_batch_for_cp(torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1), mesh, model=model,
+                                   cu_seqlens=cu)
+        mine = batch["input_ids"][0]  # this rank's row positions (a packed row may be padded: positions >= S)
+        kept = mine < ids.shape[1]
+        checks = {"logits": rel_l2(logits[:, kept], logits_ref[:, mine[kept]]),
+                  "loss": abs(loss / loss_ref - 1).item(), "grads": rel_l2(grads, grads_ref),
+                  "grad norm": abs(grads.norm().item() / grads_ref.norm().item() - 1)}
+        failures += [f"{tag} {k}: {v:.2e}" for k, v in checks.items() if not v < 1e-8]
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+def _cases(modes, layouts, kinds, ropes=(True,), extra=None):
+    return [(rope, kind, mode, layout, extra) for rope in ropes for kind in kinds for mode in modes
+            for layout in layouts]
+
+
+MODES = ("ulysses", "p2p", "all_gather")
+LAYOUTS = ("contiguous", "balanced")
+CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), ropes=(True, False))
+       + _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing"))
+CP4 = (_cases(MODES, LAYOUTS, ("padded", "packed"))
+       + _cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
+       + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d"))
+CP8 = _cases(MODES, ("contiguous",), ("packed",)) + _cases(("p2p",), ("balanced",), ("padded",), extra="scan")
+
+
+@pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])
+def test_olmo_hybrid_parity(world, cases):
+    run_distributed(olmo_worker, world, cases, timeout_s=1200)
