@@ -29,15 +29,18 @@ from deltacp import load_pretrained, save_pretrained, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
 from deltacp.models.hf_format import read_index
 from deltacp.testing.memory import PeakRSS
-from helpers import FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, tiny_config, tiny_family_model
+from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, tiny_config, tiny_family_model,
+                     tiny_olmo_hybrid)
 
 WORLD = 4
-CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES
+CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM",)
 
 
 def _tiny(name):
     if name == "Qwen3_5ForCausalLM":
         return transformers.Qwen3_5ForCausalLM(tiny_config(tie_word_embeddings=True))  # tied embeddings
+    if name == "OlmoHybridForCausalLM":
+        return tiny_olmo_hybrid(rope=False, dtype=torch.float32)  # NoPE, as the released checkpoints
     return tiny_family_model(name, torch.float32)
 
 
@@ -121,7 +124,18 @@ def worker(rank, world, cases, big, out_root):
                                      cls.from_pretrained(path).state_dict(), f"{case} saved bf16")
             if case != "released_moe":  # the names and shapes transformers' save_pretrained wrote
                 written = {k: t.shape for k, t in read_index(out).items()}
-                if written != {k: t.shape for k, t in read_index(path).items()}:
+                theirs = {k: t.shape for k, t in read_index(path).items()}
+                if case == "OlmoHybridForCausalLM":  # its conv pieces: q, k, v rows (transformers: equal thirds)
+                    convs = [k for k in theirs if "_conv1d." in k]
+                    if sorted(convs) != sorted(k for k in written if "_conv1d." in k):
+                        failures.append(f"{case}: saved conv piece names differ from transformers'")
+                    gdn = ref.model.layers[0].linear_attn  # the released layout: key_dim, key_dim, value_dim rows
+                    rows = [written[f"model.layers.0.linear_attn.{p}_conv1d.weight"][0] for p in "qkv"]
+                    if rows != [gdn.key_dim, gdn.key_dim, gdn.value_dim]:
+                        failures.append(f"{case}: saved conv pieces of {rows} rows, not q, k, v's")
+                    written = {k: v for k, v in written.items() if k not in convs}
+                    theirs = {k: v for k, v in theirs.items() if k not in convs}
+                if written != theirs:
                     failures.append(f"{case}: saved names/shapes differ from transformers' save_pretrained")
 
     case, path, cls_name = cases[0]  # replicated parameters, activation checkpointing on every decoder layer

@@ -1,5 +1,6 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
-float32, packed rows) with the single-device losses and grad norms, 3 steps; bad class settings name the key."""
+float32, packed rows) with the single-device losses and grad norms, 3 steps; bad class settings name the key.
+Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid."""
 
 from pathlib import Path
 
@@ -19,6 +20,11 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
     "Qwen3NextForCausalLM": (dict(MOE, decoder_sparse_step=1), [], {}),
     "Qwen3_5ForConditionalGeneration": ({}, [], VISION),
     "Qwen3_5MoeForConditionalGeneration": (MOE, ["intermediate_size"], VISION),
+    # K != V (neither a power of two), beta = 2 sigmoid(b), a post-norm attention layer, NoPE
+    "OlmoHybridForCausalLM": (dict(linear_key_head_dim=12, linear_value_head_dim=24, linear_allow_neg_eigval=True,
+                                   pad_token_id=0, eos_token_id=1, rope_parameters=None,
+                                   layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                "linear_attention"]), ["head_dim"], {}),
 }
 
 

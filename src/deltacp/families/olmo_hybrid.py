@@ -11,6 +11,8 @@ projected width (heads x head_dim) before the reshape to heads; RoPE only when t
 text model's `rotary_emb` is then present; otherwise NoPE, and the layer receives position_embeddings=None).
 Decoder layers: the GDN ones pre-norm, the attention ones post-norm (no input norm); the decoder norm is weight * x,
 not Qwen3.5's (1 + w), so the fused Triton decoder glue does not apply (`Family.fused_decoder`).
+Checkpoints: the decoder norms are stored as attention_layer_norm / feedforward_layer_norm and the conv as q_conv1d,
+k_conv1d, v_conv1d (transformers' conversion mapping; `Family.checkpoint_renames`, `checkpoint_row_pieces`).
 """
 
 from __future__ import annotations
@@ -68,4 +70,11 @@ OLMO_HYBRID = register_family(Family(
     "olmo_hybrid", "transformers.models.olmo_hybrid.modeling_olmo_hybrid", causal_lm="OlmoHybridForCausalLM",
     text_model="OlmoHybridModel", gdn="OlmoHybridGatedDeltaNet", attention="OlmoHybridAttention",
     norm="OlmoHybridRMSNorm", mlp="OlmoHybridMLP", gdn_view="OlmoHybridGDNView", text_config="OlmoHybridConfig",
-    mixer_view=OlmoHybridGDNView, attention_view=OlmoHybridAttentionView, fused_decoder=False))
+    mixer_view=OlmoHybridGDNView, attention_view=OlmoHybridAttentionView, fused_decoder=False,
+    # transformers 5.25's "olmo_hybrid" conversion mapping: the released names of the decoder norms, and the conv
+    # stored as one weight per q, k, v
+    checkpoint_renames=(("input_layernorm", "attention_layer_norm"),
+                        ("post_attention_layernorm", "feedforward_layer_norm")),
+    checkpoint_row_pieces=(("linear_attn.conv1d.weight", (("linear_attn.q_conv1d.weight", "key_dim"),
+                                                          ("linear_attn.k_conv1d.weight", "key_dim"),
+                                                          ("linear_attn.v_conv1d.weight", "value_dim"))),)))

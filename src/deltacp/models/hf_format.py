@@ -10,6 +10,9 @@ conversion mapping, `transformers/conversion_mapping.py`, does the same renaming
   `model.language_model.`, a causal-LM one under `model.`, a bare text model under no prefix; any text class
   loads from any of them (the vision tower, `model.visual.*`, and the multi-token-prediction head, `mtp.*`, are
   then left unread, as transformers ignores them);
+- the family's names (`Family.checkpoint_renames`, `checkpoint_row_pieces`, from its home): dotted name parts
+  renamed (OLMo-Hybrid's decoder norms), and tensors stored as row pieces (OLMo-Hybrid's conv weight as one weight
+  per q, k, v, whose rows make the module's in order);
 - routed experts: the modules hold fused `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
   [E, H, I]; a checkpoint stores them fused under those names (the released Qwen3.5 MoE sizes) or per expert,
   `mlp.experts.{e}.gate_proj.weight` [I, H], `.up_proj.weight` [I, H], `.down_proj.weight` [H, I] (Qwen3-Next's
@@ -204,12 +207,33 @@ def stored_text_prefix(stored: dict[str, StoredTensor]) -> str | None:
     return None
 
 
-def stored_name(name: str, model_prefix: str, checkpoint_prefix: str) -> str:
+def stored_name(name: str, model_prefix: str, checkpoint_prefix: str,
+                renames: tuple[tuple[str, str], ...] = ()) -> str:
     """The checkpoint name of the model tensor `name` (text tensors move from the model's text prefix to the
-    checkpoint's; the others, the vision tower and the LM head, keep their names)."""
+    checkpoint's; the others, the vision tower and the LM head, keep their names), the family's renames applied."""
     if name.startswith(model_prefix):
-        return checkpoint_prefix + name[len(model_prefix):]
-    return name
+        name = checkpoint_prefix + name[len(model_prefix):]
+    return renamed(name, renames)
+
+
+def renamed(name: str, renames: tuple[tuple[str, str], ...], to_stored: bool = True) -> str:
+    """`name` with the family's renames applied to whole dotted parts (module -> stored, or back)."""
+    if not renames:
+        return name
+    table = dict(renames) if to_stored else {b: a for a, b in renames}
+    return ".".join(table.get(part, part) for part in name.split("."))
+
+
+def row_pieces(model: nn.Module, name: str) -> list[tuple[str, int]] | None:
+    """The (name, rows) pieces of model tensor `name` when its family stores it in row pieces (names before the text
+    prefix and the renames are applied), else None. A piece's rows: the named attribute of the module that the
+    suffix's first part names (OLMo-Hybrid: `linear_attn.key_dim`)."""
+    for suffix, pieces in adapter_for(model).family.checkpoint_row_pieces:
+        if name == suffix or name.endswith("." + suffix):
+            base = name[: len(name) - len(suffix)]
+            owner = model.get_submodule(base + suffix.split(".")[0])
+            return [(base + stored, int(getattr(owner, rows))) for stored, rows in pieces]
+    return None
 
 
 def expert_keys(base: str, name: str, expert: int) -> tuple[str, ...]:

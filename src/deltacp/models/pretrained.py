@@ -50,6 +50,7 @@ from deltacp.models.hf_format import (
     read_header,
     scan_checkpoint,
     row_split,
+    row_pieces,
     stored_name,
     stored_text_prefix,
     text_prefix_of,
@@ -63,10 +64,12 @@ DTYPES = FLOAT_DTYPES  # (the name this module exported)
 @dataclass(frozen=True)
 class Source:
     """Where one model tensor is stored: `key`, a tensor of the same shape; or, for fused experts stored per
-    expert, `experts[e]` = the (key, rows) pieces whose rows, in order, make row e."""
+    expert, `experts[e]` = the (key, rows) pieces whose rows, in order, make row e; or, for a tensor the family
+    stores in row pieces, `rows` = the (key, rows) pieces whose rows, in order, make the tensor's."""
 
     key: str | None = None
     experts: tuple[tuple[tuple[str, int], ...], ...] | None = None
+    rows: tuple[tuple[str, int], ...] | None = None
 
 
 def resolve_checkpoint_dir(path) -> Path:
@@ -150,10 +153,29 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
         raise ValueError(f"{path}: no input embedding (model.language_model.embed_tokens.weight, "
                          f"model.embed_tokens.weight or embed_tokens.weight): not a checkpoint of a supported model")
     model_prefix = text_prefix_of(model)
+    renames = adapter_for(model).family.checkpoint_renames
     sources, missing, problems, used = {}, [], [], set()
     for name, tensor in model_tensors(model):
-        key = stored_name(name, model_prefix, checkpoint_prefix)
+        key = stored_name(name, model_prefix, checkpoint_prefix, renames)
         shape = tuple(tensor.shape)
+        pieces = row_pieces(model, name)
+        if key not in stored and pieces is not None:
+            # the rows as stored: the module's split (the released checkpoints), or any other one whose rows make
+            # the tensor's in order (transformers 5.25's save_pretrained writes OLMo-Hybrid's conv in equal thirds)
+            names = [stored_name(n, model_prefix, checkpoint_prefix, renames) for n, _ in pieces]
+            absent = [k for k in names if k not in stored]
+            if absent:
+                missing.append(f"{name} (stored as {key}, or in row pieces {names})")
+                continue
+            keys = [(k, stored[k].shape[0] if stored[k].shape else 0) for k in names]
+            if (sum(rows for _, rows in keys) != shape[0]
+                    or any(stored[k].shape[1:] != shape[1:] for k, _ in keys)):
+                problems.append(f"{[k for k, _ in keys]} are stored with shapes {[stored[k].shape for k, _ in keys]}, "
+                                f"which do not make the rows of {name} {shape}")
+                continue
+            sources[name] = Source(rows=tuple(keys))
+            used.update(k for k, _ in keys)
+            continue
         if key in stored:
             if stored[key].shape != shape:
                 problems.append(f"{key} is stored with shape {stored[key].shape}, {name} has {shape}")
@@ -285,11 +307,17 @@ def read_weights(model: nn.Module, sources: dict[str, Source], path: Path, store
     that overlap this rank's shard, converted to the destination's dtype as they are copied in (`row_reader`)."""
     from torch.distributed.checkpoint import load
 
-    state, held = {}, 0
+    state, held, assemble = {}, 0, []
     for name, tensor in model_tensors(model):
         source = sources[name]
         local, first, _ = row_split(tensor)
         held += local.numel() * local.element_size()
+        if source.rows is not None:  # small tensors (a conv weight): every piece read whole, this rank's rows kept
+            pieces = [torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=local.device)
+                      for _, rows in source.rows]
+            state.update({key: piece for (key, _), piece in zip(source.rows, pieces)})
+            assemble.append((local, first, pieces))
+            continue
         if source.experts is None:
             state[source.key] = tensor  # a DTensor: DCP reads the rows of this rank's shard
             continue
@@ -300,6 +328,8 @@ def read_weights(model: nn.Module, sources: dict[str, Source], path: Path, store
                 start += rows
     with torch.no_grad():
         load(state, storage_reader=row_reader(path, stored, block_bytes), process_group=group)
+        for local, first, pieces in assemble:
+            local.copy_(torch.cat(pieces)[first:first + local.shape[0]].reshape(local.shape))
     return held
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deltacp.distributed.agree import LocalChecks, raise_together
+from deltacp.models.adapters import adapter_for
 from deltacp.models.hf_format import (
     EXPERT_PARTS,
     FUSED_EXPERTS,
@@ -45,6 +46,8 @@ from deltacp.models.hf_format import (
     expert_keys,
     float_dtype,
     model_tensors,
+    renamed,
+    row_pieces,
     row_split,
     shard_rows,
     transformers_class,
@@ -74,15 +77,19 @@ class OutFile:
 
 def _entries(model: nn.Module, dtype: torch.dtype | None) -> list[Entry]:
     out = []
+    renames = adapter_for(model).family.checkpoint_renames
     for name, tensor in model_tensors(model):
         shape, to = tuple(tensor.shape), dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         match = FUSED_EXPERTS.fullmatch(name)
-        if match is not None and len(shape) >= 2 and shape[1] % len(EXPERT_PARTS[match["name"]]) == 0:
+        rows = row_pieces(model, name)
+        if rows is not None:  # the family stores it in row pieces (in row order: the rows stream as they are)
+            pieces = [(renamed(key, renames), (n, *shape[1:])) for key, n in rows]
+        elif match is not None and len(shape) >= 2 and shape[1] % len(EXPERT_PARTS[match["name"]]) == 0:
             rows = shape[1] // len(EXPERT_PARTS[match["name"]])  # gate_proj and up_proj split gate_up_proj's rows
-            pieces = [(key, (rows, *shape[2:])) for e in range(shape[0])
+            pieces = [(renamed(key, renames), (rows, *shape[2:])) for e in range(shape[0])
                       for key in expert_keys(match["base"], match["name"], e)]
         else:
-            pieces = [(name, shape)]
+            pieces = [(renamed(name, renames), shape)]
         out.append(Entry(name, tensor, to, pieces, tensor.numel() * to.itemsize))
     return out
 
