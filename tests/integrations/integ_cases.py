@@ -38,13 +38,16 @@ def texts(n: int, seed: int) -> list[str]:
     return out
 
 
-def tiny_model():
+def tiny_model(family: str = "qwen3_5"):
+    """The tiny float32 model of `family` ("qwen3_5" or "olmo_hybrid"; float32: CPU float64 conv1d is slow)."""
     from transformers import Qwen3_5ForCausalLM
 
-    from helpers import long_memory_gates_, tiny_config
+    from helpers import long_memory_gates_, tiny_config, tiny_olmo_hybrid
 
+    if family == "olmo_hybrid":
+        return tiny_olmo_hybrid(rope=False, dtype=torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257)
     torch.manual_seed(0)
-    return long_memory_gates_(Qwen3_5ForCausalLM(tiny_config(vocab_size=VOCAB)))  # float32: CPU float64 conv1d is slow
+    return long_memory_gates_(Qwen3_5ForCausalLM(tiny_config(vocab_size=VOCAB)))
 
 
 def _tokenized(tok, lines):
@@ -64,11 +67,11 @@ def _common(out_dir: str, dp: int, extra: dict) -> dict:
 
 
 def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, args_extra: dict | None = None,
-          train_lines: list[str] | None = None, **kwargs):
+          train_lines: list[str] | None = None, family: str = "qwen3_5", **kwargs):
     """The trainer of `case` (plain when cp_size is None). The reference runs one process at dp x the per-device
     batch, so that each optimizer step sees the same global batch as dp groups of PER_DEVICE rows. `cls` replaces
-    the trainer class, `args_extra` adds training arguments, `train_lines` replaces the training texts, `model`
-    (like every other keyword, which goes to the trainer) replaces the tiny model."""
+    the trainer class, `args_extra` adds training arguments, `train_lines` replaces the training texts, `family` picks
+    the tiny model's family, `model` (like every other keyword, which goes to the trainer) replaces the tiny model."""
     from deltacp.testing.hf import byte_tokenizer
 
     tok = byte_tokenizer()
@@ -83,7 +86,7 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
         collator = (DataCollatorForLanguageModeling(tok, mlm=False) if layout == "padded"
                     else DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True))
         args = TrainingArguments(**_common(out_dir, dp if cp_size is None else 1, args_extra or {}))
-        kwargs = dict(dict(model=tiny_model(), args=args, data_collator=collator,
+        kwargs = dict(dict(model=tiny_model(family), args=args, data_collator=collator,
                            train_dataset=_tokenized(tok, train_lines), eval_dataset=_tokenized(tok, eval_lines),
                            processing_class=tok), **kwargs)
         base = Trainer
@@ -97,7 +100,7 @@ def build(case: str, out_dir: str, *, cp_size: int | None, dp: int, cls=None, ar
 
         sft = dict(padding_free=layout == "packed", max_length=None, bf16=False, **checkpointing_arguments())
         args = SFTConfig(**_common(out_dir, dp if cp_size is None else 1, {**sft, **(args_extra or {})}))
-        kwargs = dict(dict(model=tiny_model(), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
+        kwargs = dict(dict(model=tiny_model(family), args=args, train_dataset=Dataset.from_dict({"text": train_lines}),
                            eval_dataset=Dataset.from_dict({"text": eval_lines}), processing_class=tok), **kwargs)
         base = SFTTrainer
         if cp_size is not None:

@@ -54,6 +54,9 @@ def _reference_main(out_dir: str) -> None:
         for kind in ("trainer", "sft"):
             results[f"{kind}/dp{dp}"] = integ_cases.run_case(f"{kind}-padded", os.path.join(out_dir, f"ref-{kind}-dp{dp}"),
                                                              dp=dp, save=dp == 2 and SAVED.startswith(kind))
+    # OLMo-Hybrid (another family through the same drop-ins): SFTTrainer, one process
+    results["sft/dp1-olmo"] = integ_cases.run_case("sft-padded", os.path.join(out_dir, "ref-sft-olmo"), dp=1,
+                                                   family="olmo_hybrid")
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(results, f)
 
@@ -244,7 +247,8 @@ def _compare_saved(got_dir: str, ref_dir: str) -> list[str]:
 
 
 def test_trainer_and_sft_trainer_match_one_process(tmp_path):
-    """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights."""
+    """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights (Qwen3.5;
+    OLMo-Hybrid through SFTTrainer at CP2)."""
     import time
     out, t0 = str(tmp_path), time.time()
     run_in_process(_reference_main, out)
@@ -252,6 +256,7 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     cp2_runs = [(c, f"{c}/cp2", {}) for c in CP2_CASES]
     cp2_runs.append(("sft-packed", "sft-packed/cp2-full",
                      dict(args_extra=checkpointing_arguments(selective=False))))
+    cp2_runs.append(("sft-packed", "sft-packed/cp2-olmo", dict(family="olmo_hybrid")))
     run_distributed(_cp_worker, 2, out, cp2_runs, timeout_s=600)
     t2 = time.time()
     dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]
@@ -268,7 +273,8 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     failures = []
     for label, got in runs.items():
         case, layout = label.split("/")
-        failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout.startswith('cp2') else 2}"])
+        olmo = "-olmo" if layout.endswith("-olmo") else ""
+        failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout.startswith('cp2') else 2}{olmo}"])
         sft = case.startswith("sft")  # SFTConfig checkpoints activations by default: deltacp's, not the trainer's
         assert got["checkpointed"] == [sft] * 4 and not got["trainer_checkpointing"], (label, got["checkpointed"])
     saved = runs[f"{SAVED}/dp2xcp2"]
