@@ -99,7 +99,7 @@ def synthetic_checkpoint(config, given: str | None, name: str) -> Path:
     /dev/shm with room for it, written once (see the module doc)."""
     from safetensors.torch import save_file
 
-    from deltacp.models.hf_format import INDEX_NAME, model_tensors
+    from deltacp.checkpoint_io.hf_format import INDEX_NAME, model_tensors
 
     tensors = model_tensors(meta_model(config))
     need = sum(t.numel() for _, t in tensors) * 2
@@ -243,7 +243,7 @@ def compare(model, path: Path, dtype: str) -> dict:
 
 # -- arithmetic ----------------------------------------------------------------------------------------------------
 def arithmetic(json_path: str | None) -> None:
-    from deltacp.models.hf_format import model_tensors
+    from deltacp.checkpoint_io.hf_format import model_tensors
 
     print(f"{'model':>12} {'params':>9} {'bf16 GB':>8} | {'whole/rank':>10} | {'FSDP2, 8 GPUs':>14} | "
           f"{'FSDP2, 64 GPUs':>14} | largest tensor")

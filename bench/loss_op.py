@@ -12,7 +12,7 @@ liger-kernel is a benchmark-only extra: its rows are skipped when it is not inst
     PYTHONPATH=src python bench/loss_op.py --hidden 2048 --tokens 16384 --json out.jsonl
     PYTHONPATH=src python bench/loss_op.py --ops "deltacp two_pass" liger --vocab-chunk 8192   # pass 2 chunk forced
 
-Rows: "deltacp" (the defaults: weight_grad="accumulate", chunks by `deltacp.models.loss.chunk_sizes`), "deltacp
+Rows: "deltacp" (the defaults: weight_grad="accumulate", chunks by `deltacp.losses.chunk_sizes`), "deltacp
 two_pass" (d weight rounded once, 4 matmuls), "deltacp two_pass bf16 split-K" (the same with cuBLAS's
 reduced-precision split-K reductions left to the global setting: FP32_MATMUL_REDUCTIONS = False), "old recompute" (the baseline below), "liger" (bf16 weight-grad accumulation, its default) and "liger
 fp32-accum" where that option exists.

@@ -82,7 +82,7 @@ def transformers_step(model, ids):
 
 def deltacp_step(model, ids, mesh):
     from deltacp import shard_batch_for_cp
-    from deltacp.models.loss import cp_causal_lm_loss
+    from deltacp.losses import cp_causal_lm_loss
 
     batch = shard_batch_for_cp(ids, mesh)
 

@@ -100,7 +100,7 @@ def liger_stack(model, ids):
 
 def deltacp_stack(model, ids, mesh, backend: str, policy: str):
     from deltacp import parallelize_qwen3_5_cp, shard_batch_for_cp
-    from deltacp.models.loss import cp_causal_lm_loss
+    from deltacp.losses import cp_causal_lm_loss
     from deltacp.models.checkpointing import apply_activation_checkpointing
 
     model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_gdn_backend=backend)

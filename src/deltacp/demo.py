@@ -64,9 +64,9 @@ def _worker(rank: int, world: int, seq_len: int, dtype_name: str, modes: list[st
     from transformers import Qwen3_5ForCausalLM
 
     from deltacp.models.gates import long_memory_gates_
-    from deltacp.models.batch import shard_batch_for_cp
+    from deltacp.batching import shard_batch_for_cp
     from deltacp.models.fsdp import all_reduce_cp_grads
-    from deltacp.models.loss import cp_cross_entropy
+    from deltacp.losses import cp_cross_entropy
     from deltacp.models.parallelize import parallelize_cp
 
     dtype = getattr(torch, dtype_name)

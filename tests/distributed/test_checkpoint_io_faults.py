@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 
 from deltacp import load_pretrained, save_pretrained
 from deltacp.distributed.launch import run_distributed
-from deltacp.models.hf_format import read_index
-from deltacp.models.pretrained import load_device, resolve_class
+from deltacp.checkpoint_io.hf_format import read_index
+from deltacp.checkpoint_io.pretrained import load_device, resolve_class
 from deltacp.models import save as save_module
 from helpers import cp_mesh, tiny_config
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from deltacp import load_pretrained, save_pretrained, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
-from deltacp.models.hf_format import read_index
+from deltacp.checkpoint_io.hf_format import read_index
 from deltacp.testing.memory import PeakRSS
 from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, tiny_config, tiny_family_model,
                      tiny_olmo_hybrid)

@@ -44,7 +44,7 @@ def problem():
 
 
 def _ours(h, w, t, scale, **kw):
-    from deltacp.models.loss import linear_cross_entropy_sum
+    from deltacp.losses import linear_cross_entropy_sum
 
     hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
     v = linear_cross_entropy_sum(hl, wl, None, t, scale=scale, **kw)
@@ -77,7 +77,7 @@ def test_bf16_vs_fp32_reference(problem, mode):
 
 @pytest.mark.parametrize("mode", ["accumulate", "two_pass"])
 def test_peak_memory_no_weight_accumulator(problem, mode):
-    from deltacp.models.loss import chunk_sizes, linear_cross_entropy_sum
+    from deltacp.losses import chunk_sizes, linear_cross_entropy_sum
 
     h, w, t, scale, _, _ = problem
     hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -95,7 +95,7 @@ def test_peak_memory_no_weight_accumulator(problem, mode):
 
 
 def test_no_grad_same_value_no_buffers(problem):
-    from deltacp.models.loss import linear_cross_entropy_sum
+    from deltacp.losses import linear_cross_entropy_sum
 
     h, w, t, scale, ref, _ = problem
     v_grad, _ = _ours(h, w, t, scale)

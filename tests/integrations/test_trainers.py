@@ -161,7 +161,7 @@ def _check_fault_cases(out_dir: str) -> None:
 
     from deltacp.integrations import shard_collated_batch
     from deltacp.integrations.batch import completion_rows
-    from deltacp.models.batch import batch_row_cut
+    from deltacp.batching import batch_row_cut
 
     model, cut = trainer.model, batch_row_cut(None, trainer.model)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0]])

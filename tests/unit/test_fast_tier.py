@@ -189,7 +189,7 @@ def test_the_reader_on_a_made_up_tree(tmp_path):
     (tmp_path / "unit" / "test_c.py").write_text(_WORKER)
     (tmp_path / "cases.py").write_text("def build():\n    from deltacp.testing.hf import byte_tokenizer\n")
     touched, spawning = fast_tier(tmp_path)
-    assert touched == {"unit/test_a.py": {"deltacp.models.batch"},
+    assert touched == {"unit/test_a.py": {"deltacp.batching"},
                        "unit/test_c.py": {"deltacp.distributed.launch", "deltacp.integrations",
                                           "deltacp.ops.fused.conv", "deltacp.testing.hf"}}
     assert spawning == {"unit/test_c.py"}

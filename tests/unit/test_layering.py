@@ -35,6 +35,9 @@ RANKS: dict[str, int] = {
     "deltacp.distributed": 1,
     "deltacp.parallel": 2,
     "deltacp.models": 3,
+    "deltacp.batching": 3,
+    "deltacp.losses": 3,
+    "deltacp.checkpoint_io": 3,
     "deltacp.families": 4,
     "deltacp.integrations": 4,
     "deltacp.train": 4,
@@ -187,11 +190,18 @@ def cycle_report(edges: list[Edge]) -> list[str]:
     return out
 
 
+def moved_aliases() -> set[str]:
+    """Modules left at a moved module's old path: their whole body makes the old name the new module
+    (`sys.modules[__name__] = ...`); not a dependency of the old package on the new one."""
+    return {name for name, path in modules().items() if "sys.modules[__name__] = " in path.read_text()}
+
+
 def layer_violations(edges: list[Edge]) -> list[str]:
     out = []
+    aliases = moved_aliases()
     for e in edges:
-        if _within(e.importer, TESTING):
-            continue  # test support may import anything of the library
+        if _within(e.importer, TESTING) or e.importer in aliases:
+            continue  # test support may import anything of the library; an alias is the module it names
         if _within(e.imported, TESTING):
             out.append(f"{e}  (library module imports deltacp.testing, which is for tests and benches)")
         elif rank(e.importer) is None or rank(e.imported) is None:

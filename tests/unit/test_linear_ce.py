@@ -1,4 +1,4 @@
-"""The fused linear cross entropy that computes its gradients in the forward in two passes (`deltacp.models.loss`),
+"""The fused linear cross entropy that computes its gradients in the forward in two passes (`deltacp.losses`),
 on CPU.
 
   - value, dh, dW, db vs F.cross_entropy on full float64 logits (1e-12): ignored rows, a token chunk whose rows are

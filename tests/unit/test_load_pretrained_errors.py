@@ -89,7 +89,7 @@ def test_unused_stored_tensors_are_left_with_a_warning(single_rank_group, checkp
         state["model.extra.weight"] = torch.zeros(2, dtype=torch.bfloat16)
 
     _rewrite(checkpoint, add)
-    with caplog.at_level(logging.WARNING, logger="deltacp.models.pretrained"):
+    with caplog.at_level(logging.WARNING, logger="deltacp.checkpoint_io.pretrained"):
         model = load_pretrained(checkpoint, _mesh())
     assert model.dtype == torch.bfloat16  # the checkpoint's dtype by default
     warned = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]

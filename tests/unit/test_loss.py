@@ -162,7 +162,7 @@ def test_kernels_keyword_and_the_model_s_backend(mesh, monkeypatch):
     import transformers
 
     from deltacp import cp_causal_lm_loss, cp_token_logprobs, linear_token_logprobs, parallelize_cp
-    from deltacp.models.loss import head_kernels_of
+    from deltacp.losses import head_kernels_of
     from deltacp.ops.lm_head import kernels as K
     from helpers import tiny_config
 

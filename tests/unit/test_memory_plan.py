@@ -1,4 +1,4 @@
-"""The activation memory estimate and the `auto` checkpointing plan (`deltacp.models.memory`).
+"""The activation memory estimate and the `auto` checkpointing plan (`deltacp.train.memory`).
 
 Estimate: what each decoder layer's backward keeps, measured on deltacp's forwards (one gloo rank, cp = 1, p2p): the
 storages autograd saves during the layer's forward (`saved_tensors_hooks`; parameters left out), against
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deltacp.distributed.launch import run_distributed
-from deltacp.models.memory import LayerShapes, layer_bytes, plan_activation_checkpointing
+from deltacp.train.memory import LayerShapes, layer_bytes, plan_activation_checkpointing
 from deltacp.models.presets import qwen3_5_preset
 
 SHAPES = {  # Qwen3_5TextConfig fields (a GDN layer, then a full attention layer)

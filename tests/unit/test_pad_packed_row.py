@@ -4,7 +4,7 @@ row is padded to, as before; `min_length` adds the shortest row a model's pieces
 import pytest
 import torch
 
-from deltacp.models.batch import pad_packed_row
+from deltacp.batching import pad_packed_row
 
 pytestmark = pytest.mark.fast
 

@@ -33,8 +33,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.mesh import cp_group_of
-from deltacp.models.batch import batch_row_cut, shard_batch_for_cp
-from deltacp.models.loss import IGNORE_INDEX
+from deltacp.batching import batch_row_cut, shard_batch_for_cp
+from deltacp.losses import IGNORE_INDEX
 from deltacp.parallel.placement import RowCut
 
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")

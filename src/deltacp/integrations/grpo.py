@@ -61,9 +61,9 @@ import torch.distributed as dist
 from deltacp.distributed.mesh import cp_group_of
 from deltacp.integrations.batch import completion_rows, completion_values, shard_collated_batch
 from deltacp.integrations.trainer import CPTrainerBase, raise_refusals, refusal
-from deltacp.models.batch import batch_row_cut, gather_cp_rows
+from deltacp.batching import batch_row_cut, gather_cp_rows
 from deltacp.models.fsdp import unsharded_parameters
-from deltacp.models.loss import IGNORE_INDEX, cp_token_logprobs
+from deltacp.losses import IGNORE_INDEX, cp_token_logprobs
 from deltacp.models.parallelize import sequence_layout_of, suspend_cp
 
 logger = logging.getLogger(__name__)

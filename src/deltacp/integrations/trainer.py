@@ -52,10 +52,10 @@ from deltacp.distributed.mesh import init_cp_mesh
 from deltacp.models.checkpointing import DEFAULT_POLICY, CheckpointingPlan, check_policy
 from deltacp.models.compose import parallelize_and_shard
 from deltacp.models.fsdp import all_reduce_cp_grads
-from deltacp.models.loss import cp_causal_lm_loss
+from deltacp.losses import cp_causal_lm_loss
 from deltacp.models.parallelize import cp_plan_of, is_parallelized
 from deltacp.parallel.plan import CPPlan
-from deltacp.models.save import save_pretrained
+from deltacp.checkpoint_io.save import save_pretrained
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ Which is faster depends on the length (one H200, Qwen3.5-2B, cp = 1: selective 0
 at 64K, where attention dominates; NOTES.md): "full" stays the default, "selective" is the choice for long rows,
 and the trainer's `auto` weighs memory. `num_layers` checkpoints only the first n decoder layers (of those
 `every_n_layers` picks); the rest keep their activations (the last layers: their activations are freed first in
-backward, so the peak stays lowest; `models/memory.py` plans n for a budget).
+backward, so the peak stays lowest; `train/memory.py` plans n for a budget).
 
 Under both policies a dense SwiGLU MLP of a checkpointed layer saves only its gate and up projections' outputs
 (`ops/recompute.py`, `region_swiglu_down`, installed as the MLP's instance `forward`: state_dict keys unchanged), and

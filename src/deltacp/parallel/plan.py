@@ -67,7 +67,8 @@ class CPPlan:
                              f"expected one of {GDN_BACKENDS}")
         mode = gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix=p)
         check_state_passing(self.linear_attention_state_passing, mode, p)
-        attention_method(self.full_attention_cp, prefix=p)
+        method = attention_method(self.full_attention_cp, prefix=p)
+        object.__setattr__(self, "_resolved", (mode, method))  # what the styles receive: nothing to check again
         check_sequence_layout(self.sequence_layout, prefix=p)
         check_ulysses_degree_value(self.ulysses_degree, p)
         if self.cp is not None:
@@ -114,7 +115,7 @@ class CPPlan:
         """How rows are cut under this plan for GDN layers whose causal conv reads `conv_halo` ((kernel - 1) x
         dilation) tokens back: its sequence layout, and the fewest tokens each piece holds: the halo where the mode
         reads the previous piece's tail (p2p, all_gather), else 1."""
-        needs = gdn_mode(self.linear_attention_cp_mode).needs_halo
+        needs = self._resolved[0].needs_halo
         return RowCut(self.sequence_layout, max(conv_halo, 1) if needs else 1)
 
     def styles(self):
@@ -123,11 +124,10 @@ class CPPlan:
 
         if self.cp is None:
             raise ValueError("CPPlan.styles: the plan's cp is unknown (apply it to a CP mesh)")
-        return (LinearAttentionContextParallel(self.linear_attention_cp_mode, self.linear_attention_gdn_backend,
-                                               self.ulysses_degree, self.linear_attention_state_passing,
-                                               self.sequence_layout),
-                FullAttentionContextParallel(self.full_attention_cp, self.ulysses_degree,
-                                             sequence_layout=self.sequence_layout))
+        mode, method = self._resolved
+        return (LinearAttentionContextParallel(mode, self.linear_attention_gdn_backend, self.ulysses_degree,
+                                               self.linear_attention_state_passing, self.sequence_layout),
+                FullAttentionContextParallel(method, self.ulysses_degree, sequence_layout=self.sequence_layout))
 
     def describe(self, defaults: bool = False) -> str:
         """One line for logs and banners, cp first: the settings that differ from the defaults (`defaults`: the

@@ -37,7 +37,7 @@ from deltacp.parallel.attention import (
 )
 from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
 from deltacp.parallel.layout import attention_two_d_degree, check_ulysses_degree_value, linear_two_d_degree
-from deltacp.parallel.modes import attention_method, check_state_passing, gdn_mode
+from deltacp.parallel.modes import AttentionMethod, GDNMode, attention_method, check_state_passing, gdn_mode
 from deltacp.parallel.placement import check_sequence_layout
 from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
@@ -80,23 +80,29 @@ class _ContextParallelStyle(ParallelStyle):
 
 
 class LinearAttentionContextParallel(_ContextParallelStyle):
-    """A GDN module under CP. mode: a registered GDN mode (`parallel/modes.py`: ulysses | p2p | all_gather);
+    """A linear-attention module under CP. mode: a registered GDN mode (`parallel/modes.py`: ulysses | p2p |
+    all_gather; or its resolved `GDNMode`, as a `CPPlan` passes it: the plan validated every setting);
     backend: eager | triton; ulysses_degree: None (1-D: `mode` over the whole CP group) or u dividing cp; u < cp
     is the 2-D layout, Ulysses inside groups of u consecutive CP ranks and `mode` across them (`layout.py`);
     state_passing: how p2p's state travels, "chain" (P - 1 hops) or "scan" (ceil(log2 P) rounds, `scan.py`);
     sequence_layout: which tokens each rank holds, "contiguous" or "balanced" (`placement.py`)."""
 
-    def __init__(self, mode: str = "ulysses", backend: str = "eager", ulysses_degree: int | None = None,
+    def __init__(self, mode: str | GDNMode = "ulysses", backend: str = "eager", ulysses_degree: int | None = None,
                  state_passing: str = "chain", sequence_layout: str = "contiguous"):
         super().__init__()
-        self.sequence_layout = check_sequence_layout(sequence_layout)
-        self.cp_mode = gdn_mode(mode, backend)
-        check_ulysses_degree_value(ulysses_degree)
+        if isinstance(mode, GDNMode):  # resolved by a CPPlan, whose validation covered every setting here
+            self.cp_mode = mode
+        else:
+            check_sequence_layout(sequence_layout)
+            self.cp_mode = gdn_mode(mode, backend)
+            check_ulysses_degree_value(ulysses_degree)
+            check_state_passing(state_passing, self.cp_mode)
+        self.sequence_layout = sequence_layout
         self.mode = self.cp_mode.name
         self.backend = backend
         self.ulysses_degree = ulysses_degree
         # the state hops of a mode that has them: "chain" (P - 1 hops) or "scan" (log-depth, parallel/scan.py)
-        self.state_passing = check_state_passing(state_passing, self.cp_mode)
+        self.state_passing = state_passing
         self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
 
     def groups(self, cp_mesh: DeviceMesh) -> TwoDGroups | object | None:
@@ -173,12 +179,16 @@ class FullAttentionContextParallel(_ContextParallelStyle):
     same degree, whose collective groups attention reuses. sequence_layout: "contiguous" or "balanced"
     (`placement.py`), as every other layer of the model."""
 
-    def __init__(self, method: str = "ulysses", ulysses_degree: int | None = None, block: int | None = None,
-                 sequence_layout: str = "contiguous"):
+    def __init__(self, method: str | AttentionMethod = "ulysses", ulysses_degree: int | None = None,
+                 block: int | None = None, sequence_layout: str = "contiguous"):
         super().__init__()
-        self.sequence_layout = check_sequence_layout(sequence_layout)
-        self.cp_method = attention_method(method)
-        check_ulysses_degree_value(ulysses_degree)
+        if isinstance(method, AttentionMethod):  # resolved by a CPPlan, whose validation covered every setting here
+            self.cp_method = method
+        else:
+            check_sequence_layout(sequence_layout)
+            self.cp_method = attention_method(method)
+            check_ulysses_degree_value(ulysses_degree)
+        self.sequence_layout = sequence_layout
         self.method = self.cp_method.name
         self.ulysses_degree = ulysses_degree
         self.block = block

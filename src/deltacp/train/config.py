@@ -175,7 +175,7 @@ class TrainConfig:
     """full: recompute every decoder layer in backward (non-reentrant torch.utils.checkpoint); selective: the same,
     but each full attention's output and log-sum-exp are kept, so the attention forward is never recomputed (one
     attention output more per attention layer); auto: checkpoint as few decoder layers as the memory budget allows,
-    under full or selective, from an estimate of every layer's activations (`deltacp.models.memory`), logged on
+    under full or selective, from an estimate of every layer's activations (`deltacp.train.memory`), logged on
     rank 0."""
     activation_checkpointing_budget_gib: float | None = None
     """auto: the memory budget of one rank in GiB (null: activation_checkpointing_budget_fraction of its device's

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deltacp.models.save import save_pretrained
+from deltacp.checkpoint_io.save import save_pretrained
 from deltacp.train.checkpoint import (
     CheckpointError,
     load_failure,

@@ -33,13 +33,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.models.adapters import adapter_for
-from deltacp.models.batch import shard_batch_for_cp
+from deltacp.batching import shard_batch_for_cp
 from deltacp.models.checkpointing import CheckpointingPlan
 from deltacp.models.compose import parallelize_and_shard
 from deltacp.models.families import family_of
 from deltacp.models.fsdp import all_reduce_cp_grads
-from deltacp.models.loss import cp_causal_lm_loss, cp_cross_entropy
-from deltacp.models.pretrained import load_pretrained
+from deltacp.losses import cp_causal_lm_loss, cp_cross_entropy
+from deltacp.checkpoint_io.pretrained import load_pretrained
 from deltacp.parallel.style import cp_layer_of
 from deltacp.train.checkpoint import (
     CheckpointError,
@@ -219,10 +219,10 @@ def checkpointing_budget(cfg: TrainConfig, device: torch.device) -> int:
 
 
 def plan_checkpointing(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, dp: int, world: int):
-    """The auto activation checkpointing plan of this job (`deltacp.models.memory`), from the config and the model's
+    """The auto activation checkpointing plan of this job (`deltacp.train.memory`), from the config and the model's
     parameter counts: this rank's tokens (its dp group's rows, 1/cp of them), the activation dtype, the static
     memory of parameters, gradients and AdamW states (sharded over the world under FSDP2), the budget."""
-    from deltacp.models.memory import LayerShapes, plan_activation_checkpointing, static_bytes
+    from deltacp.train.memory import LayerShapes, plan_activation_checkpointing, static_bytes
 
     acc, data = cfg.accelerator, cfg.data
     adapter = adapter_for(model)

@@ -1,6 +1,6 @@
 """The output-head ops: the head's logits h W^T (+ b) reduced per token without ever holding [tokens, vocab]
 (at 32K tokens and Qwen3.5's vocabulary of 248,320 they are 16 GB in bf16). No ranks here: the CP reductions
-around them live in `deltacp.models.loss`.
+around them live in `deltacp.losses`.
 
     chunks.py         chunk budgets, the one chunk loop (logits chunk -> dlogits -> d hidden, d weight, d bias)
     kernels.py        the kernels over a chunk of logits: contract, PyTorch implementations, kernel selection

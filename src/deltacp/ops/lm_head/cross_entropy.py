@@ -1,6 +1,6 @@
 """The fused linear cross entropy of one rank: scale x the summed cross entropy of h W^T (+ b) against the targets,
 with its gradients computed in the FORWARD, chunk by chunk (`chunks.chunk_loop`), never [tokens, vocab] logits.
-The CP mean around it is `deltacp.models.loss.cp_linear_cross_entropy`.
+The CP mean around it is `deltacp.losses.cp_linear_cross_entropy`.
 
     total = linear_cross_entropy_sum(hidden, weight, bias, targets, chunk_size, scale=1 / count)
 """

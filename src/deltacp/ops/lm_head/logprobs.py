@@ -2,7 +2,7 @@
 the log-probabilities of reinforcement learning (policy, old policy, reference model), whose gradient is not the
 last op of a step (advantages, ratios, KL terms come after), so backward takes ANY per-token upstream gradients
 and recomputes the logits chunk by chunk (`chunks.chunk_loop`). The model-facing call under CP is
-`deltacp.models.loss.cp_token_logprobs`.
+`deltacp.losses.cp_token_logprobs`.
 
     logp = linear_token_logprobs(hidden, weight, target_ids, temperature=0.7)                  # [...], float32
     logp, entropy = linear_token_logprobs(hidden, weight, target_ids, return_entropy=True)
