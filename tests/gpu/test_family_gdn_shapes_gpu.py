@@ -1,4 +1,5 @@
-"""The Triton backend on each family's GDN layer at its released head shapes (one GPU, CP2 over gloo).
+"""The Triton backend on each family's GDN layer at its released head shapes (one GPU, CP2 over gloo); OLMo-Hybrid
+at its config defaults (K = 96, V = 192, beta = 2 sigmoid(b)).
 
 For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
 Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
@@ -37,15 +38,22 @@ SHAPES = {  # model: (family module class, hidden, key heads, value heads)
     "Qwen3.5-122B-A10B": ("qwen3_5_moe", 3072, 16, 64),
     "Qwen3.5-397B-A17B": ("qwen3_5_moe", 4096, 16, 64),
     "Qwen3-Next-80B-A3B": ("qwen3_next", 2048, 16, 32),
+    # transformers' OlmoHybridConfig defaults (hidden 3840, 30 key and value heads, K = 96, V = 192; beta = 2 sigmoid(b))
+    "OLMo-Hybrid (config defaults)": ("olmo_hybrid", 3840, 30, 30, 96, 192),
 }
 
 
-def _gdn(family, hidden, hk, hv):
+def _gdn(family, hidden, hk, hv, k_dim=128, v_dim=128):
     import transformers
 
     fields = tiny_text_fields(hidden_size=hidden, linear_num_key_heads=hk, linear_num_value_heads=hv,
-                              linear_key_head_dim=128, linear_value_head_dim=128)
+                              linear_key_head_dim=k_dim, linear_value_head_dim=v_dim)
     match family:
+        case "olmo_hybrid":
+            for key in ("head_dim",):
+                fields.pop(key)
+            config, cls = transformers.OlmoHybridConfig(**fields, pad_token_id=0, eos_token_id=1), "OlmoHybridGatedDeltaNet"
+            module = transformers.models.olmo_hybrid.modeling_olmo_hybrid
         case "qwen3_5":
             config, cls = transformers.Qwen3_5TextConfig(**fields), "Qwen3_5GatedDeltaNet"
             module = transformers.models.qwen3_5.modeling_qwen3_5
@@ -76,9 +84,9 @@ def family_shapes_worker(rank, world, name):
     single = DeviceMesh.from_group(self_group, "cuda", mesh_dim_names=("cp",))
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("cp",))
     failures, rows = [], []
-    for family, hidden, hk, hv in [SHAPES[name]]:
+    for family, hidden, hk, hv, *dims in [SHAPES[name]]:
         torch.manual_seed(0)
-        base = _gdn(family, hidden, hk, hv).cuda()
+        base = _gdn(family, hidden, hk, hv, *dims).cuda()
         x = torch.randn(1, SEQ, hidden, device="cuda")
         d_out = torch.randn(1, SEQ, hidden, device="cuda")
         ref = LinearAttentionContextParallel(mode="p2p", backend="eager").apply(copy.deepcopy(base).float(), single)
