@@ -207,13 +207,18 @@ TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, o
                    temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)
 
 
-def tiny_family_model(name: str, dtype=torch.float64) -> torch.nn.Module:
+def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch.nn.Module:
     """A tiny random model of class `name` as transformers builds it (sdpa attention; eager experts, which
-    run in float64 on the CPU where grouped_mm does not)."""
+    run in float64 on the CPU where grouped_mm does not); `text_overrides` change `tiny_text_fields`.
+    OlmoHybridForCausalLM: `tiny_olmo_hybrid` (RoPE; "OlmoHybridForCausalLM-nope": NoPE)."""
     import transformers
 
-    text = tiny_text_fields()
-    if name == "Qwen3_5MoeForCausalLM":
+    if name.startswith("OlmoHybridForCausalLM"):
+        return tiny_olmo_hybrid(rope=not name.endswith("-nope"), dtype=dtype)
+    text = tiny_text_fields(**text_overrides)
+    if name == "Qwen3_5ForCausalLM":
+        config = transformers.Qwen3_5TextConfig(**text)
+    elif name == "Qwen3_5MoeForCausalLM":
         config = transformers.Qwen3_5MoeTextConfig(**text, **MOE_FIELDS)
     elif name == "Qwen3NextForCausalLM":
         config = transformers.Qwen3NextConfig(**text, **MOE_FIELDS, decoder_sparse_step=1, mlp_only_layers=[1],

@@ -1,10 +1,15 @@
-"""OLMo-Hybrid under CP on gloo, float64: every mode, both sequence layouts, padded and packed rows, at CP2/4/8.
+"""Every supported family under CP on gloo, float64: every mode, both sequence layouts, padded and packed rows, the
+p2p scan and the 2-D layout, at CP2/4/8.
 
-The tiny model (`tiny_olmo_hybrid`): hidden 32, layers [GDN, attention, GDN, GDN] (the attention layer post-norm, the
-GDN layers pre-norm), 2 key heads serving 8 value heads of K = 12, V = 24 (K != V, neither a power of two; the key
-heads do not divide CP4/CP8, so Ulysses repeats them), beta = 2 sigmoid(b) (`linear_allow_neg_eigval`) with the b
-projection scaled so that beta reaches 2 (the state flips sign), slowly decaying gates (the state of one rank
-matters on the next), attention with full-width q/k norms, GQA, with RoPE or NoPE.
+Models (tiny, as transformers builds them; slowly decaying gates, so that the state of one rank matters on the next):
+- OLMo-Hybrid (`tiny_olmo_hybrid`), the full grid: hidden 32, layers [GDN, attention, GDN, GDN] (the attention layer
+  post-norm, the GDN layers pre-norm), 2 key heads serving 8 value heads of K = 12, V = 24 (K != V, neither a power
+  of two; the key heads do not divide CP4/CP8, so Ulysses repeats them), beta = 2 sigmoid(b)
+  (`linear_allow_neg_eigval`) with the b projection scaled so that beta reaches 2 (the state flips sign), attention
+  with full-width q/k norms, GQA, with RoPE or NoPE;
+- Qwen3.5 dense, Qwen3.5 MoE, Qwen3-Next (`tiny_family_model`, 8 value heads and 8 attention heads so that Ulysses
+  runs at CP8): every mode and layout at CP2, the balanced layout at CP4, p2p and Ulysses at CP8, on packed rows
+  (the multimodal classes' language models are these; their image paths are test_model_families.py's).
 
 References:
 - the unmodified transformers model (per document for packed rows: transformers ignores the packing keywords),
@@ -30,7 +35,14 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.distributed.launch import run_distributed
-from helpers import computed_once, cp_mesh, flat, float64_upcasts, grads_of, rel_l2, self_meshes, tiny_olmo_hybrid
+from helpers import computed_once, cp_mesh, flat, float64_upcasts, grads_of, rel_l2, self_meshes, tiny_family_model
+
+WIDE = dict(linear_num_value_heads=8, num_attention_heads=8)  # heads that divide CP8 (Ulysses)
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return tiny_family_model(name, **({} if name.startswith("Olmo") else WIDE))
 
 S = 64
 LENGTHS = [1, 3, 20, 7, 33]  # packed row: documents shorter than the conv kernel, crossing rank boundaries
@@ -69,7 +81,7 @@ def _step(model, mesh, ids, mask, cu, fsdp=False):
     return logits.detach(), loss.detach(), flat(grads)
 
 
-def olmo_worker(rank, world, cases):
+def family_worker(rank, world, cases):
     single_mesh, mesh = self_meshes(), cp_mesh()
     failures = []
     gen = torch.Generator().manual_seed(3)
@@ -79,8 +91,8 @@ def olmo_worker(rank, world, cases):
     packed_ids = torch.randint(0, 256, (1, sum(LENGTHS)), generator=gen)
     batches = {"padded": (padded_ids, mask, None), "packed": (packed_ids, None, _cu(LENGTHS))}
 
-    def reference(rope, kind):
-        base = tiny_olmo_hybrid(rope)
+    def reference(name, kind):
+        base = _model(name)
         ids, m, cu = batches[kind]
         tf = copy.deepcopy(base)
         logits_tf, loss_tf = _transformers(tf, ids, m, cu)
@@ -88,15 +100,15 @@ def olmo_worker(rank, world, cases):
         ref = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p")
         return logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf)), _step(ref, single_mesh, ids, m, cu)
 
-    keys = sorted({(rope, kind) for rope, kind, *_ in cases})
+    keys = sorted({(name, kind) for name, kind, *_ in cases})
     refs = dict(zip(keys, computed_once(*(partial(reference, *key) for key in keys))))
     checked = set()
-    for rope, kind, mode, layout, extra in cases:
-        tag = f"{'rope' if rope else 'nope'} {kind} CP{world} {mode} {layout} {extra or ''}"
+    for name, kind, mode, layout, extra in cases:
+        tag = f"{name} {kind} CP{world} {mode} {layout} {extra or ''}"
         ids, m, cu = batches[kind]
-        logits_tf, loss_tf, grads_tf, (logits_ref, loss_ref, grads_ref) = refs[(rope, kind)]
-        if (rope, kind) not in checked:  # deltacp's single-device path against the unmodified model
-            checked.add((rope, kind))
+        logits_tf, loss_tf, grads_tf, (logits_ref, loss_ref, grads_ref) = refs[(name, kind)]
+        if (name, kind) not in checked:  # deltacp's single-device path against the unmodified model
+            checked.add((name, kind))
             valid = torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool()
             checks = {"logits": rel_l2(logits_ref[valid], logits_tf[valid]),
                       "loss": abs(loss_ref / loss_tf - 1).item(), "grads": rel_l2(grads_ref, grads_tf)}
@@ -109,7 +121,7 @@ def olmo_worker(rank, world, cases):
             settings.update(ulysses_degree=2, full_attention_cp="all_gather")
         if mode != "ulysses" and extra != "2d":
             settings["full_attention_cp"] = "ring" if layout == "balanced" else "all_gather"
-        model = parallelize_cp(tiny_olmo_hybrid(rope), mesh, **settings)
+        model = parallelize_cp(_model(name), mesh, **settings)
         fsdp = extra == "fsdp+checkpointing"
         if fsdp:
             apply_activation_checkpointing(model)
@@ -126,21 +138,26 @@ def olmo_worker(rank, world, cases):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-def _cases(modes, layouts, kinds, ropes=(True,), extra=None):
-    return [(rope, kind, mode, layout, extra) for rope in ropes for kind in kinds for mode in modes
+def _cases(modes, layouts, kinds, names=("OlmoHybridForCausalLM",), extra=None):
+    return [(name, kind, mode, layout, extra) for name in names for kind in kinds for mode in modes
             for layout in layouts]
 
 
 MODES = ("ulysses", "p2p", "all_gather")
 LAYOUTS = ("contiguous", "balanced")
-CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), ropes=(True, False))
+OLMO = ("OlmoHybridForCausalLM", "OlmoHybridForCausalLM-nope")
+OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), names=OLMO + OTHERS)
        + _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing"))
 CP4 = (_cases(MODES, LAYOUTS, ("padded", "packed"))
+       + _cases(MODES, ("balanced",), ("packed",), names=OTHERS)
        + _cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d"))
-CP8 = _cases(MODES, ("contiguous",), ("packed",)) + _cases(("p2p",), ("balanced",), ("padded",), extra="scan")
+CP8 = (_cases(MODES, ("contiguous",), ("packed",))
+       + _cases(("ulysses", "p2p"), ("balanced",), ("packed",), names=OTHERS)
+       + _cases(("p2p",), ("balanced",), ("padded",), extra="scan"))
 
 
 @pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])
-def test_olmo_hybrid_parity(world, cases):
-    run_distributed(olmo_worker, world, cases, timeout_s=1200)
+def test_family_parity(world, cases):
+    run_distributed(family_worker, world, cases, timeout_s=1200)
