@@ -62,10 +62,23 @@ def test_dtype_errors(name, idx, bad):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("K,V", [(64, 128), (128, 256)])
-def test_head_dim_error(K, V):
-    with pytest.raises(ValueError, match=rf"head_k_dim = head_v_dim = 128 only; got head_k_dim={K}, head_v_dim={V}"):
+@pytest.mark.parametrize("K,V,name", [(32, 128, "head_k_dim"), (128, 80, "head_v_dim"), (100, 96, "head_k_dim"),
+                                      (512, 512, "head_k_dim"), (96, 160, "head_v_dim")])
+def test_head_dim_error(K, V, name):
+    with pytest.raises(ValueError, match=rf"supports {name} in \(64, 96, 128, 192, 256\) \(head_k_dim and "
+                                         rf"head_v_dim may differ\); got head_k_dim={K}, head_v_dim={V}$"):
         check_triton_contract(*_cuda_like(K=K, V=V), triton_version="3.6.0")
+
+
+@pytest.mark.fast
+def test_head_dims_accepted(self_check_calls):
+    """Every combination of HEAD_DIMS, K != V included (OLMo-Hybrid: 96, 192)."""
+    from deltacp.ops.gdn.triton.contract_check import HEAD_DIMS
+
+    assert HEAD_DIMS == (64, 96, 128, 192, 256)
+    for K in HEAD_DIMS:
+        for V in HEAD_DIMS:
+            check_triton_contract(*_cuda_like(K=K, V=V), triton_version="3.6.0")
 
 
 @pytest.mark.fast

@@ -7,7 +7,9 @@ Backward, chunks in reverse, dH = dH_{c+1} on entry:
 
 Layouts: k, q [B,T,Hk,K]; w [B,T,Hv,K]; u, vn, do [B,T,Hv,V]; gc [B,T,Hv];
 h, dh [B, NT, Hv, K, V] (state entering chunk c / gradient of the state leaving chunk c); h0, ht [B,Hv,K,V] fp32.
-The state width V is generic: the affine summary runs it on [M | S] (width K + V).
+The state width V is generic: the summary runs it on S (width V) and M (width K, values 0). The state tile is
+[KP, BV] with KP = padded(K) (K = 96, 192: rows >= K masked, and stay 0: k and w load 0 there); the V blocks are
+masked only if BV does not divide V (indexing.py).
 
 Packed documents (`varlen.py`, VARLEN): one program per document and value block, as for a batch of sequences.
 The document table `docs` [N + 1, 2] int32 holds each document's first token and first chunk (row N: the totals),
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltacp.ops.gdn.triton.indexing import BT, chunk_rows, document_span, load_tok
+from deltacp.ops.gdn.triton.indexing import BT, chunk_rows, document_span, load_tile, padded, store_tile
 from deltacp.ops.gdn.triton.launch import launch_config
 
 
@@ -35,8 +37,8 @@ from deltacp.ops.gdn.triton.launch import launch_config
 def state_fwd_kernel(
     k, w, u, gc, h0, h, vn, ht, docs,
     T, NT,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, USE_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BV: tl.constexpr, USE_H0: tl.constexpr, USE_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
     STORE_HT: tl.constexpr, FP32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -47,17 +49,20 @@ def state_fwd_kernel(
         first, last = i_b == 0, c0 + nc == NT
         i_b, i_bh = i_b * 0, i_h
 
-    o_k = tl.arange(0, K)
+    o_k = tl.arange(0, KP)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    MK: tl.constexpr = KP != K  # masks of a head dim that is not a power of two / not a multiple of BV
+    MV: tl.constexpr = V % BV != 0
+    m_kr, m_kc, m_v = (o_k < K)[:, None], (o_k < K)[None, :], (o_v < V)[None, :]
+    b_h = tl.zeros([KP, BV], dtype=tl.float32)
     if USE_H0:
         p_h0 = h0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         if VARLEN:
             if first:
-                b_h += tl.load(p_h0)
+                b_h += load_tile(p_h0, m_kr, m_v, MK, MV)
         else:
-            b_h += tl.load(p_h0)
+            b_h += load_tile(p_h0, m_kr, m_v, MK, MV)
 
     p_k = k + (i_b * T * Hk + i_hk) * K + bos * (Hk * K)
     p_w = w + (i_b * T * Hv + i_h) * K
@@ -67,22 +72,22 @@ def state_fwd_kernel(
         o_r = i_t * BT + o_t
         if STORE_H:
             p_h = h + ((i_b * NT + i_t) * Hv + i_h) * K * V
-            tl.store(p_h + o_k[:, None] * V + o_v[None, :], b_h.to(h.dtype.element_ty))
-        b_w = tl.load(p_w + o_r[:, None] * (Hv * K) + o_k[None, :])
+            store_tile(p_h + o_k[:, None] * V + o_v[None, :], b_h.to(h.dtype.element_ty), m_kr, m_v, MK, MV)
+        b_w = load_tile(p_w + o_r[:, None] * (Hv * K) + o_k[None, :], m_kc, m_kc, False, MK)
         if FP32_DOT:
             b_vn = -tl.dot(b_w.to(tl.float32), b_h, input_precision=DOT_PREC)
         else:
             b_vn = -tl.dot(b_w, b_h.to(b_w.dtype))
         if USE_U:  # U = 0 for the transition M (values 0, entering state I)
             p_u = u + (i_b * T * Hv + i_h) * V
-            b_vn += tl.load(p_u + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
+            b_vn += load_tile(p_u + o_r[:, None] * (Hv * V) + o_v[None, :], m_v, m_v, False, MV).to(tl.float32)
         if STORE_VN:
             p_vn = vn + (i_b * T * Hv + i_h) * V
-            tl.store(p_vn + o_r[:, None] * (Hv * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty))
+            store_tile(p_vn + o_r[:, None] * (Hv * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty), m_v, m_v, False, MV)
         b_g = tl.load(p_g + o_r * Hv)
         b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
         o_x = i_c * BT + o_t  # token rows from the document's first token
-        b_k = load_tok(p_k + o_x[:, None] * (Hk * K) + o_k[None, :], (o_x < eos - bos)[:, None], VARLEN)
+        b_k = load_tile(p_k + o_x[:, None] * (Hk * K) + o_k[None, :], (o_x < eos - bos)[:, None], m_kc, VARLEN, MK)
         b_vs = b_vn * tl.exp(b_gl - b_g)[:, None]
         if FP32_DOT:
             b_kt = tl.trans(b_k.to(tl.float32))
@@ -93,17 +98,17 @@ def state_fwd_kernel(
         p_ht = ht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         if VARLEN:
             if last:
-                tl.store(p_ht, b_h)
+                store_tile(p_ht, b_h, m_kr, m_v, MK, MV)
         else:
-            tl.store(p_ht, b_h)
+            store_tile(p_ht, b_h, m_kr, m_v, MK, MV)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_bwd_kernel(
     q, k, w, gc, do, dvl, dht, dh, dvn, dh0, docs,
     scale, T, NT,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """The gate factors go on the [BT, BV] side (the product k dH, and dO), not on the loaded [BT, K] tiles of k
     and q, which enter the MMAs as loaded (faster: NOTES.md), and k dH is not rounded through a scaled bf16 copy
@@ -116,17 +121,20 @@ def state_bwd_kernel(
         first, last = i_b == 0, c0 + nc == NT
         i_b, i_bh = i_b * 0, i_h
 
-    o_k = tl.arange(0, K)
+    o_k = tl.arange(0, KP)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    b_dh = tl.zeros([K, BV], dtype=tl.float32)
+    MK: tl.constexpr = KP != K  # masks of a head dim that is not a power of two / not a multiple of BV
+    MV: tl.constexpr = V % BV != 0
+    m_kr, m_kc, m_v = (o_k < K)[:, None], (o_k < K)[None, :], (o_v < V)[None, :]
+    b_dh = tl.zeros([KP, BV], dtype=tl.float32)
     if USE_DHT:
         p_dht = dht + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         if VARLEN:
             if last:
-                b_dh += tl.load(p_dht)
+                b_dh += load_tile(p_dht, m_kr, m_v, MK, MV)
         else:
-            b_dh += tl.load(p_dht)
+            b_dh += load_tile(p_dht, m_kr, m_v, MK, MV)
 
     p_k = k + (i_b * T * Hk + i_hk) * K + bos * (Hk * K)
     p_w = w + (i_b * T * Hv + i_h) * K
@@ -137,33 +145,34 @@ def state_bwd_kernel(
         o_r = i_t * BT + o_t
         if STORE:
             p_dh = dh + ((i_b * NT + i_t) * Hv + i_h) * K * V
-            tl.store(p_dh + o_k[:, None] * V + o_v[None, :], b_dh.to(dh.dtype.element_ty))
+            store_tile(p_dh + o_k[:, None] * V + o_v[None, :], b_dh.to(dh.dtype.element_ty), m_kr, m_v, MK, MV)
         b_g = tl.load(p_g + o_r * Hv)
         b_gl = tl.load(p_g + (i_t * BT + BT - 1) * Hv)
         o_x = i_c * BT + o_t  # token rows from the document's first token
         m_x = (o_x < eos - bos)[:, None]
-        b_k = load_tok(p_k + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
+        b_k = load_tile(p_k + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, m_kc, VARLEN, MK)
         b_dvn = tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.exp(b_gl - b_g)[:, None]
         p_dvl = dvl + (i_b * T * Hv + i_h) * V
-        b_dvn += tl.load(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :]).to(tl.float32)
+        b_dvn += load_tile(p_dvl + o_r[:, None] * (Hv * V) + o_v[None, :], m_v, m_v, False, MV).to(tl.float32)
         if STORE:
             p_dvn = dvn + (i_b * T * Hv + i_h) * V
-            tl.store(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :], b_dvn.to(dvn.dtype.element_ty))
-        b_w = tl.load(p_w + o_r[:, None] * (Hv * K) + o_k[None, :])
+            store_tile(p_dvn + o_r[:, None] * (Hv * V) + o_v[None, :], b_dvn.to(dvn.dtype.element_ty), m_v, m_v, False,
+                       MV)
+        b_w = load_tile(p_w + o_r[:, None] * (Hv * K) + o_k[None, :], m_kc, m_kc, False, MK)
         b_dh = b_dh * tl.exp(b_gl) - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype))
         p_q = q + (i_b * T * Hk + i_hk) * K + bos * (Hk * K)
         p_do = do + (i_b * T * Hv + i_h) * V + bos * (Hv * V)
-        b_q = load_tok(p_q + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, VARLEN)
-        b_do = load_tok(p_do + o_x[:, None] * (Hv * V) + o_v[None, :], m_x, VARLEN)
+        b_q = load_tile(p_q + o_x[:, None] * (Hk * K) + o_k[None, :], m_x, m_kc, VARLEN, MK)
+        b_do = load_tile(p_do + o_x[:, None] * (Hv * V) + o_v[None, :], m_x, m_v, VARLEN, MV)
         b_dos = (b_do.to(tl.float32) * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
         b_dh += tl.dot(tl.trans(b_q), b_dos)
     if STORE_DH0:
         p_dh0 = dh0 + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         if VARLEN:
             if first:
-                tl.store(p_dh0, b_dh)
+                store_tile(p_dh0, b_dh, m_kr, m_v, MK, MV)
         else:
-            tl.store(p_dh0, b_dh)
+            store_tile(p_dh0, b_dh, m_kr, m_v, MK, MV)
 
 
 def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final_state=False, fp32_dot=False,
@@ -189,8 +198,8 @@ def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final
     vn = torch.empty(B, T, Hv, V, device=dev, dtype=w.dtype if u is None else u.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V)
-    state_fwd_kernel[(V // blocks["BV"], rows * Hv)](
-        k, w, u, gc, h0, h, vn, ht, docs, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+    state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), rows * Hv)](
+        k, w, u, gc, h0, h, vn, ht, docs, T, NT, Hk=Hk, Hv=Hv, K=K, KP=padded(K), V=V, BT=BT,
         USE_H0=h0 is not None, USE_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
         FP32_DOT=fp32_dot, DOT_PREC=dot_precision, VARLEN=varlen, **blocks, **opts)
     return h, vn, ht
@@ -216,9 +225,9 @@ def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.
     if varlen and not first_continues and need_dh0:
         dh0.zero_()
         store_dh0 = False
-    blocks, opts = launch_config("state_bwd", V=V)
-    state_bwd_kernel[(V // blocks["BV"], rows * Hv)](
-        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, docs, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, BT=BT,
+    blocks, opts = launch_config("state_bwd", K=K, V=V)
+    state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), rows * Hv)](
+        q, k, w, gc, do, dvl, dht, dh, dvn, dh0, docs, scale, T, NT, Hk=Hk, Hv=Hv, K=K, KP=padded(K), V=V, BT=BT,
         USE_DHT=dht is not None, STORE_DH0=store_dh0, STORE=store, VARLEN=varlen, **blocks, **opts)
     return dh, dvn, dh0
 

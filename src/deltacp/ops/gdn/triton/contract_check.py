@@ -13,7 +13,9 @@ from deltacp.ops.fused import device_error
 from deltacp.ops.gdn.triton.version import (
     TRITON_VERIFIED_ON_GPU, TRITON_VERSION_RANGE, _fmt, _triton_version, parse_triton_version, triton_requirement)
 
-HEAD_DIM = 128
+# head_k_dim and head_v_dim each, in any combination (K != V too: OLMo-Hybrid's K = 96, V = 192). Dims that are not
+# powers of two run on tiles of the next power of two with the extra columns masked (indexing.py).
+HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def check_triton_version(version: str | None = None, device: torch.device | str | None = None) -> None:
@@ -54,9 +56,10 @@ def check_triton_contract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     if v.shape[:2] != (B, T) or g.shape != v.shape[:3]:
         raise ValueError(f"backend='triton': v {tuple(v.shape)} and g {tuple(g.shape)} must share B, T (and Hv)")
     Hv, V = v.shape[2], v.shape[3]
-    if K != HEAD_DIM or V != HEAD_DIM:
-        raise ValueError(f"backend='triton' supports head_k_dim = head_v_dim = {HEAD_DIM} only; got "
-                         f"head_k_dim={K}, head_v_dim={V}")
+    for name, dim in (("head_k_dim", K), ("head_v_dim", V)):
+        if dim not in HEAD_DIMS:
+            raise ValueError(f"backend='triton' supports {name} in {HEAD_DIMS} (head_k_dim and head_v_dim may "
+                             f"differ); got head_k_dim={K}, head_v_dim={V}")
     if Hv % Hk != 0:
         raise ValueError(f"backend='triton' needs value heads divisible by key heads; got Hv={Hv}, Hk={Hk}")
     # No length condition: the op pads every sequence (and lays packed documents out) to whole chunks itself.

@@ -10,6 +10,12 @@ are the packed row itself, and the chunk table `cidx` [NT, 2] int32 gives each c
 equals the zero tail of a document laid out on its own. The per-chunk tensors keep BT rows per chunk, so a
 partial chunk computes exactly what its zero-padded copy would (gc holds the last token's gate in its tail).
 The state kernels (chunk_h.py) read the document table instead (`document_span`), once per program.
+
+Head dims (K, V in contract_check.HEAD_DIMS, 96 and 192 among them): a tile spanning a whole head dim is
+`padded(K)` wide (tl.arange needs a power of two), a blocked loop runs cdiv(dim, block) blocks; the columns past the
+head dim load as 0 (so they add nothing to any product) and are not stored. The column masks are compile-time
+optional (MC): where the block divides the dim (K = V = 128 at every configured block) the kernels compile without
+them, exactly as before the masks existed.
 """
 
 from __future__ import annotations
@@ -18,22 +24,56 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.launch import padded  # noqa: F401  (the width of a tile spanning a head dim)
+
 BT = 64  # chunk size
 
 
 @triton.jit
-def load_rows(base, row0, stride, BR: tl.constexpr, D: tl.constexpr):
-    """Rows row0 .. row0+BR of a [*, D] view with row stride `stride`."""
-    o_r = row0 + tl.arange(0, BR)
-    o_c = tl.arange(0, D)
-    return tl.load(base + o_r[:, None] * stride + o_c[None, :])
+def load_tile(p, m_r, m_c, MR: tl.constexpr, MC: tl.constexpr):
+    """A 2-D tile, rows outside m_r ([R, 1], if MR) and columns outside m_c ([1, C], if MC) loaded as 0; neither:
+    an unmasked load."""
+    if MR:
+        if MC:
+            return tl.load(p, mask=m_r & m_c, other=0.)
+        else:
+            return tl.load(p, mask=m_r, other=0.)
+    else:
+        if MC:
+            return tl.load(p, mask=m_c, other=0.)
+        else:
+            return tl.load(p)
 
 
 @triton.jit
-def store_rows(base, row0, stride, b_x, BR: tl.constexpr, D: tl.constexpr):
+def store_tile(p, x, m_r, m_c, MR: tl.constexpr, MC: tl.constexpr):
+    if MR:
+        if MC:
+            tl.store(p, x, mask=m_r & m_c)
+        else:
+            tl.store(p, x, mask=m_r)
+    else:
+        if MC:
+            tl.store(p, x, mask=m_c)
+        else:
+            tl.store(p, x)
+
+
+@triton.jit
+def load_rows(base, row0, stride, BR: tl.constexpr, D: tl.constexpr, nc=0, MC: tl.constexpr = False):
+    """Rows row0 .. row0+BR of a [*, D] view with row stride `stride` (MC: columns >= nc load as 0)."""
     o_r = row0 + tl.arange(0, BR)
     o_c = tl.arange(0, D)
-    tl.store(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty))
+    m_c = (o_c < nc)[None, :]
+    return load_tile(base + o_r[:, None] * stride + o_c[None, :], m_c, m_c, False, MC)
+
+
+@triton.jit
+def store_rows(base, row0, stride, b_x, BR: tl.constexpr, D: tl.constexpr, nc=0, MC: tl.constexpr = False):
+    o_r = row0 + tl.arange(0, BR)
+    o_c = tl.arange(0, D)
+    m_c = (o_c < nc)[None, :]
+    store_tile(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty), m_c, m_c, False, MC)
 
 
 @triton.jit
@@ -85,18 +125,23 @@ def store_tok(p, x, m, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def load_tok_rows(base, row0, n, stride, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
-    """Rows row0 .. row0+BR of a token tensor (base and row0 from `chunk_tokens`); rows >= n are 0 (VARLEN)."""
+def load_tok_rows(base, row0, n, stride, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr, nc=0,
+                  MC: tl.constexpr = False):
+    """Rows row0 .. row0+BR of a token tensor (base and row0 from `chunk_tokens`); rows >= n are 0 (VARLEN),
+    columns >= nc too (MC)."""
     o_r = row0 + tl.arange(0, BR)
     o_c = tl.arange(0, D)
-    return load_tok(base + o_r[:, None] * stride + o_c[None, :], (o_r < n)[:, None], VARLEN)
+    return load_tile(base + o_r[:, None] * stride + o_c[None, :], (o_r < n)[:, None], (o_c < nc)[None, :], VARLEN,
+                     MC)
 
 
 @triton.jit
-def store_tok_rows(base, row0, n, stride, b_x, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
+def store_tok_rows(base, row0, n, stride, b_x, BR: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr, nc=0,
+                   MC: tl.constexpr = False):
     o_r = row0 + tl.arange(0, BR)
     o_c = tl.arange(0, D)
-    store_tok(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty), (o_r < n)[:, None], VARLEN)
+    store_tile(base + o_r[:, None] * stride + o_c[None, :], b_x.to(base.dtype.element_ty), (o_r < n)[:, None],
+               (o_c < nc)[None, :], VARLEN, MC)
 
 
 @triton.jit

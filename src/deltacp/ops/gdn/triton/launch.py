@@ -8,6 +8,12 @@ autotuning would have to restore the buffers that kernels update in place. The v
 
 from __future__ import annotations
 
+
+def padded(n: int) -> int:
+    """The width of a tile spanning a head dim of n: the next power of two >= n (tl.arange's sizes), its columns >= n
+    masked in the kernels (indexing.py)."""
+    return 1 << (n - 1).bit_length()
+
 LAUNCH: dict[str, dict[str, int | str]] = {
     "kkt_inv_diag": dict(num_warps=1),
     # the merge's 16x16 products on tensor cores, 3 tf32 terms (T within 8e-9 of the fp32-FMA merge), faster than
@@ -31,10 +37,19 @@ LAUNCH: dict[str, dict[str, int | str]] = {
     "dqkwg": dict(BK=128, BV=64, num_warps=8, num_stages=3),
 }
 
+# Where a tile spans a head dim K of 192 or 256 (padded to 256 columns): entries replacing LAUNCH's, because those
+# need more shared memory than a Hopper SM has (228 KiB): state_bwd 325 KiB at three stages (as compiled for sm_90,
+# Triton 3.6 and 3.9).
+LAUNCH_WIDE_K: dict[str, dict[str, int | str]] = {
+    "state_bwd": dict(BV=32, num_warps=4, num_stages=2),
+}
+
 
 def launch_config(name: str, **dims: int) -> tuple[dict[str, int | str], dict[str, int]]:
-    """(block sizes, launch options) of kernel `name`, block sizes clipped to the given dims (e.g. K=128)."""
-    cfg = dict(LAUNCH[name])
+    """(block sizes, launch options) of kernel `name`, block sizes clipped to the next power of two of the given
+    dims (K=64: BK 128 -> 64; V=96: BV 128 -> 128, its last 32 columns masked; indexing.py); LAUNCH_WIDE_K's entry
+    where K is given and wider than 128."""
+    cfg = dict(LAUNCH_WIDE_K[name] if name in LAUNCH_WIDE_K and padded(dims.get("K", 1)) > 128 else LAUNCH[name])
     opts = {o: cfg.pop(o) for o in ("num_warps", "num_stages") if o in cfg}
-    blocks = {b: min(size, dims[b[1:]]) if b[1:] in dims else size for b, size in cfg.items()}
+    blocks = {b: min(size, padded(dims[b[1:]])) if b[1:] in dims else size for b, size in cfg.items()}
     return blocks, opts

@@ -5,7 +5,9 @@ Layouts (T divisible by BT=64, g is the chunk-local cumulative gate in fp32):
     ai [B, T, Hv, BT] fp32: row t of chunk c holds row (t mod BT) of T_c = (I + A_c)^-1 (upper part zero)
     w [B, T, Hv, K], u [B, T, Hv, V] in the dtype of k / v
 
-Per-chunk and token tensors, packed documents' chunk table and the row helpers: `indexing.py`.
+Per-chunk and token tensors, packed documents' chunk table, the row helpers and the masks of head dims that are not
+a multiple of the block (K = 96: the last BK = 64 block half masked; tiles spanning K are padded(K) wide):
+`indexing.py`.
 
 A_c = strict-lower(diag(beta) K K^T * Gamma), Gamma_ij = exp(g_i - g_j). The inverse is built from four
 16x16 diagonal blocks (forward substitution in registers) merged by block forward substitution.
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from deltacp.ops.gdn.triton.indexing import (
-    BT, chunk_rows, chunk_tokens, load_rows, load_tok_rows, load_tok_vec, load_vec, store_rows, store_tok,
+    BT, chunk_rows, chunk_tokens, load_rows, load_tok_rows, load_tok_vec, load_vec, padded, store_rows, store_tok,
     store_tok_rows)
 from deltacp.ops.gdn.triton.launch import launch_config
 
@@ -73,7 +75,7 @@ def _dot_split(a_hi, a_lo, b):
 def kkt_inv_diag_kernel(
     k, beta, gc, ai, cidx,
     T,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """One 16x16 diagonal block of T per program: (I + A_ss)^-1, written into ai (one warp: cheap reductions)."""
@@ -83,7 +85,7 @@ def kkt_inv_diag_kernel(
     i_s = i_ts % (BT // BS)
     r0 = i_ts * BS
     x0, rx, n = chunk_tokens(cidx, i_ts // (BT // BS), i_s * BS, r0, BT, VARLEN)
-    b_k = load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K), rx, n, Hk * K, BS, K, VARLEN)
+    b_k = load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K), rx, n, Hk * K, BS, KP, VARLEN, K, KP != K)
     b_g = load_vec(gc + i_b * T * Hv + i_h, r0, Hv, BS)
     b_b = load_tok_vec(beta + i_b * T * Hv + i_h + x0 * Hv, rx, n, Hv, BS, VARLEN)
     b_t = _inv_unit_lower(_a_block(b_k, b_k, b_b, b_g, b_g, True, BS), BS)
@@ -94,7 +96,7 @@ def kkt_inv_diag_kernel(
 def tril_merge_kernel(
     k, beta, gc, ai, cidx,
     T,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     BT: tl.constexpr, BS: tl.constexpr, MERGE_PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """T = (I + A)^-1 of one chunk from its four 16x16 diagonal inverses (kkt_inv_diag_kernel wrote them into ai;
@@ -110,10 +112,10 @@ def tril_merge_kernel(
     p_g = gc + i_b * T * Hv + i_h
     p_b = beta + i_b * T * Hv + i_h + x0 * Hv
 
-    b_k0 = load_tok_rows(p_k, rx + 0 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k1 = load_tok_rows(p_k, rx + 1 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k2 = load_tok_rows(p_k, rx + 2 * BS, n, Hk * K, BS, K, VARLEN)
-    b_k3 = load_tok_rows(p_k, rx + 3 * BS, n, Hk * K, BS, K, VARLEN)
+    b_k0 = load_tok_rows(p_k, rx + 0 * BS, n, Hk * K, BS, KP, VARLEN, K, KP != K)
+    b_k1 = load_tok_rows(p_k, rx + 1 * BS, n, Hk * K, BS, KP, VARLEN, K, KP != K)
+    b_k2 = load_tok_rows(p_k, rx + 2 * BS, n, Hk * K, BS, KP, VARLEN, K, KP != K)
+    b_k3 = load_tok_rows(p_k, rx + 3 * BS, n, Hk * K, BS, KP, VARLEN, K, KP != K)
     b_g0 = load_vec(p_g, t0 + 0 * BS, Hv, BS)
     b_g1 = load_vec(p_g, t0 + 1 * BS, Hv, BS)
     b_g2 = load_vec(p_g, t0 + 2 * BS, Hv, BS)
@@ -184,25 +186,25 @@ def wu_fwd_kernel(
     b_s = b_b * tl.exp(b_g)
     if SPLIT:
         b_tw_hi, b_tw_lo = _split_bf16(b_T * b_s[None, :])
-    for i_k in range(K // BK):
+    for i_k in range((K + BK - 1) // BK):
         b_k = load_tok_rows(k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K) + i_k * BK, rx, n, Hk * K, BT, BK,
-                             VARLEN)
+                             VARLEN, K - i_k * BK, K % BK != 0)
         if SPLIT:
             b_w = _dot_split(b_tw_hi, b_tw_lo, b_k)
         else:
             b_w = tl.dot(b_T, b_k.to(tl.float32) * b_s[:, None], input_precision=DOT_PREC)
-        store_rows(w + (i_b * T * Hv + i_h) * K + i_k * BK, t0, Hv * K, b_w, BT, BK)
+        store_rows(w + (i_b * T * Hv + i_h) * K + i_k * BK, t0, Hv * K, b_w, BT, BK, K - i_k * BK, K % BK != 0)
     if DO_U:
         if SPLIT:
             b_tu_hi, b_tu_lo = _split_bf16(b_T * b_b[None, :])
-        for i_v in range(V // BV):
+        for i_v in range((V + BV - 1) // BV):
             b_v = load_tok_rows(v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V) + i_v * BV, rx, n, Hv * V, BT, BV,
-                                 VARLEN)
+                                 VARLEN, V - i_v * BV, V % BV != 0)
             if SPLIT:
                 b_u = _dot_split(b_tu_hi, b_tu_lo, b_v)
             else:
                 b_u = tl.dot(b_T, b_v.to(tl.float32) * b_b[:, None], input_precision=DOT_PREC)
-            store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV)
+            store_rows(u + (i_b * T * Hv + i_h) * V + i_v * BV, t0, Hv * V, b_u, BT, BV, V - i_v * BV, V % BV != 0)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -229,6 +231,8 @@ def wy_bwd_kernel(
     i_hk = i_h // (Hv // Hk)
     t0 = i_t * BT
     x0, rx, n = chunk_tokens(cidx, i_t, 0, t0, BT, VARLEN)
+    MK: tl.constexpr = K % BK != 0  # a partial last block (masked columns)
+    MV: tl.constexpr = V % BV != 0
 
     p_k = k + (i_b * T * Hk + i_hk) * K + x0 * (Hk * K)  # token tensors (rows rx + ...)
     p_v = v + (i_b * T * Hv + i_h) * V + x0 * (Hv * V)
@@ -250,9 +254,9 @@ def wy_bwd_kernel(
     # dT = dW (s K)^T + dU (beta V)^T ;  kk = K K^T
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(K // BK):
-        b_k = load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
-        b_dw = load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        b_k = load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN, K - i_k * BK, MK)
+        b_dw = load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK, K - i_k * BK, MK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
             b_dT += _dot_split(b_dw_hi, b_dw_lo, tl.trans(b_k))
@@ -263,9 +267,9 @@ def wy_bwd_kernel(
         b_dT = b_dT * b_s[None, :]
         b_dTv = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(V // BV):
-        b_v = load_tok_rows(p_v + i_v * BV, rx, n, Hv * V, BT, BV, VARLEN)
-        b_du = load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV)
+    for i_v in range((V + BV - 1) // BV):
+        b_v = load_tok_rows(p_v + i_v * BV, rx, n, Hv * V, BT, BV, VARLEN, V - i_v * BV, MV)
+        b_du = load_rows(p_du + i_v * BV, t0, Hv * V, BT, BV, V - i_v * BV, MV)
         if SPLIT:
             b_dTv += tl.dot(b_du, tl.trans(b_v))
             b_dvb = _dot_split(b_tt_hi, b_tt_lo, b_du)
@@ -273,7 +277,7 @@ def wy_bwd_kernel(
             b_dT += tl.dot(b_du.to(tl.float32), tl.trans(b_v.to(tl.float32) * b_beta[:, None]))
             b_dvb = tl.dot(tl.trans(b_T), b_du.to(tl.float32))
         b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        store_tok_rows(p_dv + i_v * BV, rx, n, Hv * V, b_dvb * b_beta[:, None], BT, BV, VARLEN)
+        store_tok_rows(p_dv + i_v * BV, rx, n, Hv * V, b_dvb * b_beta[:, None], BT, BV, VARLEN, V - i_v * BV, MV)
     if SPLIT:
         b_dT += b_dTv * b_beta[None, :]
 
@@ -292,9 +296,9 @@ def wy_bwd_kernel(
     b_dGs = b_dG + tl.load(p_s + o_t[None, :] * BT + o_t[:, None])
     if SPLIT:
         b_dgs_hi, b_dgs_lo = _split_bf16(b_dGs)
-    for i_k in range(K // BK):
-        b_k = load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN)
-        b_dw = load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        b_k = load_tok_rows(p_k + i_k * BK, rx, n, Hk * K, BT, BK, VARLEN, K - i_k * BK, MK)
+        b_dw = load_rows(p_dw + i_k * BK, t0, Hv * K, BT, BK, K - i_k * BK, MK).to(tl.float32)
         if SPLIT:
             b_dw_hi, b_dw_lo = _split_bf16(b_dw)
             b_dkb = tl.dot(b_tt_lo, b_dw_hi, tl.dot(b_tt_hi, b_dw_lo, tl.dot(b_tt_hi, b_dw_hi)))
@@ -303,12 +307,12 @@ def wy_bwd_kernel(
         b_r = tl.sum(b_dkb * b_k.to(tl.float32), 1)
         b_dbeta += b_r * b_eg
         b_dg += b_r * b_s
-        b_dk = load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK).to(tl.float32) + b_dkb * b_s[:, None]
+        b_dk = load_rows(p_dk_in + i_k * BK, t0, Hv * K, BT, BK, K - i_k * BK, MK).to(tl.float32) + b_dkb * b_s[:, None]
         if SPLIT:
             b_dk += _dot_split(b_dgs_hi, b_dgs_lo, b_k)
         else:
             b_dk += tl.dot(b_dGs, b_k.to(tl.float32))
-        store_tok_rows(p_dk + i_k * BK, rx, n, Hv * K, b_dk, BT, BK, VARLEN)
+        store_tok_rows(p_dk + i_k * BK, rx, n, Hv * K, b_dk, BT, BK, VARLEN, K - i_k * BK, MK)
 
     o_r = t0 + o_t
     o_x = rx + o_t
@@ -337,11 +341,11 @@ def wy_inverse(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor, Hv: int, c
     T, varlen = chunk_rows(gc, chunks)
     ai = torch.empty(B, T, Hv, BT, device=k.device, dtype=torch.float32)
     _, opts = launch_config("kkt_inv_diag")
-    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, chunks, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS,
+    kkt_inv_diag_kernel[(T // BS, B * Hv)](k, beta, gc, ai, chunks, T, Hk=Hk, Hv=Hv, K=K, KP=padded(K), BT=BT, BS=BS,
                                            VARLEN=varlen, **opts)
     blocks, opts = launch_config("tril_merge")
-    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, chunks, T, Hk=Hk, Hv=Hv, K=K, BT=BT, BS=BS, VARLEN=varlen,
-                                         **blocks, **opts)
+    tril_merge_kernel[(T // BT, B * Hv)](k, beta, gc, ai, chunks, T, Hk=Hk, Hv=Hv, K=K, KP=padded(K), BT=BT, BS=BS,
+                                         VARLEN=varlen, **blocks, **opts)
     return ai
 
 
