@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1 (needs triton; CI installs none: those tests skip), and its cache without any kernel.
 
 Interpreter runs (each in a fresh process: the interpreter must be chosen before the kernels are imported; each
-check takes about 15 s here at K = V = 128, T = 80):
+check takes about 55 s here: K = V = 128 and K = 96, V = 192, T = 80):
   - pass: through `check_triton_version` (the installed Triton is not in TRITON_VERIFIED_ON_GPU), every figure
     within its bound, the verdict cached; a second call in a fresh state reads the file and recomputes nothing.
   - failure: the output kernel's result scaled by 1.25 (a wrong kernel); the refusal names the version, the failed
@@ -81,14 +81,17 @@ def _interpreter_run(scenario: str, cache: str) -> dict:
 def test_interpreter_self_check_passes_and_is_cached(tmp_path):
     out = _interpreter_run("pass", str(tmp_path))
     record = out["record"]
-    print("\n".join(f"{f['name']:40s} {f['value']:.2e} (bound {f['bound']:.1e})" for f in record["figures"]))
+    print("\n".join(f"{f['name']:52s} {f['value']:.2e} (bound {f['bound']:.1e})" for f in record["figures"]))
     assert record["passed"] and record["key"]["triton"] == out["version"]
     names = [f["name"] for f in record["figures"]]
-    assert len(names) == 44 and len(set(names)) == 44
-    for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
-        for q in ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO", "S"):
-            assert f"{case} {q} rel-L2" in names
-    assert "unpacked M rel-L2" in names and "packed M max |x| (must be 0)" in names
+    assert len(names) == 88 and len(set(names)) == 88
+    assert record["shapes"] == [{"docs": [37, 1, 42], "Hk": 1, "Hv": 2, "K": K, "V": V}
+                                for K, V in ((128, 128), (96, 192))]
+    for dims in ("K=128 V=128", "K=96 V=192"):
+        for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
+            for q in ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO", "S"):
+                assert f"{dims} {case} {q} rel-L2" in names
+        assert f"{dims} unpacked M rel-L2" in names and f"{dims} packed M max |x| (must be 0)" in names
     assert all(f["value"] <= f["bound"] for f in record["figures"])
     assert out["again"] == record  # read back from the file, nothing recomputed
     (path,) = tmp_path.glob("triton-selfcheck-*.json")
@@ -101,11 +104,12 @@ def test_interpreter_self_check_refuses_a_wrong_kernel_and_caches_the_failure(tm
     (path,) = tmp_path.glob("triton-selfcheck-*.json")
     err = out["error"]
     assert err.startswith(f"triton=={out['version']} failed deltacp's self-check of the Triton GDN kernels on cpu ")
-    # o is off by about 0.25 in rel-L2 (the output kernel's result scaled by 1.25), in all four cases; the
-    # backward recomputes its own outputs, so nothing else fails
-    for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
-        assert re.search(rf"[:;] {case} o rel-L2 = 2\.\d\de-01 > bound 3\.0e-02[;.]", err), (case, err)
-    assert err.count(" > bound ") == 4
+    # o is off by about 0.25 in rel-L2 (the output kernel's result scaled by 1.25), in all four cases at both
+    # shapes; the backward recomputes its own outputs, so nothing else fails
+    for dims in ("K=128 V=128", "K=96 V=192"):
+        for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
+            assert re.search(rf"[:;] {dims} {case} o rel-L2 = 2\.\d\de-01 > bound 3\.0e-02[;.]", err), (case, err)
+    assert err.count(" > bound ") == 8
     assert "refuses to run and does not fall back to eager" in err
     assert f"Verdict cached in {path}; delete it to re-run the check." in err
     cached = out["cached_error"]

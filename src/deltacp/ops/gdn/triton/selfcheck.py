@@ -13,8 +13,10 @@ independent reference) on the same values:
                         initial_state_grad (prepared_from_saved) from the prepared chunks
 
 each for one sequence (cu_seqlens=None) and for one packed row (documents of 37, 1 and 42 tokens: not aligned to
-the chunk, one of length 1; M must then be exactly 0). Shape: B=1, T=80 (two chunks, the second partial), Hk=1,
-Hv=2 (grouped heads), K=V=128 (the contract's head dim); bf16 q/k/v/beta and an fp32 gate, as in a model.
+the chunk, one of length 1; M must then be exactly 0), at each of SHAPES: B=1, T=80 (two chunks, the second
+partial), Hk=1, Hv=2 (grouped heads), head dims K=V=128 and K=96, V=192 (OLMo-Hybrid's: neither a power of two, so
+the masked tiles run, and K != V); bf16 q/k/v/beta and an fp32 gate, as in a model. Figure names start with the
+shape ("K=96 V=192 packed o rel-L2").
 
 Bounds (rel-L2 = ||x - ref|| / ||ref||, per quantity; a NaN fails): BOUND_BF16 for what passes through bf16
 (outputs, states, gradients), BOUND_FP32 for M (an fp32 recurrence). Measured worst figures: see the constants.
@@ -49,8 +51,9 @@ import torch
 
 from deltacp.ops.gdn.triton.version import TRITON_VERIFIED_ON_GPU, _fmt, _triton_version, triton_requirement
 
-# Worst figures measured at SHAPE: H200, Triton 3.6 (tests/gpu/test_triton_selfcheck_gpu.py): 4.6e-3 (dg), M 1.0e-4;
+# Worst figures measured at K=V=128: H200, Triton 3.6 (tests/gpu/test_triton_selfcheck_gpu.py): 4.6e-3 (dg), M 1.0e-4;
 # CPU interpreter, Triton 3.9 (bf16 dot widened to fp32, tests/unit/test_triton_selfcheck.py): 1.6e-2 (o), M 3.1e-4.
+# At K=96, V=192, interpreter, Triton 3.9: 1.6e-2 (dq), M 3.6e-4 (tests/unit/test_triton_head_dims.py prints them).
 BOUND_BF16 = 3e-2
 BOUND_FP32 = 3e-3
 CACHE_ENV = "DELTACP_CACHE_DIR"
@@ -73,7 +76,7 @@ class SelfCheckShape:
         return sum(self.docs)
 
 
-SHAPE = SelfCheckShape()
+SHAPES = (SelfCheckShape(), SelfCheckShape(K=96, V=192))
 
 
 @dataclass(frozen=True)
@@ -215,21 +218,32 @@ def _triton_ops() -> SimpleNamespace:
                            prepared_from_saved=chunk.PreparedChunks.from_saved)
 
 
-def measure(device: torch.device | str, shape: SelfCheckShape = SHAPE) -> list[Figure]:
-    """Run the Triton backend's operations on `device` and return every figure with its bound (no verdict)."""
+def measure(device: torch.device | str, shapes: tuple[SelfCheckShape, ...] = SHAPES) -> list[Figure]:
+    """Run the Triton backend's operations on `device` at each shape and return every figure with its bound (no
+    verdict), named "K=.. V=.. <case> <quantity> ..."."""
+    return [Figure(f"K={s.K} V={s.V} {f.name}", f.value, f.bound) for s in shapes for f in measure_shape(device, s)]
+
+
+def measure_shape(device: torch.device | str, shape: SelfCheckShape, *, dtype: torch.dtype = torch.bfloat16,
+                  cases: tuple[str, ...] = ("unpacked", "packed"), staged: tuple[bool, ...] = (False, True)
+                  ) -> list[Figure]:
+    """The figures of one shape (the self-check runs every case, staged and not). dtype: of q/k/v/beta on `device`
+    (float32: the same bf16 values, so that the kernels compute in fp32 end to end; for tests, which then hold
+    the figures to their own bound, the bounds recorded here staying the bf16 ones)."""
     from deltacp.ops.gdn.eager import EagerGDNBackend
 
     device = torch.device(device)
     x = _inputs(shape)
     ref_x = {n: t.double() for n, t in x.items()}
-    dev_x = {n: t.to(device) for n, t in x.items()}
+    dev_x = {n: t.to(device, dtype if t.dtype == torch.bfloat16 else t.dtype) for n, t in x.items()}
     cu = torch.tensor((0, *shape.docs)).cumsum(0).to(torch.int32)
     figures = []
-    for case, case_cu in (("unpacked", None), ("packed", cu)):
+    for case in cases:
+        case_cu = {"unpacked": None, "packed": cu}[case]
         ref = _run_ops(EagerGDNBackend(), ref_x, case_cu, staged=False)
-        for staged in (False, True):
-            ours = _run_ops(_triton_ops(), dev_x, None if case_cu is None else case_cu.to(device), staged)
-            tag = f"{case}{' staged' if staged else ''}"
+        for st in staged:
+            ours = _run_ops(_triton_ops(), dev_x, None if case_cu is None else case_cu.to(device), st)
+            tag = f"{case}{' staged' if st else ''}"
             figures += [_figure(f"{tag} {n}", ours[n], ref[n], BOUND_FP32 if n == "M" else BOUND_BF16)
                         for n in ref]
     return figures
@@ -252,7 +266,7 @@ _VERDICTS: dict[tuple[str, str], dict] = {}  # (triton version, device) -> passe
 
 
 def run_self_check(device: torch.device | str = "cuda", *, triton_version: str | None = None,
-                   shape: SelfCheckShape = SHAPE, use_cache: bool = True) -> dict:
+                   shapes: tuple[SelfCheckShape, ...] = SHAPES, use_cache: bool = True) -> dict:
     """The verdict record of the self-check of the installed Triton on `device` (a CUDA device; "cpu" needs
     TRITON_INTERPRET=1 set before the kernels are imported). Returns it if the check passed (from this process,
     the cache file or a fresh run); raises TritonSelfCheckError naming the version, the failed figures and
@@ -274,14 +288,14 @@ def run_self_check(device: torch.device | str = "cuda", *, triton_version: str |
         try:
             with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False), \
                     (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
-                figures = measure(device, shape)
+                figures = measure(device, shapes)
         except Exception as e:
             raise TritonSelfCheckError(
                 f"triton=={version} failed deltacp's self-check of the Triton GDN kernels on {key['device']}: "
                 f"{type(e).__name__}: {e}. backend='triton' refuses to run and does not fall back to eager "
                 f"(not cached: the next run checks again)") from e
         record = {"key": key, "passed": all(f.ok for f in figures), "figures": [asdict(f) for f in figures],
-                  "shape": asdict(shape), "seconds": round(time.perf_counter() - start, 2),
+                  "shapes": [asdict(s) for s in shapes], "seconds": round(time.perf_counter() - start, 2),
                   "checked": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         record = json.loads(json.dumps(record))  # as the cache file will give it back (lists, not tuples)
         if use_cache:
