@@ -41,6 +41,9 @@
 #   bash scripts/gpu_checks.sh multi   2-8 GPUs over NCCL (torchrun): layer and model parity in every mode at CP2/4/8,
 #                                      full attention all_gather/ring and the 2-D layouts, 20 steps with and without
 #                                      activation checkpointing, FSDP2 on
+#   bash scripts/gpu_checks.sh step_ab the Qwen3.5-2B step (deltacp, full checkpointing) at 16K and 64K before and after a
+#                                      change, alternating twice: .whl/before and .whl/after hold `git archive` of
+#                                      the two commits' src and bench (about 6 minutes)
 #   bash scripts/gpu_checks.sh step    the whole training step at cp = 1 against the public stacks (transformers + FLA
 #                                      with its Hopper guard BYPASSED + gradient checkpointing, and liger-kernel's Qwen3.5
 #                                      patch (RMSNorm, SwiGLU, fused linear CE) or its fused linear CE only; wheels
@@ -69,12 +72,17 @@
 #   bash scripts/gpu_checks.sh rl      examples/grpo_trl_cp.py on the GPUs (bf16, NCCL): CPSFTTrainer warm-up, then
 #                                      CPGRPOTrainer with generation on the model outside CP (FSDP2 parameters
 #                                      unsharded), at CP1 and, with 2+ GPUs, CP2 (about 3 minutes)
+#   bash scripts/gpu_checks.sh heads   the Triton backend at head dims (K, V) other than 128 (K != V too): GPU tests vs
+#                                      eager fp32 at 8K in three gate regimes with beta up to 2, then the op bench at
+#                                      16K for those dims (+ FLA when its wheels are in .whl/; FLA autotunes about a
+#                                      minute per shape: HEADS_DIMS="128,128 96,192" narrows the bench); exits
+#                                      non-zero when any check fails (about 4 minutes without FLA)
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-PARTS="tests|quick|families|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
   echo "usage: $0 $PARTS" >&2
   exit 2
@@ -130,6 +138,14 @@ logprobs)
   check token_logprobs_tests 150 python -m pytest tests/gpu/test_token_logprobs_gpu.py -q -s -ra -p no:cacheprovider
   check logprobs_op 400 python bench/logprobs_op.py --tokens 16384 65536 --hidden 2048 --json "$OUT/logprobs_op.jsonl"
   ;;
+step_ab)
+  # the Qwen3.5-2B step at 16K and 64K before and after a change, alternating on one machine (deltacp, p2p, Triton,
+  # full checkpointing): .whl/before and .whl/after each hold `git archive <commit> src bench` (untar'd)
+  for side in before after before after; do
+    check "step_$side" 240 env PYTHONPATH=.whl/$side/src:tests python .whl/$side/bench/step.py --size 2B \
+      --lengths 16384 65536 --stacks deltacp --ac full --warmup 1 --repeat 3 --json "$OUT/step_ab_$side.jsonl"
+  done
+  ;;
 step)
   # Qwen3.5-2B at 16K and 64K: liger, flce, deltacp full and selective; kernel classes at 64K (FLA autotunes each
   # new length first, about a minute)
@@ -156,6 +172,14 @@ load)
 families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)
   check family_shapes 420 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider
+  ;;
+heads)
+  fla=(); ls .whl/fla_core-*.whl >/dev/null 2>&1 && fla=(--fla)
+  check head_dims_tests 330 python -m pytest tests/gpu/test_triton_head_dims_gpu.py -q -s -ra -p no:cacheprovider
+  dims=${HEADS_DIMS:-128,128 64,64 96,192 128,256 192,96 256,256 64,128}
+  # shellcheck disable=SC2086  (dims: a list of K,V words)
+  check head_dims_bench 240 python bench/gdn_op.py --dims $dims --lengths 16384 --hk 16 --no-eager "${fla[@]}" \
+    --json "$OUT/bench.jsonl"
   ;;
 op)
   check op_bench 330 python bench/gdn_op.py --lengths 8192 16384 32768 65536 --no-eager --fla --json "$OUT/bench.jsonl"
