@@ -108,7 +108,7 @@ def rank_step(args, scheme, P, S, device, dtype, last):
     """fwd+bwd of one rank's attention layer under `scheme`; `last`: the last rank (group), else the first."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-    from deltacp.parallel.attention import causal_document_attention, project_qkv, ulysses_kv_heads
+    from deltacp.parallel.attention import causal_document_attention, ulysses_kv_heads
     from deltacp.parallel.views import attention_view_of
     from deltacp.parallel.attention_tiles import plan_tiles, ring_attention, tiled_attention
     import deltacp.models.adapters  # noqa: F401  (registers the families' views: parallel/ knows no model class)
@@ -136,7 +136,7 @@ def rank_step(args, scheme, P, S, device, dtype, last):
     rest = torch.randn(2, B, n_kv, keys_elsewhere, D, device=device, dtype=dtype, requires_grad=True)
 
     def step():
-        q, k, v, gate = project_qkv(view, x, (cos, sin))
+        q, k, v, gate = view.project(x, (cos, sin))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if scheme == "ulysses":
             o = causal_document_attention(q, k, v, None, scale=module.scaling, dropout_p=0.0)
@@ -150,7 +150,7 @@ def rank_step(args, scheme, P, S, device, dtype, last):
                 k_all = torch.cat([before[0], k, after[0]], dim=2)
                 v_all = torch.cat([before[1], v, after[1]], dim=2)
                 o = tiled_attention(q, k_all, v_all, tiles, module.scaling)
-        out = module.o_proj(o.transpose(1, 2).reshape(B, L, -1) * torch.sigmoid(gate))
+        out = view.output(o.transpose(1, 2).reshape(B, L, -1), gate)
         out.backward(d_out[:, :L] if out.shape[1] == L else d_out)
         x.grad = rest.grad = None
         module.zero_grad(set_to_none=True)

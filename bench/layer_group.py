@@ -58,7 +58,7 @@ def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: 
     keys, the others passing by)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-    from deltacp.parallel.attention import project_qkv, ulysses_kv_heads
+    from deltacp.parallel.attention import ulysses_kv_heads
     from deltacp.parallel.attention_tiles import plan_span_tiles, ring_attention, tiled_attention
     from deltacp.parallel.placement import Pieces
     from deltacp.parallel.views import attention_view_of
@@ -80,7 +80,7 @@ def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: 
     tiles = plan_span_tiles(B, S, spans, None, args.block)
 
     def step():
-        q, k, v, gate = project_qkv(view, x, (cos, sin))
+        q, k, v, gate = view.project(x, (cos, sin))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if method == "ring":
             o = ring_attention(q, k.contiguous(), v.contiguous(), tiles, module.scaling,
@@ -88,7 +88,7 @@ def attention_rank(args, method: str, P: int, S: int, u: int, g: int, balanced: 
         else:
             k_all, v_all = (_row_order(own, rest[i], spans) for i, own in enumerate((k, v)))
             o = tiled_attention(q, k_all, v_all, tiles, module.scaling)
-        out = module.o_proj(o.transpose(1, 2).reshape(B, L, -1) * torch.sigmoid(gate))
+        out = view.output(o.transpose(1, 2).reshape(B, L, -1), gate)
         out.backward(d_out)
         x.grad = rest.grad = None
         module.zero_grad(set_to_none=True)
