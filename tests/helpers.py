@@ -215,6 +215,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
 
     if name.startswith("OlmoHybridForCausalLM"):
         return tiny_olmo_hybrid(rope=not name.endswith("-nope"), dtype=dtype)
+    if name == "BambaForCausalLM":
+        return tiny_bamba(dtype)
     text = tiny_text_fields(**text_overrides)
     if name == "Qwen3_5ForCausalLM":
         config = transformers.Qwen3_5TextConfig(**text)
@@ -239,6 +241,33 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         config.vision_config._attn_implementation = "sdpa"
     model = getattr(transformers, name)(config)
     return long_memory_gates_(model).to(dtype)
+
+
+def tiny_bamba(dtype=torch.float64) -> torch.nn.Module:
+    """A tiny random BambaForCausalLM (seeded): hidden 32, layers Mamba2 / attention / Mamba2 / Mamba2, 8 heads of
+    head dim 8 in 2 groups of B/C with state 6, conv kernel 4 with bias; attention 8 heads over 2 KV heads, RoPE on
+    half the head dim. Slowly decaying heads (A_log drawn from [-5, -1]: the state of one rank matters on the
+    next), D and the norm weights away from their init."""
+    import transformers
+
+    config = transformers.BambaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      attn_layer_indices=[1], num_attention_heads=8, num_key_value_heads=2,
+                                      mamba_n_heads=8, mamba_d_head=8, mamba_expand=2, mamba_n_groups=2,
+                                      mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=16, rms_norm_eps=1e-6,
+                                      max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.BambaForCausalLM(config)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mixer = getattr(layer, "mamba", None)
+            if mixer is not None:
+                mixer.A_log.copy_(torch.empty(mixer.A_log.shape).uniform_(-5, -1, generator=gen))
+                mixer.dt_bias.copy_(torch.empty(mixer.dt_bias.shape).uniform_(-2, 0, generator=gen))
+                mixer.D.copy_(torch.empty(mixer.D.shape).uniform_(0.5, 1.5, generator=gen))
+                mixer.norm.weight.copy_(torch.empty(mixer.norm.weight.shape).normal_(1, 0.1, generator=gen))
+    return model.to(dtype)
 
 
 OLMO_LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]

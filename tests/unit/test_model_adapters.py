@@ -135,3 +135,10 @@ print("APPLIED")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])))
     assert "APPLIED" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_mamba2_family_refuses_the_triton_backend_before_any_collective(single_rank_group):
+    model = tiny_family_model("BambaForCausalLM", torch.float32)
+    with pytest.raises(NotImplementedError, match=r"decoder layer 0 .*Mamba2 \(SSD\) recurrence runs on "
+                                                  r"linear_attention_gdn_backend='eager' only so far; got 'triton'"):
+        parallelize_cp(model, _mesh(), linear_attention_gdn_backend="triton", linear_attention_cp_mode="p2p")

@@ -3,7 +3,10 @@
     qwen3_5.py      Qwen3.5 dense, MoE and multimodal (gated attention shared with Qwen3-Next)
     qwen3_next.py   Qwen3-Next
     olmo_hybrid.py  OLMo-Hybrid
+    bamba.py        Bamba (Mamba2; the eager backend so far)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
+    attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
+    mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
 
 A home holds the family's `Family` record (class names by role, its text config, whether its decoder norms take the
 fused Triton glue, multimodal classes), registered with `models/families.py`, and its views (`parallel/views.py`):
@@ -16,3 +19,4 @@ here, its import below, its parity test (docs/design.md, "Adding a family").
 from deltacp.families import qwen3_5  # noqa: F401  isort: skip
 from deltacp.families import qwen3_next  # noqa: F401  isort: skip
 from deltacp.families import olmo_hybrid  # noqa: F401  isort: skip
+from deltacp.families import bamba  # noqa: F401  isort: skip

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from deltacp.families.attention import PlainAttentionView
 from deltacp.families.gdn import GatedDeltaNetView, extras
 from deltacp.models.families import Family, register_family
 from deltacp.ops.precision import compute_dtype
-from deltacp.parallel.views import AttentionView
 
 
 class OlmoHybridGDNView(GatedDeltaNetView):
@@ -50,20 +50,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * h).to(x.dtype)
 
 
-class OlmoHybridAttentionView(AttentionView):
+class OlmoHybridAttentionView(PlainAttentionView):
+    """No output gate; q_norm / k_norm over the whole projected width, before the reshape to heads."""
+
     family = "olmo_hybrid"
 
-    def project(self, x_BsD, position_embeddings):
-        m, D = self.module, self.head_dim
-        B, s, _ = x_BsD.shape
-        q = rms_norm(m.q_proj(x_BsD), m.q_norm.weight, m.q_norm.variance_epsilon).view(B, s, -1, D)
-        k = rms_norm(m.k_proj(x_BsD), m.k_norm.weight, m.k_norm.variance_epsilon).view(B, s, -1, D)
-        v = m.v_proj(x_BsD).view(B, s, -1, D)
-        q, k = self.apply_rotary(q, k, position_embeddings)
-        return q, k, v, None
+    def norm_q(self, q_BsX):
+        return rms_norm(q_BsX, self.module.q_norm.weight, self.module.q_norm.variance_epsilon)
 
-    def output(self, o_BsX, out):
-        return self.module.o_proj(o_BsX)
+    def norm_k(self, k_BsX):
+        return rms_norm(k_BsX, self.module.k_norm.weight, self.module.k_norm.variance_epsilon)
 
 
 OLMO_HYBRID = register_family(Family(

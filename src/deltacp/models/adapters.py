@@ -71,13 +71,11 @@ class ModelAdapter:
     def layers(self) -> list[nn.Module]:
         return list(self.text.layers)
 
-    @staticmethod
-    def linear_attention(layer: nn.Module) -> nn.Module | None:
-        return getattr(layer, "linear_attn", None)
+    def linear_attention(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer, self.family.linear_attribute, None)
 
-    @staticmethod
-    def full_attention(layer: nn.Module) -> nn.Module | None:
-        return getattr(layer, "self_attn", None)
+    def full_attention(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer, self.family.attention_attribute, None)
 
     @property
     def text_config(self):
@@ -86,7 +84,8 @@ class ModelAdapter:
     @property
     def moe(self) -> MoEInfo | None:
         cfg = self.text_config
-        if getattr(cfg, "num_experts", 0) and any(hasattr(layer.mlp, "gate") for layer in self.layers()):
+        if getattr(cfg, "num_experts", 0) and any(hasattr(getattr(layer, "mlp", None), "gate")
+                                                  for layer in self.layers()):
             return MoEInfo(cfg.num_experts, cfg.num_experts_per_tok, cfg.router_aux_loss_coef)
         return None
 

@@ -39,6 +39,8 @@ class Family:
     mixer_view: object = None  # its linear mixer's view: a `parallel.views.LinearMixerView` subclass
     attention_view: object = None  # its full attention's view: an `AttentionView` subclass (takes apply_rotary=)
     fused_decoder: bool = True  # its decoder norms are the (1 + w) form the fused Triton glue computes
+    linear_attribute: str = "linear_attn"  # the decoder layer's attribute holding its linear mixer
+    attention_attribute: str = "self_attn"  # ... and its full attention
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name part, stored name part) pairs, whole dotted parts; and tensors stored as row pieces, each
     # (module name suffix, ((stored suffix, rows attribute of the owning module), ...)): the tensor's dim-0 rows are

@@ -129,6 +129,7 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         if conv.padding[0] != (conv.kernel_size[0] - 1) * conv.dilation[0]:
             raise ValueError(f"linear attention CP needs a causal conv with padding (kernel-1)*dilation = "
                              f"{(conv.kernel_size[0] - 1) * conv.dilation[0]}, got padding {conv.padding[0]}")
+        view.recurrence(self.gdn_backend)  # raises here (before any collective) for a backend it has no kernels on
         if view.conv_activation != "silu":
             raise NotImplementedError(f"linear attention CP computes the conv's activation as SiLU; this layer's "
                                       f"is {view.conv_activation!r} (hidden_act)")

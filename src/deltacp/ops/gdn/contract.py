@@ -52,10 +52,12 @@ not align to the chunk size, and T is never a compile-time constant.
         transformers' Qwen3_5RMSNormGated over the last dim of x = o and gate = z [..., V] (z may be a strided
         view), y in x's dtype, with the eager chain's rounding points (`eager.gated_rms_norm` is the reference).
 
-    conv_silu_split(x_BsC, weight_CK, bias_C, dilation, *, left_BhC, doc_start_s, heads) -> (q, k, v)
+    conv_silu_split(x_BsC, weight_CK, bias_C, dilation, *, left_BhC, doc_start_s, heads) -> parts
         (differentiable w.r.t. x, weight, bias, left) The layer's causal depthwise conv + SiLU of the pre-conv
-        [q | k | v] channels x_BsC [B, s, C] (any strides), split as `split_qkv` does with heads = (qk_heads,
-        head_k_dim, head_v_dim): q, k [B, s, qk_heads, K], v [B, s, Hv, V]. left_BhC: the (kernel-1)*dilation
+        channels x_BsC [B, s, C] (any strides), split as `split_qkv` does with heads = (qk_heads, head_k_dim,
+        head_v_dim): q, k [B, s, qk_heads, K], v [B, s, Hv, V] (GDN's [q | k | v]); or, with heads = ((heads,
+        dim), ...) pairs (one heads may be -1: the rest), one [B, s, heads, dim] part per pair in channel order
+        (Mamba2's [x | B | C]; the Triton kernel takes three parts). left_BhC: the (kernel-1)*dilation
         tokens before x (the CP halo; None: zeros). doc_start_s: None, or int [s] the local index of each token's
         document start (may be negative); a tap reading local position p counts only if p >= doc_start_s[t].
         Numerics as transformers' eager path (conv in the weight dtype, rounded, SiLU, rounded, x's dtype out).

@@ -227,12 +227,23 @@ def causal_conv_silu(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch
     return F.silu(out).to(x_BsC.dtype).transpose(1, 2)
 
 
+def split_parts(x: torch.Tensor, parts: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
+    """[B, T, channels] -> one [B, T, heads, dim] view per (heads, dim) of `parts`, in order; one heads may be -1
+    (what the other parts leave)."""
+    B, T, channels = x.shape
+    known = sum(h * d for h, d in parts if h != -1)
+    sizes = [h * d if h != -1 else channels - known for h, d in parts]
+    return tuple(t.reshape(B, T, -1, d) for t, (_, d) in zip(torch.split(x, sizes, dim=-1), parts))
+
+
 def conv_silu_split(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int, *,
                     left_BhC: torch.Tensor | None = None, doc_start_s: torch.Tensor | None = None,
-                    heads: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`causal_conv_silu`, then `split_qkv` by heads = (qk_heads, head_k_dim, head_v_dim): the contract's
+                    heads: tuple) -> tuple[torch.Tensor, ...]:
+    """`causal_conv_silu`, then split: heads = (qk_heads, head_k_dim, head_v_dim), the [q | k | v] split of GDN
+    (`split_qkv`), or ((heads, dim), ...) pairs, any channel groups in order (`split_parts`): the contract's
     `conv_silu_split` (views of one [B, s, C] output)."""
-    return split_qkv(causal_conv_silu(x_BsC, weight_CK, bias_C, dilation, left_BhC, doc_start_s), *heads)
+    y = causal_conv_silu(x_BsC, weight_CK, bias_C, dilation, left_BhC, doc_start_s)
+    return split_parts(y, heads) if isinstance(heads[0], tuple) else split_qkv(y, *heads)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor

@@ -78,13 +78,19 @@ class TritonGDNBackend:
         check_device("qkv", x_BsC)  # the first kernel of a GDN layer: the device error before any launch
         from deltacp.ops.fused.conv import conv_silu_split
 
-        qk_heads, head_k_dim, head_v_dim = heads
         B, s, C = x_BsC.shape
-        key_dim = qk_heads * head_k_dim
-        q, k, v = conv_silu_split(x_BsC, weight_CK, bias_C, dilation, left_BhC=left_BhC, doc_start_s=doc_start_s,
-                                  split=(key_dim, key_dim, C - 2 * key_dim))
-        return (q.view(B, s, qk_heads, head_k_dim), k.view(B, s, qk_heads, head_k_dim),
-                v.view(B, s, -1, head_v_dim))
+        if isinstance(heads[0], tuple):  # ((heads, dim), ...) channel groups in order, one heads may be -1
+            parts = heads
+        else:  # (qk_heads, head_k_dim, head_v_dim): GDN's [q | k | v]
+            qk_heads, head_k_dim, head_v_dim = heads
+            parts = ((qk_heads, head_k_dim), (qk_heads, head_k_dim), (-1, head_v_dim))
+        if len(parts) != 3:
+            raise NotImplementedError(f"the fused conv splits its channels in three parts; got {len(parts)}")
+        known = sum(h * d for h, d in parts if h != -1)
+        split = tuple(h * d if h != -1 else C - known for h, d in parts)
+        outs = conv_silu_split(x_BsC, weight_CK, bias_C, dilation, left_BhC=left_BhC, doc_start_s=doc_start_s,
+                               split=split)
+        return tuple(t.view(B, s, -1, d) for t, (_, d) in zip(outs, parts))
 
     def prepared_from_saved(self, tensors):
         from deltacp.ops.gdn.triton.chunk import PreparedChunks

@@ -1,0 +1,168 @@
+"""Eager (pure PyTorch) chunked scalar-decay recurrence: the reference of Mamba2's SSD under the recurrence contract.
+
+    h_t = exp(g_t) h_{t-1} + k_t v_tᵀ          h [B, H, N, P]  (N: state rows, the contract's K; P: its V)
+    o_t = h_tᵀ q_t + skip_t
+
+Mamba2 maps onto it as: k = B_t, q = C_t (shared by groups of heads: q, k [B, T, G, N], each group serving H / G
+consecutive heads), v = dt_t x_t [B, T, H, P], g = dt_t A (one log decay per head and token, <= 0), skip = D x_t.
+M, the effect of a segment on the entering state, is the scalar exp(sum g) per head (`Transition("scalar")`),
+zero where a document starts inside the segment.
+
+Computation in float32 for float32 / bf16 inputs and float64 for float64 (`ops.precision.compute_dtype`); backward by
+autograd. Packed documents (one row, `cu_seqlens` offsets or a `VarlenLayout`): the chunk-aligned layout and resets of
+`ops/gdn/varlen.py` (a zero token leaves the state unchanged: g = 0, k = v = 0).
+
+Shape legend inside: x_BHNCD [B, H, chunks, C = 64, D]; gam_BHNC the cumulative log decay inside each chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltacp.ops.gdn.contract import CHUNK_SIZE
+from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
+from deltacp.ops.precision import compute_dtype
+from deltacp.ops.recurrence import RecurrenceInputs, Transition
+
+SCALAR = Transition("scalar")
+
+
+def _chunks(q, k, v, g):
+    """Heads first, chunked, zero-padded in time; q/k repeated from groups to heads."""
+    dt = compute_dtype(v)
+    B, T, G, N = k.shape
+    H = v.shape[2]
+    C = CHUNK_SIZE
+    pad = (-T) % C
+    n = (T + pad) // C
+
+    def heads_first(x):
+        x = F.pad(x.to(dt), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        return x.reshape(B, x.shape[1], n, C, x.shape[-1])
+
+    rep = H // G
+    k, q = (None if x is None else heads_first(x.repeat_interleave(rep, dim=2) if rep > 1 else x) for x in (k, q))
+    v = heads_first(v)
+    gam = F.pad(g.to(dt), (0, 0, 0, pad)).transpose(1, 2).reshape(B, H, n, C).cumsum(-1)
+    return q, k, v, gam, T
+
+
+def _check(q, k, v, g, skip):
+    if k.dim() != 4 or v.dim() != 4 or g.shape != v.shape[:3] or (q is not None and q.shape != k.shape):
+        raise ValueError(f"the scalar-decay recurrence takes q, k [B, T, G, N], v [B, T, H, P], g [B, T, H]; got "
+                         f"q {None if q is None else tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {tuple(g.shape)}")
+    if v.shape[2] % k.shape[2]:
+        raise ValueError(f"heads ({v.shape[2]}) must be a multiple of the groups of q/k ({k.shape[2]})")
+    if skip is not None and skip.shape != v.shape:
+        raise ValueError(f"skip must be shaped as v {tuple(v.shape)}, got {tuple(skip.shape)}")
+
+
+def chunk_scalar_decay(q, k, v, g, skip=None, *, initial_state=None, output_final_state=False,
+                       cu_seqlens: torch.Tensor | VarlenLayout | None = None):
+    """(o [B, T, H, P] in v's dtype, final state [B, H, N, P] or None); differentiable in every input and the
+    entering state."""
+    _check(q, k, v, g, skip)
+    layout = as_layout(cu_seqlens, v.shape[1])
+    if layout is not None:
+        q, k, v_in, g = (layout.to_chunks(x) for x in (q, k, v, g))
+    else:
+        v_in = v
+    qc, kc, vc, gam, T = _chunks(q, k, v_in, g)
+    B, H, n, C, N = kc.shape
+    causal = torch.ones(C, C, dtype=torch.bool, device=vc.device).tril()
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    qk = (qc @ kc.transpose(-1, -2)) * decay
+    q_dec = qc * gam.exp()[..., None]
+    k_tail = kc * (gam[..., -1:] - gam).exp()[..., None]
+    chunk_decay = gam[..., -1].exp()
+    h = vc.new_zeros(B, H, N, vc.shape[-1]) if initial_state is None else initial_state.to(vc.dtype)
+    resets = layout.chunk_resets if layout is not None else [False] * n
+    outs = []
+    for c in range(n):
+        if resets[c]:
+            h = torch.zeros_like(h)
+        outs.append(q_dec[:, :, c] @ h + qk[:, :, c] @ vc[:, :, c])
+        h = chunk_decay[:, :, c, None, None] * h + k_tail[:, :, c].transpose(-1, -2) @ vc[:, :, c]
+    o = torch.stack(outs, dim=2).reshape(B, H, n * C, -1)[:, :, :T].transpose(1, 2)
+    if layout is not None:
+        o = layout.from_chunks(o)
+    if skip is not None:
+        o = o + skip.to(o.dtype)
+    return o.to(v.dtype), (h if output_final_state else None)
+
+
+def summary_scalar_decay(k, v, g, *, need_transition=True, cu_seqlens=None):
+    """(M packed [B, H, N, 1] or None, S [B, H, N, P]): h_out = M h_in + S for this segment; M = 0 when a document
+    starts inside it (or the first does not continue)."""
+    _check(None, k, v, g, None)
+    layout = as_layout(cu_seqlens, v.shape[1])
+    if layout is not None:
+        k, v, g = (layout.to_chunks(x) for x in (k, v, g))
+    _, kc, vc, gam, _ = _chunks(None, k, v, g)
+    B, H, n, C, N = kc.shape
+    k_tail = kc * (gam[..., -1:] - gam).exp()[..., None]
+    chunk_decay = gam[..., -1].exp()
+    m = torch.ones(B, H, dtype=vc.dtype, device=vc.device)
+    s = vc.new_zeros(B, H, N, vc.shape[-1])
+    resets = layout.chunk_resets if layout is not None else [False] * n
+    for c in range(n):
+        if resets[c]:
+            m, s = torch.zeros_like(m), torch.zeros_like(s)
+        m = chunk_decay[:, :, c] * m
+        s = chunk_decay[:, :, c, None, None] * s + k_tail[:, :, c].transpose(-1, -2) @ vc[:, :, c]
+    return (SCALAR.pack(m, N) if need_transition else None), s
+
+
+class ScalarDecay:
+    """The scalar-decay recurrence under the contract (`ops/recurrence.py`), eager: inputs (q, k, v, g, skip) with
+    skip optional (None: no skip term); M scalar per head."""
+
+    transition = SCALAR
+    name = "eager"
+
+    def check(self, x: RecurrenceInputs) -> None:
+        q, k, v, g, skip = x.tensors
+        _check(q, k, v, g, skip)
+        if not v.is_floating_point():
+            raise ValueError(f"the scalar-decay recurrence needs floating-point inputs, got {v.dtype}")
+
+    def state_shape(self, x: RecurrenceInputs) -> tuple[int, ...]:
+        q, k, v, g, skip = x.tensors
+        return (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+
+    def forward(self, x, *, initial_state=None, output_final_state=False, prepared=None, cu_seqlens=None):
+        _no_prepared(prepared)
+        return chunk_scalar_decay(*x, initial_state=initial_state, output_final_state=output_final_state,
+                                  cu_seqlens=cu_seqlens)
+
+    def prepare(self, x, *, cu_seqlens=None):
+        return None  # nothing staged
+
+    def prepared_from_saved(self, tensors):
+        raise TypeError("the eager scalar-decay recurrence stages nothing (prepare returns None)")
+
+    def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
+        _no_prepared(prepared)
+        q, k, v, g, skip = x.tensors
+        return summary_scalar_decay(k, v, g, need_transition=need_transition, cu_seqlens=cu_seqlens)
+
+    def initial_state_grad(self, x, grad_o, *, prepared=None, cu_seqlens=None):
+        """d sum(o * grad_o) / dh0, by autograd from a zero h0 (o is affine in h0); the skip does not read h0."""
+        _no_prepared(prepared)
+        q, k, v, g, skip = x.tensors
+        B, H, N, P = v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
+        layout = as_layout(cu_seqlens, v.shape[1])
+        if layout is not None and layout.chunk_resets[0]:
+            return torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device)
+        with torch.enable_grad():
+            h0 = torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device, requires_grad=True)
+            o, _ = chunk_scalar_decay(q.detach(), k.detach(), v.detach(), g.detach(), initial_state=h0,
+                                      cu_seqlens=layout)
+            return torch.autograd.grad(o, h0, grad_o)[0]
+
+
+def _no_prepared(prepared) -> None:
+    if prepared is not None:
+        raise TypeError(f"the eager scalar-decay recurrence takes no prepared chunks (got {type(prepared).__name__})")
