@@ -217,6 +217,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_olmo_hybrid(rope=not name.endswith("-nope"), dtype=dtype)
     if name == "BambaForCausalLM":
         return tiny_bamba(dtype)
+    if name == "NemotronHForCausalLM":
+        return tiny_nemotron_h(dtype)
     text = tiny_text_fields(**text_overrides)
     if name == "Qwen3_5ForCausalLM":
         config = transformers.Qwen3_5TextConfig(**text)
@@ -261,12 +263,41 @@ def tiny_bamba(dtype=torch.float64) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for layer in model.model.layers:
-            mixer = getattr(layer, "mamba", None)
-            if mixer is not None:
-                mixer.A_log.copy_(torch.empty(mixer.A_log.shape).uniform_(-5, -1, generator=gen))
-                mixer.dt_bias.copy_(torch.empty(mixer.dt_bias.shape).uniform_(-2, 0, generator=gen))
-                mixer.D.copy_(torch.empty(mixer.D.shape).uniform_(0.5, 1.5, generator=gen))
-                mixer.norm.weight.copy_(torch.empty(mixer.norm.weight.shape).normal_(1, 0.1, generator=gen))
+            if getattr(layer, "mamba", None) is not None:
+                _slow_mamba2_(layer.mamba, gen)
+    return model.to(dtype)
+
+
+def _slow_mamba2_(mixer, gen) -> None:
+    """Slowly decaying heads (A_log from [-5, -1]: the state of one rank matters on the next), D and the gated
+    norm's weight away from their init."""
+    mixer.A_log.copy_(torch.empty(mixer.A_log.shape).uniform_(-5, -1, generator=gen))
+    mixer.dt_bias.copy_(torch.empty(mixer.dt_bias.shape).uniform_(-2, 0, generator=gen))
+    mixer.D.copy_(torch.empty(mixer.D.shape).uniform_(0.5, 1.5, generator=gen))
+    mixer.norm.weight.copy_(torch.empty(mixer.norm.weight.shape).normal_(1, 0.1, generator=gen))
+
+
+def tiny_nemotron_h(dtype=torch.float64) -> torch.nn.Module:
+    """A tiny random NemotronHForCausalLM (seeded): hidden 32, blocks Mamba2 / MoE / attention / Mamba2 / MLP, 8 Mamba
+    heads of dim 4 in 2 groups with state 6, conv with bias; attention 8 heads over 2 KV heads, no RoPE; 4 relu2
+    experts top-2 and a shared expert (eager experts: float64 on the CPU)."""
+    import transformers
+
+    config = transformers.NemotronHConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=4, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=6, conv_kernel=4, chunk_size=16,
+        layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+        n_group=1, topk_group=1, max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if type(layer.mixer).__name__ == "NemotronHMamba2Mixer":
+                _slow_mamba2_(layer.mixer, gen)
     return model.to(dtype)
 
 

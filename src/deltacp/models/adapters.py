@@ -72,10 +72,14 @@ class ModelAdapter:
         return list(self.text.layers)
 
     def linear_attention(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer, self.family.linear_attribute, None)
+        """The layer's linear mixer (the family's class at its attribute), or None."""
+        module = getattr(layer, self.family.linear_attribute, None)
+        return module if type(module).__name__ == self.family.gdn else None
 
     def full_attention(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer, self.family.attention_attribute, None)
+        """The layer's full attention (the family's class at its attribute), or None."""
+        module = getattr(layer, self.family.attention_attribute, None)
+        return module if type(module).__name__ == self.family.attention else None
 
     @property
     def text_config(self):

@@ -130,13 +130,19 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
                   layer_types=tuple(text.config.layer_types[: len(layers)]), moe=adapter.moe is not None)
     for i, layer in enumerate(layers):
         gdn, attention = adapter.linear_attention(layer), adapter.full_attention(layer)
+        kind = text.config.layer_types[i]
         if gdn is None and attention is None:
-            raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} has neither linear_attn nor "
-                                      f"self_attn (layer type {text.config.layer_types[i]!r})")
+            if kind in ("linear_attention", "full_attention", "hybrid"):
+                raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} ({kind}) has neither a "
+                                          f"{adapter.family.gdn} nor a {adapter.family.attention}")
+            continue  # a token-wise block (Nemotron-H's mlp / moe layers): nothing to make CP
         try:
-            layer_config = linear.check_module(gdn, cp) if gdn is not None else full.check_module(attention, cp)
+            layer_config = {}  # a layer may hold both (Falcon-H1 runs them in parallel)
+            for style, module in ((linear, gdn), (full, attention)):
+                if module is not None:
+                    layer_config.update(style.check_module(module, cp))
         except (ValueError, NotImplementedError) as e:  # the same error, saying which layer
-            raise type(e)(f"decoder layer {i} ({text.config.layer_types[i]}): {e}") from None
+            raise type(e)(f"decoder layer {i} ({kind}): {e}") from None
         config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
     return config
 
