@@ -219,6 +219,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_bamba(dtype)
     if name == "NemotronHForCausalLM":
         return tiny_nemotron_h(dtype)
+    if name == "GraniteMoeHybridForCausalLM":
+        return tiny_granite_hybrid(dtype)
     text = tiny_text_fields(**text_overrides)
     if name == "Qwen3_5ForCausalLM":
         config = transformers.Qwen3_5TextConfig(**text)
@@ -245,6 +247,24 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
     return long_memory_gates_(model).to(dtype)
 
 
+def _mamba2_model(cls, config, mixer_of, dtype) -> torch.nn.Module:
+    """`cls(config)` seeded (sdpa attention, eager experts), its Mamba2 mixers (`mixer_of(layer)`, None elsewhere)
+    with slowly decaying heads (A_log from [-5, -1]: the state of one rank matters on the next), D and the gated
+    norm's weight away from their init."""
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(config)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for mixer in filter(None, map(mixer_of, model.model.layers)):
+            mixer.A_log.copy_(torch.empty(mixer.A_log.shape).uniform_(-5, -1, generator=gen))
+            mixer.dt_bias.copy_(torch.empty(mixer.dt_bias.shape).uniform_(-2, 0, generator=gen))
+            mixer.D.copy_(torch.empty(mixer.D.shape).uniform_(0.5, 1.5, generator=gen))
+            mixer.norm.weight.copy_(torch.empty(mixer.norm.weight.shape).normal_(1, 0.1, generator=gen))
+    return model.to(dtype)
+
+
 def tiny_bamba(dtype=torch.float64) -> torch.nn.Module:
     """A tiny random BambaForCausalLM (seeded): hidden 32, layers Mamba2 / attention / Mamba2 / Mamba2, 8 heads of
     head dim 8 in 2 groups of B/C with state 6, conv kernel 4 with bias; attention 8 heads over 2 KV heads, RoPE on
@@ -257,24 +277,7 @@ def tiny_bamba(dtype=torch.float64) -> torch.nn.Module:
                                       mamba_n_heads=8, mamba_d_head=8, mamba_expand=2, mamba_n_groups=2,
                                       mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=16, rms_norm_eps=1e-6,
                                       max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.BambaForCausalLM(config)
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if getattr(layer, "mamba", None) is not None:
-                _slow_mamba2_(layer.mamba, gen)
-    return model.to(dtype)
-
-
-def _slow_mamba2_(mixer, gen) -> None:
-    """Slowly decaying heads (A_log from [-5, -1]: the state of one rank matters on the next), D and the gated
-    norm's weight away from their init."""
-    mixer.A_log.copy_(torch.empty(mixer.A_log.shape).uniform_(-5, -1, generator=gen))
-    mixer.dt_bias.copy_(torch.empty(mixer.dt_bias.shape).uniform_(-2, 0, generator=gen))
-    mixer.D.copy_(torch.empty(mixer.D.shape).uniform_(0.5, 1.5, generator=gen))
-    mixer.norm.weight.copy_(torch.empty(mixer.norm.weight.shape).normal_(1, 0.1, generator=gen))
+    return _mamba2_model(transformers.BambaForCausalLM, config, lambda layer: getattr(layer, "mamba", None), dtype)
 
 
 def tiny_nemotron_h(dtype=torch.float64) -> torch.nn.Module:
@@ -289,16 +292,26 @@ def tiny_nemotron_h(dtype=torch.float64) -> torch.nn.Module:
         layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
         n_group=1, topk_group=1, max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
-    config._attn_implementation = "sdpa"
-    config._experts_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(config)
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if type(layer.mixer).__name__ == "NemotronHMamba2Mixer":
-                _slow_mamba2_(layer.mixer, gen)
-    return model.to(dtype)
+    return _mamba2_model(transformers.NemotronHForCausalLM, config,
+                         lambda layer: layer.mixer if type(layer.mixer).__name__ == "NemotronHMamba2Mixer" else None,
+                         dtype)
+
+
+def tiny_granite_hybrid(dtype=torch.float64) -> torch.nn.Module:
+    """A tiny random GraniteMoeHybridForCausalLM (seeded): hidden 32, layers Mamba2 / attention / Mamba2 / Mamba2 (8
+    heads of dim 8 in 2 groups, state 6), RoPE, 4 experts top-2 plus the shared MLP, muP multipliers away from 1
+    (embedding 2, residual 0.7, attention 0.3, logits 1.5), aux loss coefficient 0.25; eager experts."""
+    import transformers
+
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, shared_intermediate_size=64, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_expand=2,
+        mamba_n_groups=2, mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=16, num_local_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.25, position_embedding_type="rope", embedding_multiplier=2.0,
+        residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=1.5, max_position_embeddings=65536,
+        tie_word_embeddings=False, pad_token_id=0)
+    return _mamba2_model(transformers.GraniteMoeHybridForCausalLM, config, lambda layer: layer.mamba, dtype)
 
 
 OLMO_LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]

@@ -1,5 +1,6 @@
-"""Every supported model family under CP on gloo, float64: Qwen3.5 MoE, Qwen3-Next, multimodal Qwen3.5 (dense and
-MoE) with images crossing rank boundaries, and a text-only batch through a multimodal model.
+"""Model families under CP on gloo, float64, with their auxiliary losses and images: Qwen3.5 MoE, Qwen3-Next,
+multimodal Qwen3.5 (dense and MoE) with images crossing rank boundaries, a text-only batch through a multimodal model,
+and Granite-4.0-H (Mamba2 with routed experts: its aux loss read from `num_local_experts`).
 
 Per class (tiny random configs as transformers builds them: hidden 32, 3 GDN + 1 full attention layers, 4
 experts top-2, a one-block vision tower), one spawned run per world size checks:
@@ -63,8 +64,8 @@ def families_worker(rank, world, cases):
         ids, mask, types, images = _batch(name, world)
         if text_only:
             types, images = None, {}
-        text_cfg = base.config.get_text_config()
-        moe = getattr(text_cfg, "num_experts", 0) > 0
+        text_cfg = base.config.get_text_config()  # routed experts with an auxiliary loss, by the config's own names
+        moe = (getattr(text_cfg, "num_experts", 0) or getattr(text_cfg, "num_local_experts", 0)) > 0
         coef = text_cfg.router_aux_loss_coef if moe else 0.0
         tag = f"{name}{' text-only' if text_only else ''}"
 
@@ -116,6 +117,7 @@ CP4_CASES = [
 CP2_CASES = [(name, MODES, None, False) for name in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
                                                      "Qwen3_5ForConditionalGeneration",
                                                      "Qwen3_5MoeForConditionalGeneration")]
+CP2_CASES.append(("GraniteMoeHybridForCausalLM", MODES, "p2p", False))  # Mamba2 + routed experts, FSDP2 on p2p
 
 
 @pytest.mark.parametrize("world,cases", [(4, CP4_CASES), (2, CP2_CASES)])

@@ -5,6 +5,7 @@
     olmo_hybrid.py  OLMo-Hybrid
     bamba.py        Bamba (Mamba2; the eager backend so far)
     nemotron_h.py   Nemotron-H (Mamba2, attention, MLP / MoE blocks; the eager backend so far)
+    granite_hybrid.py  Granite-4.0-H (Mamba2, attention, routed experts + shared MLP; the eager backend so far)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
@@ -22,3 +23,4 @@ from deltacp.families import qwen3_next  # noqa: F401  isort: skip
 from deltacp.families import olmo_hybrid  # noqa: F401  isort: skip
 from deltacp.families import bamba  # noqa: F401  isort: skip
 from deltacp.families import nemotron_h  # noqa: F401  isort: skip
+from deltacp.families import granite_hybrid  # noqa: F401  isort: skip

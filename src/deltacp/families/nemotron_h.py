@@ -30,4 +30,5 @@ NEMOTRON_H = register_family(Family(
     "nemotron_h", "transformers.models.nemotron_h.modeling_nemotron_h", causal_lm="NemotronHForCausalLM",
     text_model="NemotronHModel", gdn="NemotronHMamba2Mixer", attention="NemotronHAttention", norm="NemotronHRMSNorm",
     mlp="NemotronHMLP", gdn_view="NemotronHMamba2View", text_config="NemotronHConfig", mixer_view=NemotronHMamba2View,
-    attention_view=NemotronHAttentionView, fused_decoder=False, linear_attribute="mixer", attention_attribute="mixer"))
+    attention_view=NemotronHAttentionView, fused_decoder=False, linear_attribute="mixer", attention_attribute="mixer",
+    moe_fields=None))  # its router has no auxiliary loss

@@ -87,10 +87,15 @@ class ModelAdapter:
 
     @property
     def moe(self) -> MoEInfo | None:
+        """The routed experts whose auxiliary loss CP makes global (the family's `moe_fields`), or None."""
+        fields = self.family.moe_fields
+        if fields is None:
+            return None
         cfg = self.text_config
-        if getattr(cfg, "num_experts", 0) and any(hasattr(getattr(layer, "mlp", None), "gate")
-                                                  for layer in self.layers()):
-            return MoEInfo(cfg.num_experts, cfg.num_experts_per_tok, cfg.router_aux_loss_coef)
+        layer_attribute, router = self.family.moe_router
+        if getattr(cfg, fields[0], 0) and any(hasattr(getattr(layer, layer_attribute, None), router)
+                                              for layer in self.layers()):
+            return MoEInfo(*(getattr(cfg, name) for name in fields))
         return None
 
     def text_positions(self, position_ids: torch.Tensor) -> torch.Tensor | None:

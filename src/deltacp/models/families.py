@@ -40,6 +40,10 @@ class Family:
     attention_view: object = None  # its full attention's view: an `AttentionView` subclass (takes apply_rotary=)
     fused_decoder: bool = True  # its decoder norms are the (1 + w) form the fused Triton glue computes
     linear_attribute: str = "linear_attn"  # the decoder layer's attribute holding its linear mixer
+    # routed experts with transformers' load-balancing auxiliary loss: the config fields of (experts, top k, loss
+    # coefficient), and (a layer's attribute, its router's attribute) that mark a routed layer; None: no aux loss
+    moe_fields: tuple[str, str, str] | None = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    moe_router: tuple[str, str] = ("mlp", "gate")
     attention_attribute: str = "self_attn"  # ... and its full attention
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name part, stored name part) pairs, whole dotted parts; and tensors stored as row pieces, each
