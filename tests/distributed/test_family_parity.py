@@ -8,9 +8,10 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   (`linear_allow_neg_eigval`) with the b projection scaled so that beta reaches 2 (the state flips sign), attention
   with full-width q/k norms, GQA, with RoPE or NoPE;
 - Qwen3.5 dense, Qwen3.5 MoE, Qwen3-Next (`tiny_family_model`, 8 value heads and 8 attention heads so that Ulysses
-  runs at CP8), Bamba, Nemotron-H and Granite-4.0-H (Mamba2: `tiny_bamba`, `tiny_nemotron_h`,
-  `tiny_granite_hybrid`: 8 heads in 2 groups, conv with bias, the D skip; Nemotron-H's MLP and MoE blocks,
-  Granite's routed experts and muP multipliers; the eager backend): every mode and layout at CP2, the
+  runs at CP8), Bamba, Nemotron-H, Granite-4.0-H and Falcon-H1 (Mamba2: `tiny_bamba`, `tiny_nemotron_h`,
+  `tiny_granite_hybrid`, `tiny_falcon_h1`: 8 heads in 2 groups, conv with bias, the D skip; Nemotron-H's MLP and MoE
+  blocks, Granite's routed experts, Falcon-H1's parallel attention and Mamba2 in every layer, their muP
+  multipliers; the eager backend): every mode and layout at CP2, the
   balanced layout at CP4, p2p and Ulysses at CP8, on packed rows (padded rows at CP2; the multimodal classes'
   language models are these, their image paths are test_model_families.py's);
 - rows right-padded ("padded") and left-padded ("left", transformers' side for its linear layers) against the
@@ -162,7 +163,7 @@ MODES = ("ulysses", "p2p", "all_gather")
 LAYOUTS = ("contiguous", "balanced")
 OLMO = ("OlmoHybridForCausalLM", "OlmoHybridForCausalLM-nope")
 OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "BambaForCausalLM",
-          "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
+          "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
 CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), names=OLMO)
        + _cases(MODES, LAYOUTS, ("packed",), names=OTHERS)
        + _cases(("p2p",), ("contiguous",), ("padded",), names=OTHERS)

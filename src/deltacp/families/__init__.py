@@ -6,6 +6,7 @@
     bamba.py        Bamba (Mamba2; the eager backend so far)
     nemotron_h.py   Nemotron-H (Mamba2, attention, MLP / MoE blocks; the eager backend so far)
     granite_hybrid.py  Granite-4.0-H (Mamba2, attention, routed experts + shared MLP; the eager backend so far)
+    falcon_h1.py    Falcon-H1 (Mamba2 and attention in parallel in every layer; the eager backend so far)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
@@ -24,3 +25,4 @@ from deltacp.families import olmo_hybrid  # noqa: F401  isort: skip
 from deltacp.families import bamba  # noqa: F401  isort: skip
 from deltacp.families import nemotron_h  # noqa: F401  isort: skip
 from deltacp.families import granite_hybrid  # noqa: F401  isort: skip
+from deltacp.families import falcon_h1  # noqa: F401  isort: skip
