@@ -217,11 +217,15 @@ def stored_name(name: str, model_prefix: str, checkpoint_prefix: str,
 
 
 def renamed(name: str, renames: tuple[tuple[str, str], ...], to_stored: bool = True) -> str:
-    """`name` with the family's renames applied to whole dotted parts (module -> stored, or back)."""
+    """`name` with the family's renames applied (module -> stored, or back): each pair renames a run of whole
+    dotted parts ("input_layernorm", or "block_sparse_moe.experts.down_proj"), wherever it occurs."""
     if not renames:
         return name
-    table = dict(renames) if to_stored else {b: a for a, b in renames}
-    return ".".join(table.get(part, part) for part in name.split("."))
+    dotted = f".{name}."
+    for module_part, stored_part in renames:
+        a, b = (module_part, stored_part) if to_stored else (stored_part, module_part)
+        dotted = dotted.replace(f".{a}.", f".{b}.")
+    return dotted[1:-1]
 
 
 def row_pieces(model: nn.Module, name: str) -> list[tuple[str, int]] | None:

@@ -46,7 +46,7 @@ class Family:
     moe_router: tuple[str, str] = ("mlp", "gate")
     attention_attribute: str = "self_attn"  # ... and its full attention
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
-    # (module name part, stored name part) pairs, whole dotted parts; and tensors stored as row pieces, each
+    # (module name parts, stored name parts) pairs, runs of whole dotted parts; and tensors stored as row pieces, each
     # (module name suffix, ((stored suffix, rows attribute of the owning module), ...)): the tensor's dim-0 rows are
     # the pieces' rows in order (e.g. one conv weight stored as three)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
