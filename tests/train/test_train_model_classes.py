@@ -25,6 +25,11 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
                                    pad_token_id=0, eos_token_id=1, rope_parameters=None,
                                    layer_types=["linear_attention", "full_attention", "linear_attention",
                                                 "linear_attention"]), ["head_dim"], {}),
+    # Mamba2 (eager: the trainer's backend below is the main config's, eager on the CPU)
+    "BambaForCausalLM": (dict(attn_layer_indices=[3], mamba_n_heads=8, mamba_d_head=16, mamba_expand=2,
+                              mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64),
+                         ["layer_types", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                          "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"], {}),
 }
 
 
