@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of
 from deltacp.models.parallelize import cp_plan_of, require_parallelized
+from deltacp.models.adapters import adapter_for
 from deltacp.ops.lm_head.checks import check_chunk, check_head, check_targets, check_temperature, check_weight_grad
 from deltacp.ops.lm_head.chunks import (  # noqa: F401  (re-exported: their home was here)
     CHUNK_MULTIPLE,
@@ -311,6 +312,21 @@ def output_head(model: nn.Module, fn: str) -> nn.Linear:
 
 def forward_with_head(model: nn.Module, head: nn.Linear, head_fn: Callable[[torch.Tensor], torch.Tensor],
                       model_kwargs: dict):
+    """(see `_forward_with_head`) A family whose causal LM scales the head's output by a factor f (Granite-4.0-H's
+    1 / logits_scaling, Falcon-H1's lm_head_multiplier): head_fn sees the hidden states times f (the logits it
+    computes are the model's: (f h) Wᵀ = f (h Wᵀ); a head bias is refused) and its result is divided by f, which
+    the model's forward multiplies back."""
+    factor = adapter_for(model).logit_factor
+    if factor == 1.0:
+        return _forward_with_head(model, head, head_fn, model_kwargs)
+    if head.bias is not None:
+        raise NotImplementedError(f"{type(model).__name__} scales its logits by {factor}: an output head with a bias "
+                                  f"is not supported by the CP losses")
+    return _forward_with_head(model, head, lambda hidden: head_fn(hidden * factor) / factor, model_kwargs)
+
+
+def _forward_with_head(model: nn.Module, head: nn.Linear, head_fn: Callable[[torch.Tensor], torch.Tensor],
+                       model_kwargs: dict):
     """model(**model_kwargs) with `head`'s forward replaced, for this call only, by head_fn(last hidden state): the
     model's own forward (the CP input hook, FSDP2's hooks, activation checkpointing act as usual), inside which
     the head's weight is the unsharded one under FSDP2 (the root module holds it). Returns the model's output,

@@ -6,7 +6,7 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   post-norm, the GDN layers pre-norm), 2 key heads serving 8 value heads of K = 12, V = 24 (K != V, neither a power
   of two; the key heads do not divide CP4/CP8, so Ulysses repeats them), beta = 2 sigmoid(b)
   (`linear_allow_neg_eigval`) with the b projection scaled so that beta reaches 2 (the state flips sign), attention
-  with full-width q/k norms, GQA, with RoPE or NoPE;
+  with full-width q/k norms, GQA, with RoPE or NoPE; FSDP2 + activation checkpointing (and on Bamba, Falcon-H1);
 - Qwen3.5 dense, Qwen3.5 MoE, Qwen3-Next (`tiny_family_model`, 8 value heads and 8 attention heads so that Ulysses
   runs at CP8), Bamba, Nemotron-H, Granite-4.0-H and Falcon-H1 (Mamba2: `tiny_bamba`, `tiny_nemotron_h`,
   `tiny_granite_hybrid`, `tiny_falcon_h1`: 8 heads in 2 groups, conv with bias, the D skip; Nemotron-H's MLP and MoE
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from deltacp import (
     all_reduce_cp_grads,
+    cp_causal_lm_loss,
     apply_activation_checkpointing,
     cp_cross_entropy,
     fully_shard_cp,
@@ -107,7 +108,14 @@ def family_worker(rank, world, cases):
         logits_tf, loss_tf = _transformers(tf, ids, m, cu)
         loss_tf.backward()
         ref = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p")
-        return logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf)), _step(ref, single_mesh, ids, m, cu)
+        # the fused CP loss (no logits; a family's logit scale through the hidden states) on another copy
+        fused_model = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p")
+        batch = shard_batch_for_cp(ids, single_mesh, attention_mask=m, cu_seqlens=cu, model=fused_model)
+        targets = batch.pop("target_ids")
+        with float64_upcasts(), torch.no_grad():
+            fused = cp_causal_lm_loss(fused_model, targets, single_mesh, use_cache=False,
+                                      **{k: v for k, v in batch.items() if v is not None})
+        return logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf)), _step(ref, single_mesh, ids, m, cu), fused
 
     keys = sorted({(name, kind) for name, kind, *_ in cases})
     refs = dict(zip(keys, computed_once(*(partial(reference, *key) for key in keys))))
@@ -115,7 +123,7 @@ def family_worker(rank, world, cases):
     for name, kind, mode, layout, extra in cases:
         tag = f"{name} {kind} CP{world} {mode} {layout} {extra or ''}"
         ids, m, cu = batches[kind]
-        logits_tf, loss_tf, grads_tf, (logits_ref, loss_ref, grads_ref) = refs[(name, kind)]
+        logits_tf, loss_tf, grads_tf, (logits_ref, loss_ref, grads_ref), fused = refs[(name, kind)]
         if (name, kind) not in checked:  # deltacp's single-device path against the unmodified model
             checked.add((name, kind))
             valid = torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool()
@@ -123,7 +131,8 @@ def family_worker(rank, world, cases):
             if kind != "left":  # left padding: transformers' loss also counts the first valid token, predicted from
                 # the last padding position (a loss convention, not CP's: logits are compared)
                 checks.update(loss=abs(loss_ref / loss_tf - 1).item(), grads=rel_l2(grads_ref, grads_tf))
-            bounds = {"logits": 1e-6, "loss": 1e-6, "grads": 1e-4}
+            checks["fused loss"] = abs(fused / loss_ref - 1).item()  # cp_causal_lm_loss against the logits' loss
+            bounds = {"logits": 1e-6, "loss": 1e-6, "grads": 1e-4, "fused loss": 1e-12}
             failures += [f"{tag} single vs transformers {k}: {v:.2e}" for k, v in checks.items() if not v < bounds[k]]
         settings = dict(linear_attention_cp_mode=mode, sequence_layout=layout)
         if extra == "scan":
@@ -168,7 +177,8 @@ CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), names=OLMO)
        + _cases(MODES, LAYOUTS, ("packed",), names=OTHERS)
        + _cases(("p2p",), ("contiguous",), ("padded",), names=OTHERS)
        + _cases(("ulysses",), ("balanced",), ("left",), names=OLMO[:1] + OTHERS)
-       + _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing"))
+       + _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
+                names=("OlmoHybridForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM")))
 CP4 = (_cases(MODES, LAYOUTS, ("padded", "packed"))
        + _cases(MODES, ("balanced",), ("packed",), names=OTHERS)
        + _cases(("p2p",), LAYOUTS, ("packed",), extra="scan")

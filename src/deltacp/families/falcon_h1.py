@@ -49,4 +49,5 @@ FALCON_H1 = register_family(Family(
     "falcon_h1", "transformers.models.falcon_h1.modeling_falcon_h1", causal_lm="FalconH1ForCausalLM",
     text_model="FalconH1Model", gdn="FalconH1Mixer", attention="FalconH1Attention", norm="FalconH1RMSNorm",
     mlp="FalconH1MLP", gdn_view="FalconH1Mamba2View", text_config="FalconH1Config", mixer_view=FalconH1Mamba2View,
-    attention_view=FalconH1AttentionView, fused_decoder=False, linear_attribute="mamba"))
+    attention_view=FalconH1AttentionView, fused_decoder=False, linear_attribute="mamba",
+    logit_scale=("lm_head_multiplier", "mul")))

@@ -32,7 +32,7 @@ GRANITE_HYBRID = register_family(Family(
     gdn_view="GraniteHybridMamba2View", text_config="GraniteMoeHybridConfig", mixer_view=GraniteHybridMamba2View,
     attention_view=GraniteHybridAttentionView, fused_decoder=False, linear_attribute="mamba",
     moe_fields=("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
-    moe_router=("block_sparse_moe", "router"),
+    moe_router=("block_sparse_moe", "router"), logit_scale=("logits_scaling", "div"),
     # transformers 5.25's "granitemoe" conversion mapping: the released names of the experts and the router
     checkpoint_renames=(("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
                         ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),

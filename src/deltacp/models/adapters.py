@@ -98,6 +98,15 @@ class ModelAdapter:
             return MoEInfo(*(getattr(cfg, name) for name in fields))
         return None
 
+    @property
+    def logit_factor(self) -> float:
+        """What the causal LM's forward multiplies the head's output by (the family's `logit_scale`; 1.0: none)."""
+        if self.family.logit_scale is None or self.head is None:
+            return 1.0
+        field, op = self.family.logit_scale
+        value = float(getattr(self.text_config, field))
+        return 1.0 / value if op == "div" else value
+
     def text_positions(self, position_ids: torch.Tensor) -> torch.Tensor | None:
         """The [B, s] text positions that describe documents (restarting per document), or None when the
         position ids carry none (the 3 mRoPE rows of a multimodal forward, as transformers' text model reads them).

@@ -44,6 +44,8 @@ class Family:
     # coefficient), and (a layer's attribute, its router's attribute) that mark a routed layer; None: no aux loss
     moe_fields: tuple[str, str, str] | None = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
     moe_router: tuple[str, str] = ("mlp", "gate")
+    # the causal LM's forward scales the head's output: (config field, "div" | "mul"): logits = head(h) / or * it
+    logit_scale: tuple[str, str] | None = None
     attention_attribute: str = "self_attn"  # ... and its full attention
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name parts, stored name parts) pairs, runs of whole dotted parts; and tensors stored as row pieces, each
