@@ -1,6 +1,8 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
 float32, packed rows) with the single-device losses and grad norms, 3 steps; bad class settings name the key.
-Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid."""
+Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
+Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
+muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers)."""
 
 from pathlib import Path
 
@@ -15,6 +17,8 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, share
            output_router_logits=True)
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=2,
               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+GDN_FIELDS = ["linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_conv_kernel_dim"]
 CLASSES = {  # class -> (text config fields added to the main config's, removed ones, vision_config)
     "Qwen3_5MoeForCausalLM": (MOE, ["intermediate_size"], {}),
     "Qwen3NextForCausalLM": (dict(MOE, decoder_sparse_step=1), [], {}),
@@ -28,8 +32,23 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
     # Mamba2 (eager: the trainer's backend below is the main config's, eager on the CPU)
     "BambaForCausalLM": (dict(attn_layer_indices=[3], mamba_n_heads=8, mamba_d_head=16, mamba_expand=2,
                               mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64),
-                         ["layer_types", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                          "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"], {}),
+                         GDN_FIELDS + ["layer_types", "head_dim"], {}),
+    "GraniteMoeHybridForCausalLM": (dict(layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                                      "full_attention"], mamba_n_heads=8, mamba_d_head=16,
+                                         mamba_expand=2, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                                         mamba_chunk_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                         shared_intermediate_size=64, position_embedding_type="rope",
+                                         residual_multiplier=0.7, logits_scaling=1.5, output_router_logits=True),
+                                    GDN_FIELDS + ["head_dim"], {}),
+    "NemotronHForCausalLM": (dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                                  mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                                  chunk_size=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1),
+                             GDN_FIELDS + ["layer_types", "num_hidden_layers"], {}),
+    "FalconH1ForCausalLM": (dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+                                 mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64, mamba_rms_norm=True,
+                                 key_multiplier=0.7, lm_head_multiplier=0.8, ssm_in_multiplier=0.9),
+                            GDN_FIELDS + ["layer_types", "head_dim"], {}),
 }
 
 
