@@ -267,18 +267,18 @@ def _mamba2_model(cls, config, mixer_of, dtype) -> torch.nn.Module:
     return model.to(dtype)
 
 
-def tiny_bamba(dtype=torch.float64) -> torch.nn.Module:
+def tiny_bamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random BambaForCausalLM (seeded): hidden 32, layers Mamba2 / attention / Mamba2 / Mamba2, 8 heads of
     head dim 8 in 2 groups of B/C with state 6, conv kernel 4 with bias; attention 8 heads over 2 KV heads, RoPE on
     half the head dim. Slowly decaying heads (A_log drawn from [-5, -1]: the state of one rank matters on the
     next), D and the norm weights away from their init."""
     import transformers
 
-    config = transformers.BambaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                      attn_layer_indices=[1], num_attention_heads=8, num_key_value_heads=2,
-                                      mamba_n_heads=8, mamba_d_head=8, mamba_expand=2, mamba_n_groups=2,
-                                      mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=16, rms_norm_eps=1e-6,
-                                      max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
+    fields = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, attn_layer_indices=[1],
+                  num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_expand=2,
+                  mamba_n_groups=2, mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=16, rms_norm_eps=1e-6,
+                  max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
+    config = transformers.BambaConfig(**{**fields, **overrides})
     return _mamba2_model(transformers.BambaForCausalLM, config, lambda layer: getattr(layer, "mamba", None), dtype)
 
 
