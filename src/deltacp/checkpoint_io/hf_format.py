@@ -41,8 +41,8 @@ from deltacp.models.adapters import adapter_for
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 TEXT_PREFIXES = ("model.language_model.", "model.", "")  # where checkpoints keep the text model, longest first
-EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-FUSED_EXPERTS = re.compile(r"(?P<base>.+\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)")
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+FUSED_EXPERTS = re.compile(r"(?P<base>.+\.(?:mlp|mixer)\.experts)\.(?P<name>gate_up_proj|up_proj|down_proj)")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -199,10 +199,19 @@ def text_prefix_of(model: nn.Module) -> str:
     raise ValueError(f"{type(model).__name__}: its text model is not one of its modules")  # not reached
 
 
-def stored_text_prefix(stored: dict[str, StoredTensor]) -> str | None:
-    """Where the checkpoint keeps the text model (one of TEXT_PREFIXES), found by its input embedding."""
+def input_embedding_name(model: nn.Module) -> str:
+    """The input embedding's module path inside the text model (`embed_tokens`; Nemotron-H: `embeddings`)."""
+    text = adapter_for(model).text
+    embedding = text.get_input_embeddings()
+    return next(name for name, module in text.named_modules() if module is embedding)
+
+
+def stored_text_prefix(stored: dict[str, StoredTensor], embedding: str = "embed_tokens",
+                       renames: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """Where the checkpoint keeps the text model (one of TEXT_PREFIXES), found by its input embedding (its name in
+    the text model, the family's renames applied)."""
     for prefix in TEXT_PREFIXES:
-        if f"{prefix}embed_tokens.weight" in stored:
+        if renamed(f"{prefix}{embedding}.weight", renames) in stored:
             return prefix
     return None
 

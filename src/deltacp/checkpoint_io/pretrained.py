@@ -42,15 +42,18 @@ from deltacp.parallel.plan import CPPlan
 from deltacp.checkpoint_io.hf_format import (
     FLOAT_DTYPES,
     FUSED_EXPERTS,
+    TEXT_PREFIXES,
     StoredTensor,
     dominant_dtype,
     expert_keys,
     float_dtype,
+    input_embedding_name,
     model_tensors,
     read_header,
-    scan_checkpoint,
-    row_split,
+    renamed,
     row_pieces,
+    row_split,
+    scan_checkpoint,
     stored_name,
     stored_text_prefix,
     text_prefix_of,
@@ -148,12 +151,14 @@ def build_on_meta(cls: type, config, dtype: torch.dtype) -> nn.Module:
 def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tuple[dict[str, Source], list[str]]:
     """The stored source of every model tensor (`model_tensors`), and the stored keys left unread that transformers
     would call unexpected. ValueError naming the tensors the checkpoint lacks, or a shape that differs."""
-    checkpoint_prefix = stored_text_prefix(stored)
-    if checkpoint_prefix is None:
-        raise ValueError(f"{path}: no input embedding (model.language_model.embed_tokens.weight, "
-                         f"model.embed_tokens.weight or embed_tokens.weight): not a checkpoint of a supported model")
-    model_prefix = text_prefix_of(model)
     renames = adapter_for(model).family.checkpoint_renames
+    embedding = input_embedding_name(model)
+    checkpoint_prefix = stored_text_prefix(stored, embedding, renames)
+    if checkpoint_prefix is None:
+        names = [renamed(f"{p}{embedding}.weight", renames) for p in TEXT_PREFIXES]
+        raise ValueError(f"{path}: no input embedding ({', '.join(names)}): not a checkpoint of "
+                         f"{type(model).__name__}")
+    model_prefix = text_prefix_of(model)
     sources, missing, problems, used = {}, [], [], set()
     for name, tensor in model_tensors(model):
         key = stored_name(name, model_prefix, checkpoint_prefix, renames)
