@@ -33,9 +33,9 @@ from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, t
                      tiny_olmo_hybrid)
 
 WORLD = 4
-# (Falcon-H1 is refused: its mixer's non-persistent mup_vector sits beside parameters, NOTES.md known gaps)
 CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "BambaForCausalLM",
-                                                     "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+                                                     "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
+                                                     "FalconH1ForCausalLM")
 
 
 def _tiny(name):
@@ -43,7 +43,7 @@ def _tiny(name):
         return transformers.Qwen3_5ForCausalLM(tiny_config(tie_word_embeddings=True))  # tied embeddings
     if name == "OlmoHybridForCausalLM":
         return tiny_olmo_hybrid(rope=False, dtype=torch.float32)  # NoPE, as the released checkpoints
-    return tiny_family_model(name, torch.float32)  # (Bamba, Granite-4.0-H, Nemotron-H: Mamba2, eager)
+    return tiny_family_model(name, torch.float32)  # (Bamba, Granite-4.0-H, Nemotron-H, Falcon-H1: Mamba2, eager)
 
 
 def _released_moe_layout(root):

@@ -339,16 +339,19 @@ def read_weights(model: nn.Module, sources: dict[str, Source], path: Path, store
 
 
 def init_buffers(model: nn.Module) -> None:
-    """Recompute the non-persistent buffers after `to_empty` (they are in no checkpoint) with transformers' own
-    initialisation of the module that owns them (the rotary modules' inverse frequencies, as `from_pretrained`
-    does); NotImplementedError naming a buffer that nothing recomputes, or one in a module with parameters of its
-    own (recomputing it would re-initialise loaded weights)."""
+    """Recompute the non-persistent buffers after `to_empty` (they are in no checkpoint): the family's hook first
+    (`Family.recompute_buffers`: Falcon-H1's mup_vector), then transformers' own initialisation of the module that
+    owns each remaining one (the rotary modules' inverse frequencies, as `from_pretrained` does); NotImplementedError
+    naming a buffer that nothing recomputes, or one in a module with parameters of its own (recomputing it would
+    re-initialise loaded weights)."""
     from transformers import PreTrainedModel
 
+    hook = adapter_for(model).family.recompute_buffers  # the family's own (Falcon-H1's mup_vector)
+    done = set(hook(model)) if hook is not None else set()
     owners = {name: m for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     for name, module in model.named_modules():
         own = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
-        if not own:
+        if not own or name in done:
             continue
         if any(True for _ in module.parameters(recurse=False)) or any(
                 not getattr(module, b).is_floating_point() for b in own):

@@ -46,6 +46,9 @@ class Family:
     moe_router: tuple[str, str] = ("mlp", "gate")
     # the causal LM's forward scales the head's output: (config field, "div" | "mul"): logits = head(h) / or * it
     logit_scale: tuple[str, str] | None = None
+    # recomputes non-persistent buffers that transformers' per-module initialisation cannot (load_pretrained calls it
+    # after the weights are read): model -> the names of the modules whose buffers it set
+    recompute_buffers: object = None
     attention_attribute: str = "self_attn"  # ... and its full attention
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name parts, stored name parts) pairs, runs of whole dotted parts; and tensors stored as row pieces, each
