@@ -282,18 +282,19 @@ def tiny_bamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     return _mamba2_model(transformers.BambaForCausalLM, config, lambda layer: getattr(layer, "mamba", None), dtype)
 
 
-def tiny_nemotron_h(dtype=torch.float64) -> torch.nn.Module:
+def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random NemotronHForCausalLM (seeded): hidden 32, blocks Mamba2 / MoE / attention / Mamba2 / MLP, 8 Mamba
     heads of dim 4 in 2 groups with state 6, conv with bias; attention 8 heads over 2 KV heads, no RoPE; 4 relu2
-    experts top-2 and a shared expert (eager experts: float64 on the CPU)."""
+    experts top-2 and a shared expert (eager experts: float64 on the CPU); `overrides` change config fields."""
     import transformers
 
-    config = transformers.NemotronHConfig(
+    config = transformers.NemotronHConfig(**{**dict(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=8, num_key_value_heads=2,
         head_dim=4, mamba_num_heads=8, mamba_head_dim=4, n_groups=2, ssm_state_size=6, conv_kernel=4, chunk_size=16,
         layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
-        n_group=1, topk_group=1, max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
+        n_group=1, topk_group=1, max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0),
+        **overrides})
     return _mamba2_model(transformers.NemotronHForCausalLM, config,
                          lambda layer: layer.mixer if type(layer.mixer).__name__ == "NemotronHMamba2Mixer" else None,
                          dtype)

@@ -39,16 +39,18 @@ def texts(n: int, seed: int) -> list[str]:
 
 
 def tiny_model(family: str = "qwen3_5"):
-    """The tiny float32 model of `family` ("qwen3_5", "olmo_hybrid" or "bamba"; float32: CPU float64 conv1d is
-    slow)."""
+    """The tiny float32 model of `family` ("qwen3_5", "olmo_hybrid", "bamba" or "nemotron_h"; float32: CPU float64
+    conv1d is slow)."""
     from transformers import Qwen3_5ForCausalLM
 
-    from helpers import long_memory_gates_, tiny_bamba, tiny_config, tiny_olmo_hybrid
+    from helpers import long_memory_gates_, tiny_bamba, tiny_config, tiny_nemotron_h, tiny_olmo_hybrid
 
     if family == "olmo_hybrid":
         return tiny_olmo_hybrid(rope=False, dtype=torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257)
     if family == "bamba":  # Mamba2 (eager)
         return tiny_bamba(torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257)
+    if family == "nemotron_h":  # Mamba2 blocks beside MoE, attention and relu2 MLP blocks (eager)
+        return tiny_nemotron_h(torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257)
     torch.manual_seed(0)
     return long_memory_gates_(Qwen3_5ForCausalLM(tiny_config(vocab_size=VOCAB)))
 

@@ -1,5 +1,7 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
-float32, packed rows) with the single-device losses and grad norms, 3 steps; bad class settings name the key.
+float32, packed rows) with the single-device losses and grad norms, 3 steps, and the families added after Qwen3.5
+(OLMo-Hybrid and the Mamba2 ones) also at dp2 x cp2 (4 ranks, the same global batch); bad class settings name the
+key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers)."""
@@ -51,10 +53,13 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
                             GDN_FIELDS + ["layer_types", "head_dim"], {}),
 }
 
+DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
+         "FalconH1ForCausalLM")
+
 
 def _cfg(name):
-    raw = config_to_dict(load_config(MAIN, ["train.data.seq_len=128", "train.logging.progress=none",
-                                            f"train.steps={STEPS}"]))
+    raw = config_to_dict(load_config(MAIN, ["train.data.seq_len=128", "train.data.batch_size=2",
+                                            "train.logging.progress=none", f"train.steps={STEPS}"]))
     added, removed, vision = CLASSES[name]
     model = raw["train"]["model"]
     model["config"] = {k: v for k, v in {**model["config"], **added}.items() if k not in removed}
@@ -67,10 +72,13 @@ def test_every_model_class_trains_at_cp2():
     reference = run_jobs(1, [(name, reference_config(cfg, STEPS)) for name, cfg in jobs.items()])
     cp_jobs = [(name, cp_configs(cfg, 2, STEPS, ["p2p"])[0][1]) for name, cfg in jobs.items()]
     rows = run_jobs(2, cp_jobs)
-    for name in CLASSES:
-        comp = compare(reference[name], rows[name])
-        assert comp["finite"], name
-        assert comp["max_loss_rel"] < 1e-5 and comp["max_grad_norm_rel"] < 1e-4, (name, comp)
+    dp_jobs = [(name, cp_configs(jobs[name], 4, STEPS, ["p2p"], cp=2)[0][1]) for name in DP_CP]
+    dp_rows = run_jobs(4, dp_jobs)
+    for label, got in (("cp2", rows), ("dp2xcp2", dp_rows)):
+        for name in got:
+            comp = compare(reference[name], got[name])
+            assert comp["finite"], (label, name)
+            assert comp["max_loss_rel"] < 1e-5 and comp["max_grad_norm_rel"] < 1e-4, (label, name, comp)
 
 
 @pytest.mark.parametrize("overrides, pattern", [
