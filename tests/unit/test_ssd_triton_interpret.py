@@ -1,0 +1,193 @@
+"""CPU (TRITON_INTERPRET=1) tests of the Triton scalar-decay recurrence (`deltacp.ops.ssd.triton`, Mamba2's SSD)
+against the eager one (`ops/ssd/eager.py`) in float64 on the same values. Need triton (CI installs none: skip).
+
+One subprocess (the interpreter must be on before triton loads; the rest of the suite runs compiled Triton) runs
+every case through `TritonScalarDecay` and prints one figure per quantity; the tests below read them:
+  - shapes: B=2, T=100, G=1, H=4, N=16, P=16 and B=2, T=130, G=2, H=4, N=16, P=32 (partial last chunks, grouped
+    q/k), with an entering state and a skip; one packed row of three documents (57, 1, 72 tokens: a length-1
+    document, documents not aligned to 64), the first continuing the entering state and not;
+  - per case: o and the final state, the gradients of q, k, v, g, skip and the entering state (by autograd through
+    the kernels' Function vs autograd of the eager op), the summary (M, S), the entering state's gradient from the
+    outputs alone (`initial_state_grad`);
+  - dtypes: float64 inputs (the kernels accumulate and multiply in fp64: bound 1e-10, the figures are ~1e-15) and
+    float32 (fp32 accumulation; the interpreter's fp32 products: bound 1e-5, figures <= 3e-6, the largest M = exp of a
+    sum of ~100 fp32 gates, and dg; fp32's unit roundoff is 6e-8 and a chunk sums 64 products).
+The gates are Mamba2's, g = dt A with dt = softplus(randn), A = -exp(U(-1, 1)) per head (fast decay: the state keeps
+a few chunks' worth), on rows long enough to cross chunks.
+About 20 s on 2 cores (one interpreter run of every kernel per case).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 tests of "
+                                                         "the Triton scalar-decay kernels run only where triton is "
+                                                         "(CI installs none)")
+
+BOUNDS = {"float64": 1e-10, "float32": 1e-5}
+
+_CODE = r"""
+import torch, torch.nn.functional as F
+from deltacp.ops.gdn.varlen import VarlenLayout
+from deltacp.ops.recurrence import RecurrenceInputs
+from deltacp.ops.ssd.eager import ScalarDecay
+from deltacp.ops.ssd.triton import TritonScalarDecay
+
+tri, ref = TritonScalarDecay(), ScalarDecay()
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-300)).item()
+
+def inputs(B, T, G, H, N, P, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    A = -torch.empty(H, dtype=torch.float64).uniform_(-1, 1, generator=gen).exp()
+    g = F.softplus(r(B, T, H)) * A
+    return r(B, T, G, N), r(B, T, G, N), r(B, T, H, P), g, r(B, T, H, P), r(B, H, N, P)
+
+def case(name, dtype, B, T, G, H, N, P, seed, cu=None, first_continues=True):
+    vals = inputs(B, T, G, H, N, P, seed)
+    lay = None if cu is None else VarlenLayout.build(torch.tensor(cu), T, first_continues=first_continues)
+    xs = [x.to(dtype).requires_grad_() for x in vals]
+    rs = [x.clone().requires_grad_() for x in vals]
+    o, ht = tri.forward(RecurrenceInputs(*xs[:5]), initial_state=xs[5], output_final_state=True, cu_seqlens=lay)
+    ro, rht = ref.forward(RecurrenceInputs(*rs[:5]), initial_state=rs[5], output_final_state=True, cu_seqlens=lay)
+    assert o.dtype == dtype and o.shape == ro.shape and ht.shape == rht.shape, (o.dtype, o.shape, ht.shape)
+    out = {"o": rel(o, ro), "final_state": rel(ht, rht)}
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(ro.shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(rht.shape, generator=gen, dtype=torch.float64)
+    gs = torch.autograd.grad((o * do.to(dtype)).sum() + (ht * dht.to(ht.dtype)).sum(), xs)
+    grs = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), rs, allow_unused=True)
+    grs = [torch.zeros_like(x) if d is None else d for x, d in zip(rs, grs)]  # h0 unused: a fresh first document
+    for n, a, b in zip(("dq", "dk", "dv", "dg", "dskip", "dh0"), gs, grs):
+        out[n] = rel(a, b) if b.norm() > 0 else a.norm().item()
+    x = RecurrenceInputs(*(t.detach() for t in xs[:5]))
+    rx = RecurrenceInputs(*vals[:5])
+    with torch.no_grad():
+        m, s = tri.summary(x, cu_seqlens=lay)
+        rm, rs_ = ref.summary(rx, cu_seqlens=lay)
+        assert m.shape == rm.shape == (B, H, N, 1) and s.shape == rs_.shape, (m.shape, rm.shape, s.shape)
+        out["summary_M"] = rel(m, rm) if rm.norm() > 0 else m.norm().item()
+        out["summary_S"] = rel(s, rs_)
+        none, s2 = tri.summary(x, need_transition=False, cu_seqlens=lay)
+        assert none is None and torch.equal(s2, s)
+    dh0 = tri.initial_state_grad(x, do.to(dtype), cu_seqlens=lay)
+    rdh0 = ref.initial_state_grad(rx, do, cu_seqlens=lay)
+    out["initial_state_grad"] = rel(dh0, rdh0) if rdh0.norm() > 0 else dh0.norm().item()
+    for n, v in out.items():
+        print("FIG", name, str(dtype).split(".")[1], n, repr(v))
+
+for dtype in (torch.float64, torch.float32):
+    case("T100_G1_P16", dtype, 2, 100, 1, 4, 16, 16, 0)
+    case("T130_G2_P32", dtype, 2, 130, 2, 4, 16, 32, 1)
+    case("packed3", dtype, 1, 130, 2, 4, 16, 32, 2, cu=[0, 57, 58, 130])
+    case("packed3_fresh", dtype, 1, 130, 2, 4, 16, 32, 3, cu=[0, 57, 58, 130], first_continues=False)
+
+# the summary is forward only
+q, k, v, g, skip, h0 = (t.float() for t in inputs(1, 70, 1, 2, 16, 16, 4))
+try:
+    tri.summary(RecurrenceInputs(q, k.requires_grad_(), v, g, skip))
+    print("SUMMARY_GRAD no error")
+except RuntimeError as e:
+    print("SUMMARY_GRAD", "no backward" in str(e))
+print("DONE")
+"""
+
+
+@pytest.fixture(scope="module")
+def figures():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("DONE"), out.stdout[-3000:] + out.stderr[-3000:]
+    figs, lines = {}, out.stdout.splitlines()
+    for line in lines:
+        if line.startswith("FIG "):
+            _, case, dtype, name, value = line.split()
+            figs[(case, dtype, name)] = float(value)
+    figs["summary_grad"] = next(line.split()[1] for line in lines if line.startswith("SUMMARY_GRAD"))
+    return figs
+
+
+CASES = ("T100_G1_P16", "T130_G2_P32", "packed3", "packed3_fresh")
+PARTS = {"forward": ("o", "final_state"),
+         "gradients": ("dq", "dk", "dv", "dg", "dskip", "dh0"),
+         "summary_and_initial_state_grad": ("summary_M", "summary_S", "initial_state_grad")}
+
+
+@needs_triton
+@pytest.mark.parametrize("part", list(PARTS))
+@pytest.mark.parametrize("dtype", list(BOUNDS))
+@pytest.mark.parametrize("case", CASES)
+def test_vs_eager_fp64(figures, case, dtype, part):
+    """The part's figures (forward; gradients by autograd; the contract's summary and dh0 from the outputs)."""
+    bad = {n: figures[(case, dtype, n)] for n in PARTS[part] if not figures[(case, dtype, n)] <= BOUNDS[dtype]}
+    assert not bad, f"{case} {dtype}: above {BOUNDS[dtype]:.0e}: {bad}"
+
+
+@needs_triton
+def test_fresh_first_document_ignores_the_entering_state(figures):
+    """first_continues=False: the entering state reaches nothing (gradients exactly 0), M = 0."""
+    for dtype in BOUNDS:
+        assert figures[("packed3_fresh", dtype, "dh0")] == 0.0
+        assert figures[("packed3_fresh", dtype, "initial_state_grad")] == 0.0
+        assert figures[("packed3", dtype, "summary_M")] == 0.0  # a document starts inside the row
+
+
+@needs_triton
+def test_summary_refuses_to_be_differentiated(figures):
+    assert figures["summary_grad"] == "True"
+
+
+# The contract check: no kernel, no triton needed.
+
+def _x(B=1, T=8, G=1, H=2, N=16, P=16, dtype=torch.bfloat16, g_dtype=torch.float32):
+    from deltacp.ops.recurrence import RecurrenceInputs
+
+    return RecurrenceInputs(torch.zeros(B, T, G, N, dtype=dtype), torch.zeros(B, T, G, N, dtype=dtype),
+                            torch.zeros(B, T, H, P, dtype=dtype), torch.zeros(B, T, H, dtype=g_dtype), None)
+
+
+@pytest.mark.fast
+def test_check_refuses_outside_the_contract(monkeypatch):
+    from deltacp.ops.ssd.triton import TritonScalarDecay
+
+    rec = TritonScalarDecay()
+    assert rec.name == "triton" and rec.transition.kind == "scalar" and rec.prepare(_x()) is None
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors; got q on device 'cpu'"):
+        rec.check(_x())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to reach the others
+    rec.check(_x())
+    for x, match in ((_x(N=48), r"state size N in \(16, 32, 64, 128, 256\); got N=48"),
+                     (_x(P=256), r"head dim P in \(16, 32, 64, 128\); got P=256"),
+                     (_x(dtype=torch.float64), r"q.dtype in .*bfloat16.*; got torch.float64"),
+                     (_x(g_dtype=torch.int32), r"g.dtype in .*float32.*; got torch.int32"),
+                     (_x(H=3, G=2), "multiple of the groups")):
+        with pytest.raises(ValueError, match=match):
+            rec.check(x)
+    q, k, v, g, _ = _x().tensors
+    from deltacp.ops.recurrence import RecurrenceInputs
+
+    with pytest.raises(ValueError, match="one dtype"):
+        rec.check(RecurrenceInputs(q, k, v.float(), g, None))
+    with pytest.raises(TypeError, match="stages nothing"):
+        rec.prepared_from_saved(())
+
+
+def test_importing_the_backend_imports_no_triton():
+    code = ("import sys, deltacp.ops.ssd, deltacp.ops.ssd.triton as t; t.TritonScalarDecay(); "
+            "assert 'triton' not in sys.modules, 'triton imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
