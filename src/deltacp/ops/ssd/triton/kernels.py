@@ -102,7 +102,7 @@ def state_scan_kernel(x, y, gam, s0, s, st, resets, NT,
         if STORE_S:
             tl.store(s + ((i_b * NT + i_c) * H + i_h) * N * P + o_n[:, None] * P + o_p[None, :],
                      b_s.to(s.dtype.element_ty))
-        o_r = i_c * BT + o_t
+        o_r = (i_c * BT + o_t).to(tl.int64)  # token rows (int64: T * H * P may pass 2^31)
         b_g = tl.load(p_g + o_r * H)
         b_gl = tl.load(p_g + (i_c * BT + BT - 1) * H)
         b_x = tl.load(p_x + o_r[:, None] * (G * N))
@@ -122,7 +122,7 @@ def _chunk_head(gam, i_c, i_bh, NT, H: tl.constexpr, G: tl.constexpr, BT: tl.con
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     T = NT * BT
     o_t = tl.arange(0, BT)
-    o_r = i_c * BT + o_t
+    o_r = (i_c * BT + o_t).to(tl.int64)  # token rows (int64: T * H * P may pass 2^31)
     b_g = tl.load(gam + (i_b * T + o_r) * H + i_h)
     b_gl = tl.load(gam + (i_b * T + i_c * BT + BT - 1) * H + i_h)
     b_d = tl.where(o_t[:, None] >= o_t[None, :], tl.exp(b_g[:, None] - b_g[None, :]), 0.)
