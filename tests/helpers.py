@@ -223,6 +223,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_granite_hybrid(dtype)
     if name == "FalconH1ForCausalLM":
         return tiny_falcon_h1(dtype)
+    if name == "KimiLinearForCausalLM":
+        return tiny_kimi_linear(dtype)
     text = tiny_text_fields(**text_overrides)
     if name == "Qwen3_5ForCausalLM":
         config = transformers.Qwen3_5TextConfig(**text)
@@ -476,3 +478,38 @@ def float64_upcasts(factories_in=()):
             setattr(F, name, fn)
         for module, original in modules.items():
             module.torch = original
+
+
+def _kda_model(cls, config, dtype) -> torch.nn.Module:
+    """`cls(config)` seeded (sdpa attention, eager experts) with transformers' init, then slowly decaying KDA gates
+    (`long_memory_gates_`), the gated output norms' and the MLA latent norms' weights away from ones."""
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = long_memory_gates_(cls(config))
+    gen = torch.Generator().manual_seed(4321)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_norm.weight", "kv_a_layernorm.weight", "q_a_layernorm.weight")):
+                p.copy_(torch.empty(p.shape).normal_(1, 0.1, generator=gen))
+    return model.to(dtype)
+
+
+def tiny_kimi_linear(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random KimiLinearForCausalLM (seeded): hidden 32, layers KDA / MLA / KDA / KDA (`self_attn` of each),
+    MLPs dense / routed / dense / routed; KDA 8 heads of D = 8, conv kernel 4; MLA 8 heads, kv_lora_rank 16, no
+    q_lora, qk head dim 8 + 4 (nope + the unrotated shared "rope" slice), v_head_dim 6 (!= 12); 4 experts in 2
+    groups, top-2 from 1 group, routed_scaling_factor 2.446, a shared expert. Slowly decaying KDA gates
+    (`long_memory_gates_`: per channel g from about -0.5 to -0.002 per token)."""
+    import transformers
+
+    fields = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                  layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                  mlp_layer_types=["dense", "sparse", "dense", "sparse"], num_attention_heads=8,
+                  num_key_value_heads=8, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                  v_head_dim=6, linear_num_heads=8, linear_head_dim=8, linear_conv_kernel_dim=4, num_local_experts=4,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.446,
+                  rms_norm_eps=1e-6, max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    config = transformers.KimiLinearConfig(**{**fields, **overrides})
+    return _kda_model(transformers.KimiLinearForCausalLM, config, dtype)

@@ -172,7 +172,7 @@ MODES = ("ulysses", "p2p", "all_gather")
 LAYOUTS = ("contiguous", "balanced")
 OLMO = ("OlmoHybridForCausalLM", "OlmoHybridForCausalLM-nope")
 OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "BambaForCausalLM",
-          "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
+          "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM")
 CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), names=OLMO)
        + _cases(MODES, LAYOUTS, ("packed",), names=OTHERS)
        + _cases(("p2p",), ("contiguous",), ("padded",), names=OTHERS)

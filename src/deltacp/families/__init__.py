@@ -7,9 +7,12 @@
     nemotron_h.py   Nemotron-H (Mamba2, attention, MLP / MoE blocks; the eager backend so far)
     granite_hybrid.py  Granite-4.0-H (Mamba2, attention, routed experts + shared MLP; the eager backend so far)
     falcon_h1.py    Falcon-H1 (Mamba2 and attention in parallel in every layer; the eager backend so far)
+    kimi_linear.py  Kimi-Linear (KDA and MLA in `self_attn`, routed experts; the eager backend so far)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
+    kda.py          what every Kimi delta attention mixer shares (layout, the KDA recurrence, sigmoid-gated norm)
+    mla.py          multi-head latent attention (DeepSeek-V3's MLA: LoRA projections, value dim of its own)
 
 A home holds the family's `Family` record (class names by role, its text config, whether its decoder norms take the
 fused Triton glue, multimodal classes), registered with `models/families.py`, and its views (`parallel/views.py`):
@@ -26,3 +29,4 @@ from deltacp.families import bamba  # noqa: F401  isort: skip
 from deltacp.families import nemotron_h  # noqa: F401  isort: skip
 from deltacp.families import granite_hybrid  # noqa: F401  isort: skip
 from deltacp.families import falcon_h1  # noqa: F401  isort: skip
+from deltacp.families import kimi_linear  # noqa: F401  isort: skip

@@ -3,7 +3,8 @@ and the 2-D layout.
 
 Every method: the view's local projections, q/k norms and rotary (position embeddings of the rank's global
 positions; None for a NoPE layer), then its exchange and causal attention, then the view's output path (any output
-gate, the output projection).
+gate, the output projection). Values of another head dim than queries and keys (MLA) travel and attend zero-padded
+to one head dim (`one_head_dim`), the padding cut off the output.
 - ulysses: all-to-all to head shards over the whole sequence (each rank gets its query heads and the KV heads
   they read, `ulysses_kv_heads`), causal attention, all-to-all back;
 - all_gather / ring (`kv_cp_attention_forward`): optionally Ulysses inside a group of u consecutive ranks (the
@@ -127,6 +128,20 @@ def heads_to_seq(o_BHSD: torch.Tensor, group, balanced: bool = False) -> torch.T
     return all_to_all_head_to_seq(o_BSX, group).reshape(B, S // P, P * h * D)
 
 
+def one_head_dim(q_BsHD: torch.Tensor, k_BsHD: torch.Tensor, v_BsHD: torch.Tensor):
+    """(q, k, v, value head dim) with one head dim for all three: a layer whose values are narrower than its queries
+    and keys (MLA) gets them zero-padded, one whose values are wider gets q and k zero-padded. Exact: zero value
+    columns give zero output columns (cut off after the attention: `o[..., :dv]`), zero q / k columns add nothing to
+    the scores, and the softmax scale is the view's own, not one of the padded dim. The kernels and the exchanges
+    all take one head dim."""
+    d, dv = q_BsHD.shape[-1], v_BsHD.shape[-1]
+    if dv < d:
+        v_BsHD = F.pad(v_BsHD, (0, d - dv))
+    elif dv > d:
+        q_BsHD, k_BsHD = F.pad(q_BsHD, (0, dv - d)), F.pad(k_BsHD, (0, dv - d))
+    return q_BsHD, k_BsHD, v_BsHD, dv
+
+
 def _attention_inputs(view: AttentionView, hidden_states, attention_mask, unsupported, cache, past_key_values,
                       use_cache, what):
     refuse_unsupported(type(view.module).__name__, dict(unsupported, cache=cache, past_key_values=past_key_values,
@@ -156,9 +171,10 @@ def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden
     attention_head_layout(view.num_heads, view.num_kv_heads, cp)
     check_local_length(balanced, hidden_states.shape[1], cp)
     q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, position_embeddings)
+    q_BsHD, k_BsHD, v_BsHD, dv = one_head_dim(q_BsHD, k_BsHD, v_BsHD)
     q_BHSD, k_BHSD, v_BHSD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced)  # the whole row, row order
     o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=view.scaling, dropout_p=view.dropout)
-    return view.output(heads_to_seq(o_BHSD, group, balanced), out), None
+    return view.output(heads_to_seq(o_BHSD[..., :dv], group, balanced), out), None
 
 
 @dataclass
@@ -196,6 +212,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     u = 1 if plan.ulysses_group is None else dist.get_world_size(plan.ulysses_group)
     check_local_length(plan.balanced, hidden_states.shape[1], u * G)
     q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, position_embeddings)
+    q_BsHD, k_BsHD, v_BsHD, dv = one_head_dim(q_BsHD, k_BsHD, v_BsHD)
     q_BHLD, k_BHLD, v_BHLD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, plan.ulysses_group, plan.balanced)
     B, _, L, D = q_BHLD.shape
     S = G * L
@@ -212,7 +229,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
         case "ring":
             o_BHLD = ring_attention(q_BHLD, k_BHLD.contiguous(), v_BHLD.contiguous(), tiles, view.scaling,
                                     plan.ring, plan.balanced, block=block)
-    return view.output(heads_to_seq(o_BHLD, plan.ulysses_group, plan.balanced), out), None
+    return view.output(heads_to_seq(o_BHLD[..., :dv], plan.ulysses_group, plan.balanced), out), None
 
 
 def check_attention_module(module: nn.Module, cp: int, method: str, ulysses_degree: int) -> dict:

@@ -108,13 +108,15 @@ def document_segments(ctx: CPForwardContext, pieces: Pieces) -> list[DocumentSeg
 def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
                    cache_params=None, use_cache: bool | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                    max_length_q=None, max_length_k=None, output_router_logits: bool | None = None,
-                   **unsupported) -> torch.Tensor:
+                   position_embeddings=None, **unsupported) -> torch.Tensor:
     """The CP forward of one linear-recurrent layer on this rank's slice [B, s, hidden] of the sequence.
 
     attention_mask: the model hook's `CPForwardContext`, or the local 2-D padding mask, or None.
     cu_seq_lens_q/k, max_length_q/k: transformers' packing keywords with GLOBAL offsets (layer used on its own).
     output_router_logits: passed down every decoder layer of an MoE model; transformers' output recording of the
     routers honours it, this layer has nothing to do with it.
+    position_embeddings: the rotary cos / sin that some decoder layers hand to whichever mixer
+    they hold; a linear-recurrent mixer reads no positions (transformers' mixer ignores them too).
     Inference caches (cache, cache_params, use_cache=True) and any other keyword raise.
     """
     refuse_unsupported(f"{type(layer.module).__name__}", dict(unsupported, cache=cache, cache_params=cache_params,
