@@ -49,14 +49,18 @@ def build_model(size: str, layers: int | None, device):
     fields = qwen3_5_preset(size)
     if layers is not None:
         fields.update(num_hidden_layers=layers, layer_types=fields["layer_types"][:layers])
-    config = Qwen3_5TextConfig(**fields)
+    return build_bf16(Qwen3_5ForCausalLM, Qwen3_5TextConfig(**fields), device)
+
+
+def build_bf16(cls, config, device):
+    """`cls(config)` in training mode, bf16, on `device`, SDPA attention, seeded (every stack the same weights)."""
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = Qwen3_5ForCausalLM(config)
+            model = cls(config)
     finally:
         torch.set_default_dtype(default)
     return model.train()

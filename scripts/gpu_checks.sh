@@ -77,12 +77,23 @@
 #                                      16K for those dims (+ FLA when its wheels are in .whl/; FLA autotunes about a
 #                                      minute per shape: HEADS_DIMS="128,128 96,192" narrows the bench); exits
 #                                      non-zero when any check fails (about 4 minutes without FLA)
+#   bash scripts/gpu_checks.sh ssd     the Mamba2 (SSD) scalar-decay recurrence on Triton: GPU tests vs eager float64 (three
+#                                      gate regimes, initial state, packed rows, N 128/256), then bench/ssd_op.py: rel-L2
+#                                      vs float64 and fwd+bwd ms / peak memory at 8K-64K (SSD_LENGTHS) against mamba_ssm's
+#                                      Triton SSD (a copy of its Triton files, .whl/mamba_ssm_triton, with an empty
+#                                      package root: the CUDA-extension import guard bypassed) and FLA's simple_gla
+#                                      (wheels in .whl/), the Mamba2 mixers at their config shapes under CP2 (bf16 Triton
+#                                      vs fp32 eager); exits non-zero when any check fails          (about 8 minutes)
+#   bash scripts/gpu_checks.sh ssd_step  bench/mamba2_step.py: the Nemotron-H-8B-shaped step (8 blocks) at 16K and 64K,
+#                                      deltacp against transformers + mamba_ssm's Triton SSD + liger's fused linear CE,
+#                                      kernel time by class                                         (about 5 minutes)
+#   Both install the transformers wheel carried in .whl/tf/ (the version the CPU suite pins) when it is there.
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-PARTS="tests|quick|step_ab|families|heads|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|ssd|ssd_step|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
   echo "usage: $0 $PARTS" >&2
   exit 2
@@ -172,6 +183,21 @@ load)
 families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)
   check family_shapes 420 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider
+  ;;
+ssd|ssd_step)
+  if ls .whl/tf/transformers-*.whl >/dev/null 2>&1; then
+    python -m pip install -q --no-deps --no-index .whl/tf/transformers-*.whl 2>&1 | grep -v WARNING
+  fi
+  [ -d .whl/mamba_ssm_triton ] && export PYTHONPATH="$PYTHONPATH:$PWD/.whl/mamba_ssm_triton"
+  if [ "$part" = "ssd" ]; then
+    check ssd_tests 240 python -m pytest tests/gpu/test_ssd_triton_gpu.py -q -s -ra -p no:cacheprovider
+    # shellcheck disable=SC2086  (SSD_LENGTHS: a list of lengths)
+    check ssd_op 420 python bench/ssd_op.py --lengths ${SSD_LENGTHS:-8192 16384 32768 65536} --json "$OUT/ssd_op.jsonl"
+    check mamba2_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
+      -k "Bamba or Nemotron or Granite"
+  else
+    check mamba2_step 540 python bench/mamba2_step.py --lengths 16384 65536 --profile --json "$OUT/mamba2_step.jsonl"
+  fi
   ;;
 heads)
   fla=(); ls .whl/fla_core-*.whl >/dev/null 2>&1 && fla=(--fla)

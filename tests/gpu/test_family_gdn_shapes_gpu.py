@@ -1,5 +1,7 @@
 """The Triton backend on each family's GDN layer at its released head shapes (one GPU, CP2 over gloo); OLMo-Hybrid
-at its config defaults (K = 96, V = 192, beta = 2 sigmoid(b)).
+at its config defaults (K = 96, V = 192, beta = 2 sigmoid(b)); the Mamba2 mixers of Bamba, Nemotron-H and
+Granite-4.0-H at their transformers config defaults (hidden 4096, 128 heads of 64; Nemotron-H 8 groups of state 128,
+the others 1 group of state 256), with Mamba2's initialisation ranges (A from [-16, -1], dt from [1e-3, 1e-1]).
 
 For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
 Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
@@ -40,7 +42,35 @@ SHAPES = {  # model: (family module class, hidden, key heads, value heads)
     "Qwen3-Next-80B-A3B": ("qwen3_next", 2048, 16, 32),
     # transformers' OlmoHybridConfig defaults (hidden 3840, 30 key and value heads, K = 96, V = 192; beta = 2 sigmoid(b))
     "OLMo-Hybrid (config defaults)": ("olmo_hybrid", 3840, 30, 30, 96, 192),
+    # Mamba2 mixers at their config defaults (hidden, heads, groups, state: from the config class)
+    "Bamba (config defaults)": ("bamba", None, None, None),
+    "Nemotron-H (config defaults)": ("nemotron_h", None, None, None),
+    "Granite-4.0-H (config defaults)": ("granite_hybrid", None, None, None),
 }
+MAMBA2 = {  # family: (config class, module path, mixer class)
+    "bamba": ("BambaConfig", "bamba.modeling_bamba", "BambaMixer"),
+    "nemotron_h": ("NemotronHConfig", "nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+    "granite_hybrid": ("GraniteMoeHybridConfig", "granitemoehybrid.modeling_granitemoehybrid",
+                       "GraniteMoeHybridMambaLayer"),
+}
+
+
+def _mamba2(family):
+    """The family's Mamba2 mixer at its config defaults, A and dt drawn from Mamba2's initialisation ranges."""
+    import importlib
+    import math
+
+    import transformers
+
+    config_cls, path, cls = MAMBA2[family]
+    config = getattr(transformers, config_cls)()
+    module = getattr(importlib.import_module(f"transformers.models.{path}"), cls)(config, 0)
+    with torch.no_grad():
+        heads = module.num_heads
+        module.A_log.copy_(torch.empty(heads).uniform_(0, math.log(16)))
+        dt = torch.exp(torch.empty(heads).uniform_(math.log(1e-3), math.log(1e-1)))
+        module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+    return module, config.hidden_size
 
 
 def _gdn(family, hidden, hk, hv, k_dim=128, v_dim=128):
@@ -86,7 +116,11 @@ def family_shapes_worker(rank, world, name):
     failures, rows = [], []
     for family, hidden, hk, hv, *dims in [SHAPES[name]]:
         torch.manual_seed(0)
-        base = _gdn(family, hidden, hk, hv, *dims).cuda()
+        if family in MAMBA2:
+            base, hidden = _mamba2(family)
+            base = base.cuda()
+        else:
+            base = _gdn(family, hidden, hk, hv, *dims).cuda()
         x = torch.randn(1, SEQ, hidden, device="cuda")
         d_out = torch.randn(1, SEQ, hidden, device="cuda")
         ref = LinearAttentionContextParallel(mode="p2p", backend="eager").apply(copy.deepcopy(base).float(), single)

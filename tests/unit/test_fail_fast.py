@@ -235,3 +235,21 @@ def test_one_spelling_with_the_old_one_as_alias():
         attention_method("zigzag")
     with pytest.raises(NotImplementedError, match=r"linear_attention_cp_mode='all_gather' has no triton backend"):
         gdn_mode("all_gather", "triton")
+
+
+def test_mamba2_head_rules_name_each_familys_settings():
+    """A Mamba2 layer's heads (not its groups: a slice that does not hold whole groups repeats B and C) must divide a
+    Ulysses split; the refusal names the family's own config field (Bamba mamba_n_heads, Nemotron-H mamba_num_heads),
+    checked before the configuration exchange."""
+    from helpers import tiny_bamba, tiny_nemotron_h
+
+    bamba = next(layer.mamba for layer in tiny_bamba(torch.float32).model.layers if hasattr(layer, "mamba"))
+    nemotron = next(layer.mixer for layer in tiny_nemotron_h(torch.float32).model.layers
+                    if type(layer.mixer).__name__ == "NemotronHMamba2Mixer")
+    for mixer, setting in ((bamba, "mamba_n_heads"), (nemotron, "mamba_num_heads")):
+        with pytest.raises(ValueError, match=rf"linear_attention_cp_mode='ulysses' needs {setting} \(8\) divisible "
+                                             rf"by the CP degree \(16\)"):
+            LinearAttentionContextParallel(mode="ulysses").check_module(mixer, 16)
+        with pytest.raises(ValueError, match=rf"ulysses_degree=16 must divide {setting} \(8\)"):
+            LinearAttentionContextParallel(mode="p2p", ulysses_degree=16).check_module(mixer, 32)
+        assert LinearAttentionContextParallel(mode="ulysses").check_module(mixer, 4)["num_k_heads"] == 2  # groups

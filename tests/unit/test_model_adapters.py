@@ -137,8 +137,15 @@ print("APPLIED")
     assert "APPLIED" in out.stdout, out.stderr[-3000:]
 
 
-def test_a_mamba2_family_refuses_the_triton_backend_before_any_collective(single_rank_group):
+def test_a_mamba2_family_takes_the_triton_backend_and_names_the_device_on_cpu(single_rank_group):
+    """Under backend='triton' the Mamba2 layers run the Triton scalar-decay recurrence (no eager fall-back); on CPU
+    tensors the first kernel says what it needs."""
+    from deltacp.ops.ssd.triton import TritonScalarDecay
+    from deltacp.parallel.style import cp_layer_of
+
     model = tiny_family_model("BambaForCausalLM", torch.float32)
-    with pytest.raises(NotImplementedError, match=r"decoder layer 0 .*Mamba2 \(SSD\) recurrence runs on "
-                                                  r"linear_attention_gdn_backend='eager' only so far; got 'triton'"):
-        parallelize_cp(model, _mesh(), linear_attention_gdn_backend="triton", linear_attention_cp_mode="p2p")
+    parallelize_cp(model, _mesh(), linear_attention_gdn_backend="triton", linear_attention_cp_mode="p2p")
+    layers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
+    assert layers and all(isinstance(cp_layer_of(m).recurrence, TritonScalarDecay) for m in layers)
+    with pytest.raises(RuntimeError, match=r"backend='triton' needs CUDA tensors; got qkv on device 'cpu'"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)

@@ -1,8 +1,8 @@
 """What every Mamba2 (SSD) mixer of transformers 5.25 shares, read through one family's module: the head layout (the
 pre-conv channels [x | B | C]: x per head, B and C per group of heads, `n_groups` in the role of key heads), the
 inputs of the scalar-decay recurrence (`ops/ssd/eager.py`: k = B, q = C, v = dt x, g = dt A, skip = D x, with
-dt = softplus(dt_raw + dt_bias) clamped to `time_step_limit` and A = -exp(A_log)), and the output path (the module's
-own gated RMSNorm, then the output projection).
+dt = softplus(dt_raw + dt_bias) clamped to `time_step_limit` and A = -exp(A_log)) on the eager or the Triton backend
+(`ops/ssd/triton`), and the output path (the module's own gated RMSNorm, then the output projection).
 
 Padding: transformers multiplies the conv's output by the padding mask (the conv has a bias, so a zeroed input token
 would still write the state). Under CP a padded row is a valid document and a padding document (`models/inputs.py`):
@@ -62,12 +62,16 @@ class Mamba2View(LinearMixerView):
         dt = F.softplus(extras_BnHX[..., 0].to(dt_) + m.dt_bias[heads].to(dt_)).clamp(min=lo, max=hi)
         a = -m.A_log[heads].to(dt_).exp()
         x32 = x.to(dt_)
-        return RecurrenceInputs(c, b, x32 * dt[..., None], dt * a, m.D[heads].to(dt_)[:, None] * x32)
+        v = x32 * dt[..., None]
+        if backend.name == "triton":  # its kernels take q, k, v of one dtype: dt x rounded to x's, as C and B are
+            v = v.to(x.dtype)
+        return RecurrenceInputs(c, b, v, dt * a, m.D[heads].to(dt_)[:, None] * x32)
 
     def recurrence(self, backend):
-        if backend.name != "eager":
-            raise NotImplementedError(f"the Mamba2 (SSD) recurrence runs on linear_attention_gdn_backend='eager' only "
-                                      f"so far; got {backend.name!r}")
+        if backend.name == "triton":
+            from deltacp.ops.ssd.triton import TritonScalarDecay
+
+            return TritonScalarDecay()
         from deltacp.ops.ssd.eager import ScalarDecay
 
         return ScalarDecay()

@@ -1,0 +1,230 @@
+"""Mamba2 (SSD) op benchmark: deltacp's Triton scalar-decay recurrence against the public Mamba2 kernels, in one
+process (timing method: bench/timing.py).
+
+The op every stack computes, forward + backward (gradients of every input and of the entering state):
+    dt = softplus(dt_raw + dt_bias); h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_tᵀ; y_t = C_t h_t + D x_t
+x [1, T, H, P], dt_raw [1, T, H], B, C [1, T, G, N] (G groups of heads), A, D, dt_bias [H], an entering state.
+- deltacp: the Mamba2 view's glue (`families/mamba2.py`: dt, v = dt x in the input dtype, g = dt A, the D skip) and
+  `TritonScalarDecay` (chunk 64);
+- mamba_ssm: `mamba_chunk_scan_combined` (its Triton SSD kernels, chunk 128 and 256), when importable: its package
+  root imports its CUDA selective-scan extension, so gpu_checks.sh stages a copy of its Triton files with an empty
+  package root (.whl/mamba_ssm_triton; the guard is bypassed, the SSD kernels are unchanged);
+- FLA: `chunk_simple_gla` (the same scalar-decay recurrence; no groups: B and C repeated to the heads), when its
+  wheels are installed.
+
+Accuracy: rel-L2 of y and of every gradient against deltacp's eager recurrence in float64 (itself checked against
+transformers' torch SSD and a token recurrence in tests/unit/test_scalar_decay.py) on the same inputs, in three gate
+regimes (fast: g about -0.4..-1.6 per token; slow: about -1e-2; near-frozen: about -1e-5).
+
+    PYTHONPATH=src python bench/ssd_op.py --lengths 8192 16384 32768 65536 --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import emit, time_cuda  # noqa: E402
+
+# (label, heads, groups, state size N, head dim P): Nemotron-H-8B's Mamba2 layer (128 heads of 64, 8 groups, state
+# 128), and the other shapes the Mamba2 hybrids use (one group; state 128 or 256; 64-128 heads)
+SHAPES = {"nemotron-h-8b": (128, 8, 128, 64), "h128-g1-n256": (128, 1, 256, 64), "h64-g1-n128": (64, 1, 128, 64)}
+REGIMES = {"fast": ((4.0, 16.0), 0.1), "slow": ((1.0, 2.0), 0.01), "frozen": ((0.01, 0.02), 1e-3)}  # |A|, dt
+
+
+def make_inputs(T, H, G, N, P, regime, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    (a_lo, a_hi), dt_mean = REGIMES[regime]
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device="cuda") * scale
+
+    x = rnd(1, T, H, P)
+    b, c = rnd(1, T, G, N, scale=N ** -0.5), rnd(1, T, G, N, scale=N ** -0.5)
+    dt_raw = rnd(1, T, H, scale=0.5)
+    dt_bias = torch.full((H,), math.log(math.expm1(dt_mean)), device="cuda")
+    a_log = torch.empty(H, device="cuda").uniform_(math.log(a_lo), math.log(a_hi), generator=gen)
+    d = torch.rand(H, generator=gen, device="cuda") + 0.5
+    h0 = rnd(1, H, N, P, scale=0.1)
+    t = dict(x=x.to(dtype), dt_raw=dt_raw, dt_bias=dt_bias, A=-a_log.exp(), B=b.to(dtype), C=c.to(dtype), D=d,
+             h0=h0)
+    return {k: v.requires_grad_() for k, v in t.items()}
+
+
+def deltacp_op(backend):
+    """y, final state [1, H, N, P] by deltacp's recurrence (the Mamba2 view's glue around it)."""
+    from deltacp.ops.recurrence import RecurrenceInputs
+
+    if backend == "triton":
+        from deltacp.ops.ssd.triton import TritonScalarDecay as Rec
+    else:
+        from deltacp.ops.ssd.eager import ScalarDecay as Rec
+    rec = Rec()
+
+    def run(x, dt_raw, dt_bias, A, B, C, D, h0):
+        dt = F.softplus(dt_raw.float() + dt_bias.float())
+        x32 = x.float()
+        v = (x32 * dt[..., None]).to(x.dtype)
+        o, ht = rec.forward(RecurrenceInputs(C, B, v, dt * A.float(), D.float()[:, None] * x32), initial_state=h0,
+                            output_final_state=True)
+        return o, ht
+
+    return run
+
+
+def mamba_ssm_op(chunk):
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError:
+        return None
+
+    def run(x, dt_raw, dt_bias, A, B, C, D, h0):
+        y, ht = mamba_chunk_scan_combined(x, dt_raw, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias,
+                                          dt_softplus=True, initial_states=h0.transpose(-1, -2),
+                                          return_final_states=True)
+        return y, ht.transpose(-1, -2)
+
+    return run
+
+
+def fla_op():
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError:
+        return None
+
+    def run(x, dt_raw, dt_bias, A, B, C, D, h0):
+        H, G = x.shape[2], B.shape[2]
+        dt = F.softplus(dt_raw.float() + dt_bias.float())
+        x32 = x.float()
+        q, k = (t.repeat_interleave(H // G, dim=2) for t in (C, B))
+        o, ht = chunk_simple_gla(q, k, (x32 * dt[..., None]).to(x.dtype), dt * A.float(), scale=1.0,
+                                 initial_state=h0, output_final_state=True)
+        return o.float() + D.float()[:, None] * x32, ht
+
+    return run
+
+
+def stacks(args):
+    out = [("deltacp-triton", deltacp_op("triton"))]
+    if not args.no_peers:
+        for chunk in (128, 256):
+            fn = mamba_ssm_op(chunk)
+            if fn is not None:
+                import mamba_ssm
+
+                out.append((f"mamba_ssm-{mamba_ssm.__version__}-c{chunk}", fn))
+        fn = fla_op()
+        if fn is not None:
+            import fla
+
+            out.append((f"fla-{fla.__version__}-simple_gla", fn))
+    return out
+
+
+NAMES = ("x", "dt_raw", "dt_bias", "A", "B", "C", "D", "h0")
+
+
+def fwd_bwd(fn, t, seed=1):
+    y, ht = fn(*(t[n] for n in NAMES))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gy = torch.randn(y.shape, generator=gen, device="cuda")
+    gh = torch.randn(ht.shape, generator=gen, device="cuda") * 0.1
+    grads = torch.autograd.grad((y.float() * gy).sum() + (ht.float() * gh).sum(), [t[n] for n in NAMES])
+    return y, ht, dict(zip(NAMES, grads))
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def accuracy(args, label, fn, shape, regime):
+    H, G, N, P = SHAPES[shape]
+    T = args.accuracy_length
+    t = make_inputs(T, H, G, N, P, regime, torch.bfloat16)
+    t64 = {k: v.detach().double().requires_grad_() for k, v in t.items()}
+    y_ref, h_ref, g_ref = fwd_bwd(deltacp_op("eager"), t64)
+    y, h, g = fwd_bwd(fn, t)
+    errs = {"y": rel(y, y_ref), "h_final": rel(h, h_ref), **{f"d{n}": rel(g[n], g_ref[n]) for n in NAMES}}
+    worst = max(errs, key=errs.get)
+    emit(dict(kind="accuracy", stack=label, shape=shape, regime=regime, T=T, dtype="bf16", worst=worst,
+              worst_rel_l2=errs[worst], **{f"rel_{k}": v for k, v in errs.items()}), args.json)
+    return errs[worst]
+
+
+def timing(args, label, fn, shape, T):
+    H, G, N, P = SHAPES[shape]
+    t = make_inputs(T, H, G, N, P, "slow", torch.bfloat16)
+
+    def fwd():
+        return fn(*(t[n] for n in NAMES))
+
+    def both():
+        fwd_bwd(fn, t)
+
+    try:
+        f = time_cuda(fwd, warmup=3, repeat=args.repeat)
+        fb = time_cuda(both, warmup=3, repeat=args.repeat)
+    except torch.cuda.OutOfMemoryError:
+        emit(dict(kind="timing", stack=label, shape=shape, T=T, error="out of memory"), args.json)
+        torch.cuda.empty_cache()
+        return None
+    row = dict(kind="timing", stack=label, shape=shape, T=T, fwd_ms=f["median_ms"], fwd_bwd_ms=fb["median_ms"],
+               fwd_bwd_p90_ms=fb["p90_ms"], peak_gib=fb["peak_gib"])
+    emit(row, args.json)
+    del t
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--accuracy-length", type=int, default=8192)
+    ap.add_argument("--accuracy-bound", type=float, default=2e-2,
+                    help="deltacp's worst bf16 rel-L2 allowed (exit 1 above it)")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runs = stacks(args)
+    print("stacks:", [label for label, _ in runs], flush=True)
+    failed = []
+    if not args.no_accuracy:
+        for shape in args.shapes:
+            for regime in REGIMES:
+                for label, fn in runs:
+                    worst = accuracy(args, label, fn, shape, regime)
+                    if label.startswith("deltacp") and not worst <= args.accuracy_bound:
+                        failed.append(f"{label} {shape} {regime}: worst rel-L2 {worst:.2e} > {args.accuracy_bound}")
+    table = {}
+    for shape in args.shapes:
+        for T in args.lengths:
+            for label, fn in runs:
+                row = timing(args, label, fn, shape, T)
+                table[(shape, T, label)] = row
+    print(f"\n{'shape':>14} {'T':>6} " + " ".join(f"{label[:24]:>26}" for label, _ in runs) + "   (fwd+bwd ms / peak GiB)")
+    for shape in args.shapes:
+        for T in args.lengths:
+            cells = []
+            for label, _ in runs:
+                row = table[(shape, T, label)]
+                cells.append(f"{row['fwd_bwd_ms']:>15.2f} / {row['peak_gib']:>6.2f}" if row else f"{'OOM':>26}")
+            print(f"{shape:>14} {T:>6} " + " ".join(cells))
+    for msg in failed:
+        print("FAIL", msg)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
