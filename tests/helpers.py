@@ -225,6 +225,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_falcon_h1(dtype)
     if name == "KimiLinearForCausalLM":
         return tiny_kimi_linear(dtype)
+    if name == "BailingHybridForCausalLM":
+        return tiny_bailing_hybrid(dtype)
     text = tiny_text_fields(**text_overrides)
     if name == "Qwen3_5ForCausalLM":
         config = transformers.Qwen3_5TextConfig(**text)
@@ -513,3 +515,38 @@ def tiny_kimi_linear(dtype=torch.float64, **overrides) -> torch.nn.Module:
                   bos_token_id=1, eos_token_id=2)
     config = transformers.KimiLinearConfig(**{**fields, **overrides})
     return _kda_model(transformers.KimiLinearForCausalLM, config, dtype)
+
+
+def tiny_bailing_hybrid(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random BailingHybridForCausalLM (seeded): hidden 32, layers KDA / MLA / KDA / KDA, MLPs dense / routed
+    / routed / dense (SwiGLU clamps of 0.05 on the routed layers' experts and shared experts); KDA 8 heads of D = 8
+    with the safe gate (g in [-5, 0]); MLA 8 heads, q_lora_rank 12, kv_lora_rank 16, qk head dim 8 + 4 (interleaved
+    RoPE on the 4), v_head_dim 6, YaRN rope (factor 4, mscale_all_dim 1: the softmax scale gains mscale^2), the
+    per-head output gate; 4 experts in 2 groups, top-2 from 1 group, routed_scaling_factor 2.5, a shared expert.
+    KDA gates: exp(A_log) from [0.6, 1.6] per head, dt_bias per channel from [-9, -5] on three channels in four (g
+    about -5 sigmoid(-7): slow, the state of one rank matters on the next) and [0, 3] on the fourth (near the bound)."""
+    import transformers
+
+    fields = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                  layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                  mlp_layer_types=["dense", "sparse", "sparse", "dense"], num_attention_heads=8,
+                  num_key_value_heads=8, head_dim=8, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+                  qk_rope_head_dim=4, v_head_dim=6, short_conv_kernel_size=4, num_local_experts=4,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                  expert_swiglu_limit_list=[0, 0.05, 0.05, 0], share_expert_swiglu_limit_list=[0, 0.05, 0.05, 0],
+                  kda_safe_gate=True, kda_lower_bound=-5.0, rms_norm_eps=1e-6, max_position_embeddings=64,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0},
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = transformers.BailingHybridConfig(**{**fields, **overrides})
+    model = _kda_model(transformers.BailingHybridForCausalLM, config, dtype)
+    gen = torch.Generator().manual_seed(5678)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.self_attn, "forget_gate", None)
+            if gate is not None:
+                gate.A_log.copy_(torch.empty(gate.A_log.shape).uniform_(-0.5, 0.5, generator=gen))
+                slow = torch.empty(gate.dt_bias.shape).uniform_(-9, -5, generator=gen)
+                fast = torch.empty(gate.dt_bias.shape).uniform_(0, 3, generator=gen)
+                gate.dt_bias.copy_(torch.where(torch.arange(gate.dt_bias.numel()) % 4 == 3, fast, slow))
+    return model

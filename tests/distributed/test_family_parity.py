@@ -11,9 +11,11 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   runs at CP8), Bamba, Nemotron-H, Granite-4.0-H and Falcon-H1 (Mamba2: `tiny_bamba`, `tiny_nemotron_h`,
   `tiny_granite_hybrid`, `tiny_falcon_h1`: 8 heads in 2 groups, conv with bias, the D skip; Nemotron-H's MLP and MoE
   blocks, Granite's routed experts, Falcon-H1's parallel attention and Mamba2 in every layer, their muP
-  multipliers; the eager backend): every mode and layout at CP2, the
-  balanced layout at CP4, p2p and Ulysses at CP8, on packed rows (padded rows at CP2; the multimodal classes'
-  language models are these, their image paths are test_model_families.py's);
+  multipliers; the eager backend), Kimi-Linear and Bailing-Hybrid (`tiny_kimi_linear`, `tiny_bailing_hybrid`: KDA
+  with per-channel gates, Bailing's safe gate reaching its bound on some channels, MLA with v_head_dim != qk head
+  dim, Bailing's interleaved RoPE, YaRN mscale and output gate, routed and shared experts): every mode and layout at
+  CP2, the balanced layout at CP4, p2p and Ulysses at CP8, on packed rows (padded rows at CP2; the multimodal
+  classes' language models are these, their image paths are test_model_families.py's);
 - rows right-padded ("padded") and left-padded ("left", transformers' side for its linear layers) against the
   unmodified model at their valid tokens.
 
@@ -172,7 +174,8 @@ MODES = ("ulysses", "p2p", "all_gather")
 LAYOUTS = ("contiguous", "balanced")
 OLMO = ("OlmoHybridForCausalLM", "OlmoHybridForCausalLM-nope")
 OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "BambaForCausalLM",
-          "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM")
+          "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
+          "BailingHybridForCausalLM")
 CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), names=OLMO)
        + _cases(MODES, LAYOUTS, ("packed",), names=OTHERS)
        + _cases(("p2p",), ("contiguous",), ("padded",), names=OTHERS)

@@ -106,7 +106,8 @@ def test_every_family_registered_once_with_views_that_read_its_modules():
 
     names = [f.name for f in families()]
     assert names == ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h",
-                     "granitemoehybrid", "falcon_h1", "kimi_linear"]
+                     "granitemoehybrid", "falcon_h1", "kimi_linear",
+                     "bailing_hybrid"]
     with pytest.raises(ValueError, match="registered twice"):
         register_family(qwen3_5.QWEN3_5)
     for home, family in ((qwen3_5, qwen3_5.QWEN3_5), (qwen3_next, qwen3_next.QWEN3_NEXT),

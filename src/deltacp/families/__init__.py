@@ -8,6 +8,7 @@
     granite_hybrid.py  Granite-4.0-H (Mamba2, attention, routed experts + shared MLP; the eager backend so far)
     falcon_h1.py    Falcon-H1 (Mamba2 and attention in parallel in every layer; the eager backend so far)
     kimi_linear.py  Kimi-Linear (KDA and MLA in `self_attn`, routed experts; the eager backend so far)
+    bailing_hybrid.py  Bailing-Hybrid / Ling (KDA with the safe gate, MLA with RoPE and an output gate; eager so far)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
@@ -30,3 +31,4 @@ from deltacp.families import nemotron_h  # noqa: F401  isort: skip
 from deltacp.families import granite_hybrid  # noqa: F401  isort: skip
 from deltacp.families import falcon_h1  # noqa: F401  isort: skip
 from deltacp.families import kimi_linear  # noqa: F401  isort: skip
+from deltacp.families import bailing_hybrid  # noqa: F401  isort: skip
