@@ -4,7 +4,8 @@ float32, packed rows) with the single-device losses and grad norms, 3 steps, and
 key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
-muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers)."""
+muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
+Bailing-Hybrid (KDA and MLA, routed experts; eager)."""
 
 from pathlib import Path
 
@@ -19,6 +20,10 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, share
            output_router_logits=True)
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=2,
               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+MLA = dict(num_key_value_heads=8, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+           num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, num_expert_group=2, topk_group=1,
+           mlp_layer_types=["dense", "sparse", "dense", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+NOT_MLA = ["head_dim", "max_position_embeddings"]  # set from qk_rope_head_dim; aliased to model_max_length
 GDN_FIELDS = ["linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
               "linear_conv_kernel_dim"]
 CLASSES = {  # class -> (text config fields added to the main config's, removed ones, vision_config)
@@ -51,6 +56,9 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
                                  mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64, mamba_rms_norm=True,
                                  key_multiplier=0.7, lm_head_multiplier=0.8, ssm_in_multiplier=0.9),
                             GDN_FIELDS + ["layer_types", "head_dim"], {}),
+    # KDA + MLA (v_head_dim != qk head dim), routed and shared experts; Bailing: the safe gate, RoPE, output gate
+    "KimiLinearForCausalLM": (dict(MLA, linear_num_heads=8, linear_head_dim=16), GDN_FIELDS + NOT_MLA, {}),
+    "BailingHybridForCausalLM": (dict(MLA, head_dim=16, q_lora_rank=24), GDN_FIELDS + NOT_MLA[1:], {}),
 }
 
 DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
