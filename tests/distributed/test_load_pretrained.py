@@ -35,7 +35,7 @@ from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, t
 WORLD = 4
 CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "BambaForCausalLM",
                                                      "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-                                                     "FalconH1ForCausalLM")
+                                                     "FalconH1ForCausalLM", "BailingHybridForCausalLM")
 
 
 def _tiny(name):

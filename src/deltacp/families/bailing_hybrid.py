@@ -15,9 +15,9 @@ MLA (`families/mla.py`): interleaved RoPE (DeepSeek's: pairs of the rope slice) 
 shared k_rot; the softmax scale is the module's `scaling` (qk_head_dim^-1/2 with YaRN's mscale_all_dim folded in);
 a per-head sigmoid output gate g_proj (hidden -> heads, sigmoid in float32) multiplies each head's output before
 o_proj.
-Checkpoints: the released names differ (word_embeddings, attention, dense, forget gate weights under the attention,
-the conv as q/k/v_conv1d, expert_bias, experts per expert); deltacp's load/save does not read them yet (no
-`checkpoint_renames` here): load them through transformers' own `from_pretrained`.
+Checkpoints: the released names (transformers' conversion mapping: word_embeddings, attention, dense, the forget
+gate's tensors under the attention, the conv as q/k/v_conv1d, expert_bias, experts per expert) in
+`Family.checkpoint_renames` / `checkpoint_row_pieces`.
 """
 
 from __future__ import annotations
@@ -70,4 +70,16 @@ BAILING_HYBRID = register_family(Family(
     attention="BailingHybridAttention", norm="BailingHybridRMSNorm", mlp="BailingHybridMLP",
     gdn_view="BailingHybridKDAView", text_config="BailingHybridConfig", mixer_view=BailingHybridKDAView,
     attention_view=BailingHybridAttentionView, fused_decoder=False, linear_attribute="self_attn",
-    attention_attribute="self_attn", moe_fields=None))  # its router has no auxiliary loss
+    attention_attribute="self_attn", moe_fields=None,  # its router has no auxiliary loss
+    # transformers 5.25's "bailing_hybrid" conversion mapping (the released names; experts per expert, as for every
+    # MoE family): the embedding, the mixers as `attention` with the forget gate's tensors directly under it, MLA's
+    # o_proj as `dense`, the router's bias, and the conv stored as one weight per q, k, v
+    checkpoint_renames=(("embed_tokens", "word_embeddings"),
+                        ("self_attn.forget_gate.f_proj", "attention.f_proj"),
+                        ("self_attn.forget_gate.dt_bias", "attention.dt_bias"),
+                        ("self_attn.forget_gate.A_log", "attention.A_log"),
+                        ("self_attn.o_proj", "attention.dense"), ("self_attn", "attention"),
+                        ("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias")),
+    checkpoint_row_pieces=(("self_attn.conv1d.weight", (("self_attn.q_conv1d.weight", "qkv_dim"),
+                                                        ("self_attn.k_conv1d.weight", "qkv_dim"),
+                                                        ("self_attn.v_conv1d.weight", "qkv_dim"))),)))
