@@ -30,9 +30,10 @@ tf32x3 (about fp32; plain tf32 would cost ~1e-3). The per-chunk states h, dh are
 only readers are products that round them to that dtype anyway (o, dq, dk, dv), and bf16 halves their bytes
 (N = 128, P = 64: 16 KiB per chunk and head in bf16, twice v's chunk).
 
-Tiles: the state kernels (one kernel, state_scan, both directions) run one program per (P block, N block, row * head), sequential over chunks (a state row
-depends only on its own row: the N blocks are independent); the chunk kernels one program per chunk and head
-(out_fwd also per P block), looping over N and P blocks, so no tile is wider than 64 whatever N, P are.
+Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block,
+row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent); the
+chunk kernels one program per chunk and head (ssd_out_fwd also per P block), looping over N and P blocks, so no
+tile is wider than 64 whatever N, P are. Every kernel's name starts with ssd_ (profiles group them by it).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["NT"])
-def state_scan_kernel(x, y, gam, s0, s, st, resets, NT,
+def ssd_state_scan_kernel(x, y, gam, s0, s, st, resets, NT,
                       G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                       BN: tl.constexpr, BP: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr,
                       STORE_S: tl.constexpr, STORE_ST: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
@@ -130,7 +131,7 @@ def _chunk_head(gam, i_c, i_bh, NT, H: tl.constexpr, G: tl.constexpr, BT: tl.con
 
 
 @triton.jit(do_not_specialize=["NT"])
-def out_fwd_kernel(q, k, v, gam, h, o, NT,
+def ssd_out_fwd_kernel(q, k, v, gam, h, o, NT,
                    G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                    BN: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
     i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -155,7 +156,7 @@ def out_fwd_kernel(q, k, v, gam, h, o, NT,
 
 
 @triton.jit(do_not_specialize=["NT"])
-def chunk_bwd_kernel(q, k, v, gam, h, dh, do, dq, dk, dv, dgam, NT,
+def ssd_chunk_bwd_kernel(q, k, v, gam, h, dh, do, dq, dk, dv, dgam, NT,
                      G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                      BN: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -236,7 +237,7 @@ def _scan(x, y, gam, s0, *, reverse, store_s, output_st, resets):
     st = torch.empty(B, H, N, P, device=x.device, dtype=gam.dtype) if output_st else None
     blocks, opts = _config("state_bwd" if reverse else "state_fwd", N, P)
     grid = (triton.cdiv(P, blocks["BP"]), triton.cdiv(N, blocks["BN"]), B * H)
-    state_scan_kernel[grid](x, y, gam, s0, s, st, resets, NT, G=G, H=H, N=N, P=P, BT=BT, REVERSE=reverse,
+    ssd_state_scan_kernel[grid](x, y, gam, s0, s, st, resets, NT, G=G, H=H, N=N, P=P, BT=BT, REVERSE=reverse,
                             USE_S0=s0 is not None, STORE_S=store_s, STORE_ST=output_st, RESETS=resets is not None,
                             **_flags(y), **blocks, **opts)
     return s, st
@@ -255,7 +256,7 @@ def out_fwd(q, k, v, gam, h):
     NT = Tp // BT
     o = torch.empty_like(v)
     blocks, opts = _config("out_fwd", N, P)
-    out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, v, gam, h, o, NT, G=G, H=H, N=N, P=P, BT=BT,
+    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, v, gam, h, o, NT, G=G, H=H, N=N, P=P, BT=BT,
                                                               **_flags(v), **blocks, **opts)
     return o
 
@@ -278,6 +279,6 @@ def chunk_bwd(q, k, v, gam, h, dh, do):
     dv = torch.empty_like(v)
     dgam = torch.empty_like(gam)
     blocks, opts = _config("chunk_bwd", N, P)
-    chunk_bwd_kernel[(NT, B * H)](q, k, v, gam, h, dh, do, dq, dk, dv, dgam, NT, G=G, H=H, N=N, P=P, BT=BT,
+    ssd_chunk_bwd_kernel[(NT, B * H)](q, k, v, gam, h, dh, do, dq, dk, dv, dgam, NT, G=G, H=H, N=N, P=P, BT=BT,
                                   **_flags(v), **blocks, **opts)
     return dq, dk, dv, dgam
