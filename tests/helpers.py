@@ -321,19 +321,20 @@ def tiny_granite_hybrid(dtype=torch.float64) -> torch.nn.Module:
     return _mamba2_model(transformers.GraniteMoeHybridForCausalLM, config, lambda layer: layer.mamba, dtype)
 
 
-def tiny_falcon_h1(dtype=torch.float64) -> torch.nn.Module:
+def tiny_falcon_h1(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random FalconH1ForCausalLM (seeded): hidden 32, 3 layers each running Mamba2 (8 heads of dim 8 in 2
     groups, state 6, the grouped gated RMSNorm) and attention (8 heads over 2 KV heads, full RoPE) in parallel; every
-    muP multiplier away from 1."""
+    muP multiplier away from 1; `overrides` change config fields."""
     import transformers
 
-    config = transformers.FalconH1Config(
+    config = transformers.FalconH1Config(**{**dict(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
         num_key_value_heads=2, head_dim=4, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
         mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True, lm_head_multiplier=0.8,
         embedding_multiplier=1.5, mlp_multipliers=[1.2, 0.9], key_multiplier=0.7, attention_out_multiplier=0.9,
         attention_in_multiplier=1.1, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.9,
-        ssm_out_multiplier=1.2, max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
+        ssm_out_multiplier=1.2, max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0),
+        **overrides})
     return _mamba2_model(transformers.FalconH1ForCausalLM, config, lambda layer: layer.mamba, dtype)
 
 

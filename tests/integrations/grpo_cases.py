@@ -49,20 +49,28 @@ CASES = {
              dict(linear_attention_cp_mode="p2p", sequence_layout="balanced", padding_free=False)),
 }
 SAVED = ("dapo",)  # the cases whose final weights are compared
+# Falcon-H1 (Mamba2 and attention in parallel in every layer, its muP multipliers, its lm_head_multiplier reaching the
+# fused log-probabilities through the hidden states): the "grpo" case on that model
+CASES["grpo-falcon_h1"] = (CASES["grpo"][0], dict(CASES["grpo"][1], sequence_layout="balanced"))
+MODEL_DIRS = {"grpo-falcon_h1": "model-falcon_h1"}  # the other cases train the tiny Qwen3.5 of `model`
 
 
-def save_tiny_model(path: str) -> None:
-    """A tiny float32 Qwen3.5 (3 GDN + 1 full attention layers, seeded) and the byte tokenizer, saved for every run
-    (TRL builds the reference model from the policy's directory)."""
+def save_tiny_model(path: str, family: str = "qwen3_5") -> None:
+    """A tiny float32 model (Qwen3.5: 3 GDN + 1 full attention layers; "falcon_h1": `tiny_falcon_h1`), seeded, and the
+    byte tokenizer, saved for every run (TRL builds the reference model from the policy's directory)."""
     from transformers import Qwen3_5ForCausalLM
 
     from deltacp.testing.hf import byte_tokenizer
-    from helpers import long_memory_gates_, tiny_config
+    from helpers import long_memory_gates_, tiny_config, tiny_falcon_h1
 
     tok = byte_tokenizer()
     torch.manual_seed(0)
-    config = tiny_config(vocab_size=VOCAB, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = long_memory_gates_(Qwen3_5ForCausalLM(config))
+    if family == "falcon_h1":
+        model = tiny_falcon_h1(torch.float32, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)
+    else:
+        config = tiny_config(vocab_size=VOCAB, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        model = long_memory_gates_(Qwen3_5ForCausalLM(config))
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -100,7 +108,7 @@ def build(case: str, out_dir: str, model_dir: str, *, cp_size: int | None, dtype
     """The trainer of `case` (TRL's when cp_size is None). `cls` replaces the trainer class, `config_extra` adds
     GRPOConfig fields, other keywords go to the trainer."""
     from datasets import Dataset
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     fields, cp_kwargs = CASES[case]
@@ -110,7 +118,7 @@ def build(case: str, out_dir: str, model_dir: str, *, cp_size: int | None, dtype
                   dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0, per_device_eval_batch_size=4)
     config.update(fields)
     config.update(config_extra or {})
-    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     kwargs.update(model=model, reward_funcs=digits_reward, args=GRPOConfig(**config),
                   train_dataset=Dataset.from_dict({"prompt": prompts(48)}),
                   processing_class=AutoTokenizer.from_pretrained(model_dir, local_files_only=True))

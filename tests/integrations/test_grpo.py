@@ -40,12 +40,13 @@ from helpers import run_in_process
 FLOAT64_REL = 1e-11  # every logged number, eval metrics, saved weights: float64 rounding (module docstring)
 LOGGED_LOSS_REL = 1e-6  # the logged training loss at dp2 x cp2: the Trainer's float32 accumulator
 CLIP_ABS = 1e-12  # clip ratios: counts over the same tokens, equal unless a ratio sits within rounding of the clip
-CP2_CASES, DP2_CASES = ("grpo", "bnpo"), ("dr_grpo", "dapo")
+CP2_CASES, DP2_CASES = ("grpo", "bnpo", "grpo-falcon_h1"), ("dr_grpo", "dapo")
 EVALUATED = "grpo"
 
 
 def _run(case: str, out: str, label: str, cp_size: int | None) -> dict:
-    return grpo_cases.run_case(case, os.path.join(out, label), os.path.join(out, "model"), cp_size=cp_size,
+    model_dir = os.path.join(out, grpo_cases.MODEL_DIRS.get(case, "model"))
+    return grpo_cases.run_case(case, os.path.join(out, label), model_dir, cp_size=cp_size,
                                save=case in grpo_cases.SAVED, evaluate=case == EVALUATED)
 
 
@@ -233,6 +234,8 @@ def test_cp_grpo_trainer_matches_trl(tmp_path):
 
     out, t0 = str(tmp_path), time.time()
     grpo_cases.save_tiny_model(os.path.join(out, "model"))
+    for case, directory in grpo_cases.MODEL_DIRS.items():
+        grpo_cases.save_tiny_model(os.path.join(out, directory), family=case.split("-", 1)[1])
     run_in_process(_one_process, out)
     t1 = time.time()
     run_distributed(_worker2, 2, out, timeout_s=900)
