@@ -6,7 +6,8 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   post-norm, the GDN layers pre-norm), 2 key heads serving 8 value heads of K = 12, V = 24 (K != V, neither a power
   of two; the key heads do not divide CP4/CP8, so Ulysses repeats them), beta = 2 sigmoid(b)
   (`linear_allow_neg_eigval`) with the b projection scaled so that beta reaches 2 (the state flips sign), attention
-  with full-width q/k norms, GQA, with RoPE or NoPE; FSDP2 + activation checkpointing (and on the four Mamba2 families);
+  with full-width q/k norms, GQA, with RoPE or NoPE; FSDP2 + activation checkpointing (also on the Mamba2 and KDA
+  families);
 - Qwen3.5 dense, Qwen3.5 MoE, Qwen3-Next (`tiny_family_model`, 8 value heads and 8 attention heads so that Ulysses
   runs at CP8), Bamba, Nemotron-H, Granite-4.0-H and Falcon-H1 (Mamba2: `tiny_bamba`, `tiny_nemotron_h`,
   `tiny_granite_hybrid`, `tiny_falcon_h1`: 8 heads in 2 groups, conv with bias, the D skip; Nemotron-H's MLP and MoE
@@ -182,7 +183,8 @@ CP2 = (_cases(MODES, LAYOUTS, ("padded", "packed"), names=OLMO)
        + _cases(("ulysses",), ("balanced",), ("left",), names=OLMO[:1] + OTHERS)
        + _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
                 names=("OlmoHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
-                       "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")))
+                       "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
+                       "BailingHybridForCausalLM")))
 CP4 = (_cases(MODES, LAYOUTS, ("padded", "packed"))
        + _cases(MODES, ("balanced",), ("packed",), names=OTHERS)
        + _cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
