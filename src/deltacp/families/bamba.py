@@ -2,8 +2,8 @@
 
 Mixer (`BambaMixer`, `layer.mamba`): in_proj -> [z | xBC | dt], a depthwise conv with bias over [x | B | C], the SSD
 scan with the D skip, the gated RMSNorm (gate before norm, RMS over groups of intermediate / n_groups channels),
-out_proj (`families/mamba2.py`). Attention (`BambaAttention`, `layer.self_attn`): GQA, no q/k norm, no output gate, RoPE on the
-first half of the head dim (`partial_rotary_factor` 0.5). Decoder layers pre-norm (`input_layernorm`,
+out_proj (`families/mamba2.py`). Attention (`BambaAttention`, `layer.self_attn`): GQA, no q/k norm, no output gate,
+RoPE on the first half of the head dim (`partial_rotary_factor` 0.5). Decoder layers pre-norm (`input_layernorm`,
 `pre_ff_layernorm`), a SwiGLU `feed_forward`, the final norm `final_layernorm`; no MoE.
 """
 
