@@ -1,0 +1,125 @@
+"""KDA on Triton: the autograd Function over the kernels (kernels.py) and the public ops (the forward, the summary,
+the entering state's gradient), with the semantics of `ops/kda/eager.py`.
+
+Outside the Function, in torch (differentiable, so their backward is autograd's): the l2 norm of q and k and the
+query scale (in the accumulator dtype), the layout (padding T to a multiple of 64, or a packed row's chunk-aligned
+layout, `VarlenLayout.to_chunks`, and `from_chunks` of o), the chunk-local cumsum of g. Inside: wy_fwd (Tm, W, U)
+-> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, W, U from the forward, recomputes h and vn, then
+dv_local (Pᵀ dO) -> state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (dq, dk, dv, dbeta, dgam).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
+from deltacp.ops.kda.triton.kernels import BT, chunk_bwd, dv_local, out_fwd, state_bwd, state_fwd, wy_fwd
+# the accumulator dtype, the layout (padding / chunk-aligned packed row) and the reset flags: the SSD backend's (its
+# chunk is 64 tokens too)
+from deltacp.ops.ssd.triton.chunk import _laid_out, _resets, acc_dtype
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class KDAFunction(torch.autograd.Function):
+    """(q normalised and scaled, k normalised, v, gam, beta, h0) laid out and contiguous -> (o, final state or
+    None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gam, beta, h0, output_final_state, resets):
+        tm, w, u = wy_fwd(k, v, gam, beta)
+        h, vn, ht = state_fwd(w, u, k, gam, h0, output_final_state=output_final_state, resets=resets)
+        o = out_fwd(q, k, gam, h, vn, v.dtype)
+        ctx.save_for_backward(q, k, v, gam, beta, h0, tm, w, u)
+        ctx.resets = resets
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, gam, beta, h0, tm, w, u = ctx.saved_tensors
+        resets = ctx.resets
+        h, vn, _ = state_fwd(w, u, k, gam, h0, resets=resets)
+        do = do.to(gam.dtype).contiguous()
+        dht = None if dht is None else dht.to(gam.dtype).contiguous()
+        dvl = dv_local(q, k, gam, do)
+        dh, dvn, dh0 = state_bwd(q, k, gam, w, do, dvl, dht, need_dh0=h0 is not None, resets=resets)
+        dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgam, dbeta.to(beta.dtype),
+                None if dh0 is None else dh0.to(h0.dtype), None, None)
+
+
+def _inputs(q, k, v, g, beta, scale, qk_l2norm, layout, T):
+    """-> laid-out (q or None, k, v, gam, beta): q, k normalised (and q scaled) in the accumulator dtype, gam the
+    chunk-local cumsum of g, beta in the accumulator dtype, v as given."""
+    acc = acc_dtype(v.dtype)
+    K = k.shape[-1]
+    k = k.to(acc)
+    if qk_l2norm:
+        k = _l2norm(k)
+    if q is not None:
+        q = q.to(acc)
+        q = (_l2norm(q) if qk_l2norm else q) * (K ** -0.5 if scale is None else scale)
+    xs = _laid_out(layout, T, *(x for x in (q, k, v, g.to(acc), beta.to(acc)) if x is not None))
+    if q is None:
+        xs = [None] + xs
+    q, k, v, g, beta = xs
+    B, Tp, H, _ = g.shape
+    gam = g.view(B, Tp // BT, BT, H, K).cumsum(2).view(B, Tp, H, K).contiguous()
+    return q, k, v, gam, beta
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens: torch.Tensor | VarlenLayout | None = None):
+    """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 (fp64 for fp64 inputs) or None);
+    differentiable in q, k, v, g, beta and the entering state. Semantics of `eager.chunk_kda`."""
+    T = v.shape[1]
+    layout = as_layout(cu_seqlens, T)
+    q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
+    h0 = None if initial_state is None else initial_state.to(gam.dtype).contiguous()
+    o, ht = KDAFunction.apply(q, k, v, gam, beta, h0, output_final_state, _resets(layout, v.device))
+    o = layout.from_chunks(o) if layout is not None else o[:, :T]
+    return o, (ht if output_final_state else None)
+
+
+def summary_kda(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, need_transition=True, cu_seqlens=None):
+    """(M [B, H, K, K] or None, S [B, H, K, V]) in the accumulator dtype: h_out = M h_in + S; M = 0 when a document
+    starts inside the row (or the first does not continue). S: the state kernel from a zero entering state; M: the
+    same kernel from I with no values (K columns). Forward only (p2p uses the value; differentiating raises)."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
+        raise RuntimeError("the Triton KDA summary has no backward; call it under torch.no_grad() or on detached "
+                           "inputs (the eager KDA differentiates it)")
+    T = v.shape[1]
+    layout = as_layout(cu_seqlens, T)
+    _, k, v, gam, beta = _inputs(None, k, v, g, beta, None, use_qk_l2norm_in_kernel, layout, T)
+    resets = _resets(layout, v.device)
+    _, w, u = wy_fwd(k, v, gam, beta)
+    _, _, s = state_fwd(w, u, k, gam, None, store_h=False, store_vn=False, output_final_state=True, resets=resets)
+    if not need_transition:
+        return None, s
+    B, _, H, K = k.shape
+    if layout is not None and layout.any_reset:
+        return torch.zeros(B, H, K, K, dtype=gam.dtype, device=v.device), s
+    eye = torch.eye(K, dtype=gam.dtype, device=v.device).expand(B, H, K, K).contiguous()
+    _, _, m = state_fwd(w, None, k, gam, eye, cols=K, store_h=False, store_vn=False, output_final_state=True)
+    return m, s
+
+
+@torch.no_grad()
+def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """d sum(o * grad_o) / dh0 [B, H, K, V] (accumulator dtype): W, Pᵀ dO, then the reverse state kernel with
+    nothing stored but dh0 (o is affine in h0). Zeros when the first chunk resets (nothing run)."""
+    B, T, H, V = v.shape
+    K = k.shape[-1]
+    layout = as_layout(cu_seqlens, T)
+    acc = acc_dtype(v.dtype)
+    if layout is not None and layout.chunk_resets[0]:
+        return torch.zeros(B, H, K, V, dtype=acc, device=v.device)
+    q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
+    (do,) = _laid_out(layout, T, grad_o.to(acc))
+    _, w, _ = wy_fwd(k, v, gam, beta)
+    dvl = dv_local(q, k, gam, do)
+    _, _, dh0 = state_bwd(q, k, gam, w, do, dvl, None, store=False, need_dh0=True, resets=_resets(layout, v.device))
+    return dh0

@@ -1,0 +1,216 @@
+"""CPU (TRITON_INTERPRET=1) tests of the Triton KDA (`deltacp.ops.kda.triton`, Kimi delta attention) against the
+eager one (`ops/kda/eager.py`: `chunk_kda` and autograd through it, `summary_kda`, `initial_state_grad`) in float64
+on the same values. Need triton (CI installs none: skip).
+
+One subprocess (the interpreter must be on before triton loads; the rest of the suite runs compiled Triton) runs
+every case through `TritonKimiDeltaRule` (q/k l2-normalised inside, the default scale) and prints one figure per
+quantity; the tests below read them. Head dims K = 16, V = 16 / 32 are inside the contract (HEAD_DIMS), no bypass.
+  - cases (each with an entering state): B=2, T=100, H=2, K=V=16, fast gates; B=1, T=130, H=2, K=16, V=32, slow
+    gates; the same shape near-frozen; one packed row of three documents (57, 1, 72 tokens: a length-1 document,
+    documents not aligned to 64) with fast gates, the first continuing the entering state and not;
+  - gates per token and key channel: fast g ~ -U(0, 5) (down to -5: products over 64 tokens reach e^-300, the
+    regime where splitting e^{gam_i - gam_j} would overflow), slow g ~ -U(0, 0.05), near-frozen g ~ -U(0, 1e-4);
+  - per case: o and the final state, the gradients of q, k, v, g, beta and the entering state (autograd through the
+    kernels' Function vs autograd of the eager op), the summary (M, S), `initial_state_grad`;
+  - dtypes: float64 (the kernels compute in fp64: bound 1e-10, figures ~1e-15) and float32 (fp32 kernels vs eager
+    fp64 on the same values: bound 1e-5).
+The decayed pair products run the whole chunk in one step under the interpreter; one more fp64 case runs them 16
+columns a step (DELTACP_KDA_PAIR_BJ=16, the stepped path a GPU takes). About 20 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 tests of "
+                                                         "the Triton KDA kernels run only where triton is (CI "
+                                                         "installs none)")
+
+BOUNDS = {"float64": 1e-10, "float32": 1e-5}
+
+_CODE = r"""
+import os, torch
+from deltacp.ops.gdn.varlen import VarlenLayout
+from deltacp.ops.kda.eager import KimiDeltaRule
+from deltacp.ops.kda.triton import TritonKimiDeltaRule
+from deltacp.ops.recurrence import RecurrenceInputs
+
+tri, ref = TritonKimiDeltaRule(), KimiDeltaRule()
+GATES = {"fast": 5.0, "slow": 0.05, "frozen": 1e-4}
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-300)).item()
+
+def inputs(B, T, H, K, V, gate, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, T, H, K, generator=gen, dtype=torch.float64) * GATES[gate]
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    return r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), g, beta, r(B, H, K, V)
+
+def case(name, dtype, B, T, H, K, V, gate, seed, cu=None, first_continues=True):
+    vals = inputs(B, T, H, K, V, gate, seed)
+    lay = None if cu is None else VarlenLayout.build(torch.tensor(cu), T, first_continues=first_continues)
+    xs = [x.to(dtype).requires_grad_() for x in vals]
+    rs = [x.clone().requires_grad_() for x in vals]
+    o, ht = tri.forward(RecurrenceInputs(*xs[:5]), initial_state=xs[5], output_final_state=True, cu_seqlens=lay)
+    ro, rht = ref.forward(RecurrenceInputs(*rs[:5]), initial_state=rs[5], output_final_state=True, cu_seqlens=lay)
+    assert o.dtype == dtype and o.shape == ro.shape and ht.shape == rht.shape, (o.dtype, o.shape, ht.shape)
+    out = {"o": rel(o, ro), "final_state": rel(ht, rht)}
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(ro.shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(rht.shape, generator=gen, dtype=torch.float64)
+    gs = torch.autograd.grad((o * do.to(dtype)).sum() + (ht * dht.to(ht.dtype)).sum(), xs)
+    grs = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), rs, allow_unused=True)
+    grs = [torch.zeros_like(x) if d is None else d for x, d in zip(rs, grs)]  # h0 unused: a fresh first document
+    for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), gs, grs):
+        out[n] = rel(a, b) if b.norm() > 0 else a.norm().item()
+    x = RecurrenceInputs(*(t.detach() for t in xs[:5]))
+    rx = RecurrenceInputs(*vals[:5])
+    with torch.no_grad():
+        m, s = tri.summary(x, cu_seqlens=lay)
+        rm, rs_ = ref.summary(rx, cu_seqlens=lay)
+        assert m.shape == rm.shape == (B, H, K, K) and s.shape == rs_.shape, (m.shape, rm.shape, s.shape)
+        # fast gates: M ~ e^-250 is below fp32's range (0 in fp32): the absolute error then
+        out["summary_M"] = rel(m, rm) if rm.norm() > 1e-20 else (m.double() - rm).norm().item()
+        out["summary_S"] = rel(s, rs_)
+        none, s2 = tri.summary(x, need_transition=False, cu_seqlens=lay)
+        assert none is None and torch.equal(s2, s)
+    dh0 = tri.initial_state_grad(x, do.to(dtype), cu_seqlens=lay)
+    rdh0 = ref.initial_state_grad(rx, do, cu_seqlens=lay)
+    out["initial_state_grad"] = rel(dh0, rdh0) if rdh0.norm() > 0 else dh0.norm().item()
+    for n, v in out.items():
+        print("FIG", name, str(dtype).split(".")[1], n, repr(v))
+
+for dtype in (torch.float64, torch.float32):
+    case("T100_fast", dtype, 2, 100, 2, 16, 16, "fast", 0)
+    case("T130_slow", dtype, 1, 130, 2, 16, 32, "slow", 1)
+    case("T130_frozen", dtype, 1, 130, 2, 16, 32, "frozen", 2)
+    case("packed3", dtype, 1, 130, 2, 16, 32, "fast", 3, cu=[0, 57, 58, 130])
+    case("packed3_fresh", dtype, 1, 130, 2, 16, 32, "fast", 4, cu=[0, 57, 58, 130], first_continues=False)
+# the summary is forward only
+q, k, v, g, beta, h0 = (t.float() for t in inputs(1, 70, 2, 16, 16, "slow", 5))
+try:
+    tri.summary(RecurrenceInputs(q, k.requires_grad_(), v, g, beta))
+    print("SUMMARY_GRAD no error")
+except RuntimeError as e:
+    print("SUMMARY_GRAD", "no backward" in str(e))
+os.environ["DELTACP_KDA_PAIR_BJ"] = "16"  # the decayed pair products 16 columns a step (read at each launch)
+case("T100_fast_bj16", torch.float64, 1, 100, 2, 16, 16, "fast", 6)
+print("DONE")
+"""
+
+
+@pytest.fixture(scope="module")
+def figures():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "DELTACP_KDA_PAIR_BJ"}
+    out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True,
+                         env=dict(env, TRITON_INTERPRET="1"), timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("DONE"), out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    figs = {}
+    for line in lines:
+        if line.startswith("FIG "):
+            _, case, dtype, name, value = line.split()
+            figs[(case, dtype, name)] = float(value)
+    figs["summary_grad"] = next(line.split()[1] for line in lines if line.startswith("SUMMARY_GRAD"))
+    return figs
+
+
+CASES = ("T100_fast", "T130_slow", "T130_frozen", "packed3", "packed3_fresh")
+PARTS = {"forward": ("o", "final_state"),
+         "gradients": ("dq", "dk", "dv", "dg", "dbeta", "dh0"),
+         "summary_and_initial_state_grad": ("summary_M", "summary_S", "initial_state_grad")}
+
+
+@needs_triton
+@pytest.mark.parametrize("part", list(PARTS))
+@pytest.mark.parametrize("dtype", list(BOUNDS))
+@pytest.mark.parametrize("case", CASES)
+def test_vs_eager_fp64(figures, case, dtype, part):
+    """The part's figures (forward; gradients by autograd; the contract's summary and dh0 from the outputs)."""
+    bad = {n: figures[(case, dtype, n)] for n in PARTS[part] if not figures[(case, dtype, n)] <= BOUNDS[dtype]}
+    assert not bad, f"{case} {dtype}: above {BOUNDS[dtype]:.0e}: {bad}"
+
+
+@needs_triton
+@pytest.mark.parametrize("part", list(PARTS))
+def test_stepped_pair_products(figures, part):
+    """The pair products 16 columns a step (a GPU's path) give what the one-step path gives."""
+    bad = {n: figures[("T100_fast_bj16", "float64", n)] for n in PARTS[part]
+           if not figures[("T100_fast_bj16", "float64", n)] <= BOUNDS["float64"]}
+    assert not bad, f"above 1e-10: {bad}"
+
+
+@needs_triton
+def test_fresh_first_document_ignores_the_entering_state(figures):
+    """first_continues=False: the entering state reaches nothing (gradients exactly 0), M = 0."""
+    for dtype in BOUNDS:
+        assert figures[("packed3_fresh", dtype, "dh0")] == 0.0
+        assert figures[("packed3_fresh", dtype, "initial_state_grad")] == 0.0
+        assert figures[("packed3", dtype, "summary_M")] == 0.0  # a document starts inside the row
+
+
+@needs_triton
+def test_summary_refuses_to_be_differentiated(figures):
+    assert figures["summary_grad"] == "True"
+
+
+# The contract check: no kernel, no triton needed.
+
+def _x(B=1, T=8, H=2, K=16, V=16, dtype=torch.bfloat16, g_dtype=torch.float32):
+    from deltacp.ops.recurrence import RecurrenceInputs
+
+    return RecurrenceInputs(torch.zeros(B, T, H, K, dtype=dtype), torch.zeros(B, T, H, K, dtype=dtype),
+                            torch.zeros(B, T, H, V, dtype=dtype), torch.zeros(B, T, H, K, dtype=g_dtype),
+                            torch.zeros(B, T, H, dtype=g_dtype))
+
+
+@pytest.mark.fast
+def test_check_refuses_outside_the_contract(monkeypatch):
+    from deltacp.ops.kda.eager import KimiDeltaRule
+    from deltacp.ops.kda.triton import TritonKimiDeltaRule
+    from deltacp.ops.recurrence import RecurrenceInputs
+
+    rec = TritonKimiDeltaRule()
+    assert rec.name == "triton" and rec.transition.kind == "full" and rec.prepare(_x()) is None
+    assert {m for m in dir(KimiDeltaRule) if not m.startswith("_")} <= set(dir(rec))
+    assert rec.state_shape(_x(B=3, K=32, V=64)) == (3, 2, 32, 64)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors; got q on device 'cpu'"):
+        rec.check(_x())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to reach the others
+    rec.check(_x())
+    for x, match in ((_x(K=48), r"key head dim K in \(16, 32, 64, 128\); got K=48"),
+                     (_x(V=256), r"value head dim V in \(16, 32, 64, 128\); got V=256"),
+                     (_x(dtype=torch.float64), r"q.dtype in .*bfloat16.*; got torch.float64"),
+                     (_x(g_dtype=torch.int32), "floating-point inputs"),
+                     (_x(g_dtype=torch.float64), r"g.dtype in .*float32.*; got torch.float64")):
+        with pytest.raises(ValueError, match=match):
+            rec.check(x)
+    q, k, v, g, beta = _x().tensors
+    with pytest.raises(ValueError, match="one dtype"):
+        rec.check(RecurrenceInputs(q, k, v.float(), g, beta))
+    with pytest.raises(ValueError, match=r"\(q, k, v, g, beta\)"):
+        rec.check(RecurrenceInputs(q, k, v, g))
+    with pytest.raises(TypeError, match="stages nothing"):
+        rec.prepared_from_saved(())
+    with pytest.raises(TypeError, match="no prepared chunks"):
+        rec.forward(_x(), prepared=object())
+
+
+def test_importing_the_backend_imports_no_triton():
+    code = ("import sys, deltacp.ops.kda, deltacp.ops.kda.triton as t; t.TritonKimiDeltaRule(); "
+            "assert 'triton' not in sys.modules, 'triton imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
