@@ -3,7 +3,8 @@ triton: only on the Triton path (`deltacp.ops.kda.triton` loads this module on f
 
 Per chunk of BT = 64 tokens and head, gam the chunk-local inclusive cumsum of g (per key channel), gl its last row,
 q already l2-normalised and scaled, k l2-normalised, h_c the state [K, V] entering chunk c:
-    wy_fwd     A_ij = beta_i sum_c k_ic k_jc e^{gam_ic - gam_jc} (j < i),  Tm = (I + A)^-1 (forward substitution),
+    wy_fwd     A_ij = beta_i sum_c k_ic k_jc e^{gam_ic - gam_jc} (j < i),  Tm = (I + A)^-1 (16 x 16 diagonal blocks
+               by forward substitution, then (I - N)(I + N^2) D, `_inverse`),
                W = Tm (beta k e^{gam}),  U = Tm (beta v)
     state_fwd  vn = U - W h_c,  h_{c+1} = e^{gl} h_c + (k e^{gl - gam})ᵀ vn    (h_c, vn stored; with no U and
                h_0 = I it is the summary's M, one K-column block of it per program)
@@ -18,8 +19,9 @@ Decayed pair products (A, P and their backward): every factor e^{gam_ic - gam_jc
 i >= j, where gam non-increasing (g <= 0) makes the exponent <= 0; e^{gam} and e^{gl - gam} are <= 1 as well. No
 exponent is ever positive, so nothing overflows for any finite g <= 0 however fast (Kimi's unbounded gate and
 Bailing's g >= kda_lower_bound alike); an underflow drops only a term below e^{-87} (fp32) times the products of
-unit vectors. The pair products loop over the chunk's 64 columns j (one row of k / q / gam loaded per step,
-[BT, K] elementwise work): exact, but without tensor cores (the state and WY products use tl.dot).
+unit vectors. The pair products step over the chunk's columns j, BJ at a time ([BT, BJ, K] elementwise tiles; BJ =
+64, one step, under the interpreter, PAIR_BJ on a GPU, `_bj`): exact, but without tensor cores (the state and WY
+products use tl.dot).
 
 Layouts (every tensor contiguous, Tp = NT * 64 rows per sequence: padded, or a packed row laid out chunk-aligned,
 `ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W [B, Tp, H, K]; v, U, vn, dvl, dvn, o,
