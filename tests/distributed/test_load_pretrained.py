@@ -3,7 +3,8 @@
 The checkpoints are written by transformers itself (`save_pretrained`, bf16, split into several safetensors files
 with their index: routed experts stored per expert, as transformers 5.25 writes them), plus one in the layout of
 the released Qwen3.5 MoE checkpoints (multimodal names, fused experts, a multi-token-prediction tensor) loaded as
-the text-only causal LM. Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
+the text-only causal LM, and a Kimi-Linear one with its dense MLPs under `mlp.` (transformers writes
+`block_sparse_moe.` for every layer). Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
 
 - every parameter (gathered) and buffer equals `from_pretrained(dtype=float32)`'s exactly (bf16 -> float32 is
   exact), and this rank's logits equal that model's logits of its slice to float32 accuracy (CP sums in another
@@ -35,7 +36,8 @@ from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, t
 WORLD = 4
 CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "BambaForCausalLM",
                                                      "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-                                                     "FalconH1ForCausalLM", "BailingHybridForCausalLM")
+                                                     "FalconH1ForCausalLM", "BailingHybridForCausalLM",
+                                                     "KimiLinearForCausalLM")
 
 
 def _tiny(name):
@@ -62,6 +64,22 @@ def _released_moe_layout(root):
     return path
 
 
+def _kimi_dense_under_mlp(root):
+    """transformers' Kimi-Linear checkpoint with the dense layers' MLPs stored under `mlp.` (the routed ones stay
+    under `block_sparse_moe.`, experts per expert as w1 / w3 / w2): both spellings load in transformers."""
+    from safetensors.torch import load_file
+
+    path = root / "kimi_dense_mlp"
+    tiny_family_model("KimiLinearForCausalLM", torch.float32).to(torch.bfloat16).save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    dense = {k: k.replace(".block_sparse_moe.", ".mlp.") for k in state
+             if ".block_sparse_moe." in k and k.rsplit(".", 2)[-2] in ("gate_proj", "up_proj", "down_proj")
+             and ".shared_experts." not in k}
+    assert dense, "no dense MLP in the tiny Kimi-Linear"
+    save_file({dense.get(k, k): v for k, v in state.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """[(case, directory, class to load)], and the ~100 MB checkpoint of the memory check."""
@@ -72,6 +90,7 @@ def checkpoints(tmp_path_factory):
         _tiny(name).to(torch.bfloat16).save_pretrained(root / name, max_shard_size="60KB")
         cases.append((name, root / name, name))
     cases.append(("released_moe", _released_moe_layout(root), "Qwen3_5MoeForCausalLM"))
+    cases.append(("kimi_dense_mlp", _kimi_dense_under_mlp(root), "KimiLinearForCausalLM"))
     big = tiny_config(vocab_size=32768, hidden_size=512, intermediate_size=2048, num_attention_heads=8, head_dim=64,
                       linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
                       linear_value_head_dim=64)
@@ -124,7 +143,7 @@ def worker(rank, world, cases, big, out_root):
             if in_bf16:
                 failures += _compare(cls.from_pretrained(out.with_name(f"{case}-bf16")).state_dict(),
                                      cls.from_pretrained(path).state_dict(), f"{case} saved bf16")
-            if case != "released_moe":  # the names and shapes transformers' save_pretrained wrote
+            if case in CLASSES:  # the names and shapes transformers' save_pretrained wrote
                 written = {k: t.shape for k, t in read_index(out).items()}
                 theirs = {k: t.shape for k, t in read_index(path).items()}
                 if case == "OlmoHybridForCausalLM":  # its conv pieces: q, k, v rows (transformers: equal thirds)

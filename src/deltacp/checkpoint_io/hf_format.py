@@ -17,7 +17,11 @@ conversion mapping, `transformers/conversion_mapping.py`, does the same renaming
   [E, H, I]; a checkpoint stores them fused under those names (the released Qwen3.5 MoE sizes) or per expert,
   `mlp.experts.{e}.gate_proj.weight` [I, H], `.up_proj.weight` [I, H], `.down_proj.weight` [H, I] (Qwen3-Next's
   release, and what transformers 5.25's `save_pretrained` writes for every MoE family: the "qwen2_moe" mapping,
-  expert e's row of gate_up_proj = gate_proj then up_proj).
+  expert e's row of gate_up_proj = gate_proj then up_proj), each family naming the three per-expert matrices its
+  own way (`Family.checkpoint_expert_names`: Kimi-Linear's w1, w3, w2);
+- a stored name without the family's renames is read too (transformers' renames are patterns over the stored
+  names: a name that lacks the renamed part loads as it is), so a checkpoint with Kimi-Linear's dense MLPs under
+  `mlp.` and its routed ones under `block_sparse_moe.` loads, as one with both under `block_sparse_moe.`.
 
 Tied embeddings (`tie_word_embeddings`): the output embedding is the input embedding's parameter and is neither
 read nor written (transformers does not store it either). Non-persistent buffers (the rotary inverse
@@ -41,8 +45,10 @@ from deltacp.models.adapters import adapter_for
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 TEXT_PREFIXES = ("model.language_model.", "model.", "")  # where checkpoints keep the text model, longest first
-EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
-FUSED_EXPERTS = re.compile(r"(?P<base>.+\.(?:mlp|mixer)\.experts)\.(?P<name>gate_up_proj|up_proj|down_proj)")
+# the roles (0 gate, 1 up, 2 down) of each fused expert tensor's rows, in order
+EXPERT_PARTS = {"gate_up_proj": (0, 1), "up_proj": (1,), "down_proj": (2,)}
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")  # the per-expert names of the three roles (most families)
+FUSED_EXPERTS = re.compile(r"(?P<base>.+\.experts)\.(?P<name>gate_up_proj|up_proj|down_proj)")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -249,9 +255,10 @@ def row_pieces(model: nn.Module, name: str) -> list[tuple[str, int]] | None:
     return None
 
 
-def expert_keys(base: str, name: str, expert: int) -> tuple[str, ...]:
-    """The per-expert checkpoint names of expert `expert`'s row of the fused tensor `base.name`, in row order."""
-    return tuple(f"{base}.{expert}.{part}.weight" for part in EXPERT_PARTS[name])
+def expert_keys(base: str, name: str, expert: int, names: tuple[str, str, str] = EXPERT_NAMES) -> tuple[str, ...]:
+    """The per-expert checkpoint names of expert `expert`'s row of the fused tensor `base.name`, in row order
+    (`names`: the family's stored names of the gate, up and down matrices)."""
+    return tuple(f"{base}.{expert}.{names[role]}.weight" for role in EXPERT_PARTS[name])
 
 
 def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -151,7 +151,8 @@ def build_on_meta(cls: type, config, dtype: torch.dtype) -> nn.Module:
 def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tuple[dict[str, Source], list[str]]:
     """The stored source of every model tensor (`model_tensors`), and the stored keys left unread that transformers
     would call unexpected. ValueError naming the tensors the checkpoint lacks, or a shape that differs."""
-    renames = adapter_for(model).family.checkpoint_renames
+    family = adapter_for(model).family
+    renames = family.checkpoint_renames
     embedding = input_embedding_name(model)
     checkpoint_prefix = stored_text_prefix(stored, embedding, renames)
     if checkpoint_prefix is None:
@@ -162,6 +163,9 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
     sources, missing, problems, used = {}, [], [], set()
     for name, tensor in model_tensors(model):
         key = stored_name(name, model_prefix, checkpoint_prefix, renames)
+        if key not in stored and renames:  # stored without the renamed part: loads as it is (module docstring)
+            plain = stored_name(name, model_prefix, checkpoint_prefix)
+            key = plain if plain in stored else key
         shape = tuple(tensor.shape)
         pieces = row_pieces(model, name)
         if key not in stored and pieces is not None:
@@ -196,7 +200,7 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
             continue
         experts = []
         for e in range(shape[0]):
-            keys = expert_keys(match["base"], match["name"], e)
+            keys = expert_keys(match["base"], match["name"], e, family.checkpoint_expert_names)
             absent = [k for k in keys if k not in stored]
             if absent:
                 missing.append(f"{name} (stored fused as {key}, or per expert as {absent[0]}, ...)")

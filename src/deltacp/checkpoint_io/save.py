@@ -77,19 +77,21 @@ class OutFile:
 
 def _entries(model: nn.Module, dtype: torch.dtype | None) -> list[Entry]:
     out = []
-    renames = adapter_for(model).family.checkpoint_renames
+    family = adapter_for(model).family
+    renames = family.checkpoint_renames
     for name, tensor in model_tensors(model):
         shape, to = tuple(tensor.shape), dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        match = FUSED_EXPERTS.fullmatch(name)
+        stored = renamed(name, renames)
+        match = FUSED_EXPERTS.fullmatch(stored)  # fused experts under a stored name of their own stay one tensor
         rows = row_pieces(model, name)
         if rows is not None:  # the family stores it in row pieces (in row order: the rows stream as they are)
             pieces = [(renamed(key, renames), (n, *shape[1:])) for key, n in rows]
         elif match is not None and len(shape) >= 2 and shape[1] % len(EXPERT_PARTS[match["name"]]) == 0:
             rows = shape[1] // len(EXPERT_PARTS[match["name"]])  # gate_proj and up_proj split gate_up_proj's rows
-            pieces = [(renamed(key, renames), (rows, *shape[2:])) for e in range(shape[0])
-                      for key in expert_keys(match["base"], match["name"], e)]
+            pieces = [(key, (rows, *shape[2:])) for e in range(shape[0])
+                      for key in expert_keys(match["base"], match["name"], e, family.checkpoint_expert_names)]
         else:
-            pieces = [(renamed(name, renames), shape)]
+            pieces = [(stored, shape)]
         out.append(Entry(name, tensor, to, pieces, tensor.numel() * to.itemsize))
     return out
 

@@ -12,9 +12,9 @@ channel in float32, unbounded, with transformers' softplus (x above 20 kept as i
 output gate low-rank g_b_proj(g_a_proj(x)).
 MLA (`families/mla.py`): no rotary anywhere in the model (the shared "rope" slice of the keys passes unrotated; the
 model has no rotary module and the layer gets no position embeddings), no output gate, scaling qk_head_dim^-1/2.
-Checkpoints: the released names differ (forget gate weights under self_attn, the conv stored as q/k/v_conv1d, the
-experts per expert as block_sparse_moe.experts.{e}.w1/w2/w3); deltacp's load/save does not read them yet (no
-`checkpoint_renames` here): load them through transformers' own `from_pretrained`.
+Checkpoints (transformers' "kimi_linear" conversion mapping): the forget gate's tensors stored under self_attn, the
+conv as q/k/v_conv1d (qkv_dim rows each), the MLPs under block_sparse_moe (transformers 5.25 writes every layer's so;
+a dense one stored under mlp reads too), the experts per expert as experts.{e}.w1 (gate), w3 (up), w2 (down).
 """
 
 from __future__ import annotations
@@ -58,4 +58,9 @@ KIMI_LINEAR = register_family(Family(
     norm="KimiLinearRMSNorm", mlp="KimiLinearMLP", gdn_view="KimiLinearKDAView", text_config="KimiLinearConfig",
     mixer_view=KimiLinearKDAView, attention_view=KimiLinearAttentionView, fused_decoder=False,
     linear_attribute="self_attn", attention_attribute="self_attn",
-    moe_fields=None))  # its router has no auxiliary loss
+    moe_fields=None,  # its router has no auxiliary loss
+    checkpoint_renames=(("self_attn.forget_gate", "self_attn"), ("mlp", "block_sparse_moe")),
+    checkpoint_row_pieces=(("self_attn.conv1d.weight", (("self_attn.q_conv1d.weight", "qkv_dim"),
+                                                        ("self_attn.k_conv1d.weight", "qkv_dim"),
+                                                        ("self_attn.v_conv1d.weight", "qkv_dim"))),),
+    checkpoint_expert_names=("w1", "w3", "w2")))

@@ -56,6 +56,8 @@ class Family:
     # the pieces' rows in order (e.g. one conv weight stored as three)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     checkpoint_row_pieces: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # the stored names of one routed expert's gate, up and down matrices when stored per expert
+    checkpoint_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def trainable_classes(self) -> tuple[str, ...]:
         """The classes with a language-model head: what the trainer builds."""
