@@ -1,6 +1,6 @@
 """What every Kimi delta attention (KDA) mixer of transformers 5.25 shares (Kimi-Linear's `KimiLinearDeltaAttention`,
 Bailing-Hybrid's `BailingHybridDeltaAttention`), read through one family's module: the head layout (pre-conv channels
-[q | k | v], one key head per value head: H heads of dim D each), the recurrence (`ops/kda/eager.KimiDeltaRule`, q/k
+[q | k | v], one key head per value head: H heads of dim D each), the recurrence (`KimiDeltaRule`, q/k
 l2-normalised inside the op, query scale D^-1/2) and the output path (RMSNorm of each head's output times
 sigmoid(output gate), norm and gate computed in float32, then `o_proj`).
 
@@ -9,7 +9,8 @@ The per-token inputs that skip the conv are, per head, the forget-gate projectio
 (`forget_projection`, `output_gate`) and its gate formula (`forget_gate`: g [.., heads, D] <= 0 from the projection of
 a slice of heads). beta = sigmoid(b), in the hidden dtype (as transformers computes it).
 
-KDA runs on the eager backend only so far (`recurrence` raises for any other, at parallelize time).
+The recurrence runs on the eager backend (`ops/kda/eager.py`) or the Triton one (`ops/kda/triton`, the same
+contract; q, k, v from the conv in the hidden dtype, g and beta cast inside).
 
 Shape legend: x_BsD local hidden states; pre_BsC pre-conv [q | k | v]; f_BsHD forget-gate projection; z_BsHD output
 gate per head; o_BsHD recurrence output.
@@ -82,9 +83,10 @@ class KimiDeltaAttentionView(LinearMixerView):
         return RecurrenceInputs(q, k, v, g, extras_BnHX[..., D].sigmoid())
 
     def recurrence(self, backend):
-        if backend.name != "eager":
-            raise NotImplementedError(f"the KDA recurrence ({type(self.module).__name__}) runs on "
-                                      f"linear_attention_gdn_backend='eager' only so far; got {backend.name!r}")
+        if backend.name == "triton":
+            from deltacp.ops.kda.triton import TritonKimiDeltaRule
+
+            return TritonKimiDeltaRule(qk_l2norm=True, scale=None)
         from deltacp.ops.kda.eager import KimiDeltaRule
 
         return KimiDeltaRule(qk_l2norm=True, scale=None)
