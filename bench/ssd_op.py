@@ -131,13 +131,14 @@ def stacks(args):
 NAMES = ("x", "dt_raw", "dt_bias", "A", "B", "C", "D", "h0")
 
 
-def fwd_bwd(fn, t, seed=1):
-    y, ht = fn(*(t[n] for n in NAMES))
+def fwd_bwd(fn, t, names=NAMES, seed=1):
+    """(output, final state, {name: gradient}) of fn(*t[names]) against fixed random output / state gradients."""
+    y, ht = fn(*(t[n] for n in names))
     gen = torch.Generator(device="cuda").manual_seed(seed)
     gy = torch.randn(y.shape, generator=gen, device="cuda")
     gh = torch.randn(ht.shape, generator=gen, device="cuda") * 0.1
-    grads = torch.autograd.grad((y.float() * gy).sum() + (ht.float() * gh).sum(), [t[n] for n in NAMES])
-    return y, ht, dict(zip(NAMES, grads))
+    grads = torch.autograd.grad((y.float() * gy).sum() + (ht.float() * gh).sum(), [t[n] for n in names])
+    return y, ht, dict(zip(names, grads))
 
 
 def rel(a, b):

@@ -87,13 +87,18 @@
 #   bash scripts/gpu_checks.sh ssd_step  bench/mamba2_step.py: the Nemotron-H-8B-shaped step (8 blocks) at 16K and 64K,
 #                                      deltacp against transformers + mamba_ssm's Triton SSD + liger's fused linear CE,
 #                                      kernel time by class                                         (about 5 minutes)
-#   Both install the transformers wheel carried in .whl/tf/ (the version the CPU suite pins) when it is there.
+#   bash scripts/gpu_checks.sh kda     the KDA recurrence on Triton: GPU tests vs eager float64 (T = 8192, K = V = 128, three
+#                                      gate regimes, initial state, packed rows), Kimi-Linear's KDA mixer at its config
+#                                      shape under CP2 (bf16 Triton vs fp32 eager), then bench/kda_op.py at 8K-64K against
+#                                      FLA's chunk_kda (wheels in .whl/)                            (about 8 minutes)
+#   ssd, ssd_step and kda install the transformers wheel carried in .whl/tf/ (the version the CPU suite pins) when it
+#   is there.
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-}
-PARTS="tests|quick|step_ab|families|heads|ssd|ssd_step|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|ssd|ssd_step|kda|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
   echo "usage: $0 $PARTS" >&2
   exit 2
@@ -184,9 +189,16 @@ families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)
   check family_shapes 420 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider
   ;;
-ssd|ssd_step)
+ssd|ssd_step|kda)
   if ls .whl/tf/transformers-*.whl >/dev/null 2>&1; then
     python -m pip install -q --no-deps --no-index .whl/tf/transformers-*.whl 2>&1 | grep -v WARNING
+  fi
+  if [ "$part" = "kda" ]; then
+    check kda_tests 300 python -m pytest tests/gpu/test_kda_triton_gpu.py -q -s -ra -p no:cacheprovider
+    check kda_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider -k Kimi
+    # shellcheck disable=SC2086  (KDA_LENGTHS: a list of lengths)
+    check kda_op 420 python bench/kda_op.py --lengths ${KDA_LENGTHS:-8192 16384 32768 65536} --json "$OUT/kda_op.jsonl"
+    finish
   fi
   [ -d .whl/mamba_ssm_triton ] && export PYTHONPATH="$PYTHONPATH:$PWD/.whl/mamba_ssm_triton"
   if [ "$part" = "ssd" ]; then

@@ -1,7 +1,8 @@
 """The Triton backend on each family's GDN layer at its released head shapes (one GPU, CP2 over gloo); OLMo-Hybrid
 at its config defaults (K = 96, V = 192, beta = 2 sigmoid(b)); the Mamba2 mixers of Bamba, Nemotron-H and
 Granite-4.0-H at their transformers config defaults (hidden 4096, 128 heads of 64; Nemotron-H 8 groups of state 128,
-the others 1 group of state 256), with Mamba2's initialisation ranges (A from [-16, -1], dt from [1e-3, 1e-1]).
+the others 1 group of state 256), with Mamba2's initialisation ranges (A from [-16, -1], dt from [1e-3, 1e-1]); the
+KDA mixer of Kimi-Linear at its config defaults (Kimi-Linear-48B-A3B: hidden 2304, 32 heads of 128).
 
 For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
 Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
@@ -46,6 +47,8 @@ SHAPES = {  # model: (family module class, hidden, key heads, value heads)
     "Bamba (config defaults)": ("bamba", None, None, None),
     "Nemotron-H (config defaults)": ("nemotron_h", None, None, None),
     "Granite-4.0-H (config defaults)": ("granite_hybrid", None, None, None),
+    # KDA at Kimi-Linear-48B-A3B's shape (KimiLinearConfig's defaults: hidden 2304, 32 heads of 128)
+    "Kimi-Linear (config defaults)": ("kimi_linear", None, None, None),
 }
 MAMBA2 = {  # family: (config class, module path, mixer class)
     "bamba": ("BambaConfig", "bamba.modeling_bamba", "BambaMixer"),
@@ -53,6 +56,15 @@ MAMBA2 = {  # family: (config class, module path, mixer class)
     "granite_hybrid": ("GraniteMoeHybridConfig", "granitemoehybrid.modeling_granitemoehybrid",
                        "GraniteMoeHybridMambaLayer"),
 }
+
+
+def _kda():
+    """Kimi-Linear's KDA mixer at its config defaults, slowly decaying per-channel gates (`long_memory_gates_`)."""
+    import transformers
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    config = transformers.KimiLinearConfig()
+    return long_memory_gates_(KimiLinearDeltaAttention(config, 0)), config.hidden_size
 
 
 def _mamba2(family):
@@ -116,8 +128,8 @@ def family_shapes_worker(rank, world, name):
     failures, rows = [], []
     for family, hidden, hk, hv, *dims in [SHAPES[name]]:
         torch.manual_seed(0)
-        if family in MAMBA2:
-            base, hidden = _mamba2(family)
+        if family in MAMBA2 or family == "kimi_linear":
+            base, hidden = _mamba2(family) if family in MAMBA2 else _kda()
             base = base.cuda()
         else:
             base = _gdn(family, hidden, hk, hv, *dims).cuda()

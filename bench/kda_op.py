@@ -1,0 +1,133 @@
+"""KDA op benchmark: deltacp's Triton KDA against flash-linear-attention's `chunk_kda`, in one process (timing method:
+bench/timing.py).
+
+The op (forward + backward, gradients of q, k, v, g, beta and the entering state): q/k l2-normalised inside, scale
+K^-1/2, per-channel log decay g [1, T, H, K], beta [1, T, H], an entering state [1, H, K, V] - at Kimi-Linear-48B-A3B's
+KDA shape (transformers' KimiLinearConfig defaults: 32 heads, K = V = 128) by default.
+
+Accuracy: rel-L2 of o, the final state and every gradient against deltacp's eager KDA in float64 (itself checked
+against a token recurrence and transformers' Kimi / Bailing KDA in tests/unit/test_kda_eager.py) on the same bf16
+inputs, three gate regimes per channel: fast (g about -0.3..-1.5 per token), slow (about -1e-2), near-frozen
+(about -1e-5).
+
+    PYTHONPATH=src python bench/kda_op.py --lengths 8192 16384 32768 65536 --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ssd_op import fwd_bwd, rel  # noqa: E402
+from timing import emit, time_cuda  # noqa: E402
+
+REGIMES = {"fast": (0.3, 1.5), "slow": (0.005, 0.02), "frozen": (5e-6, 2e-5)}  # -g per token and channel, uniform
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+
+
+def make_inputs(T, H, K, V, regime, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lo, hi = REGIMES[regime]
+    q, k = (torch.randn(1, T, H, K, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen, device="cuda").to(dtype)
+    g = -(torch.rand(1, T, H, K, generator=gen, device="cuda") * (hi - lo) + lo)
+    beta = torch.rand(1, T, H, generator=gen, device="cuda")
+    h0 = torch.randn(1, H, K, V, generator=gen, device="cuda") * 0.1
+    return {n: t.requires_grad_() for n, t in zip(NAMES, (q, k, v, g, beta, h0))}
+
+
+def deltacp_op(backend):
+    from deltacp.ops.recurrence import RecurrenceInputs
+
+    if backend == "triton":
+        from deltacp.ops.kda.triton import TritonKimiDeltaRule as Rule
+    else:
+        from deltacp.ops.kda.eager import KimiDeltaRule as Rule
+    rule = Rule(qk_l2norm=True, scale=None)
+
+    def run(q, k, v, g, beta, h0):
+        return rule.forward(RecurrenceInputs(q, k, v, g, beta), initial_state=h0, output_final_state=True)
+
+    return run
+
+
+def fla_op():
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+
+    def run(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta.to(q.dtype), initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=128, help="K = V")
+    ap.add_argument("--accuracy-length", type=int, default=4096)
+    ap.add_argument("--accuracy-bound", type=float, default=2e-2)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    H, D = args.heads, args.dim
+    runs = [("deltacp-triton", deltacp_op("triton"))]
+    fla = fla_op()
+    if fla is not None:
+        import fla as fla_pkg
+
+        runs.append((f"fla-{fla_pkg.__version__}-chunk_kda", fla))
+    print("stacks:", [label for label, _ in runs], flush=True)
+    failed, worst_by = [], {}
+    for regime in REGIMES:
+        t = make_inputs(args.accuracy_length, H, D, D, regime, torch.bfloat16)
+        t64 = {n: x.detach().double().requires_grad_() for n, x in t.items()}
+        o_ref, h_ref, g_ref = fwd_bwd(deltacp_op("eager"), t64, NAMES)
+        for label, fn in runs:
+            o, h, g = fwd_bwd(fn, t, NAMES)
+            errs = {"o": rel(o, o_ref), "h_final": rel(h, h_ref), **{f"d{n}": rel(g[n], g_ref[n]) for n in NAMES}}
+            worst = max(errs, key=errs.get)
+            worst_by[(label, regime)] = errs[worst]
+            emit(dict(kind="accuracy", stack=label, regime=regime, T=args.accuracy_length, H=H, K=D, worst=worst,
+                      worst_rel_l2=errs[worst], **{f"rel_{k}": v for k, v in errs.items()}), args.json)
+            if label.startswith("deltacp") and not errs[worst] <= args.accuracy_bound:
+                failed.append(f"{label} {regime}: worst rel-L2 {errs[worst]:.2e} ({worst}) > {args.accuracy_bound}")
+        del t, t64
+    table = {}
+    for T in args.lengths:
+        for label, fn in runs:
+            t = make_inputs(T, H, D, D, "slow", torch.bfloat16)
+            try:
+                f = time_cuda(lambda: fn(*(t[n] for n in NAMES)), warmup=3, repeat=args.repeat)
+                fb = time_cuda(lambda: fwd_bwd(fn, t, NAMES), warmup=3, repeat=args.repeat)
+                row = dict(kind="timing", stack=label, T=T, H=H, K=D, fwd_ms=f["median_ms"],
+                           fwd_bwd_ms=fb["median_ms"], peak_gib=fb["peak_gib"])
+            except torch.cuda.OutOfMemoryError:
+                row = dict(kind="timing", stack=label, T=T, H=H, K=D, error="out of memory")
+            emit(row, args.json)
+            table[(T, label)] = row
+            del t
+            torch.cuda.empty_cache()
+    print(f"\nH={H}, K=V={D}, bf16, fwd+bwd ms / peak GiB; worst rel-L2 vs float64 (fast / slow / frozen)")
+    for label, _ in runs:
+        print(f"  {label}: " + " / ".join(f"{worst_by[(label, r)]:.1e}" for r in REGIMES))
+    for T in args.lengths:
+        cells = [f"{table[(T, lb)]['fwd_bwd_ms']:.2f} / {table[(T, lb)]['peak_gib']:.2f}"
+                 if "fwd_bwd_ms" in table[(T, lb)] else "OOM" for lb, _ in runs]
+        print(f"  {T:>6}: " + "   ".join(f"{lb}: {c}" for (lb, _), c in zip(runs, cells)))
+    for msg in failed:
+        print("FAIL", msg)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
