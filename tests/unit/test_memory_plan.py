@@ -2,7 +2,7 @@
 
 Estimate: what each decoder layer's backward keeps, measured on deltacp's forwards (one gloo rank, cp = 1, p2p): the
 storages autograd saves during the layer's forward (`saved_tensors_hooks`; parameters left out), against
-`layer_bytes(...)[None]`, and in a checkpoint region (what a recompute saves) against `["recompute"]`, within 3%
+`layer_bytes(...)[None]` (a recompute saves the same: `["recompute"]`), within 3%
 (Triton) / 10% (eager), for two shapes (GQA and not), a GDN and a full attention layer each: the Triton backend with
 its fused decoder glue (real kernels under TRITON_INTERPRET=1, bf16, in a spawned rank so the interpreter is set
 before triton loads) and the eager backend (bf16 and float32).
@@ -34,15 +34,12 @@ TOKENS = 128
 TOLERANCE = {"triton": 0.03, "eager": 0.10}  # observed: 0.985-1.001 (Triton), 0.954-1.082 (eager)
 
 
-def _saved_bytes_per_layer(fields: dict, backend: str, dtype: torch.dtype, recompute: bool = False) -> list[int]:
-    """Bytes of the storages autograd saves in each decoder layer's forward (one rank, cp = 1); recompute: as a
-    checkpointed layer's recompute saves them (its MLP installed by activation checkpointing, in a checkpoint
-    region)."""
+def _saved_bytes_per_layer(fields: dict, backend: str, dtype: torch.dtype) -> list[int]:
+    """Bytes of the storages autograd saves in each decoder layer's forward (one rank, cp = 1); a checkpointed
+    layer's recompute saves the same."""
     from transformers import Qwen3_5ForCausalLM
 
-    import deltacp.ops.recompute as regions
     from deltacp import cp_causal_lm_loss, parallelize_cp, shard_batch_for_cp
-    from deltacp.models.checkpointing import _install_region_mlp
     from helpers import cp_mesh, tiny_config
 
     torch.manual_seed(0)
@@ -62,16 +59,9 @@ def _saved_bytes_per_layer(fields: dict, backend: str, dtype: torch.dtype, recom
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
-    if recompute:
-        assert all(_install_region_mlp(layer, "Qwen3_5MLP") for layer in model.model.layers)
     batch = shard_batch_for_cp(torch.randint(0, 256, (1, TOKENS)), mesh)
-    token = regions._ACTIVE.set((None, False)) if recompute else None
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            cp_causal_lm_loss(model, batch.pop("target_ids"), mesh, **batch, use_cache=False)
-    finally:
-        if token is not None:
-            regions._ACTIVE.reset(token)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cp_causal_lm_loss(model, batch.pop("target_ids"), mesh, **batch, use_cache=False)
     return [sum(s.values()) for s in saved]
 
 
@@ -81,12 +71,12 @@ def _check_estimate(fields: dict, backend: str, dtype: torch.dtype) -> None:
     shape = LayerShapes.of(Qwen3_5TextConfig(**fields, num_hidden_layers=2,
                                              layer_types=["linear_attention", "full_attention"]))
     e = torch.empty((), dtype=dtype).element_size()
-    for key in (None, "recompute"):
-        measured = _saved_bytes_per_layer(fields, backend, dtype, recompute=key == "recompute")
-        for kind, got in zip(("linear_attention", "full_attention"), measured):
-            estimate = layer_bytes(shape, kind, TOKENS, e, backend=backend)[key]
-            assert abs(estimate - got) <= TOLERANCE[backend] * got, \
-                f"{backend} {dtype} {kind} {key}: estimate {estimate}, measured {got}"
+    measured = _saved_bytes_per_layer(fields, backend, dtype)
+    for kind, got in zip(("linear_attention", "full_attention"), measured):
+        estimate = layer_bytes(shape, kind, TOKENS, e, backend=backend)
+        assert estimate["recompute"] == estimate[None]  # the recompute saves what the forward saved
+        assert abs(estimate[None] - got) <= TOLERANCE[backend] * got, \
+            f"{backend} {dtype} {kind}: estimate {estimate[None]}, measured {got}"
 
 
 def _triton_worker(rank, world):

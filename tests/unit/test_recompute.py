@@ -158,8 +158,9 @@ def _grads_and_backward_down_products(model, ids):
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_recompute_skips_the_down_projection_exactly(single_rank_group, monkeypatch, policy):
-    """The recompute of a checkpointed layer does not run its MLP's down_proj product (early stop ends it at the
-    MLP's saves) and the gradients are bitwise those without checkpointing; with early stop off, or with an op after
+    """The recompute of a checkpointed layer does not run its MLP's down_proj product: torch's early stop ends it
+    at the last saved tensor, the product's input, saved before the product runs (what `train/memory.py`'s FLOPs
+    model assumes); the gradients are bitwise those without checkpointing. With early stop off, or with an op after
     the MLP that saves a tensor, the product runs in the recompute and the gradients stay bitwise."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
     from transformers import Qwen3_5ForCausalLM
@@ -198,40 +199,3 @@ def test_recompute_skips_the_down_projection_exactly(single_rank_group, monkeypa
     with set_checkpoint_early_stop(False):
         got, recomputed = _grads_and_backward_down_products(model, ids)
     assert recomputed == 4 and torch.equal(got, expected)
-
-
-def test_region_mlp_saves_gate_and_up_only():
-    """In a checkpoint region the dense MLP's Function saves g, u (and the weight), not silu(g) or the product; its
-    gradients equal autograd's of transformers' chain bitwise (float64 and bfloat16), with and without a bias."""
-    for dtype in (torch.float64, torch.bfloat16):
-        for with_bias in (False, True):
-            torch.manual_seed(1)
-            g, u = (torch.randn(2, 5, 24, dtype=dtype, requires_grad=True) for _ in range(2))
-            w = torch.randn(8, 24, dtype=dtype, requires_grad=True)
-            b = torch.randn(8, dtype=dtype, requires_grad=True) if with_bias else None
-            dy = torch.randn(2, 5, 8, dtype=dtype)
-            leaves = [t for t in (g, u, w, b) if t is not None]
-            y0 = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w, b)
-            expected = torch.autograd.grad(y0, leaves, dy)
-            saved = []
-            token = recompute._ACTIVE.set((None, False))
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                    y = recompute.region_swiglu_down(g, u, w, b)
-            finally:
-                recompute._ACTIVE.reset(token)
-            assert [t.shape for t in saved] == [g.shape, u.shape, w.shape]
-            assert torch.equal(y, y0)
-            got = torch.autograd.grad(y, leaves, dy)
-            assert all(torch.equal(a, e) for a, e in zip(got, expected)), (dtype, with_bias)
-
-
-def test_region_mlp_is_installed_only_on_plain_dense_mlps(single_rank_group):
-    from deltacp import parallelize_cp
-
-    model = parallelize_cp(_tiny_model(), cp_mesh(), linear_attention_cp_mode="p2p")
-    layers = list(model.model.layers)
-    layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)  # a user's hook on down_proj must still run
-    layers[2].mlp.act_fn = torch.nn.GELU()
-    apply_activation_checkpointing(model)
-    assert ["forward" in layer.mlp.__dict__ for layer in layers] == [True, False, False, True]

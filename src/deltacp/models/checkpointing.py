@@ -17,11 +17,8 @@ and the trainer's `auto` weighs memory. `num_layers` checkpoints only the first 
 `every_n_layers` picks); the rest keep their activations (the last layers: their activations are freed first in
 backward, so the peak stays lowest; `train/memory.py` plans n for a budget).
 
-Under both policies a dense SwiGLU MLP of a checkpointed layer saves only its gate and up projections' outputs
-(`ops/recompute.py`, `region_swiglu_down`, installed as the MLP's instance `forward`: state_dict keys unchanged), and
-the layer's recompute stops before silu, the product and the down projection (their inputs are all backward needs):
-one matmul fewer than torch's checkpoint of the same layer, half the MLP's recomputed memory, the same gradients bit
-for bit.
+The recompute of a checkpointed layer stops at the last tensor its forward saved (torch's early stop): the MLP's down
+projection, whose input is saved before it runs, is never recomputed (`ops/recompute.py`).
 
 Applied after CP and before FSDP2 (inside the FSDP unit's forward, so FSDP's unshard hooks run once). The
 recompute of a p2p GDN layer replays the entering state its forward received, found in that forward's
@@ -33,14 +30,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
 from dataclasses import dataclass
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deltacp.models.adapters import adapter_for
-from deltacp.ops.recompute import full_contexts, region_swiglu_down, selective_contexts
+from deltacp.ops.recompute import selective_contexts
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +89,8 @@ def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, *,
     layers = adapter.layers()
     chosen = layers[::every_n_layers][:num_layers]
     setattr(adapter.text, _APPLIED, (*asked, len(chosen)))
-    kwargs = dict(use_reentrant=False, context_fn=selective_contexts if policy == "selective" else full_contexts)
+    kwargs = dict(use_reentrant=False, **({"context_fn": selective_contexts} if policy == "selective" else {}))
     for layer in chosen:
-        _install_region_mlp(layer, adapter.family.mlp)
         layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
     logger.info("Applied activation checkpointing (%s) to %d of %d decoder layers", policy, len(chosen), len(layers))
     return len(chosen)
@@ -116,32 +111,6 @@ def _already_applied(model: nn.Module, applied: tuple, asked: tuple) -> int:
                      f"({describe(applied)}: {applied[3]} layers), asked again with {describe(asked)}: apply one "
                      f"plan, once (load_pretrained, parallelize_and_shard and the CP trainers' activation_checkpointing "
                      f"argument apply theirs)")
-
-
-def _swiglu_mlp_forward(self, x):
-    return region_swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias)
-
-
-def _install_region_mlp(layer: nn.Module, mlp_class: str) -> bool:
-    """A decoder layer's dense MLP (the family's `mlp_class`: `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) with
-    transformers' SiLU, its projections plain nn.Linear and no instance forward or hook of another wrapper on the
-    MLP, its activation or its down_proj, computes through `region_swiglu_down`; every other MLP (routed experts,
-    another activation, a patched or adapted one) is left as it is. Returns whether it was installed."""
-    mlp = getattr(layer, "mlp", None)
-    if type(mlp).__name__ != mlp_class:
-        return False
-    act, down = getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None)
-    if type(act).__name__ not in ("SiLUActivation", "SiLU") or "forward" in act.__dict__:
-        return False
-    if any(type(getattr(mlp, name, None)) is not nn.Linear for name in ("gate_proj", "up_proj", "down_proj")):
-        return False
-    if "forward" in down.__dict__ or down._forward_hooks or down._forward_pre_hooks:
-        return False
-    current = mlp.__dict__.get("forward")
-    if current is not None and getattr(current, "__func__", None) is not _swiglu_mlp_forward:
-        return False
-    mlp.forward = types.MethodType(_swiglu_mlp_forward, mlp)
-    return True
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,9 @@ Two mechanisms, one per kind of call:
 `selective_contexts` is the `context_fn` of `torch.utils.checkpoint.checkpoint` that turns both on for one
 checkpointed call, with a fresh store per call (a forward without backward leaves nothing behind).
 
-Under either policy (`full_contexts` is the full policy's `context_fn`), a dense SwiGLU MLP computes through
-`region_swiglu_down(g, u, w, b)` (installed by `models/checkpointing.py` after the gate and up projections):
-(silu(g) * u) w^T + b saving g and u only, silu(g) and the product h recomputed in its backward (saved autograd keeps
-four [tokens, intermediate] tensors, g, u, silu(g) and h: this keeps two). Its saves are the region's last when
-nothing after the MLP saves a tensor (the layer's residual add does not), and torch's non-reentrant checkpoint stops
-a recompute once every tensor its forward saved is saved again (early stop, its default): so the recompute never
-runs silu, the product with u or the down projection, whose inputs are all the backward needs. Where the recompute
-goes on past the call (early stop switched off, or a later op that saves), they are computed after all, so what
-follows sees the forward's value: the skip never changes a result. It spares a dense layer's recompute one of its
-MLP's three matmuls (21-24% of the layer's recompute matmul FLOPs at Qwen3.5-2B's shapes, 4% of a training step's
-under full checkpointing) and two elementwise passes, which move to the backward, and halves the MLP's share of
-the recomputed layer's memory.
+Under the full policy no context is needed: torch's non-reentrant checkpoint stops a recompute once every tensor its
+forward saved is saved again (early stop, its default), and an op's inputs are saved before the op runs, so the
+recompute of a decoder layer never runs the MLP's down projection, its last product (tests/unit/test_recompute.py).
 
 Collectives inside the region: everything not kept is recomputed as under full checkpointing (the same
 collectives, in the same order, on every rank: the Ulysses all-to-alls, the K/V all-gather, the conv halo); a
@@ -182,77 +173,3 @@ def selective_contexts():
     sac_forward, sac_recompute = create_selective_checkpoint_contexts(sac_policy)
     store = KeptOutputs()
     return _Contexts(sac_forward, store, False), _Contexts(sac_recompute, store, True)
-
-
-def full_contexts():
-    """`context_fn` of the full policy: nothing kept; the recompute marked as such for `region_swiglu_down`."""
-    return _Contexts(None, None, False), _Contexts(None, None, True)
-
-
-def _swiglu_down_into(y, g, u, weight, bias) -> None:
-    """y = (silu(g) * u) w^T (+ b) written into y: transformers' dense MLP after its gate and up projections, the
-    same ops (the product on tokens flattened to rows, as torch's linear runs it)."""
-    h = torch.nn.functional.silu(g) * u
-    h2, y2 = h.reshape(-1, h.shape[-1]), y.view(-1, y.shape[-1])
-    if bias is None:
-        torch.mm(h2, weight.t(), out=y2)
-    else:
-        torch.addmm(bias, h2, weight.t(), out=y2)
-
-
-class _SwiGLUDown(torch.autograd.Function):
-    """y = (silu(g) * u) w^T (+ b) saving (g, u, w) only, computed unless `compute` is False (then y is left
-    uninitialised: see `region_swiglu_down`); the forward and its recompute run the same ops up to the product, as
-    torch's selective checkpoint requires. The backward recomputes s = silu(g) and h = s u, then forms autograd's
-    gradients of the same chain with the same ops: dw = dy^T h, dh = dy w (its mm node's products for a row-major h
-    and a contiguous w), du = dh s, dg = silu_backward(dh u, g), db = dy summed over tokens; so the same numbers,
-    with at most three [tokens, intermediate] buffers alive beyond g and u."""
-
-    @staticmethod
-    def forward(ctx, g, u, weight, bias, compute):
-        ctx.save_for_backward(g, u, weight)
-        ctx.has_bias = bias is not None
-        y = g.new_empty((*g.shape[:-1], weight.shape[0]))
-        if compute:
-            _swiglu_down_into(y, g, u, weight, bias)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        g, u, weight = ctx.saved_tensors
-        need_g, need_u, need_w, need_b = ctx.needs_input_grad[:4]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        s = torch.nn.functional.silu(g)
-        dw = dg = du = db = None
-        if need_w:
-            h = s * u
-            dw = dy2.t().mm(h.reshape(-1, h.shape[-1]))
-            del h
-        if need_g or need_u:
-            dh = dy2.mm(weight).view(g.shape)
-            if need_u:
-                du = dh * s
-            del s
-            if need_g:
-                dg = torch.ops.aten.silu_backward(dh * u, g)
-        if ctx.has_bias and need_b:
-            db = dy2.sum(0)
-        return dg, du, dw, db, None
-
-
-def region_swiglu_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-    """`F.linear(F.silu(g) * u, weight, bias)` (a dense SwiGLU MLP after its gate and up projections). In a deltacp
-    checkpoint region (module docstring) it saves g and u only, and its recompute skips silu, the product with u and
-    the down projection when torch's early stop ends the recompute at its saves (computing them otherwise). Outside
-    a region, under autocast or without grad: those ops as transformers runs them (the same choice in a forward and
-    its recompute, which torch runs under the forward's autocast state)."""
-    active = _ACTIVE.get()
-    if active is None or not torch.is_grad_enabled() or torch.is_autocast_enabled(g.device.type):
-        return torch.nn.functional.linear(torch.nn.functional.silu(g) * u, weight, bias)
-    replaying = active[1]
-    y = _SwiGLUDown.apply(g, u, weight, bias, not replaying)
-    if replaying:  # reached only when the recompute goes on past this call's saves: what follows needs y
-        with torch.no_grad():
-            _swiglu_down_into(y, g, u, weight, bias)
-    return y

@@ -27,13 +27,12 @@ Bytes one decoder layer keeps for its backward, per rank (T tokens on the rank, 
 
 Under policy "full" a checkpointed layer keeps its input (D e); "selective" adds, on attention layers, the attention
 output and its log-sum-exp (Hq Dh e + Hq f). A layer that is not checkpointed keeps all of the above ("none"); the
-recompute of a checkpointed layer holds the same but for a dense MLP's 2 I e ("recompute": its MLP saves the gate and
-up projections only, `ops/recompute.py`). Estimated peak = static (parameters, gradients, optimizer states,
+recompute of a checkpointed layer holds the same ("recompute"). Estimated peak = static (parameters, gradients, optimizer states,
 unsharded compute copies: `static_bytes`) + what every layer keeps + the larger of the end of the forward (4 T D e:
 final norm, loss input gradient, a logits chunk about T x D) and the backward of a checkpointed layer (the largest
 checkpointed layer's recompute and the gradient flow, 2 T D e). On the 2B shape at cp = 1 (bench/step.py, full)
-this was 17.4 / 27.5 GiB at 16K / 64K tokens against 16.2 / 25.9 measured (NOTES.md, before the MLP's recompute
-kept half: that lowers both sides): about 7% high, on the safe side.
+this was 17.4 / 27.5 GiB at 16K / 64K tokens against 16.2 / 25.9 measured (NOTES.md): about 7% high, on the safe
+side.
 
 The plan keeps the last decoder layers un-checkpointed (their activations are the first freed in backward) and
 checkpoints the first n under one policy; among every (policy, n) that fits the budget it takes the one with the
@@ -102,7 +101,6 @@ def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_token
             + shape.experts * f
     else:
         mlp = 4 * shape.intermediate * e
-    recompute_saves = 2 * shape.intermediate * e  # a dense MLP's silu(g) and product, not saved in a recompute
     Hv, qk = shape.gdn_v_heads, shape.gdn_qk_heads * shape.gdn_k_dim
     vd = Hv * shape.gdn_v_dim
     conv = 2 * qk + vd
@@ -124,15 +122,15 @@ def layer_bytes(shape: LayerShapes, kind: str, tokens: int, e: int, *, row_token
         raise ValueError(f"layer type {kind!r}: expected 'linear_attention' or 'full_attention'")
     gathered = next(n for n in (gathered_tokens, row_tokens, tokens) if n is not None)
     none = T * (common + mlp + mixer) + gathered * per_row
-    return {None: none, "recompute": none - T * recompute_saves, "full": T * D * e,
+    return {None: none, "recompute": none, "full": T * D * e,
             "selective": T * (D * e + kept_output)}
 
 
 def layer_forward_flops(shape: LayerShapes, kind: str, tokens: int, row_tokens: int | None = None
                         ) -> tuple[float, float]:
     """(FLOPs of the recompute of one checkpointed decoder layer on `tokens` tokens, of which the attention core's),
-    for ranking plans: matmuls 2 x tokens x weights, a dense MLP's gate and up projections only (the recompute
-    skips its down projection: `ops/recompute.py`); causal attention 2 Hq Dh x tokens x mean context (row_tokens /
+    for ranking plans: matmuls 2 x tokens x weights, a dense MLP's gate and up projections only (torch's early stop
+    ends the recompute before its down projection: `ops/recompute.py`); causal attention 2 Hq Dh x tokens x mean context (row_tokens /
     2 on average: the rank's tokens see half the row), the GDN core 4 x tokens x Hv Dk Dv (chunked, small)."""
     T, D = tokens, shape.hidden
     row = row_tokens if row_tokens is not None else tokens
