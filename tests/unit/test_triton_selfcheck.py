@@ -51,8 +51,9 @@ if sys.argv[1] == "pass":
     selfcheck.measure = no_recompute
     out["again"] = selfcheck.run_self_check("cpu")
 else:
-    o_fwd = chunk.o_fwd
+    o_fwd, measure = chunk.o_fwd, selfcheck.measure
     chunk.o_fwd = lambda *a, **kw: o_fwd(*a, **kw) * 1.25
+    selfcheck.measure = lambda device, shapes: measure(device, shapes[:1])  # one shape shows the refusal
     try:
         check_triton_version(device="cpu")
     except selfcheck.TritonSelfCheckError as e:
@@ -104,12 +105,11 @@ def test_interpreter_self_check_refuses_a_wrong_kernel_and_caches_the_failure(tm
     (path,) = tmp_path.glob("triton-selfcheck-*.json")
     err = out["error"]
     assert err.startswith(f"triton=={out['version']} failed deltacp's self-check of the Triton GDN kernels on cpu ")
-    # o is off by about 0.25 in rel-L2 (the output kernel's result scaled by 1.25), in all four cases at both
-    # shapes; the backward recomputes its own outputs, so nothing else fails
-    for dims in ("K=128 V=128", "K=96 V=192"):
-        for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
-            assert re.search(rf"[:;] {dims} {case} o rel-L2 = 2\.\d\de-01 > bound 3\.0e-02[;.]", err), (case, err)
-    assert err.count(" > bound ") == 8
+    # o is off by about 0.25 in rel-L2 (the output kernel's result scaled by 1.25), in all four cases of the one shape
+    # measured here (the passing test measures both); the backward recomputes its own outputs, so nothing else fails
+    for case in ("unpacked", "packed", "unpacked staged", "packed staged"):
+        assert re.search(rf"[:;] K=128 V=128 {case} o rel-L2 = 2\.\d\de-01 > bound 3\.0e-02[;.]", err), (case, err)
+    assert err.count(" > bound ") == 4
     assert "refuses to run and does not fall back to eager" in err
     assert f"Verdict cached in {path}; delete it to re-run the check." in err
     cached = out["cached_error"]
