@@ -4,8 +4,8 @@ State h [B, H, K, V], oriented as transformers' `recurrent_kimi_delta_attention`
 
     h_t = (I - beta_t k_t k_tᵀ) diag(exp(g_t)) h_{t-1} + beta_t k_t v_tᵀ        o_t = h_tᵀ q_t
 
-(transposed, S_t = h_tᵀ [V, K]: S_t = S_{t-1} diag(α_t) (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ, o_t = S_t q_t). The decay
-acts first, then the delta-rule write reads the decayed state. q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] (log
+(transposed, S_t = h_tᵀ [V, K]: S_t = S_{t-1} diag(α_t) (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ, o_t = S_t q_t). The
+decay acts first, then the delta-rule write reads the decayed state. q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] (log
 decay per token and key channel, <= 0), beta [B, T, H]. With `use_qk_l2norm_in_kernel`, q and k are l2-normalised
 inside the op as transformers does (x / sqrt(sum x² + 1e-6)); the query is then multiplied by `scale` (None:
 K ** -0.5), as `GatedDeltaRule` does for GDN. M, the effect of a segment on the entering state, is a full K x K matrix
@@ -210,7 +210,8 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
 class KimiDeltaRule:
     """KDA under the recurrence contract (`ops/recurrence.py`), eager: inputs (q, k, v, g, beta), q, k, g [rows, T, H,
     K], v [rows, T, H, V], beta [rows, T, H]; M full. `qk_l2norm`: q and k l2-normalised inside the op (Kimi-Linear and
-    Bailing-Hybrid in transformers 5.25 both do); `scale`: the query scale (None: K ** -0.5)."""
+    Bailing-Hybrid in transformers 5.25 both do); `scale`: the query scale (None: K ** -0.5). A backend of other
+    kernels (`ops/kda/triton`) subclasses it, giving its own ops (`_op`) and checks."""
 
     transition = FULL
     name = "eager"
@@ -218,6 +219,10 @@ class KimiDeltaRule:
     def __init__(self, *, qk_l2norm: bool = True, scale: float | None = None):
         self.qk_l2norm = qk_l2norm
         self.scale = scale
+
+    def _op(self, name: str):
+        """This backend's op `name` (chunk_kda, summary_kda, initial_state_grad)."""
+        return globals()[name]
 
     def check(self, x: RecurrenceInputs) -> None:
         if len(x) != 5:
@@ -229,28 +234,31 @@ class KimiDeltaRule:
         return (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
 
     def forward(self, x, *, initial_state=None, output_final_state=False, prepared=None, cu_seqlens=None):
-        _no_prepared(prepared)
-        return chunk_kda(*x, scale=self.scale, initial_state=initial_state, output_final_state=output_final_state,
-                         use_qk_l2norm_in_kernel=self.qk_l2norm, cu_seqlens=cu_seqlens)
+        self._no_prepared(prepared)
+        _check(*x.tensors)
+        return self._op("chunk_kda")(*x, scale=self.scale, initial_state=initial_state,
+                                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=self.qk_l2norm,
+                                     cu_seqlens=cu_seqlens)
 
     def prepare(self, x, *, cu_seqlens=None):
-        return None  # nothing staged: each eager call computes what it needs
+        return None  # nothing staged: each call computes what it needs
 
     def prepared_from_saved(self, tensors):
-        raise TypeError("the eager KDA stages nothing (prepare returns None)")
+        raise TypeError(f"the {self.name} KDA stages nothing (prepare returns None)")
 
     def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
-        _no_prepared(prepared)
+        self._no_prepared(prepared)
         q, k, v, g, beta = x.tensors
-        return summary_kda(k, v, g, beta, use_qk_l2norm_in_kernel=self.qk_l2norm, need_transition=need_transition,
-                           cu_seqlens=cu_seqlens)
+        _check(None, k, v, g, beta)
+        return self._op("summary_kda")(k, v, g, beta, use_qk_l2norm_in_kernel=self.qk_l2norm,
+                                       need_transition=need_transition, cu_seqlens=cu_seqlens)
 
     def initial_state_grad(self, x, grad_o, *, prepared=None, cu_seqlens=None):
-        _no_prepared(prepared)
-        return initial_state_grad(*x, grad_o, scale=self.scale, use_qk_l2norm_in_kernel=self.qk_l2norm,
-                                  cu_seqlens=cu_seqlens)
+        self._no_prepared(prepared)
+        _check(*x.tensors)
+        return self._op("initial_state_grad")(*x, grad_o, scale=self.scale, use_qk_l2norm_in_kernel=self.qk_l2norm,
+                                              cu_seqlens=cu_seqlens)
 
-
-def _no_prepared(prepared) -> None:
-    if prepared is not None:
-        raise TypeError(f"the eager KDA takes no prepared chunks (got {type(prepared).__name__})")
+    def _no_prepared(self, prepared) -> None:
+        if prepared is not None:
+            raise TypeError(f"the {self.name} KDA takes no prepared chunks (got {type(prepared).__name__})")

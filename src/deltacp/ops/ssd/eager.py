@@ -115,12 +115,30 @@ def summary_scalar_decay(k, v, g, *, need_transition=True, cu_seqlens=None):
     return (SCALAR.pack(m, N) if need_transition else None), s
 
 
+def initial_state_grad(q, k, v, g, grad_o, *, cu_seqlens=None) -> torch.Tensor:
+    """d sum(o * grad_o) / dh0, by autograd from a zero h0 (o is affine in h0); the skip does not read h0."""
+    B, H, N, P = v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
+    layout = as_layout(cu_seqlens, v.shape[1])
+    if layout is not None and layout.chunk_resets[0]:
+        return torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device)
+    with torch.enable_grad():
+        h0 = torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device, requires_grad=True)
+        o, _ = chunk_scalar_decay(q.detach(), k.detach(), v.detach(), g.detach(), initial_state=h0,
+                                  cu_seqlens=layout)
+        return torch.autograd.grad(o, h0, grad_o)[0]
+
+
 class ScalarDecay:
     """The scalar-decay recurrence under the contract (`ops/recurrence.py`), eager: inputs (q, k, v, g, skip) with
-    skip optional (None: no skip term); M scalar per head."""
+    skip optional (None: no skip term); M scalar per head. A backend of other kernels (`ops/ssd/triton`) subclasses
+    it, giving its own ops (`_op`) and checks."""
 
     transition = SCALAR
     name = "eager"
+
+    def _op(self, name: str):
+        """This backend's op `name` (chunk_scalar_decay, summary_scalar_decay, initial_state_grad)."""
+        return globals()[name]
 
     def check(self, x: RecurrenceInputs) -> None:
         q, k, v, g, skip = x.tensors
@@ -133,36 +151,31 @@ class ScalarDecay:
         return (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
 
     def forward(self, x, *, initial_state=None, output_final_state=False, prepared=None, cu_seqlens=None):
-        _no_prepared(prepared)
-        return chunk_scalar_decay(*x, initial_state=initial_state, output_final_state=output_final_state,
-                                  cu_seqlens=cu_seqlens)
+        self._no_prepared(prepared)
+        _check(*x.tensors)
+        return self._op("chunk_scalar_decay")(*x, initial_state=initial_state, output_final_state=output_final_state,
+                                              cu_seqlens=cu_seqlens)
 
     def prepare(self, x, *, cu_seqlens=None):
         return None  # nothing staged
 
     def prepared_from_saved(self, tensors):
-        raise TypeError("the eager scalar-decay recurrence stages nothing (prepare returns None)")
+        raise TypeError(f"the {self.name} scalar-decay recurrence stages nothing (prepare returns None)")
 
     def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
-        _no_prepared(prepared)
+        self._no_prepared(prepared)
         q, k, v, g, skip = x.tensors
-        return summary_scalar_decay(k, v, g, need_transition=need_transition, cu_seqlens=cu_seqlens)
+        _check(None, k, v, g, None)
+        return self._op("summary_scalar_decay")(k, v, g, need_transition=need_transition, cu_seqlens=cu_seqlens)
 
     def initial_state_grad(self, x, grad_o, *, prepared=None, cu_seqlens=None):
-        """d sum(o * grad_o) / dh0, by autograd from a zero h0 (o is affine in h0); the skip does not read h0."""
-        _no_prepared(prepared)
+        """d sum(o * grad_o) / dh0 (the skip does not read h0)."""
+        self._no_prepared(prepared)
         q, k, v, g, skip = x.tensors
-        B, H, N, P = v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
-        layout = as_layout(cu_seqlens, v.shape[1])
-        if layout is not None and layout.chunk_resets[0]:
-            return torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device)
-        with torch.enable_grad():
-            h0 = torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device, requires_grad=True)
-            o, _ = chunk_scalar_decay(q.detach(), k.detach(), v.detach(), g.detach(), initial_state=h0,
-                                      cu_seqlens=layout)
-            return torch.autograd.grad(o, h0, grad_o)[0]
+        _check(q, k, v, g, None)
+        return self._op("initial_state_grad")(q, k, v, g, grad_o, cu_seqlens=cu_seqlens)
 
-
-def _no_prepared(prepared) -> None:
-    if prepared is not None:
-        raise TypeError(f"the eager scalar-decay recurrence takes no prepared chunks (got {type(prepared).__name__})")
+    def _no_prepared(self, prepared) -> None:
+        if prepared is not None:
+            raise TypeError(f"the {self.name} scalar-decay recurrence takes no prepared chunks (got "
+                            f"{type(prepared).__name__})")
