@@ -551,3 +551,24 @@ def tiny_bailing_hybrid(dtype=torch.float64, **overrides) -> torch.nn.Module:
                 fast = torch.empty(gate.dt_bias.shape).uniform_(0, 3, generator=gen)
                 gate.dt_bias.copy_(torch.where(torch.arange(gate.dt_bias.numel()) % 4 == 3, fast, slow))
     return model
+
+
+def interpreter_figures(code: str, drop_env: tuple[str, ...] = ()) -> dict:
+    """Run `code` in a fresh process under TRITON_INTERPRET=1 (set before triton loads; `drop_env` names variables
+    left out) and read its report: lines "FIG case dtype quantity value" -> {(case, dtype, quantity): value}, and the
+    word after "SUMMARY_GRAD" -> ["summary_grad"]. The code ends by printing DONE."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(env, TRITON_INTERPRET="1"), timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("DONE"), out.stdout[-3000:] + out.stderr[-3000:]
+    figs, lines = {}, out.stdout.splitlines()
+    for line in lines:
+        if line.startswith("FIG "):
+            _, case, dtype, name, value = line.split()
+            figs[(case, dtype, name)] = float(value)
+    figs["summary_grad"] = next(line.split()[1] for line in lines if line.startswith("SUMMARY_GRAD"))
+    return figs

@@ -34,19 +34,17 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
                                                          "(CI installs none)")
 
 BOUNDS = {"float64": 1e-10, "float32": 1e-5}
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # recurrence_checks, for the subprocess
 
-_CODE = r"""
+_CODE = f"import sys; sys.path.insert(0, {TESTS!r})\n" + r"""
 import torch, torch.nn.functional as F
+from recurrence_checks import compare_case
 from deltacp.ops.gdn.varlen import VarlenLayout
 from deltacp.ops.recurrence import RecurrenceInputs
 from deltacp.ops.ssd.eager import ScalarDecay
 from deltacp.ops.ssd.triton import TritonScalarDecay
 
 tri, ref = TritonScalarDecay(), ScalarDecay()
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp(min=1e-300)).item()
 
 def inputs(B, T, G, H, N, P, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -56,39 +54,9 @@ def inputs(B, T, G, H, N, P, seed):
     return r(B, T, G, N), r(B, T, G, N), r(B, T, H, P), g, r(B, T, H, P), r(B, H, N, P)
 
 def case(name, dtype, B, T, G, H, N, P, seed, cu=None, first_continues=True, strided=False):
-    vals = inputs(B, T, G, H, N, P, seed)
     lay = None if cu is None else VarlenLayout.build(torch.tensor(cu), T, first_continues=first_continues)
-    xs = [x.to(dtype).requires_grad_() for x in vals]
-    if strided:  # the same values in non-contiguous views (the op makes them contiguous)
-        xs = [x.mT.contiguous().mT if x.dim() == 4 else x for x in xs]
-    rs = [x.clone().requires_grad_() for x in vals]
-    o, ht = tri.forward(RecurrenceInputs(*xs[:5]), initial_state=xs[5], output_final_state=True, cu_seqlens=lay)
-    ro, rht = ref.forward(RecurrenceInputs(*rs[:5]), initial_state=rs[5], output_final_state=True, cu_seqlens=lay)
-    assert o.dtype == dtype and o.shape == ro.shape and ht.shape == rht.shape, (o.dtype, o.shape, ht.shape)
-    out = {"o": rel(o, ro), "final_state": rel(ht, rht)}
-    gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(ro.shape, generator=gen, dtype=torch.float64)
-    dht = torch.randn(rht.shape, generator=gen, dtype=torch.float64)
-    gs = torch.autograd.grad((o * do.to(dtype)).sum() + (ht * dht.to(ht.dtype)).sum(), xs)
-    grs = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), rs, allow_unused=True)
-    grs = [torch.zeros_like(x) if d is None else d for x, d in zip(rs, grs)]  # h0 unused: a fresh first document
-    for n, a, b in zip(("dq", "dk", "dv", "dg", "dskip", "dh0"), gs, grs):
-        out[n] = rel(a, b) if b.norm() > 0 else a.norm().item()
-    x = RecurrenceInputs(*(t.detach() for t in xs[:5]))
-    rx = RecurrenceInputs(*vals[:5])
-    with torch.no_grad():
-        m, s = tri.summary(x, cu_seqlens=lay)
-        rm, rs_ = ref.summary(rx, cu_seqlens=lay)
-        assert m.shape == rm.shape == (B, H, N, 1) and s.shape == rs_.shape, (m.shape, rm.shape, s.shape)
-        out["summary_M"] = rel(m, rm) if rm.norm() > 0 else m.norm().item()
-        out["summary_S"] = rel(s, rs_)
-        none, s2 = tri.summary(x, need_transition=False, cu_seqlens=lay)
-        assert none is None and torch.equal(s2, s)
-    dh0 = tri.initial_state_grad(x, do.to(dtype), cu_seqlens=lay)
-    rdh0 = ref.initial_state_grad(rx, do, cu_seqlens=lay)
-    out["initial_state_grad"] = rel(dh0, rdh0) if rdh0.norm() > 0 else dh0.norm().item()
-    for n, v in out.items():
-        print("FIG", name, str(dtype).split(".")[1], n, repr(v))
+    compare_case(name, dtype, tri, ref, inputs(B, T, G, H, N, P, seed), ("dq", "dk", "dv", "dg", "dskip", "dh0"),
+                 seed + 1, lay, strided)
 
 for dtype in (torch.float64, torch.float32):
     case("T100_G1_P16", dtype, 2, 100, 1, 4, 16, 16, 0, strided=True)
@@ -111,16 +79,9 @@ print("DONE")
 def figures():
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("DONE"), out.stdout[-3000:] + out.stderr[-3000:]
-    figs, lines = {}, out.stdout.splitlines()
-    for line in lines:
-        if line.startswith("FIG "):
-            _, case, dtype, name, value = line.split()
-            figs[(case, dtype, name)] = float(value)
-    figs["summary_grad"] = next(line.split()[1] for line in lines if line.startswith("SUMMARY_GRAD"))
-    return figs
+    from helpers import interpreter_figures
+
+    return interpreter_figures(_CODE)
 
 
 CASES = ("T100_G1_P16", "T130_G2_P32", "packed3", "packed3_fresh")

@@ -5,8 +5,8 @@ State h [B, H, K, V], oriented as transformers' `recurrent_kimi_delta_attention`
     h_t = (I - beta_t k_t k_tᵀ) diag(exp(g_t)) h_{t-1} + beta_t k_t v_tᵀ        o_t = h_tᵀ q_t
 
 (transposed, S_t = h_tᵀ [V, K]: S_t = S_{t-1} diag(α_t) (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ, o_t = S_t q_t). The
-decay acts first, then the delta-rule write reads the decayed state. q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] (log
-decay per token and key channel, <= 0), beta [B, T, H]. With `use_qk_l2norm_in_kernel`, q and k are l2-normalised
+decay acts first, then the delta-rule write reads the decayed state. q, k [B, T, H, K], v [B, T, H, V], g [B, T, H,
+K] (log decay per token and key channel, <= 0), beta [B, T, H]. With `use_qk_l2norm_in_kernel`, q and k are l2-normalised
 inside the op as transformers does (x / sqrt(sum x² + 1e-6)); the query is then multiplied by `scale` (None:
 K ** -0.5), as `GatedDeltaRule` does for GDN. M, the effect of a segment on the entering state, is a full K x K matrix
 per head (`Transition("full")`), zero where a document starts inside the segment.
