@@ -22,8 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ssd_op import fwd_bwd, rel  # noqa: E402
-from timing import emit, time_cuda  # noqa: E402
+from op_peers import compare  # noqa: E402
 
 REGIMES = {"fast": (0.3, 1.5), "slow": (0.005, 0.02), "frozen": (5e-6, 2e-5)}  # -g per token and channel, uniform
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -76,54 +75,25 @@ def main():
     ap.add_argument("--accuracy-length", type=int, default=4096)
     ap.add_argument("--accuracy-bound", type=float, default=2e-2)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--profile", type=int, default=None, metavar="T",
+                    help="kernel time of one fwd+bwd of each stack at this length")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     H, D = args.heads, args.dim
     runs = [("deltacp-triton", deltacp_op("triton"))]
     fla = fla_op()
-    if fla is not None:
+    if fla is None:  # a missing public kernel is said, never silently left out
+        print("NOTE: flash-linear-attention is not importable here: no row for it")
+    else:
         import fla as fla_pkg
 
         runs.append((f"fla-{fla_pkg.__version__}-chunk_kda", fla))
     print("stacks:", [label for label, _ in runs], flush=True)
-    failed, worst_by = [], {}
-    for regime in REGIMES:
-        t = make_inputs(args.accuracy_length, H, D, D, regime, torch.bfloat16)
-        t64 = {n: x.detach().double().requires_grad_() for n, x in t.items()}
-        o_ref, h_ref, g_ref = fwd_bwd(deltacp_op("eager"), t64, NAMES)
-        for label, fn in runs:
-            o, h, g = fwd_bwd(fn, t, NAMES)
-            errs = {"o": rel(o, o_ref), "h_final": rel(h, h_ref), **{f"d{n}": rel(g[n], g_ref[n]) for n in NAMES}}
-            worst = max(errs, key=errs.get)
-            worst_by[(label, regime)] = errs[worst]
-            emit(dict(kind="accuracy", stack=label, regime=regime, T=args.accuracy_length, H=H, K=D, worst=worst,
-                      worst_rel_l2=errs[worst], **{f"rel_{k}": v for k, v in errs.items()}), args.json)
-            if label.startswith("deltacp") and not errs[worst] <= args.accuracy_bound:
-                failed.append(f"{label} {regime}: worst rel-L2 {errs[worst]:.2e} ({worst}) > {args.accuracy_bound}")
-        del t, t64
-    table = {}
-    for T in args.lengths:
-        for label, fn in runs:
-            t = make_inputs(T, H, D, D, "slow", torch.bfloat16)
-            try:
-                f = time_cuda(lambda: fn(*(t[n] for n in NAMES)), warmup=3, repeat=args.repeat)
-                fb = time_cuda(lambda: fwd_bwd(fn, t, NAMES), warmup=3, repeat=args.repeat)
-                row = dict(kind="timing", stack=label, T=T, H=H, K=D, fwd_ms=f["median_ms"],
-                           fwd_bwd_ms=fb["median_ms"], peak_gib=fb["peak_gib"])
-            except torch.cuda.OutOfMemoryError:
-                row = dict(kind="timing", stack=label, T=T, H=H, K=D, error="out of memory")
-            emit(row, args.json)
-            table[(T, label)] = row
-            del t
-            torch.cuda.empty_cache()
-    print(f"\nH={H}, K=V={D}, bf16, fwd+bwd ms / peak GiB; worst rel-L2 vs float64 (fast / slow / frozen)")
-    for label, _ in runs:
-        print(f"  {label}: " + " / ".join(f"{worst_by[(label, r)]:.1e}" for r in REGIMES))
-    for T in args.lengths:
-        cells = [f"{table[(T, lb)]['fwd_bwd_ms']:.2f} / {table[(T, lb)]['peak_gib']:.2f}"
-                 if "fwd_bwd_ms" in table[(T, lb)] else "OOM" for lb, _ in runs]
-        print(f"  {T:>6}: " + "   ".join(f"{lb}: {c}" for (lb, _), c in zip(runs, cells)))
+    failed = compare(runs, lambda T, regime: make_inputs(T, H, D, D, regime, torch.bfloat16), deltacp_op("eager"),
+                     NAMES, regimes=list(REGIMES), lengths=args.lengths, accuracy_length=args.accuracy_length,
+                     bound=args.accuracy_bound, repeat=args.repeat, profile=args.profile, json=args.json,
+                     tag={"H": H, "K": D})
     for msg in failed:
         print("FAIL", msg)
     sys.exit(1 if failed else 0)

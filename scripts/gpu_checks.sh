@@ -95,14 +95,30 @@
 #   is there.
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
+#   bash scripts/gpu_checks.sh recurrences  every Triton recurrence against its float64 / fp32 references on the GPU, the
+#                                      test files run side by side (pytest -n 8): the SSD and KDA op tests, the Mamba2
+#                                      and KDA mixers at their config shapes under CP2, the GDN op summary tests, the
+#                                      Triton self-check and the CP Triton layer tests                 (about 3 minutes)
+#   bash scripts/gpu_checks.sh gdn_peers  bench/gdn_peers.py: our GDN op against FLA's Triton GDN and FlashQLA
+#                                      (auto_cp False and True) at 8K-64K, Qwen3.5-2B's 16 heads and 32 heads, rel-L2
+#                                      vs float64 in three gate regimes, kernel time at 32K             (about 5 minutes)
+# Several parts in one call run one after the other: `bash scripts/gpu_checks.sh recurrences ssd kda`.
+# The public kernels (FLA, FlashQLA and TileLang, liger-kernel, mamba_ssm's Triton SSD, and transformers 5.25 with the
+# huggingface_hub it needs) come as one archive, .whl/gpu_site.tar.xz (scripts/gpu_site.sh builds it on a machine
+# with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-part=${1:-}
-PARTS="tests|quick|step_ab|families|heads|ssd|ssd_step|kda|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
-if ! [[ "|$PARTS|" == *"|$part|"* ]] || [ -z "$part" ]; then
-  echo "usage: $0 $PARTS" >&2
+PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_op|ssd_step|kda|kda_op|gdn_peers|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+if [ $# -eq 0 ]; then
+  echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
 fi
+for part in "$@"; do
+  if ! [[ "|$PARTS|" == *"|$part|"* ]]; then
+    echo "unknown part '$part'; usage: $0 PART [PART...], PART one of $PARTS" >&2
+    exit 2
+  fi
+done
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -114,7 +130,7 @@ failed=()
 check() {
   local name=$1 limit=$2; shift 2
   echo "=== $name"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -vE '^\[transformers\]|^\{' "$OUT/$name.log"
   echo "=== $name rc=$rc"
@@ -122,15 +138,35 @@ check() {
 }
 finish() {
   if [ ${#failed[@]} -gt 0 ]; then
-    echo "=== part '$part': ${#failed[@]} check(s) FAILED:"; printf '  - %s\n' "${failed[@]}"; exit 1
+    echo "=== parts '$*': ${#failed[@]} check(s) FAILED:"; printf '  - %s\n' "${failed[@]}"; exit 1
   fi
-  echo "=== part '$part': all checks passed"; exit 0
+  echo "=== parts '$*': all checks passed"; exit 0
+}
+# The public kernels for the comparisons, when .whl/gpu_site.tar.xz was carried: unpacked once per machine, first on
+# PYTHONPATH (its transformers shadows the machine's). No hub downloads: the machine reaches nothing.
+peers_env() {
+  if [ -f .whl/gpu_site.tar.xz ] && [ ! -f /tmp/gpu_site/.unpacked ]; then
+    mkdir -p /tmp/gpu_site && tar -xJf .whl/gpu_site.tar.xz -C /tmp/gpu_site && touch /tmp/gpu_site/.unpacked
+  fi
+  if [ -f /tmp/gpu_site/.unpacked ]; then
+    export PYTHONPATH="/tmp/gpu_site/site312:/tmp/gpu_site/mamba_ssm_triton:src:tests"
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=NO
+    CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+    export CUDA_HOME
+    python -c "import transformers, fla, flash_qla, mamba_ssm, liger_kernel; print('peers: transformers', \
+transformers.__version__, 'fla', fla.__version__, 'flash_qla', flash_qla.__version__, 'mamba_ssm', \
+mamba_ssm.__version__)" 2>&1 | tail -3 | tee -a "$OUT/device.txt"
+  else
+    echo "peers: .whl/gpu_site.tar.xz not carried: no public kernels to compare with" | tee -a "$OUT/device.txt"
+  fi
 }
 # flash-linear-attention as a timing reference, when its wheels were carried in .whl/ (fetch them on a machine
 # with PyPI: pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops liger-kernel==0.8.5 -d .whl)
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | grep -v WARNING
 fi
+run_part() {
+local part=$1
 case "$part" in
 tests|quick)
   # `quick`: the summary cases of the op tests only (the op tests at 8K-32K take about 3 minutes).
@@ -189,27 +225,45 @@ families)
   # the Triton backend on each family's GDN layer at its released head shapes (CP2 sharing the GPU)
   check family_shapes 420 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider
   ;;
-ssd|ssd_step|kda)
-  if ls .whl/tf/transformers-*.whl >/dev/null 2>&1; then
-    python -m pip install -q --no-deps --no-index .whl/tf/transformers-*.whl 2>&1 | grep -v WARNING
-  fi
-  if [ "$part" = "kda" ]; then
-    check kda_tests 300 python -m pytest tests/gpu/test_kda_triton_gpu.py -q -s -ra -p no:cacheprovider
-    check kda_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider -k Kimi
-    # shellcheck disable=SC2086  (KDA_LENGTHS: a list of lengths)
-    check kda_op 420 python bench/kda_op.py --lengths ${KDA_LENGTHS:-8192 16384 32768 65536} --json "$OUT/kda_op.jsonl"
-    finish
-  fi
-  [ -d .whl/mamba_ssm_triton ] && export PYTHONPATH="$PYTHONPATH:$PWD/.whl/mamba_ssm_triton"
-  if [ "$part" = "ssd" ]; then
-    check ssd_tests 240 python -m pytest tests/gpu/test_ssd_triton_gpu.py -q -s -ra -p no:cacheprovider
-    # shellcheck disable=SC2086  (SSD_LENGTHS: a list of lengths)
-    check ssd_op 420 python bench/ssd_op.py --lengths ${SSD_LENGTHS:-8192 16384 32768 65536} --json "$OUT/ssd_op.jsonl"
-    check mamba2_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
-      -k "Bamba or Nemotron or Granite"
-  else
-    check mamba2_step 540 python bench/mamba2_step.py --lengths 16384 65536 --profile --json "$OUT/mamba2_step.jsonl"
-  fi
+recurrences)
+  # -v: each test's verdict as it ends (a check stopped at its limit still shows which ran); -rA: the rel-L2 figures
+  # the tests print
+  check recurrence_tests 230 python -m pytest -n 8 -v -rA -p no:cacheprovider tests/gpu/test_ssd_triton_gpu.py \
+    tests/gpu/test_kda_triton_gpu.py tests/gpu/test_family_gdn_shapes_gpu.py tests/gpu/test_triton_selfcheck_gpu.py \
+    tests/gpu/test_cp_triton.py tests/gpu/test_triton_gdn.py
+  ;;
+kda)
+  check kda_tests 300 python -m pytest tests/gpu/test_kda_triton_gpu.py -q -s -ra -p no:cacheprovider
+  check kda_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider -k Kimi
+  # shellcheck disable=SC2086  (KDA_LENGTHS: a list of lengths)
+  check kda_op 420 python bench/kda_op.py --lengths ${KDA_LENGTHS:-8192 16384 32768 65536} --profile 32768 \
+    --json "$OUT/kda_op.jsonl"
+  ;;
+ssd)
+  check ssd_tests 240 python -m pytest tests/gpu/test_ssd_triton_gpu.py -q -s -ra -p no:cacheprovider
+  # shellcheck disable=SC2086  (SSD_LENGTHS, SSD_SHAPES: lists)
+  check ssd_op 420 python bench/ssd_op.py --lengths ${SSD_LENGTHS:-8192 16384 32768 65536} \
+    --shapes ${SSD_SHAPES:-nemotron-h-8b h128-g1-n256 h64-g1-n128} --profile 32768 --json "$OUT/ssd_op.jsonl"
+  check mamba2_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
+    -k "Bamba or Nemotron or Granite"
+  ;;
+ssd_op|kda_op)
+  # the benches alone (the tests in `recurrences`)
+  # shellcheck disable=SC2086
+  [ "$part" = ssd_op ] && check ssd_op 200 python bench/ssd_op.py --lengths ${SSD_LENGTHS:-8192 16384 32768 65536} \
+    --shapes ${SSD_SHAPES:-nemotron-h-8b h128-g1-n256} --profile 32768 --json "$OUT/ssd_op.jsonl"
+  # shellcheck disable=SC2086
+  [ "$part" = kda_op ] && check kda_op 140 python bench/kda_op.py --lengths ${KDA_LENGTHS:-8192 16384 32768 65536} \
+    --profile 32768 --json "$OUT/kda_op.jsonl"
+  ;;
+ssd_step)
+  check mamba2_step 540 python bench/mamba2_step.py --lengths 16384 65536 --profile --json "$OUT/mamba2_step.jsonl"
+  ;;
+gdn_peers)
+  check gdn_peers_16h 300 python bench/gdn_peers.py --hk 16 --hv 16 --lengths 8192 16384 32768 65536 \
+    --profile 32768 --json "$OUT/gdn_peers.jsonl"
+  check gdn_peers_32h 200 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --no-accuracy \
+    --json "$OUT/gdn_peers.jsonl"
   ;;
 heads)
   fla=(); ls .whl/fla_core-*.whl >/dev/null 2>&1 && fla=(--fla)
@@ -319,4 +373,10 @@ cp)
     --json "$OUT/bench.jsonl"
   ;;
 esac
-finish
+}
+peers_env
+for part in "$@"; do
+  echo "##### part $part"
+  run_part "$part"
+done
+finish "$@"
