@@ -115,8 +115,8 @@ def main():
     ap.add_argument("--accuracy-length", type=int, default=16384)
     ap.add_argument("--accuracy-bound", type=float, default=2e-2,
                     help="deltacp's worst bf16 rel-L2 allowed (exit 1 above it)")
-    ap.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES),
-                    help="gate regimes of the accuracy rows")
+    ap.add_argument("--regimes", nargs="*", default=list(REGIMES), choices=list(REGIMES),
+                    help="gate regimes of the accuracy rows (none: timing only)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", type=int, default=None, metavar="T",

@@ -74,6 +74,8 @@ def main():
     ap.add_argument("--dim", type=int, default=128, help="K = V")
     ap.add_argument("--accuracy-length", type=int, default=4096)
     ap.add_argument("--accuracy-bound", type=float, default=2e-2)
+    ap.add_argument("--regimes", nargs="*", default=list(REGIMES), choices=list(REGIMES),
+                    help="gate regimes of the accuracy rows (none: timing only)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--profile", type=int, default=None, metavar="T",
                     help="kernel time of one fwd+bwd of each stack at this length")
@@ -91,7 +93,7 @@ def main():
         runs.append((f"fla-{fla_pkg.__version__}-chunk_kda", fla))
     print("stacks:", [label for label, _ in runs], flush=True)
     failed = compare(runs, lambda T, regime: make_inputs(T, H, D, D, regime, torch.bfloat16), deltacp_op("eager"),
-                     NAMES, regimes=list(REGIMES), lengths=args.lengths, accuracy_length=args.accuracy_length,
+                     NAMES, regimes=args.regimes, lengths=args.lengths, accuracy_length=args.accuracy_length,
                      bound=args.accuracy_bound, repeat=args.repeat, profile=args.profile, json=args.json,
                      tag={"H": H, "K": D})
     for msg in failed:

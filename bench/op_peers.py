@@ -25,6 +25,23 @@ def fwd_bwd(fn, t, names, seed=1):
     return y, ht, dict(zip(names, grads))
 
 
+def timed_fwd_bwd(fn, t, names, seed=1):
+    """A closure running fn(*t[names]) and its backward against gradients of the output and final state drawn once
+    here (in the output's dtype), so that the timed region holds the op's forward and backward alone."""
+    y, ht = fn(*(t[n] for n in names))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gy = torch.randn(y.shape, generator=gen, device="cuda").to(y.dtype)
+    gh = (torch.randn(ht.shape, generator=gen, device="cuda") * 0.1).to(ht.dtype)
+    leaves = [t[n] for n in names]
+    del y, ht
+
+    def step():
+        y, ht = fn(*leaves)
+        torch.autograd.grad((y, ht), leaves, (gy, gh))
+
+    return step
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
@@ -36,8 +53,8 @@ def ours(label: str) -> bool:
 
 def compare(runs, make, reference, names, *, regimes, lengths, accuracy_length, bound, repeat=10, profile=None,
             json=None, tag=None, timing_regime="slow"):
-    """Accuracy in every regime at `accuracy_length`, then times at every length, then (profile: a length) the
-    kernels of one fwd + bwd of each stack. `make(T, regime)` -> {name: leaf tensor requiring grad} in the dtype
+    """Accuracy in every regime at `accuracy_length` (none for regimes=[]), then times at every length, then
+    (profile: a length) the kernels of one fwd + bwd of each stack. `make(T, regime)` -> {name: leaf tensor requiring grad} in the dtype
     the stacks take; `reference` runs on float64 copies of them. Prints the tables; returns the failures of ours."""
     tag = tag or {}
     failed, worst = [], {}
@@ -72,7 +89,7 @@ def compare(runs, make, reference, names, *, regimes, lengths, accuracy_length, 
             t = make(T, timing_regime)
             try:
                 f = time_cuda(lambda: fn(*(t[n] for n in names)), warmup=3, repeat=repeat)  # noqa: B023
-                fb = time_cuda(lambda: fwd_bwd(fn, t, names), warmup=3, repeat=repeat)  # noqa: B023
+                fb = time_cuda(timed_fwd_bwd(fn, t, names), warmup=3, repeat=repeat)
                 row = {"kind": "timing", "stack": label, "T": T, **tag, "fwd_ms": f["median_ms"],
                        "fwd_bwd_ms": fb["median_ms"], "fwd_bwd_p90_ms": fb["p90_ms"], "peak_gib": fb["peak_gib"]}
             except Exception as e:  # noqa: BLE001  (out of memory, or a public kernel that fails: in the row)
@@ -87,17 +104,19 @@ def compare(runs, make, reference, names, *, regimes, lengths, accuracy_length, 
         for label, fn in runs:
             t = make(profile, timing_regime)
             try:
-                fwd_bwd(fn, t, names)
+                step = timed_fwd_bwd(fn, t, names)
+                step()
                 print(f"\n{label} {tag} T={profile}: CUDA kernel time of one fwd+bwd", flush=True)
-                profile_step(lambda: fwd_bwd(fn, t, names), top=12)  # noqa: B023
+                profile_step(step, top=12)
             except Exception as e:  # noqa: BLE001
                 print(f"{label}: no profile ({type(e).__name__})")
             del t
             torch.cuda.empty_cache()
-    print(f"\n{tag}: worst rel-L2 vs float64 over the output, the final state and every gradient, T = "
-          f"{accuracy_length} ({' / '.join(regimes)})")
-    for label, _ in runs:
-        print(f"  {label:>42}: " + " / ".join(f"{worst.get((label, r), float('nan')):.1e}" for r in regimes))
+    if regimes:
+        print(f"\n{tag}: worst rel-L2 vs float64 over the output, the final state and every gradient, T = "
+              f"{accuracy_length} ({' / '.join(regimes)})")
+        for label, _ in runs:
+            print(f"  {label:>42}: " + " / ".join(f"{worst.get((label, r), float('nan')):.1e}" for r in regimes))
     print(f"{tag}: fwd ms, fwd+bwd ms, peak GiB (median of {repeat}, {timing_regime} gates)")
     print(f"{'T':>7} " + "".join(f"{label[:34]:>36}" for label, _ in runs))
     for T in lengths:

@@ -143,6 +143,8 @@ def main():
     ap.add_argument("--accuracy-length", type=int, default=8192)
     ap.add_argument("--accuracy-bound", type=float, default=2e-2,
                     help="deltacp's worst bf16 rel-L2 allowed (exit 1 above it)")
+    ap.add_argument("--regimes", nargs="*", default=list(REGIMES), choices=list(REGIMES),
+                    help="gate regimes of the accuracy rows (none: timing only)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", type=int, default=None, metavar="T",
@@ -156,7 +158,7 @@ def main():
     for i, shape in enumerate(args.shapes):
         H, G, N, P = SHAPES[shape]
         failed += compare(runs, lambda T, regime: make_inputs(T, H, G, N, P, regime, torch.bfloat16),  # noqa: B023
-                          deltacp_op("eager"), NAMES, regimes=list(REGIMES), lengths=args.lengths,
+                          deltacp_op("eager"), NAMES, regimes=args.regimes, lengths=args.lengths,
                           accuracy_length=args.accuracy_length, bound=args.accuracy_bound, repeat=args.repeat,
                           profile=args.profile if i == 0 else None, json=args.json, tag={"shape": shape})
     for msg in failed:
