@@ -4,10 +4,11 @@ inputs of the scalar-decay recurrence (`ops/ssd/eager.py`: k = B, q = C, v = dt 
 dt = softplus(dt_raw + dt_bias) clamped to `time_step_limit` and A = -exp(A_log)) on the eager or the Triton backend
 (`ops/ssd/triton`), and the output path (the module's own gated RMSNorm, then the output projection).
 
-Padding: transformers multiplies the conv's output by the padding mask (the conv has a bias, so a zeroed input token
-would still write the state). Under CP a padded row is a valid document and a padding document (`models/inputs.py`):
-no conv window and no state crosses from padding into valid tokens, so their outputs are transformers' without the
-mask (checked with left padding).
+Padding: transformers zeroes padded tokens' hidden states before `in_proj` and multiplies the conv's output by the
+padding mask again (the conv has a bias, so a zeroed input token would still write the state). The CP layer does
+both for every family (`parallel/gdn_layer.py`, `parallel/shard.py`): padded tokens write nothing into the state,
+and their pre-conv values (zero, or `in_proj`'s bias) enter the conv windows of the valid tokens after them, as in
+transformers.
 
 Shape legend: x_BsD local hidden states; pre_BsC pre-conv [x | B | C]; extras_BsHX [dt_raw] per head.
 """

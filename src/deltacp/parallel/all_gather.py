@@ -84,7 +84,7 @@ def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, e
     pieces = Pieces(torch.distributed.get_rank(group), torch.distributed.get_world_size(group), layer.balanced,
                     pre_BsC.shape[1])
     docs = document_segments(ctx, pieces)
-    inputs = scan_inputs(layer, shard, pre_BsC, extras_BsHX, pieces, docs)
+    inputs = scan_inputs(layer, shard, pre_BsC, extras_BsHX, pieces, docs, padded=ctx.padding is not None)
 
     # with documents, M = 0 wherever the entering state cannot reach the end of the piece (varlen.py)
     summaries = [torch.cat(rec.summary(x, cu_seqlens=lay), dim=-1) for x, lay in zip(inputs.calls, inputs.layouts)]

@@ -138,5 +138,8 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
                          f"sequence_layout={'balanced' if layer.balanced else 'contiguous'!r})")
 
     pre_BsC, extras_BsHX, out = v.project(hidden_states)
+    if ctx.padding is not None:  # the mask as one more extra: it travels with its tokens through every layout
+        keep = ctx.padding.to(extras_BsHX.dtype)[:, :, None, None].expand(*extras_BsHX.shape[:-1], 1)
+        extras_BsHX = torch.cat([extras_BsHX, keep], dim=-1)
     o_BsHV = layer.mixer(layer, pre_BsC, extras_BsHX, ctx)
     return v.output(o_BsHV, out, layer.backend)

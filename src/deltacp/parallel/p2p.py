@@ -198,7 +198,7 @@ def p2p_scan(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_B
 
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
-    inputs = scan_inputs(layer, shard, pre_BsC, extras_BsHX, pieces, docs)
+    inputs = scan_inputs(layer, shard, pre_BsC, extras_BsHX, pieces, docs, padded=ctx.padding is not None)
     calls = range(len(inputs.calls))
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:

@@ -96,11 +96,18 @@ class PieceInputs:
 
 
 def scan_inputs(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
-                pieces: Pieces, docs: list[DocumentSegment | None]) -> PieceInputs:
+                pieces: Pieces, docs: list[DocumentSegment | None], padded: bool = False) -> PieceInputs:
     """The recurrence inputs of this shard per backend call (`PieceInputs`), checked against the recurrence's
     contract. Contiguous once here (the Triton backend writes them so; eager's are views of the conv output): the
     backend's saves and the modes' own autograd nodes then share these tensors instead of views keeping the whole
-    conv output alive through the backward."""
+    conv output alive through the backward.
+
+    padded: the last extra is the padding mask (`gdn_forward_cp` appends it; 1 valid, 0 padding). The conv output
+    of a padded token is zeroed, as transformers' Mamba2 mixers do, so that no padded token writes into a
+    recurrent state: every recurrence here writes k vᵀ (scaled) and erases along k, both zero for q = k = v = 0,
+    whatever its gates (a zero state decays to zero). The padded tokens' pre-conv values still enter the conv
+    windows of the valid tokens after them, as in transformers (they are zero unless an input projection has a
+    bias)."""
     batched = pieces.per_member == 1 or all(d is None for d in docs)
     parts = conv_parts(layer, pre_BsC, shard.conv_weight_CK, shard.conv_bias_C, shard.key_heads, pieces, docs,
                        shard.seq_group, batched)
@@ -111,6 +118,10 @@ def scan_inputs(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extra
             extras = extras_BsHX.unflatten(1, (pieces.per_member, -1)).flatten(0, 1)
         else:
             extras = extras_BsHX[:, pieces.local(call)]
+        if padded:
+            keep = extras[:, :, 0, -1, None, None]  # [rows, n, 1, 1]
+            extras = extras[..., :-1]
+            part = tuple(p * keep.to(p.dtype) for p in part)
         x = layer.view.inputs(part, extras, shard.heads, layer.backend).contiguous()
         layer.recurrence.check(x)
         inputs.calls.append(x)

@@ -83,7 +83,8 @@ def ulysses_mixer(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.T
     S = sh.pre_BSC.shape[1]
     whole = Pieces(0, 1, False, S)  # the whole row, in row order
     (docs,) = document_segments(ctx, whole)
-    (x,) = scan_inputs(layer, sh.scan_shard(layer), sh.pre_BSC, sh.extras_BSHX, whole, [docs]).calls
+    (x,) = scan_inputs(layer, sh.scan_shard(layer), sh.pre_BSC, sh.extras_BSHX, whole, [docs],
+                       padded=ctx.padding is not None).calls
     o_BSHV, _ = layer.recurrence.forward(x, cu_seqlens=None if docs is None else docs.layout)
     o_BSX = from_row_order(o_BSHV.reshape(B, S, -1), 1, dist.get_world_size(layer.group), layer.balanced)
     o_BsPX = all_to_all_head_to_seq(o_BSX, layer.group)
