@@ -411,3 +411,12 @@ def all_gather_tokens(x_BS: torch.Tensor, group, cp: int) -> torch.Tensor:
     parts = [torch.empty_like(src) for _ in range(cp)]
     dist.all_gather(parts, src.contiguous(), group=group)
     return torch.cat(parts, dim=1).to(x_BS.device)
+
+
+def max_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """The largest value of a 0-dim tensor over the ranks of `group`, on x's device (through host memory over
+    gloo). Not differentiable: for positions and counts."""
+    src = x.detach().reshape(1)
+    src = src.cpu() if dist.get_backend(group) == "gloo" else src.clone()
+    dist.all_reduce(src, op=dist.ReduceOp.MAX, group=group)
+    return src.to(x.device).reshape(())

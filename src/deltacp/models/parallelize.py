@@ -11,8 +11,9 @@ train() / eval()); `apply_linear_attention_cp` (the GDN style on every `linear_a
 (the full attention style on every `self_attn`); on the Triton backend `apply_fused_decoder` (RMSNorm, residual
 add + RMSNorm: `models/fused_decoder.py`); `install_input_hooks` (the CP input hook on the text model, on a
 multimodal model the vision hook, on a causal-LM / conditional-generation wrapper the hook refusing `labels` and
-`logits_to_keep`, and for routed experts the hook making `aux_loss` global). Experts are per-token work and stay
-as they are. Parameters are not sharded: compose FSDP2 on top with `fully_shard_cp` (`models/fsdp.py`), or sum
+`logits_to_keep`, and for routed experts the hook making `aux_loss` global); on rotary embeddings whose frequencies
+depend on the call's positions ('dynamic', 'longrope'), the batch's largest position (`models/rotary.py`). Experts
+are per-token work and stay as they are. Parameters are not sharded: compose FSDP2 on top with `fully_shard_cp` (`models/fsdp.py`), or sum
 gradients over the CP group with `all_reduce_cp_grads` when parameters are replicated.
 """
 
@@ -31,6 +32,7 @@ from deltacp.models.adapters import ModelAdapter, adapter_for
 from deltacp.models.inputs import make_cp_inputs_hook, refuse_local_loss
 from deltacp.models.moe import make_aux_loss_hook
 from deltacp.models.multimodal import make_multimodal_hook
+from deltacp.models.rotary import check_rotary, install_global_rotary
 from deltacp.parallel.placement import RowCut
 from deltacp.parallel.plan import CPPlan
 from deltacp.parallel.style import FullAttentionContextParallel, LinearAttentionContextParallel
@@ -237,6 +239,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = 
         refuse_wrapped(model)
         adapter = adapter_for(model)
         config.update(check_model(model, adapter, linear, full, cp))
+        check_rotary(adapter.text)
     raise_together(group, "parallelize_cp", checks.error, agree=config)
 
     stop_kernelization(model)
@@ -252,6 +255,11 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = 
                         "form: its decoder layers keep transformers' forwards (the mixers run the Triton backend)",
                         adapter.family.name)
     install_input_hooks(adapter, cp_mesh, plan.sequence_layout)
+    text = adapter.text
+    rotary = install_global_rotary(text, group, lambda: getattr(text, _SUSPENDED, False))
+    if rotary:
+        logger.info("Rotary frequencies from the whole batch's largest position (one all-reduce per forward) on %s",
+                    ", ".join(rotary))
     setattr(adapter.text, _ROW_CUT, row_cut(config, plan))
     setattr(adapter.text, _PLAN, plan)
     logger.info("Applied CP: %s", plan.describe())
