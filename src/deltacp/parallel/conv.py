@@ -39,9 +39,9 @@ def conv_parts(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tensor, 
     halo_group: None (the row is whole here: one piece, zeros on the left), or the group over which `pieces` are
     held, whose holders of the previous pieces send the conv halos (a collective: every rank of it calls this). A
     group of one rank holding the row as one piece needs no halo: it runs as None (no exchange, and no backward that
-    writes a zero gradient over the whole input for autograd to add to the conv's)."""
-    if halo_group is not None and whole_row_here(halo_group, pieces):
-        halo_group = None
+    writes a zero gradient over the whole input for autograd to add to the conv's); nor does a conv of kernel 1."""
+    if halo_group is not None and (layer.halo == 0 or whole_row_here(halo_group, pieces)):
+        halo_group = None  # a kernel of one token (halo 0) reads no token before its own: nothing to exchange
     left = None if halo_group is None else conv_halo_exchange(x_BsC, layer.halo, halo_group, pieces)
     heads = layer.view.conv_heads(key_heads)
     slots = pieces.per_member

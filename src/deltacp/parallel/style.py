@@ -43,6 +43,7 @@ from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
 from deltacp.parallel.views import LinearMixerView, mixer_view_of
 
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 _CP_LAYER = "_deltacp_cp"  # the attribute under which a CP'd GDN module keeps its GDNLayerCP
 
 
@@ -130,9 +131,9 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
             raise ValueError(f"linear attention CP needs a causal conv with padding (kernel-1)*dilation = "
                              f"{(conv.kernel_size[0] - 1) * conv.dilation[0]}, got padding {conv.padding[0]}")
         view.recurrence(self.gdn_backend)  # raises here (before any collective) for a backend it has no kernels on
-        if view.conv_activation != "silu":
+        if view.conv_activation not in SILU_NAMES:
             raise NotImplementedError(f"linear attention CP computes the conv's activation as SiLU; this layer's "
-                                      f"is {view.conv_activation!r} (hidden_act)")
+                                      f"is {view.conv_activation!r} (hidden_act; SiLU's names: {SILU_NAMES})")
         if layout.value_heads % layout.key_heads:
             raise ValueError(f"{layout.value_setting} ({layout.value_heads}) must be a multiple of "
                              f"{layout.key_setting} ({layout.key_heads})")
