@@ -172,6 +172,19 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     return local + (global_mean - local.detach())
 
 
+def refuse_z_loss(model: nn.Module, fn: str) -> None:
+    """A z-loss term the model's own loss would add (Bamba's `z_loss_coefficient` > 0: the mean of logsumexp(logits)^2
+    over every position, with labels) is not computed by the CP losses: ValueError naming the setting rather than a
+    silently different loss."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    coef = getattr(config, "z_loss_coefficient", 0.0) or 0.0
+    if coef > 0:
+        raise ValueError(f"{fn}: {type(model).__name__} has z_loss_coefficient={coef}: transformers adds "
+                         f"z_loss_coefficient * mean(logsumexp(logits)^2) to its own loss, which deltacp's CP losses "
+                         f"do not compute; set config.z_loss_coefficient = 0 (or add the z-loss to your loss from "
+                         f"the logits)")
+
+
 def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *,
                       chunk_size: int | None = None, vocab_chunk_size: int | None = None,
                       weight_grad: str = "accumulate", num_items_in_batch: int | torch.Tensor | None = None,
@@ -202,6 +215,7 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         require_parallelized(model, fn)
         head = output_head(model, fn)
         kernels = head_kernels_of(model)
+        refuse_z_loss(model, fn)
     raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device)
     stats = []
 

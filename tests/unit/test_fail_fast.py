@@ -253,3 +253,22 @@ def test_mamba2_head_rules_name_each_familys_settings():
         with pytest.raises(ValueError, match=rf"ulysses_degree=16 must divide {setting} \(8\)"):
             LinearAttentionContextParallel(mode="p2p", ulysses_degree=16).check_module(mixer, 32)
         assert LinearAttentionContextParallel(mode="ulysses").check_module(mixer, 4)["num_k_heads"] == 2  # groups
+
+
+def test_z_loss_is_refused_by_the_cp_losses(single_rank_group):
+    """Bamba's z_loss_coefficient > 0 adds a z-loss to transformers' own loss; deltacp's CP loss does not compute it
+    and says so (a silently different loss otherwise), naming the setting; at 0 the loss runs."""
+    from deltacp import cp_causal_lm_loss, parallelize_cp, shard_batch_for_cp
+    from helpers import tiny_bamba
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    ids = torch.randint(3, 256, (1, 16))
+    for coef in (0.01, 0.0):
+        model = parallelize_cp(tiny_bamba(torch.float32, z_loss_coefficient=coef), mesh)
+        batch = shard_batch_for_cp(ids, mesh, model=model)
+        targets = batch.pop("target_ids")
+        if coef:
+            with pytest.raises(ValueError, match=r"z_loss_coefficient=0\.01.*set config\.z_loss_coefficient = 0"):
+                cp_causal_lm_loss(model, targets, mesh, use_cache=False, **batch)
+        else:
+            assert torch.isfinite(cp_causal_lm_loss(model, targets, mesh, use_cache=False, **batch))
