@@ -80,19 +80,17 @@
 #   bash scripts/gpu_checks.sh ssd     the Mamba2 (SSD) scalar-decay recurrence on Triton: GPU tests vs eager float64 (three
 #                                      gate regimes, initial state, packed rows, N 128/256), then bench/ssd_op.py: rel-L2
 #                                      vs float64 and fwd+bwd ms / peak memory at 8K-64K (SSD_LENGTHS) against mamba_ssm's
-#                                      Triton SSD (a copy of its Triton files, .whl/mamba_ssm_triton, with an empty
-#                                      package root: the CUDA-extension import guard bypassed) and FLA's simple_gla
-#                                      (wheels in .whl/), the Mamba2 mixers at their config shapes under CP2 (bf16 Triton
-#                                      vs fp32 eager); exits non-zero when any check fails          (about 8 minutes)
+#                                      Triton SSD (chunk 128 and 256) and FLA's simple_gla, the Mamba2 mixers at their
+#                                      config shapes under CP2 (bf16 Triton vs fp32 eager)             (about 8 minutes)
 #   bash scripts/gpu_checks.sh ssd_step  bench/mamba2_step.py: the Nemotron-H-8B-shaped step (8 blocks) at 16K and 64K,
 #                                      deltacp against transformers + mamba_ssm's Triton SSD + liger's fused linear CE,
 #                                      kernel time by class                                         (about 5 minutes)
-#   bash scripts/gpu_checks.sh kda     the KDA recurrence on Triton: GPU tests vs eager float64 (T = 8192, K = V = 128, three
-#                                      gate regimes, initial state, packed rows), Kimi-Linear's KDA mixer at its config
-#                                      shape under CP2 (bf16 Triton vs fp32 eager), then bench/kda_op.py at 8K-64K against
-#                                      FLA's chunk_kda (wheels in .whl/)                            (about 8 minutes)
-#   ssd, ssd_step and kda install the transformers wheel carried in .whl/tf/ (the version the CPU suite pins) when it
-#   is there.
+#   bash scripts/gpu_checks.sh kda     the KDA recurrence: its GPU tests (the Triton kernels are refused on a GPU until
+#                                      rewritten: the refusal checked), Kimi-Linear's mixer at its config shape (the
+#                                      refusal too), then bench/kda_op.py against FLA's chunk_kda (ours fails the bench:
+#                                      refused; FLA's row measured)                                 (about 5 minutes)
+#   The public kernels (FLA, FlashQLA, mamba_ssm's Triton SSD, liger-kernel, transformers 5.25) come from
+#   .whl/gpu_site.tar.xz (below).
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
 #                                      32K (fp64 check where one exists, each candidate run twice)  (about 6 min)
 #   bash scripts/gpu_checks.sh recurrences  the op tests of every Triton recurrence against float64 / fp32 references,

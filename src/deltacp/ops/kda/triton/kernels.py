@@ -47,6 +47,17 @@ BT = 64
 BV = 32  # the state kernels' column block (clipped to V)
 PAIR_BJ = 4  # columns per step of the decayed pair products on a GPU (see _bj)
 
+# Launch configurations. The state kernels pipeline two chunks at most: three stages of their fp32 [64, K] tiles
+# need 246,784 bytes of shared memory at K = 128, over a Hopper program's 232,448 (Triton 3.6 refused to launch
+# them on an H100, 2026-12-06; bench/kernel_resources.py finds the same offline).
+LAUNCH: dict[str, dict[str, int]] = {
+    "wy_fwd": dict(num_warps=4, num_stages=3),
+    "state_fwd": dict(num_warps=4, num_stages=2),
+    "out_fwd": dict(num_warps=4, num_stages=3),
+    "state_bwd": dict(num_warps=4, num_stages=2),
+    "chunk_bwd": dict(num_warps=8, num_stages=3),
+}
+
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
@@ -386,7 +397,7 @@ def wy_fwd(k, v, gam, beta):
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
     kda_wy_fwd_kernel[(NT, B * H)](k, v, gam, beta, tm, w, u, Tp, H=H, K=K, V=V, BT=BT, BJ=_bj(), PREC=_prec(gam.dtype),
-                                   num_warps=4)
+                                   **LAUNCH["wy_fwd"])
     return tm, w, u
 
 
@@ -405,7 +416,7 @@ def state_fwd(w, u, k, gam, h0=None, *, cols=None, store_h=True, store_vn=True, 
     kda_state_fwd_kernel[(triton.cdiv(V, bv), B * H)](
         w, u, k, gam, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BV=bv, USE_H0=h0 is not None,
         HAS_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=_prec(acc), num_warps=4)
+        RESETS=resets is not None, PREC=_prec(acc), **LAUNCH["state_fwd"])
     return h, vn, ht
 
 
@@ -414,7 +425,7 @@ def out_fwd(q, k, gam, h, vn, out_dtype):
     B, Tp, H, K, V, NT = _shape(k, vn)
     o = torch.empty(B, Tp, H, V, device=k.device, dtype=out_dtype)
     kda_out_fwd_kernel[(NT, B * H)](q, k, gam, h, vn, None, o, NT, H=H, K=K, V=V, BT=BT, BJ=_bj(), DVL=False,
-                                    PREC=_prec(gam.dtype), num_warps=4)
+                                    PREC=_prec(gam.dtype), **LAUNCH["out_fwd"])
     return o
 
 
@@ -423,7 +434,7 @@ def dv_local(q, k, gam, do):
     B, Tp, H, K, V, NT = _shape(k, do)
     dvl = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
     kda_out_fwd_kernel[(NT, B * H)](q, k, gam, None, None, do, dvl, NT, H=H, K=K, V=V, BT=BT, BJ=_bj(), DVL=True,
-                                    PREC=_prec(gam.dtype), num_warps=4)
+                                    PREC=_prec(gam.dtype), **LAUNCH["out_fwd"])
     return dvl
 
 
@@ -438,7 +449,7 @@ def state_bwd(q, k, gam, w, do, dvl, dht=None, *, store=True, need_dh0=False, re
     kda_state_bwd_kernel[(triton.cdiv(V, bv), B * H)](
         q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BV=bv,
         USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, PREC=_prec(acc),
-        num_warps=4)
+        **LAUNCH["state_bwd"])
     return dh, dvn, dh0
 
 
@@ -450,5 +461,5 @@ def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
     dv = torch.empty(B, Tp, H, V, device=k.device, dtype=acc)
     dbeta = torch.empty(B, Tp, H, device=k.device, dtype=acc)
     kda_chunk_bwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, NT,
-                                      H=H, K=K, V=V, BT=BT, BJ=_bj(), PREC=_prec(acc), num_warps=8)
+                                      H=H, K=K, V=V, BT=BT, BJ=_bj(), PREC=_prec(acc), **LAUNCH["chunk_bwd"])
     return dq, dk, dv, dbeta, dgam

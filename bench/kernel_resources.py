@@ -1,0 +1,233 @@
+"""The resources every Triton kernel of deltacp's recurrences asks of a Hopper GPU, found on any machine (no GPU
+needed): shared memory per program, registers per thread and spilled bytes, at the released head shapes.
+
+Two steps, each in its own process:
+1. record: the ops run forward + backward under TRITON_INTERPRET=1 at each shape (a few chunks of tokens: the launch
+   configuration depends on the head shape, not on the length), with every launch recorded instead of run: the
+   kernel, its argument types, its constexpr values, num_warps and num_stages;
+2. compile: each distinct launch compiled by Triton for sm_90 (`triton.compile` with an explicit GPUTarget: Triton's
+   own compiler and its bundled ptxas, the same passes a GPU machine runs), its shared memory read from the compiled
+   kernel's metadata and registers / spills from `ptxas -v` on its PTX.
+
+A kernel that needs more shared memory than an H100 / H200 program may have (232,448 bytes) cannot launch there
+(Triton raises OutOfResources); spilled registers go to local memory. The numbers are those of the Triton installed
+here (the GPU machine may run another: 2026-12-06 the H100's Triton 3.6.0 refused exactly the 246,784 bytes this
+tool finds for KDA's state kernel with Triton 3.9.0).
+
+    python bench/kernel_resources.py                       # every op at its shapes; exit 1 on a kernel over the limit
+    python bench/kernel_resources.py --ops kda --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HOPPER_SHARED_LIMIT = 232448  # bytes per program on sm_90 (H100, H200): the limit Triton checks at launch
+
+# op -> {label: shape}; the released shapes of each family's recurrence
+SHAPES = {
+    "ssd": {  # (H, G, N, P): Nemotron-H-8B (128 x 64, 8 groups, state 128), the one-group state-256 Mamba2 hybrids
+        "nemotron-h-8b": dict(H=128, G=8, N=128, P=64),
+        "bamba/granite (N=256)": dict(H=128, G=1, N=256, P=64),
+    },
+    "kda": {"kimi-linear-48b (32 x 128)": dict(H=32, K=128, V=128)},
+    "gdn": {"qwen3.5 (16 x 128)": dict(Hk=16, Hv=16, K=128, V=128),
+            "olmo-hybrid (96 x 192)": dict(Hk=30, Hv=30, K=96, V=192)},
+}
+DTYPES = ("bfloat16", "float32")
+T = 192  # three chunks of 64
+
+
+def _inputs(op, shape, dtype):
+    import torch
+
+    from deltacp.ops.recurrence import RecurrenceInputs
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if op == "ssd":
+        H, G, N, P = (shape[k] for k in "HGNP")
+        x = RecurrenceInputs(r(1, T, G, N).to(dt), r(1, T, G, N).to(dt), r(1, T, H, P).to(dt), -r(1, T, H).abs(),
+                             r(1, T, H, P).to(dt))
+        return x, r(1, H, N, P), (1, T, H, P)
+    if op == "kda":
+        H, K, V = (shape[k] for k in "HKV")
+        x = RecurrenceInputs(r(1, T, H, K).to(dt), r(1, T, H, K).to(dt), r(1, T, H, V).to(dt),
+                             -r(1, T, H, K).abs(), torch.rand(1, T, H, generator=g))
+        return x, r(1, H, K, V), (1, T, H, V)
+    Hk, Hv, K, V = (shape[k] for k in ("Hk", "Hv", "K", "V"))
+    x = RecurrenceInputs(r(1, T, Hk, K).to(dt), r(1, T, Hk, K).to(dt), r(1, T, Hv, V).to(dt),
+                         -r(1, T, Hv).abs(), torch.rand(1, T, Hv, generator=g).to(dt))
+    return x, r(1, Hv, K, V), (1, T, Hv, V)
+
+
+def _recurrence(op):
+    if op == "ssd":
+        from deltacp.ops.ssd.triton import TritonScalarDecay
+
+        return TritonScalarDecay()
+    if op == "kda":
+        from deltacp.ops.kda.triton import TritonKimiDeltaRule
+
+        return TritonKimiDeltaRule(qk_l2norm=True, scale=None)
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+    from deltacp.ops.recurrence import GatedDeltaRule
+
+    return GatedDeltaRule(TritonGDNBackend(), qk_l2norm=True)
+
+
+def _type_of(value) -> str | None:
+    """Triton's signature type of a runtime argument (None: a constexpr)."""
+    import torch
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+             torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.bool: "i1"}
+    if isinstance(value, torch.Tensor):
+        return "*" + names[value.dtype]
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return "i64" if abs(value) >= 2**31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"argument of type {type(value).__name__}")
+
+
+def record(ops) -> list[dict]:
+    """Run the ops under the interpreter with launches recorded (not run); the distinct launches."""
+    import torch
+    from triton.runtime import interpreter
+
+    launches, seen = [], set()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        names = self.arg_names
+        values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        annotations = {p: getattr(self.fn, "__annotations__", {}).get(p) for p in names}
+        signature, constexprs = {}, {}
+        for name in names:
+            value = values.get(name)
+            is_constexpr = "constexpr" in str(annotations[name])
+            kind = None if is_constexpr else _type_of(value)
+            if kind is None:
+                constexprs[name] = value if not isinstance(value, torch.dtype) else str(value)
+            else:
+                signature[name] = kind
+        entry = dict(module=self.fn.__module__, kernel=self.fn.__name__, signature=signature, constexprs=constexprs,
+                     num_warps=options.get("num_warps", 4), num_stages=options.get("num_stages", 3))
+        key = json.dumps(entry, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            launches.append(dict(entry, where=record.where))
+        return None
+
+    interpreter.InterpretedFunction.run = run
+    for op in ops:
+        for label, shape in SHAPES[op].items():
+            for dtype in DTYPES:
+                record.where = f"{op} {label} {dtype}"
+                rec = _recurrence(op)
+                x, h0, out_shape = _inputs(op, shape, dtype)
+                leaves = x.map(lambda t: t.detach().requires_grad_())
+                h0 = h0.requires_grad_()
+                o, ht = rec.forward(leaves, initial_state=h0, output_final_state=True)
+                torch.autograd.grad((o.float().sum() + ht.float().sum()),
+                                    [t for t in (*leaves.tensors, h0) if t is not None and t.requires_grad],
+                                    allow_unused=True)
+                with torch.no_grad():
+                    rec.summary(x)
+                rec.initial_state_grad(x, torch.ones(out_shape, dtype=x.tensors[2].dtype))
+    return launches
+
+
+def _ptxas_usage(ptx: str, arch: int = 90) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", src, "-o",
+                              os.path.join(d, "k.o")], capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spill.group(1)) if spill else None,
+            "spill_loads": int(spill.group(2)) if spill else None}
+
+
+def compile_launch(launch: dict, arch: int = 90) -> dict:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    params = [p.name for p in fn.params]
+    signature = {p: launch["signature"].get(p, "constexpr") for p in params}
+    constexprs = {(params.index(k),): v for k, v in launch["constexprs"].items()}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
+    except Exception as e:  # noqa: BLE001  (a kernel that does not compile is reported as such)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"shared": k.metadata.shared, **_ptxas_usage(k.asm["ptx"], arch)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--json")
+    ap.add_argument("--record", help=argparse.SUPPRESS)  # internal: step 1, writing the launches to this file
+    args = ap.parse_args()
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump(record(args.ops), f)
+        return 0
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "launches.json")
+        from deltacp.ops.kda.triton.kernels import PAIR_BJ
+
+        # the interpreter runs KDA's pair products in one step; record the GPU's step instead
+        env = dict(os.environ, TRITON_INTERPRET="1", DELTACP_KDA_PAIR_BJ=str(PAIR_BJ))
+        subprocess.run([sys.executable, __file__, "--record", path, "--ops", *args.ops], env=env, check=True)
+        with open(path) as f:
+            launches = json.load(f)
+    over = []
+    print(f"{'kernel':<32} {'where':<38} {'warps':>5} {'stages':>6} {'shared B':>9} {'regs':>5} {'spill':>6}")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        results = list(pool.map(compile_launch, launches))
+    for launch, res in zip(launches, results):
+        row = {**launch, **res}
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if "error" in res:
+            print(f"{launch['kernel']:<32} {launch['where']:<38} {res['error']}")
+            over.append(f"{launch['kernel']} ({launch['where']}): {res['error']}")
+            continue
+        flag = "  OVER THE LIMIT" if res["shared"] > HOPPER_SHARED_LIMIT else ""
+        print(f"{launch['kernel']:<32} {launch['where']:<38} {launch['num_warps']:>5} {launch['num_stages']:>6} "
+              f"{res['shared']:>9} {res['registers'] or '?':>5} {res['spill_stores'] or 0:>6}{flag}", flush=True)
+        if flag:
+            over.append(f"{launch['kernel']} ({launch['where']}): {res['shared']} B of shared memory > "
+                        f"{HOPPER_SHARED_LIMIT}")
+    for msg in over:
+        print("FAIL", msg)
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
