@@ -267,7 +267,8 @@ def _mamba2_model(cls, config, mixer_of, dtype) -> torch.nn.Module:
             mixer.A_log.copy_(torch.empty(mixer.A_log.shape).uniform_(-5, -1, generator=gen))
             mixer.dt_bias.copy_(torch.empty(mixer.dt_bias.shape).uniform_(-2, 0, generator=gen))
             mixer.D.copy_(torch.empty(mixer.D.shape).uniform_(0.5, 1.5, generator=gen))
-            mixer.norm.weight.copy_(torch.empty(mixer.norm.weight.shape).normal_(1, 0.1, generator=gen))
+            if hasattr(mixer.norm, "weight"):  # Falcon-H1 without mamba_rms_norm: an identity (y * silu(z))
+                mixer.norm.weight.copy_(torch.empty(mixer.norm.weight.shape).normal_(1, 0.1, generator=gen))
     return model.to(dtype)
 
 
@@ -304,20 +305,20 @@ def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:
                          dtype)
 
 
-def tiny_granite_hybrid(dtype=torch.float64) -> torch.nn.Module:
+def tiny_granite_hybrid(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random GraniteMoeHybridForCausalLM (seeded): hidden 32, layers Mamba2 / attention / Mamba2 / Mamba2 (8
     heads of dim 8 in 2 groups, state 6), RoPE, 4 experts top-2 plus the shared MLP, muP multipliers away from 1
     (embedding 2, residual 0.7, attention 0.3, logits 1.5), aux loss coefficient 0.25; eager experts."""
     import transformers
 
-    config = transformers.GraniteMoeHybridConfig(
+    config = transformers.GraniteMoeHybridConfig(**{**dict(
         vocab_size=256, hidden_size=32, intermediate_size=64, shared_intermediate_size=64, num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
         num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_expand=2,
         mamba_n_groups=2, mamba_d_state=6, mamba_d_conv=4, mamba_chunk_size=16, num_local_experts=4,
         num_experts_per_tok=2, router_aux_loss_coef=0.25, position_embedding_type="rope", embedding_multiplier=2.0,
         residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=1.5, max_position_embeddings=65536,
-        tie_word_embeddings=False, pad_token_id=0)
+        tie_word_embeddings=False, pad_token_id=0), **overrides})
     return _mamba2_model(transformers.GraniteMoeHybridForCausalLM, config, lambda layer: layer.mamba, dtype)
 
 

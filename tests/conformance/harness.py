@@ -1,0 +1,258 @@
+"""The conformance harness: one family's table (`tables.py`) run under CP on gloo, float64.
+
+For every knob of the table (a config value away from transformers' default, or a weight pattern):
+- the model is built tiny, seeded, with the knob set, then `randomize_`: every bias, norm weight and routing bias
+  drawn away from transformers' init (zeros and ones hide bugs: a conv bias of zero writes nothing into a state);
+  the family's decay parameters stay as the builder set them (slow: the state of one rank matters on the next);
+- three inputs: "padded", a batch of two rows, the first right-padded and the second left-padded; "packed", one row
+  of five documents (shorter than the conv kernel, crossing rank boundaries); "long", one row of LONG tokens;
+- references, computed once and shared (`computed_once`): the unmodified transformers model (per document for the
+  packed row; on the padded batch, its logits at the valid tokens and the gradient of deltacp's loss on them) and
+  deltacp's single-device path (a one-rank mesh);
+- six CP runs, `COMBOS`: every linear-attention mode in both sequence layouts, each full-attention method twice,
+  each input twice. CP against the single-device path within 1e-8 (this rank's logits, the loss, every gradient
+  summed over ranks, the grad norm); the single-device path against transformers within float32-level bounds
+  (`TRANSFORMERS_BOUNDS`: transformers computes its norms, gates and fallbacks in float32 even in a float64 model).
+A knob deltacp refuses is run as a refusal: `parallelize_cp` or the first forward must raise, on every rank, an error
+naming it. A knob transformers ignores is listed with the reason and not run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from deltacp import cp_cross_entropy, parallelize_cp, shard_batch_for_cp
+from helpers import computed_once, cp_mesh, flat, float64_upcasts, grads_of, rel_l2, self_meshes
+
+S = 64  # tokens of a padded or packed row
+LONG = 192  # tokens of the long row (several chunks of 64 per rank at CP2)
+LENGTHS = [1, 3, 20, 7, 33]  # the packed row's documents
+PAD_RIGHT, PAD_LEFT = 45, 19  # row 0 valid up to PAD_RIGHT, row 1 from PAD_LEFT
+COMBOS = (  # (linear-attention mode, sequence layout, full-attention method, input)
+    ("ulysses", "contiguous", "ulysses", "padded"),
+    ("ulysses", "balanced", "ulysses", "long"),
+    ("p2p", "contiguous", "all_gather", "packed"),
+    ("p2p", "balanced", "ring", "padded"),
+    ("all_gather", "contiguous", "ring", "long"),
+    ("all_gather", "balanced", "all_gather", "packed"),
+)
+SEQUENCE_PARTS = {"all", "linear", "attention", "rope", "layers", "padding"}  # what the CP modes and layouts act on
+CP_BOUND = 1e-8
+TRANSFORMERS_BOUNDS = {"logits": 1e-6, "loss": 1e-6, "grads": 1e-4}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One row of a family's table: `name` (the config field, or a weight pattern), `overrides` (config fields
+    the builder passes to the config class), `touches` (the parts of the forward it changes), `value` (what the row
+    sets, for the README's table), `refused` (a fragment of the error deltacp must raise: the row runs as a
+    refusal), and for rows that are not run: `ignored` (why transformers' forward does not read it) or `elsewhere`
+    (a field that changes no logits, a loss term: the test that checks it)."""
+
+    name: str
+    overrides: dict = field(default_factory=dict)
+    touches: str = ""
+    refused: str | None = None
+    ignored: str | None = None
+    elsewhere: str | None = None  # a field that changes no logits (a loss term): where it is checked
+
+    @property
+    def runs(self) -> bool:
+        return self.ignored is None and self.elsewhere is None
+
+    @property
+    def token_wise(self) -> bool:
+        """Touches no part the CP modes act on (MLP, MoE, norms, embeddings, the head: transformers' own per-token
+        code): two of the six runs suffice (every input and layout still meets it across the table's rows)."""
+        return not (set(self.touches.replace(",", " ").split()) & SEQUENCE_PARTS)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A family's conformance table: its causal-LM class, a builder `build(**overrides) -> model` (tiny, seeded,
+    float64, the decays slow) and its knobs."""
+
+    family: str
+    model_class: str
+    build: Callable[..., torch.nn.Module]
+    knobs: tuple[Knob, ...]
+
+
+def randomize_(model: torch.nn.Module, seed: int = 99, keep: tuple[str, ...] = ()) -> torch.nn.Module:
+    """Every bias (parameters and buffers named *bias, routing correction biases included) drawn from N(0, 0.2^2),
+    every norm weight moved by N(0, 0.2^2) (away from ones, or from zeros for the (1 + w) norms); names containing
+    one of `keep` (the family's decay parameters: A_log, dt_bias, ...) left as the builder set them."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        tensors = list(model.named_parameters()) + list(model.named_buffers())
+        for name, t in tensors:
+            if not t.is_floating_point() or any(k in name for k in keep):
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("bias"):
+                t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) * 0.2)
+            elif leaf == "weight" and "norm" in name.lower():
+                t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) * 0.2)
+    return model
+
+
+def batches() -> dict:
+    """The three inputs: (ids, padding mask or None, cu_seqlens or None)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (2, S), generator=gen)
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[0, PAD_RIGHT:] = 0
+    mask[1, :PAD_LEFT] = 0
+    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
+    return {"padded": (ids, mask, None),
+            "packed": (torch.randint(3, 256, (1, sum(LENGTHS)), generator=gen), None, cu),
+            "long": (torch.randint(3, 256, (1, LONG), generator=gen), None, None)}
+
+
+def _valid_targets(batch: dict) -> torch.Tensor:
+    """A cut batch's targets, also ignored where the INPUT token is padding. deltacp's (and transformers' labels
+    convention) keep the first valid token of a left-padded row as the target of the last padding position, whose
+    logits are not defined (it attends to padding only: a padding document under CP, transformers' unmasked
+    fully-masked rows in one process); a comparison with transformers cannot include them."""
+    mask = batch.get("attention_mask")
+    targets = batch["target_ids"]
+    return targets if mask is None else torch.where(mask.bool(), targets, torch.full_like(targets, -100))
+
+
+def _targets(single, ids, mask, cu) -> torch.Tensor:
+    """The whole row's targets (`_valid_targets`) for the one-rank mesh `single`."""
+    return _valid_targets(shard_batch_for_cp(ids, single, attention_mask=mask, cu_seqlens=cu))
+
+
+def transformers_reference(model, single, ids, mask, cu):
+    """The unmodified model: logits (per document for a packed row) and the gradient of the mean cross entropy of
+    deltacp's targets on them. -> (logits, loss, flat grads)."""
+    model = copy.deepcopy(model)
+    if cu is None:
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    else:
+        b = cu.tolist()
+        logits = torch.cat([model(input_ids=ids[:, x:y], use_cache=False).logits for x, y in zip(b[:-1], b[1:])],
+                           dim=1)
+    loss = F.cross_entropy(logits.flatten(0, 1), _targets(single, ids, mask, cu).flatten(), ignore_index=-100)
+    loss.backward()
+    return logits.detach(), loss.detach(), flat(grads_of(model))
+
+
+def cp_step(model, mesh, ids, mask, cu):
+    """One forward + backward of a CP'd model on this rank's slice: (logits, loss, flat grads summed over ranks: one
+    all-reduce of the flattened gradients, what `all_reduce_cp_grads` computes per parameter)."""
+    batch = shard_batch_for_cp(ids, mesh, attention_mask=mask, cu_seqlens=cu, model=model)
+    with float64_upcasts():
+        logits = model(**{k: v for k, v in batch.items() if k != "target_ids" and v is not None},
+                       use_cache=False).logits
+        loss = cp_cross_entropy(logits, _valid_targets(batch), mesh)
+        loss.backward()
+    grads = flat(grads_of(model))
+    if mesh.size() > 1:
+        dist.all_reduce(grads, group=mesh.get_group())
+    return logits.detach(), loss.detach(), grads
+
+
+def _rank_positions(model, mesh, ids, cu) -> torch.Tensor:
+    """This rank's row positions (a packed row may be padded by the cut: positions >= its length)."""
+    batch = shard_batch_for_cp(torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1), mesh, model=model,
+                               cu_seqlens=cu)
+    return batch["input_ids"][0]
+
+
+def build_knob(table: Table, knob: Knob, keep: tuple[str, ...]):
+    return randomize_(table.build(**knob.overrides), keep=keep)
+
+
+def combos_of(knob: Knob, index: int, rotate: bool = False) -> tuple:
+    """The runs of the table's `index`-th knob: all six, or for a token-wise knob two of them (in turn); with
+    `rotate` (the larger CP degrees), one, in turn, so that the table's rows still meet all six."""
+    if rotate:
+        return (COMBOS[index % len(COMBOS)],)
+    if not knob.token_wise:
+        return COMBOS
+    first = (2 * index) % len(COMBOS)  # (0, 5), (2, 1), (4, 3): two inputs, both layouts
+    return COMBOS[first], COMBOS[(first + 5) % len(COMBOS)]
+
+
+def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_names=None, rotate: bool = False):
+    """Every knob of `table` at CP `world` (the spawned worker's body; `rotate`: one run per knob, `combos_of`).
+    A Ulysses run whose heads the CP degree does not divide must be refused (ValueError naming the setting); the
+    same run then goes through p2p. Returns nothing; raises listing every failure with its figure."""
+    single, mesh = self_meshes(), cp_mesh()
+    inputs = batches()
+    failures, worst, checked = [], {}, 0
+    for index, knob in enumerate(table.knobs):
+        if knob_names is not None and knob.name not in knob_names:
+            continue
+        if not knob.runs:
+            continue
+        combos = combos_of(knob, index, rotate)
+        tag = f"{table.family} [{knob.name}]"
+        if knob.refused is not None:
+            failures += _refusal(table, knob, keep, mesh, inputs, tag)
+            continue
+        base = build_knob(table, knob, keep)
+
+        def references(kind):
+            ids, m, cu = inputs[kind]
+            ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p")
+            return transformers_reference(base, single, ids, m, cu), cp_step(ref_model, single, ids, m, cu)
+
+        kinds = sorted({c[3] for c in combos})
+        refs = dict(zip(kinds, computed_once(*(partial(references, kind) for kind in kinds))))
+        for kind in kinds:  # deltacp's single-device path against the unmodified model
+            (logits_tf, loss_tf, grads_tf), (logits_1, loss_1, grads_1) = refs[kind]
+            ids, m, cu = inputs[kind]
+            valid = torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool()
+            checks = {"logits": rel_l2(logits_1[valid], logits_tf[valid]), "loss": abs(loss_1 / loss_tf - 1).item(),
+                      "grads": rel_l2(grads_1, grads_tf)}
+            failures += [f"{tag} {kind}: single device vs transformers {k} {v:.2e} > {TRANSFORMERS_BOUNDS[k]}"
+                         for k, v in checks.items() if not v < TRANSFORMERS_BOUNDS[k]]
+        for mode, layout, attention, kind in combos:
+            ids, m, cu = inputs[kind]
+            _, (logits_1, loss_1, grads_1) = refs[kind]
+            try:
+                model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode,
+                                       sequence_layout=layout, full_attention_cp=attention)
+            except ValueError as e:
+                if "ulysses" not in (mode, attention) or "divisible by" not in str(e):
+                    raise
+                mode, attention = "p2p", "all_gather"  # refused as it must be: the same input through p2p
+                model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode,
+                                       sequence_layout=layout, full_attention_cp=attention)
+            logits, loss, grads = cp_step(model, mesh, ids, m, cu)
+            mine = _rank_positions(model, mesh, ids, cu)
+            kept = mine < ids.shape[1]
+            checks = {"logits": rel_l2(logits[:, kept], logits_1[:, mine[kept]]), "loss": abs(loss / loss_1 - 1).item(),
+                      "grads": rel_l2(grads, grads_1),
+                      "grad norm": abs(grads.norm().item() / grads_1.norm().item() - 1)}
+            failures += [f"{tag} CP{world} {mode} {layout} attention={attention} {kind}: {k} {v:.2e}"
+                         for k, v in checks.items() if not v < CP_BOUND]
+            for k, v in checks.items():
+                worst[k] = max(worst.get(k, 0.0), v)
+            checked += 1
+    if rank == 0:
+        print(f"{table.family} CP{world}: {checked} CP runs, worst against the single-device path: "
+              + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+def _refusal(table: Table, knob: Knob, keep, mesh, inputs, tag) -> list[str]:
+    """The knob must be refused on every rank, naming it, at parallelize_cp or the first forward."""
+    try:
+        model = parallelize_cp(build_knob(table, knob, keep), mesh, linear_attention_cp_mode="p2p")
+        ids, m, cu = inputs["padded"]
+        cp_step(model, mesh, ids, m, cu)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        return [] if knob.refused in str(e) else [f"{tag}: refused with {type(e).__name__}: {e}; expected a message "
+                                                  f"containing {knob.refused!r}"]
+    return [f"{tag}: expected a refusal containing {knob.refused!r}; CP ran"]

@@ -1,0 +1,336 @@
+"""The conformance tables: per family, every config field of its transformers classes that changes the forward pass
+(read from transformers 5.25's configuration and modeling code), each with a value that exercises it, run by
+`harness.py` (test_conformance.py). Adding a family means writing its table here.
+
+A row's `touches`: linear (the linear-recurrent mixer), attention, rope, layers (the layer pattern), and the
+token-wise parts mlp, moe, norm, embedding, head (transformers' own per-token code under CP: a row touching only these
+runs two of the six CP configurations, `harness.combos_of`). Several token-wise fields may share a row. `refused`:
+deltacp refuses the value with an error containing that text; `ignored`: transformers' forward does not read it (the
+reason given), so there is nothing to run; `elsewhere`: a field that changes no logits (a loss term), checked by
+the test named.
+
+Not rows: fields that act on generation or caches only (use_cache, bos / eos ids: caches are refused under CP),
+initialisation ranges (replaced by `randomize_` and the builders' decays), output recording (output_router_logits:
+the global aux loss is tests/distributed/test_model_families.py's), attention_dropout (random: deltacp refuses it
+with padding, packed rows, all_gather and ring, and Ulysses draws another stream than one process; a row below
+checks the refusal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conformance.harness import Knob, Table
+from deltacp.models.gates import long_memory_gates_
+from helpers import (
+    MOE_FIELDS,
+    tiny_bailing_hybrid,
+    tiny_bamba,
+    tiny_falcon_h1,
+    tiny_granite_hybrid,
+    tiny_kimi_linear,
+    tiny_nemotron_h,
+    tiny_olmo_hybrid,
+    tiny_text_fields,
+)
+
+GDN_DECAYS = ("A_log", "dt_bias")  # the builders' slow decays, kept by randomize_
+
+
+def _rope(kind: str, rotary_dims: int, **extra) -> dict:
+    """rope_parameters of one type for the tiny models. 'dynamic' and 'longrope' depend on the call's largest
+    position: with the original context 48 (dynamic: max_position_embeddings 48) the padded row (64 tokens) crosses it
+    on the second rank only at CP2, the long row on both."""
+    params = {
+        "default": {},
+        "linear": {"factor": 2.0},
+        "dynamic": {"factor": 2.0},
+        "yarn": {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 2.0},
+        "llama3": {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+                   "original_max_position_embeddings": 16},
+        "longrope": {"original_max_position_embeddings": 48, "factor": 4.0,
+                     "short_factor": [1.0 + 0.1 * i for i in range(rotary_dims // 2)],
+                     "long_factor": [2.0 + 0.3 * i for i in range(rotary_dims // 2)]},
+    }[kind]
+    return {"rope_type": kind, "rope_theta": 10000.0, **params, **extra}
+
+
+def _rope_rows(rotary_dims: int, **extra) -> tuple[Knob, ...]:
+    """One row per rope type transformers ships for a 1-D rotary (mRoPE is the multimodal class's)."""
+    rows = []
+    for kind in ("linear", "dynamic", "yarn", "llama3", "longrope"):
+        fields = dict(rope_parameters=_rope(kind, rotary_dims, **extra))
+        if kind == "dynamic":
+            fields["max_position_embeddings"] = 48
+        rows.append(Knob(f"rope_parameters: {kind}", fields, touches="rope"))
+    return tuple(rows)
+
+
+def _transformers_model(cls_name: str, config_cls: str, **fields) -> torch.nn.Module:
+    """`cls_name(config_cls(**fields))`, seeded, sdpa attention and eager experts, slow GDN decays, float64."""
+    import transformers
+
+    config = getattr(transformers, config_cls)(**fields)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return long_memory_gates_(getattr(transformers, cls_name)(config)).to(torch.float64)
+
+
+def qwen3_5(**overrides):
+    return _transformers_model("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", **tiny_text_fields(**overrides))
+
+
+def qwen3_5_moe(**overrides):
+    return _transformers_model("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig",
+                               **tiny_text_fields(**{**MOE_FIELDS, **overrides}))
+
+
+def qwen3_next(**overrides):
+    base = dict(MOE_FIELDS, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
+    return _transformers_model("Qwen3NextForCausalLM", "Qwen3NextConfig", **tiny_text_fields(**{**base, **overrides}))
+
+
+# the tiny Qwen models: attention 4 heads of 16 over 2 KV heads, partial rotary 0.25 (4 rotary dims); GDN 2 key heads
+# for 4 value heads, K = V = 16, conv kernel 4; layers GDN, GDN, GDN, attention
+QWEN_ROTARY = 4
+QWEN_ATTENTION = (
+    Knob("attention_bias: True", dict(attention_bias=True), touches="attention"),
+    Knob("num_attention_heads 8, num_key_value_heads 1 (MQA), head_dim 8",
+         dict(num_attention_heads=8, num_key_value_heads=1, head_dim=8), touches="attention"),
+    Knob("rope_parameters: rope_theta 500, partial_rotary_factor 0.5",
+         dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}),
+         touches="rope"),
+) + _rope_rows(QWEN_ROTARY)
+QWEN_GDN = (
+    Knob("linear_conv_kernel_dim: 2", dict(linear_conv_kernel_dim=2), touches="linear"),
+    Knob("linear_conv_kernel_dim: 1 (no conv halo)", dict(linear_conv_kernel_dim=1), touches="linear"),
+    Knob("linear_num_key_heads 1, linear_num_value_heads 4, linear_key_head_dim 8, linear_value_head_dim 24",
+         dict(linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=24),
+         touches="linear"),
+    Knob("hidden_act: swish (SiLU)", dict(hidden_act="swish"), touches="linear mlp"),
+    Knob("hidden_act: gelu", dict(hidden_act="gelu"), touches="linear mlp",
+         refused="computes the conv's activation as SiLU"),
+)
+QWEN_COMMON = (
+    Knob("layer_types: attention, GDN, GDN, attention",
+         dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+         touches="layers"),
+    Knob("rms_norm_eps: 1e-2", dict(rms_norm_eps=1e-2), touches="norm"),
+    Knob("tie_word_embeddings: True", dict(tie_word_embeddings=True), touches="embedding head"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+)
+
+QWEN3_5 = Table("Qwen3.5", "Qwen3_5ForCausalLM", qwen3_5, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("intermediate_size: 48", dict(intermediate_size=48), touches="mlp"),
+) + QWEN_ATTENTION + QWEN_GDN + QWEN_COMMON)
+
+QWEN3_5_MOE = Table("Qwen3.5-MoE", "Qwen3_5MoeForCausalLM", qwen3_5_moe, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("num_experts 8, num_experts_per_tok 3, moe_intermediate_size 16, shared_expert_intermediate_size 24",
+         dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=24),
+         touches="moe"),
+    Knob("norm_topk_prob, decoder_sparse_step, mlp_only_layers, intermediate_size",
+         ignored="Qwen3_5MoeTextConfig takes them as extra attributes; the modeling code never reads them (every "
+                 "layer is MoE, the router always renormalises its top-k)"),
+) + QWEN_ATTENTION[:1] + _rope_rows(QWEN_ROTARY)[1:2] + QWEN_GDN[:2] + QWEN_COMMON[:2])
+
+QWEN3_NEXT = Table("Qwen3-Next", "Qwen3NextForCausalLM", qwen3_next, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("linear_num_key_heads 1, linear_num_value_heads 4 (fused q/k/v/z interleave, r = 4)",
+         dict(linear_num_key_heads=1, linear_num_value_heads=4), touches="linear"),
+    Knob("linear_num_key_heads 3, linear_num_value_heads 6 (odd key heads)",
+         dict(linear_num_key_heads=3, linear_num_value_heads=6), touches="linear"),
+    Knob("decoder_sparse_step 2, mlp_only_layers [], intermediate_size 48",
+         dict(decoder_sparse_step=2, mlp_only_layers=[], intermediate_size=48), touches="layers mlp moe"),
+    Knob("norm_topk_prob False, num_experts_per_tok 1", dict(norm_topk_prob=False, num_experts_per_tok=1),
+         touches="moe"),
+    Knob("num_experts: 0 (every MLP dense)", dict(num_experts=0), touches="mlp"),
+) + QWEN_ATTENTION[:1] + _rope_rows(QWEN_ROTARY)[1:2] + _rope_rows(QWEN_ROTARY)[4:] + QWEN_GDN[1:2] + QWEN_COMMON[:1])
+
+# the tiny OLMo-Hybrid: attention 8 heads of 8 over 2 KV heads, full rotary (8 dims), q/k norms over the projected
+# width; GDN 2 key heads for 8 value heads, K 12, V 24, beta = 2 sigmoid(b); layers GDN, attention, GDN, GDN
+OLMO_HYBRID = Table("OLMo-Hybrid", "OlmoHybridForCausalLM", tiny_olmo_hybrid, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("rope_parameters: none (NoPE)", dict(rope=False), touches="rope"),
+    Knob("attention_bias True, num_key_value_heads 1", dict(attention_bias=True, num_key_value_heads=1),
+         touches="attention"),
+) + _rope_rows(8) + (
+    Knob("linear_allow_neg_eigval: False", dict(linear_allow_neg_eigval=False), touches="linear"),
+    Knob("linear_num_key_heads 3, linear_num_value_heads 6, linear_key_head_dim 8, linear_value_head_dim 16",
+         dict(linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=16),
+         touches="linear"),
+    Knob("linear_conv_kernel_dim: 1 (no conv halo)", dict(linear_conv_kernel_dim=1), touches="linear"),
+    Knob("layer_types: attention, GDN, GDN, GDN",
+         dict(layer_types=["full_attention", "linear_attention", "linear_attention", "linear_attention"]),
+         touches="layers"),
+    Knob("rms_norm_eps 1e-2, intermediate_size 48, tie_word_embeddings",
+         dict(rms_norm_eps=1e-2, intermediate_size=48, tie_word_embeddings=True), touches="norm mlp embedding head"),
+    Knob("partial_rotary_factor",
+         ignored="the default rope rotates the whole head dim whatever it says, and OLMo's apply_rotary_pos_emb has "
+                 "no partial form for the other types (transformers fails)"),
+    Knob("rms_norm_eps on the GDN output norm", ignored="the GDN o_norm keeps eps 1e-5 in transformers"),
+))
+
+SSD_DECAYS = ("A_log", "dt_bias")  # and D, which randomize_ does not touch
+BIAS_WINDOW = ("padded tokens' input-projection biases enter the conv windows of the first valid tokens, as in "
+               "transformers")
+
+
+def _mamba2_rows(prefix: str, groups: str, conv: str, conv_bias: str, proj_bias: str, limit: str = "time_step_limit"
+                 ) -> tuple[Knob, ...]:
+    """The rows every Mamba2 mixer shares, under the family's config names."""
+    return (
+        Knob(f"{proj_bias}: True ({BIAS_WINDOW})", {proj_bias: True}, touches="linear padding"),
+        Knob(f"{conv_bias}: False", {conv_bias: False}, touches="linear"),
+        Knob(f"{groups}: 1 (one B/C group for every head)", {groups: 1}, touches="linear"),
+        Knob(f"{groups}: 8 (a group per head)", {groups: 8}, touches="linear"),
+        Knob(f"{conv}: 2", {conv: 2}, touches="linear"),
+        Knob(f"{conv}: 1 (no conv halo)", {conv: 1}, touches="linear"),
+        Knob(f"{limit}: (0.05, 0.4) (dt clamped)", {limit: (0.05, 0.4)}, touches="linear"),
+    )
+
+
+# the tiny Bamba: Mamba2 8 heads of 8 in 2 groups, state 6, conv 4 with bias; attention 8 heads of 4 over 2 KV heads,
+# RoPE on half the head dim (2 rotary dims); layers Mamba2, attention, Mamba2, Mamba2
+BAMBA = Table("Bamba", "BambaForCausalLM", tiny_bamba, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+) + _mamba2_rows("bamba", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias") + (
+    Knob("mamba_expand 1, mamba_d_head 4", dict(mamba_expand=1, mamba_d_head=4), touches="linear"),
+    Knob("attention_bias True, num_key_value_heads 1", dict(attention_bias=True, num_key_value_heads=1),
+         touches="attention"),
+    Knob("rope_parameters: partial_rotary_factor 1.0, rope_theta 500",
+         dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0}),
+         touches="rope"),
+) + _rope_rows(4, partial_rotary_factor=1.0) + (  # transformers' dynamic NTK divides by rotary dims - 2
+    Knob("attn_layer_indices: [0, 3]", dict(attn_layer_indices=[0, 3]), touches="layers"),
+    Knob("rms_norm_eps 1e-2, intermediate_size 48, mlp_bias True",
+         dict(rms_norm_eps=1e-2, intermediate_size=48, mlp_bias=True), touches="norm mlp linear"),
+    Knob("tie_word_embeddings: True", dict(tie_word_embeddings=True), touches="embedding head"),
+    Knob("z_loss_coefficient > 0 (a loss term: refused by cp_causal_lm_loss)",
+         elsewhere="tests/unit/test_fail_fast.py::test_z_loss_is_refused_by_the_cp_losses"),
+))
+
+# the tiny Granite-4.0-H: as Bamba's mixer, RoPE on the whole head dim (4), 4 experts top 2 and the shared MLP, muP
+# multipliers away from 1
+GRANITE_HYBRID = Table("Granite-4.0-H", "GraniteMoeHybridForCausalLM", tiny_granite_hybrid, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+) + _mamba2_rows("granite", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias")[:3] + (
+    Knob("mamba_d_conv: 1 (no conv halo)", dict(mamba_d_conv=1), touches="linear"),
+    Knob("position_embedding_type: None (NoPE, the config default)", dict(position_embedding_type=None),
+         touches="rope"),
+) + _rope_rows(4) + (
+    Knob("attention_multiplier 0.5, attention_bias True", dict(attention_multiplier=0.5, attention_bias=True),
+         touches="attention"),
+    Knob("num_local_experts 0 (dense), shared_intermediate_size 48",
+         dict(num_local_experts=0, shared_intermediate_size=48), touches="mlp"),
+    Knob("num_experts_per_tok 1, intermediate_size 32", dict(num_experts_per_tok=1, intermediate_size=32),
+         touches="moe"),
+    Knob("embedding_multiplier 0.5, residual_multiplier 1.3, logits_scaling 0.7, rms_norm_eps 1e-2",
+         dict(embedding_multiplier=0.5, residual_multiplier=1.3, logits_scaling=0.7, rms_norm_eps=1e-2),
+         touches="embedding head norm linear"),
+    Knob("tie_word_embeddings: True", dict(tie_word_embeddings=True), touches="embedding head"),
+))
+
+# the tiny Nemotron-H: blocks Mamba2, MoE, attention, Mamba2, MLP; Mamba2 8 heads of 4 in 2 groups, state 6;
+# attention 8 heads of 4 over 2 KV heads, no rotary; relu2 MLPs and experts
+NEMOTRON_H = Table("Nemotron-H", "NemotronHForCausalLM", tiny_nemotron_h, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+) + _mamba2_rows("nemotron", "n_groups", "conv_kernel", "use_conv_bias", "use_bias") + (
+    Knob("head_dim 8 (heads x head_dim != hidden), num_key_value_heads 1",
+         dict(head_dim=8, num_key_value_heads=1), touches="attention"),
+    Knob("layers_block_type: attention, Mamba2, MLP, Mamba2, MoE",
+         dict(layers_block_type=["full_attention", "linear_attention", "mlp", "linear_attention", "moe"]),
+         touches="layers"),
+    Knob("mlp_hidden_act silu, mlp_bias True, intermediate_size 48",
+         dict(mlp_hidden_act="silu", mlp_bias=True, intermediate_size=48), touches="mlp moe"),
+    Knob("num_experts_per_tok 1, routed_scaling_factor 2.5, norm_topk_prob False, moe_latent_size 16, n_group 2",
+         dict(num_experts_per_tok=1, routed_scaling_factor=2.5, norm_topk_prob=False, moe_latent_size=16, n_group=2,
+              topk_group=1), touches="moe"),
+    Knob("layer_norm_epsilon: 1e-2", dict(layer_norm_epsilon=1e-2), touches="norm linear"),
+    Knob("expand, mamba_proj_bias, attention_bias, sliding_window, residual_in_fp32, tie_word_embeddings",
+         ignored="NemotronHConfig stores them; the modeling code builds the mixer from mamba_num_heads x "
+                 "mamba_head_dim and use_bias, its attention without biases or a window, and ties no weights"),
+))
+
+# the tiny Falcon-H1: 3 layers, each Mamba2 (8 heads of 8 in 2 groups, state 6, the grouped gated RMSNorm) and
+# attention (8 heads of 4 over 2 KV heads, full RoPE: 4 dims) in parallel; every muP multiplier away from 1
+FALCON_H1 = Table("Falcon-H1", "FalconH1ForCausalLM", tiny_falcon_h1, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("mamba_rms_norm False (the config default: y * silu(z)), mamba_proj_bias, projectors_bias",
+         dict(mamba_rms_norm=False, mamba_proj_bias=True, projectors_bias=True), touches="linear padding"),
+    Knob("mamba_norm_before_gate: False", dict(mamba_norm_before_gate=False), touches="linear"),
+) + _mamba2_rows("falcon", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias")[1:] + (
+    Knob("ssm_multipliers, ssm_in_multiplier, ssm_out_multiplier other values",
+         dict(ssm_multipliers=[0.8, 1.3, 0.7, 1.4, 0.6], ssm_in_multiplier=1.3, ssm_out_multiplier=0.6),
+         touches="linear"),
+    Knob("key_multiplier 1.4, attention_in_multiplier 0.8, attention_out_multiplier 1.3, attention_bias True",
+         dict(key_multiplier=1.4, attention_in_multiplier=0.8, attention_out_multiplier=1.3, attention_bias=True),
+         touches="attention"),
+) + _rope_rows(4) + (
+    Knob("lm_head_multiplier 1.3, embedding_multiplier 0.6, mlp_multipliers, mlp_bias, rms_norm_eps 1e-2",
+         dict(lm_head_multiplier=1.3, embedding_multiplier=0.6, mlp_multipliers=[0.7, 1.4], mlp_bias=True,
+              rms_norm_eps=1e-2), touches="head embedding mlp norm linear"),
+    Knob("tie_word_embeddings: True", dict(tie_word_embeddings=True), touches="embedding head"),
+))
+
+KDA_DECAYS = ("A_log", "dt_bias")
+
+# the tiny Kimi-Linear: KDA 8 heads of 8, conv 4; MLA 8 heads, kv_lora_rank 16, no q_lora, qk 8 + 4 (unrotated),
+# v 6; layers KDA, MLA, KDA, KDA; MLPs dense, routed, dense, routed (4 experts in 2 groups, top 2, a shared expert)
+KIMI_LINEAR = Table("Kimi-Linear", "KimiLinearForCausalLM", tiny_kimi_linear, (
+    Knob("defaults (randomised biases, norm weights and routing bias)", touches="all"),
+    Knob("linear_conv_kernel_dim: 1 (no conv halo)", dict(linear_conv_kernel_dim=1), touches="linear"),
+    Knob("linear_num_heads 4, linear_head_dim 16", dict(linear_num_heads=4, linear_head_dim=16), touches="linear"),
+    Knob("q_lora_rank 12, attention_bias True", dict(q_lora_rank=12, attention_bias=True), touches="attention"),
+    Knob("v_head_dim 16 (above the q/k head dim)", dict(v_head_dim=16), touches="attention"),
+    Knob("layer_types: MLA, KDA, KDA, MLA",
+         dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+         touches="layers"),
+    Knob("mlp_layer_types all routed, norm_topk_prob False, n_shared_experts 2, routed_scaling_factor 1.7",
+         dict(mlp_layer_types=["sparse"] * 4, norm_topk_prob=False, n_shared_experts=2, routed_scaling_factor=1.7),
+         touches="moe"),
+    Knob("rms_norm_eps 1e-2, intermediate_size 48", dict(rms_norm_eps=1e-2, intermediate_size=48),
+         touches="norm mlp linear"),
+    Knob("tie_word_embeddings", ignored="KimiLinearForCausalLM ties no weights (_tied_weights_keys is empty)"),
+    Knob("num_key_value_heads", ignored="MLA expands its latent to num_attention_heads key/value heads"),
+    Knob("max_position_embeddings, rope_parameters", ignored="Kimi-Linear has no rotary"),
+))
+
+# the tiny Bailing-Hybrid: KDA 8 heads of 8 with the safe gate (bound -5); MLA 8 heads, q_lora_rank 12,
+# kv_lora_rank 16, qk 8 + 4 (interleaved RoPE), v 6, YaRN with mscale, the per-head output gate; MLPs dense, routed,
+# routed, dense with SwiGLU clamps
+BAILING_HYBRID = Table("Bailing-Hybrid", "BailingHybridForCausalLM", tiny_bailing_hybrid, (
+    Knob("defaults (randomised biases, norm weights and routing bias)", touches="all"),
+    Knob("kda_safe_gate: False", dict(kda_safe_gate=False), touches="linear"),
+    Knob("kda_lower_bound: -1", dict(kda_lower_bound=-1.0), touches="linear"),
+    Knob("short_conv_kernel_size: 1 (no conv halo)", dict(short_conv_kernel_size=1), touches="linear"),
+    Knob("head_dim (KDA) 16, num_attention_heads 4", dict(head_dim=16, num_attention_heads=4, num_key_value_heads=4),
+         touches="linear attention"),
+    Knob("q_lora_rank None, v_head_dim 16", dict(q_lora_rank=None, v_head_dim=16), touches="attention"),
+    Knob("rope_parameters: yarn without mscale",
+         dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 16}), touches="rope"),
+    Knob("rope_parameters: linear", dict(rope_parameters=_rope("linear", 4)), touches="rope"),
+    Knob("rope_parameters: dynamic", dict(rope_parameters=_rope("dynamic", 4), max_position_embeddings=48),
+         touches="rope"),
+    Knob("rope_parameters: longrope", dict(rope_parameters=_rope("longrope", 4), max_position_embeddings=64),
+         touches="rope"),
+    Knob("expert and shared-expert SwiGLU limits 0, norm_topk_prob False, routed_scaling_factor 1.7",
+         dict(expert_swiglu_limit_list=[0, 0, 0, 0], share_expert_swiglu_limit_list=[0, 0, 0, 0],
+              norm_topk_prob=False, routed_scaling_factor=1.7), touches="moe"),
+    Knob("layer_types: MLA, KDA, KDA, MLA",
+         dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+         touches="layers"),
+    Knob("tie_word_embeddings", ignored="BailingHybridForCausalLM ties no weights (_tied_weights_keys is empty)"),
+    Knob("partial_rotary_factor", ignored="the interleaved RoPE rotates the whole rope slice (transformers fails "
+                                          "with a narrower cos)"),
+))
+
+TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
+                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID)}
+DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
+          "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
+          "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS}

@@ -1,0 +1,40 @@
+"""The conformance tables themselves: every supported family has one, every row that is not run says why, and the
+README's list of covered knobs (section "Config knobs covered") names every row."""
+
+import os
+
+import pytest
+
+from conformance.tables import TABLES
+
+pytestmark = pytest.mark.fast
+
+
+def test_every_family_has_a_table():
+    import deltacp  # noqa: F401  (registers the families)
+    from deltacp.models.families import families
+
+    classes = {family.causal_lm for family in families()}
+    assert classes == {t.model_class for t in TABLES.values()}, "a family without a conformance table (or a table of "\
+        "a class deltacp does not support): adding a family means writing its table"
+
+
+def test_rows_are_complete():
+    for table in TABLES.values():
+        names = [knob.name for knob in table.knobs]
+        assert len(names) == len(set(names)), f"{table.family}: two rows of one name"
+        assert names[0].startswith("defaults"), f"{table.family}: the first row is the defaults (randomised)"
+        for knob in table.knobs:
+            assert knob.runs or knob.overrides == {}, f"{table.family} [{knob.name}]: a row not run sets nothing"
+            assert knob.runs or knob.refused is None
+            if knob.runs and knob.refused is None and not knob.name.startswith("defaults"):
+                assert knob.overrides, f"{table.family} [{knob.name}]: a row that runs sets a field"
+                assert knob.touches, f"{table.family} [{knob.name}]: say what the row touches"
+
+
+def test_readme_names_every_row():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    section = readme.split("### Config knobs covered", 1)[1].split("\n### ", 1)[0]
+    missing = [f"{t.family} [{k.name}]" for t in TABLES.values() for k in t.knobs
+               if not k.name.startswith("defaults") and k.name not in section]
+    assert not missing, f"README's 'Config knobs covered' lacks: {missing}"
