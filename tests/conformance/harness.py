@@ -174,9 +174,10 @@ def build_knob(table: Table, knob: Knob, keep: tuple[str, ...]):
 
 def combos_of(knob: Knob, index: int, rotate: bool = False) -> tuple:
     """The runs of the table's `index`-th knob: all six, or for a token-wise knob two of them (in turn); with
-    `rotate` (the larger CP degrees), one, in turn, so that the table's rows still meet all six."""
+    `rotate` (the larger CP degrees), one, in turn, so that the table's rows still meet all six, and none for a
+    token-wise knob (what the CP degree changes is the sequence parts' work)."""
     if rotate:
-        return (COMBOS[index % len(COMBOS)],)
+        return () if knob.token_wise else (COMBOS[index % len(COMBOS)],)
     if not knob.token_wise:
         return COMBOS
     first = (2 * index) % len(COMBOS)  # (0, 5), (2, 1), (4, 3): two inputs, both layouts
@@ -196,6 +197,8 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
         if not knob.runs:
             continue
         combos = combos_of(knob, index, rotate)
+        if not combos:
+            continue
         tag = f"{table.family} [{knob.name}]"
         if knob.refused is not None:
             failures += _refusal(table, knob, keep, mesh, inputs, tag)

@@ -2,9 +2,11 @@
 (read from transformers 5.25's configuration and modeling code), each with a value that exercises it, run by
 `harness.py` (test_conformance.py). Adding a family means writing its table here.
 
-A row's `touches`: linear (the linear-recurrent mixer), attention, rope, layers (the layer pattern), and the
-token-wise parts mlp, moe, norm, embedding, head (transformers' own per-token code under CP: a row touching only these
-runs two of the six CP configurations, `harness.combos_of`). Several token-wise fields may share a row. `refused`:
+A row's `touches`: linear (the linear-recurrent mixer), attention, rope (rotary frequencies that depend on the call's
+positions), layers (the layer pattern), and the token-wise parts: mlp, moe, norm, embedding, head (transformers' own
+per-token code under CP) and rotary (a rope type whose frequencies depend on nothing but its config: transformers'
+rotary module computes cos / sin from the rank's positions in every mode alike). A row touching only token-wise parts
+runs two of the six CP configurations at CP2 and none at CP4 (`harness.combos_of`). Several token-wise fields may share a row. `refused`:
 deltacp refuses the value with an error containing that text; `ignored`: transformers' forward does not read it (the
 reason given), so there is nothing to run; `elsewhere`: a field that changes no logits (a loss term), checked by
 the test named.
@@ -55,6 +57,9 @@ def _rope(kind: str, rotary_dims: int, **extra) -> dict:
     return {"rope_type": kind, "rope_theta": 10000.0, **params, **extra}
 
 
+POSITION_DEPENDENT = ("dynamic", "longrope")  # transformers updates their frequencies from the call's positions
+
+
 def _rope_rows(rotary_dims: int, **extra) -> tuple[Knob, ...]:
     """One row per rope type transformers ships for a 1-D rotary (mRoPE is the multimodal class's)."""
     rows = []
@@ -62,7 +67,8 @@ def _rope_rows(rotary_dims: int, **extra) -> tuple[Knob, ...]:
         fields = dict(rope_parameters=_rope(kind, rotary_dims, **extra))
         if kind == "dynamic":
             fields["max_position_embeddings"] = 48
-        rows.append(Knob(f"rope_parameters: {kind}", fields, touches="rope"))
+        rows.append(Knob(f"rope_parameters: {kind}", fields, touches="rope" if kind in POSITION_DEPENDENT else
+                         "rotary"))
     return tuple(rows)
 
 
@@ -103,7 +109,6 @@ QWEN_ATTENTION = (
          touches="rope"),
 ) + _rope_rows(QWEN_ROTARY)
 QWEN_GDN = (
-    Knob("linear_conv_kernel_dim: 2", dict(linear_conv_kernel_dim=2), touches="linear"),
     Knob("linear_conv_kernel_dim: 1 (no conv halo)", dict(linear_conv_kernel_dim=1), touches="linear"),
     Knob("linear_num_key_heads 1, linear_num_value_heads 4, linear_key_head_dim 8, linear_value_head_dim 24",
          dict(linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=24),
@@ -135,7 +140,7 @@ QWEN3_5_MOE = Table("Qwen3.5-MoE", "Qwen3_5MoeForCausalLM", qwen3_5_moe, (
     Knob("norm_topk_prob, decoder_sparse_step, mlp_only_layers, intermediate_size",
          ignored="Qwen3_5MoeTextConfig takes them as extra attributes; the modeling code never reads them (every "
                  "layer is MoE, the router always renormalises its top-k)"),
-) + QWEN_ATTENTION[:1] + _rope_rows(QWEN_ROTARY)[1:2] + QWEN_GDN[:2] + QWEN_COMMON[:2])
+) + QWEN_ATTENTION[:1] + _rope_rows(QWEN_ROTARY)[1:2] + QWEN_GDN[:1] + QWEN_COMMON[:2])
 
 QWEN3_NEXT = Table("Qwen3-Next", "Qwen3NextForCausalLM", qwen3_next, (
     Knob("defaults (randomised biases and norm weights)", touches="all"),
@@ -148,7 +153,7 @@ QWEN3_NEXT = Table("Qwen3-Next", "Qwen3NextForCausalLM", qwen3_next, (
     Knob("norm_topk_prob False, num_experts_per_tok 1", dict(norm_topk_prob=False, num_experts_per_tok=1),
          touches="moe"),
     Knob("num_experts: 0 (every MLP dense)", dict(num_experts=0), touches="mlp"),
-) + QWEN_ATTENTION[:1] + _rope_rows(QWEN_ROTARY)[1:2] + _rope_rows(QWEN_ROTARY)[4:] + QWEN_GDN[1:2] + QWEN_COMMON[:1])
+) + QWEN_ATTENTION[:1] + _rope_rows(QWEN_ROTARY)[1:2] + _rope_rows(QWEN_ROTARY)[4:] + QWEN_GDN[:1] + QWEN_COMMON[:1])
 
 # the tiny OLMo-Hybrid: attention 8 heads of 8 over 2 KV heads, full rotary (8 dims), q/k norms over the projected
 # width; GDN 2 key heads for 8 value heads, K 12, V 24, beta = 2 sigmoid(b); layers GDN, attention, GDN, GDN
@@ -184,12 +189,11 @@ def _mamba2_rows(prefix: str, groups: str, conv: str, conv_bias: str, proj_bias:
     """The rows every Mamba2 mixer shares, under the family's config names."""
     return (
         Knob(f"{proj_bias}: True ({BIAS_WINDOW})", {proj_bias: True}, touches="linear padding"),
-        Knob(f"{conv_bias}: False", {conv_bias: False}, touches="linear"),
         Knob(f"{groups}: 1 (one B/C group for every head)", {groups: 1}, touches="linear"),
         Knob(f"{groups}: 8 (a group per head)", {groups: 8}, touches="linear"),
-        Knob(f"{conv}: 2", {conv: 2}, touches="linear"),
         Knob(f"{conv}: 1 (no conv halo)", {conv: 1}, touches="linear"),
-        Knob(f"{limit}: (0.05, 0.4) (dt clamped)", {limit: (0.05, 0.4)}, touches="linear"),
+        Knob(f"{conv_bias} False, {conv} 2, {limit} (0.05, 0.4) (dt clamped)",
+             {conv_bias: False, conv: 2, limit: (0.05, 0.4)}, touches="linear"),
     )
 
 
@@ -217,8 +221,9 @@ BAMBA = Table("Bamba", "BambaForCausalLM", tiny_bamba, (
 # multipliers away from 1
 GRANITE_HYBRID = Table("Granite-4.0-H", "GraniteMoeHybridForCausalLM", tiny_granite_hybrid, (
     Knob("defaults (randomised biases and norm weights)", touches="all"),
-) + _mamba2_rows("granite", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias")[:3] + (
-    Knob("mamba_d_conv: 1 (no conv halo)", dict(mamba_d_conv=1), touches="linear"),
+) + _mamba2_rows("granite", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias")[:2] + (
+    Knob("mamba_d_conv 1 (no conv halo), mamba_conv_bias False", dict(mamba_d_conv=1, mamba_conv_bias=False),
+         touches="linear"),
     Knob("position_embedding_type: None (NoPE, the config default)", dict(position_embedding_type=None),
          touches="rope"),
 ) + _rope_rows(4) + (
@@ -334,3 +339,36 @@ TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, B
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS}
+
+
+def readme_section() -> str:
+    """README's section "Config knobs covered", from the tables (`python tests/conformance/tables.py` prints it;
+    test_tables.py checks that the README holds it)."""
+    lines = ["### Config knobs covered: the conformance tables", "",
+             "Each family's table (`tests/conformance/tables.py`, run by `tests/conformance/test_conformance.py`) "
+             "holds every config",
+             "field of its transformers classes that changes the forward pass, read from transformers 5.25's code, "
+             "each set to a",
+             "value that exercises it on a tiny model whose biases, norm weights and routing biases are drawn away "
+             "from",
+             "transformers' init; each row runs a padded batch (one row right-, one left-padded), a packed row and a "
+             "long row in",
+             "every linear mode, sequence layout and full-attention method at CP2 (and in turn at CP4), against the "
+             "single device",
+             "(1e-8, float64) and the single device against the unmodified transformers model (float32-level). "
+             "Besides the",
+             "defaults (randomised) row, the rows are:", ""]
+    for family, table in TABLES.items():
+        run = [k.name for k in table.knobs if k.runs and k.refused is None and not k.name.startswith("defaults")]
+        line = f"- **{family}** (`{table.model_class}`): " + "; ".join(run)
+        for label, names in (("Refused (checked as a refusal)", [k.name for k in table.knobs if k.refused]),
+                             ("Checked elsewhere", [k.name for k in table.knobs if k.elsewhere]),
+                             ("Ignored by transformers' forward", [k.name for k in table.knobs if k.ignored])):
+            if names:
+                line += f". {label}: " + "; ".join(names)
+        lines.append(line + ".")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(readme_section(), end="")
