@@ -85,7 +85,7 @@ def old_chunked_sum(hidden, weight, targets, chunk_size=1024, *, weight_acc_dtyp
 
 # ---- the contenders: (hidden, weight, targets) -> mean loss -------------------------------------------------------
 def contenders(with_liger: bool, chunk_size=None, vocab_chunk_size=None):
-    from deltacp.models import loss as L
+    from deltacp import losses as L
     from deltacp.ops.lm_head import chunks as C
 
     def deltacp(fp32_reductions, weight_grad="accumulate", chunk=chunk_size):

@@ -61,7 +61,7 @@ def public_stack(model, ids):
 def deltacp_stack(model, ids, mesh):
     from deltacp import apply_activation_checkpointing, cp_causal_lm_loss, parallelize_cp, shard_batch_for_cp
 
-    model = parallelize_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_gdn_backend="triton")
+    model = parallelize_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_backend="triton")
     apply_activation_checkpointing(model, policy="full")
     batch = shard_batch_for_cp(ids, mesh, model=model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)

@@ -54,7 +54,7 @@ def bench_step(args, layers: int, mode: str, checkpointing: bool, mesh, device) 
     with torch.device(device):
         model = long_memory_gates_(Qwen3_5ForCausalLM(model_config(layers, args.vocab)))
     model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode=mode,
-                                   linear_attention_gdn_backend=args.backend)
+                                   linear_attention_backend=args.backend)
     if checkpointing:
         apply_activation_checkpointing(model, policy="full")
     fully_shard_qwen3_5(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,

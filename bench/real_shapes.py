@@ -207,7 +207,7 @@ def main():
             for impl in args.impls:
                 if impl == "deltacp":
                     model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode="p2p",
-                                                   linear_attention_gdn_backend="triton")
+                                                   linear_attention_backend="triton")
                     apply_activation_checkpointing(model, policy="full")
                 else:
                     kernel = gdn_kernel_of(model)

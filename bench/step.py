@@ -103,7 +103,7 @@ def deltacp_stack(model, ids, mesh, backend: str, policy: str):
     from deltacp.losses import cp_causal_lm_loss
     from deltacp.models.checkpointing import apply_activation_checkpointing
 
-    model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_gdn_backend=backend)
+    model = parallelize_qwen3_5_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_backend=backend)
     if policy != "none":
         apply_activation_checkpointing(model, policy=policy)
     batch = shard_batch_for_cp(ids, mesh)

@@ -3,7 +3,7 @@
 Importing deltacp loads torch (the registry of module views) and nothing else heavy: each public name below is loaded
 from its module on first use (PEP 562), so `python -m deltacp.train` can reject a bad config before transformers,
 the checkpoint code and the process group load. Importing deltacp never imports Triton;
-`linear_attention_gdn_backend="triton"` does, lazily.
+`linear_attention_backend="triton"` does, lazily.
 """
 
 from __future__ import annotations

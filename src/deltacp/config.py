@@ -7,7 +7,7 @@
         cp: 4             # the CP plan's fields from here on (deltacp.parallel.plan.CPPlan: every CP setting)
         ulysses_degree: null          # null / cp: 1-D; u < cp dividing cp: the 2-D layout (parallel/layout.py)
         linear_attention_cp_mode: p2p
-        linear_attention_gdn_backend: triton
+        linear_attention_backend: triton
         full_attention_cp: ulysses    # ulysses | all_gather | ring  ('allgather': an alias of all_gather)
         linear_attention_state_passing: chain   # p2p's state hops: chain | scan (log-depth)
         sequence_layout: contiguous   # which tokens each rank holds: contiguous | balanced (parallel/placement.py)
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from deltacp.parallel.plan import CPPlan
+from deltacp.parallel.plan import RENAMED, CPPlan, renamed_settings
 
 PREFIX = "train.accelerator."
 OWN_KEYS = ("dp", "tp")
@@ -58,6 +58,7 @@ class AcceleratorConfig:
 
     def __getattr__(self, name: str):
         """The plan's settings, as `train.accelerator.<name>` (only called for names that are not fields)."""
+        name = RENAMED.get(name, name)
         if not name.startswith("_") and name in CPPlan.setting_names():
             return getattr(self.__dict__["plan"], name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
@@ -69,7 +70,7 @@ class AcceleratorConfig:
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "AcceleratorConfig":
-        raw = dict(raw or {})
+        raw = renamed_settings(dict(raw or {}), "train.accelerator", PREFIX)
         unknown = sorted(set(raw) - set(cls.keys()))
         if unknown:
             raise ValueError(f"train.accelerator: unknown key(s) {unknown}; allowed keys are {sorted(cls.keys())}")

@@ -304,7 +304,7 @@ def head_kernels_of(model: nn.Module) -> str:
         plan = cp_plan_of(model)
     except NotImplementedError:  # a class no adapter knows: parallelize_cp was not applied to it
         plan = None
-    backend = None if plan is None else plan.linear_attention_gdn_backend
+    backend = None if plan is None else plan.linear_attention_backend
     match backend:
         case None:
             return "auto"
@@ -313,7 +313,7 @@ def head_kernels_of(model: nn.Module) -> str:
         case "triton":
             return "triton"
         case _:
-            raise ValueError(f"no output-head kernels for linear_attention_gdn_backend={backend!r}")
+            raise ValueError(f"no output-head kernels for linear_attention_backend={backend!r}")
 
 
 def output_head(model: nn.Module, fn: str) -> nn.Linear:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.fast
 
 def test_every_family_has_a_table():
     import deltacp  # noqa: F401  (registers the families)
-    from deltacp.models.families import families
+    from deltacp.families.registry import families
 
     classes = {family.causal_lm for family in families()}
     assert classes == {t.model_class for t in TABLES.values()}, "a family without a conformance table (or a table of "\

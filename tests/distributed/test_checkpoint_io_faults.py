@@ -35,7 +35,7 @@ from deltacp import load_pretrained, save_pretrained
 from deltacp.distributed.launch import run_distributed
 from deltacp.checkpoint_io.hf_format import read_index
 from deltacp.checkpoint_io.pretrained import load_device, resolve_class
-from deltacp.models import save as save_module
+from deltacp.checkpoint_io import save as save_module
 from helpers import cp_mesh, tiny_config
 
 pytestmark = pytest.mark.fast
@@ -216,7 +216,7 @@ KILLED_SAVE = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from helpers import tiny_config
     from deltacp import save_pretrained
-    from deltacp.models import save as save_module
+    from deltacp.checkpoint_io import save as save_module
     real = save_module._Writer.write
     def slow(self, data):
         real(self, data)

@@ -141,7 +141,7 @@ def family_shapes_worker(rank, world, name):
         grads_ref = grads_of(ref)
         for mode in ("ulysses", "p2p"):
             if family == "kimi_linear":  # refused on GPUs until the KDA kernels are rewritten (GPU_REFUSAL)
-                with pytest.raises(NotImplementedError, match="linear_attention_gdn_backend='eager'"):
+                with pytest.raises(NotImplementedError, match="linear_attention_backend='eager'"):
                     LinearAttentionContextParallel(mode=mode, backend="triton").apply(
                         copy.deepcopy(base).to(torch.bfloat16), mesh)
                 rows.append(f"{name:20s} {family:12s} {mode:8s} refused (GPU_REFUSAL)")

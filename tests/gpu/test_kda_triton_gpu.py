@@ -56,7 +56,7 @@ def test_refused_on_a_gpu():
     from deltacp.ops.kda.triton import TritonKimiDeltaRule
 
     vals = make_inputs(1, "slow", torch.bfloat16, seed=11)
-    with pytest.raises(NotImplementedError, match="linear_attention_gdn_backend='eager'"):
+    with pytest.raises(NotImplementedError, match="linear_attention_backend='eager'"):
         TritonKimiDeltaRule().check(RecurrenceInputs(*vals[:5]))
 
 

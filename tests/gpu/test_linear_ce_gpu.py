@@ -147,7 +147,7 @@ def test_model_losses_run_their_backend_s_kernels(monkeypatch):
         results = {}
         for backend, want in (("eager", "torch"), ("triton", "triton")):
             model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode="p2p",
-                                   linear_attention_gdn_backend=backend)
+                                   linear_attention_backend=backend)
             batch = shard_batch_for_cp(ids, mesh)
             targets = batch.pop("target_ids")
             chosen.clear()

@@ -81,7 +81,7 @@ def test_selective_runs_attention_once_with_the_same_gradients(mesh, attention):
     results = {}
     for policy in (None, "full", "selective"):
         model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode="p2p",
-                               linear_attention_gdn_backend="triton", full_attention_cp=attention)
+                               linear_attention_backend="triton", full_attention_cp=attention)
         if policy is not None:
             apply_activation_checkpointing(model, policy=policy)
         batch = shard_batch_for_cp(ids, mesh)

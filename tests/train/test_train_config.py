@@ -33,8 +33,8 @@ def test_main_config_loads_and_round_trips():
     ("train.accelerator.cpp=4", ValueError, r"train\.accelerator: unknown key\(s\) \['cpp'\]"),
     ("train.accelerator.linear_attention_cp_mode=ring", ValueError,
      r"train\.accelerator\.linear_attention_cp_mode='ring' is not supported"),
-    ("train.accelerator.linear_attention_gdn_backend=auto", ValueError,
-     r"train\.accelerator\.linear_attention_gdn_backend='auto' is not supported"),
+    ("train.accelerator.linear_attention_backend=auto", ValueError,
+     r"train\.accelerator\.linear_attention_backend='auto' is not supported"),
     ("train.accelerator.tp=2", ValueError, r"train\.accelerator\.tp=2 is not supported .*tp must be 1"),
     ("train.accelerator.ulysses_degree=3", ValueError, r"train\.accelerator\.ulysses_degree=3 is not supported at "
                                                        r"cp=4"),
@@ -107,7 +107,7 @@ def test_sequence_layout():
 def test_all_gather_with_triton_is_not_implemented():
     with pytest.raises(NotImplementedError, match="all_gather"):
         _load("train.accelerator.linear_attention_cp_mode=all_gather",
-              "train.accelerator.linear_attention_gdn_backend=triton")
+              "train.accelerator.linear_attention_backend=triton")
 
 
 def test_world_size_rules():

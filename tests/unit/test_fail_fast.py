@@ -17,7 +17,7 @@ pytestmark = pytest.mark.fast
 def test_unknown_mode_and_backend():
     with pytest.raises(ValueError, match=r"linear_attention_cp_mode='ring'.*'ulysses', 'p2p', 'all_gather'"):
         LinearAttentionContextParallel(mode="ring")
-    with pytest.raises(ValueError, match=r"linear_attention_gdn_backend='auto'.*'eager', 'triton'"):
+    with pytest.raises(ValueError, match=r"linear_attention_backend='auto'.*'eager', 'triton'"):
         LinearAttentionContextParallel(mode="p2p", backend="auto")
 
 
@@ -38,8 +38,8 @@ def test_all_gather_with_triton_is_not_implemented():
                                                   r"expected one of \('ulysses', 'all_gather', 'ring'\)"),
     ({"cp": 0}, ValueError, r"cp must be an integer >= 1"),
     ({"linear_attention_cp_mode": "ring"}, ValueError, r"linear_attention_cp_mode='ring'"),
-    ({"linear_attention_gdn_backend": "cuda"}, ValueError, r"linear_attention_gdn_backend='cuda'"),
-    ({"linear_attention_cp_mode": "all_gather", "linear_attention_gdn_backend": "triton"}, NotImplementedError,
+    ({"linear_attention_backend": "cuda"}, ValueError, r"linear_attention_backend='cuda'"),
+    ({"linear_attention_cp_mode": "all_gather", "linear_attention_backend": "triton"}, NotImplementedError,
      "all_gather"),
     ({"cp": 2, "sp": 2}, ValueError, r"unknown key\(s\) \['sp'\]"),
 ])
@@ -51,7 +51,7 @@ def test_accelerator_config_validation(raw, error, pattern):
 def test_accelerator_config_defaults_and_world_size():
     config = AcceleratorConfig.from_dict({})
     assert (config.cp, config.tp, config.ulysses_degree) == (1, 1, None)
-    assert (config.linear_attention_cp_mode, config.linear_attention_gdn_backend) == ("ulysses", "eager")
+    assert (config.linear_attention_cp_mode, config.linear_attention_backend) == ("ulysses", "eager")
     with pytest.raises(ValueError, match=r"cp \(3\) x tp \(1\) must divide the world size \(4\)"):
         AcceleratorConfig.from_dict({"cp": 3}).validate(world_size=4)
 
@@ -83,7 +83,7 @@ def test_mesh_errors(single_rank_group):
 
 
 TRITON_DEVICE_ERROR = "backend='triton' needs CUDA tensors; got hidden_states on device 'cpu'"  # the first fused op
-TRITON_MISSING_ERROR = ("linear_attention_gdn_backend='triton' needs the `triton` package (>=3.6,<4), which is not "
+TRITON_MISSING_ERROR = ("linear_attention_backend='triton' needs the `triton` package (>=3.6,<4), which is not "
                         "installed; pip install \"deltacp[triton]\" or use backend='eager'")
 
 
@@ -102,7 +102,7 @@ def test_triton_backend_errors_clearly_without_cuda(single_rank_group, monkeypat
     for op in ("chunk_gated_delta_rule", "state_summary", "initial_state_grad"):
         monkeypatch.setattr(EagerGDNBackend, op, eager_ran)
     model = parallelize_qwen3_5_cp(_tiny_model(), init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)),
-                                   linear_attention_cp_mode="p2p", linear_attention_gdn_backend="triton")
+                                   linear_attention_cp_mode="p2p", linear_attention_backend="triton")
     ids = torch.randint(0, 256, (1, 64))
     with pytest.raises(RuntimeError) as err:
         model(input_ids=ids, use_cache=False)
@@ -223,10 +223,10 @@ def test_one_spelling_with_the_old_one_as_alias():
     resolved once, and the registry is where every check gets the list of names."""
     from deltacp.config import AcceleratorConfig
     from deltacp.parallel.layout import validate_cp_layout
-    from deltacp.parallel.modes import ATTENTION_METHODS, GDN_MODES, attention_method, gdn_mode
+    from deltacp.parallel.modes import ATTENTION_METHODS, LINEAR_MODES, attention_method, linear_mode
 
     assert attention_method("allgather") is ATTENTION_METHODS["all_gather"]
-    assert gdn_mode("allgather") is GDN_MODES["all_gather"]
+    assert linear_mode("allgather") is LINEAR_MODES["all_gather"]
     config = AcceleratorConfig.from_dict({"cp": 4, "full_attention_cp": "allgather"})
     assert config.full_attention_cp == "all_gather"
     validate_cp_layout(8, 2, "p2p", "allgather")
@@ -234,7 +234,7 @@ def test_one_spelling_with_the_old_one_as_alias():
                                          r"\('ulysses', 'all_gather', 'ring'\) \(aliases: allgather = all_gather\)"):
         attention_method("zigzag")
     with pytest.raises(NotImplementedError, match=r"linear_attention_cp_mode='all_gather' has no triton backend"):
-        gdn_mode("all_gather", "triton")
+        linear_mode("all_gather", "triton")
 
 
 def test_mamba2_head_rules_name_each_familys_settings():

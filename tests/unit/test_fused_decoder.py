@@ -386,7 +386,7 @@ def test_parallelize_cp_installs_on_the_triton_backend_only(single_rank_group, c
         model = transformers.Qwen3_5ForCausalLM(tiny_config()).float()
         keys = list(model.state_dict())
         with caplog.at_level(logging.INFO, logger="deltacp"):
-            parallelize_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_gdn_backend=backend)
+            parallelize_cp(model, mesh, linear_attention_cp_mode="p2p", linear_attention_backend=backend)
         assert fused_decoder_installed(model) == (backend == "triton")
         assert list(model.state_dict()) == keys and all(type(p) is torch.nn.Parameter for p in model.parameters())
         layer = model.model.layers[0]

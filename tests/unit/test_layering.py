@@ -34,6 +34,7 @@ RANKS: dict[str, int] = {
     "deltacp.ops": 0,
     "deltacp.distributed": 1,
     "deltacp.parallel": 2,
+    "deltacp.families.registry": 3,  # the families' registry, beside their homes: names and records only
     "deltacp.models": 3,
     "deltacp.batching": 3,
     "deltacp.losses": 3,
@@ -294,3 +295,13 @@ def test_cp_algorithms_name_no_family_and_no_family_parameter():
                 if re.search(rf"(?<![a-z]){re.escape(word)}", line, re.IGNORECASE):
                     found.append(f"{path.relative_to(SRC)}:{n}  {word!r}: {line.strip()}")
     assert not found, "deltacp.parallel names a family or its parameters:\n" + "\n".join(found)
+
+
+def test_families_and_models_do_not_import_each_other():
+    """The homes register in the registry beside them; what applies CP to a model (deltacp.models) reads the registry
+    and no home, and no home imports deltacp.models (issue 49)."""
+    bad = [e for e in import_graph()
+           if (_within(e.importer, "deltacp.models") and _within(e.imported, "deltacp.families")
+               and not _within(e.imported, "deltacp.families.registry"))
+           or (_within(e.importer, "deltacp.families") and _within(e.imported, "deltacp.models"))]
+    _fail_on([str(e) for e in bad], "imports between deltacp.families and deltacp.models")

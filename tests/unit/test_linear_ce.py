@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deltacp.models import loss as L
+from deltacp import losses as L
 from deltacp.ops.lm_head import cross_entropy as CE
 from helpers import TensorShapes, head_problem
 
@@ -284,7 +284,7 @@ def test_activation_checkpointing_runs_the_loss_once(single_rank_group, monkeypa
 
 _TRITON_CODE = r"""
 import sys, torch
-from deltacp.models import loss as L
+from deltacp import losses as L
 from deltacp.ops.fused import linear_ce as K
 from deltacp.ops.lm_head import kernels as LK
 

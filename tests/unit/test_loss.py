@@ -202,7 +202,7 @@ def test_kernels_keyword_and_the_model_s_backend(mesh, monkeypatch):
     assert head_kernels_of(plain) == "auto"
     for backend, kernels in (("eager", "torch"), ("triton", "triton")):
         model = parallelize_cp(transformers.Qwen3_5ForCausalLM(tiny_config()).float(), mesh,
-                               linear_attention_cp_mode="p2p", linear_attention_gdn_backend=backend)
+                               linear_attention_cp_mode="p2p", linear_attention_backend=backend)
         assert head_kernels_of(model) == kernels
     model = parallelize_cp(plain, mesh, linear_attention_cp_mode="p2p")  # eager: its forward runs on the CPU
     asked.clear()

@@ -46,7 +46,7 @@ def _saved_bytes_per_layer(fields: dict, backend: str, dtype: torch.dtype) -> li
     config = tiny_config(**fields, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     mesh = cp_mesh()
     model = parallelize_cp(Qwen3_5ForCausalLM(config).to(dtype), mesh, linear_attention_cp_mode="p2p",
-                           linear_attention_gdn_backend=backend)
+                           linear_attention_backend=backend)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     current, saved = [None], [dict() for _ in model.model.layers]
 

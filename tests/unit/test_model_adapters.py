@@ -37,7 +37,7 @@ def test_every_family_record_names_transformers_classes():
     """The family table (class names, importable without transformers) agrees with the installed transformers:
     each class's config_class (and a multimodal one's sub-configs), the norm of a tiny model, the view's name."""
     from deltacp.models.adapters import GDN_VIEWS
-    from deltacp.models.families import FAMILIES, family_of, trainable_classes
+    from deltacp.families.registry import FAMILIES, family_of, trainable_classes
 
     for family in FAMILIES:
         classes = family.classes()
@@ -49,7 +49,7 @@ def test_every_family_record_names_transformers_classes():
             assert config_class is getattr(transformers, family.multimodal_config), family.name
             assert config_class.sub_configs["text_config"] is getattr(transformers, family.text_config)
             assert config_class.sub_configs["vision_config"] is getattr(transformers, family.vision_config)
-        assert family.gdn_view in GDN_VIEWS, family.name
+        assert family.mixer_view.__name__ in GDN_VIEWS, family.name
     models = {"Qwen3_5ForCausalLM": transformers.Qwen3_5ForCausalLM(tiny_config())}
     models.update({name: tiny_family_model(name, torch.float32) for name in FAMILY_CLASSES})
     for name, model in models.items():
@@ -144,7 +144,7 @@ def test_a_mamba2_family_takes_the_triton_backend_and_names_the_device_on_cpu(si
     from deltacp.parallel.style import cp_layer_of
 
     model = tiny_family_model("BambaForCausalLM", torch.float32)
-    parallelize_cp(model, _mesh(), linear_attention_gdn_backend="triton", linear_attention_cp_mode="p2p")
+    parallelize_cp(model, _mesh(), linear_attention_backend="triton", linear_attention_cp_mode="p2p")
     layers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
     assert layers and all(isinstance(cp_layer_of(m).recurrence, TritonScalarDecay) for m in layers)
     with pytest.raises(RuntimeError, match=r"backend='triton' needs CUDA tensors; got qkv on device 'cpu'"):

@@ -27,7 +27,7 @@ def test_a_plan_validates_each_rule_once_naming_the_setting():
                                          r"that has them \(p2p\); linear_attention_cp_mode='ulysses' has none"):
         CPPlan(linear_attention_state_passing="scan")
     with pytest.raises(NotImplementedError, match=r"linear_attention_cp_mode='all_gather' has no triton backend"):
-        CPPlan(linear_attention_cp_mode="all_gather", linear_attention_gdn_backend="triton")
+        CPPlan(linear_attention_cp_mode="all_gather", linear_attention_backend="triton")
     with pytest.raises(ValueError, match=r"ulysses_degree=3 is not supported at cp=4"):
         CPPlan(cp=4, ulysses_degree=3)
     with pytest.raises(ValueError, match=r"cp must be an integer >= 1, got 0"):
@@ -35,9 +35,9 @@ def test_a_plan_validates_each_rule_once_naming_the_setting():
     with pytest.raises(ValueError, match=r"^full_attention_cp='bogus' is not supported; expected one of \('ulysses', "
                                          r"'all_gather', 'ring'\)"):  # at construction, cp unknown (was: at apply)
         CPPlan(full_attention_cp="bogus")
-    with pytest.raises(ValueError, match=r"^linear_attention_gdn_backend=None is not supported; expected one of "
+    with pytest.raises(ValueError, match=r"^linear_attention_backend=None is not supported; expected one of "
                                          r"\('eager', 'triton'\)"):  # (it built: None skipped the backend check)
-        CPPlan(linear_attention_gdn_backend=None)
+        CPPlan(linear_attention_backend=None)
     # what the settings imply, asked of the plan
     assert CPPlan(linear_attention_cp_mode="p2p").row_cut(3) == RowCut("contiguous", 3)
     assert CPPlan(linear_attention_cp_mode="ulysses").row_cut(3) == RowCut("contiguous", 1)
@@ -103,3 +103,24 @@ def test_a_checkpointing_plan_checks_its_settings_when_built():
                          (dict(num_layers=-1), "num_layers=-1 must be None or an integer >= 0")):
         with pytest.raises(ValueError, match=message):
             CheckpointingPlan(**bad)
+
+
+def test_the_backend_setting_under_its_earlier_name():
+    """linear_attention_gdn_backend (it selects the Mamba2 and KDA kernels too) is linear_attention_backend now; the
+    old name still works as a keyword, a YAML key and a CPPlan argument, with a FutureWarning naming the new one, and
+    both names with different values are an error."""
+    from deltacp.config import AcceleratorConfig
+    from deltacp.parallel.plan import CPPlan
+
+    with pytest.warns(FutureWarning, match="linear_attention_gdn_backend is deprecated; it is linear_attention_backend"):
+        plan = CPPlan.resolve(None, {"linear_attention_gdn_backend": "eager", "linear_attention_cp_mode": "p2p"}, 2)
+    assert plan.linear_attention_backend == "eager" and "linear_attention_gdn_backend" not in plan.settings()
+    with pytest.warns(FutureWarning, match=r"train\.accelerator\.linear_attention_gdn_backend is deprecated"):
+        acc = AcceleratorConfig.from_dict({"cp": 2, "linear_attention_gdn_backend": "eager"})
+    assert acc.linear_attention_backend == acc.linear_attention_gdn_backend == "eager"
+    assert "linear_attention_gdn_backend" not in acc.to_dict()
+    with pytest.warns(FutureWarning, match="CPPlan: linear_attention_gdn_backend is deprecated"):
+        assert CPPlan(linear_attention_gdn_backend="eager").linear_attention_backend == "eager"
+    with pytest.raises(ValueError, match=r"linear_attention_gdn_backend='triton' \(deprecated\) and "
+                                         r"linear_attention_backend='eager' disagree"), pytest.warns(FutureWarning):
+        CPPlan.resolve(None, {"linear_attention_gdn_backend": "triton", "linear_attention_backend": "eager"}, 2)

@@ -102,7 +102,7 @@ def test_every_family_registered_once_with_views_that_read_its_modules():
     import transformers  # noqa: F401
 
     from deltacp.families import olmo_hybrid, qwen3_5, qwen3_next
-    from deltacp.models.families import families, register_family
+    from deltacp.families.registry import families, register_family
 
     names = [f.name for f in families()]
     assert names == ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h",

@@ -350,8 +350,9 @@ def init_buffers(model: nn.Module) -> None:
     re-initialise loaded weights)."""
     from transformers import PreTrainedModel
 
-    hook = adapter_for(model).family.recompute_buffers  # the family's own (Falcon-H1's mup_vector)
-    done = set(hook(model)) if hook is not None else set()
+    adapter = adapter_for(model)
+    hook = adapter.family.recompute_buffers  # the family's own (Falcon-H1's mup_vector)
+    done = set(hook(model, adapter.text_config)) if hook is not None else set()
     owners = {name: m for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     for name, module in model.named_modules():
         own = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]

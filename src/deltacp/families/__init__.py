@@ -16,19 +16,9 @@
     mla.py          multi-head latent attention (DeepSeek-V3's MLA: LoRA projections, value dim of its own)
 
 A home holds the family's `Family` record (class names by role, its text config, whether its decoder norms take the
-fused Triton glue, multimodal classes), registered with `models/families.py`, and its views (`parallel/views.py`):
-the linear mixer's description (head layout, projections -> recurrence inputs -> output) and the full attention's
-(projections, norms, rotary, output gate). The CP layer reads nothing else of a family. Adding a family: a module
-here, its import below, its parity test (docs/design.md, "Adding a family").
+fused Triton glue, multimodal classes), registered with the registry beside it (`registry.py`), and its views
+(`parallel/views.py`): the linear mixer's description (head layout, projections -> recurrence inputs -> output) and
+the full attention's (projections, norms, rotary, output gate). The CP layer reads nothing else of a family. Adding a
+family: a module here, its name in `registry.HOMES`, its conformance table (tests/conformance/tables.py; docs/design.md,
+"Adding a family").
 """
-
-# each registers its family, in this order (the order of supported_classes())
-from deltacp.families import qwen3_5  # noqa: F401  isort: skip
-from deltacp.families import qwen3_next  # noqa: F401  isort: skip
-from deltacp.families import olmo_hybrid  # noqa: F401  isort: skip
-from deltacp.families import bamba  # noqa: F401  isort: skip
-from deltacp.families import nemotron_h  # noqa: F401  isort: skip
-from deltacp.families import granite_hybrid  # noqa: F401  isort: skip
-from deltacp.families import falcon_h1  # noqa: F401  isort: skip
-from deltacp.families import kimi_linear  # noqa: F401  isort: skip
-from deltacp.families import bailing_hybrid  # noqa: F401  isort: skip

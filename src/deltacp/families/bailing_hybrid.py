@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from deltacp.families.kda import KimiDeltaAttentionView
 from deltacp.families.mla import LatentAttentionView, rotate_interleaved
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 from deltacp.ops.precision import compute_dtype
 
 
@@ -66,9 +66,9 @@ class BailingHybridAttentionView(LatentAttentionView):
 
 BAILING_HYBRID = register_family(Family(
     "bailing_hybrid", "transformers.models.bailing_hybrid.modeling_bailing_hybrid",
-    causal_lm="BailingHybridForCausalLM", text_model="BailingHybridModel", gdn="BailingHybridDeltaAttention",
+    causal_lm="BailingHybridForCausalLM", text_model="BailingHybridModel", linear_mixer="BailingHybridDeltaAttention",
     attention="BailingHybridAttention", norm="BailingHybridRMSNorm", mlp="BailingHybridMLP",
-    gdn_view="BailingHybridKDAView", text_config="BailingHybridConfig", mixer_view=BailingHybridKDAView,
+    text_config="BailingHybridConfig", mixer_view=BailingHybridKDAView,
     attention_view=BailingHybridAttentionView, fused_decoder=False, linear_attribute="self_attn",
     attention_attribute="self_attn", moe_fields=None,  # its router has no auxiliary loss
     # transformers 5.25's "bailing_hybrid" conversion mapping (the released names; experts per expert, as for every

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from deltacp.families.attention import PlainAttentionView
 from deltacp.families.mamba2 import Mamba2View
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 
 
 class BambaMamba2View(Mamba2View):
@@ -20,6 +20,6 @@ class BambaMamba2View(Mamba2View):
 
 BAMBA = register_family(Family(
     "bamba", "transformers.models.bamba.modeling_bamba", causal_lm="BambaForCausalLM", text_model="BambaModel",
-    gdn="BambaMixer", attention="BambaAttention", norm="BambaRMSNorm", mlp="BambaMLP", gdn_view="BambaMamba2View",
+    linear_mixer="BambaMixer", attention="BambaAttention", norm="BambaRMSNorm", mlp="BambaMLP",
     text_config="BambaConfig", mixer_view=BambaMamba2View, attention_view=PlainAttentionView, fused_decoder=False,
     linear_attribute="mamba"))

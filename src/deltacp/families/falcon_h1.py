@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from deltacp.families.attention import PlainAttentionView
 from deltacp.families.mamba2 import Mamba2View
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 
 
 class FalconH1Mamba2View(Mamba2View):
@@ -38,17 +38,15 @@ class FalconH1Mamba2View(Mamba2View):
         return m.out_proj(y.to(dtype))
 
 
-def recompute_mup_vectors(model) -> list[str]:
-    """Every FalconH1Mixer's non-persistent `mup_vector` from the config, as transformers' FalconH1Model
+def recompute_mup_vectors(model, text_config) -> list[str]:
+    """Every FalconH1Mixer's non-persistent `mup_vector` from the text config, as transformers' FalconH1Model
     initialisation computes it (`compute_mup_vector`); the names of the mixers set."""
     import torch
     from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
 
-    from deltacp.models.adapters import adapter_for
-
     mixers = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "FalconH1Mixer"]
     if mixers:
-        vector = compute_mup_vector(adapter_for(model).text_config)
+        vector = compute_mup_vector(text_config)
         with torch.no_grad():
             for _, mixer in mixers:
                 mixer.mup_vector.copy_(vector.to(mixer.mup_vector.device, mixer.mup_vector.dtype))
@@ -64,7 +62,7 @@ class FalconH1AttentionView(PlainAttentionView):
 
 FALCON_H1 = register_family(Family(
     "falcon_h1", "transformers.models.falcon_h1.modeling_falcon_h1", causal_lm="FalconH1ForCausalLM",
-    text_model="FalconH1Model", gdn="FalconH1Mixer", attention="FalconH1Attention", norm="FalconH1RMSNorm",
-    mlp="FalconH1MLP", gdn_view="FalconH1Mamba2View", text_config="FalconH1Config", mixer_view=FalconH1Mamba2View,
+    text_model="FalconH1Model", linear_mixer="FalconH1Mixer", attention="FalconH1Attention", norm="FalconH1RMSNorm",
+    mlp="FalconH1MLP", text_config="FalconH1Config", mixer_view=FalconH1Mamba2View,
     attention_view=FalconH1AttentionView, fused_decoder=False, linear_attribute="mamba",
     logit_scale=("lm_head_multiplier", "mul"), recompute_buffers=recompute_mup_vectors))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from deltacp.families.attention import PlainAttentionView
 from deltacp.families.mamba2 import Mamba2View
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 
 
 class GraniteHybridMamba2View(Mamba2View):
@@ -27,9 +27,9 @@ class GraniteHybridAttentionView(PlainAttentionView):
 
 GRANITE_HYBRID = register_family(Family(
     "granitemoehybrid", "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
-    causal_lm="GraniteMoeHybridForCausalLM", text_model="GraniteMoeHybridModel", gdn="GraniteMoeHybridMambaLayer",
+    causal_lm="GraniteMoeHybridForCausalLM", text_model="GraniteMoeHybridModel", linear_mixer="GraniteMoeHybridMambaLayer",
     attention="GraniteMoeHybridAttention", norm="GraniteMoeHybridRMSNorm", mlp="GraniteMoeHybridMLP",
-    gdn_view="GraniteHybridMamba2View", text_config="GraniteMoeHybridConfig", mixer_view=GraniteHybridMamba2View,
+    text_config="GraniteMoeHybridConfig", mixer_view=GraniteHybridMamba2View,
     attention_view=GraniteHybridAttentionView, fused_decoder=False, linear_attribute="mamba",
     moe_fields=("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
     moe_router=("block_sparse_moe", "router"), logit_scale=("logits_scaling", "div"),

@@ -23,7 +23,7 @@ import torch
 
 from deltacp.families.kda import KimiDeltaAttentionView
 from deltacp.families.mla import LatentAttentionView
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 from deltacp.ops.precision import compute_dtype
 
 
@@ -54,8 +54,8 @@ class KimiLinearAttentionView(LatentAttentionView):
 
 KIMI_LINEAR = register_family(Family(
     "kimi_linear", "transformers.models.kimi_linear.modeling_kimi_linear", causal_lm="KimiLinearForCausalLM",
-    text_model="KimiLinearModel", gdn="KimiLinearDeltaAttention", attention="KimiLinearAttention",
-    norm="KimiLinearRMSNorm", mlp="KimiLinearMLP", gdn_view="KimiLinearKDAView", text_config="KimiLinearConfig",
+    text_model="KimiLinearModel", linear_mixer="KimiLinearDeltaAttention", attention="KimiLinearAttention",
+    norm="KimiLinearRMSNorm", mlp="KimiLinearMLP", text_config="KimiLinearConfig",
     mixer_view=KimiLinearKDAView, attention_view=KimiLinearAttentionView, fused_decoder=False,
     linear_attribute="self_attn", attention_attribute="self_attn",
     moe_fields=None,  # its router has no auxiliary loss

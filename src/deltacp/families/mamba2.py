@@ -6,7 +6,7 @@ dt = softplus(dt_raw + dt_bias) clamped to `time_step_limit` and A = -exp(A_log)
 
 Padding: transformers zeroes padded tokens' hidden states before `in_proj` and multiplies the conv's output by the
 padding mask again (the conv has a bias, so a zeroed input token would still write the state). The CP layer does
-both for every family (`parallel/gdn_layer.py`, `parallel/shard.py`): padded tokens write nothing into the state,
+both for every family (`parallel/linear_layer.py`, `parallel/shard.py`): padded tokens write nothing into the state,
 and their pre-conv values (zero, or `in_proj`'s bias) enter the conv windows of the valid tokens after them, as in
 transformers.
 

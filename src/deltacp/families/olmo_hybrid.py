@@ -21,7 +21,7 @@ import torch
 
 from deltacp.families.attention import PlainAttentionView
 from deltacp.families.gdn import GatedDeltaNetView, extras
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 from deltacp.ops.precision import compute_dtype
 
 
@@ -64,8 +64,8 @@ class OlmoHybridAttentionView(PlainAttentionView):
 
 OLMO_HYBRID = register_family(Family(
     "olmo_hybrid", "transformers.models.olmo_hybrid.modeling_olmo_hybrid", causal_lm="OlmoHybridForCausalLM",
-    text_model="OlmoHybridModel", gdn="OlmoHybridGatedDeltaNet", attention="OlmoHybridAttention",
-    norm="OlmoHybridRMSNorm", mlp="OlmoHybridMLP", gdn_view="OlmoHybridGDNView", text_config="OlmoHybridConfig",
+    text_model="OlmoHybridModel", linear_mixer="OlmoHybridGatedDeltaNet", attention="OlmoHybridAttention",
+    norm="OlmoHybridRMSNorm", mlp="OlmoHybridMLP", text_config="OlmoHybridConfig",
     mixer_view=OlmoHybridGDNView, attention_view=OlmoHybridAttentionView, fused_decoder=False,
     # transformers 5.25's "olmo_hybrid" conversion mapping: the released names of the decoder norms, and the conv
     # stored as one weight per q, k, v

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deltacp.families.gdn import GatedDeltaNetView, extras
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 from deltacp.ops.precision import compute_dtype
 from deltacp.parallel.views import AttentionView
 
@@ -55,15 +55,15 @@ class GatedAttentionView(AttentionView):
 
 QWEN3_5 = register_family(Family(
     "qwen3_5", "transformers.models.qwen3_5.modeling_qwen3_5", causal_lm="Qwen3_5ForCausalLM",
-    text_model="Qwen3_5TextModel", gdn="Qwen3_5GatedDeltaNet", attention="Qwen3_5Attention", norm="Qwen3_5RMSNorm",
-    mlp="Qwen3_5MLP", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5TextConfig",
+    text_model="Qwen3_5TextModel", linear_mixer="Qwen3_5GatedDeltaNet", attention="Qwen3_5Attention", norm="Qwen3_5RMSNorm",
+    mlp="Qwen3_5MLP", text_config="Qwen3_5TextConfig",
     conditional="Qwen3_5ForConditionalGeneration", multimodal_model="Qwen3_5Model", multimodal_config="Qwen3_5Config",
     vision_config="Qwen3_5VisionConfig", mrope=True, presets=True,
     mixer_view=Qwen3_5GDNView, attention_view=GatedAttentionView))
 QWEN3_5_MOE = register_family(Family(
     "qwen3_5_moe", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", causal_lm="Qwen3_5MoeForCausalLM",
-    text_model="Qwen3_5MoeTextModel", gdn="Qwen3_5MoeGatedDeltaNet", attention="Qwen3_5MoeAttention",
-    norm="Qwen3_5MoeRMSNorm", mlp="Qwen3_5MoeMLP", gdn_view="Qwen3_5GDNView", text_config="Qwen3_5MoeTextConfig",
+    text_model="Qwen3_5MoeTextModel", linear_mixer="Qwen3_5MoeGatedDeltaNet", attention="Qwen3_5MoeAttention",
+    norm="Qwen3_5MoeRMSNorm", mlp="Qwen3_5MoeMLP", text_config="Qwen3_5MoeTextConfig",
     conditional="Qwen3_5MoeForConditionalGeneration", multimodal_model="Qwen3_5MoeModel",
     multimodal_config="Qwen3_5MoeConfig", vision_config="Qwen3_5MoeVisionConfig", mrope=True,
     mixer_view=Qwen3_5GDNView, attention_view=GatedAttentionView))

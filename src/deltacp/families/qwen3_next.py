@@ -17,7 +17,7 @@ import torch
 
 from deltacp.families.gdn import GatedDeltaNetView, extras
 from deltacp.families.qwen3_5 import GatedAttentionView
-from deltacp.models.families import Family, register_family
+from deltacp.families.registry import Family, register_family
 
 
 class Qwen3NextGDNView(GatedDeltaNetView):
@@ -38,6 +38,6 @@ class Qwen3NextGDNView(GatedDeltaNetView):
 
 QWEN3_NEXT = register_family(Family(
     "qwen3_next", "transformers.models.qwen3_next.modeling_qwen3_next", causal_lm="Qwen3NextForCausalLM",
-    text_model="Qwen3NextModel", gdn="Qwen3NextGatedDeltaNet", attention="Qwen3NextAttention", norm="Qwen3NextRMSNorm",
-    mlp="Qwen3NextMLP", gdn_view="Qwen3NextGDNView", text_config="Qwen3NextConfig",
+    text_model="Qwen3NextModel", linear_mixer="Qwen3NextGatedDeltaNet", attention="Qwen3NextAttention", norm="Qwen3NextRMSNorm",
+    mlp="Qwen3NextMLP", text_config="Qwen3NextConfig",
     mixer_view=Qwen3NextGDNView, attention_view=GatedAttentionView))

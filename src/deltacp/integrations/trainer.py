@@ -54,7 +54,7 @@ from deltacp.models.compose import parallelize_and_shard
 from deltacp.models.fsdp import all_reduce_cp_grads
 from deltacp.losses import cp_causal_lm_loss
 from deltacp.models.parallelize import cp_plan_of, is_parallelized
-from deltacp.parallel.plan import CPPlan
+from deltacp.parallel.plan import RENAMED, CPPlan
 from deltacp.checkpoint_io.save import save_pretrained
 from deltacp.integrations.batch import IGNORE_INDEX, CPBatch, shard_collated_batch
 
@@ -137,7 +137,7 @@ class CPTrainerBase:
 
     Keywords (every other keyword goes to the trainer): cp_size (ranks per sequence; world = dp x cp_size), plan (a
     `deltacp.CPPlan`: every CP setting) or its fields as keywords (linear_attention_cp_mode,
-    linear_attention_gdn_backend, full_attention_cp, ulysses_degree, linear_attention_state_passing,
+    linear_attention_backend, full_attention_cp, ulysses_degree, linear_attention_state_passing,
     sequence_layout, as `deltacp.parallelize_cp`), checked at construction; batches are cut by the model's RowCut;
     fsdp (True: deltacp's FSDP2 over dp x cp; False: replicated parameters).
     """
@@ -150,7 +150,7 @@ class CPTrainerBase:
             raise ValueError(f"deltacp: fsdp must be True or False, got {fsdp!r}")
         if "cp" in kwargs:
             raise TypeError("deltacp: the CP degree is cp_size (the trainer's keyword), not cp")
-        settings = {name: kwargs.pop(name) for name in CPPlan.setting_names() if name in kwargs}
+        settings = {name: kwargs.pop(name) for name in (*CPPlan.setting_names(), *RENAMED) if name in kwargs}
         try:  # the rules that need no model
             self.cp_plan = CPPlan.resolve(plan, settings, cp_size, "the CP trainer", cp_name="cp_size")
         except (ValueError, NotImplementedError, TypeError) as e:

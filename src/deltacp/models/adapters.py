@@ -1,6 +1,6 @@
 """Model adapters: where things are in one model instance of a supported family, for applying CP to it.
 
-The families and their views live in their homes (`deltacp.families`, registered in `models/families.py`); here
+The families and their views live in their homes (`deltacp.families`, registered in `families/registry.py`); here
 every family's views are registered with `parallel/views.py` for its module classes, and `adapter_for(model)` finds
 a model's text model, decoder layers, linear-attention and full-attention modules, how its positions are formed
 (2-D text positions, Qwen3.5's [4, B, S] text + mRoPE rows, or the 3 mRoPE rows alone of a multimodal forward),
@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from deltacp.models.families import Family, families, supported_classes
+from deltacp.families.registry import Family, families, supported_classes
 from deltacp.parallel.views import register_attention_view, register_mixer_view
 
 
@@ -31,7 +31,7 @@ def _register_views() -> None:
         classes = family.classes()
         if classes is None:
             continue
-        register_mixer_view(classes["gdn"], family.mixer_view)
+        register_mixer_view(classes["linear_mixer"], family.mixer_view)
         rotary = getattr(importlib.import_module(family.module), "apply_rotary_pos_emb", None)
         register_attention_view(classes["attention"], partial(family.attention_view, apply_rotary=rotary))
 
@@ -41,7 +41,7 @@ _register_views()
 
 def __getattr__(name: str):
     """The view classes by the names of earlier versions (`Qwen3_5GDNView`, `GDN_VIEWS`), from the homes."""
-    views = {family.gdn_view: family.mixer_view for family in families()}
+    views = {family.mixer_view.__name__: family.mixer_view for family in families()}
     if name == "GDN_VIEWS":
         return views
     if name in views:
@@ -74,7 +74,7 @@ class ModelAdapter:
     def linear_attention(self, layer: nn.Module) -> nn.Module | None:
         """The layer's linear mixer (the family's class at its attribute), or None."""
         module = getattr(layer, self.family.linear_attribute, None)
-        return module if type(module).__name__ == self.family.gdn else None
+        return module if type(module).__name__ == self.family.linear_mixer else None
 
     def full_attention(self, layer: nn.Module) -> nn.Module | None:
         """The layer's full attention (the family's class at its attribute), or None."""

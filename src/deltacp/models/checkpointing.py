@@ -10,7 +10,7 @@ Policies (`POLICIES`):
   full attention's output and log-sum-exp are kept (`ops/recompute.py`: torch's
   selective checkpoint for SDPA's kernels, a kept-output store for the tiled / ring attention), so the recompute
   never runs the quadratic part again; it costs one attention output [tokens, heads x head_dim] (+ fp32 lse) per
-  attention layer. GDN layers recompute as under full.
+  attention layer. linear-recurrent layers recompute as under full.
 Which is faster depends on the length (one H200, Qwen3.5-2B, cp = 1: selective 0.92x of full at 16K tokens, 1.07x
 at 64K, where attention dominates; NOTES.md): "full" stays the default, "selective" is the choice for long rows,
 and the trainer's `auto` weighs memory. `num_layers` checkpoints only the first n decoder layers (of those
@@ -21,7 +21,7 @@ The recompute of a checkpointed layer stops at the last tensor its forward saved
 projection, whose input is saved before it runs, is never recomputed (`ops/recompute.py`).
 
 Applied after CP and before FSDP2 (inside the FSDP unit's forward, so FSDP's unshard hooks run once). The
-recompute of a p2p GDN layer replays the entering state its forward received, found in that forward's
+recompute of a p2p linear-recurrent layer replays the entering state its forward received, found in that forward's
 `CPForwardContext` (the attention_mask argument the checkpoint keeps), instead of posting another receive; the
 collectives of a recomputed layer run again in the same order on every rank under either policy.
 """

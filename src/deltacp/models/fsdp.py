@@ -64,7 +64,7 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
 def _require_cp(model: nn.Module, group, fn: str) -> None:
     """Sums over the mesh are right only for a CP'd model (each rank's loss its share of the global batch): a model
     CP was not applied to is refused on every rank together (`require_parallelized`); a module holding layers with
-    a CP forward installed (GDN or full attention layers used on their own) passes. Checked once per model and
+    a CP forward installed (linear-recurrent or full attention layers used on their own) passes. Checked once per model and
     group: `all_reduce_cp_grads` runs every step, and CP once applied stays (no exchange, no device sync after)."""
     checked = model.__dict__.setdefault("_deltacp_cp_checked", set())
     if id(group) in checked:

@@ -1,5 +1,5 @@
 """Fused Triton decoder glue (`deltacp.ops.fused.decoder`) installed on a model's instances: what
-`parallelize_cp` does on the Triton path (`linear_attention_gdn_backend="triton"`); the eager backend keeps
+`parallelize_cp` does on the Triton path (`linear_attention_backend="triton"`); the eager backend keeps
 transformers' own forwards, the readable reference.
 
     install_fused_decoder(model)   # any class models/adapters.py supports; returns the number of layers

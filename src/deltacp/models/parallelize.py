@@ -1,4 +1,4 @@
-"""`parallelize_cp`: context parallelism for a whole GDN hybrid (any class a model adapter supports), as a short
+"""`parallelize_cp`: context parallelism for a whole linear-recurrent hybrid (any class a model adapter supports), as a short
 composition of named steps.
 
     model = parallelize_cp(model, cp_mesh, linear_attention_cp_mode="p2p")
@@ -7,7 +7,7 @@ composition of named steps.
 
 Steps (one log line each): check every layer on every rank and exchange the configuration once (every rank
 raises together); `stop_kernelization` (transformers' hub kernels would put the classes' forwards back at every
-train() / eval()); `apply_linear_attention_cp` (the GDN style on every `linear_attn`); `apply_full_attention_cp`
+train() / eval()); `apply_linear_attention_cp` (the linear-attention style on every `linear_attn`); `apply_full_attention_cp`
 (the full attention style on every `self_attn`); on the Triton backend `apply_fused_decoder` (RMSNorm, residual
 add + RMSNorm: `models/fused_decoder.py`); `install_input_hooks` (the CP input hook on the text model, on a
 multimodal model the vision hook, on a causal-LM / conditional-generation wrapper the hook refusing `labels` and
@@ -116,7 +116,7 @@ def refuse_wrapped(model: nn.Module) -> None:
 def stop_kernelization(model: nn.Module) -> None:
     """Turn transformers' hub-kernel layers off (`use_kernels`, on by default in `from_pretrained` of transformers
     5.25): they are re-installed on every change between train() and eval() by replacing the instance forwards of
-    the decorated modules, the GDN module among them, which would silently drop its CP forward."""
+    the decorated modules, the linear mixer among them, which would silently drop its CP forward."""
     if getattr(model, "use_kernels", False):
         model.use_kernels = False
         logger.info("Turned off transformers' hub kernels of %s (their re-kernelization on train()/eval() would "
@@ -136,7 +136,7 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
         if gdn is None and attention is None:
             if kind in ("linear_attention", "full_attention", "hybrid"):
                 raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} ({kind}) has neither a "
-                                          f"{adapter.family.gdn} nor a {adapter.family.attention}")
+                                          f"{adapter.family.linear_mixer} nor a {adapter.family.attention}")
             continue  # a token-wise block (Nemotron-H's mlp / moe layers): nothing to make CP
         try:
             layer_config = {}  # a layer may hold both (Falcon-H1 runs them in parallel)
@@ -159,7 +159,7 @@ def _install_on_layers(adapter: ModelAdapter, module_of, style, group, groups) -
 
 def apply_linear_attention_cp(adapter: ModelAdapter, style: LinearAttentionContextParallel, group, groups) -> int:
     n = _install_on_layers(adapter, adapter.linear_attention, style, group, groups)
-    logger.info("Applied %s linear attention CP (%s backend) to %d GDN layers", style.mode, style.backend, n)
+    logger.info("Applied %s linear attention CP (%s backend) to %d linear-recurrent layers", style.mode, style.backend, n)
     return n
 
 
@@ -208,14 +208,14 @@ def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_lay
 
 
 def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = None, **settings) -> nn.Module:
-    """Apply CP in place to every layer of a GDN hybrid (any class `models/adapters.py` supports); return the model.
+    """Apply CP in place to every layer of a linear-recurrent hybrid (any class `models/adapters.py` supports); return the model.
 
     On each rank, `model(**shard_batch_for_cp(..., model=model) without target_ids, use_cache=False).logits` is that
     rank's slice of the single-device logits (per document, for packed rows).
 
     plan: a `CPPlan` (`parallel/plan.py`: every CP setting, validated once; its cp, if given, must be the mesh's), or
     its fields as keywords, as in earlier versions: linear_attention_cp_mode (ulysses | p2p | all_gather),
-    linear_attention_gdn_backend (eager | triton), full_attention_cp ('ulysses': heads split cp ways, the heads
+    linear_attention_backend (eager | triton), full_attention_cp ('ulysses': heads split cp ways, the heads
     must divide by cp; 'all_gather' ('allgather' accepted) or 'ring': no head limit), ulysses_degree (None / cp:
     the 1-D layout; u < cp dividing cp: the 2-D layout, `parallel/layout.py`), linear_attention_state_passing
     ('chain' | 'scan', `parallel/scan.py`), sequence_layout ('contiguous' | 'balanced', `parallel/placement.py`; the
@@ -247,7 +247,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = 
     apply_linear_attention_cp(adapter, linear, group, linear_groups)
     shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
     apply_full_attention_cp(adapter, full, group, full.groups(cp_mesh, shared), cp)
-    if plan.linear_attention_gdn_backend == "triton":
+    if plan.linear_attention_backend == "triton":
         if adapter.family.fused_decoder:
             apply_fused_decoder(model)
         else:
@@ -267,8 +267,8 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = 
 
 
 def row_cut(config: dict, plan: CPPlan) -> RowCut:
-    """The model's RowCut from its checked configuration: every piece holds at least what the plan's GDN mode needs
-    of the longest conv halo of the model's GDN layers (`CPPlan.min_piece_length`)."""
+    """The model's RowCut from its checked configuration: every piece holds at least what the plan's linear-attention mode needs
+    of the longest conv halo of the model's linear-recurrent layers (`CPPlan.min_piece_length`)."""
     halos = [value for key, value in config.items() if key.endswith(".conv_halo")]
     return plan.row_cut(max(halos, default=0))
 

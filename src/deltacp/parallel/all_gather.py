@@ -12,9 +12,9 @@ import torch
 from deltacp.distributed.collectives import all_gather_autograd
 from deltacp.ops.recurrence import Transition
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
+from deltacp.parallel.linear_layer import LinearLayerCP, document_segments
 from deltacp.parallel.placement import Pieces
-from deltacp.parallel.shard import GDNShard, scan_inputs
+from deltacp.parallel.shard import LinearShard, scan_inputs
 
 
 def _compose_prefixes(packed_NBHKX: torch.Tensor, positions: tuple[int, ...], transition: Transition,
@@ -71,12 +71,12 @@ class _AnchorBackward(torch.autograd.Function):
         return grad_o, grad_o.new_zeros(shape, dtype=dtype)
 
 
-def all_gather_mixer(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+def all_gather_mixer(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
                      ctx: CPForwardContext) -> torch.Tensor:
-    return all_gather_scan(layer, GDNShard.whole(layer), pre_BsC, extras_BsHX, ctx)
+    return all_gather_scan(layer, LinearShard.whole(layer), pre_BsC, extras_BsHX, ctx)
 
 
-def all_gather_scan(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+def all_gather_scan(layer: LinearLayerCP, shard: LinearShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
                     ctx: CPForwardContext) -> torch.Tensor:
     """The all_gather scan of `shard`'s heads over this rank's pieces of the row held by its group."""
     rec = layer.recurrence

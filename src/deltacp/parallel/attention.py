@@ -268,7 +268,7 @@ def has_attention_cp(module: nn.Module) -> bool:
 def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int | None = None,
                       balanced: bool = False) -> AttentionCP:
     """The groups of KV all-gather / ring full attention with Ulysses degree `degree` inside groups (1: none).
-    `shared`: the GDN layers' `TwoDGroups` of the same degree, whose Ulysses and across groups (collectives only)
+    `shared`: the linear-recurrent layers' `TwoDGroups` of the same degree, whose Ulysses and across groups (collectives only)
     attention reuses. The ring always gets its own communicator. Collective: every rank calls it at one point."""
     cp_group = cp_group_of(cp_mesh)
     if degree == 1:

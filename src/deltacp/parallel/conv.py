@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from deltacp.distributed.collectives import conv_halo_exchange
 from deltacp.parallel.documents import DocumentSegment
-from deltacp.parallel.gdn_layer import GDNLayerCP
+from deltacp.parallel.linear_layer import LinearLayerCP
 from deltacp.parallel.placement import Pieces
 
 
@@ -29,7 +29,7 @@ def whole_row_here(halo_group, pieces: Pieces) -> bool:
     return pieces.per_member == 1 and dist.get_world_size(halo_group) == 1
 
 
-def conv_parts(layer: GDNLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
+def conv_parts(layer: LinearLayerCP, x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
                key_heads: int, pieces: Pieces, docs: list[DocumentSegment | None], halo_group=None,
                batched: bool = True) -> list[tuple[torch.Tensor, ...]]:
     """The parts [rows, n, heads, dim] of SiLU(causal conv of x) by the layer's backend (split as the view's

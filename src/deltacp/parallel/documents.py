@@ -4,10 +4,10 @@ A packed row (B = 1) holds documents back to back; under CP each rank holds one 
 sequence layout, `placement.py`), and a document may start and end anywhere relative to the piece boundaries.
 Described by the global offsets `cu_seqlens` = [0, ..., S]. From them:
 
-- a GDN layer in p2p / all_gather mode needs each local piece's offsets, whether its first document continues
+- a linear-recurrent layer in p2p / all_gather mode needs each local piece's offsets, whether its first document continues
   from the previous piece (`DocumentSegment.layout.first_continues`), and each token's document start
   (`doc_start`: the conv reads only taps of the token's own document);
-- a GDN layer in Ulysses mode needs the same for the whole row;
+- a linear-recurrent layer in Ulysses mode needs the same for the whole row;
 - full attention needs per-document causal masking (`AttentionDocuments`: offsets over the flattened
   [B * S] token stream, so padded batches of B > 1 rows are documents too: valid tokens, then padding).
 
@@ -115,7 +115,7 @@ class AttentionDocuments:
 
 @dataclass
 class DocumentSegment:
-    """The documents of tokens [lo, hi) of a packed row, as one GDN layer on one rank sees them."""
+    """The documents of tokens [lo, hi) of a packed row, as one linear-recurrent layer on one rank sees them."""
 
     layout: VarlenLayout  # local offsets; first_continues: the first document began before lo
     doc_start: torch.Tensor  # [s] int32: local index of each token's document start (negative: began before lo)
@@ -167,7 +167,7 @@ class PackedDocuments:
 class CPForwardContext:
     """Everything a CP'd layer needs of one model forward beyond its hidden states (see module docstring).
 
-    padding: the local 2-D padding mask [B, s] (GDN layers zero padded tokens), or None.
+    padding: the local 2-D padding mask [B, s] (linear-recurrent layers zero padded tokens), or None.
     documents: the packed row's documents (B = 1), or None.
     attention: per-document causal attention over the flattened batch (documents or padding), or None
         (plain causal).

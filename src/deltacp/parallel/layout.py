@@ -5,10 +5,10 @@ so its tokens are one contiguous slice of the row). Every layer runs Ulysses ins
 ways) and a sequence algorithm across groups, between rank j of each group (CP ranks j, j + u, ...):
 
     layer            inside a group     across groups
-    GDN              Ulysses            linear_attention_cp_mode: a mode that runs across groups (p2p | all_gather)
+    linear           Ulysses            linear_attention_cp_mode: a mode that runs across groups (p2p | all_gather)
     full attention   Ulysses            full_attention_cp: a method that runs across groups (all_gather | ring)
 
-ulysses_degree None or cp is the 1-D layout: GDN by linear_attention_cp_mode and full attention by
+ulysses_degree None or cp is the 1-D layout: linear-recurrent layers by linear_attention_cp_mode and full attention by
 full_attention_cp, each over the whole CP group (a method that splits heads needs the attention heads to divide
 by cp; the others have no head limit). ulysses_degree = 1 is the 1-D layout of the across-group methods (groups
 of one rank). Which mode may run where is the registry's (`modes.py`). Every check here runs before any
@@ -17,7 +17,7 @@ collective.
 
 from __future__ import annotations
 
-from deltacp.parallel.modes import ATTENTION_METHODS, GDN_MODES, attention_method, gdn_mode
+from deltacp.parallel.modes import ATTENTION_METHODS, LINEAR_MODES, attention_method, linear_mode
 
 
 def check_ulysses_degree_value(ulysses_degree, prefix: str = "") -> None:
@@ -43,15 +43,15 @@ def is_two_d(cp: int, ulysses_degree) -> bool:
 
 
 def linear_two_d_degree(cp: int, ulysses_degree, mode: str, prefix: str = "") -> int | None:
-    """u for a 2-D GDN layer (1 < u < cp), None for the 1-D modes; raises naming the settings."""
+    """u for a 2-D linear-recurrent layer (1 < u < cp), None for the 1-D modes; raises naming the settings."""
     check_ulysses_degree(cp, ulysses_degree, prefix)
-    resolved = gdn_mode(mode, prefix=prefix)
+    resolved = linear_mode(mode, prefix=prefix)
     if not is_two_d(cp, ulysses_degree):
         return None
     if resolved.across is None:
         raise ValueError(f"{prefix}linear_attention_cp_mode={mode!r} with {prefix}ulysses_degree={ulysses_degree} < "
                          f"cp ({cp}): in the 2-D layout the mode names the across-group method, one of "
-                         f"{tuple(m.name for m in GDN_MODES.values() if m.across is not None)} (Ulysses runs inside "
+                         f"{tuple(m.name for m in LINEAR_MODES.values() if m.across is not None)} (Ulysses runs inside "
                          f"each group of ulysses_degree ranks)")
     return ulysses_degree if ulysses_degree > 1 else None
 

@@ -1,9 +1,9 @@
-"""The CP modes of GDN layers and the CP methods of full attention: one typed registry each.
+"""The CP modes of linear-recurrent layers and the CP methods of full attention: one typed registry each.
 
 Every check of a mode name (the styles, the layout rules, the trainer's YAML, `parallelize_cp`) resolves it here,
 so adding a mode is one entry: its mixer, what it needs, where it may run.
 
-    GDN mode     mixer (1-D)          across groups (2-D)   backends        conv halo   own p2p group
+    mode         mixer (1-D)          across groups (2-D)   backends        conv halo   own p2p group
     ulysses      heads split cp ways  -                     eager, triton   no          no
     p2p          state chain          yes                   eager, triton   yes         yes
     all_gather   summary all-gather   yes                   eager           yes         no
@@ -30,13 +30,13 @@ from deltacp.parallel.ulysses import ulysses_mixer
 
 
 @dataclass(frozen=True)
-class GDNMode:
+class LinearMode:
     """One linear-attention CP mode."""
 
     name: str
     mixer: Callable  # (layer, pre_BsC, extras_BsHX, ctx) -> o_BsHV: the 1-D token mixer
     across: Callable | None  # (layer, shard, pre, extras, ctx) -> o: the scan across Ulysses groups (2-D); None: 1-D only
-    backends: tuple[str, ...]  # GDN backends it runs on
+    backends: tuple[str, ...]  # backends it runs on
     needs_halo: bool  # reads the previous rank's conv tail: local tokens >= (kernel - 1) * dilation
     state_hops: bool  # point-to-point state traffic, on a communicator of its own (docs/design.md, schedule)
 
@@ -50,10 +50,10 @@ class AttentionMethod:
     across_groups: bool  # may run across Ulysses groups in the 2-D layout
 
 
-GDN_MODES: dict[str, GDNMode] = {m.name: m for m in (
-    GDNMode("ulysses", ulysses_mixer, None, GDN_BACKENDS, needs_halo=False, state_hops=False),
-    GDNMode("p2p", p2p_mixer, p2p_scan, GDN_BACKENDS, needs_halo=True, state_hops=True),
-    GDNMode("all_gather", all_gather_mixer, all_gather_scan, ("eager",), needs_halo=True, state_hops=False),
+LINEAR_MODES: dict[str, LinearMode] = {m.name: m for m in (
+    LinearMode("ulysses", ulysses_mixer, None, GDN_BACKENDS, needs_halo=False, state_hops=False),
+    LinearMode("p2p", p2p_mixer, p2p_scan, GDN_BACKENDS, needs_halo=True, state_hops=True),
+    LinearMode("all_gather", all_gather_mixer, all_gather_scan, ("eager",), needs_halo=True, state_hops=False),
 )}
 ATTENTION_METHODS: dict[str, AttentionMethod] = {m.name: m for m in (
     AttentionMethod("ulysses", splits_heads=True, across_groups=False),
@@ -62,7 +62,7 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {m.name: m for m in (
 )}
 ALIASES: dict[str, str] = {"allgather": "all_gather"}
 
-LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = tuple(GDN_MODES)
+LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = tuple(LINEAR_MODES)
 FULL_ATTENTION_CP: tuple[str, ...] = tuple(ATTENTION_METHODS)
 
 
@@ -79,18 +79,18 @@ def _resolve(registry: dict, name, setting: str, prefix: str):
     return registry[key]
 
 
-def gdn_mode(name, backend: str | None = None, prefix: str = "") -> GDNMode:
-    """The registered GDN mode `name` (or an alias); with `backend`, also checks that the mode runs on it.
+def linear_mode(name, backend: str | None = None, prefix: str = "") -> LinearMode:
+    """The registered linear-attention mode `name` (or an alias); with `backend`, also checks that the mode runs on it.
     Raises naming the setting and the allowed values."""
-    mode = _resolve(GDN_MODES, name, "linear_attention_cp_mode", prefix)
+    mode = _resolve(LINEAR_MODES, name, "linear_attention_cp_mode", prefix)
     if backend is not None:
         if backend not in GDN_BACKENDS:
-            raise ValueError(f"{prefix}linear_attention_gdn_backend={backend!r} is not supported; expected one of "
+            raise ValueError(f"{prefix}linear_attention_backend={backend!r} is not supported; expected one of "
                              f"{GDN_BACKENDS}")
         if backend not in mode.backends:
-            others = [m.name for m in GDN_MODES.values() if backend in m.backends]
+            others = [m.name for m in LINEAR_MODES.values() if backend in m.backends]
             raise NotImplementedError(f"{prefix}linear_attention_cp_mode={mode.name!r} has no {backend} backend "
-                                      f"(it runs on {mode.backends}); use linear_attention_gdn_backend="
+                                      f"(it runs on {mode.backends}); use linear_attention_backend="
                                       f"{mode.backends[0]!r}, or one of the modes {others}")
     return mode
 
@@ -100,7 +100,7 @@ def attention_method(name, prefix: str = "") -> AttentionMethod:
     return _resolve(ATTENTION_METHODS, name, "full_attention_cp", prefix)
 
 
-def check_state_passing(state_passing, mode: GDNMode, prefix: str = "") -> str:
+def check_state_passing(state_passing, mode: LinearMode, prefix: str = "") -> str:
     """`linear_attention_state_passing`: a schedule of `StatePassing` (chain | scan), and other than 'chain' only for a
     mode with state hops. Raises naming the setting and the allowed values."""
     if state_passing not in StatePassing.SCHEDULES:

@@ -12,10 +12,10 @@ earlier rank, and reaches H_out only if no document starts inside the slice; oth
 (the last document's state from zero). Every rank still receives and sends one state each way, so the
 message pattern never depends on the data.
 
-Backward on rank r, in the node `_StateGradHop` that sits on the outputs (so it runs before the local GDN
+Backward on rank r, in the node `_StateGradHop` that sits on the outputs (so it runs before the local recurrence
 backward): dH_in_local, the entering state's gradient from the local outputs alone (one state-backward pass
 from dO, not needing dH_out), then receive dH_out from r+1, send dH_in = Mᵀ dH_out + dH_in_local to r-1,
-and hand dH_out to the local GDN backward as the gradient of its final state. Since the final state equals
+and hand dH_out to the local recurrence backward as the gradient of its final state. Since the final state equals
 M @ H_in + S, that one backward gives every input gradient that dM and dS would; the summary itself needs
 no backward (its forward runs without autograd). The serial chain per hop stays recv -> one K x K matmul
 -> send.
@@ -30,7 +30,7 @@ pieces, so the messages between two ranks are issued in the same order on both s
 
 `StatePassing.schedule == "scan"` (`parallel/scan.py`) replaces the hops each way by a log-depth scan over the same
 group: forward, H_in from every piece's (M, S) in ceil(log2 N) rounds (N pieces); backward, dH_out from every
-piece's (Mᵀ, dH_in_local) over the pieces in reverse order. Everything else (summaries, replay, the local GDN) is
+piece's (Mᵀ, dH_in_local) over the pieces in reverse order. Everything else (summaries, replay, the local recurrence) is
 shared.
 """
 
@@ -44,10 +44,10 @@ from deltacp.distributed.collectives import StatePassing, in_backward_pass
 from deltacp.ops.precision import compute_dtype
 from deltacp.ops.recurrence import Recurrence, RecurrenceInputs, Transition
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
+from deltacp.parallel.linear_layer import LinearLayerCP, document_segments
 from deltacp.parallel.placement import Pieces
 from deltacp.parallel.scan import exclusive_state_scan
-from deltacp.parallel.shard import GDNShard, PieceInputs, scan_inputs
+from deltacp.parallel.shard import LinearShard, PieceInputs, scan_inputs
 
 
 @dataclass
@@ -167,12 +167,12 @@ def _chain_forward(passing: StatePassing, pieces: Pieces, summaries: list, first
     return states_in
 
 
-def p2p_mixer(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+def p2p_mixer(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
               ctx: CPForwardContext) -> torch.Tensor:
-    return p2p_scan(layer, GDNShard.whole(layer), pre_BsC, extras_BsHX, ctx)
+    return p2p_scan(layer, LinearShard.whole(layer), pre_BsC, extras_BsHX, ctx)
 
 
-def p2p_scan(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+def p2p_scan(layer: LinearLayerCP, shard: LinearShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
              ctx: CPForwardContext) -> torch.Tensor:
     """The p2p scan of `shard`'s heads over this rank's pieces of the row, the state passing on layer.passing
     (its rank and size, with the layer's sequence layout, say which pieces of the row these tokens are)."""

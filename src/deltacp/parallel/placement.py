@@ -114,7 +114,7 @@ class Pieces:
 @dataclass(frozen=True)
 class RowCut:
     """How the rows of a CP'd model must be cut: its sequence layout and the fewest tokens each piece may hold
-    (the conv halo, (kernel - 1) x dilation, where a GDN mode reads the previous piece's tail: p2p, all_gather;
+    (the conv halo, (kernel - 1) x dilation, where a linear-attention mode reads the previous piece's tail: p2p, all_gather;
     1 otherwise). `parallelize_cp` records it on the model (`row_cut_of`); `shard_batch_for_cp(model=...)` and
     the trainers cut and pad by it."""
 

@@ -9,7 +9,7 @@ Every consumer (`parallelize_cp`, `parallelize_and_shard`, `load_pretrained`, th
 preflight, the transformers / TRL integrations) takes a CPPlan, or builds one from the same keywords, so the
 settings are validated here, once, with one message per rule; adding a setting is a field here and the code that
 uses it. The rules that need no model: each name is registered (`modes.py`, `placement.py`, the state-passing
-schedules), the GDN mode runs on the backend, state passing needs a mode with state hops, and with `cp` known the
+schedules), the linear-attention mode runs on the backend, state passing needs a mode with state hops, and with `cp` known the
 layout rules (`layout.py`: heads split or not, 2-D degree). What needs the model (head counts, the conv) is checked
 by the styles when `parallelize_cp` applies them.
 """
@@ -17,12 +17,34 @@ by the styles when `parallelize_cp` applies them.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+import warnings
+from dataclasses import InitVar, dataclass, field, fields
 
 from deltacp.ops.gdn.backends import GDN_BACKENDS
 from deltacp.parallel.layout import check_ulysses_degree, check_ulysses_degree_value, validate_cp_layout
-from deltacp.parallel.modes import attention_method, canonical_name, check_state_passing, gdn_mode
+from deltacp.parallel.modes import attention_method, canonical_name, check_state_passing, linear_mode
 from deltacp.parallel.placement import RowCut, check_sequence_layout
+
+# settings renamed, old name -> new name: still accepted (keyword, YAML key, CPPlan argument), with a FutureWarning
+# naming the new one
+RENAMED: dict[str, str] = {"linear_attention_gdn_backend": "linear_attention_backend"}
+
+
+def renamed_settings(settings: dict, what: str, prefix: str = "") -> dict:
+    """`settings` with the RENAMED names under their new names, each old one warned about (FutureWarning) once per
+    call; ValueError when an old and its new name are both given with different values."""
+    out = dict(settings)
+    for old, new in RENAMED.items():
+        if old in out:
+            value = out.pop(old)
+            warnings.warn(f"{what}: {prefix}{old} is deprecated; it is {prefix}{new} now (the same values)",
+                          FutureWarning, stacklevel=3)
+            if new in out and out[new] != value:
+                raise ValueError(f"{what}: {prefix}{old}={value!r} (deprecated) and {prefix}{new}={out[new]!r} "
+                                 f"disagree; give {prefix}{new} only")
+            out[new] = value
+    return out
+
 
 @dataclass(frozen=True)
 class CPPlan:
@@ -36,11 +58,13 @@ class CPPlan:
     groups of u consecutive ranks; every layer runs Ulysses inside a group (its heads must divide by u) and across
     groups linear_attention_cp_mode (p2p | all_gather) and full_attention_cp (all_gather | ring)."""
     linear_attention_cp_mode: str = "ulysses"
-    """The GDN layers' CP mode: ulysses | p2p | all_gather (`parallel/modes.py`; with ulysses_degree < cp the
+    """The linear-recurrent layers' CP mode: ulysses | p2p | all_gather (`parallel/modes.py`; with ulysses_degree < cp the
     across-group mode: p2p | all_gather)."""
-    linear_attention_gdn_backend: str = "eager"
-    """The local GDN computation: eager (PyTorch, the reference) | triton (fused kernels, CUDA). The output head's
-    ops (the losses, the log-probabilities) follow it: torch kernels under eager, Triton on CUDA under triton."""
+    linear_attention_backend: str = "eager"
+    """The local computation of the linear-recurrent layers (GDN, Mamba2's SSD, KDA): eager (PyTorch, the reference)
+    | triton (fused kernels, CUDA). The output head's ops (the losses, the log-probabilities) follow it: torch
+    kernels under eager, Triton on CUDA under triton. Its earlier name linear_attention_gdn_backend is accepted with
+    a FutureWarning (`RENAMED`)."""
     linear_attention_state_passing: str = "chain"
     """How p2p's state travels between ranks: chain (P - 1 sequential hops) or scan (ceil(log2 P) rounds; when it
     pays: README "p2p" and NOTES.md). Only with a mode that has state hops (p2p)."""
@@ -54,18 +78,26 @@ class CPPlan:
     rows must then divide by 2 x cp; `parallel/placement.py`)."""
     prefix: str = field(default="", repr=False, compare=False)
     """Put before each setting's name in error messages ("train.accelerator." for the trainer's YAML)."""
+    linear_attention_gdn_backend: InitVar[str | None] = None
+    """The earlier name of linear_attention_backend (FutureWarning)."""
 
-    def __post_init__(self):
+    def __post_init__(self, linear_attention_gdn_backend: str | None = None):
+        if linear_attention_gdn_backend is not None:
+            given = {"linear_attention_gdn_backend": linear_attention_gdn_backend}
+            if self.linear_attention_backend != "eager":
+                given["linear_attention_backend"] = self.linear_attention_backend
+            object.__setattr__(self, "linear_attention_backend",
+                               renamed_settings(given, "CPPlan", self.prefix)["linear_attention_backend"])
         # one spelling from here on ('allgather' -> 'all_gather')
         object.__setattr__(self, "linear_attention_cp_mode", canonical_name(self.linear_attention_cp_mode))
         object.__setattr__(self, "full_attention_cp", canonical_name(self.full_attention_cp))
         p = self.prefix
         if self.cp is not None and (not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1):
             raise ValueError(f"{p}cp must be an integer >= 1, got {self.cp!r}")
-        if self.linear_attention_gdn_backend not in GDN_BACKENDS:  # (gdn_mode skips a backend of None)
-            raise ValueError(f"{p}linear_attention_gdn_backend={self.linear_attention_gdn_backend!r} is not supported; "
+        if self.linear_attention_backend not in GDN_BACKENDS:  # (linear_mode skips a backend of None)
+            raise ValueError(f"{p}linear_attention_backend={self.linear_attention_backend!r} is not supported; "
                              f"expected one of {GDN_BACKENDS}")
-        mode = gdn_mode(self.linear_attention_cp_mode, self.linear_attention_gdn_backend, prefix=p)
+        mode = linear_mode(self.linear_attention_cp_mode, self.linear_attention_backend, prefix=p)
         check_state_passing(self.linear_attention_state_passing, mode, p)
         method = attention_method(self.full_attention_cp, prefix=p)
         object.__setattr__(self, "_resolved", (mode, method))  # what the styles receive: nothing to check again
@@ -87,6 +119,7 @@ class CPPlan:
         """The plan of a call that takes `plan` or the settings as keywords (not both), with the CP degree `cp`
         (the mesh's, when known, or the setting `cp_name` names: a plan's own cp must equal it). Raises naming an
         unknown keyword."""
+        settings = renamed_settings(settings, what, prefix)
         unknown = sorted(set(settings) - set(cls.setting_names()))
         if unknown:
             raise TypeError(f"{what}: unknown keyword {unknown[0]!r}; the CP settings are {list(cls.setting_names())} "
@@ -112,7 +145,7 @@ class CPPlan:
 
     # -- what the settings imply ---------------------------------------------------------------------------------
     def row_cut(self, conv_halo: int) -> RowCut:
-        """How rows are cut under this plan for GDN layers whose causal conv reads `conv_halo` ((kernel - 1) x
+        """How rows are cut under this plan for linear-recurrent layers whose causal conv reads `conv_halo` ((kernel - 1) x
         dilation) tokens back: its sequence layout, and the fewest tokens each piece holds: the halo where the mode
         reads the previous piece's tail (p2p, all_gather), else 1."""
         needs = self._resolved[0].needs_halo
@@ -125,14 +158,14 @@ class CPPlan:
         if self.cp is None:
             raise ValueError("CPPlan.styles: the plan's cp is unknown (apply it to a CP mesh)")
         mode, method = self._resolved
-        return (LinearAttentionContextParallel(mode, self.linear_attention_gdn_backend, self.ulysses_degree,
+        return (LinearAttentionContextParallel(mode, self.linear_attention_backend, self.ulysses_degree,
                                                self.linear_attention_state_passing, self.sequence_layout),
                 FullAttentionContextParallel(method, self.ulysses_degree, sequence_layout=self.sequence_layout))
 
     def describe(self, defaults: bool = False) -> str:
         """One line for logs and banners, cp first: the settings that differ from the defaults (`defaults`: the
         modes, backend and layout always, the others where they differ)."""
-        always = ("linear_attention_cp_mode", "linear_attention_gdn_backend", "full_attention_cp", "sequence_layout")
+        always = ("linear_attention_cp_mode", "linear_attention_backend", "full_attention_cp", "sequence_layout")
         default = CPPlan()
         parts = [f"cp={self.cp}"] + [f"{name}={getattr(self, name)}" for name in self.setting_names()[1:]
                                      if getattr(self, name) != getattr(default, name) or (defaults and name in always)]

@@ -19,12 +19,12 @@ from deltacp.ops.gdn.varlen import VarlenLayout
 from deltacp.ops.recurrence import RecurrenceInputs
 from deltacp.parallel.conv import conv_parts
 from deltacp.parallel.documents import DocumentSegment
-from deltacp.parallel.gdn_layer import GDNLayerCP
+from deltacp.parallel.linear_layer import LinearLayerCP
 from deltacp.parallel.placement import Pieces
 
 
 @dataclass
-class GDNShard:
+class LinearShard:
     key_heads: int  # key heads scanned here (after any repeat to the value heads)
     v_heads: int
     conv_weight_CK: torch.Tensor  # this shard's pre-conv channels
@@ -33,7 +33,7 @@ class GDNShard:
     seq_group: object | None  # the ranks whose slices make the row (halo from the previous one); None: whole here
 
     @classmethod
-    def whole(cls, layer: GDNLayerCP) -> "GDNShard":
+    def whole(cls, layer: LinearLayerCP) -> "LinearShard":
         layout = layer.view.layout
         return cls(layout.key_heads, layout.value_heads, layer.conv_weight_CK, layer.view.conv.bias,
                    slice(0, layout.value_heads), layer.group)
@@ -95,14 +95,14 @@ class PieceInputs:
         return [x[:, pieces.local(slot)].contiguous() for slot in range(self.slots)]
 
 
-def scan_inputs(layer: GDNLayerCP, shard: GDNShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+def scan_inputs(layer: LinearLayerCP, shard: LinearShard, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
                 pieces: Pieces, docs: list[DocumentSegment | None], padded: bool = False) -> PieceInputs:
     """The recurrence inputs of this shard per backend call (`PieceInputs`), checked against the recurrence's
     contract. Contiguous once here (the Triton backend writes them so; eager's are views of the conv output): the
     backend's saves and the modes' own autograd nodes then share these tensors instead of views keeping the whole
     conv output alive through the backward.
 
-    padded: the last extra is the padding mask (`gdn_forward_cp` appends it; 1 valid, 0 padding). The conv output
+    padded: the last extra is the padding mask (`linear_forward_cp` appends it; 1 valid, 0 padding). The conv output
     of a padded token is zeroed, as transformers' Mamba2 mixers do, so that no padded token writes into a
     recurrent state: every recurrence here writes k vᵀ (scaled) and erases along k, both zero for q = k = v = 0,
     whatever its gates (a zero state decays to zero). The padded tokens' pre-conv values still enter the conv

@@ -1,4 +1,4 @@
-"""The CP styles: how one layer of a GDN hybrid computes its rank's slice of the single-device output.
+"""The CP styles: how one layer of a linear-recurrent hybrid computes its rank's slice of the single-device output.
 
     LinearAttentionContextParallel(mode="p2p", backend="eager").apply(layer.linear_attn, cp_mesh)
     FullAttentionContextParallel(method="ring").apply(layer.self_attn, cp_mesh)
@@ -14,7 +14,7 @@ single-device output; gradients summed over ranks are the single-device gradient
     install(module, cp_group, groups)
 
 Only the instance's forward is replaced: the class, parameters, state_dict keys and `save_pretrained` stay
-transformers' own. `cp_layer_of(module)` returns what a CP'd GDN module runs with (its mode, groups, state hops).
+transformers' own. `cp_layer_of(module)` returns what a CP'd linear mixer runs with (its mode, groups, state hops).
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ from deltacp.parallel.attention import (
     install_kv_cp_attention,
     install_ulysses_attention,
 )
-from deltacp.parallel.gdn_layer import GDNLayerCP, gdn_forward_cp
+from deltacp.parallel.linear_layer import LinearLayerCP, linear_forward_cp
 from deltacp.parallel.layout import attention_two_d_degree, check_ulysses_degree_value, linear_two_d_degree
-from deltacp.parallel.modes import AttentionMethod, GDNMode, attention_method, check_state_passing, gdn_mode
+from deltacp.parallel.modes import AttentionMethod, LinearMode, attention_method, check_state_passing, linear_mode
 from deltacp.parallel.placement import check_sequence_layout
 from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
 from deltacp.parallel.views import LinearMixerView, mixer_view_of
 
 SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
-_CP_LAYER = "_deltacp_cp"  # the attribute under which a CP'd GDN module keeps its GDNLayerCP
+_CP_LAYER = "_deltacp_cp"  # the attribute under which a CP'd linear mixer keeps its LinearLayerCP
 
 
-def cp_layer_of(module: nn.Module) -> GDNLayerCP | None:
-    """What a GDN module made CP by `LinearAttentionContextParallel` runs with (mode, backend, process groups,
+def cp_layer_of(module: nn.Module) -> LinearLayerCP | None:
+    """What a linear mixer made CP by `LinearAttentionContextParallel` runs with (mode, backend, process groups,
     p2p state hops); None for a module that is not."""
     return getattr(module, _CP_LAYER, None)
 
@@ -81,21 +81,21 @@ class _ContextParallelStyle(ParallelStyle):
 
 
 class LinearAttentionContextParallel(_ContextParallelStyle):
-    """A linear-attention module under CP. mode: a registered GDN mode (`parallel/modes.py`: ulysses | p2p |
-    all_gather; or its resolved `GDNMode`, as a `CPPlan` passes it: the plan validated every setting);
+    """A linear-attention module under CP. mode: a registered linear-attention mode (`parallel/modes.py`: ulysses | p2p |
+    all_gather; or its resolved `LinearMode`, as a `CPPlan` passes it: the plan validated every setting);
     backend: eager | triton; ulysses_degree: None (1-D: `mode` over the whole CP group) or u dividing cp; u < cp
     is the 2-D layout, Ulysses inside groups of u consecutive CP ranks and `mode` across them (`layout.py`);
     state_passing: how p2p's state travels, "chain" (P - 1 hops) or "scan" (ceil(log2 P) rounds, `scan.py`);
     sequence_layout: which tokens each rank holds, "contiguous" or "balanced" (`placement.py`)."""
 
-    def __init__(self, mode: str | GDNMode = "ulysses", backend: str = "eager", ulysses_degree: int | None = None,
+    def __init__(self, mode: str | LinearMode = "ulysses", backend: str = "eager", ulysses_degree: int | None = None,
                  state_passing: str = "chain", sequence_layout: str = "contiguous"):
         super().__init__()
-        if isinstance(mode, GDNMode):  # resolved by a CPPlan, whose validation covered every setting here
+        if isinstance(mode, LinearMode):  # resolved by a CPPlan, whose validation covered every setting here
             self.cp_mode = mode
         else:
             check_sequence_layout(sequence_layout)
-            self.cp_mode = gdn_mode(mode, backend)
+            self.cp_mode = linear_mode(mode, backend)
             check_ulysses_degree_value(ulysses_degree)
             check_state_passing(state_passing, self.cp_mode)
         self.sequence_layout = sequence_layout
@@ -104,7 +104,7 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         self.ulysses_degree = ulysses_degree
         # the state hops of a mode that has them: "chain" (P - 1 hops) or "scan" (log-depth, parallel/scan.py)
         self.state_passing = state_passing
-        self.gdn_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
+        self.linear_backend = get_gdn_backend(backend)  # raises here if the backend is unavailable
 
     def groups(self, cp_mesh: DeviceMesh) -> TwoDGroups | object | None:
         """1-D: the state-hop group of a mode with state hops (None in the others). 2-D: a `TwoDGroups` (Ulysses
@@ -130,7 +130,7 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         if conv.padding[0] != (conv.kernel_size[0] - 1) * conv.dilation[0]:
             raise ValueError(f"linear attention CP needs a causal conv with padding (kernel-1)*dilation = "
                              f"{(conv.kernel_size[0] - 1) * conv.dilation[0]}, got padding {conv.padding[0]}")
-        view.recurrence(self.gdn_backend)  # raises here (before any collective) for a backend it has no kernels on
+        view.recurrence(self.linear_backend)  # raises here (before any collective) for a backend it has no kernels on
         if view.conv_activation not in SILU_NAMES:
             raise NotImplementedError(f"linear attention CP computes the conv's activation as SiLU; this layer's "
                                       f"is {view.conv_activation!r} (hidden_act; SiLU's names: {SILU_NAMES})")
@@ -145,7 +145,7 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
             ulysses_head_layout(layout, cp)
         param = view.parameter()
         K, V = view.state_dims
-        return dict(linear_attention_cp_mode=self.mode, linear_attention_gdn_backend=self.backend, cp=cp,
+        return dict(linear_attention_cp_mode=self.mode, linear_attention_backend=self.backend, cp=cp,
                     ulysses_degree=u, family=view.family, num_k_heads=layout.key_heads,
                     num_v_heads=layout.value_heads, head_k_dim=K, head_v_dim=V, channels=layout.channels,
                     state_passing=self.state_passing, sequence_layout=self.sequence_layout,
@@ -156,8 +156,8 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         """Install the CP forward (after `check_module` and the configuration exchange), with `groups(cp_mesh)`."""
         two_d = isinstance(groups, TwoDGroups)
         view = mixer_view_of(module)
-        layer = GDNLayerCP(view=view, group=group, mode=self.cp_mode, backend=self.gdn_backend,
-                           recurrence=view.recurrence(self.gdn_backend),
+        layer = LinearLayerCP(view=view, group=group, mode=self.cp_mode, backend=self.linear_backend,
+                           recurrence=view.recurrence(self.linear_backend),
                            mixer=two_d_mixer if two_d else self.cp_mode.mixer,
                            balanced=self.sequence_layout == "balanced")
         if two_d:
@@ -170,14 +170,14 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
                                  f"(LinearAttentionContextParallel.groups)")
             layer.passing = StatePassing(groups, self.state_passing)
         setattr(module, _CP_LAYER, layer)
-        module.forward = partial(gdn_forward_cp, layer)
+        module.forward = partial(linear_forward_cp, layer)
         return module
 
 
 class FullAttentionContextParallel(_ContextParallelStyle):
     """A full attention module under CP. method: a registered full-attention method (`parallel/modes.py`:
     ulysses | all_gather | ring); ulysses_degree: None (1-D) or u < cp: Ulysses inside groups of u consecutive CP
-    ranks and `method` (all_gather | ring) across them. `shared`, for `groups`: the GDN layers' `TwoDGroups` of the
+    ranks and `method` (all_gather | ring) across them. `shared`, for `groups`: the linear-recurrent layers' `TwoDGroups` of the
     same degree, whose collective groups attention reuses. sequence_layout: "contiguous" or "balanced"
     (`placement.py`), as every other layer of the model."""
 

@@ -20,7 +20,7 @@ import torch
 
 from deltacp.distributed.collectives import all_to_all_head_to_seq
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP
+from deltacp.parallel.linear_layer import LinearLayerCP
 from deltacp.parallel.placement import from_row_order
 from deltacp.parallel.ulysses import seq_to_head_shard
 
@@ -34,7 +34,7 @@ class TwoDGroups:
     across_p2p: object | None = None  # the same ranks, a communicator for the p2p state hops only
 
 
-def two_d_mixer(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+def two_d_mixer(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
                 ctx: CPForwardContext) -> torch.Tensor:
     """Ulysses inside the group, the mode's across-group scan (its registry entry's `across`) on the head shard."""
     groups = layer.two_d

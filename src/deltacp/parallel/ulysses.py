@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from deltacp.distributed.collectives import all_to_all_head_to_seq, all_to_all_seq_to_head
 from deltacp.parallel.documents import CPForwardContext
-from deltacp.parallel.gdn_layer import GDNLayerCP, document_segments
+from deltacp.parallel.linear_layer import LinearLayerCP, document_segments
 from deltacp.parallel.placement import Pieces, from_row_order, to_row_order
-from deltacp.parallel.shard import GDNShard, scan_inputs
+from deltacp.parallel.shard import LinearShard, scan_inputs
 from deltacp.parallel.views import HeadLayout
 
 
@@ -48,15 +48,15 @@ class HeadShard:
     channels: torch.Tensor  # this rank's conv channels, in the module's order
     heads: slice  # this rank's value heads
 
-    def scan_shard(self, layer: GDNLayerCP, seq_group=None) -> GDNShard:
+    def scan_shard(self, layer: LinearLayerCP, seq_group=None) -> LinearShard:
         """What these heads' scan covers: their conv channels; `seq_group`: None (the group's whole row is here) or
         the groups across which it is one slice (2-D)."""
         bias = layer.view.conv.bias
-        return GDNShard(self.key_local, self.v_local, layer.conv_weight_CK[self.channels],
+        return LinearShard(self.key_local, self.v_local, layer.conv_weight_CK[self.channels],
                         None if bias is None else bias[self.channels], self.heads, seq_group)
 
 
-def seq_to_head_shard(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor, group) -> HeadShard:
+def seq_to_head_shard(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor, group) -> HeadShard:
     """One all-to-all over `group` (Ulysses degree P): the local tokens, all heads -> the group's tokens, this
     rank's heads, in row order (shared by the 1-D Ulysses mixer and the 2-D layout's groups)."""
     layout = layer.view.layout
@@ -76,7 +76,7 @@ def seq_to_head_shard(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: tor
                      slice(rank * v_local, (rank + 1) * v_local))
 
 
-def ulysses_mixer(layer: GDNLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
+def ulysses_mixer(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,
                   ctx: CPForwardContext) -> torch.Tensor:
     B, s, _ = pre_BsC.shape
     sh = seq_to_head_shard(layer, pre_BsC, extras_BsHX, layer.group)

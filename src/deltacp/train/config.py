@@ -38,7 +38,7 @@ from typing import Any, Literal
 import yaml
 
 from deltacp.config import AcceleratorConfig
-from deltacp.models.families import FAMILIES, family_of, trainable_classes
+from deltacp.families.registry import FAMILIES, family_of, trainable_classes
 
 DTYPES = ("float32", "float64", "bfloat16")
 
@@ -53,7 +53,7 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-MODEL_CLASSES = trainable_classes()  # the families' classes with a language-model head (models/families.py)
+MODEL_CLASSES = trainable_classes()  # the families' classes with a language-model head (families/registry.py)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from deltacp.models.adapters import adapter_for
 from deltacp.batching import shard_batch_for_cp
 from deltacp.models.checkpointing import CheckpointingPlan
 from deltacp.models.compose import parallelize_and_shard
-from deltacp.models.families import family_of
+from deltacp.families.registry import family_of
 from deltacp.models.fsdp import all_reduce_cp_grads
 from deltacp.losses import cp_causal_lm_loss, cp_cross_entropy
 from deltacp.checkpoint_io.pretrained import load_pretrained
@@ -236,7 +236,7 @@ def plan_checkpointing(cfg: TrainConfig, model: torch.nn.Module, device: torch.d
         LayerShapes.of(adapter.text_config), tokens=rows * data.seq_len // acc.cp, activation_bytes=e,
         static_bytes=static, budget_bytes=checkpointing_budget(cfg, device),
         row_tokens=rows * data.seq_len if data.packing else data.seq_len, gathered_tokens=rows * data.seq_len,
-        backend=acc.linear_attention_gdn_backend, full_attention_cp=acc.full_attention_cp)
+        backend=acc.linear_attention_backend, full_attention_cp=acc.full_attention_cp)
 
 
 def p2p_passings(model: torch.nn.Module) -> list:

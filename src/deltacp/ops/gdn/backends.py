@@ -1,4 +1,4 @@
-"""The GDN backends by name: what `linear_attention_gdn_backend` selects (the contract they meet: `contract.py`).
+"""The GDN backends by name: what `linear_attention_backend` selects (the contract they meet: `contract.py`).
 
 Imports no backend: `get_gdn_backend` imports the one it is asked for, so Triton is imported only for "triton".
 """
@@ -25,4 +25,4 @@ def get_gdn_backend(name: str) -> GDNBackend:
 
             return TritonGDNBackend()
         case _:
-            raise ValueError(f"linear_attention_gdn_backend={name!r} is not supported; expected one of {GDN_BACKENDS}")
+            raise ValueError(f"linear_attention_backend={name!r} is not supported; expected one of {GDN_BACKENDS}")

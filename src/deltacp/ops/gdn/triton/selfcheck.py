@@ -258,7 +258,7 @@ def _refusal(record: dict, path: Path, cached: bool) -> TritonSelfCheckError:
         f"triton=={key['triton']} failed deltacp's self-check of the Triton GDN kernels on {key['device']} "
         f"(verified on a GPU: Triton {verified}; any other version in {triton_requirement()} must pass this check "
         f"first): {failed}. backend='triton' refuses to run and does not fall back to eager: install a verified "
-        f"Triton or select linear_attention_gdn_backend='eager'. "
+        f"Triton or select linear_attention_backend='eager'. "
         f"{'Cached verdict' if cached else 'Verdict cached'} in {path}; delete it to re-run the check.")
 
 

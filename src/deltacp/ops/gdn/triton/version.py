@@ -31,7 +31,7 @@ def _triton_version() -> str:
     try:
         import triton
     except ImportError as e:
-        raise RuntimeError(f"linear_attention_gdn_backend='triton' needs the `triton` package "
+        raise RuntimeError(f"linear_attention_backend='triton' needs the `triton` package "
                            f"({triton_requirement()}), which is not installed; pip install \"deltacp[triton]\" "
                            f"or use backend='eager'") from e
     return triton.__version__

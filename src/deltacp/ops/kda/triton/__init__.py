@@ -29,7 +29,7 @@ GPU_REFUSAL = ("the Triton KDA kernels do not fit a GPU program yet: at K = V = 
                "262,144 bytes of shared memory, over the 232,448 an H100 / H200 program may have (Triton refused to "
                "launch them on an H100, 2026-12-06; bench/kernel_resources.py shows it on any machine), and every "
                "kernel spills registers; until they are rewritten, run KDA families with "
-               "linear_attention_gdn_backend='eager' (the Triton kernels run under TRITON_INTERPRET=1 only)")
+               "linear_attention_backend='eager' (the Triton kernels run under TRITON_INTERPRET=1 only)")
 
 
 def refuse_on_gpu(on_cuda: bool) -> None:

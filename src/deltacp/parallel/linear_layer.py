@@ -37,15 +37,15 @@ from deltacp.parallel.documents import (
 
 
 @dataclass
-class GDNLayerCP:
+class LinearLayerCP:
     """What a CP token mixer needs of one linear-recurrent layer on one rank."""
 
     view: LinearMixerView
     group: ProcessGroup
-    mode: "GDNMode"  # the registry's entry (parallel/modes.py)
+    mode: "LinearMode"  # the registry's entry (parallel/modes.py)
     backend: GDNBackend  # the kernels: the recurrence's and the conv's
     recurrence: Recurrence  # the view's recurrence over `backend`
-    mixer: Callable[["GDNLayerCP", torch.Tensor, torch.Tensor, CPForwardContext], torch.Tensor]
+    mixer: Callable[["LinearLayerCP", torch.Tensor, torch.Tensor, CPForwardContext], torch.Tensor]
     passing: StatePassing | None = None  # p2p: the state hops (1-D: over the CP ranks; 2-D: across groups)
     two_d: "TwoDGroups | None" = None  # the 2-D layout's process groups (parallel/two_d.py)
     channels: dict = field(default_factory=dict)  # Ulysses: this rank's conv channels, per (rank, P, device)
@@ -68,14 +68,14 @@ class GDNLayerCP:
         return (self.view.conv.kernel_size[0] - 1) * self.conv_dilation
 
 
-def gdn_context(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
+def linear_context(layer: LinearLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
     """The forward context of this call: the model hook's, or one built from a padding mask / packing keywords
     (a layer applied on its own, without `parallelize_cp`: then after the same input-header exchange as
     the model hook's, one small all-gather per call)."""
     if isinstance(attention_mask, CPForwardContext):
         if any(v is not None for v in packing.values()):
             raise ValueError(f"packing keywords {sorted(k for k, v in packing.items() if v is not None)} reached a "
-                             f"GDN layer whose model hook already described the documents; pass them to the model "
+                             f"linear-recurrent layer whose model hook already described the documents; pass them to the model "
                              f"once")
         return attention_mask
     B, s = hidden_states.shape[:2]
@@ -105,7 +105,7 @@ def document_segments(ctx: CPForwardContext, pieces: Pieces) -> list[DocumentSeg
     return [ctx.documents.segment(lo, hi) for lo, hi in pieces.spans()]
 
 
-def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
+def linear_forward_cp(layer: LinearLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
                    cache_params=None, use_cache: bool | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                    max_length_q=None, max_length_k=None, output_router_logits: bool | None = None,
                    position_embeddings=None, **unsupported) -> torch.Tensor:
@@ -124,7 +124,7 @@ def gdn_forward_cp(layer: GDNLayerCP, hidden_states: torch.Tensor, attention_mas
     v = layer.view
     if hasattr(hidden_states, "to_local"):  # DTensor input: this rank's slice is its local tensor
         hidden_states = hidden_states.to_local()
-    ctx = gdn_context(layer, hidden_states, attention_mask,
+    ctx = linear_context(layer, hidden_states, attention_mask,
                       dict(cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
                            max_length_k=max_length_k))
     if ctx.padding is not None:

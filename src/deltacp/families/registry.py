@@ -1,8 +1,8 @@
 """The registry of supported model families, by transformers class NAME.
 
-Each family's home (`deltacp.families.<family>`) describes it with one `Family` and registers it here; the homes load
-at the first use of the registry (`FAMILIES`, `family_of`, ...), never at `import deltacp`, and import no transformers
-module: the trainer's config checks read the registry before transformers' models load (`python -m deltacp.train`
+Each family's home (`deltacp.families.<family>`, beside this module) describes it with one `Family` and registers it
+here; the homes load at the first use of the registry (`FAMILIES`, `family_of`, ...), never at `import deltacp`, and
+import no transformers module: the trainer's config checks read the registry before transformers' models load (`python -m deltacp.train`
 reports a bad config first). `models/adapters.py` resolves the names, registers each family's views and finds a
 model's adapter; the trainer builds configs from `text_config` / `multimodal_config`.
 
@@ -24,11 +24,10 @@ class Family:
     module: str  # transformers.models.<...>.modeling_<...>
     causal_lm: str
     text_model: str
-    gdn: str
+    linear_mixer: str  # its linear-recurrent mixer's class (GDN, Mamba2, KDA, ...)
     attention: str
     norm: str  # the decoder's RMSNorm: (x * rsqrt(mean(x^2) + eps) * (1 + w)).type_as(x), the fused glue's form
     mlp: str  # the dense MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)) (activation checkpointing's SwiGLU form)
-    gdn_view: str  # the name of its linear mixer's view class (`mixer_view`)
     text_config: str  # the config class of the text model (the trainer's train.model.config fields)
     conditional: str | None = None  # the multimodal ...ForConditionalGeneration
     multimodal_model: str | None = None  # its inner model: vision tower + language model
@@ -47,7 +46,7 @@ class Family:
     # the causal LM's forward scales the head's output: (config field, "div" | "mul"): logits = head(h) / or * it
     logit_scale: tuple[str, str] | None = None
     # recomputes non-persistent buffers that transformers' per-module initialisation cannot (load_pretrained calls it
-    # after the weights are read): model -> the names of the modules whose buffers it set
+    # after the weights are read): (model, its text config) -> the names of the modules whose buffers it set
     recompute_buffers: object = None
     attention_attribute: str = "self_attn"  # ... and its full attention
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
@@ -74,8 +73,8 @@ class Family:
             mod = importlib.import_module(self.module)
         except ImportError:
             return None
-        names = dict(causal_lm=self.causal_lm, text_model=self.text_model, gdn=self.gdn, attention=self.attention,
-                     conditional=self.conditional, multimodal_model=self.multimodal_model)
+        names = dict(causal_lm=self.causal_lm, text_model=self.text_model, linear_mixer=self.linear_mixer,
+                     attention=self.attention, conditional=self.conditional, multimodal_model=self.multimodal_model)
         found = {role: getattr(mod, name, None) for role, name in names.items() if name is not None}
         return found if all(found.values()) else None
 
@@ -91,9 +90,15 @@ def register_family(family: Family) -> Family:
     return family
 
 
+# the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
+HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
+         "bailing_hybrid")
+
+
 def families() -> tuple[Family, ...]:
-    """Every registered family, the homes of `deltacp.families` loaded first."""
-    importlib.import_module("deltacp.families")
+    """Every registered family, the HOMES loaded first (by name, at run time: the registry imports no home)."""
+    for home in HOMES:
+        importlib.import_module(f"deltacp.families.{home}")
     return tuple(_REGISTERED)
 
 
