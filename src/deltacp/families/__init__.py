@@ -3,12 +3,12 @@
     qwen3_5.py      Qwen3.5 dense, MoE and multimodal (gated attention shared with Qwen3-Next)
     qwen3_next.py   Qwen3-Next
     olmo_hybrid.py  OLMo-Hybrid
-    bamba.py        Bamba (Mamba2; the eager backend so far)
-    nemotron_h.py   Nemotron-H (Mamba2, attention, MLP / MoE blocks; the eager backend so far)
-    granite_hybrid.py  Granite-4.0-H (Mamba2, attention, routed experts + shared MLP; the eager backend so far)
-    falcon_h1.py    Falcon-H1 (Mamba2 and attention in parallel in every layer; the eager backend so far)
-    kimi_linear.py  Kimi-Linear (KDA and MLA in `self_attn`, routed experts; the eager backend so far)
-    bailing_hybrid.py  Bailing-Hybrid / Ling (KDA with the safe gate, MLA with RoPE and an output gate; eager so far)
+    bamba.py        Bamba (Mamba2)
+    nemotron_h.py   Nemotron-H (Mamba2, attention, MLP / MoE blocks)
+    granite_hybrid.py  Granite-4.0-H (Mamba2, attention, routed experts + shared MLP)
+    falcon_h1.py    Falcon-H1 (Mamba2 and attention in parallel in every layer)
+    kimi_linear.py  Kimi-Linear (KDA and MLA in `self_attn`, routed experts; on a GPU the eager backend only)
+    bailing_hybrid.py  Bailing-Hybrid / Ling (KDA with the safe gate, MLA with RoPE and an output gate; on a GPU eager)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
