@@ -573,3 +573,20 @@ def interpreter_figures(code: str, drop_env: tuple[str, ...] = ()) -> dict:
             figs[(case, dtype, name)] = float(value)
     figs["summary_grad"] = next(line.split()[1] for line in lines if line.startswith("SUMMARY_GRAD"))
     return figs
+
+
+def concurrent_runs(argvs: dict, env: dict | None = None, timeout: int = 600, envs: dict | None = None) -> dict:
+    """{label: argv} run as subprocesses, as many at a time as the machine has cores (independent interpreter cases:
+    one process each uses one core; `envs`: {label: environment} where they differ, else `env`) -> {label:
+    subprocess.CompletedProcess} (stdout and stderr as text)."""
+    import os
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(label):
+        return subprocess.run(argvs[label], capture_output=True, text=True, timeout=timeout,
+                              env=(envs or {}).get(label, env))
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        futures = {label: pool.submit(run, label) for label in argvs}
+        return {label: future.result() for label, future in futures.items()}

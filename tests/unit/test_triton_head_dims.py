@@ -15,7 +15,8 @@ initial_state_grad, state_summary (M, S) - and p2p's staged path (prepare_chunks
     2e-3 unit roundoff and the op rounds q, k, W, U, Vn and the per-chunk state to bf16: about 1.6e-2 measured;
     BOUND_FP32 = 3e-3 for M, an fp32 recurrence). The packed row and p2p's staged path in bf16 at K = 96, V = 192
     are the self-check's own (tests/unit/test_triton_selfcheck.py).
-Pairs: (64, 64), (96, 192) (OLMo-Hybrid), (128, 256), (192, 96), (256, 256); about 15-40 s each here.
+Pairs: (64, 64), (96, 192) (OLMo-Hybrid), (128, 256), (192, 96), (256, 256); about 15-40 s each here, run as many at
+a time as the machine has cores.
 """
 
 from __future__ import annotations
@@ -66,13 +67,20 @@ def _interpreter(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @needs_triton
-@pytest.mark.parametrize("K,V", PAIRS, ids=[f"K{k}-V{v}" for k, v in PAIRS])
-def test_ops_at_head_dims_vs_eager_fp64(K, V):
-    code = _OP_CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)), K=K, V=V, fp32_bound=FP32_BOUND)
-    out = _interpreter(code)
-    print(out.stdout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "ALL OK", out.stdout[-3000:]
+def test_ops_at_head_dims_vs_eager_fp64():
+    """Every pair, each in its own process, as many at a time as there are cores; a failure names its pair."""
+    from helpers import concurrent_runs
+
+    testdir = os.path.dirname(os.path.abspath(__file__))
+    outs = concurrent_runs({f"K{K}-V{V}": [sys.executable, "-c", _OP_CODE.format(testdir=testdir, K=K, V=V,
+                                                                                   fp32_bound=FP32_BOUND)]
+                            for K, V in PAIRS}, env=dict(os.environ, TRITON_INTERPRET="1"))
+    bad = []
+    for pair, out in outs.items():
+        print(f"{pair}\n{out.stdout}")
+        if out.returncode != 0 or out.stdout.strip().splitlines()[-1:] != ["ALL OK"]:
+            bad.append(f"{pair}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+    assert not bad, "\n".join(bad)
 
 
 _GLUE_CODE = r"""

@@ -1,8 +1,8 @@
 """The first-use self-check of the Triton GDN kernels (`deltacp.ops.gdn.triton.selfcheck`), on the CPU under
 TRITON_INTERPRET=1 (needs triton; CI installs none: those tests skip), and its cache without any kernel.
 
-Interpreter runs (each in a fresh process: the interpreter must be chosen before the kernels are imported; each
-check takes about 55 s here: K = V = 128 and K = 96, V = 192, T = 80):
+Interpreter runs (each in a fresh process: the interpreter must be chosen before the kernels are imported; the two
+side by side, one core each, about 50 s here: K = V = 128 and K = 96, V = 192, T = 80):
   - pass: through `check_triton_version` (the installed Triton is not in TRITON_VERIFIED_ON_GPU), every figure
     within its bound, the verdict cached; a second call in a fresh state reads the file and recomputes nothing.
   - failure: the output kernel's result scaled by 1.25 (a wrong kernel); the refusal names the version, the failed
@@ -68,19 +68,29 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _interpreter_run(scenario: str, cache: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", DELTACP_CACHE_DIR=cache)
-    code = _CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code, scenario], capture_output=True, text=True, env=env,
-                         timeout=300)
+def _result(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.fixture(scope="module")
+def interpreter_runs(tmp_path_factory) -> dict:
+    """Both scenarios, each in a fresh process with a cache directory of its own, side by side (one core each):
+    {scenario: (its RESULT, its cache directory)}."""
+    from helpers import concurrent_runs
+
+    code = _CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))
+    caches = {s: tmp_path_factory.mktemp(f"selfcheck-{s}") for s in ("pass", "fail")}
+    outs = concurrent_runs({s: [sys.executable, "-c", code, s] for s in caches}, timeout=300,
+                           envs={s: dict(os.environ, TRITON_INTERPRET="1", DELTACP_CACHE_DIR=str(c))
+                                 for s, c in caches.items()})
+    return {s: (_result(outs[s]), caches[s]) for s in caches}
+
+
 @needs_triton
-def test_interpreter_self_check_passes_and_is_cached(tmp_path):
-    out = _interpreter_run("pass", str(tmp_path))
+def test_interpreter_self_check_passes_and_is_cached(interpreter_runs):
+    out, tmp_path = interpreter_runs["pass"]
     record = out["record"]
     print("\n".join(f"{f['name']:52s} {f['value']:.2e} (bound {f['bound']:.1e})" for f in record["figures"]))
     assert record["passed"] and record["key"]["triton"] == out["version"]
@@ -100,8 +110,8 @@ def test_interpreter_self_check_passes_and_is_cached(tmp_path):
 
 
 @needs_triton
-def test_interpreter_self_check_refuses_a_wrong_kernel_and_caches_the_failure(tmp_path):
-    out = _interpreter_run("fail", str(tmp_path))
+def test_interpreter_self_check_refuses_a_wrong_kernel_and_caches_the_failure(interpreter_runs):
+    out, tmp_path = interpreter_runs["fail"]
     (path,) = tmp_path.glob("triton-selfcheck-*.json")
     err = out["error"]
     assert err.startswith(f"triton=={out['version']} failed deltacp's self-check of the Triton GDN kernels on cpu ")
