@@ -6,9 +6,10 @@ For every knob of the table (a config value away from transformers' default, or 
   the family's decay parameters stay as the builder set them (slow: the state of one rank matters on the next);
 - three inputs: "padded", a batch of two rows, the first right-padded and the second left-padded; "packed", one row
   of five documents (shorter than the conv kernel, crossing rank boundaries); "long", one row of LONG tokens;
-- references, computed once and shared (`computed_once`): the unmodified transformers model (per document for the
-  packed row; on the padded batch, its logits at the valid tokens and the gradient of deltacp's loss on them) and
-  deltacp's single-device path (a one-rank mesh);
+- references, computed once and shared (`computed_once`): the unmodified transformers model on the padded batch (its
+  logits at the valid tokens and the gradient of deltacp's loss on them) and on the packed row (per document), and
+  deltacp's single-device path (a one-rank mesh) on all three inputs (the long row is there for CP: several chunks
+  per rank; its single-device run is the padded and packed rows' code);
 - six CP runs, `COMBOS`: every linear-attention mode in both sequence layouts, each full-attention method twice,
   each input twice. CP against the single-device path within 1e-8 (this rank's logits, the loss, every gradient
   summed over ranks, the grad norm); the single-device path against transformers within float32-level bounds
@@ -32,8 +33,8 @@ from deltacp import cp_cross_entropy, parallelize_cp, shard_batch_for_cp
 from helpers import computed_once, cp_mesh, flat, float64_upcasts, grads_of, rel_l2, self_meshes
 
 S = 64  # tokens of a padded or packed row
-LONG = 192  # tokens of the long row (several chunks of 64 per rank at CP2)
-LENGTHS = [1, 3, 20, 7, 33]  # the packed row's documents
+LONG = 160  # tokens of the long row (two chunks of 64 per rank at CP2)
+LENGTHS = [1, 3, 29, 31]  # the packed row's documents: two shorter than the conv kernel, two crossing rank boundaries
 PAD_RIGHT, PAD_LEFT = 45, 19  # row 0 valid up to PAD_RIGHT, row 1 from PAD_LEFT
 COMBOS = (  # (linear-attention mode, sequence layout, full-attention method, input)
     ("ulysses", "contiguous", "ulysses", "padded"),
@@ -133,8 +134,8 @@ def _targets(single, ids, mask, cu) -> torch.Tensor:
 
 def transformers_reference(model, single, ids, mask, cu):
     """The unmodified model: logits (per document for a packed row) and the gradient of the mean cross entropy of
-    deltacp's targets on them. -> (logits, loss, flat grads)."""
-    model = copy.deepcopy(model)
+    deltacp's targets on them. -> (logits, loss, flat grads). Runs on `model` itself (no copy: its gradients are
+    cleared again before returning, so the copies CP runs take hold none)."""
     if cu is None:
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     else:
@@ -143,7 +144,9 @@ def transformers_reference(model, single, ids, mask, cu):
                            dim=1)
     loss = F.cross_entropy(logits.flatten(0, 1), _targets(single, ids, mask, cu).flatten(), ignore_index=-100)
     loss.backward()
-    return logits.detach(), loss.detach(), flat(grads_of(model))
+    grads = flat(grads_of(model))
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), loss.detach(), grads
 
 
 def cp_step(model, mesh, ids, mask, cu):
@@ -175,9 +178,10 @@ def build_knob(table: Table, knob: Knob, keep: tuple[str, ...]):
 def combos_of(knob: Knob, index: int, rotate: bool = False) -> tuple:
     """The runs of the table's `index`-th knob: all six, or for a token-wise knob two of them (in turn); with
     `rotate` (the larger CP degrees), one, in turn, so that the table's rows still meet all six, and none for a
-    token-wise knob (what the CP degree changes is the sequence parts' work)."""
-    if rotate:
-        return () if knob.token_wise else (COMBOS[index % len(COMBOS)],)
+    token-wise or attention-only knob."""
+    if rotate:  # the attention-only rows too: what a larger degree changes is the sequence parts' work and halos
+        attention_only = set(knob.touches.split()) == {"attention"}
+        return () if knob.token_wise or attention_only else (COMBOS[index % len(COMBOS)],)
     if not knob.token_wise:
         return COMBOS
     first = (2 * index) % len(COMBOS)  # (0, 5), (2, 1), (4, 3): two inputs, both layouts
@@ -208,11 +212,14 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
         def references(kind):
             ids, m, cu = inputs[kind]
             ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p")
-            return transformers_reference(base, single, ids, m, cu), cp_step(ref_model, single, ids, m, cu)
+            theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu)
+            return theirs, cp_step(ref_model, single, ids, m, cu)
 
         kinds = sorted({c[3] for c in combos})
         refs = dict(zip(kinds, computed_once(*(partial(references, kind) for kind in kinds))))
         for kind in kinds:  # deltacp's single-device path against the unmodified model
+            if refs[kind][0] is None:
+                continue
             (logits_tf, loss_tf, grads_tf), (logits_1, loss_1, grads_1) = refs[kind]
             ids, m, cu = inputs[kind]
             valid = torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool()

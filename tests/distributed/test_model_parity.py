@@ -2,7 +2,7 @@
 
 - model: CP4 in every mode, with and without FSDP2 on the same mesh: logits, loss and every gradient
   against deltacp's single-device computation (and that against transformers, float32-accurate);
-- padding: B=2, global 8192 tokens, valid length 7777: padding outputs exactly zero, valid outputs and
+- padding: B=2, global 2048 tokens, valid length 1777: padding outputs exactly zero, valid outputs and
   gradients match the single device, in every mode.
 """
 
@@ -111,7 +111,7 @@ def padding_worker(rank, world):
     torch.manual_seed(3)
     config = tiny_config(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4)
     base = long_memory_gates_(Qwen3_5GatedDeltaNet(config, 0).double())
-    B, S, valid = 2, 8192, 7777
+    B, S, valid = 2, 2048, 1777
     x = torch.randn(B, S, 32, dtype=torch.float64)
     d_out = torch.randn(B, S, 32, dtype=torch.float64)
     mask = torch.zeros(B, S, dtype=torch.long)
