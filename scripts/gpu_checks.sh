@@ -78,10 +78,9 @@
 #                                      minute per shape: HEADS_DIMS="128,128 96,192" narrows the bench); exits
 #                                      non-zero when any check fails (about 4 minutes without FLA)
 #   bash scripts/gpu_checks.sh ssd     the Mamba2 (SSD) scalar-decay recurrence on Triton: GPU tests vs eager float64 (three
-#                                      gate regimes, initial state, packed rows, N 128/256), then bench/ssd_op.py: rel-L2
-#                                      vs float64 and fwd+bwd ms / peak memory at 8K-64K (SSD_LENGTHS) against mamba_ssm's
-#                                      Triton SSD (chunk 128 and 256) and FLA's simple_gla, the Mamba2 mixers at their
-#                                      config shapes under CP2 (bf16 Triton vs fp32 eager)             (about 8 minutes)
+#                                      gate regimes, initial state, packed rows, N 128/256), the Mamba2 mixers at their
+#                                      config shapes under CP2 (bf16 Triton vs fp32 eager); the bench is part ssd_op
+#                                      (about 6 minutes)
 #   bash scripts/gpu_checks.sh ssd_step  bench/mamba2_step.py: the Nemotron-H-8B-shaped step (8 blocks) at 16K and 64K,
 #                                      deltacp against transformers + mamba_ssm's Triton SSD + liger's fused linear CE,
 #                                      kernel time by class                                         (about 5 minutes)
@@ -96,18 +95,21 @@
 #   bash scripts/gpu_checks.sh recurrences  the op tests of every Triton recurrence against float64 / fp32 references,
 #                                      4 at a time (pytest -n 4): SSD, KDA, GDN, the Triton self-check (about 3 minutes;
 #                                      the Mamba2 and KDA mixers at their config shapes are part `families`)
-#   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py alone (ours vs mamba_ssm c128/c256 and FLA simple_gla); kda_op:
+#   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
+#                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
+#                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
 #                                      bench/kda_op.py alone (ours vs FLA chunk_kda)          (about 4 minutes each)
 #   bash scripts/gpu_checks.sh gdn_peers  bench/gdn_peers.py: our GDN op against FLA's Triton GDN and FlashQLA
-#                                      (auto_cp False and True) at 8K-64K, Qwen3.5-2B's 16 heads and 32 value heads,
-#                                      rel-L2 vs float64 in three gate regimes, kernel time at 32K  (about 8 minutes)
+#                                      (auto_cp False and True) at 8K-64K, Qwen3.5-2B's 16 heads, rel-L2 vs float64
+#                                      in three gate regimes, kernel time at 32K (about 8 minutes, FlashQLA's compile
+#                                      included); gdn_peers_32h: 32 value heads, timings only (about 6 minutes)
 # Several parts in one call run one after the other: `bash scripts/gpu_checks.sh recurrences ssd kda`.
 # The public kernels (FLA, FlashQLA and TileLang, liger-kernel, mamba_ssm's Triton SSD, and transformers 5.25 with the
 # huggingface_hub it needs) come as one archive, .whl/gpu_site.tar.xz (scripts/gpu_site.sh builds it on a machine
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_op|ssd_step|kda|kda_op|gdn_peers|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_op|ssd_step|kda|kda_op|gdn_peers|gdn_peers_32h|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -239,10 +241,8 @@ kda)
     --json "$OUT/kda_op.jsonl"
   ;;
 ssd)
+  # (the bench is part ssd_op: both do not fit one call)
   check ssd_tests 240 python -m pytest tests/gpu/test_ssd_triton_gpu.py -q -s -ra -p no:cacheprovider
-  # shellcheck disable=SC2086  (SSD_LENGTHS, SSD_SHAPES: lists)
-  check ssd_op 420 python bench/ssd_op.py --lengths ${SSD_LENGTHS:-8192 16384 32768 65536} \
-    --shapes ${SSD_SHAPES:-nemotron-h-8b h128-g1-n256 h64-g1-n128} --profile 32768 --json "$OUT/ssd_op.jsonl"
   check mamba2_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
     -k "Bamba or Nemotron or Granite"
   ;;
@@ -250,8 +250,9 @@ ssd_op|kda_op)
   # the benches alone (the tests in `recurrences`); accuracy at 4K (the float64 reference at 128 heads is the slow
   # part: 3 regimes x 2 shapes at 8K did not finish in 200 s on an H100, 2026-12-06)
   # shellcheck disable=SC2086
-  [ "$part" = ssd_op ] && check ssd_op 300 python bench/ssd_op.py --lengths ${SSD_LENGTHS:-8192 16384 32768 65536} \
-    --shapes ${SSD_SHAPES:-nemotron-h-8b h128-g1-n256} --accuracy-length 4096 --profile 32768 \
+  # one shape per call (Nemotron-H-8B's took about 5 minutes, 2026-12-06): SSD_SHAPES=h128-g1-n256 for another
+  [ "$part" = ssd_op ] && check ssd_op 540 python bench/ssd_op.py --lengths ${SSD_LENGTHS:-8192 16384 32768 65536} \
+    --shapes ${SSD_SHAPES:-nemotron-h-8b} --accuracy-length 4096 --profile 32768 \
     --json "$OUT/ssd_op.jsonl"
   # shellcheck disable=SC2086
   [ "$part" = kda_op ] && check kda_op 240 python bench/kda_op.py --lengths ${KDA_LENGTHS:-8192 16384 32768 65536} \
@@ -263,9 +264,12 @@ ssd_step)
 gdn_peers)
   # FlashQLA's TileLang kernels compile on first use: about 2.5 minutes on an H100 (2026-12-06), kept in
   # ~/.tilelang/cache while the machine stays warm
-  check gdn_peers_16h 420 python bench/gdn_peers.py --hk 16 --hv 16 --lengths 8192 16384 32768 65536 \
+  # (16 heads: about 7.5 minutes with the compile, 2026-12-06; 32 value heads compile anew: a call of its own)
+  check gdn_peers_16h 480 python bench/gdn_peers.py --hk 16 --hv 16 --lengths 8192 16384 32768 65536 \
     --accuracy-length 8192 --profile 32768 --json "$OUT/gdn_peers.jsonl"
-  check gdn_peers_32h 150 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --regimes \
+  ;;
+gdn_peers_32h)
+  check gdn_peers_32h 480 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --regimes \
     --json "$OUT/gdn_peers.jsonl"
   ;;
 heads)
