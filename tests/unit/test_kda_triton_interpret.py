@@ -38,6 +38,8 @@ BOUNDS = {"float64": 1e-10, "float32": 1e-5}
 
 _CODE = f"import sys; sys.path.insert(0, {TESTS!r})\n" + r"""
 import os, torch
+import triton_interpreter
+triton_interpreter.patch()  # tests/triton_interpreter.py
 from recurrence_checks import compare_case
 from deltacp.ops.gdn.varlen import VarlenLayout
 from deltacp.ops.kda.eager import KimiDeltaRule

@@ -173,28 +173,6 @@ def test_import_is_lazy():
 
 # ---- interpreter parity (needs triton; runs the real kernels on CPU) -------------------------------------------
 
-def _patch_interpreter_bf16_dot():
-    """Triton 3.6's interpreter multiplies bf16 dot operands as raw uint16 bits; widen them to fp32 first."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as it
-
-    if getattr(it.InterpreterBuilder.create_dot, "_deltacp_patched", False):
-        return
-    orig = it.InterpreterBuilder.create_dot
-
-    def widen(h):
-        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype == tl.bfloat16 else h.data
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
-            return it.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
-        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    create_dot._deltacp_patched = True
-    it.InterpreterBuilder.create_dot = create_dot
-
-
 def _ref_recurrent(q, k, v, g, beta, h0=None, l2=True, v_zero=False):
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     if l2:
@@ -223,7 +201,9 @@ _INTERP_CODE = r"""
 import sys, torch
 sys.path.insert(0, {testdir!r})
 import test_triton_contract as t
-t._patch_interpreter_bf16_dot()
+import os; sys.path.insert(0, os.path.dirname({testdir!r}))
+import triton_interpreter
+triton_interpreter.patch()  # the bf16 dot fix and the nested-call speed-up (tests/triton_interpreter.py)
 from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule, initial_state_grad, state_summary
 torch.manual_seed(0)
 B, T, Hk, Hv, K, V = 1, 150, 1, 2, 32, 32       # T=150: a partial last chunk; Hv=2*Hk: grouped heads
@@ -300,7 +280,9 @@ _INTERP_VARIANTS_CODE = r"""
 import sys, torch
 sys.path.insert(0, {testdir!r})
 import test_triton_contract as t
-t._patch_interpreter_bf16_dot()
+import os; sys.path.insert(0, os.path.dirname({testdir!r}))
+import triton_interpreter
+triton_interpreter.patch()  # the bf16 dot fix and the nested-call speed-up (tests/triton_interpreter.py)
 from deltacp.ops.gdn.triton import chunk as C
 from deltacp.ops.gdn.triton.launch import LAUNCH
 from deltacp.ops.gdn.triton.wy import wu_fwd, wy_bwd, wy_fwd
@@ -371,3 +353,41 @@ def test_interpreter_gva_head_sum():
     out = subprocess.run([sys.executable, "-c", _INTERP_GROUP_SUM_CODE], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+_NEUTRAL_CODE = r"""
+import os, sys, time, torch
+sys.path.insert(0, os.path.dirname({testdir!r}))
+import triton_interpreter
+from deltacp.ops.gdn.triton.chunk import chunk_gated_delta_rule
+
+def run():
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v, h0 = r(1, 70, 1, 32), r(1, 70, 1, 32), r(1, 70, 2, 32), r(1, 2, 32, 32)
+    g, beta = -torch.rand(1, 70, 2, generator=gen) * 0.2, torch.rand(1, 70, 2, generator=gen)
+    xs = [x.bfloat16().requires_grad_() if i < 3 else x.requires_grad_() for i, x in enumerate((q, k, v, g, beta, h0))]
+    o, ht = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+    grads = torch.autograd.grad(o.float().sum() + ht.sum(), xs)
+    return [o, ht, *grads]
+
+triton_interpreter.patch(nested_calls=False)
+t0 = time.perf_counter(); base = run(); t1 = time.perf_counter()
+triton_interpreter.patch()
+fast = run(); t2 = time.perf_counter()
+assert all(torch.equal(a, b) for a, b in zip(base, fast)), "the nested-call patch changed a result"
+print(f"bitwise equal; {{t1 - t0:.2f}} s -> {{t2 - t1:.2f}} s")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the interpreter patch test runs only where "
+                                           "triton is")
+def test_interpreter_patch_is_bitwise_neutral():
+    """tests/triton_interpreter.py's nested-call patch (no re-patching of triton.language inside a launch) leaves every
+    output and gradient of an interpreted GDN fwd+bwd (bf16 q, k, v: the widened bf16 products too) bitwise equal."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = _NEUTRAL_CODE.format(testdir=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    print(out.stdout)

@@ -39,7 +39,9 @@ _OP_CODE = r"""
 import sys, torch
 sys.path.insert(0, {testdir!r})
 import test_triton_contract as t
-t._patch_interpreter_bf16_dot()  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6 to 3.9)
+import os; sys.path.insert(0, os.path.dirname({testdir!r}))
+import triton_interpreter
+triton_interpreter.patch()  # the bf16 dot fix and the nested-call speed-up (tests/triton_interpreter.py)
 from deltacp.ops.gdn.triton import selfcheck as sc
 
 K, V = {K}, {V}
@@ -87,7 +89,9 @@ _GLUE_CODE = r"""
 import sys, torch
 sys.path.insert(0, {testdir!r})
 import test_triton_contract as t
-t._patch_interpreter_bf16_dot()
+import os; sys.path.insert(0, os.path.dirname({testdir!r}))
+import triton_interpreter
+triton_interpreter.patch()  # the bf16 dot fix and the nested-call speed-up (tests/triton_interpreter.py)
 from deltacp.ops.gdn import eager as E
 from deltacp.ops.gdn.triton import TritonGDNBackend
 

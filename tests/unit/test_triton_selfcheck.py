@@ -30,9 +30,9 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
 
 _CODE = r"""
 import json, sys
-sys.path.insert(0, {testdir!r})
-import test_triton_contract as t
-t._patch_interpreter_bf16_dot()  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6 to 3.9)
+import os; sys.path.insert(0, os.path.dirname({testdir!r}))
+import triton_interpreter
+triton_interpreter.patch()  # the bf16 dot fix and the nested-call speed-up (tests/triton_interpreter.py)
 import triton
 from deltacp.ops.gdn.triton import chunk, selfcheck
 from deltacp.ops.gdn.triton.contract_check import check_triton_version
