@@ -4,8 +4,8 @@
 Outside the Function: padding of T to a multiple of 64 (packed documents: `VarlenLayout.to_chunks` of q, k, v, g,
 and `from_chunks` of o), the chunk-local cumsum of g (so its backward, the suffix sum of dgam within each chunk,
 is torch's), the skip term. Inside: state_fwd -> out_fwd; the backward recomputes the per-chunk states (keeping
-them would cost N / 64 times v's memory), then state_bwd (dh per chunk, dh0) -> chunk_bwd (dq, dk per head, dv,
-dgam), and sums dq, dk over the heads of each group.
+them would cost N / 64 times v's memory), then state_bwd (dh per chunk, dh0) -> chunk_bwd (dq, dk summed over each
+group's heads in the kernels, dv, dgam).
 """
 
 from __future__ import annotations
@@ -21,12 +21,6 @@ from deltacp.ops.ssd.triton.kernels import BT, chunk_bwd, out_fwd, state_bwd, st
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The kernels' accumulator (and states', summaries') dtype: fp64 for fp64 inputs, fp32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _group_sum(dx: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, Tp, H, N] per head -> [B, Tp, G, N] per group (each group's H / G consecutive heads)."""
-    B, Tp, H, N = dx.shape
-    return dx if G == H else dx.view(B, Tp, G, H // G, N).sum(3).to(dtype)
 
 
 class ScalarDecayFunction(torch.autograd.Function):
@@ -49,8 +43,6 @@ class ScalarDecayFunction(torch.autograd.Function):
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
         dh, dh0 = state_bwd(q, gam, do, dht, need_dh0=h0 is not None, resets=resets)
         dq, dk, dv, dgam = chunk_bwd(q, k, v, gam, h, dh, do)
-        G = k.shape[2]
-        dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
         return dq, dk, dv, dgam, (None if dh0 is None else dh0.to(h0.dtype)), None, None
 
 
