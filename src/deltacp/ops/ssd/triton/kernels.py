@@ -4,21 +4,21 @@ Triton path (`deltacp.ops.ssd.triton` loads this module on first use).
 Per head h (q, k read from group h // (H / G)), in chunks of BT = 64 tokens, gam the chunk-local cumulative log
 decay (inclusive), gl its last value, h_c the state entering chunk c:
     state_fwd   h_{c+1} = e^{gl} h_c + (e^{gl - gam} * k)ᵀ v                      (h_c stored per chunk)
-    out_fwd     o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v,  D_ij = e^{gam_i - gam_j} (j <= i)
+    out_fwd     o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v + skip,  D_ij = e^{gam_i - gam_j} (j <= i)
     state_bwd   dh_c = e^{gl} dh_{c+1} + (e^{gam} * q)ᵀ dO                         (dh_{c+1} stored per chunk)
     chunk_dv    dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1})
     chunk_dqk   dq^h = e^{gam} * (dO h_cᵀ) + (D ∘ dO vᵀ) k,   dq = sum over the group's heads h of dq^h
                 dk^h = (D ∘ dO vᵀ)ᵀ q + e^{gl - gam} * (v dh_{c+1}ᵀ),   dk likewise
                 dgam_i = q_i·dq_i^h - k_i·dk_i^h  (+ dgl on the chunk's last row)
                 dgl = e^{gl} <h_c, dh_{c+1}> + sum_j k_j·(e^{gl - gam_j} dh_{c+1} v_j)
-(state_fwd and state_bwd are the two directions of one kernel, state_scan.)
+(state_fwd and state_bwd are the two directions of one kernel, state_scan; the skip's gradient is dO itself.)
 dgam is the gradient of the chunk-local cumsum; g's gradient is its suffix sum within the chunk (torch autograd of
 the cumsum, chunk.py). Why dgam_i = q_i·dq_i^h - k_i·dk_i^h (head h's own terms, before the group sum): every term
 of o and of the next state is linear in q_i with the factor e^{gam_i}, and linear in k_j with e^{-gam_j}, so the
 derivative of a term in +gam_i (-gam_j) is the term itself, summed: q_i·dq_i (-k_j·dk_j); the only other place the
 gates enter is e^{gl} and e^{gl - gam_j} of the state update, whose derivative in gl is <dh_{c+1}, h_{c+1}> = dgl.
 
-Layouts: q, k, dq, dk [B, Tp, G, N]; v, o, dO [B, Tp, H, P]; gam [B, Tp, H] (fp32, fp64 for fp64 inputs);
+Layouts: q, k, dq, dk [B, Tp, G, N]; v, o, dO, skip [B, Tp, H, P]; gam [B, Tp, H] (fp32, fp64 for fp64 inputs);
 h, dh [B, NT, H, N, P] in the input dtype; h0, ht, dht, dh0 [B, H, N, P] in the accumulator dtype. Tp = NT * 64: the
 wrapper pads every sequence (packed documents: lays them out chunk-aligned, `ops/gdn/varlen.py`), a zero token
 (q = k = v = 0, g = 0) leaving the state unchanged. `resets` [NT] int32 (packed rows only): the state entering
@@ -28,7 +28,8 @@ Accumulation: fp32 (fp64 for fp64 inputs, the interpreter tests). Products: the 
 factor applied to a loaded tile is rounded back to it, as the tensor cores take it); fp32 inputs multiply with
 tf32x3 (about fp32; plain tf32 would cost ~1e-3). The per-chunk states h, dh are stored in the input dtype: their
 only readers are products that round them to that dtype anyway (o, dq, dk, dv), and bf16 halves their bytes
-(N = 128, P = 64: 16 KiB per chunk and head in bf16, twice v's chunk).
+(N = 128, P = 64: 16 KiB per chunk and head in bf16, twice v's chunk). o adds the skip (any float dtype) in the
+accumulator dtype and is rounded once, as the eager op.
 
 Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block,
 row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent).
@@ -151,10 +152,11 @@ def _decay(b_g, BT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_out_fwd_kernel(q, k, v, gam, h, o, NT,
+def ssd_out_fwd_kernel(q, k, v, gam, h, skip, o, NT,
                        G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                       BN: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
-    """o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v, one [BT, BP] tile of one chunk and head per program."""
+                       BN: tl.constexpr, BP: tl.constexpr, USE_SKIP: tl.constexpr, PREC: tl.constexpr):
+    """o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v (+ skip, added in the accumulator dtype), one [BT, BP] tile of one
+    chunk and head per program, rounded once to o's dtype."""
     i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, i_g, o_r, b_g, _ = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
     acc = gam.dtype.element_ty
@@ -171,9 +173,11 @@ def ssd_out_fwd_kernel(q, k, v, gam, h, o, NT,
         b_k = tl.load(p_k + o_n[None, :])
         b_qk += _mm(b_q, tl.trans(b_k), PREC).to(acc)
         b_o += _mm(b_q, tl.load(p_h + o_n[:, None] * P), PREC).to(acc)
-    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # v, o
+    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # v, skip, o
     b_v = tl.load(v + p_x)
     b_o = b_o * tl.exp(b_g)[:, None] + _mm((b_qk * _decay(b_g, BT)).to(b_v.dtype), b_v, PREC).to(acc)
+    if USE_SKIP:
+        b_o += tl.load(skip + p_x).to(acc)
     tl.store(o + p_x, b_o.to(o.dtype.element_ty))
 
 
@@ -285,15 +289,16 @@ def state_fwd(k, v, gam, h0=None, *, store_h=True, output_final_state=False, res
     return _scan(k, v, gam, h0, reverse=False, store_s=store_h, output_st=output_final_state, resets=resets)
 
 
-def out_fwd(q, k, v, gam, h):
-    """-> o [B, Tp, H, P] in v's dtype (without the skip term)."""
+def out_fwd(q, k, v, gam, h, skip=None):
+    """-> o [B, Tp, H, P] in v's dtype, with the skip term (laid out as v, any float dtype) when given."""
     B, Tp, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     NT = Tp // BT
     o = torch.empty_like(v)
     blocks, opts = _config("out_fwd", N, P)
-    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, v, gam, h, o, NT, G=G, H=H, N=N, P=P, BT=BT,
-                                                                  **_flags(v), **blocks, **opts)
+    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, v, gam, h, skip, o, NT, G=G, H=H, N=N, P=P,
+                                                                  BT=BT, USE_SKIP=skip is not None, **_flags(v),
+                                                                  **blocks, **opts)
     return o
 
 
