@@ -50,12 +50,12 @@ import triton.language as tl
 
 BT = 64
 
-# Fixed launch configurations (block widths clipped to N, P); not tuned on a GPU yet. chunk_dv's and chunk_dqk's spill
-# no registers on sm_90 at N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`).
+# Fixed launch configurations (block widths clipped to N, P); not tuned on a GPU yet. Chosen so that no kernel spills
+# registers on sm_90 at N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`).
 LAUNCH: dict[str, dict[str, int]] = {
     "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
-    "out_fwd": dict(BN=64, BP=64, num_warps=4, num_stages=2),
+    "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
     "chunk_dv": dict(BN=32, BP=64, num_warps=8, num_stages=2),
     "chunk_dqk": dict(BN=32, BP=16, num_warps=8, num_stages=1),
 }
