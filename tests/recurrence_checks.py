@@ -16,12 +16,15 @@ def rel(a, b) -> float:
 
 
 def compare_case(name, dtype, tri, ref, vals, grad_names, seed, layout=None, strided=False) -> None:
-    """vals: the five inputs and the entering state in float64; the Triton side gets them in `dtype` (strided: as
-    non-contiguous views of the same values), the eager side in float64; `seed`: the output cotangents'."""
-    xs = [x.to(dtype).requires_grad_() for x in vals]
+    """vals: the five inputs and the entering state in float64 (an optional input may be None: no gradient named
+    for it); the Triton side gets them in `dtype` (strided: as non-contiguous views of the same values), the eager
+    side in float64; `seed`: the output cotangents'."""
+    present = [x is not None for x in vals]
+    grad_names = [n for n, p in zip(grad_names, present) if p]  # one name per input, in order
+    xs = [None if x is None else x.to(dtype).requires_grad_() for x in vals]
     if strided:
-        xs = [x.mT.contiguous().mT if x.dim() == 4 else x for x in xs]
-    rs = [x.clone().requires_grad_() for x in vals]
+        xs = [x.mT.contiguous().mT if x is not None and x.dim() == 4 else x for x in xs]
+    rs = [None if x is None else x.clone().requires_grad_() for x in vals]
     o, ht = tri.forward(RecurrenceInputs(*xs[:5]), initial_state=xs[5], output_final_state=True, cu_seqlens=layout)
     ro, rht = ref.forward(RecurrenceInputs(*rs[:5]), initial_state=rs[5], output_final_state=True,
                           cu_seqlens=layout)
@@ -30,12 +33,13 @@ def compare_case(name, dtype, tri, ref, vals, grad_names, seed, layout=None, str
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(ro.shape, generator=gen, dtype=torch.float64)
     dht = torch.randn(rht.shape, generator=gen, dtype=torch.float64)
-    gs = torch.autograd.grad((o * do.to(dtype)).sum() + (ht * dht.to(ht.dtype)).sum(), xs)
-    grs = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), rs, allow_unused=True)
-    grs = [torch.zeros_like(x) if d is None else d for x, d in zip(rs, grs)]  # h0 unused: a fresh first document
+    xs_, rs_ = [x for x in xs if x is not None], [x for x in rs if x is not None]
+    gs = torch.autograd.grad((o * do.to(dtype)).sum() + (ht * dht.to(ht.dtype)).sum(), xs_)
+    grs = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), rs_, allow_unused=True)
+    grs = [torch.zeros_like(x) if d is None else d for x, d in zip(rs_, grs)]  # h0 unused: a fresh first document
     for n, a, b in zip(grad_names, gs, grs):
         out[n] = rel(a, b) if b.norm() > 0 else a.norm().item()
-    x = RecurrenceInputs(*(t.detach() for t in xs[:5]))
+    x = RecurrenceInputs(*(None if t is None else t.detach() for t in xs[:5]))
     rx = RecurrenceInputs(*vals[:5])
     with torch.no_grad():
         m, s = tri.summary(x, cu_seqlens=layout)

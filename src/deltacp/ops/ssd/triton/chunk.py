@@ -2,10 +2,10 @@
 (the forward, the summary, the entering state's gradient), with the semantics of `ops/ssd/eager.py`.
 
 Outside the Function: padding of T to a multiple of 64 (packed documents: `VarlenLayout.to_chunks` of q, k, v, g,
-and `from_chunks` of o), the chunk-local cumsum of g (so its backward, the suffix sum of dgam within each chunk,
-is torch's), the skip term. Inside: state_fwd -> out_fwd; the backward recomputes the per-chunk states (keeping
-them would cost N / 64 times v's memory), then state_bwd (dh per chunk, dh0) -> chunk_bwd (dq, dk per head, dv,
-dgam), and sums dq, dk over the heads of each group.
+skip, and `from_chunks` of o), the chunk-local cumsum of g (so its backward, the suffix sum of dgam within each
+chunk, is torch's). Inside: state_fwd -> out_fwd (which adds the skip); the backward recomputes the per-chunk states
+(keeping them would cost N / 64 times v's memory), then state_bwd (dh per chunk, dh0) -> chunk_bwd (dq, dk summed
+over each group's heads in the kernels, dv, dgam); the skip's gradient is dO.
 """
 
 from __future__ import annotations
@@ -23,21 +23,16 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _group_sum(dx: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, Tp, H, N] per head -> [B, Tp, G, N] per group (each group's H / G consecutive heads)."""
-    B, Tp, H, N = dx.shape
-    return dx if G == H else dx.view(B, Tp, G, H // G, N).sum(3).to(dtype)
-
-
 class ScalarDecayFunction(torch.autograd.Function):
-    """(q, k, v, gam, h0) chunk-laid-out and contiguous -> (o without skip, final state or None)."""
+    """(q, k, v, gam, skip or None, h0) chunk-laid-out and contiguous -> (o with the skip, final state or None).
+    The skip's gradient is dO itself."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gam, h0, output_final_state, resets):
+    def forward(ctx, q, k, v, gam, skip, h0, output_final_state, resets):
         h, ht = state_fwd(k, v, gam, h0, output_final_state=output_final_state, resets=resets)
-        o = out_fwd(q, k, v, gam, h)
+        o = out_fwd(q, k, v, gam, h, skip)
         ctx.save_for_backward(q, k, v, gam, h0)
-        ctx.resets = resets
+        ctx.resets, ctx.skip = resets, skip is not None
         return o, ht
 
     @staticmethod
@@ -49,9 +44,8 @@ class ScalarDecayFunction(torch.autograd.Function):
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
         dh, dh0 = state_bwd(q, gam, do, dht, need_dh0=h0 is not None, resets=resets)
         dq, dk, dv, dgam = chunk_bwd(q, k, v, gam, h, dh, do)
-        G = k.shape[2]
-        dq, dk = _group_sum(dq, G, q.dtype), _group_sum(dk, G, k.dtype)
-        return dq, dk, dv, dgam, (None if dh0 is None else dh0.to(h0.dtype)), None, None
+        return (dq, dk, dv, dgam, (do if ctx.skip else None), (None if dh0 is None else dh0.to(h0.dtype)), None,
+                None)
 
 
 def _resets(layout: VarlenLayout | None, device) -> torch.Tensor | None:
@@ -94,12 +88,11 @@ def chunk_scalar_decay(q, k, v, g, skip=None, *, initial_state=None, output_fina
     layout = as_layout(cu_seqlens, T)
     acc = acc_dtype(v.dtype)
     ql, kl, vl, gl = _laid_out(layout, T, q, k, v, g)
+    sl = None if skip is None else _laid_out(layout, T, skip)[0]
     gam = _gate_cumsum(gl, acc)
     h0 = None if initial_state is None else initial_state.to(acc).contiguous()
-    o, ht = ScalarDecayFunction.apply(ql, kl, vl, gam, h0, output_final_state, _resets(layout, v.device))
+    o, ht = ScalarDecayFunction.apply(ql, kl, vl, gam, sl, h0, output_final_state, _resets(layout, v.device))
     o = layout.from_chunks(o) if layout is not None else o[:, :T]
-    if skip is not None:
-        o = o + skip.to(o.dtype)
     return o, (ht if output_final_state else None)
 
 

@@ -4,22 +4,22 @@ Triton path (`deltacp.ops.ssd.triton` loads this module on first use).
 Per head h (q, k read from group h // (H / G)), in chunks of BT = 64 tokens, gam the chunk-local cumulative log
 decay (inclusive), gl its last value, h_c the state entering chunk c:
     state_fwd   h_{c+1} = e^{gl} h_c + (e^{gl - gam} * k)ᵀ v                      (h_c stored per chunk)
-    out_fwd     o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v,  D_ij = e^{gam_i - gam_j} (j <= i)
+    out_fwd     o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v + skip,  D_ij = e^{gam_i - gam_j} (j <= i)
     state_bwd   dh_c = e^{gl} dh_{c+1} + (e^{gam} * q)ᵀ dO                         (dh_{c+1} stored per chunk)
-    chunk_bwd   dq = e^{gam} * (dO h_cᵀ) + (D ∘ dO vᵀ) k
-                dk = (D ∘ dO vᵀ)ᵀ q + e^{gl - gam} * (v dh_{c+1}ᵀ)
-                dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1})
-                dgam_i = q_i·dq_i - k_i·dk_i  (+ dgl on the chunk's last row)
+    chunk_dv    dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1})
+    chunk_dqk   dq^h = e^{gam} * (dO h_cᵀ) + (D ∘ dO vᵀ) k,   dq = sum over the group's heads h of dq^h
+                dk^h = (D ∘ dO vᵀ)ᵀ q + e^{gl - gam} * (v dh_{c+1}ᵀ),   dk likewise
+                dgam_i = q_i·dq_i^h - k_i·dk_i^h  (+ dgl on the chunk's last row)
                 dgl = e^{gl} <h_c, dh_{c+1}> + sum_j k_j·(e^{gl - gam_j} dh_{c+1} v_j)
-(state_fwd and state_bwd are the two directions of one kernel, state_scan.)
+(state_fwd and state_bwd are the two directions of one kernel, state_scan; the skip's gradient is dO itself.)
 dgam is the gradient of the chunk-local cumsum; g's gradient is its suffix sum within the chunk (torch autograd of
-the cumsum, chunk.py). Why dgam_i = q_i·dq_i - k_i·dk_i: every term of o and of the next state is linear in q_i
-with the factor e^{gam_i}, and linear in k_j with e^{-gam_j}, so the derivative of a term in +gam_i (-gam_j) is
-the term itself, summed: q_i·dq_i (-k_j·dk_j); the only other place the gates enter is e^{gl} and e^{gl - gam_j}
-of the state update, whose derivative in gl is <dh_{c+1}, h_{c+1}> = dgl.
+the cumsum, chunk.py). Why dgam_i = q_i·dq_i^h - k_i·dk_i^h (head h's own terms, before the group sum): every term
+of o and of the next state is linear in q_i with the factor e^{gam_i}, and linear in k_j with e^{-gam_j}, so the
+derivative of a term in +gam_i (-gam_j) is the term itself, summed: q_i·dq_i (-k_j·dk_j); the only other place the
+gates enter is e^{gl} and e^{gl - gam_j} of the state update, whose derivative in gl is <dh_{c+1}, h_{c+1}> = dgl.
 
-Layouts: q, k [B, Tp, G, N]; v, o, dO [B, Tp, H, P]; gam [B, Tp, H] (fp32, fp64 for fp64 inputs); h, dh
-[B, NT, H, N, P] in the input dtype; h0, ht, dht, dh0 [B, H, N, P] in the accumulator dtype. Tp = NT * 64: the
+Layouts: q, k, dq, dk [B, Tp, G, N]; v, o, dO, skip [B, Tp, H, P]; gam [B, Tp, H] (fp32, fp64 for fp64 inputs);
+h, dh [B, NT, H, N, P] in the input dtype; h0, ht, dht, dh0 [B, H, N, P] in the accumulator dtype. Tp = NT * 64: the
 wrapper pads every sequence (packed documents: lays them out chunk-aligned, `ops/gdn/varlen.py`), a zero token
 (q = k = v = 0, g = 0) leaving the state unchanged. `resets` [NT] int32 (packed rows only): the state entering
 those chunks is zero (in the backward, no gradient crosses them).
@@ -28,12 +28,18 @@ Accumulation: fp32 (fp64 for fp64 inputs, the interpreter tests). Products: the 
 factor applied to a loaded tile is rounded back to it, as the tensor cores take it); fp32 inputs multiply with
 tf32x3 (about fp32; plain tf32 would cost ~1e-3). The per-chunk states h, dh are stored in the input dtype: their
 only readers are products that round them to that dtype anyway (o, dq, dk, dv), and bf16 halves their bytes
-(N = 128, P = 64: 16 KiB per chunk and head in bf16, twice v's chunk).
+(N = 128, P = 64: 16 KiB per chunk and head in bf16, twice v's chunk). o adds the skip (any float dtype) in the
+accumulator dtype and is rounded once, as the eager op.
 
 Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block,
-row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent); the
-chunk kernels one program per chunk and head (ssd_out_fwd also per P block), looping over N and P blocks, so no
-tile is wider than 64 whatever N, P are. Every kernel's name starts with ssd_ (profiles group them by it).
+row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent).
+ssd_out_fwd and ssd_chunk_dv run one program per (P block, chunk, row * head), looping over N blocks.
+ssd_chunk_dqk runs twice, for dq then dk (one kernel of both would hold both accumulators and spill registers), one
+program per (N block, chunk, row * group): it loops over the group's heads in order, adding each head's dq^h (dk^h)
+into an accumulator-dtype tile, and stores the group's tile once in the input dtype: deterministic, no atomics, no
+per-head copy in memory. dgam needs the whole of N, so each program writes its N block's part per head (dq's
+launch q·dq^h, dk's launch -k·dk^h + dgl) and the launcher sums the 2 N / BN parts in order. No tile is wider than
+64 whatever N, P are. Every kernel's name starts with ssd_ (profiles group them by it).
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ import triton.language as tl
 
 BT = 64
 
-# Fixed launch configurations (block widths clipped to N, P); not tuned on a GPU yet.
+# Fixed launch configurations (block widths clipped to N, P); not tuned on a GPU yet. Chosen so that no kernel spills
+# registers on sm_90 at N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`).
 LAUNCH: dict[str, dict[str, int]] = {
     "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
-    "out_fwd": dict(BN=64, BP=64, num_warps=4, num_stages=2),
-    "chunk_bwd": dict(BN=64, BP=64, num_warps=8, num_stages=1),
+    "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
+    "chunk_dv": dict(BN=32, BP=64, num_warps=8, num_stages=2),
+    "chunk_dqk": dict(BN=32, BP=16, num_warps=8, num_stages=1),
 }
 
 
@@ -118,24 +126,39 @@ def ssd_state_scan_kernel(x, y, gam, s0, s, st, resets, NT,
 
 @triton.jit
 def _chunk_head(gam, i_c, i_bh, NT, H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr):
-    """What a chunk kernel's program (chunk i_c, row * head i_bh) starts from: row, head, group, rows in the chunk,
-    token rows, gam [BT], gl, and the causal decay D [BT, BT], D_ij = e^{gam_i - gam_j} (j <= i), else 0."""
+    """What a chunk kernel's program (chunk i_c, row * head i_bh) starts from: row, head, group, token rows, gam [BT]
+    and gl of the head."""
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    o_r, b_g, b_gl = _gates(gam, i_b, i_h, i_c, NT, H, BT)
+    return i_b, i_h, i_h // (H // G), o_r, b_g, b_gl
+
+
+@triton.jit
+def _gates(gam, i_b, i_h, i_c, NT, H: tl.constexpr, BT: tl.constexpr):
+    """Token rows of chunk i_c, gam [BT] and gl of head i_h."""
     T = NT * BT
-    o_t = tl.arange(0, BT)
-    o_r = (i_c * BT + o_t).to(tl.int64)  # token rows (int64: T * H * P may pass 2^31)
+    o_r = (i_c * BT + tl.arange(0, BT)).to(tl.int64)  # token rows (int64: T * H * P may pass 2^31)
     b_g = tl.load(gam + (i_b * T + o_r) * H + i_h)
     b_gl = tl.load(gam + (i_b * T + i_c * BT + BT - 1) * H + i_h)
-    b_d = tl.where(o_t[:, None] >= o_t[None, :], tl.exp(b_g[:, None] - b_g[None, :]), 0.)
-    return i_b, i_h, i_h // (H // G), o_t, o_r, b_g, b_gl, b_d
+    return o_r, b_g, b_gl
+
+
+@triton.jit
+def _decay(b_g, BT: tl.constexpr):
+    """The causal decay D [BT, BT], D_ij = e^{gam_i - gam_j} (j <= i), else 0 (formed where it is used: a [BT, BT]
+    fp32 tile held across a loop costs registers)."""
+    o_t = tl.arange(0, BT)
+    return tl.where(o_t[:, None] >= o_t[None, :], tl.exp(b_g[:, None] - b_g[None, :]), 0.)
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_out_fwd_kernel(q, k, v, gam, h, o, NT,
-                   G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                   BN: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+def ssd_out_fwd_kernel(q, k, v, gam, h, skip, o, NT,
+                       G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                       BN: tl.constexpr, BP: tl.constexpr, USE_SKIP: tl.constexpr, PREC: tl.constexpr):
+    """o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v (+ skip, added in the accumulator dtype), one [BT, BP] tile of one
+    chunk and head per program, rounded once to o's dtype."""
     i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h, i_g, o_t, o_r, b_g, _, b_d = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
+    i_b, i_h, i_g, o_r, b_g, _ = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
     acc = gam.dtype.element_ty
     T = NT * BT
     o_p = i_p * BP + tl.arange(0, BP)
@@ -150,79 +173,96 @@ def ssd_out_fwd_kernel(q, k, v, gam, h, o, NT,
         b_k = tl.load(p_k + o_n[None, :])
         b_qk += _mm(b_q, tl.trans(b_k), PREC).to(acc)
         b_o += _mm(b_q, tl.load(p_h + o_n[:, None] * P), PREC).to(acc)
-    b_v = tl.load(v + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :])
-    b_o = b_o * tl.exp(b_g)[:, None] + _mm((b_qk * b_d).to(b_v.dtype), b_v, PREC).to(acc)
-    tl.store(o + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :], b_o.to(o.dtype.element_ty))
+    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # v, skip, o
+    b_v = tl.load(v + p_x)
+    b_o = b_o * tl.exp(b_g)[:, None] + _mm((b_qk * _decay(b_g, BT)).to(b_v.dtype), b_v, PREC).to(acc)
+    if USE_SKIP:
+        b_o += tl.load(skip + p_x).to(acc)
+    tl.store(o + p_x, b_o.to(o.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_chunk_bwd_kernel(q, k, v, gam, h, dh, do, dq, dk, dv, dgam, NT,
-                     G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                     BN: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h, i_g, o_t, o_r, b_g, b_gl, b_d = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
+def ssd_chunk_dv_kernel(q, k, gam, dh, do, dv, NT,
+                        G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                        BN: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    """dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1}), one [BT, BP] tile of one chunk and head per program."""
+    i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, i_g, o_r, b_g, b_gl = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
     acc = gam.dtype.element_ty
     T = NT * BT
-    b_tail = tl.exp(b_gl - b_g)  # e^{gl - gam_j}
+    o_p = i_p * BP + tl.arange(0, BP)
     p_q = q + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
     p_k = k + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
-    p_v = v + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
-    p_do = do + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
-    p_h = h + ((i_b * NT + i_c) * H + i_h) * N * P
-    p_dh = dh + ((i_b * NT + i_c) * H + i_h) * N * P
-    dt = v.dtype.element_ty
-
-    # dv, P block by P block: (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh)
+    p_dh = dh + ((i_b * NT + i_c) * H + i_h) * N * P + o_p[None, :]
+    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # dO, dv
     b_qk = tl.zeros([BT, BT], dtype=acc)
+    b_kdh = tl.zeros([BT, BP], dtype=acc)
     for i_n in range(0, N, BN):
         o_n = i_n + tl.arange(0, BN)
-        b_qk += _mm(tl.load(p_q + o_n[None, :]), tl.trans(tl.load(p_k + o_n[None, :])), PREC).to(acc)
-    b_dqk = tl.trans((b_qk * b_d).to(dt))
-    for i_p in range(0, P, BP):
-        o_p = i_p + tl.arange(0, BP)
-        b_do = tl.load(p_do + o_p[None, :])
-        b_kdh = tl.zeros([BT, BP], dtype=acc)
-        for i_n in range(0, N, BN):
-            o_n = i_n + tl.arange(0, BN)
-            b_kdh += _mm(tl.load(p_k + o_n[None, :]), tl.load(p_dh + o_n[:, None] * P + o_p[None, :]), PREC).to(acc)
-        b_dv = _mm(b_dqk, b_do, PREC).to(acc) + b_kdh * b_tail[:, None]
-        tl.store(dv + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :], b_dv.to(dv.dtype.element_ty))
-
-    # dq, dk, N block by N block; dgam and dgl along
-    b_a = tl.zeros([BT, BT], dtype=acc)
-    for i_p in range(0, P, BP):
-        o_p = i_p + tl.arange(0, BP)
-        b_a += _mm(tl.load(p_do + o_p[None, :]), tl.trans(tl.load(p_v + o_p[None, :])), PREC).to(acc)
-    b_da = (b_a * b_d).to(dt)
-    b_dat = tl.trans(b_da)
-    b_dgam = tl.zeros([BT], dtype=acc)
-    b_hdh = tl.zeros([BN, BP], dtype=acc)  # elementwise h_c ∘ dh_{c+1}, summed at the end
-    b_kdk = tl.zeros([BT], dtype=acc)  # k_j · (state part of dk_j)
-    for i_n in range(0, N, BN):
-        o_n = i_n + tl.arange(0, BN)
-        b_q = tl.load(p_q + o_n[None, :])
         b_k = tl.load(p_k + o_n[None, :])
-        b_doh = tl.zeros([BT, BN], dtype=acc)
-        b_vdh = tl.zeros([BT, BN], dtype=acc)
+        b_qk += _mm(tl.load(p_q + o_n[None, :]), tl.trans(b_k), PREC).to(acc)
+        b_kdh += _mm(b_k, tl.load(p_dh + o_n[:, None] * P), PREC).to(acc)
+    b_do = tl.load(do + p_x)
+    b_dv = _mm(tl.trans((b_qk * _decay(b_g, BT)).to(b_do.dtype)), b_do, PREC).to(acc) + b_kdh * tl.exp(b_gl - b_g)[:, None]
+    tl.store(dv + p_x, b_dv.to(dv.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["NT"])
+def ssd_chunk_dqk_kernel(q, k, v, gam, h, dh, do, dx, dgam, NT,
+                         G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                         BN: tl.constexpr, BP: tl.constexpr, DK: tl.constexpr, PREC: tl.constexpr):
+    """The group's dq (DK false) or dk (DK true) on one [BT, BN] tile of one chunk, summed over the group's heads in
+    a fixed order (head by head, in accumulator-dtype registers) and stored once in the input dtype; per head, this
+    N block's part of dgam: q·dq (DK false), or -k·dk plus dgl on the chunk's last row (DK true), in part
+    DK * NB + i_n of dgam [2 NB, B, Tp, H]."""
+    i_n, i_c, i_bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
+    acc = gam.dtype.element_ty
+    dt = v.dtype.element_ty
+    T = NT * BT
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_r = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
+    p_x = (i_b * T * G + i_g) * N + o_r[:, None] * (G * N) + o_n[None, :]  # q, k, dx
+    p_dgam = dgam + (DK * tl.num_programs(0) + i_n).to(tl.int64) * (tl.num_programs(2) // G) * T * H
+    b_dx = tl.zeros([BT, BN], dtype=acc)
+    for i_hh in range(H // G):
+        i_h = i_g * (H // G) + i_hh
+        o_r, b_g, b_gl = _gates(gam, i_b, i_h, i_c, NT, H, BT)
+        p_v = v + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
+        p_do = do + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
+        p_h = h + ((i_b * NT + i_c) * H + i_h) * N * P + o_n[:, None] * P
+        p_dh = dh + ((i_b * NT + i_c) * H + i_h) * N * P + o_n[:, None] * P
+        b_a = tl.zeros([BT, BT], dtype=acc)  # dO vᵀ
+        b_s = tl.zeros([BT, BN], dtype=acc)  # dO h_cᵀ (dq), v dh_{c+1}ᵀ (dk)
+        b_hdh = tl.zeros([BN], dtype=acc)  # <h_c, dh_{c+1}> on this N block, by rows (dk)
         for i_p in range(0, P, BP):
             o_p = i_p + tl.arange(0, BP)
-            b_h = tl.load(p_h + o_n[:, None] * P + o_p[None, :])
-            b_dhc = tl.load(p_dh + o_n[:, None] * P + o_p[None, :])
-            b_doh += _mm(tl.load(p_do + o_p[None, :]), tl.trans(b_h), PREC).to(acc)
-            b_vdh += _mm(tl.load(p_v + o_p[None, :]), tl.trans(b_dhc), PREC).to(acc)
-            b_hdh += b_h.to(acc) * b_dhc.to(acc)
-        b_dq = _mm(b_da, b_k, PREC).to(acc) + b_doh * tl.exp(b_g)[:, None]
-        b_dks = b_vdh * b_tail[:, None]
-        b_dk = _mm(b_dat, b_q, PREC).to(acc) + b_dks
-        b_qa, b_ka = b_q.to(acc), b_k.to(acc)
-        b_kdk += tl.sum(b_ka * b_dks, axis=1)
-        b_dgam += tl.sum(b_qa * b_dq, axis=1) - tl.sum(b_ka * b_dk, axis=1)
-        p_x = (i_b * T * H + i_h) * N + o_r[:, None] * (H * N) + o_n[None, :]
-        tl.store(dq + p_x, b_dq.to(dq.dtype.element_ty))
-        tl.store(dk + p_x, b_dk.to(dk.dtype.element_ty))
-    b_dgl = tl.exp(b_gl) * tl.sum(tl.sum(b_hdh, axis=1), axis=0) + tl.sum(b_kdk, axis=0)
-    b_dgam += tl.where(o_t == BT - 1, b_dgl, 0.)
-    tl.store(dgam + (i_b * T + o_r) * H + i_h, b_dgam)
+            b_do = tl.load(p_do + o_p[None, :])
+            b_v = tl.load(p_v + o_p[None, :])
+            b_h = tl.load(p_h + o_p[None, :])
+            b_a += _mm(b_do, tl.trans(b_v), PREC).to(acc)
+            if DK:
+                b_dhc = tl.load(p_dh + o_p[None, :])
+                b_s += _mm(b_v, tl.trans(b_dhc), PREC).to(acc)
+                b_hdh += tl.sum(b_h.to(acc) * b_dhc.to(acc), axis=1)
+            else:
+                b_s += _mm(b_do, tl.trans(b_h), PREC).to(acc)
+        b_da = (b_a * _decay(b_g, BT)).to(dt)
+        if DK:
+            b_k = tl.load(k + p_x).to(acc)
+            b_s = b_s * tl.exp(b_gl - b_g)[:, None]  # the state part of dk
+            b_ks = tl.sum(b_k * b_s, axis=1)
+            b_dxh = _mm(tl.trans(b_da), tl.load(q + p_x), PREC).to(acc)  # the in-chunk part of dk
+            b_dgam = -tl.sum(b_k * b_dxh, axis=1) - b_ks
+            b_dgl = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(b_ks, axis=0)
+            b_dgam += tl.where(tl.arange(0, BT) == BT - 1, b_dgl, 0.)
+            b_dx += b_dxh + b_s
+        else:
+            b_dxh = _mm(b_da, tl.load(k + p_x), PREC).to(acc) + b_s * tl.exp(b_g)[:, None]
+            b_dgam = tl.sum(tl.load(q + p_x).to(acc) * b_dxh, axis=1)
+            b_dx += b_dxh
+        tl.store(p_dgam + (i_b * T + o_r) * H + i_h, b_dgam)
+    tl.store(dx + p_x, b_dx.to(dx.dtype.element_ty))
 
 
 def _flags(x: torch.Tensor) -> dict:
@@ -249,15 +289,16 @@ def state_fwd(k, v, gam, h0=None, *, store_h=True, output_final_state=False, res
     return _scan(k, v, gam, h0, reverse=False, store_s=store_h, output_st=output_final_state, resets=resets)
 
 
-def out_fwd(q, k, v, gam, h):
-    """-> o [B, Tp, H, P] in v's dtype (without the skip term)."""
+def out_fwd(q, k, v, gam, h, skip=None):
+    """-> o [B, Tp, H, P] in v's dtype, with the skip term (laid out as v, any float dtype) when given."""
     B, Tp, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     NT = Tp // BT
     o = torch.empty_like(v)
     blocks, opts = _config("out_fwd", N, P)
-    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, v, gam, h, o, NT, G=G, H=H, N=N, P=P, BT=BT,
-                                                              **_flags(v), **blocks, **opts)
+    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, v, gam, h, skip, o, NT, G=G, H=H, N=N, P=P,
+                                                                  BT=BT, USE_SKIP=skip is not None, **_flags(v),
+                                                                  **blocks, **opts)
     return o
 
 
@@ -268,17 +309,21 @@ def state_bwd(q, gam, do, dht=None, *, store_dh=True, need_dh0=False, resets=Non
 
 
 def chunk_bwd(q, k, v, gam, h, dh, do):
-    """-> dq, dk per head [B, Tp, H, N] (the input dtype when G = H, else the accumulator dtype: summed over the
-    group's heads by the caller), dv [B, Tp, H, P] (v's dtype), dgam [B, Tp, H] (gam's dtype)."""
+    """-> dq, dk [B, Tp, G, N] (q's dtype; summed over each group's heads in the kernel), dv [B, Tp, H, P] (v's
+    dtype), dgam [B, Tp, H] (gam's dtype). Two kernels: dv per (P block, chunk, head); dq, dk and dgam per (N block,
+    chunk, group), dgam then in one part per N block, summed here (in order: deterministic)."""
     B, Tp, G, N = k.shape
     H, P = v.shape[2], v.shape[3]
     NT = Tp // BT
-    qk_dtype = q.dtype if G == H else gam.dtype
-    dq = torch.empty(B, Tp, H, N, device=q.device, dtype=qk_dtype)
-    dk = torch.empty(B, Tp, H, N, device=q.device, dtype=qk_dtype)
     dv = torch.empty_like(v)
-    dgam = torch.empty_like(gam)
-    blocks, opts = _config("chunk_bwd", N, P)
-    ssd_chunk_bwd_kernel[(NT, B * H)](q, k, v, gam, h, dh, do, dq, dk, dv, dgam, NT, G=G, H=H, N=N, P=P, BT=BT,
-                                  **_flags(v), **blocks, **opts)
-    return dq, dk, dv, dgam
+    blocks, opts = _config("chunk_dv", N, P)
+    ssd_chunk_dv_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, gam, dh, do, dv, NT, G=G, H=H, N=N, P=P,
+                                                                   BT=BT, **_flags(v), **blocks, **opts)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    blocks, opts = _config("chunk_dqk", N, P)
+    NB = triton.cdiv(N, blocks["BN"])
+    dgam = torch.empty(2 * NB, *gam.shape, device=gam.device, dtype=gam.dtype)
+    for dx, is_dk in ((dq, False), (dk, True)):
+        ssd_chunk_dqk_kernel[(NB, NT, B * G)](q, k, v, gam, h, dh, do, dx, dgam, NT, G=G, H=H, N=N, P=P, BT=BT,
+                                              DK=is_dk, **_flags(v), **blocks, **opts)
+    return dq, dk, dv, dgam.sum(0)
