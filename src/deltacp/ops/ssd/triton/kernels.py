@@ -50,19 +50,24 @@ import triton.language as tl
 
 BT = 64
 
-# Fixed launch configurations (block widths clipped to N, P); not tuned on a GPU yet. Chosen so that no kernel spills
-# registers on sm_90 at N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`).
+# Fixed launch configurations (block widths clipped to N, P), chosen so that no kernel spills registers on sm_90 at
+# N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`); "<name>/fp32": the entry for fp32
+# (and fp64) inputs where it differs. chunk_dqk recomputes dO vᵀ once per N block: 64-wide N blocks in bf16 halve
+# that work (at 32 the backward measured 17 % slower than the kernel before the split, on an H100, 2026-12-06);
+# fp32 spills at 64.
 LAUNCH: dict[str, dict[str, int]] = {
     "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
     "chunk_dv": dict(BN=32, BP=64, num_warps=8, num_stages=2),
-    "chunk_dqk": dict(BN=32, BP=16, num_warps=8, num_stages=1),
+    "chunk_dqk": dict(BN=64, BP=16, num_warps=8, num_stages=1),
+    "chunk_dqk/fp32": dict(BN=32, BP=16, num_warps=8, num_stages=1),
 }
 
 
-def _config(name: str, N: int, P: int) -> tuple[dict[str, int], dict[str, int]]:
-    cfg = dict(LAUNCH[name])
+def _config(name: str, N: int, P: int, dtype: torch.dtype | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    wide = dtype in (torch.float32, torch.float64) and f"{name}/fp32" in LAUNCH
+    cfg = dict(LAUNCH[f"{name}/fp32" if wide else name])
     opts = {o: cfg.pop(o) for o in ("num_warps", "num_stages")}
     return {"BN": min(cfg["BN"], N), "BP": min(cfg["BP"], P)}, opts
 
@@ -320,7 +325,7 @@ def chunk_bwd(q, k, v, gam, h, dh, do):
     ssd_chunk_dv_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, gam, dh, do, dv, NT, G=G, H=H, N=N, P=P,
                                                                    BT=BT, **_flags(v), **blocks, **opts)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    blocks, opts = _config("chunk_dqk", N, P)
+    blocks, opts = _config("chunk_dqk", N, P, v.dtype)
     NB = triton.cdiv(N, blocks["BN"])
     dgam = torch.empty(2 * NB, *gam.shape, device=gam.device, dtype=gam.dtype)
     for dx, is_dk in ((dq, False), (dk, True)):
