@@ -121,6 +121,9 @@ def family_mixers_worker(rank, world):
 
 
 def interpreter_worker(rank, world):
+    import triton_interpreter
+
+    triton_interpreter.patch()
     p2p_triton_interpreter_worker(rank, world)
     family_mixers_worker(rank, world)
 

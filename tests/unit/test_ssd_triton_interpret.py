@@ -40,6 +40,8 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # recurrenc
 
 _CODE = f"import sys; sys.path.insert(0, {TESTS!r})\n" + r"""
 import torch, torch.nn.functional as F
+import triton_interpreter
+triton_interpreter.patch()  # tests/triton_interpreter.py
 from recurrence_checks import compare_case
 from deltacp.ops.gdn.varlen import VarlenLayout
 from deltacp.ops.recurrence import RecurrenceInputs
