@@ -49,6 +49,9 @@ class Family:
     # after the weights are read): (model, its text config) -> the names of the modules whose buffers it set
     recompute_buffers: object = None
     attention_attribute: str = "self_attn"  # ... and its full attention
+    # (text config) -> None: raises for what deltacp refuses of the family's config under CP (parallelize_cp calls
+    # it before any collective); None: nothing beyond the layer checks
+    check_config: object = None
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name parts, stored name parts) pairs, runs of whole dotted parts; and tensors stored as row pieces, each
     # (module name suffix, ((stored suffix, rows attribute of the owning module), ...)): the tensor's dim-0 rows are
@@ -92,7 +95,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid")
+         "bailing_hybrid", "qwen4_exp")
 
 
 def families() -> tuple[Family, ...]:

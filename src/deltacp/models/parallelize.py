@@ -130,6 +130,8 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
     layers = adapter.layers()
     config = dict(model=type(model).__name__, family=adapter.family.name, hidden_size=text.config.hidden_size,
                   layer_types=tuple(text.config.layer_types[: len(layers)]), moe=adapter.moe is not None)
+    if adapter.family.check_config is not None:
+        adapter.family.check_config(text.config)
     for i, layer in enumerate(layers):
         gdn, attention = adapter.linear_attention(layer), adapter.full_attention(layer)
         kind = text.config.layer_types[i]
