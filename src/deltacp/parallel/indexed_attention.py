@@ -13,13 +13,15 @@ Exact under CP, every rank running the same collectives in the same order (no ra
    straddling two ranks gets a part from each) and writes the rotary cos / sin of the block starts it holds; ONE
    all-reduce (sum) over the CP group gives every rank every block's full sum and start angles (a sum of parts
    plus zeros: exact but for the order of the float additions). Without gradient: the indexer's choice is discrete;
-2. each local query scores every block of its row; blocks it cannot see are -inf; the selection is a stable
-   descending sort (ties: the earlier block first), the same on every rank and in one process (torch.topk leaves
-   the order of equal scores unspecified: it varies with the vector's length);
+2. each local query (in chunks of QUERY_CHUNK) scores every block of its row; blocks it cannot see are -inf; the
+   selection is a stable descending sort (ties: the earlier block first), the same on every rank and in one process
+   (torch.topk leaves the order of equal scores unspecified: it varies with the vector's length, so transformers'
+   choice among exactly equal scores is its own; unequal scores select the same blocks);
 3. K and V of the whole row by one all-gather (in row order for either sequence layout), then each local query's
    selected tokens are gathered and attended: [local queries, top_blocks * block_size + block_size - 1] scores,
-   in query chunks of `QUERY_CHUNK`. No [S, S] or [s, S] tensor: the largest index tensors are [B, s, N] (N = the
-   row's blocks, S / block_size) for the block scores and the visibility test.
+   in query chunks of `KV_CHUNK` (a CPU / reference path: on a GPU a block-sparse kernel should read the selected
+   blocks in place). No [S, S] or [s, S] tensor: the largest are the block scores and the visibility test of a
+   chunk of c = QUERY_CHUNK queries, [B, c, N] (N = the row's blocks, S / block_size).
 
 Shape legend: x_BsD local hidden states; N blocks of a row (the most of any row of the batch); T keys a query reads;
 rows: row positions of the local tokens (`placement.Pieces`).
@@ -39,7 +41,8 @@ from deltacp.parallel.attention import AttentionCP, attention_inputs, register_a
 from deltacp.parallel.placement import Pieces, check_local_length, to_row_order
 from deltacp.parallel.views import IndexedAttentionView
 
-QUERY_CHUNK = 1024  # local queries whose gathered keys and values are held at once
+QUERY_CHUNK = 1024  # local queries whose block scores ([B, c, N]) are held at once
+KV_CHUNK = 64  # local queries whose gathered keys and values ([B, c, T, KV heads, D], T about the budget) are held
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class RowBlocks:
         first = before[doc].view(B, S) - row_first
         inside = offset < (length // size) * size
         block = torch.where(inside.view(B, S), first + (offset // size).view(B, S), -1)
-        row_blocks = before[torch.searchsorted(cu, torch.arange(1, B + 1) * S, right=True) - 1].view(B) - row_first[:, 0]
+        row_end = torch.searchsorted(cu, torch.arange(1, B + 1) * S, right=True) - 1
+        row_blocks = before[row_end].view(B) - row_first[:, 0]
         N = int(row_blocks.max()) if B else 0
         block_start = torch.zeros(B, max(N, 1), dtype=torch.int64)
         heads = inside.view(B, S) & (offset.view(B, S) % size == 0)
@@ -102,9 +106,7 @@ def select_tokens(view: IndexedAttentionView, blocks: RowBlocks, x_BsD: torch.Te
                   rows: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [B, s, T] row positions, valid [B, s, T]) of the tokens each local query reads: its selected blocks'
     tokens, then its tail. One all-reduce over `group` (every rank, whatever its tokens)."""
-    size, k = view.block_size, view.top_blocks
     B, s, _ = x_BsD.shape
-    dev = x_BsD.device
     iq, terms_BsX = view.index(x_BsD, position_embeddings)
     N = blocks.blocks
     local_block = blocks.block[:, rows]  # [B, s]
@@ -122,28 +124,41 @@ def select_tokens(view: IndexedAttentionView, blocks: RowBlocks, x_BsD: torch.Te
         parts[b_idx, local_block[b_idx, t_idx], X:] = cos_sin[b_idx if cos_sin.shape[0] == B else 0 * b_idx,
                                                               t_idx].to(parts.dtype)
     sums = _sum_over_group(parts[:, :N], group)
-    tails_lo, pos = _tails(blocks, rows, size)
-    n_visible = (pos - blocks.doc_start[:, rows] + 1) // size  # [B, s] complete blocks each query sees
     if N:
         angles = (None, None) if cos_sin is None else sums[..., X:].to(cos_sin.dtype).split(
             position_embeddings[0].shape[-1], dim=-1)
         keys = view.block_keys(sums[..., :X], *angles)
-        # 2. scores of every block of the row; a block is visible from the first one of the query's document on,
-        # as many as are complete; stable descending order (ties: the earlier block)
-        scores = view.block_scores(iq, keys)  # [B, s, N]
+    chosen = []  # 2. per chunk of local queries: [c, N] scores at most (never [s, N] at once)
+    for lo in range(0, s, QUERY_CHUNK):
+        hi = min(s, lo + QUERY_CHUNK)
+        chosen.append(_chosen_tokens(view, blocks, iq[:, lo:hi], keys if N else None, rows[lo:hi]))
+    return tuple(torch.cat(parts, dim=1) for parts in zip(*chosen))
+
+
+def _chosen_tokens(view: IndexedAttentionView, blocks: RowBlocks, iq, keys, rows: torch.Tensor):
+    """(index, valid) [B, c, T] of the queries at row positions `rows`: every block of the row scored, those the
+    query cannot see -inf (it sees its document's blocks from the first, as many as are complete), a stable
+    descending sort (ties: the earlier block), the first top_blocks that it sees; then its tail."""
+    size, N = view.block_size, blocks.blocks
+    B, c = blocks.doc_start.shape[0], rows.shape[0]
+    dev = rows.device
+    tails_lo, pos = _tails(blocks, rows, size)
+    n_visible = (pos - blocks.doc_start[:, rows] + 1) // size  # [B, c] complete blocks each query sees
+    if N:
+        scores = view.block_scores(iq, keys)  # [B, c, N]
         j = torch.arange(N, device=dev)
         first = blocks.first_block[:, rows]
         visible = (j >= first[..., None]) & (j < (first + n_visible)[..., None])
         scores = scores.masked_fill(~visible, float("-inf"))
-        kk = min(k, N)
-        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]  # [B, s, kk]
+        kk = min(view.top_blocks, N)
+        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]  # [B, c, kk]
         chosen_ok = torch.arange(kk, device=dev) < n_visible[..., None]
-        starts = blocks.block_start.gather(1, chosen.reshape(B, -1)).view(B, s, kk)
-        block_index = (starts[..., None] + torch.arange(size, device=dev)).reshape(B, s, kk * size)
-        block_ok = chosen_ok[..., None].expand(B, s, kk, size).reshape(B, s, kk * size)
+        starts = blocks.block_start.gather(1, chosen.reshape(B, -1)).view(B, c, kk)
+        block_index = (starts[..., None] + torch.arange(size, device=dev)).reshape(B, c, kk * size)
+        block_ok = chosen_ok[..., None].expand(B, c, kk, size).reshape(B, c, kk * size)
     else:
-        block_index = torch.zeros(B, s, 0, dtype=torch.int64, device=dev)
-        block_ok = torch.zeros(B, s, 0, dtype=torch.bool, device=dev)
+        block_index = torch.zeros(B, c, 0, dtype=torch.int64, device=dev)
+        block_ok = torch.zeros(B, c, 0, dtype=torch.bool, device=dev)
     # the tail: the tokens after the query's last complete block, up to the query
     tail_index = tails_lo[..., None] + torch.arange(size - 1, device=dev)
     tail_ok = tail_index <= pos[..., None]
@@ -161,13 +176,13 @@ def sparse_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.T
                      valid: torch.Tensor, scale: float) -> torch.Tensor:
     """[B, s, H * D]: each local query's softmax attention over the row positions `index` ([B, s, T], where
     `valid`) of the row's keys and values [B, S, KV heads, D] (query head h reads KV head h // (H / KV heads)), in
-    chunks of QUERY_CHUNK queries. Scores and softmax in the compute dtype (float32 for 16-bit inputs)."""
+    chunks of KV_CHUNK queries. Scores and softmax in the compute dtype (float32 for 16-bit inputs)."""
     B, s, H, D = q_BsHD.shape
     KV = k_BSKD.shape[2]
     out = []
     rows_b = torch.arange(B, device=q_BsHD.device)[:, None, None]
-    for lo in range(0, s, QUERY_CHUNK):
-        hi = min(s, lo + QUERY_CHUNK)
+    for lo in range(0, s, KV_CHUNK):
+        hi = min(s, lo + KV_CHUNK)
         ok = valid[:, lo:hi]
         idx = torch.where(ok, index[:, lo:hi], 0)
         k_sel, v_sel = k_BSKD[rows_b, idx], v_BSKD[rows_b, idx]  # [B, c, T, KV, D]

@@ -187,11 +187,12 @@ class IndexedAttentionView(AttentionView):
     `AttentionView`'s attention path (`project`, `output`), the CP method (`parallel/indexed_attention.py`) reads:
 
         block_size, top_blocks
-        index(x, position_embeddings) -> (iq, terms_BsX): the indexer's per-token queries (what `block_scores`
-                                    takes) and the per-token terms summed over each block's tokens (compute dtype)
+        index(x, position_embeddings) -> (iq [B, s, ...], terms_BsX): the indexer's per-token queries (what
+                                    `block_scores` takes, sliced by query along dim 1) and the per-token terms summed
+                                    over each block's tokens (compute dtype)
         block_keys(sums_BNX, cos_BNR, sin_BNR) -> [B, N, ...] the block keys from the sums of their tokens' terms and
                                     the rotary cos / sin at each block's first token (None: no rotary)
-        block_scores(iq, keys)    -> [B, s, N] each local query's score of every block (compute dtype)
+        block_scores(iq, keys)    -> [B, c, N] each query's score of every block (compute dtype)
 
     The indexer takes no gradient (its selection is a discrete choice, as in transformers)."""
 
