@@ -607,8 +607,9 @@ def tiny_qwen4_exp(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random Qwen4ExpForCausalLM (seeded): hidden 32, 2 hyper-connection streams (rank 8), layers GDN, GDN,
     GDN, indexed attention; GDN 2 key heads for 4 value heads of 16; attention 4 heads of 16 over 2 KV heads, partial
     mRoPE (4 rotary dims); QSA 8 indexer heads of 8, blocks of 3 tokens, budget 12 (the top 4 blocks: sparse past
-    15 tokens, and a block straddles every rank boundary not at a multiple of 3); 4 experts, top 2; no PLE; slow
-    GDN decays; sdpa attention, eager experts."""
+    15 tokens, and a block straddles every rank boundary not at a multiple of 3); 4 experts, top 2; no PLE unless
+    `ple_layer_ids` (its conv drawn from N(0, 0.3^2): transformers starts it at zeros); slow GDN decays; sdpa
+    attention, eager experts."""
     import transformers
 
     from deltacp.models.gates import long_memory_gates_
@@ -617,4 +618,10 @@ def tiny_qwen4_exp(dtype=torch.float64, **overrides) -> torch.nn.Module:
     config._attn_implementation = "sdpa"
     config._experts_implementation = "eager"
     torch.manual_seed(0)
-    return long_memory_gates_(transformers.Qwen4ExpForCausalLM(config)).to(dtype)
+    model = long_memory_gates_(transformers.Qwen4ExpForCausalLM(config))
+    gen = torch.Generator().manual_seed(4321)
+    with torch.no_grad():  # transformers initialises the PLE conv to zeros: draw it, so the forward reads its halo
+        for layer in model.model.layers:
+            if layer.ple is not None:
+                layer.ple.conv1d.weight.copy_(torch.randn(layer.ple.conv1d.weight.shape, generator=gen) * 0.3)
+    return model.to(dtype)

@@ -350,8 +350,11 @@ QWEN4_EXP = Table("Qwen4-Exp", "Qwen4ExpForCausalLM", tiny_qwen4_exp, (
          touches="layers"),
     Knob("hc_count 3, hc_lowrank 4", dict(hc_count=3, hc_lowrank=4), touches="norm"),
     Knob("attention_bias: True", dict(attention_bias=True), touches="attention"),
-    Knob("ple_layer_ids: [1] (ngram_vocab_size_base 64)", dict(ple_layer_ids=[1], ngram_vocab_size_base=64),
-         touches="embedding linear", refused="ple_layer_ids"),
+    Knob("ple_layer_ids [1, 3], ple_conv_kernel_size 3 (conv halo 6; ngram_vocab_size_base 64)",
+         dict(ple_layer_ids=[1, 3], ple_conv_kernel_size=3, ngram_vocab_size_base=64), touches="embedding linear"),
+    Knob("ple_layer_ids [2], ngram_size 2, heads_per_ngram 4, ple_embed_dim 16 (conv halo 3)",
+         dict(ple_layer_ids=[2], ngram_vocab_size_base=40, ngram_size=2, heads_per_ngram=4, ple_embed_dim=16),
+         touches="embedding linear"),
     Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
          refused="attention_dropout"),
 ), attention_methods=("all_gather",))

@@ -1,7 +1,8 @@
 """Qwen4-Exp under CP (issue 51), beyond its conformance table (tests/conformance/tables.py, CP2 and CP4 over every
 linear mode, both layouts, padded / packed / long rows): the indexed attention's selection against transformers' own
-indexer in one process, CP4 in every linear mode and both layouts and CP8 once against the unmodified transformers
-model and deltacp's single-device path, exact ties (one indexer head: many blocks score 0), and the refusals.
+indexer in one process, CP4 in every linear mode and both layouts, PLE with EOS tokens at CP4, and CP8 once (PLE,
+packed) against the unmodified transformers model and deltacp's single-device path, exact ties (one indexer head:
+many blocks score 0), and the refusals.
 
 Model: `tiny_qwen4_exp` (helpers): QSA blocks of 3 tokens, top 4 blocks, so at 64 tokens the selection is sparse past
 15 tokens and a block straddles every rank boundary not at a multiple of 3 (CP4: 16 tokens a rank; left padding
@@ -25,14 +26,24 @@ LENGTHS = [5, 2, 26, 31]  # packed documents starting at 0, 5, 7, 33: blocks of 
 CP_BOUND, TF_BOUND = 1e-8, 1e-6
 
 
+EOS_AT = [9, 15, 30, 33, 47, 62]  # EOS (id 2) tokens: PLE's n-grams restart after them (near the rank boundaries)
+PLE = dict(ple_layer_ids=[1, 3], ngram_vocab_size_base=64)  # n-grams of orders 2, 3; conv kernel 4, dilation 3
+
+
 def _inputs():
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(3, 256, (2, S), generator=gen)
+    packed = torch.randint(3, 256, (1, S), generator=gen)
+    ids[:, EOS_AT] = 2
+    packed[:, EOS_AT] = 2
     mask = torch.ones(2, S, dtype=torch.long)
     mask[0, 50:] = 0
     mask[1, :13] = 0
     cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
-    return {"padded": (ids, mask, None), "packed": (torch.randint(3, 256, (1, S), generator=gen), None, cu)}
+    long = torch.randint(3, 256, (1, S + 16), generator=gen)  # 10 tokens a rank at CP8: the PLE conv halo fits
+    long[:, EOS_AT] = 2
+    return {"padded": (ids, mask, None), "packed": (packed, None, cu),
+            "packed80": (long, None, torch.cat([cu, torch.tensor([S + 16])]))}
 
 
 @pytest.mark.fast
@@ -51,7 +62,8 @@ def test_selection_matches_transformers_indexer(chunk, monkeypatch):
     model = tiny_qwen4_exp()
     attn = model.model.layers[3].self_attn
     view = attention_view_of(attn)
-    for kind, (ids, mask, cu) in _inputs().items():
+    for kind in ("padded", "packed"):
+        ids, mask, cu = _inputs()[kind]
         B = ids.shape[0]
         x = torch.randn(B, S, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
         pos = torch.arange(S)[None].expand(B, S)
@@ -116,8 +128,17 @@ def test_cp4_every_mode_and_layout():
     run_distributed(_cp_run, 4, {}, CP4_COMBOS, True, timeout_s=600)
 
 
-def test_cp8_packed():
-    run_distributed(_cp_run, 8, {}, (("p2p", "contiguous", "packed"),), True, timeout_s=600)
+def test_ple_cp4():
+    """PLE layers 1 and 3 with EOS tokens near the rank boundaries: the n-gram ids read the previous rank's ids, a
+    packed document's start and a left-padded row's first valid token see EOS, the dilated conv its 9-token halo
+    (balanced: 8 pieces of 10 tokens)."""
+    run_distributed(_cp_run, 4, PLE, (("p2p", "contiguous", "padded"), ("ulysses", "balanced", "packed80")), True,
+                    timeout_s=600)
+
+
+def test_cp8_packed_with_ple():
+    """CP8, a packed row of 80 tokens (10 a rank: the PLE conv's 9-token halo spans one rank boundary)."""
+    run_distributed(_cp_run, 8, PLE, (("p2p", "contiguous", "packed80"),), True, timeout_s=600)
 
 
 def test_exact_ties_cp4():
@@ -134,9 +155,6 @@ def _refusals(rank, world):
                               (dict(full_attention_cp="ring"), r"full_attention_cp='ring'.*\('all_gather',\)")):
         with pytest.raises(ValueError, match=pattern):
             parallelize_cp(copy.deepcopy(model), mesh, **settings)
-    with pytest.raises(NotImplementedError, match=r"ple_layer_ids=\[1\].*allowed: ple_layer_ids=\[\]"):
-        parallelize_cp(tiny_qwen4_exp(ple_layer_ids=[1], ngram_vocab_size_base=64), mesh,
-                       full_attention_cp="all_gather")
 
 
 def test_refusals_on_every_rank():

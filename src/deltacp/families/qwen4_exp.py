@@ -12,19 +12,27 @@ indexer_compress_ratio tokens (from the first visible token, in float32), k_laye
 position; score = sum over heads of relu(q . k) / sqrt(indexer_head_dim); the top indexer_budget / ratio complete
 blocks plus the tail. The QSA fields default to None, with which transformers cannot build the layer.
 Hyper-connections (`Qwen4ExpTextGatedResidual`, hc_count streams, [B, s, hc_count * hidden]) and the routed experts
-act per token: transformers' own code under CP. PLE (`ple_layer_ids`): refused under CP (`refuse_ple`).
+act per token: transformers' own code under CP. PLE (`Qwen4ExpTextPLELayer`, decoder layers `ple_layer_ids`):
+hashed n-grams of the token ids (orders 2..ngram_size, EOS-segment aware), gated per stream, plus SiLU of a dilated
+depthwise conv (kernel ple_conv_kernel_size, dilation ngram_size) over hc_count x hidden channels: its CP forward
+(`ple_forward_cp`) reads the ngram_size - 1 ids and the (kernel - 1) x ngram_size conv inputs before each piece.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from deltacp.families.qwen3_5 import GatedAttentionView, Qwen3_5GDNView, zero_centered_rms_norm
 from deltacp.families.registry import Family, register_family
 from deltacp.ops.precision import compute_dtype
+from deltacp.parallel.documents import CPForwardContext, refuse_unsupported
+from deltacp.parallel.placement import Pieces
+from deltacp.parallel.token_halo import dilated_conv_silu, left_context
 from deltacp.parallel.views import IndexedAttentionView
 
 OUTPUT_GATES = ("silu", "sigmoid")  # transformers validates output_gate_type or hidden_act against these
@@ -88,22 +96,103 @@ class Qwen4ExpIndexedAttentionView(GatedAttentionView, IndexedAttentionView):
         return F.relu(dots).sum(dim=2) / math.sqrt(iq_BsHd.shape[-1])
 
 
-def refuse_ple(config) -> None:
-    """Per-layer n-gram embeddings under CP: refused (the n-gram ids need the previous ranks' token ids and the
-    dilated conv a (kernel - 1) * ngram_size token halo; not built yet)."""
-    if getattr(config, "ple_layer_ids", None):
-        raise NotImplementedError(f"ple_layer_ids={list(config.ple_layer_ids)}: Qwen4-Exp's per-layer n-gram "
-                                  f"embeddings (PLE) are not supported under CP yet; allowed: ple_layer_ids=[] "
-                                  f"(none)")
+def ngram_ids(module, ids_BhL: torch.Tensor, source_ok: torch.Tensor) -> torch.Tensor:
+    """[B, L, heads] hashed n-gram ids of the last L tokens of `ids_BhL` (h = ngram_size - 1 tokens of left context
+    first), as transformers' `Qwen4ExpTextNGramEmbedding` hashes them: shift j of token t is the token j back, or
+    EOS where an EOS lies in between or the token j back is not of t's document (`source_ok` [B, L, h + 1], shift
+    j's validity; the document start and the row start act as EOS); orders 2..ngram_size, splitmix multipliers,
+    XOR, modulo each head's prime, plus its offset."""
+    h = module.ngram_size - 1
+    eos = module.eos_token_id
+    L = ids_BhL.shape[1] - h
+    is_eos = ids_BhL == eos
+    shifted = [ids_BhL[:, h:]]
+    for j in range(1, h + 1):
+        src = ids_BhL[:, h - j: h - j + L]
+        between = torch.stack([is_eos[:, h - i: h - i + L] for i in range(1, j + 1)], dim=-1).any(-1)
+        shifted.append(torch.where(source_ok[..., j] & ~between, src, torch.full_like(src, eos)))
+    blocks = []
+    for ngram in range(2, module.ngram_size + 1):
+        lo = (ngram - 2) * module.heads_per_ngram
+        mixed = shifted[0] * module.layer_multipliers[0]
+        for position in range(1, ngram):
+            mixed = torch.bitwise_xor(mixed, shifted[position] * module.layer_multipliers[position])
+        sizes = module.ngram_heads_vocab_sizes[lo: lo + module.heads_per_ngram]
+        blocks.append(torch.remainder(mixed[..., None], sizes) + module.ngram_heads_offsets[lo: lo + module.heads_per_ngram])
+    return torch.cat(blocks, dim=-1)
+
+
+def ple_forward_cp(group, balanced: bool, module, hidden_states: torch.Tensor, input_ids: torch.Tensor, cache=None,
+                   conv_mask=None, output_router_logits: bool | None = None, **unsupported) -> torch.Tensor:
+    """`Qwen4ExpTextPLELayer` on this rank's tokens: the n-gram ids read the ngram_size - 1 token ids before each
+    piece and the dilated conv its (kernel - 1) * ngram_size pre-conv tokens (`parallel/token_halo.py`: the conv
+    halo exchange), a packed document's start seeing EOS and zeros as the row's start does; the rest per token as
+    transformers computes it. conv_mask: the model hook's `CPForwardContext` (padding: padded tokens' gated values
+    zeroed, as transformers does; documents). output_router_logits: for the routers, nothing here. A cache raises."""
+    refuse_unsupported(type(module).__name__, dict(unsupported, cache=cache))
+    ctx = conv_mask if isinstance(conv_mask, CPForwardContext) else CPForwardContext(padding=conv_mask)
+    emb_module = module.ple_embedding
+    B, s = input_ids.shape
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    pieces = Pieces(r, P, balanced, s)
+    h = emb_module.ngram_size - 1
+    segments = [None if ctx.documents is None else ctx.documents.segment(lo, hi) for lo, hi in pieces.spans()]
+    # 1. the n-gram ids: each piece's h ids before it (one halo exchange of the ids, EOS before the row)
+    ids = input_ids.long()
+    ids_per_slot = left_context(ids[..., None], h, group, pieces)
+    n_ids = []
+    for slot, (lo, hi) in enumerate(pieces.spans()):
+        local = torch.arange(hi - lo, device=ids.device)
+        start = torch.zeros_like(local) - lo if segments[slot] is None else segments[slot].doc_starts(
+            ids.device).long()
+        ok = (local[:, None] - torch.arange(h + 1, device=ids.device)) >= start[:, None]  # [n, h + 1]
+        n_ids.append(ngram_ids(emb_module, ids_per_slot[slot][..., 0], ok[None].expand(B, -1, -1)))
+    embeddings = emb_module.ngram_embedding(torch.cat(n_ids, dim=1)).flatten(-2)
+    # 2. transformers' per-token part (Qwen4ExpTextPLELayer.forward)
+    hc, H = module.hc_count, module.hidden_size
+    key_normed = module.norm_key(module.key_proj(embeddings)).unflatten(-1, (hc, H))
+    value = module.value_proj(embeddings)
+    query_normed = module.norm_query(hidden_states).unflatten(-1, (hc, H))
+    gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / math.sqrt(H)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
+    gated_value_normed = module.norm_conv(gated_value.flatten(-2))
+    gated_value = gated_value.flatten(-2)
+    if ctx.padding is not None:
+        keep = ctx.padding[:, :, None]
+        gated_value, gated_value_normed = ((x * keep).to(x.dtype) for x in (gated_value, gated_value_normed))
+    # 3. the dilated conv over the row (its halo from the previous piece's holder)
+    conv = module.conv1d
+    starts = [None if seg is None else seg.doc_starts(hidden_states.device) for seg in segments]
+    return gated_value + dilated_conv_silu(gated_value_normed, conv.weight[:, 0], conv.dilation[0], group, pieces,
+                                           starts)
+
+
+def check_ple(module) -> dict:
+    """What every rank must share of a PLE layer, and its halo (ids: ngram_size - 1; the conv: (kernel - 1) x
+    dilation); raises for what is not supported."""
+    conv = module.conv1d
+    if conv.bias is not None or conv.stride[0] != 1 or conv.groups != conv.in_channels:
+        raise ValueError("Qwen4-Exp's PLE conv under CP must be depthwise, stride 1, without bias")
+    return dict(ngram_size=module.ple_embedding.ngram_size,
+                token_halo=max((conv.kernel_size[0] - 1) * conv.dilation[0], module.ple_embedding.ngram_size - 1))
+
+
+def install_ple(layers, group, balanced: bool) -> list:
+    """The CP forward on every decoder layer's `ple` (module instance; class, parameters, state_dict unchanged);
+    returns the modules."""
+    modules = [layer.ple for layer in layers if getattr(layer, "ple", None) is not None]
+    for m in modules:
+        m.forward = partial(ple_forward_cp, group, balanced, m)
+    return modules
 
 
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
 
 def check_qwen4_exp(text_config) -> None:
-    """What deltacp refuses of a Qwen4-Exp text config under CP (before any collective): PLE layers; indexed
-    attention layers without the QSA fields (transformers cannot build them either: its indexer divides None)."""
-    refuse_ple(text_config)
+    """What deltacp refuses of a Qwen4-Exp text config under CP (before any collective): indexed attention layers
+    without the QSA fields (transformers cannot build them either: its indexer divides None)."""
     missing = [name for name in QSA_FIELDS if getattr(text_config, name, None) is None]
     if "indexed_attention" in (text_config.layer_types or ()) and missing:
         raise ValueError(f"Qwen4-Exp's indexed_attention layers need the QSA fields {list(QSA_FIELDS)}; "
@@ -116,4 +205,4 @@ QWEN4_EXP = register_family(Family(
     text_model="Qwen4ExpTextModel", linear_mixer="Qwen4ExpTextGatedDeltaNet", attention="Qwen4ExpTextAttention",
     norm="Qwen4ExpTextRMSNorm", mlp="Qwen4ExpTextMLP", text_config="Qwen4ExpTextConfig", mrope=True,
     mixer_view=Qwen4ExpGDNView, attention_view=Qwen4ExpIndexedAttentionView, fused_decoder=False,
-    check_config=check_qwen4_exp))
+    check_config=check_qwen4_exp, token_layers=("ple", check_ple, install_ple)))

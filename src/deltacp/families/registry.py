@@ -52,6 +52,10 @@ class Family:
     # (text config) -> None: raises for what deltacp refuses of the family's config under CP (parallelize_cp calls
     # it before any collective); None: nothing beyond the layer checks
     check_config: object = None
+    # per-token layers with a short causal window that need their own CP forward (Qwen4-Exp's PLE): (the decoder
+    # layer's attribute, check(module) -> the configuration every rank shares, with "token_halo": the tokens it reads
+    # before each piece, install(layers, cp group, balanced) -> the modules given a CP forward); None: none
+    token_layers: tuple | None = None
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name parts, stored name parts) pairs, runs of whole dotted parts; and tensors stored as row pieces, each
     # (module name suffix, ((stored suffix, rows attribute of the owning module), ...)): the tensor's dim-0 rows are

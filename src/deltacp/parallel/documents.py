@@ -179,6 +179,12 @@ class CPForwardContext:
     attention: AttentionDocuments | None = None
     replay: dict = field(default_factory=dict, repr=False)
 
+    def bool(self) -> torch.Tensor:
+        """The local padding mask as bool ([B, s]; a 0-dim True without padding): transformers' Qwen4-Exp text model
+        reads its linear layers' mask this way (`torch.where(conv_mask.bool(), ids, eos)`) to give padded tokens
+        EOS ids, per token."""
+        return torch.tensor(True) if self.padding is None else self.padding.bool()
+
 
 PACKING_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
