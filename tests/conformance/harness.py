@@ -156,15 +156,20 @@ def transformers_reference(model, single, ids, mask, cu):
     return logits.detach(), loss.detach(), grads
 
 
-def cp_step(model, mesh, ids, mask, cu):
+def cp_step(model, mesh, ids, mask, cu, sharded: bool = False):
     """One forward + backward of a CP'd model on this rank's slice: (logits, loss, flat grads summed over ranks: one
-    all-reduce of the flattened gradients, what `all_reduce_cp_grads` computes per parameter)."""
+    all-reduce of the flattened gradients, what `all_reduce_cp_grads` computes per parameter; `sharded`: the model is
+    under FSDP2 over the mesh, its gradients already summed, gathered whole)."""
     batch = shard_batch_for_cp(ids, mesh, attention_mask=mask, cu_seqlens=cu, model=model)
     with float64_upcasts():
         logits = model(**{k: v for k, v in batch.items() if k != "target_ids" and v is not None},
                        use_cache=False).logits
         loss = cp_cross_entropy(logits, _valid_targets(batch), mesh)
         loss.backward()
+    if sharded:
+        return logits.detach(), loss.detach(), flat({
+            n: p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+            for n, p in model.named_parameters()})
     grads = flat(grads_of(model))
     if mesh.size() > 1:
         dist.all_reduce(grads, group=mesh.get_group())

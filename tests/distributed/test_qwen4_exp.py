@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from deltacp import parallelize_cp
+from deltacp import apply_activation_checkpointing, fully_shard_cp, parallelize_cp
 from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, rel_l2, self_meshes, tiny_qwen4_exp
 
@@ -87,7 +87,8 @@ def test_selection_matches_transformers_indexer(chunk, monkeypatch):
         assert bool(late.any()) and bool((mine.sum(-1)[late] < seen.sum(-1)[late]).all()), kind
 
 
-def _cp_run(rank, world, overrides, combos, compare_transformers):
+def _cp_run(rank, world, overrides, combos, compare_transformers, fsdp=False):
+    """fsdp: activation checkpointing, then FSDP2 over the CP mesh, on the CP'd model (deltacp's order)."""
     from conformance.harness import _rank_positions, cp_step, randomize_, transformers_reference
 
     single, mesh = self_meshes(), cp_mesh()
@@ -105,7 +106,10 @@ def _cp_run(rank, world, overrides, combos, compare_transformers):
         (logits_1, loss_1, grads_1), theirs = refs[kind]
         model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode, sequence_layout=layout,
                                full_attention_cp="all_gather")
-        logits, loss, grads = cp_step(model, mesh, ids, m, cu)
+        if fsdp:
+            apply_activation_checkpointing(model)
+            fully_shard_cp(model, mesh)
+        logits, loss, grads = cp_step(model, mesh, ids, m, cu, sharded=fsdp)
         mine = _rank_positions(model, mesh, ids, cu)
         kept = mine < ids.shape[1]
         valid = (torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool())[:, mine[kept]]
@@ -139,6 +143,13 @@ def test_ple_cp4():
 def test_cp8_packed_with_ple():
     """CP8, a packed row of 80 tokens (10 a rank: the PLE conv's 9-token halo spans one rank boundary)."""
     run_distributed(_cp_run, 8, PLE, (("p2p", "contiguous", "packed80"),), True, timeout_s=600)
+
+
+def test_fsdp_and_checkpointing_cp2():
+    """Activation checkpointing (the recompute issues the indexed layer's all-reduce and all-gather and PLE's halo
+    exchanges again, in the same order on every rank) and FSDP2 over the CP mesh, PLE on; against the single device
+    (the model's indexer parameters take no gradient: transformers' selection is discrete)."""
+    run_distributed(_cp_run, 2, PLE, (("p2p", "contiguous", "padded"),), False, True, timeout_s=600)
 
 
 def test_exact_ties_cp4():

@@ -187,6 +187,16 @@ def install_ple(layers, group, balanced: bool) -> list:
     return modules
 
 
+def ngram_shards(ple, config) -> list[tuple[str, int]]:
+    """The stored pieces of a PLE layer's n-gram embedding: `split_ngram_parts` row shards as transformers' conversion
+    mapping writes them (torch.chunk: ceil(rows / parts) rows each, the last smaller, fewer shards when they run
+    out) and concatenates them on load."""
+    rows, parts = ple.ple_embedding.ngram_embedding.num_embeddings, config.split_ngram_parts
+    size = -(-rows // parts)
+    return [(f"ple.ple_embedding.ngram_embedding.shard_{i}.weight", min(size, rows - i * size))
+            for i in range(parts) if i * size < rows]
+
+
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
 
@@ -205,4 +215,5 @@ QWEN4_EXP = register_family(Family(
     text_model="Qwen4ExpTextModel", linear_mixer="Qwen4ExpTextGatedDeltaNet", attention="Qwen4ExpTextAttention",
     norm="Qwen4ExpTextRMSNorm", mlp="Qwen4ExpTextMLP", text_config="Qwen4ExpTextConfig", mrope=True,
     mixer_view=Qwen4ExpGDNView, attention_view=Qwen4ExpIndexedAttentionView, fused_decoder=False,
-    check_config=check_qwen4_exp, token_layers=("ple", check_ple, install_ple)))
+    check_config=check_qwen4_exp, token_layers=("ple", check_ple, install_ple),
+    checkpoint_row_pieces=(("ple.ple_embedding.ngram_embedding.weight", ngram_shards),)))

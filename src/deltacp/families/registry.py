@@ -59,7 +59,8 @@ class Family:
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name parts, stored name parts) pairs, runs of whole dotted parts; and tensors stored as row pieces, each
     # (module name suffix, ((stored suffix, rows attribute of the owning module), ...)): the tensor's dim-0 rows are
-    # the pieces' rows in order (e.g. one conv weight stored as three)
+    # the pieces' rows in order (e.g. one conv weight stored as three); or (module name suffix, a function (owning
+    # module, text config) -> [(stored suffix, rows), ...]) for a config-dependent number of pieces
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     checkpoint_row_pieces: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     # the stored names of one routed expert's gate, up and down matrices when stored per expert

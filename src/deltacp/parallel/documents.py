@@ -180,9 +180,9 @@ class CPForwardContext:
     replay: dict = field(default_factory=dict, repr=False)
 
     def bool(self) -> torch.Tensor:
-        """The local padding mask as bool ([B, s]; a 0-dim True without padding): transformers' Qwen4-Exp text model
-        reads its linear layers' mask this way (`torch.where(conv_mask.bool(), ids, eos)`) to give padded tokens
-        EOS ids, per token."""
+        """The local padding mask as bool ([B, s]; a 0-dim True without padding): a text model that reads its
+        linear layers' mask as a tensor (`torch.where(conv_mask.bool(), ids, eos)`: padded tokens' n-gram ids, per
+        token) gets this rank's mask."""
         return torch.tensor(True) if self.padding is None else self.padding.bool()
 
 
