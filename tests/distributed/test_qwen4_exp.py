@@ -207,3 +207,21 @@ def test_sparse_attention_chunks_agree(monkeypatch):
     one = indexed_attention.sparse_attention(q, k, v, index, valid, 0.3)
     monkeypatch.setattr(indexed_attention, "KV_CHUNK", 7)
     assert torch.equal(indexed_attention.sparse_attention(q, k, v, index, valid, 0.3), one)
+
+
+@pytest.mark.fast
+def test_trainer_refuses_missing_qsa_fields():
+    """A trainer YAML whose Qwen4-Exp config leaves the QSA fields at transformers' None: a ConfigError naming the
+    key and the fields, before the model is built (transformers' indexer would fail dividing None)."""
+    from pathlib import Path
+
+    from deltacp.train.config import ConfigError, config_from_dict, config_to_dict, load_config
+    from deltacp.train.trainer import model_config
+
+    raw = config_to_dict(load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_cp4.yaml",
+                                     ["train.accelerator.full_attention_cp=all_gather"]))
+    fields = {k: v for k, v in raw["train"]["model"]["config"].items() if k != "intermediate_size"}
+    raw["train"]["model"].update(model_class="Qwen4ExpForCausalLM", config=dict(
+        fields, num_experts=4, num_experts_per_tok=2, layer_types=["linear_attention"] * 3 + ["indexed_attention"]))
+    with pytest.raises(ConfigError, match=r"^train\.model\.config: .*QSA fields.*indexer_budget"):
+        model_config(config_from_dict(raw))
