@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from deltacp import apply_activation_checkpointing, fully_shard_cp, parallelize_cp
+from deltacp import apply_activation_checkpointing, fully_shard_cp, parallelize_cp, suspend_cp
 from deltacp.distributed.launch import run_distributed
 from helpers import cp_mesh, rel_l2, self_meshes, tiny_qwen4_exp
 
@@ -162,13 +162,20 @@ def test_exact_ties_cp4():
 def _refusals(rank, world):
     mesh = cp_mesh()
     model = tiny_qwen4_exp()
+    # inside suspend_cp every CP forward is set aside (the PLE layers' too): the single-device model on each rank
+    cp_model = parallelize_cp(tiny_qwen4_exp(**PLE), mesh, full_attention_cp="all_gather")
+    ids, mask, _ = _inputs()["padded"]
+    with torch.no_grad(), suspend_cp(cp_model):
+        got = cp_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(got, tiny_qwen4_exp(**PLE)(input_ids=ids, attention_mask=mask, use_cache=False).logits.detach())
+    assert all("forward" in layer.ple.__dict__ for layer in cp_model.model.layers if layer.ple is not None)
     for settings, pattern in ((dict(full_attention_cp="ulysses"), r"full_attention_cp='ulysses'.*\('all_gather',\)"),
                               (dict(full_attention_cp="ring"), r"full_attention_cp='ring'.*\('all_gather',\)")):
         with pytest.raises(ValueError, match=pattern):
             parallelize_cp(copy.deepcopy(model), mesh, **settings)
 
 
-def test_refusals_on_every_rank():
+def test_refusals_on_every_rank_and_suspend_cp():
     run_distributed(_refusals, 2, timeout_s=300)
 
 
