@@ -590,3 +590,38 @@ def concurrent_runs(argvs: dict, env: dict | None = None, timeout: int = 600, en
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         futures = {label: pool.submit(run, label) for label in argvs}
         return {label: future.result() for label, future in futures.items()}
+
+
+QWEN4_EXP_FIELDS = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                        hc_count=2, hc_lowrank=8, indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=8,
+                        indexer_budget=12, indexer_compress_ratio=3, max_position_embeddings=4096,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                         "mrope_section": [1, 1, 0]},
+                        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2)
+
+
+def tiny_qwen4_exp(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random Qwen4ExpForCausalLM (seeded): hidden 32, 2 hyper-connection streams (rank 8), layers GDN, GDN,
+    GDN, indexed attention; GDN 2 key heads for 4 value heads of 16; attention 4 heads of 16 over 2 KV heads, partial
+    mRoPE (4 rotary dims); QSA 8 indexer heads of 8, blocks of 3 tokens, budget 12 (the top 4 blocks: sparse past
+    15 tokens, and a block straddles every rank boundary not at a multiple of 3); 4 experts, top 2; no PLE unless
+    `ple_layer_ids` (its conv drawn from N(0, 0.3^2): transformers starts it at zeros); slow GDN decays; sdpa
+    attention, eager experts."""
+    import transformers
+
+    from deltacp.models.gates import long_memory_gates_
+
+    config = transformers.Qwen4ExpTextConfig(**{**QWEN4_EXP_FIELDS, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = long_memory_gates_(transformers.Qwen4ExpForCausalLM(config))
+    gen = torch.Generator().manual_seed(4321)
+    with torch.no_grad():  # transformers initialises the PLE conv to zeros: draw it, so the forward reads its halo
+        for layer in model.model.layers:
+            if layer.ple is not None:
+                layer.ple.conv1d.weight.copy_(torch.randn(layer.ple.conv1d.weight.shape, generator=gen) * 0.3)
+    return model.to(dtype)

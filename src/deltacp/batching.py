@@ -184,8 +184,8 @@ def shard_batch_for_cp(input_ids: torch.Tensor, cp_mesh: DeviceMesh, *, attentio
                                 if cu is not None else f"; pad the rows (with an attention_mask) to a multiple of "
                                                        f"2 x cp ({pieces})"))
         if padded < row_cut.min_row_length(cp):
-            raise ValueError(f"shard_batch_for_cp: the model's GDN layers read the previous piece's last "
-                             f"{row_cut.min_piece_length} tokens (the conv halo), so every one of the {pieces} pieces of "
+            raise ValueError(f"shard_batch_for_cp: the model's layers read the previous piece's last "
+                             f"{row_cut.min_piece_length} tokens (a conv halo), so every one of the {pieces} pieces of "
                              f"the row needs at least {row_cut.min_piece_length}: a row of {S} tokens is shorter than "
                              f"{row_cut.min_row_length(cp)}; "
                              + ("pass pad_to_multiple_of to append a padding document" if cu is not None else

@@ -84,6 +84,13 @@ class Table:
     model_class: str
     build: Callable[..., torch.nn.Module]
     knobs: tuple[Knob, ...]
+    # the full-attention methods its attention layers take (None: every one); a run of another method takes the
+    # first of these instead (e.g. indexed attention: all_gather only, the others refused: test_qwen4_exp.py)
+    attention_methods: tuple[str, ...] | None = None
+
+    def attention_for(self, method: str) -> str:
+        return method if self.attention_methods is None or method in self.attention_methods else \
+            self.attention_methods[0]
 
 
 def randomize_(model: torch.nn.Module, seed: int = 99, keep: tuple[str, ...] = ()) -> torch.nn.Module:
@@ -149,15 +156,20 @@ def transformers_reference(model, single, ids, mask, cu):
     return logits.detach(), loss.detach(), grads
 
 
-def cp_step(model, mesh, ids, mask, cu):
+def cp_step(model, mesh, ids, mask, cu, sharded: bool = False):
     """One forward + backward of a CP'd model on this rank's slice: (logits, loss, flat grads summed over ranks: one
-    all-reduce of the flattened gradients, what `all_reduce_cp_grads` computes per parameter)."""
+    all-reduce of the flattened gradients, what `all_reduce_cp_grads` computes per parameter; `sharded`: the model is
+    under FSDP2 over the mesh, its gradients already summed, gathered whole)."""
     batch = shard_batch_for_cp(ids, mesh, attention_mask=mask, cu_seqlens=cu, model=model)
     with float64_upcasts():
         logits = model(**{k: v for k, v in batch.items() if k != "target_ids" and v is not None},
                        use_cache=False).logits
         loss = cp_cross_entropy(logits, _valid_targets(batch), mesh)
         loss.backward()
+    if sharded:
+        return logits.detach(), loss.detach(), flat({
+            n: p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+            for n, p in model.named_parameters()})
     grads = flat(grads_of(model))
     if mesh.size() > 1:
         dist.all_reduce(grads, group=mesh.get_group())
@@ -211,7 +223,8 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
 
         def references(kind):
             ids, m, cu = inputs[kind]
-            ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p")
+            ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p",
+                                       full_attention_cp=table.attention_for("ulysses"))
             theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu)
             return theirs, cp_step(ref_model, single, ids, m, cu)
 
@@ -228,6 +241,7 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
             failures += [f"{tag} {kind}: single device vs transformers {k} {v:.2e} > {TRANSFORMERS_BOUNDS[k]}"
                          for k, v in checks.items() if not v < TRANSFORMERS_BOUNDS[k]]
         for mode, layout, attention, kind in combos:
+            attention = table.attention_for(attention)
             ids, m, cu = inputs[kind]
             _, (logits_1, loss_1, grads_1) = refs[kind]
             try:
@@ -259,7 +273,8 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
 def _refusal(table: Table, knob: Knob, keep, mesh, inputs, tag) -> list[str]:
     """The knob must be refused on every rank, naming it, at parallelize_cp or the first forward."""
     try:
-        model = parallelize_cp(build_knob(table, knob, keep), mesh, linear_attention_cp_mode="p2p")
+        model = parallelize_cp(build_knob(table, knob, keep), mesh, linear_attention_cp_mode="p2p",
+                               full_attention_cp=table.attention_for("ulysses"))
         ids, m, cu = inputs["padded"]
         cp_step(model, mesh, ids, m, cu)
     except (ValueError, NotImplementedError, RuntimeError) as e:

@@ -34,6 +34,7 @@ from helpers import (
     tiny_kimi_linear,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
+    tiny_qwen4_exp,
     tiny_text_fields,
 )
 
@@ -335,11 +336,34 @@ BAILING_HYBRID = Table("Bailing-Hybrid", "BailingHybridForCausalLM", tiny_bailin
                                           "with a narrower cos)"),
 ))
 
+# the tiny Qwen4-Exp (`tiny_qwen4_exp`): 2 hyper-connection streams; GDN 2 key heads for 4 value heads of 16;
+# layers GDN, GDN, GDN, indexed attention (4 heads of 16 over 2 KV heads, partial mRoPE; QSA 8 indexer heads of 8,
+# blocks of 3, budget 12: sparse past 15 tokens, blocks straddling the rank boundaries); 4 experts, top 2; its indexed
+# attention runs with full_attention_cp='all_gather' only (ulysses and ring refused: test_qwen4_exp.py)
+QWEN4_EXP = Table("Qwen4-Exp", "Qwen4ExpForCausalLM", tiny_qwen4_exp, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("output_gate_type: sigmoid", dict(output_gate_type="sigmoid"), touches="linear"),
+    Knob("indexer_compress_ratio 4, indexer_budget 8, indexer_n_heads 12, indexer_head_dim 4",
+         dict(indexer_compress_ratio=4, indexer_budget=8, indexer_n_heads=12, indexer_head_dim=4), touches="attention"),
+    Knob("layer_types: indexed, GDN, indexed, GDN",
+         dict(layer_types=["indexed_attention", "linear_attention", "indexed_attention", "linear_attention"]),
+         touches="layers"),
+    Knob("hc_count 3, hc_lowrank 4", dict(hc_count=3, hc_lowrank=4), touches="norm"),
+    Knob("attention_bias: True", dict(attention_bias=True), touches="attention"),
+    Knob("ple_layer_ids [1, 3], ple_conv_kernel_size 3 (conv halo 6; ngram_vocab_size_base 64)",
+         dict(ple_layer_ids=[1, 3], ple_conv_kernel_size=3, ngram_vocab_size_base=64), touches="embedding linear"),
+    Knob("ple_layer_ids [2], ngram_size 2, heads_per_ngram 4, ple_embed_dim 16 (conv halo 3)",
+         dict(ple_layer_ids=[2], ngram_vocab_size_base=40, ngram_size=2, heads_per_ngram=4, ple_embed_dim=16),
+         touches="embedding linear"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+), attention_methods=("all_gather",))
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
-                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID)}
+                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
-          "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS}
+          "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS}
 
 
 def readme_section() -> str:

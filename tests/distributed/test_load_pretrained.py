@@ -31,13 +31,14 @@ from deltacp.distributed.launch import run_distributed
 from deltacp.checkpoint_io.hf_format import read_index
 from deltacp.testing.memory import PeakRSS
 from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, tiny_config, tiny_family_model,
-                     tiny_olmo_hybrid)
+                     tiny_olmo_hybrid, tiny_qwen4_exp)
 
 WORLD = 4
 CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "BambaForCausalLM",
                                                      "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                                                      "FalconH1ForCausalLM", "BailingHybridForCausalLM",
-                                                     "KimiLinearForCausalLM")
+                                                     "KimiLinearForCausalLM", "Qwen4ExpForCausalLM")
+SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 
 def _tiny(name):
@@ -45,6 +46,10 @@ def _tiny(name):
         return transformers.Qwen3_5ForCausalLM(tiny_config(tie_word_embeddings=True))  # tied embeddings
     if name == "OlmoHybridForCausalLM":
         return tiny_olmo_hybrid(rope=False, dtype=torch.float32)  # NoPE, as the released checkpoints
+    if name == "Qwen4ExpForCausalLM":  # a PLE layer: its n-gram embedding stored in 4 row shards (ngram_embedding.
+        # shard_*, transformers' conversion mapping; the released model: 512); conv halo 6 (8 tokens a rank)
+        return tiny_qwen4_exp(torch.float32, ple_layer_ids=[1], ngram_vocab_size_base=64, split_ngram_parts=4,
+                              ple_conv_kernel_size=3)
     return tiny_family_model(name, torch.float32)  # (Bamba, Granite-4.0-H, Nemotron-H, Falcon-H1: Mamba2, eager)
 
 
@@ -123,7 +128,7 @@ def worker(rank, world, cases, big, out_root):
     for case, path, cls_name in cases:
         cls = getattr(transformers, cls_name)
         model = load_pretrained(path, mesh, dtype=torch.float32, model_class=cls_name,
-                                linear_attention_cp_mode="p2p")
+                                linear_attention_cp_mode="p2p", **SETTINGS.get(cls_name, {}))
         ref = cls.from_pretrained(path, dtype=torch.float32).eval()
         failures += _compare(_full(model), ref.state_dict(), case)
         failures += _compare(dict(model.named_buffers()), dict(ref.named_buffers()), f"{case} buffers")

@@ -39,8 +39,8 @@ def texts(n: int, seed: int) -> list[str]:
 
 
 def tiny_model(family: str = "qwen3_5"):
-    """The tiny float32 model of `family` ("qwen3_5", "olmo_hybrid", "bamba" or "nemotron_h"; float32: CPU float64
-    conv1d is slow)."""
+    """The tiny float32 model of `family` ("qwen3_5", "olmo_hybrid", "bamba", "nemotron_h" or "qwen4_exp"; float32:
+    CPU float64 conv1d is slow)."""
     from transformers import Qwen3_5ForCausalLM
 
     from helpers import long_memory_gates_, tiny_bamba, tiny_config, tiny_nemotron_h, tiny_olmo_hybrid
@@ -51,6 +51,12 @@ def tiny_model(family: str = "qwen3_5"):
         return tiny_bamba(torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257)
     if family == "nemotron_h":  # Mamba2 blocks beside MoE, attention and relu2 MLP blocks (eager)
         return tiny_nemotron_h(torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257)
+    if family == "qwen4_exp":  # GDN, indexed attention, hyper-connections, a PLE layer (conv halo 6), routed experts
+        # (the CP trainers refuse the MoE aux loss: coefficient 0)
+        from helpers import tiny_qwen4_exp
+
+        return tiny_qwen4_exp(torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257, ple_layer_ids=[2],
+                              ngram_vocab_size_base=64, ple_conv_kernel_size=3, router_aux_loss_coef=0.0)
     torch.manual_seed(0)
     return long_memory_gates_(Qwen3_5ForCausalLM(tiny_config(vocab_size=VOCAB)))
 

@@ -61,6 +61,8 @@ def _reference_main(out_dir: str) -> None:
                                                         dp=1, family="bamba")
     results["sft/dp1-nemotron"] = integ_cases.run_case("sft-padded", os.path.join(out_dir, "ref-sft-nemotron"), dp=1,
                                                        family="nemotron_h")
+    results["sft/dp1-qwen4"] = integ_cases.run_case("sft-padded", os.path.join(out_dir, "ref-sft-qwen4"), dp=1,
+                                                    family="qwen4_exp")
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(results, f)
 
@@ -252,7 +254,8 @@ def _compare_saved(got_dir: str, ref_dir: str) -> list[str]:
 
 def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights (Qwen3.5;
-    OLMo-Hybrid and Nemotron-H (Mamba2, MoE) through SFTTrainer and Bamba (Mamba2) through the Trainer at CP2)."""
+    OLMo-Hybrid, Nemotron-H (Mamba2, MoE) and Qwen4-Exp (indexed attention, PLE) through SFTTrainer and Bamba
+    (Mamba2) through the Trainer at CP2)."""
     import time
     out, t0 = str(tmp_path), time.time()
     run_in_process(_reference_main, out)
@@ -263,6 +266,7 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     cp2_runs.append(("sft-packed", "sft-packed/cp2-olmo", dict(family="olmo_hybrid")))
     cp2_runs.append(("trainer-packed", "trainer-packed/cp2-bamba", dict(family="bamba")))  # Mamba2, eager
     cp2_runs.append(("sft-packed", "sft-packed/cp2-nemotron", dict(family="nemotron_h")))  # Mamba2 + MoE blocks
+    cp2_runs.append(("sft-packed", "sft-packed/cp2-qwen4", dict(family="qwen4_exp", full_attention_cp="all_gather")))
     run_distributed(_cp_worker, 2, out, cp2_runs, timeout_s=600)
     t2 = time.time()
     dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]
@@ -279,7 +283,7 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     failures = []
     for label, got in runs.items():
         case, layout = label.split("/")
-        family = next((f"-{f}" for f in ("olmo", "bamba", "nemotron") if layout.endswith(f"-{f}")), "")
+        family = next((f"-{f}" for f in ("olmo", "bamba", "nemotron", "qwen4") if layout.endswith(f"-{f}")), "")
         failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout.startswith('cp2') else 2}{family}"])
         sft = case.startswith("sft")  # SFTConfig checkpoints activations by default: deltacp's, not the trainer's
         assert got["checkpointed"] and set(got["checkpointed"]) == {sft} and not got["trainer_checkpointing"], (

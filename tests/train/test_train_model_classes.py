@@ -1,11 +1,12 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
 float32, packed rows) with the single-device losses and grad norms, 3 steps, and the families added after Qwen3.5
-(OLMo-Hybrid, the Mamba2 and the KDA ones) also at dp2 x cp2 (4 ranks, the same global batch); bad class settings
-name the key.
+(OLMo-Hybrid, the Mamba2 and the KDA ones, Qwen4-Exp) also at dp2 x cp2 (4 ranks, the same global batch); bad class
+settings name the key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
-Bailing-Hybrid (KDA and MLA, routed experts; eager)."""
+Bailing-Hybrid (KDA and MLA, routed experts; eager); Qwen4-Exp (indexed attention with full_attention_cp=all_gather,
+a PLE layer, hyper-connections)."""
 
 from pathlib import Path
 
@@ -59,15 +60,23 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
     # KDA + MLA (v_head_dim != qk head dim), routed and shared experts; Bailing: the safe gate, RoPE, output gate
     "KimiLinearForCausalLM": (dict(MLA, linear_num_heads=8, linear_head_dim=16), GDN_FIELDS + NOT_MLA, {}),
     "BailingHybridForCausalLM": (dict(MLA, head_dim=16, q_lora_rank=24), GDN_FIELDS + NOT_MLA[1:], {}),
+    # GDN, the indexed attention (QSA: blocks of 4, budget 24 of the 128 tokens), 2 hyper-connection streams, a PLE
+    # layer (n-grams of orders 2 and 3, EOS = byte 10, the newline), routed experts
+    "Qwen4ExpForCausalLM": (dict(MOE, hc_count=2, hc_lowrank=8, indexer_n_heads=8, indexer_kv_heads=1,
+                                 indexer_head_dim=16, indexer_budget=24, indexer_compress_ratio=4, eos_token_id=10,
+                                 layer_types=["linear_attention"] * 3 + ["indexed_attention"], ple_layer_ids=[2],
+                                 ngram_vocab_size_base=64), ["intermediate_size"], {}),
 }
+ACCELERATOR = {"Qwen4ExpForCausalLM": ["train.accelerator.full_attention_cp=all_gather"]}  # its indexed layers' method
 
 DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-         "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM")
+         "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM", "Qwen4ExpForCausalLM")
 
 
 def _cfg(name):
     raw = config_to_dict(load_config(MAIN, ["train.data.seq_len=128", "train.data.batch_size=2",
-                                            "train.logging.progress=none", f"train.steps={STEPS}"]))
+                                            "train.logging.progress=none", f"train.steps={STEPS}"]
+                                     + ACCELERATOR.get(name, [])))
     added, removed, vision = CLASSES[name]
     model = raw["train"]["model"]
     model["config"] = {k: v for k, v in {**model["config"], **added}.items() if k not in removed}

@@ -246,11 +246,16 @@ def renamed(name: str, renames: tuple[tuple[str, str], ...], to_stored: bool = T
 def row_pieces(model: nn.Module, name: str) -> list[tuple[str, int]] | None:
     """The (name, rows) pieces of model tensor `name` when its family stores it in row pieces (names before the text
     prefix and the renames are applied), else None. A piece's rows: the named attribute of the module that the
-    suffix's first part names (OLMo-Hybrid: `linear_attn.key_dim`)."""
-    for suffix, pieces in adapter_for(model).family.checkpoint_row_pieces:
+    suffix's first part names (OLMo-Hybrid: `linear_attn.key_dim`); or the family gives a function (that module,
+    the text config) -> [(stored suffix, rows), ...] for pieces whose count is a config field (Qwen4-Exp's n-gram
+    embedding shards)."""
+    adapter = adapter_for(model)
+    for suffix, pieces in adapter.family.checkpoint_row_pieces:
         if name == suffix or name.endswith("." + suffix):
             base = name[: len(name) - len(suffix)]
             owner = model.get_submodule(base + suffix.split(".")[0])
+            if callable(pieces):
+                return [(base + stored, int(rows)) for stored, rows in pieces(owner, adapter.text_config)]
             return [(base + stored, int(getattr(owner, rows))) for stored, rows in pieces]
     return None
 

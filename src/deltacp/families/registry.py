@@ -49,10 +49,18 @@ class Family:
     # after the weights are read): (model, its text config) -> the names of the modules whose buffers it set
     recompute_buffers: object = None
     attention_attribute: str = "self_attn"  # ... and its full attention
+    # (text config) -> None: raises for what deltacp refuses of the family's config under CP (parallelize_cp calls
+    # it before any collective); None: nothing beyond the layer checks
+    check_config: object = None
+    # per-token layers with a short causal window that need their own CP forward (Qwen4-Exp's PLE): (the decoder
+    # layer's attribute, check(module) -> the configuration every rank shares, with "token_halo": the tokens it reads
+    # before each piece, install(layers, cp group, balanced) -> the modules given a CP forward); None: none
+    token_layers: tuple | None = None
     # checkpoint names (what transformers' conversion mapping of the family renames on load and back on save):
     # (module name parts, stored name parts) pairs, runs of whole dotted parts; and tensors stored as row pieces, each
     # (module name suffix, ((stored suffix, rows attribute of the owning module), ...)): the tensor's dim-0 rows are
-    # the pieces' rows in order (e.g. one conv weight stored as three)
+    # the pieces' rows in order (e.g. one conv weight stored as three); or (module name suffix, a function (owning
+    # module, text config) -> [(stored suffix, rows), ...]) for a config-dependent number of pieces
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     checkpoint_row_pieces: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     # the stored names of one routed expert's gate, up and down matrices when stored per expert
@@ -92,7 +100,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid")
+         "bailing_hybrid", "qwen4_exp")
 
 
 def families() -> tuple[Family, ...]:

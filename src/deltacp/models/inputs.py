@@ -200,7 +200,9 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
             cu_pad = cu_seqlens_from_padding(row_mask)
             attention = None if cu_pad is None else AttentionDocuments.build(cu_pad)
         context = CPForwardContext(padding=mask, documents=docs, attention=attention)
-        kwargs["attention_mask"] = {"linear_attention": context, "full_attention": context}
+        # every layer kind of the config reads the context (e.g. Qwen4-Exp's "indexed_attention")
+        kwargs["attention_mask"] = {kind: context for kind in ("linear_attention", "full_attention",
+                                                               *(adapter.text_config.layer_types or ()))}
         return args, kwargs
 
     return hook

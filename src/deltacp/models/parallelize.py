@@ -130,6 +130,8 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
     layers = adapter.layers()
     config = dict(model=type(model).__name__, family=adapter.family.name, hidden_size=text.config.hidden_size,
                   layer_types=tuple(text.config.layer_types[: len(layers)]), moe=adapter.moe is not None)
+    if adapter.family.check_config is not None:
+        adapter.family.check_config(text.config)
     for i, layer in enumerate(layers):
         gdn, attention = adapter.linear_attention(layer), adapter.full_attention(layer)
         kind = text.config.layer_types[i]
@@ -146,6 +148,13 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
         except (ValueError, NotImplementedError) as e:  # the same error, saying which layer
             raise type(e)(f"decoder layer {i} ({kind}): {e}") from None
         config.update({f"layer{i}.{key}": value for key, value in layer_config.items()})
+    token_layers = adapter.family.token_layers
+    if token_layers is not None:
+        attribute, check, _ = token_layers
+        for i, layer in enumerate(layers):
+            module = getattr(layer, attribute, None)
+            if module is not None:
+                config.update({f"layer{i}.{attribute}.{key}": value for key, value in check(module).items()})
     return config
 
 
@@ -168,6 +177,16 @@ def apply_full_attention_cp(adapter: ModelAdapter, style: FullAttentionContextPa
     n = _install_on_layers(adapter, adapter.full_attention, style, group, groups)
     logger.info("Applied %s CP (Ulysses degree %d) to %d full attention layers", style.method, style.degree(cp), n)
     return n
+
+
+def apply_token_layer_cp(adapter: ModelAdapter, group, sequence_layout: str) -> list:
+    """The family's per-token windowed layers (`Family.token_layers`: Qwen4-Exp's PLE) given their CP forward."""
+    if adapter.family.token_layers is None:
+        return []
+    attribute, _, install = adapter.family.token_layers
+    modules = install(adapter.layers(), group, sequence_layout == "balanced")
+    logger.info("Applied the windowed per-token CP forward to %d %s layers", len(modules), attribute)
+    return modules
 
 
 def apply_fused_decoder(model: nn.Module) -> int:
@@ -247,6 +266,7 @@ def parallelize_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: CPPlan | None = 
     apply_linear_attention_cp(adapter, linear, group, linear_groups)
     shared = linear_groups if isinstance(linear_groups, TwoDGroups) else None
     apply_full_attention_cp(adapter, full, group, full.groups(cp_mesh, shared), cp)
+    apply_token_layer_cp(adapter, group, plan.sequence_layout)
     if plan.linear_attention_backend == "triton":
         if adapter.family.fused_decoder:
             apply_fused_decoder(model)
@@ -270,7 +290,10 @@ def row_cut(config: dict, plan: CPPlan) -> RowCut:
     """The model's RowCut from its checked configuration: every piece holds at least what the plan's linear-attention mode needs
     of the longest conv halo of the model's linear-recurrent layers (`CPPlan.min_piece_length`)."""
     halos = [value for key, value in config.items() if key.endswith(".conv_halo")]
-    return plan.row_cut(max(halos, default=0))
+    cut = plan.row_cut(max(halos, default=0))
+    # a per-token window reads its halo from the previous piece in every mode
+    window = max((value for key, value in config.items() if key.endswith(".token_halo")), default=1)
+    return RowCut(cut.sequence_layout, max(cut.min_piece_length, window))
 
 
 @contextlib.contextmanager
@@ -289,7 +312,9 @@ def suspend_cp(model: nn.Module):
     if getattr(text, _SUSPENDED, False):
         yield model
         return
-    mixers = [m for layer in adapter.layers() for m in (adapter.linear_attention(layer), adapter.full_attention(layer))
+    token_attribute = None if adapter.family.token_layers is None else adapter.family.token_layers[0]
+    mixers = [m for layer in adapter.layers() for m in (adapter.linear_attention(layer), adapter.full_attention(layer),
+                                                         getattr(layer, token_attribute or "", None))
               if m is not None and "forward" in m.__dict__]
     saved = [(m, m.__dict__.pop("forward")) for m in mixers]  # the CP forwards, installed on the instances
     setattr(text, _SUSPENDED, True)

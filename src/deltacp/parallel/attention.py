@@ -142,7 +142,7 @@ def one_head_dim(q_BsHD: torch.Tensor, k_BsHD: torch.Tensor, v_BsHD: torch.Tenso
     return q_BsHD, k_BsHD, v_BsHD, dv
 
 
-def _attention_inputs(view: AttentionView, hidden_states, attention_mask, unsupported, cache, past_key_values,
+def attention_inputs(view: AttentionView, hidden_states, attention_mask, unsupported, cache, past_key_values,
                       use_cache, what):
     refuse_unsupported(type(view.module).__name__, dict(unsupported, cache=cache, past_key_values=past_key_values,
                                                         use_cache=use_cache))
@@ -165,7 +165,7 @@ def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden
     output_router_logits: passed down every decoder layer of an MoE model, honoured by transformers' recording of
     the routers' outputs; nothing to do here. balanced: the rank holds pieces r and 2P - 1 - r of the row
     (`placement.py`); the all-to-all's tokens are put in row order for the attention and back after it."""
-    hidden_states, docs = _attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
+    hidden_states, docs = attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, "Ulysses")
     cp = dist.get_world_size(group)
     attention_head_layout(view.num_heads, view.num_kv_heads, cp)
@@ -203,7 +203,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     tokens in local order for Hq / u query heads and the KV heads they read, and rank j of group g exchanges KV
     with rank j of every other group (the same heads). Causal per document, tile by tile (`attention_tiles`: the
     tiles of each query piece), no mask built."""
-    hidden_states, docs = _attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
+    hidden_states, docs = attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, f"{plan.method}")
     if view.dropout:
         raise NotImplementedError(f"attention_dropout={view.dropout} with full_attention_cp={plan.method!r} is not "
@@ -259,10 +259,19 @@ def install_kv_cp_attention(module: nn.Module, plan: AttentionCP) -> nn.Module:
     return module
 
 
+_CP_FORWARDS: list = []  # every attention CP forward (`register_attention_forward`), for `has_attention_cp`
+
+
+def register_attention_forward(forward) -> None:
+    """An attention CP method of another module (the indexed attention's) declares its forward here."""
+    _CP_FORWARDS.append(forward)
+
+
 def has_attention_cp(module: nn.Module) -> bool:
-    """Whether a full attention CP forward (Ulysses, KV all-gather or ring) is installed on this module."""
+    """Whether an attention CP forward (Ulysses, KV all-gather, ring, or a registered one) is installed here."""
     forward = module.__dict__.get("forward")
-    return isinstance(forward, partial) and forward.func in (ulysses_attention_forward, kv_cp_attention_forward)
+    return isinstance(forward, partial) and forward.func in (ulysses_attention_forward, kv_cp_attention_forward,
+                                                             *_CP_FORWARDS)
 
 
 def attention_cp_plan(cp_mesh, method: str, degree: int, shared=None, block: int | None = None,

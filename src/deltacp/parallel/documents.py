@@ -179,6 +179,12 @@ class CPForwardContext:
     attention: AttentionDocuments | None = None
     replay: dict = field(default_factory=dict, repr=False)
 
+    def bool(self) -> torch.Tensor:
+        """The local padding mask as bool ([B, s]; a 0-dim True without padding): a text model that reads its
+        linear layers' mask as a tensor (`torch.where(conv_mask.bool(), ids, eos)`: padded tokens' n-gram ids, per
+        token) gets this rank's mask."""
+        return torch.tensor(True) if self.padding is None else self.padding.bool()
+
 
 PACKING_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 

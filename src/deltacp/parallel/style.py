@@ -35,13 +35,14 @@ from deltacp.parallel.attention import (
     install_kv_cp_attention,
     install_ulysses_attention,
 )
+from deltacp.parallel.indexed_attention import check_indexed_attention, install_indexed_attention
 from deltacp.parallel.linear_layer import LinearLayerCP, linear_forward_cp
 from deltacp.parallel.layout import attention_two_d_degree, check_ulysses_degree_value, linear_two_d_degree
 from deltacp.parallel.modes import AttentionMethod, LinearMode, attention_method, check_state_passing, linear_mode
 from deltacp.parallel.placement import check_sequence_layout
 from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
-from deltacp.parallel.views import LinearMixerView, mixer_view_of
+from deltacp.parallel.views import IndexedAttentionView, LinearMixerView, attention_view_of, mixer_view_of
 
 SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 _CP_LAYER = "_deltacp_cp"  # the attribute under which a CP'd linear mixer keeps its LinearLayerCP
@@ -200,6 +201,10 @@ class FullAttentionContextParallel(_ContextParallelStyle):
         return attention_two_d_degree(cp, self.ulysses_degree, self.method)
 
     def check_module(self, module: nn.Module, cp: int) -> dict:
+        view = attention_view_of(module)
+        if isinstance(view, IndexedAttentionView):  # its own method (parallel/indexed_attention.py)
+            return dict(check_indexed_attention(view, self.method, self.degree(cp)),
+                        sequence_layout=self.sequence_layout)
         return dict(check_attention_module(module, cp, self.method, self.degree(cp)),
                     sequence_layout=self.sequence_layout)
 
@@ -217,4 +222,7 @@ class FullAttentionContextParallel(_ContextParallelStyle):
         if groups is None:
             raise ValueError(f"full_attention_cp={self.method!r} installs with its plan "
                              f"(FullAttentionContextParallel.groups)")
+        view = attention_view_of(module)
+        if isinstance(view, IndexedAttentionView):
+            return install_indexed_attention(module, view, groups)
         return install_kv_cp_attention(module, groups)

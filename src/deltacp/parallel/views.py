@@ -179,6 +179,41 @@ class AttentionView:
         raise NotImplementedError
 
 
+class IndexedAttentionView(AttentionView):
+    """A full attention whose keys each query reads are chosen by an indexer over pooled blocks of the query's
+    visible prefix (indexed sparse attention: the top-k indexers of deltacp.families), subclassed per
+    family. Blocks are runs of `block_size` consecutive tokens of a document, starting at its first token; a query
+    reads the `top_blocks` best-scored complete blocks it sees plus the tail of its incomplete last block. Besides
+    `AttentionView`'s attention path (`project`, `output`), the CP method (`parallel/indexed_attention.py`) reads:
+
+        block_size, top_blocks
+        index(x, position_embeddings) -> (iq [B, s, ...], terms_BsX): the indexer's per-token queries (what
+                                    `block_scores` takes, sliced by query along dim 1) and the per-token terms summed
+                                    over each block's tokens (compute dtype)
+        block_keys(sums_BNX, cos_BNR, sin_BNR) -> [B, N, ...] the block keys from the sums of their tokens' terms and
+                                    the rotary cos / sin at each block's first token (None: no rotary)
+        block_scores(iq, keys)    -> [B, c, N] each query's score of every block (compute dtype)
+
+    The indexer takes no gradient (its selection is a discrete choice, as in transformers)."""
+
+    @property
+    def block_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def top_blocks(self) -> int:
+        raise NotImplementedError
+
+    def index(self, x_BsD: torch.Tensor, position_embeddings):
+        raise NotImplementedError
+
+    def block_keys(self, sums_BNX: torch.Tensor, cos_BNR: torch.Tensor | None, sin_BNR: torch.Tensor | None):
+        raise NotImplementedError
+
+    def block_scores(self, iq, keys) -> torch.Tensor:
+        raise NotImplementedError
+
+
 _MIXER_VIEWS: dict[type, Callable[[nn.Module], LinearMixerView]] = {}
 _ATTENTION_VIEWS: dict[type, Callable[[nn.Module], AttentionView]] = {}
 _FAMILY_LOADERS: list[Callable[[], object]] = []  # run once, before the first lookup: they register the families

@@ -138,6 +138,7 @@ def model_config(cfg: TrainConfig):
     model_cls = getattr(transformers, cfg.model.model_class)
     if cfg.model.pretrained is not None:
         config = model_cls.config_class.from_pretrained(cfg.model.pretrained, local_files_only=True)
+        check_family_config(family, config, cfg.model.pretrained)
         return eager_experts_in_float64(cfg, config)
     if not cfg.model.config and cfg.model.preset is None:
         raise ConfigError(f"train.model: give preset (a released Qwen3.5 size), config "
@@ -147,7 +148,21 @@ def model_config(cfg: TrainConfig):
         config = getattr(transformers, family.multimodal_config)(
             text_config=config.to_dict(), vision_config=dict(cfg.model.vision_config) or None,
             tie_word_embeddings=config.tie_word_embeddings)
+    check_family_config(family, config, cfg.model.pretrained)
     return eager_experts_in_float64(cfg, config)
+
+
+def check_family_config(family, config, pretrained) -> None:
+    """The family's own refusals of its text config (`Family.check_config`: e.g. Qwen4-Exp's indexed layers without
+    the QSA fields, which transformers cannot build), as a ConfigError naming where the config came from, before
+    the model is built."""
+    if family.check_config is None:
+        return
+    try:
+        family.check_config(config.get_text_config())
+    except (ValueError, NotImplementedError) as e:
+        where = "train.model.config" if pretrained is None else f"train.model.pretrained ({pretrained})"
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def eager_experts_in_float64(cfg: TrainConfig, config):
