@@ -210,7 +210,8 @@ TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, o
 def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch.nn.Module:
     """A tiny random model of class `name` as transformers builds it (sdpa attention; eager experts, which
     run in float64 on the CPU where grouped_mm does not); `text_overrides` change `tiny_text_fields`.
-    OlmoHybridForCausalLM: `tiny_olmo_hybrid` (RoPE; "OlmoHybridForCausalLM-nope": NoPE)."""
+    OlmoHybridForCausalLM: `tiny_olmo_hybrid` (RoPE; "OlmoHybridForCausalLM-nope": NoPE);
+    Qwen4ExpForConditionalGeneration: `QWEN4_EXP_FIELDS` with a PLE layer (1) and the tiny vision tower."""
     import transformers
 
     if name.startswith("OlmoHybridForCausalLM"):
@@ -227,6 +228,25 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_kimi_linear(dtype)
     if name == "BailingHybridForCausalLM":
         return tiny_bailing_hybrid(dtype)
+    if name == "Qwen4ExpForConditionalGeneration":  # tiny_qwen4_exp's text model with a PLE layer (its conv drawn),
+        # the tiny vision tower
+        text = {**QWEN4_EXP_FIELDS, "ple_layer_ids": [1], "ngram_vocab_size_base": 64, **text_overrides}
+        config = transformers.Qwen4ExpConfig(text_config=text,
+                                             vision_config=dict(TINY_VISION), image_token_id=IMAGE_TOKEN_ID,
+                                             video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_ID,
+                                             vision_end_token_id=VISION_END_ID, tie_word_embeddings=False)
+        for cfg in (config, config.text_config):
+            cfg._attn_implementation = "sdpa"
+            cfg._experts_implementation = "eager"
+        config.vision_config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = long_memory_gates_(transformers.Qwen4ExpForConditionalGeneration(config))
+        gen = torch.Generator().manual_seed(4321)
+        with torch.no_grad():
+            for layer in model.model.language_model.layers:
+                if layer.ple is not None:
+                    layer.ple.conv1d.weight.copy_(torch.randn(layer.ple.conv1d.weight.shape, generator=gen) * 0.3)
+        return model.to(dtype)
     text = tiny_text_fields(**text_overrides)
     if name == "Qwen3_5ForCausalLM":
         config = transformers.Qwen3_5TextConfig(**text)

@@ -1,6 +1,8 @@
 """Model families under CP on gloo, float64, with their auxiliary losses and images: Qwen3.5 MoE, Qwen3-Next,
 multimodal Qwen3.5 (dense and MoE) with images crossing rank boundaries, a text-only batch through a multimodal model,
-and Granite-4.0-H (Mamba2 with routed experts: its aux loss read from `num_local_experts`).
+Granite-4.0-H (Mamba2 with routed experts: its aux loss read from `num_local_experts`), and multimodal Qwen4-Exp at CP2
+(indexed attention with full_attention_cp="all_gather", 64-token rows past the indexer's budget; a PLE layer whose
+n-grams read the image tokens' ids, as transformers hands them; with images in every mode, and text only).
 
 Per class (tiny random configs as transformers builds them: hidden 32, 3 GDN + 1 full attention layers, 4
 experts top-2, a one-block vision tower), one spawned run per world size checks:
@@ -11,6 +13,8 @@ experts top-2, a one-block vision tower), one spawned run per world size checks:
 - CP in every mode against that single-device computation, 1e-8: this rank's logits, the loss, the aux loss
   (global token statistics over the CP group), all gradients summed over ranks together, the grad norm;
 - FSDP2 on top (one MoE case), gradients as DTensors.
+Mutation seen failing: the multimodal hook handing Qwen4-Exp's PLE the image tokens' ids clamped to 240 (single
+device against transformers: logits 0.48, gradients 0.58).
 """
 
 import copy
@@ -78,7 +82,9 @@ def families_worker(rank, world, cases):
         out_tf = tf(**tf_inputs, **(dict(output_router_logits=True) if moe else {}))
         out_tf.loss.backward()
 
-        ref = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p")
+        # Qwen4-Exp's indexed attention layers run with full_attention_cp="all_gather" only
+        full = dict(full_attention_cp="all_gather") if name.startswith("Qwen4Exp") else {}
+        ref = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p", **full)
         logits_ref, loss_ref, aux_ref, grads_ref = _step(ref, single_mesh, ids, mask, types, images, moe, coef)
         valid = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
         checks = {"logits": rel_l2(logits_ref[valid], out_tf.logits[valid]),
@@ -92,7 +98,7 @@ def families_worker(rank, world, cases):
 
         for mode in modes:
             for fsdp in (False, True) if mode == fsdp_mode else (False,):
-                cp = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode)
+                cp = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode, **full)
                 if fsdp:
                     fully_shard_qwen3_5(cp, mesh)
                 logits, loss, aux, grads = _step(cp, mesh, ids, mask, types, images, moe, coef, fsdp)
@@ -118,6 +124,10 @@ CP2_CASES = [(name, MODES, None, False) for name in ("Qwen3_5MoeForCausalLM", "Q
                                                      "Qwen3_5ForConditionalGeneration",
                                                      "Qwen3_5MoeForConditionalGeneration")]
 CP2_CASES.append(("GraniteMoeHybridForCausalLM", MODES, "p2p", False))  # Mamba2 + routed experts, FSDP2 on p2p
+# Qwen4-Exp's multimodal model (indexed attention, full_attention_cp="all_gather"; a PLE layer reading the image
+# tokens' ids), with images and text only
+CP2_CASES += [("Qwen4ExpForConditionalGeneration", MODES, None, False),
+              ("Qwen4ExpForConditionalGeneration", ("p2p",), None, True)]
 
 
 @pytest.mark.parametrize("world,cases", [(4, CP4_CASES), (2, CP2_CASES)])

@@ -52,11 +52,17 @@ SAVED = ("dapo",)  # the cases whose final weights are compared
 # Falcon-H1 (Mamba2 and attention in parallel in every layer, its muP multipliers, its lm_head_multiplier reaching the
 # fused log-probabilities through the hidden states): the "grpo" case on that model
 CASES["grpo-falcon_h1"] = (CASES["grpo"][0], dict(CASES["grpo"][1], sequence_layout="balanced"))
-MODEL_DIRS = {"grpo-falcon_h1": "model-falcon_h1"}  # the other cases train the tiny Qwen3.5 of `model`
+# Qwen4-Exp (GDN, indexed attention (all_gather), hyper-connections, a PLE layer, routed experts with the aux loss
+# coefficient 0, eager experts; the indexer's budget 6: the top 2 blocks of 3, so GRPO's rows of up to 12 tokens are
+# sparse): the "bnpo" case on that model (padded rows)
+CASES["bnpo-qwen4_exp"] = (CASES["bnpo"][0], dict(CASES["bnpo"][1], full_attention_cp="all_gather"))
+MODEL_DIRS = {"grpo-falcon_h1": "model-falcon_h1", "bnpo-qwen4_exp": "model-qwen4_exp"}  # the other cases train the
+# tiny Qwen3.5 of `model`
 
 
 def save_tiny_model(path: str, family: str = "qwen3_5") -> None:
-    """A tiny float32 model (Qwen3.5: 3 GDN + 1 full attention layers; "falcon_h1": `tiny_falcon_h1`), seeded, and the
+    """A tiny float32 model (Qwen3.5: 3 GDN + 1 full attention layers; "falcon_h1": `tiny_falcon_h1`; "qwen4_exp":
+    `tiny_qwen4_exp` with a PLE layer), seeded, and the
     byte tokenizer, saved for every run (TRL builds the reference model from the policy's directory)."""
     from transformers import Qwen3_5ForCausalLM
 
@@ -68,6 +74,12 @@ def save_tiny_model(path: str, family: str = "qwen3_5") -> None:
     if family == "falcon_h1":
         model = tiny_falcon_h1(torch.float32, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id)
+    elif family == "qwen4_exp":
+        from helpers import tiny_qwen4_exp
+
+        model = tiny_qwen4_exp(torch.float32, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, ple_layer_ids=[2], ngram_vocab_size_base=64,
+                               ple_conv_kernel_size=3, router_aux_loss_coef=0.0, indexer_budget=6)
     else:
         config = tiny_config(vocab_size=VOCAB, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         model = long_memory_gates_(Qwen3_5ForCausalLM(config))
@@ -118,7 +130,9 @@ def build(case: str, out_dir: str, model_dir: str, *, cp_size: int | None, dtype
                   dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0, per_device_eval_batch_size=4)
     config.update(fields)
     config.update(config_extra or {})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    # Qwen4-Exp's routed experts run eager (grouped_mm has no float64 kernel)
+    experts = dict(experts_implementation="eager") if model_dir.endswith(MODEL_DIRS["bnpo-qwen4_exp"]) else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True, **experts)
     kwargs.update(model=model, reward_funcs=digits_reward, args=GRPOConfig(**config),
                   train_dataset=Dataset.from_dict({"prompt": prompts(48)}),
                   processing_class=AutoTokenizer.from_pretrained(model_dir, local_files_only=True))

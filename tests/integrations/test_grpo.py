@@ -10,7 +10,10 @@ sampling, steps_per_generation 2, an entropy bonus; ulysses, balanced, padded ro
 as each process shuffles and splits its own generation batch; a dp group stands for one process), "dr_grpo" (beta
 0.05, sequence-level, num_iterations 2, mask_truncated_completions, the reference model mixed with the policy every 2
 steps; all_gather, contiguous, packed) and "dapo" (beta 0.1, token-level,
-steps_per_generation 4; p2p, balanced, padded rows; float64, the saved weights compared).
+steps_per_generation 4; p2p, balanced, padded rows; float64, the saved weights compared). "grpo-falcon_h1" runs
+"grpo" on a tiny Falcon-H1 (balanced) and "bnpo-qwen4_exp" "bnpo" on a tiny Qwen4-Exp (GDN, indexed attention with
+full_attention_cp="all_gather", its budget 6 so that rows of up to 12 tokens select sparsely, a PLE layer, eager
+experts), both at CP2 against one process.
 
 The same 2-rank spawn generates for real (transformers' generate on the model outside CP, parameters unsharded):
 greedy completions of two rounds, the second after an update, equal those of a plain single-device model with the
@@ -40,7 +43,7 @@ from helpers import run_in_process
 FLOAT64_REL = 1e-11  # every logged number, eval metrics, saved weights: float64 rounding (module docstring)
 LOGGED_LOSS_REL = 1e-6  # the logged training loss at dp2 x cp2: the Trainer's float32 accumulator
 CLIP_ABS = 1e-12  # clip ratios: counts over the same tokens, equal unless a ratio sits within rounding of the clip
-CP2_CASES, DP2_CASES = ("grpo", "bnpo", "grpo-falcon_h1"), ("dr_grpo", "dapo")
+CP2_CASES, DP2_CASES = ("grpo", "bnpo", "grpo-falcon_h1", "bnpo-qwen4_exp"), ("dr_grpo", "dapo")
 EVALUATED = "grpo"
 
 
@@ -226,7 +229,8 @@ def _compare_weights(got_dir: str, ref_dir: str) -> list[str]:
 def test_cp_grpo_trainer_matches_trl(tmp_path):
     """CP2 and dp2 x cp2 against TRL without CP over 3 steps; real generation under CP2; refusals.
 
-    Mutations seen failing: the gathered log-probabilities' backward summed over the CP ranks
+    Mutations seen failing: the indexed attention keeping the lowest-scoring blocks (a descending=False sort:
+    bnpo-qwen4_exp's grad norm 3.0e-2 off); the gathered log-probabilities' backward summed over the CP ranks
     (all_gather_seq_autograd in gather_cp_rows: every gradient x2, grad norm x2 at CP2); the 1 / dp gradient scale
     dropped (grad norm x2 at dp2 x cp2, clip ratios and weights off from step 2); dapo's global token count not
     multiplied by cp (dapo's loss and grad norm x2)."""

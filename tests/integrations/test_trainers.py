@@ -10,6 +10,8 @@ saves one. The reference is the same trainer on one process at dp x the per-devi
 step) with padded rows: on the CPU transformers refuses packed rows for Qwen3.5 on one device (its conv cannot keep
 documents apart without the causal_conv1d kernel), and padded rows of the same documents have the same targets,
 the same count and, documents being independent, the same loss and gradients.
+Other families at CP2 against one process: OLMo-Hybrid, Nemotron-H and Qwen4-Exp (full_attention_cp="all_gather")
+through SFTTrainer (packed rows), Bamba (packed rows) and Qwen4-Exp (padded rows) through the Trainer.
 
 A 2-rank spawn of its own (in the fast tier) checks how collated batches are cut, what the CP trainer refuses and the
 fault trial's cases.
@@ -24,7 +26,8 @@ Mutations seen failing: loaders left sharded by world rank (CP ranks of a group 
 raises at the first step); the target count not all-reduced (each rank's loss over its own count: loss and grad
 norm x2 at CP2, x4 at dp2 x cp2); the mean taken per dp group (count and loss over the CP group only: grad norm x2,
 loss 1e-3 off at dp2 x cp2); the token metrics' sums not reduced over the ranks (each rank's own: entropy,
-accuracy and num_tokens off at CP2).
+accuracy and num_tokens off at CP2); Qwen4-Exp's indexed attention keeping the lowest-scoring blocks (a
+descending=False sort: grad norm 2.8e-3 (SFTTrainer) and 1.8e-2 (Trainer) off).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def _reference_main(out_dir: str) -> None:
                                                        family="nemotron_h")
     results["sft/dp1-qwen4"] = integ_cases.run_case("sft-padded", os.path.join(out_dir, "ref-sft-qwen4"), dp=1,
                                                     family="qwen4_exp")
+    results["trainer/dp1-qwen4"] = integ_cases.run_case("trainer-padded", os.path.join(out_dir, "ref-trainer-qwen4"),
+                                                        dp=1, family="qwen4_exp")
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(results, f)
 
@@ -254,8 +259,8 @@ def _compare_saved(got_dir: str, ref_dir: str) -> list[str]:
 
 def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights (Qwen3.5;
-    OLMo-Hybrid, Nemotron-H (Mamba2, MoE) and Qwen4-Exp (indexed attention, PLE) through SFTTrainer and Bamba
-    (Mamba2) through the Trainer at CP2)."""
+    OLMo-Hybrid, Nemotron-H (Mamba2, MoE) and Qwen4-Exp (indexed attention, PLE) through SFTTrainer, Bamba (Mamba2)
+    and Qwen4-Exp (padded rows) through the Trainer at CP2)."""
     import time
     out, t0 = str(tmp_path), time.time()
     run_in_process(_reference_main, out)
@@ -267,6 +272,8 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     cp2_runs.append(("trainer-packed", "trainer-packed/cp2-bamba", dict(family="bamba")))  # Mamba2, eager
     cp2_runs.append(("sft-packed", "sft-packed/cp2-nemotron", dict(family="nemotron_h")))  # Mamba2 + MoE blocks
     cp2_runs.append(("sft-packed", "sft-packed/cp2-qwen4", dict(family="qwen4_exp", full_attention_cp="all_gather")))
+    cp2_runs.append(("trainer-padded", "trainer-padded/cp2-qwen4", dict(family="qwen4_exp",
+                                                                        full_attention_cp="all_gather")))
     run_distributed(_cp_worker, 2, out, cp2_runs, timeout_s=600)
     t2 = time.time()
     dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]

@@ -214,6 +214,8 @@ QWEN4_EXP = register_family(Family(
     "qwen4_exp", "transformers.models.qwen4_exp.modeling_qwen4_exp", causal_lm="Qwen4ExpForCausalLM",
     text_model="Qwen4ExpTextModel", linear_mixer="Qwen4ExpTextGatedDeltaNet", attention="Qwen4ExpTextAttention",
     norm="Qwen4ExpTextRMSNorm", mlp="Qwen4ExpTextMLP", text_config="Qwen4ExpTextConfig", mrope=True,
+    conditional="Qwen4ExpForConditionalGeneration", multimodal_model="Qwen4ExpModel", multimodal_config="Qwen4ExpConfig",
+    vision_config="Qwen4ExpVisionConfig",
     mixer_view=Qwen4ExpGDNView, attention_view=Qwen4ExpIndexedAttentionView, fused_decoder=False,
     check_config=check_qwen4_exp, token_layers=("ple", check_ple, install_ple),
     checkpoint_row_pieces=(("ple.ple_embedding.ngram_embedding.weight", ngram_shards),)))

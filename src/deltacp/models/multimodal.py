@@ -44,6 +44,26 @@ def _image_features(model, pixel_values: torch.Tensor, image_grid_thw: torch.Ten
     return feats
 
 
+def _hand_ids_to_reverse_embedding(module, input_ids: torch.Tensor, embeds: torch.Tensor) -> None:
+    """A language model that re-derives the token ids from inputs_embeds (`reverse_embedding`: Qwen4-Exp, for its
+    PLE layers' n-grams, where the model was given input_ids: the image tokens' own ids) gets the rank's ids for this
+    one call: a one-shot instance attribute, removed when read (and replaced by the next call's); it checks that it
+    is asked about these embeddings."""
+    language_model = getattr(module, "language_model", None)
+    if language_model is None or not hasattr(language_model, "reverse_embedding"):
+        return
+    language_model.__dict__.pop("reverse_embedding", None)
+
+    def reverse_embedding(inputs_embeds: torch.Tensor) -> torch.Tensor:
+        language_model.__dict__.pop("reverse_embedding", None)
+        if inputs_embeds is not embeds:
+            raise RuntimeError("reverse_embedding under CP: asked about other inputs_embeds than the multimodal hook "
+                               "formed")
+        return input_ids
+
+    language_model.reverse_embedding = reverse_embedding
+
+
 def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
     """The pre-hook of the module doc; `sequence_layout`: where the rank's tokens sit in the row
     (`parallel/placement.py`): the gathered row is put in row order, and the rank's tokens picked from it by their
@@ -111,6 +131,7 @@ def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
         for key in ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
             kwargs.pop(key, None)
         kwargs["inputs_embeds"] = embeds
+        _hand_ids_to_reverse_embedding(module, input_ids, embeds)
         return (), kwargs
 
     return hook
