@@ -52,6 +52,8 @@ def _hand_ids_to_reverse_embedding(module, input_ids: torch.Tensor, embeds: torc
     language_model = getattr(module, "language_model", None)
     if language_model is None or not hasattr(language_model, "reverse_embedding"):
         return
+    if not getattr(language_model.config, "ple_layer_ids", None):  # transformers never calls it: install nothing
+        return  # (an uncalled override would hold this step's embeddings until the next call)
     language_model.__dict__.pop("reverse_embedding", None)
 
     def reverse_embedding(inputs_embeds: torch.Tensor) -> torch.Tensor:
