@@ -40,6 +40,9 @@ SHAPES = {
     "kda": {"kimi-linear-48b (32 x 128)": dict(H=32, K=128, V=128)},
     "gdn": {"qwen3.5 (16 x 128)": dict(Hk=16, Hv=16, K=128, V=128),
             "olmo-hybrid (96 x 192)": dict(Hk=30, Hv=30, K=96, V=192)},
+    # the selected attention of the indexed attention layers (not a recurrence): Qwen4-Exp's 16 query heads over 2
+    # KV heads of 256, blocks of 64
+    "selected": {"qwen4-exp (16 / 2 x 256, blocks of 64)": dict(H=16, KV=2, D=256, size=64)},
 }
 DTYPES = ("bfloat16", "float32")
 T = 192  # three chunks of 64
@@ -82,6 +85,20 @@ def _recurrence(op):
     from deltacp.ops.recurrence import GatedDeltaRule
 
     return GatedDeltaRule(TritonGDNBackend(), qk_l2norm=True)
+
+
+def _record_selected(shape, dtype):
+    """The selected attention forward + backward."""
+    import torch
+
+    from deltacp.ops.selected_attention import triton_selected_attention
+    from deltacp.testing.selection import random_selection
+
+    dt = getattr(torch, dtype)
+    H, KV, D, size = (shape[k] for k in ("H", "KV", "D", "size"))
+    sel = random_selection(torch.tensor([0, T]), 1, T, size, 2, 0, "cpu")
+    q, k, v = (torch.randn(1, T, h, D).to(dt).requires_grad_() for h in (H, KV, KV))
+    torch.autograd.grad(triton_selected_attention(q, k, v, sel, D ** -0.5).float().sum(), (q, k, v))
 
 
 def _type_of(value) -> str | None:
@@ -135,6 +152,9 @@ def record(ops) -> list[dict]:
         for label, shape in SHAPES[op].items():
             for dtype in DTYPES:
                 record.where = f"{op} {label} {dtype}"
+                if op == "selected":
+                    _record_selected(shape, dtype)
+                    continue
                 rec = _recurrence(op)
                 x, h0, out_shape = _inputs(op, shape, dtype)
                 leaves = x.map(lambda t: t.detach().requires_grad_())

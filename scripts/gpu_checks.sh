@@ -95,6 +95,11 @@
 #   bash scripts/gpu_checks.sh recurrences  the op tests of every Triton recurrence against float64 / fp32 references,
 #                                      4 at a time (pytest -n 4): SSD, KDA, GDN, the Triton self-check (about 3 minutes;
 #                                      the Mamba2 and KDA mixers at their config shapes are part `families`)
+#   bash scripts/gpu_checks.sh indexed  indexed sparse attention (Qwen4-Exp's QSA layers): the Triton selected
+#                                      attention vs a fp32 dense reference (bf16, 8K, row and packed; reproducible
+#                                      bitwise), one compilation across lengths, then
+#                                      bench/selected_attention.py vs transformers' SDPA with its dense mask and causal
+#                                      SDPA, 8K-64K (about 5 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -109,7 +114,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_op|ssd_step|kda|kda_op|gdn_peers|gdn_peers_32h|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_op|ssd_step|kda|kda_op|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -267,6 +272,11 @@ gdn_peers)
   # (16 heads: about 7.5 minutes with the compile, 2026-12-06; 32 value heads compile anew: a call of its own)
   check gdn_peers_16h 480 python bench/gdn_peers.py --hk 16 --hv 16 --lengths 8192 16384 32768 65536 \
     --accuracy-length 8192 --profile 32768 --json "$OUT/gdn_peers.jsonl"
+  ;;
+indexed)
+  check indexed_tests 300 python -m pytest tests/gpu/test_selected_attention_gpu.py -q -s -ra -p no:cacheprovider
+  check indexed_op 300 python bench/selected_attention.py --lengths ${INDEXED_LENGTHS:-8192 16384 32768 65536} \
+    --json "$OUT/selected_attention.jsonl"
   ;;
 gdn_peers_32h)
   check gdn_peers_32h 480 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --regimes \

@@ -79,7 +79,7 @@ def test_selection_matches_transformers_indexer(chunk, monkeypatch):
         theirs = attn.indexer(x, (cos, sin), seen[:, None], None)[:, 0]  # [B, S, S] bool (test only)
         row_cu = cu if cu is not None else cu_seqlens_from_padding(mask)
         blocks = RowBlocks.build(row_cu, B, S, view.block_size, x.device)
-        index, ok = select_tokens(view, blocks, x, (cos, sin), torch.arange(S), None)
+        index, ok = select_tokens(view, blocks, x, (cos, sin), torch.arange(S), None).token_index()
         mine = torch.zeros(B, S, S + 1, dtype=torch.bool).scatter_(-1, torch.where(ok, index, S), True)[..., :S]
         rows = valid  # padding queries: transformers sees nothing there, deltacp a padding document
         assert torch.equal(mine[rows], theirs[rows]), kind
@@ -202,18 +202,18 @@ def test_two_d_layout_refused():
 
 
 @pytest.mark.fast
-def test_sparse_attention_chunks_agree(monkeypatch):
+def test_gathered_attention_chunks_agree(monkeypatch):
     """The attention over the selected tokens is the same in one chunk of queries and in chunks of 7."""
-    from deltacp.parallel import indexed_attention
+    from deltacp.ops import selected_attention
 
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64, generator=gen) for n, h in ((20, 4), (40, 2), (40, 2)))
     index = torch.randint(0, 40, (2, 20, 9), generator=gen)
     valid = torch.rand(2, 20, 9, generator=gen) < 0.7
     valid[..., 0] = True
-    one = indexed_attention.sparse_attention(q, k, v, index, valid, 0.3)
-    monkeypatch.setattr(indexed_attention, "KV_CHUNK", 7)
-    assert torch.equal(indexed_attention.sparse_attention(q, k, v, index, valid, 0.3), one)
+    one = selected_attention.gathered_attention(q, k, v, index, valid, 0.3)
+    monkeypatch.setattr(selected_attention, "KV_CHUNK", 7)
+    assert torch.equal(selected_attention.gathered_attention(q, k, v, index, valid, 0.3), one)
 
 
 @pytest.mark.fast

@@ -17,11 +17,11 @@ Exact under CP, every rank running the same collectives in the same order (no ra
    selection is a stable descending sort (ties: the earlier block first), the same on every rank and in one process
    (torch.topk leaves the order of equal scores unspecified: it varies with the vector's length, so transformers'
    choice among exactly equal scores is its own; unequal scores select the same blocks);
-3. K and V of the whole row by one all-gather (in row order for either sequence layout), then each local query's
-   selected tokens are gathered and attended: [local queries, top_blocks * block_size + block_size - 1] scores,
-   in query chunks of `KV_CHUNK` (a CPU / reference path: on a GPU a block-sparse kernel should read the selected
-   blocks in place). No [S, S] or [s, S] tensor: the largest are the block scores and the visibility test of a
-   chunk of c = QUERY_CHUNK queries, [B, c, N] (N = the row's blocks, S / block_size).
+3. K and V of the whole row by one all-gather (in row order for either sequence layout), then each local query
+   attends to its selection (`ops/selected_attention.py`): Triton kernels reading each query's runs of keys in
+   place on CUDA, the selected tokens gathered per chunk of queries elsewhere. No [S, S] or [s, S] tensor: the largest are the
+   block scores and the visibility test of a chunk of c = QUERY_CHUNK queries, [B, c, N] (N = the row's blocks,
+   S / block_size).
 
 Shape legend: x_BsD local hidden states; N blocks of a row (the most of any row of the batch); T keys a query reads;
 rows: row positions of the local tokens (`placement.Pieces`).
@@ -36,13 +36,12 @@ import torch
 import torch.distributed as dist
 
 from deltacp.distributed.collectives import all_gather_seq_autograd
-from deltacp.ops.precision import compute_dtype
+from deltacp.ops.selected_attention import Selection, selected_attention
 from deltacp.parallel.attention import AttentionCP, attention_inputs, register_attention_forward
 from deltacp.parallel.placement import Pieces, check_local_length, to_row_order
 from deltacp.parallel.views import IndexedAttentionView
 
 QUERY_CHUNK = 1024  # local queries whose block scores ([B, c, N]) are held at once
-KV_CHUNK = 64  # local queries whose gathered keys and values ([B, c, T, KV heads, D], T about the budget) are held
 
 
 @dataclass(frozen=True)
@@ -103,9 +102,9 @@ def _sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def select_tokens(view: IndexedAttentionView, blocks: RowBlocks, x_BsD: torch.Tensor, position_embeddings,
-                  rows: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index [B, s, T] row positions, valid [B, s, T]) of the tokens each local query reads: its selected blocks'
-    tokens, then its tail. One all-reduce over `group` (every rank, whatever its tokens)."""
+                  rows: torch.Tensor, group) -> Selection:
+    """What each local query reads (`Selection`): its chosen blocks, then its tail. One all-reduce over `group`
+    (every rank, whatever its tokens)."""
     B, s, _ = x_BsD.shape
     iq, terms_BsX = view.index(x_BsD, position_embeddings)
     N = blocks.blocks
@@ -131,69 +130,38 @@ def select_tokens(view: IndexedAttentionView, blocks: RowBlocks, x_BsD: torch.Te
     chosen = []  # 2. per chunk of local queries: [c, N] scores at most (never [s, N] at once)
     for lo in range(0, s, QUERY_CHUNK):
         hi = min(s, lo + QUERY_CHUNK)
-        chosen.append(_chosen_tokens(view, blocks, iq[:, lo:hi], keys if N else None, rows[lo:hi]))
-    return tuple(torch.cat(parts, dim=1) for parts in zip(*chosen))
+        chosen.append(_chosen_blocks(view, blocks, iq[:, lo:hi], keys if N else None, rows[lo:hi]))
+    return selection_of(blocks, rows, *(torch.cat(parts, dim=1) for parts in zip(*chosen)), view.block_size)
 
 
-def _chosen_tokens(view: IndexedAttentionView, blocks: RowBlocks, iq, keys, rows: torch.Tensor):
-    """(index, valid) [B, c, T] of the queries at row positions `rows`: every block of the row scored, those the
-    query cannot see -inf (it sees its document's blocks from the first, as many as are complete), a stable
-    descending sort (ties: the earlier block), the first top_blocks that it sees; then its tail."""
+def selection_of(blocks: RowBlocks, rows: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
+                 size: int) -> Selection:
+    """The `Selection` of the queries at row positions `rows` that chose `chosen` (where `ok`): their tails run
+    from the end of their last complete block to themselves."""
+    start = blocks.doc_start[:, rows]
+    pos = rows[None].expand_as(start)
+    tail_lo = start + (pos - start + 1) // size * size
+    return Selection(chosen, ok, tail_lo, pos, blocks.block_start, size)
+
+
+def _chosen_blocks(view: IndexedAttentionView, blocks: RowBlocks, iq, keys, rows: torch.Tensor):
+    """(chosen row blocks, ok) [B, c, kk] of the queries at row positions `rows`: every block of the row scored,
+    those the query cannot see -inf (it sees its document's blocks from the first, as many as are complete), a
+    stable descending sort (ties: the earlier block), the first top_blocks; ok where the query sees that many."""
     size, N = view.block_size, blocks.blocks
     B, c = blocks.doc_start.shape[0], rows.shape[0]
     dev = rows.device
-    tails_lo, pos = _tails(blocks, rows, size)
-    n_visible = (pos - blocks.doc_start[:, rows] + 1) // size  # [B, c] complete blocks each query sees
-    if N:
-        scores = view.block_scores(iq, keys)  # [B, c, N]
-        j = torch.arange(N, device=dev)
-        first = blocks.first_block[:, rows]
-        visible = (j >= first[..., None]) & (j < (first + n_visible)[..., None])
-        scores = scores.masked_fill(~visible, float("-inf"))
-        kk = min(view.top_blocks, N)
-        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]  # [B, c, kk]
-        chosen_ok = torch.arange(kk, device=dev) < n_visible[..., None]
-        starts = blocks.block_start.gather(1, chosen.reshape(B, -1)).view(B, c, kk)
-        block_index = (starts[..., None] + torch.arange(size, device=dev)).reshape(B, c, kk * size)
-        block_ok = chosen_ok[..., None].expand(B, c, kk, size).reshape(B, c, kk * size)
-    else:
-        block_index = torch.zeros(B, c, 0, dtype=torch.int64, device=dev)
-        block_ok = torch.zeros(B, c, 0, dtype=torch.bool, device=dev)
-    # the tail: the tokens after the query's last complete block, up to the query
-    tail_index = tails_lo[..., None] + torch.arange(size - 1, device=dev)
-    tail_ok = tail_index <= pos[..., None]
-    return torch.cat([block_index, tail_index], -1), torch.cat([block_ok, tail_ok], -1)
-
-
-def _tails(blocks: RowBlocks, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, s] first row position of each local query's tail, [B, s] the query's row position)."""
-    start = blocks.doc_start[:, rows]
-    pos = rows[None].expand_as(start)
-    return start + (pos - start + 1) // size * size, pos
-
-
-def sparse_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, index: torch.Tensor,
-                     valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """[B, s, H * D]: each local query's softmax attention over the row positions `index` ([B, s, T], where
-    `valid`) of the row's keys and values [B, S, KV heads, D] (query head h reads KV head h // (H / KV heads)), in
-    chunks of KV_CHUNK queries. Scores and softmax in the compute dtype (float32 for 16-bit inputs)."""
-    B, s, H, D = q_BsHD.shape
-    KV = k_BSKD.shape[2]
-    out = []
-    rows_b = torch.arange(B, device=q_BsHD.device)[:, None, None]
-    for lo in range(0, s, KV_CHUNK):
-        hi = min(s, lo + KV_CHUNK)
-        ok = valid[:, lo:hi]
-        idx = torch.where(ok, index[:, lo:hi], 0)
-        k_sel, v_sel = k_BSKD[rows_b, idx], v_BSKD[rows_b, idx]  # [B, c, T, KV, D]
-        q = q_BsHD[:, lo:hi].reshape(B, hi - lo, KV, H // KV, D)
-        dt = compute_dtype(q)
-        scores = torch.einsum("bckgd,bctkd->bckgt", q.to(dt), k_sel.to(dt)) * scale
-        scores = scores.masked_fill(~ok[:, :, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bckgt,bctkd->bckgd", probs, v_sel.to(dt)).to(q_BsHD.dtype)
-        out.append(o.reshape(B, hi - lo, H * D))
-    return torch.cat(out, dim=1)
+    if not N:
+        return torch.zeros(B, c, 0, dtype=torch.int64, device=dev), torch.zeros(B, c, 0, dtype=torch.bool, device=dev)
+    n_visible = (rows[None] - blocks.doc_start[:, rows] + 1) // size  # [B, c] complete blocks each query sees
+    scores = view.block_scores(iq, keys)  # [B, c, N]
+    j = torch.arange(N, device=dev)
+    first = blocks.first_block[:, rows]
+    visible = (j >= first[..., None]) & (j < (first + n_visible)[..., None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    kk = min(view.top_blocks, N)
+    chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]  # [B, c, kk]
+    return chosen, torch.arange(kk, device=dev) < n_visible[..., None]
 
 
 def indexed_attention_forward(view: IndexedAttentionView, plan: AttentionCP, hidden_states: torch.Tensor,
@@ -218,14 +186,14 @@ def indexed_attention_forward(view: IndexedAttentionView, plan: AttentionCP, hid
     rows = Pieces(r, P, plan.balanced, s).row_index(dev)
     blocks = _row_blocks(docs, B, S, view.block_size, dev)
     with torch.no_grad():
-        index, valid = select_tokens(view, blocks, hidden_states, position_embeddings, rows, group)
+        selection = select_tokens(view, blocks, hidden_states, position_embeddings, rows, group)
     q_BsHD, k_BsKD, v_BsKD, out = view.project(hidden_states, position_embeddings)
     D = k_BsKD.shape[-1]
     kv_BsKX = torch.cat([k_BsKD, v_BsKD], dim=-1)
     if P > 1:  # one all-gather of K and V, then row order
         kv_BsKX = to_row_order(all_gather_seq_autograd(kv_BsKX, 1, group), 1, P, plan.balanced)
     k_BSKD, v_BSKD = kv_BsKX.split([D, v_BsKD.shape[-1]], dim=-1)
-    o = sparse_attention(q_BsHD, k_BSKD, v_BSKD, index, valid, view.scaling)
+    o = selected_attention(q_BsHD, k_BSKD, v_BSKD, selection, view.scaling)
     return view.output(o, out), None
 
 
