@@ -97,7 +97,8 @@
 #                                      the Mamba2 and KDA mixers at their config shapes are part `families`)
 #   bash scripts/gpu_checks.sh indexed  indexed sparse attention (Qwen4-Exp's QSA layers): the Triton selected
 #                                      attention vs a fp32 dense reference (bf16, 8K, row and packed; reproducible
-#                                      bitwise), one compilation across lengths, then
+#                                      bitwise), one compilation across lengths, the tiny Qwen4-Exp at CP2 on the GPU
+#                                      vs transformers fp32, then
 #                                      bench/selected_attention.py vs transformers' SDPA with its dense mask and causal
 #                                      SDPA, 8K-64K (about 5 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
@@ -274,7 +275,8 @@ gdn_peers)
     --accuracy-length 8192 --profile 32768 --json "$OUT/gdn_peers.jsonl"
   ;;
 indexed)
-  check indexed_tests 300 python -m pytest tests/gpu/test_selected_attention_gpu.py -q -s -ra -p no:cacheprovider
+  check indexed_tests 300 python -m pytest tests/gpu/test_selected_attention_gpu.py tests/gpu/test_qwen4_exp_gpu.py -q -s \
+    -ra -p no:cacheprovider
   check indexed_op 300 python bench/selected_attention.py --lengths ${INDEXED_LENGTHS:-8192 16384 32768 65536} \
     --json "$OUT/selected_attention.jsonl"
   ;;
