@@ -2,38 +2,45 @@
 Triton path (`deltacp.ops.ssd.triton` loads this module on first use).
 
 Per head h (q, k read from group h // (H / G)), in chunks of BT = 64 tokens, gam the chunk-local cumulative log
-decay (inclusive), gl its last value, h_c the state entering chunk c:
-    state_fwd   h_{c+1} = e^{gl} h_c + (e^{gl - gam} * k)ᵀ v                      (h_c stored per chunk)
-    out_fwd     o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v + skip,  D_ij = e^{gam_i - gam_j} (j <= i)
+decay (inclusive), gl its last value, h_c the state entering chunk c, v = scale * x the values (scale, skip: one
+weight per head and token; Mamba2's dt and D):
+    state_fwd   h_{c+1} = e^{gl} h_c + (e^{gl - gam} scale * k)ᵀ x                (h_c stored per chunk)
+    out_fwd     o = e^{gam} * (q h_c) + (D ∘ q kᵀ ∘ scaleᵀ) x + skip * x,  D_ij = e^{gam_i - gam_j} (j <= i)
     state_bwd   dh_c = e^{gl} dh_{c+1} + (e^{gam} * q)ᵀ dO                         (dh_{c+1} stored per chunk)
-    chunk_dv    dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1})
-    chunk_dqk   dq^h = e^{gam} * (dO h_cᵀ) + (D ∘ dO vᵀ) k,   dq = sum over the group's heads h of dq^h
-                dk^h = (D ∘ dO vᵀ)ᵀ q + e^{gl - gam} * (v dh_{c+1}ᵀ),   dk likewise
+    chunk_dx    dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1})                  (registers only)
+                dx = scale * dv + skip * dO,   dscale = sum_p x * dv,   dskip = sum_p x * dO
+    chunk_dqk   dq^h = e^{gam} * (dO h_cᵀ) + (D ∘ dO xᵀ ∘ scaleᵀ) k,   dq = sum over the group's heads h of dq^h
+                dk^h = (D ∘ dO xᵀ ∘ scaleᵀ)ᵀ q + e^{gl - gam} scale * (x dh_{c+1}ᵀ),   dk likewise
                 dgam_i = q_i·dq_i^h - k_i·dk_i^h  (+ dgl on the chunk's last row)
                 dgl = e^{gl} <h_c, dh_{c+1}> + sum_j k_j·(e^{gl - gam_j} dh_{c+1} v_j)
-(state_fwd and state_bwd are the two directions of one kernel, state_scan; the skip's gradient is dO itself.)
+(state_fwd and state_bwd are the two directions of one kernel, state_scan.) The value scale is folded into the
+factor a loaded tile already takes (k's weight, D's columns), so v = scale x and the skip term never exist as
+[B, Tp, H, P] tensors, and dscale, dskip leave the kernels per token ([B, Tp, H]: the caller reduces a per-head skip
+weight such as Mamba2's D over the tokens, 1 / P of the work of reducing x * dO).
 dgam is the gradient of the chunk-local cumsum; g's gradient is its suffix sum within the chunk (torch autograd of
 the cumsum, chunk.py). Why dgam_i = q_i·dq_i^h - k_i·dk_i^h (head h's own terms, before the group sum): every term
 of o and of the next state is linear in q_i with the factor e^{gam_i}, and linear in k_j with e^{-gam_j}, so the
 derivative of a term in +gam_i (-gam_j) is the term itself, summed: q_i·dq_i (-k_j·dk_j); the only other place the
 gates enter is e^{gl} and e^{gl - gam_j} of the state update, whose derivative in gl is <dh_{c+1}, h_{c+1}> = dgl.
 
-Layouts: q, k, dq, dk [B, Tp, G, N]; v, o, dO, skip [B, Tp, H, P]; gam [B, Tp, H] (fp32, fp64 for fp64 inputs);
+Layouts: q, k, dq, dk [B, Tp, G, N]; x, o, dO, dx [B, Tp, H, P]; gam, scale, skip and their gradients [B, Tp, H]
+(fp32, fp64 for fp64 inputs);
 h, dh [B, NT, H, N, P] in the input dtype; h0, ht, dht, dh0 [B, H, N, P] in the accumulator dtype. Tp = NT * 64: the
 wrapper pads every sequence (packed documents: lays them out chunk-aligned, `ops/gdn/varlen.py`), a zero token
-(q = k = v = 0, g = 0) leaving the state unchanged. `resets` [NT] int32 (packed rows only): the state entering
+(q = k = x = 0, g = 0) leaving the state unchanged. `resets` [NT] int32 (packed rows only): the state entering
 those chunks is zero (in the backward, no gradient crosses them).
 
 Accumulation: fp32 (fp64 for fp64 inputs, the interpreter tests). Products: the operands in the input dtype (a
 factor applied to a loaded tile is rounded back to it, as the tensor cores take it); fp32 inputs multiply with
 tf32x3 (about fp32; plain tf32 would cost ~1e-3). The per-chunk states h, dh are stored in the input dtype: their
 only readers are products that round them to that dtype anyway (o, dq, dk, dv), and bf16 halves their bytes
-(N = 128, P = 64: 16 KiB per chunk and head in bf16, twice v's chunk). o adds the skip (any float dtype) in the
-accumulator dtype and is rounded once, as the eager op.
+(N = 128, P = 64: 16 KiB per chunk and head in bf16, twice x's chunk). o adds the skip term in the accumulator dtype
+and is rounded once, as the eager op; dx is rounded once, from dv, dO in registers.
 
 Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block,
 row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent).
-ssd_out_fwd and ssd_chunk_dv run one program per (P block, chunk, row * head), looping over N blocks.
+ssd_out_fwd and ssd_chunk_dx run one program per (P block, chunk, row * head), looping over N blocks; dscale and
+dskip need the whole of P, so chunk_dx writes one part per P block (one at P <= 64) and the launcher sums them.
 ssd_chunk_dqk runs twice, for dq then dk (one kernel of both would hold both accumulators and spill registers), one
 program per (N block, chunk, row * group): it loops over the group's heads in order, adding each head's dq^h (dk^h)
 into an accumulator-dtype tile, and stores the group's tile once in the input dtype: deterministic, no atomics, no
@@ -52,14 +59,14 @@ BT = 64
 
 # Fixed launch configurations (block widths clipped to N, P), chosen so that no kernel spills registers on sm_90 at
 # N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`); "<name>/fp32": the entry for fp32
-# (and fp64) inputs where it differs. chunk_dqk recomputes dO vᵀ once per N block: 64-wide N blocks in bf16 halve
+# (and fp64) inputs where it differs. chunk_dqk recomputes dO xᵀ once per N block: 64-wide N blocks in bf16 halve
 # that work (at 32 the backward measured 17 % slower than the kernel before the split, on an H100, 2026-12-06);
 # fp32 spills at 64.
 LAUNCH: dict[str, dict[str, int]] = {
     "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
-    "chunk_dv": dict(BN=32, BP=64, num_warps=8, num_stages=2),
+    "chunk_dx": dict(BN=32, BP=64, num_warps=8, num_stages=2),
     "chunk_dqk": dict(BN=64, BP=16, num_warps=8, num_stages=1),
     "chunk_dqk/fp32": dict(BN=32, BP=16, num_warps=8, num_stages=1),
 }
@@ -85,13 +92,15 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_state_scan_kernel(x, y, gam, s0, s, st, resets, NT,
-                      G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                      BN: tl.constexpr, BP: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr,
-                      STORE_S: tl.constexpr, STORE_ST: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
+def ssd_state_scan_kernel(x, y, gam, scale, s0, s, st, resets, NT,
+                          G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                          BN: tl.constexpr, BP: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr,
+                          USE_SCALE: tl.constexpr, STORE_S: tl.constexpr, STORE_ST: tl.constexpr,
+                          RESETS: tl.constexpr, PREC: tl.constexpr):
     """Both state recurrences, one [BN, BP] tile of the state per program, sequential over chunks.
-    Forward (x = k, y = v): per chunk, zero on a reset, store the entering state, then S = e^{gl} S +
-    (e^{gl - gam} * k)ᵀ v; s0 the entering state of the row, st the final one.
+    Forward (x = k, y = the values x): per chunk, zero on a reset, store the entering state, then S = e^{gl} S +
+    (e^{gl - gam} scale * k)ᵀ x (the value scale folded into k's weight: v = scale x is never formed); s0 the entering
+    state of the row, st the final one.
     Reverse (x = q, y = dO): per chunk from the last, store the gradient of the state leaving it, then
     S = e^{gl} S + (e^{gam} * q)ᵀ dO, zero on a reset (nothing before a reset gets a gradient); s0 = dht, st = dh0."""
     i_p, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -121,6 +130,8 @@ def ssd_state_scan_kernel(x, y, gam, s0, s, st, resets, NT,
         b_gl = tl.load(p_g + (i_c * BT + BT - 1) * H)
         b_x = tl.load(p_x + o_r[:, None] * (G * N))
         b_w = tl.exp(b_g) if REVERSE else tl.exp(b_gl - b_g)
+        if USE_SCALE and not REVERSE:
+            b_w *= tl.load(scale + i_b * T * H + i_h + o_r * H)
         b_xw = (b_x.to(acc) * b_w[:, None]).to(b_x.dtype)
         b_s = b_s * tl.exp(b_gl) + _mm(tl.trans(b_xw), tl.load(p_y + o_r[:, None] * (H * P)), PREC).to(acc)
         if RESETS and REVERSE:
@@ -143,9 +154,15 @@ def _gates(gam, i_b, i_h, i_c, NT, H: tl.constexpr, BT: tl.constexpr):
     """Token rows of chunk i_c, gam [BT] and gl of head i_h."""
     T = NT * BT
     o_r = (i_c * BT + tl.arange(0, BT)).to(tl.int64)  # token rows (int64: T * H * P may pass 2^31)
-    b_g = tl.load(gam + (i_b * T + o_r) * H + i_h)
+    b_g = _per_token(gam, i_b, i_h, o_r, NT, H, BT)
     b_gl = tl.load(gam + (i_b * T + i_c * BT + BT - 1) * H + i_h)
     return o_r, b_g, b_gl
+
+
+@triton.jit
+def _per_token(w, i_b, i_h, o_r, NT, H: tl.constexpr, BT: tl.constexpr):
+    """Head i_h's values [BT] of a per-token, per-head tensor w [B, Tp, H] (gam, scale, skip) at token rows o_r."""
+    return tl.load(w + (i_b * NT * BT + o_r) * H + i_h)
 
 
 @triton.jit
@@ -157,11 +174,13 @@ def _decay(b_g, BT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_out_fwd_kernel(q, k, v, gam, h, skip, o, NT,
+def ssd_out_fwd_kernel(q, k, x, gam, scale, skip, h, o, NT,
                        G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                       BN: tl.constexpr, BP: tl.constexpr, USE_SKIP: tl.constexpr, PREC: tl.constexpr):
-    """o = e^{gam} * (q h_c) + (D ∘ q kᵀ) v (+ skip, added in the accumulator dtype), one [BT, BP] tile of one
-    chunk and head per program, rounded once to o's dtype."""
+                       BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, USE_SKIP: tl.constexpr,
+                       PREC: tl.constexpr):
+    """o = e^{gam} * (q h_c) + (D ∘ q kᵀ ∘ scaleᵀ) x (+ skip * x, added in the accumulator dtype), one [BT, BP] tile
+    of one chunk and head per program, rounded once to o's dtype. The value scale multiplies D's columns (before the
+    product rounds it to x's dtype), the skip weight the loaded x tile."""
     i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, i_g, o_r, b_g, _ = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
     acc = gam.dtype.element_ty
@@ -178,19 +197,26 @@ def ssd_out_fwd_kernel(q, k, v, gam, h, skip, o, NT,
         b_k = tl.load(p_k + o_n[None, :])
         b_qk += _mm(b_q, tl.trans(b_k), PREC).to(acc)
         b_o += _mm(b_q, tl.load(p_h + o_n[:, None] * P), PREC).to(acc)
-    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # v, skip, o
-    b_v = tl.load(v + p_x)
-    b_o = b_o * tl.exp(b_g)[:, None] + _mm((b_qk * _decay(b_g, BT)).to(b_v.dtype), b_v, PREC).to(acc)
+    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # x, o
+    b_x = tl.load(x + p_x)
+    b_a = b_qk * _decay(b_g, BT)
+    if USE_SCALE:
+        b_a *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[None, :]
+    b_o = b_o * tl.exp(b_g)[:, None] + _mm(b_a.to(b_x.dtype), b_x, PREC).to(acc)
     if USE_SKIP:
-        b_o += tl.load(skip + p_x).to(acc)
+        b_o += _per_token(skip, i_b, i_h, o_r, NT, H, BT)[:, None] * b_x.to(acc)
     tl.store(o + p_x, b_o.to(o.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_chunk_dv_kernel(q, k, gam, dh, do, dv, NT,
+def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dparts, NT,
                         G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                        BN: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
-    """dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1}), one [BT, BP] tile of one chunk and head per program."""
+                        BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, USE_SKIP: tl.constexpr,
+                        PREC: tl.constexpr):
+    """dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1}) in registers, one [BT, BP] tile of one chunk and head per
+    program, and from it dx = scale * dv + skip * dO (stored in x's dtype) and this P block's parts of the per-token
+    weights' gradients, dscale = sum_p x * dv and dskip = sum_p x * dO, in dparts [2, P / BP, B, Tp, H] (part 0
+    dscale, 1 dskip; summed over the P blocks by the launcher)."""
     i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, i_g, o_r, b_g, b_gl = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
     acc = gam.dtype.element_ty
@@ -199,7 +225,7 @@ def ssd_chunk_dv_kernel(q, k, gam, dh, do, dv, NT,
     p_q = q + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
     p_k = k + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
     p_dh = dh + ((i_b * NT + i_c) * H + i_h) * N * P + o_p[None, :]
-    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # dO, dv
+    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # x, dO, dx
     b_qk = tl.zeros([BT, BT], dtype=acc)
     b_kdh = tl.zeros([BT, BP], dtype=acc)
     for i_n in range(0, N, BN):
@@ -208,37 +234,50 @@ def ssd_chunk_dv_kernel(q, k, gam, dh, do, dv, NT,
         b_qk += _mm(tl.load(p_q + o_n[None, :]), tl.trans(b_k), PREC).to(acc)
         b_kdh += _mm(b_k, tl.load(p_dh + o_n[:, None] * P), PREC).to(acc)
     b_do = tl.load(do + p_x)
-    b_dv = _mm(tl.trans((b_qk * _decay(b_g, BT)).to(b_do.dtype)), b_do, PREC).to(acc) + b_kdh * tl.exp(b_gl - b_g)[:, None]
-    tl.store(dv + p_x, b_dv.to(dv.dtype.element_ty))
+    b_dx = _mm(tl.trans((b_qk * _decay(b_g, BT)).to(b_do.dtype)), b_do, PREC).to(acc)  # dv, then dx
+    b_dx += b_kdh * tl.exp(b_gl - b_g)[:, None]
+    if USE_SCALE or USE_SKIP:
+        b_x = tl.load(x + p_x).to(acc)
+        n_row = (tl.num_programs(2) // H).to(tl.int64) * T * H  # one [B, Tp, H]
+        p_part = dparts + i_p * n_row + (i_b * T + o_r) * H + i_h
+        if USE_SCALE:
+            tl.store(p_part, tl.sum(b_x * b_dx, axis=1))
+            b_dx *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[:, None]
+        if USE_SKIP:
+            tl.store(p_part + tl.num_programs(0) * n_row, tl.sum(b_x * b_do.to(acc), axis=1))
+            b_dx += _per_token(skip, i_b, i_h, o_r, NT, H, BT)[:, None] * b_do.to(acc)
+    tl.store(dx + p_x, b_dx.to(dx.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_chunk_dqk_kernel(q, k, v, gam, h, dh, do, dx, dgam, NT,
+def ssd_chunk_dqk_kernel(q, k, x, gam, scale, h, dh, do, dqk, dgam, NT,
                          G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                         BN: tl.constexpr, BP: tl.constexpr, DK: tl.constexpr, PREC: tl.constexpr):
+                         BN: tl.constexpr, BP: tl.constexpr, DK: tl.constexpr, USE_SCALE: tl.constexpr,
+                         PREC: tl.constexpr):
     """The group's dq (DK false) or dk (DK true) on one [BT, BN] tile of one chunk, summed over the group's heads in
     a fixed order (head by head, in accumulator-dtype registers) and stored once in the input dtype; per head, this
     N block's part of dgam: q·dq (DK false), or -k·dk plus dgl on the chunk's last row (DK true), in part
-    DK * NB + i_n of dgam [2 NB, B, Tp, H]."""
+    DK * NB + i_n of dgam [2 NB, B, Tp, H]. v = scale x enters as x, its scale multiplying the columns of D (dO vᵀ)
+    and the rows of v dh_{c+1}ᵀ."""
     i_n, i_c, i_bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
     acc = gam.dtype.element_ty
-    dt = v.dtype.element_ty
+    dt = x.dtype.element_ty
     T = NT * BT
     o_n = i_n * BN + tl.arange(0, BN)
     o_r = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
-    p_x = (i_b * T * G + i_g) * N + o_r[:, None] * (G * N) + o_n[None, :]  # q, k, dx
+    p_x = (i_b * T * G + i_g) * N + o_r[:, None] * (G * N) + o_n[None, :]  # q, k, dqk
     p_dgam = dgam + (DK * tl.num_programs(0) + i_n).to(tl.int64) * (tl.num_programs(2) // G) * T * H
-    b_dx = tl.zeros([BT, BN], dtype=acc)
+    b_dqk = tl.zeros([BT, BN], dtype=acc)
     for i_hh in range(H // G):
         i_h = i_g * (H // G) + i_hh
         o_r, b_g, b_gl = _gates(gam, i_b, i_h, i_c, NT, H, BT)
-        p_v = v + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
+        p_v = x + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
         p_do = do + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
         p_h = h + ((i_b * NT + i_c) * H + i_h) * N * P + o_n[:, None] * P
         p_dh = dh + ((i_b * NT + i_c) * H + i_h) * N * P + o_n[:, None] * P
-        b_a = tl.zeros([BT, BT], dtype=acc)  # dO vᵀ
-        b_s = tl.zeros([BT, BN], dtype=acc)  # dO h_cᵀ (dq), v dh_{c+1}ᵀ (dk)
+        b_a = tl.zeros([BT, BT], dtype=acc)  # dO xᵀ
+        b_s = tl.zeros([BT, BN], dtype=acc)  # dO h_cᵀ (dq), x dh_{c+1}ᵀ (dk)
         b_hdh = tl.zeros([BN], dtype=acc)  # <h_c, dh_{c+1}> on this N block, by rows (dk)
         for i_p in range(0, P, BP):
             o_p = i_p + tl.arange(0, BP)
@@ -252,29 +291,36 @@ def ssd_chunk_dqk_kernel(q, k, v, gam, h, dh, do, dx, dgam, NT,
                 b_hdh += tl.sum(b_h.to(acc) * b_dhc.to(acc), axis=1)
             else:
                 b_s += _mm(b_do, tl.trans(b_h), PREC).to(acc)
-        b_da = (b_a * _decay(b_g, BT)).to(dt)
+        b_a *= _decay(b_g, BT)
+        if USE_SCALE:
+            b_sc = _per_token(scale, i_b, i_h, o_r, NT, H, BT)
+            b_a *= b_sc[None, :]
+        b_da = b_a.to(dt)
         if DK:
             b_k = tl.load(k + p_x).to(acc)
-            b_s = b_s * tl.exp(b_gl - b_g)[:, None]  # the state part of dk
+            b_w = tl.exp(b_gl - b_g)
+            if USE_SCALE:
+                b_w *= b_sc
+            b_s = b_s * b_w[:, None]  # the state part of dk
             b_ks = tl.sum(b_k * b_s, axis=1)
             b_dxh = _mm(tl.trans(b_da), tl.load(q + p_x), PREC).to(acc)  # the in-chunk part of dk
             b_dgam = -tl.sum(b_k * b_dxh, axis=1) - b_ks
             b_dgl = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(b_ks, axis=0)
             b_dgam += tl.where(tl.arange(0, BT) == BT - 1, b_dgl, 0.)
-            b_dx += b_dxh + b_s
+            b_dqk += b_dxh + b_s
         else:
             b_dxh = _mm(b_da, tl.load(k + p_x), PREC).to(acc) + b_s * tl.exp(b_g)[:, None]
             b_dgam = tl.sum(tl.load(q + p_x).to(acc) * b_dxh, axis=1)
-            b_dx += b_dxh
+            b_dqk += b_dxh
         tl.store(p_dgam + (i_b * T + o_r) * H + i_h, b_dgam)
-    tl.store(dx + p_x, b_dx.to(dx.dtype.element_ty))
+    tl.store(dqk + p_x, b_dqk.to(dqk.dtype.element_ty))
 
 
 def _flags(x: torch.Tensor) -> dict:
     return {"PREC": {torch.float32: 1, torch.float64: 2}.get(x.dtype, 0)}
 
 
-def _scan(x, y, gam, s0, *, reverse, store_s, output_st, resets):
+def _scan(x, y, gam, scale, s0, *, reverse, store_s, output_st, resets):
     B, Tp, G, N = x.shape
     H, P = y.shape[2], y.shape[3]
     NT = Tp // BT
@@ -282,53 +328,64 @@ def _scan(x, y, gam, s0, *, reverse, store_s, output_st, resets):
     st = torch.empty(B, H, N, P, device=x.device, dtype=gam.dtype) if output_st else None
     blocks, opts = _config("state_bwd" if reverse else "state_fwd", N, P)
     grid = (triton.cdiv(P, blocks["BP"]), triton.cdiv(N, blocks["BN"]), B * H)
-    ssd_state_scan_kernel[grid](x, y, gam, s0, s, st, resets, NT, G=G, H=H, N=N, P=P, BT=BT, REVERSE=reverse,
-                            USE_S0=s0 is not None, STORE_S=store_s, STORE_ST=output_st, RESETS=resets is not None,
-                            **_flags(y), **blocks, **opts)
+    ssd_state_scan_kernel[grid](x, y, gam, scale, s0, s, st, resets, NT, G=G, H=H, N=N, P=P, BT=BT,
+                                REVERSE=reverse, USE_S0=s0 is not None, USE_SCALE=scale is not None,
+                                STORE_S=store_s, STORE_ST=output_st, RESETS=resets is not None, **_flags(y), **blocks,
+                                **opts)
     return s, st
 
 
-def state_fwd(k, v, gam, h0=None, *, store_h=True, output_final_state=False, resets=None):
+def state_fwd(k, x, gam, scale=None, h0=None, *, store_h=True, output_final_state=False, resets=None):
     """-> h [B, NT, H, N, P] (input dtype; the state entering each chunk) or None, ht [B, H, N, P] (gam's dtype)
-    or None."""
-    return _scan(k, v, gam, h0, reverse=False, store_s=store_h, output_st=output_final_state, resets=resets)
+    or None. The values are scale * x (scale [B, Tp, H] in gam's dtype, or None: x)."""
+    return _scan(k, x, gam, scale, h0, reverse=False, store_s=store_h, output_st=output_final_state, resets=resets)
 
 
-def out_fwd(q, k, v, gam, h, skip=None):
-    """-> o [B, Tp, H, P] in v's dtype, with the skip term (laid out as v, any float dtype) when given."""
+def out_fwd(q, k, x, gam, h, scale=None, skip=None):
+    """-> o [B, Tp, H, P] in x's dtype: the values scale * x, plus skip * x when skip is given (scale, skip
+    [B, Tp, H] in gam's dtype, or None)."""
     B, Tp, G, N = k.shape
-    H, P = v.shape[2], v.shape[3]
+    H, P = x.shape[2], x.shape[3]
     NT = Tp // BT
-    o = torch.empty_like(v)
+    o = torch.empty_like(x)
     blocks, opts = _config("out_fwd", N, P)
-    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, v, gam, h, skip, o, NT, G=G, H=H, N=N, P=P,
-                                                                  BT=BT, USE_SKIP=skip is not None, **_flags(v),
-                                                                  **blocks, **opts)
+    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, x, gam, scale, skip, h, o, NT, G=G, H=H, N=N,
+                                                                  P=P, BT=BT, USE_SCALE=scale is not None,
+                                                                  USE_SKIP=skip is not None, **_flags(x), **blocks,
+                                                                  **opts)
     return o
 
 
 def state_bwd(q, gam, do, dht=None, *, store_dh=True, need_dh0=False, resets=None):
     """-> dh [B, NT, H, N, P] (input dtype; the gradient of the state leaving each chunk) or None, dh0 [B, H, N, P]
     (gam's dtype) or None."""
-    return _scan(q, do, gam, dht, reverse=True, store_s=store_dh, output_st=need_dh0, resets=resets)
+    return _scan(q, do, gam, None, dht, reverse=True, store_s=store_dh, output_st=need_dh0, resets=resets)
 
 
-def chunk_bwd(q, k, v, gam, h, dh, do):
-    """-> dq, dk [B, Tp, G, N] (q's dtype; summed over each group's heads in the kernel), dv [B, Tp, H, P] (v's
-    dtype), dgam [B, Tp, H] (gam's dtype). Two kernels: dv per (P block, chunk, head); dq, dk and dgam per (N block,
-    chunk, group), dgam then in one part per N block, summed here (in order: deterministic)."""
+def chunk_bwd(q, k, x, gam, h, dh, do, scale=None, skip=None):
+    """-> dq, dk [B, Tp, G, N] (q's dtype; summed over each group's heads in the kernel), dx [B, Tp, H, P] (x's
+    dtype), dgam, dscale, dskip [B, Tp, H] (gam's dtype; dscale, dskip None without scale, skip). Two kernels: dx
+    (dscale and dskip in one part per P block) per (P block, chunk, head); dq, dk and dgam per (N block, chunk,
+    group), dgam then in one part per N block. The parts are summed here (in order: deterministic)."""
     B, Tp, G, N = k.shape
-    H, P = v.shape[2], v.shape[3]
+    H, P = x.shape[2], x.shape[3]
     NT = Tp // BT
-    dv = torch.empty_like(v)
-    blocks, opts = _config("chunk_dv", N, P)
-    ssd_chunk_dv_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, gam, dh, do, dv, NT, G=G, H=H, N=N, P=P,
-                                                                   BT=BT, **_flags(v), **blocks, **opts)
+    dx = torch.empty_like(x)
+    blocks, opts = _config("chunk_dx", N, P)
+    NPB = triton.cdiv(P, blocks["BP"])
+    dparts = (torch.empty(2, NPB, *gam.shape, device=gam.device, dtype=gam.dtype)
+              if scale is not None or skip is not None else None)
+    ssd_chunk_dx_kernel[(NPB, NT, B * H)](q, k, x, gam, scale, skip, dh, do, dx, dparts, NT, G=G, H=H, N=N, P=P,
+                                          BT=BT, USE_SCALE=scale is not None, USE_SKIP=skip is not None,
+                                          **_flags(x), **blocks, **opts)
+    dscale = None if scale is None else dparts[0].sum(0)
+    dskip = None if skip is None else dparts[1].sum(0)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    blocks, opts = _config("chunk_dqk", N, P, v.dtype)
+    blocks, opts = _config("chunk_dqk", N, P, x.dtype)
     NB = triton.cdiv(N, blocks["BN"])
     dgam = torch.empty(2 * NB, *gam.shape, device=gam.device, dtype=gam.dtype)
-    for dx, is_dk in ((dq, False), (dk, True)):
-        ssd_chunk_dqk_kernel[(NB, NT, B * G)](q, k, v, gam, h, dh, do, dx, dgam, NT, G=G, H=H, N=N, P=P, BT=BT,
-                                              DK=is_dk, **_flags(v), **blocks, **opts)
-    return dq, dk, dv, dgam.sum(0)
+    for dqk, is_dk in ((dq, False), (dk, True)):
+        ssd_chunk_dqk_kernel[(NB, NT, B * G)](q, k, x, gam, scale, h, dh, do, dqk, dgam, NT, G=G, H=H, N=N, P=P,
+                                              BT=BT, DK=is_dk, USE_SCALE=scale is not None, **_flags(x), **blocks,
+                                              **opts)
+    return dq, dk, dx, dgam.sum(0), dscale, dskip
