@@ -9,9 +9,12 @@ weight per head and token; Mamba2's dt and D):
     state_bwd   dh_c = e^{gl} dh_{c+1} + (e^{gam} * q)ᵀ dO                         (dh_{c+1} stored per chunk)
     chunk_dx    dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1})                  (registers only)
                 dx = scale * dv + skip * dO,   dscale = sum_p x * dv,   dskip = sum_p x * dO
-    chunk_dqk   dq^h = e^{gam} * (dO h_cᵀ) + (D ∘ dO xᵀ ∘ scaleᵀ) k,   dq = sum over the group's heads h of dq^h
-                dk^h = (D ∘ dO xᵀ ∘ scaleᵀ)ᵀ q + e^{gl - gam} scale * (x dh_{c+1}ᵀ),   dk likewise
-                dgam_i = q_i·dq_i^h - k_i·dk_i^h  (+ dgl on the chunk's last row)
+    chunk_dscores  M^h = D ∘ dO xᵀ ∘ scaleᵀ (head h),   dS = sum over the group's heads of M^h
+                   dgam_i (in-chunk part) = rowsum_i(M^h ∘ q kᵀ) - colsum_i(M^h ∘ q kᵀ)
+    chunk_dqk   dq = dS k + sum over the group's heads h of e^{gam} * (dO h_cᵀ)
+                dk = dSᵀ q + sum over the group's heads h of e^{gl - gam} scale * (x dh_{c+1}ᵀ)
+                dgam_i (state part) = q_i·(e^{gam} dO h_cᵀ)_i - k_i·(e^{gl - gam} scale x dh_{c+1}ᵀ)_i
+                                      (+ dgl on the chunk's last row)
                 dgl = e^{gl} <h_c, dh_{c+1}> + sum_j k_j·(e^{gl - gam_j} dh_{c+1} v_j)
 (state_fwd and state_bwd are the two directions of one kernel, state_scan.) The value scale is folded into the
 factor a loaded tile already takes (k's weight, D's columns), so v = scale x and the skip term never exist as
@@ -22,6 +25,9 @@ the cumsum, chunk.py). Why dgam_i = q_i·dq_i^h - k_i·dk_i^h (head h's own term
 of o and of the next state is linear in q_i with the factor e^{gam_i}, and linear in k_j with e^{-gam_j}, so the
 derivative of a term in +gam_i (-gam_j) is the term itself, summed: q_i·dq_i (-k_j·dk_j); the only other place the
 gates enter is e^{gl} and e^{gl - gam_j} of the state update, whose derivative in gl is <dh_{c+1}, h_{c+1}> = dgl.
+The in-chunk part of dq^h is M^h k, so q_i·(M^h k)_i = sum_j M^h_ij (q_i·k_j) and k_i·(M^hᵀ q)_i = sum_j M^h_ji
+(q_j·k_i): the scores q kᵀ of the group, formed once, give every head's part without dq^h itself; dq and dk need
+only the sum dS (the gradient of the scores), one product with k and q per group instead of one per head.
 
 Layouts: q, k, dq, dk [B, Tp, G, N]; x, o, dO, dx [B, Tp, H, P]; gam, scale, skip and their gradients [B, Tp, H]
 (fp32, fp64 for fp64 inputs);
@@ -41,12 +47,14 @@ Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one p
 row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent).
 ssd_out_fwd and ssd_chunk_dx run one program per (P block, chunk, row * head), looping over N blocks; dscale and
 dskip need the whole of P, so chunk_dx writes one part per P block (one at P <= 64) and the launcher sums them.
-ssd_chunk_dqk runs twice, for dq then dk (one kernel of both would hold both accumulators and spill registers), one
-program per (N block, chunk, row * group): it loops over the group's heads in order, adding each head's dq^h (dk^h)
-into an accumulator-dtype tile, and stores the group's tile once in the input dtype: deterministic, no atomics, no
-per-head copy in memory. dgam needs the whole of N, so each program writes its N block's part per head (dq's
-launch q·dq^h, dk's launch -k·dk^h + dgl) and the launcher sums the 2 N / BN parts in order. No tile is wider than
-64 whatever N, P are. Every kernel's name starts with ssd_ (profiles group them by it).
+ssd_chunk_dscores runs one program per (chunk, row * group), looping over the group's heads in order: dO xᵀ once
+per head (whole P), dS summed in accumulator-dtype registers and stored once in x's dtype ([B, NT, G, 64, 64]: 1/64
+of x's bytes at 16 heads of 64 per group), the in-chunk dgam part per head. ssd_chunk_dqk then runs one program per (N
+block, chunk, row * group) for dq and dk together: dS k and dSᵀ q once, then per head in order the two state
+products (dO h_cᵀ, x dh_{c+1}ᵀ), added into two accumulator-dtype tiles stored once in the input dtype:
+deterministic, no atomics, no per-head copy in memory, dO xᵀ never recomputed, h and dh read once. dgam needs the
+whole of N, so each dqk program writes its N block's part per head, and the launcher sums the 1 + N / BN parts in
+order. No tile is wider than 64 whatever N, P are. Every kernel's name starts with ssd_ (profiles group them by it).
 """
 
 from __future__ import annotations
@@ -59,16 +67,15 @@ BT = 64
 
 # Fixed launch configurations (block widths clipped to N, P), chosen so that no kernel spills registers on sm_90 at
 # N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`); "<name>/fp32": the entry for fp32
-# (and fp64) inputs where it differs. chunk_dqk recomputes dO xᵀ once per N block: 64-wide N blocks in bf16 halve
-# that work (at 32 the backward measured 17 % slower than the kernel before the split, on an H100, 2026-12-06);
-# fp32 spills at 64.
+# (and fp64) inputs where it differs.
 LAUNCH: dict[str, dict[str, int]] = {
     "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
     "chunk_dx": dict(BN=32, BP=64, num_warps=8, num_stages=2),
-    "chunk_dqk": dict(BN=64, BP=16, num_warps=8, num_stages=1),
-    "chunk_dqk/fp32": dict(BN=32, BP=16, num_warps=8, num_stages=1),
+    "chunk_dscores": dict(BN=64, BP=32, num_warps=8, num_stages=1),
+    "chunk_dqk": dict(BN=64, BP=32, num_warps=8, num_stages=1),
+    "chunk_dqk/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
 }
 
 
@@ -250,70 +257,97 @@ def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dparts, NT,
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_chunk_dqk_kernel(q, k, x, gam, scale, h, dh, do, dqk, dgam, NT,
+def ssd_chunk_dscores_kernel(q, k, x, gam, scale, do, ds, dgam, NT,
+                             G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                             BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, PREC: tl.constexpr):
+    """dS = sum over the group's heads h of M^h = D^h ∘ (dO^h xᵀ) ∘ scaleᵀ, one [BT, BT] tile of one chunk and group
+    per program: the gradient of the group's in-chunk scores q kᵀ, summed head by head in accumulator-dtype registers
+    and stored once in x's dtype in ds [B, NT, G, BT, BT]. Per head, the in-chunk part of dgam, rowsum(M^h ∘ q kᵀ) -
+    colsum(M^h ∘ q kᵀ) (= q·(M^h k) - k·(M^hᵀ q)), in part 0 of dgam [1 + NB, B, Tp, H]."""
+    i_c, i_bg = tl.program_id(0), tl.program_id(1)
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
+    acc = gam.dtype.element_ty
+    T = NT * BT
+    o_t = tl.arange(0, BT)
+    o_r = (i_c * BT + o_t).to(tl.int64)
+    o_qk0 = (i_b * T + i_c * BT) * G * N + i_g * N  # q, k
+    b_qk = tl.zeros([BT, BT], dtype=acc)
+    for i_n in range(0, N, BN):
+        o_qk = o_t[:, None] * (G * N) + i_n + tl.arange(0, BN)[None, :]
+        b_qk += _mm(tl.load(q + o_qk0 + o_qk), tl.trans(tl.load(k + o_qk0 + o_qk)), PREC).to(acc)
+    b_ds = tl.zeros([BT, BT], dtype=acc)
+    for i_hh in range(H // G):
+        i_h = i_g * (H // G) + i_hh
+        o_r, b_g, _ = _gates(gam, i_b, i_h, i_c, NT, H, BT)
+        o_t0 = ((i_b * T + i_c * BT) * H + i_h) * P  # x, dO (a scalar base, int32 offsets in the chunk)
+        b_m = tl.zeros([BT, BT], dtype=acc)
+        for i_p in range(0, P, BP):
+            o_tp = o_t[:, None] * (H * P) + i_p + tl.arange(0, BP)[None, :]
+            b_m += _mm(tl.load(do + o_t0 + o_tp), tl.trans(tl.load(x + o_t0 + o_tp)), PREC).to(acc)
+        b_m *= _decay(b_g, BT)
+        if USE_SCALE:
+            b_m *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[None, :]
+        b_mqk = b_m * b_qk
+        tl.store(dgam + (i_b * T + o_r) * H + i_h, tl.sum(b_mqk, axis=1) - tl.sum(b_mqk, axis=0))
+        b_ds += b_m
+    tl.store(ds + ((i_b * NT + i_c) * G + i_g) * BT * BT + o_t[:, None] * BT + o_t[None, :],
+             b_ds.to(ds.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["NT"])
+def ssd_chunk_dqk_kernel(q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT,
                          G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                         BN: tl.constexpr, BP: tl.constexpr, DK: tl.constexpr, USE_SCALE: tl.constexpr,
-                         PREC: tl.constexpr):
-    """The group's dq (DK false) or dk (DK true) on one [BT, BN] tile of one chunk, summed over the group's heads in
-    a fixed order (head by head, in accumulator-dtype registers) and stored once in the input dtype; per head, this
-    N block's part of dgam: q·dq (DK false), or -k·dk plus dgl on the chunk's last row (DK true), in part
-    DK * NB + i_n of dgam [2 NB, B, Tp, H]. v = scale x enters as x, its scale multiplying the columns of D (dO vᵀ)
-    and the rows of v dh_{c+1}ᵀ."""
+                         BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, PREC: tl.constexpr):
+    """The group's dq and dk on one [BT, BN] tile of one chunk: the in-chunk parts from the summed score gradient,
+    dS k and dSᵀ q (ssd_chunk_dscores), plus the state parts summed over the group's heads in a fixed order,
+    e^{gam} * (dO h_cᵀ) and e^{gl - gam} scale * (x dh_{c+1}ᵀ), in accumulator-dtype registers, stored once in the
+    input dtype. Per head, this N block's part of the state terms of dgam, q·e^{gam} (dO h_cᵀ) - k·(the state part
+    of dk) plus dgl on the chunk's last row, in part 1 + i_n of dgam [1 + NB, B, Tp, H]."""
     i_n, i_c, i_bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
     acc = gam.dtype.element_ty
-    dt = x.dtype.element_ty
     T = NT * BT
+    o_t = tl.arange(0, BT)
     o_n = i_n * BN + tl.arange(0, BN)
-    o_r = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
-    p_x = (i_b * T * G + i_g) * N + o_r[:, None] * (G * N) + o_n[None, :]  # q, k, dqk
-    p_dgam = dgam + (DK * tl.num_programs(0) + i_n).to(tl.int64) * (tl.num_programs(2) // G) * T * H
-    b_dqk = tl.zeros([BT, BN], dtype=acc)
+    o_r = (i_c * BT + o_t).to(tl.int64)
+    p_x = (i_b * T * G + i_g) * N + o_r[:, None] * (G * N) + o_n[None, :]  # q, k, dq, dk
+    p_dgam = dgam + (1 + i_n).to(tl.int64) * (tl.num_programs(2) // G) * T * H
+    b_q = tl.load(q + p_x)
+    b_k = tl.load(k + p_x)
+    b_ds = tl.load(ds + ((i_b * NT + i_c) * G + i_g) * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    b_dq = _mm(b_ds, b_k, PREC).to(acc)
+    b_dk = _mm(tl.trans(b_ds), b_q, PREC).to(acc)
     for i_hh in range(H // G):
         i_h = i_g * (H // G) + i_hh
         o_r, b_g, b_gl = _gates(gam, i_b, i_h, i_c, NT, H, BT)
-        p_v = x + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
-        p_do = do + (i_b * T * H + i_h) * P + o_r[:, None] * (H * P)
-        p_h = h + ((i_b * NT + i_c) * H + i_h) * N * P + o_n[:, None] * P
-        p_dh = dh + ((i_b * NT + i_c) * H + i_h) * N * P + o_n[:, None] * P
-        b_a = tl.zeros([BT, BT], dtype=acc)  # dO xᵀ
-        b_s = tl.zeros([BT, BN], dtype=acc)  # dO h_cᵀ (dq), x dh_{c+1}ᵀ (dk)
-        b_hdh = tl.zeros([BN], dtype=acc)  # <h_c, dh_{c+1}> on this N block, by rows (dk)
+        # scalar (int64) bases, int32 offsets within the chunk: fewer registers than int64 offset tiles
+        o_t0 = ((i_b * T + i_c * BT) * H + i_h) * P  # x, dO
+        o_s0 = ((i_b * NT + i_c) * H + i_h) * N * P  # h, dh
+        b_sq = tl.zeros([BT, BN], dtype=acc)  # dO h_cᵀ
+        b_sk = tl.zeros([BT, BN], dtype=acc)  # x dh_{c+1}ᵀ
+        b_hdh = tl.zeros([BN], dtype=acc)  # <h_c, dh_{c+1}> on this N block, by rows
         for i_p in range(0, P, BP):
             o_p = i_p + tl.arange(0, BP)
-            b_do = tl.load(p_do + o_p[None, :])
-            b_v = tl.load(p_v + o_p[None, :])
-            b_h = tl.load(p_h + o_p[None, :])
-            b_a += _mm(b_do, tl.trans(b_v), PREC).to(acc)
-            if DK:
-                b_dhc = tl.load(p_dh + o_p[None, :])
-                b_s += _mm(b_v, tl.trans(b_dhc), PREC).to(acc)
-                b_hdh += tl.sum(b_h.to(acc) * b_dhc.to(acc), axis=1)
-            else:
-                b_s += _mm(b_do, tl.trans(b_h), PREC).to(acc)
-        b_a *= _decay(b_g, BT)
+            o_tp = o_t[:, None] * (H * P) + o_p[None, :]
+            o_sp = o_n[:, None] * P + o_p[None, :]
+            b_h = tl.load(h + o_s0 + o_sp)
+            b_dhc = tl.load(dh + o_s0 + o_sp)
+            b_sq += _mm(tl.load(do + o_t0 + o_tp), tl.trans(b_h), PREC).to(acc)
+            b_sk += _mm(tl.load(x + o_t0 + o_tp), tl.trans(b_dhc), PREC).to(acc)
+            b_hdh += tl.sum(b_h.to(acc) * b_dhc.to(acc), axis=1)
+        b_sq *= tl.exp(b_g)[:, None]
+        b_w = tl.exp(b_gl - b_g)
         if USE_SCALE:
-            b_sc = _per_token(scale, i_b, i_h, o_r, NT, H, BT)
-            b_a *= b_sc[None, :]
-        b_da = b_a.to(dt)
-        if DK:
-            b_k = tl.load(k + p_x).to(acc)
-            b_w = tl.exp(b_gl - b_g)
-            if USE_SCALE:
-                b_w *= b_sc
-            b_s = b_s * b_w[:, None]  # the state part of dk
-            b_ks = tl.sum(b_k * b_s, axis=1)
-            b_dxh = _mm(tl.trans(b_da), tl.load(q + p_x), PREC).to(acc)  # the in-chunk part of dk
-            b_dgam = -tl.sum(b_k * b_dxh, axis=1) - b_ks
-            b_dgl = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(b_ks, axis=0)
-            b_dgam += tl.where(tl.arange(0, BT) == BT - 1, b_dgl, 0.)
-            b_dqk += b_dxh + b_s
-        else:
-            b_dxh = _mm(b_da, tl.load(k + p_x), PREC).to(acc) + b_s * tl.exp(b_g)[:, None]
-            b_dgam = tl.sum(tl.load(q + p_x).to(acc) * b_dxh, axis=1)
-            b_dqk += b_dxh
-        tl.store(p_dgam + (i_b * T + o_r) * H + i_h, b_dgam)
-    tl.store(dqk + p_x, b_dqk.to(dqk.dtype.element_ty))
+            b_w *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)
+        b_sk *= b_w[:, None]
+        b_ks = tl.sum(b_k.to(acc) * b_sk, axis=1)
+        b_dgam = tl.sum(b_q.to(acc) * b_sq, axis=1) - b_ks
+        b_dgl = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(b_ks, axis=0)
+        tl.store(p_dgam + (i_b * T + o_r) * H + i_h, b_dgam + tl.where(o_t == BT - 1, b_dgl, 0.))
+        b_dq += b_sq
+        b_dk += b_sk
+    tl.store(dq + p_x, b_dq.to(dq.dtype.element_ty))
+    tl.store(dk + p_x, b_dk.to(dk.dtype.element_ty))
 
 
 def _flags(x: torch.Tensor) -> dict:
@@ -363,10 +397,11 @@ def state_bwd(q, gam, do, dht=None, *, store_dh=True, need_dh0=False, resets=Non
 
 
 def chunk_bwd(q, k, x, gam, h, dh, do, scale=None, skip=None):
-    """-> dq, dk [B, Tp, G, N] (q's dtype; summed over each group's heads in the kernel), dx [B, Tp, H, P] (x's
-    dtype), dgam, dscale, dskip [B, Tp, H] (gam's dtype; dscale, dskip None without scale, skip). Two kernels: dx
-    (dscale and dskip in one part per P block) per (P block, chunk, head); dq, dk and dgam per (N block, chunk,
-    group), dgam then in one part per N block. The parts are summed here (in order: deterministic)."""
+    """-> dq, dk [B, Tp, G, N] (q's dtype; summed over each group's heads in the kernels), dx [B, Tp, H, P] (x's
+    dtype), dgam, dscale, dskip [B, Tp, H] (gam's dtype; dscale, dskip None without scale, skip). Three kernels: dx
+    (dscale and dskip in one part per P block) per (P block, chunk, head); the group's score gradient dS and dgam's
+    in-chunk part per (chunk, group); dq, dk and dgam's state part per (N block, chunk, group), one part per N
+    block. The parts are summed here (in order: deterministic)."""
     B, Tp, G, N = k.shape
     H, P = x.shape[2], x.shape[3]
     NT = Tp // BT
@@ -380,12 +415,14 @@ def chunk_bwd(q, k, x, gam, h, dh, do, scale=None, skip=None):
                                           **_flags(x), **blocks, **opts)
     dscale = None if scale is None else dparts[0].sum(0)
     dskip = None if skip is None else dparts[1].sum(0)
+    blocks, opts = _config("chunk_dscores", N, P, x.dtype)
+    NB = triton.cdiv(N, _config("chunk_dqk", N, P, x.dtype)[0]["BN"])
+    dgam = torch.empty(1 + NB, *gam.shape, device=gam.device, dtype=gam.dtype)
+    ds = torch.empty(B, NT, G, BT, BT, device=x.device, dtype=x.dtype)
+    ssd_chunk_dscores_kernel[(NT, B * G)](q, k, x, gam, scale, do, ds, dgam, NT, G=G, H=H, N=N, P=P, BT=BT,
+                                          USE_SCALE=scale is not None, **_flags(x), **blocks, **opts)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     blocks, opts = _config("chunk_dqk", N, P, x.dtype)
-    NB = triton.cdiv(N, blocks["BN"])
-    dgam = torch.empty(2 * NB, *gam.shape, device=gam.device, dtype=gam.dtype)
-    for dqk, is_dk in ((dq, False), (dk, True)):
-        ssd_chunk_dqk_kernel[(NB, NT, B * G)](q, k, x, gam, scale, h, dh, do, dqk, dgam, NT, G=G, H=H, N=N, P=P,
-                                              BT=BT, DK=is_dk, USE_SCALE=scale is not None, **_flags(x), **blocks,
-                                              **opts)
+    ssd_chunk_dqk_kernel[(NB, NT, B * G)](q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT, G=G, H=H, N=N, P=P,
+                                          BT=BT, USE_SCALE=scale is not None, **_flags(x), **blocks, **opts)
     return dq, dk, dx, dgam.sum(0), dscale, dskip
