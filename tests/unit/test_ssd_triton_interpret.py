@@ -7,9 +7,9 @@ every case through `TritonScalarDecay` and prints one figure per quantity; the t
     q/k), with an entering state, the value scale (Mamba2's dt) and the skip weight (Mamba2's D, per token here)
     (the first case's q, k, x as non-contiguous views; the second without the skip); one packed row of three
     documents (57, 1, 72 tokens: a length-1 document, documents not aligned to 64), the first continuing the
-    entering state and not; B=1, T=100, G=2, H=6, N=P=32, every kernel's blocks cut to 16 (LAUNCH): dq, dk summed
-    over three heads per group in two N blocks (dgam in two parts, summed), o and dx in two P blocks (dscale and
-    dskip in two parts, summed); B=1, T=100, G=1, H=2, N=P=16 with neither scale nor skip (v = x);
+    entering state and not; B=1, T=100, G=2, H=6, N=P=32, every kernel's blocks cut to 16 (LAUNCH): the score
+    gradient and dq, dk summed over three heads per group, dq, dk in two N blocks (dgam in three parts: the in-chunk
+    one and one per N block, summed), q kᵀ, o and dx in two N and P blocks (dscale and dskip in two parts, summed); B=1, T=100, G=1, H=2, N=P=16 with neither scale nor skip (v = x);
   - per case: o and the final state, the gradients of q, k, x, g, scale, skip and the entering state (by autograd
     through the kernels' Function vs autograd of the eager op), the summary (M, S), the entering state's gradient
     from the outputs alone (`initial_state_grad`);
@@ -73,7 +73,7 @@ for dtype in (torch.float64, torch.float32):
     case("packed3", dtype, 1, 130, 2, 4, 16, 32, 2, cu=[0, 57, 58, 130])
     case("packed3_fresh", dtype, 1, 130, 2, 4, 16, 32, 3, cu=[0, 57, 58, 130], first_continues=False)
     # blocks of 16 over N = P = 32: dq, dk and dgam in two N blocks (dgam's parts summed), o and dx in two P blocks
-    # (dscale's and dskip's parts summed)
+    # (dscale's and dskip's parts summed), the score gradient's products in two N and two P steps
     saved = {n: dict(c) for n, c in LAUNCH.items()}
     for c in LAUNCH.values():
         c.update(BN=16, BP=16)
