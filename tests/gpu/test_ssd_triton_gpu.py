@@ -3,12 +3,12 @@ on the same values (the inputs rounded to the kernel dtype first).
 
 T = 8192, H = 8 heads, G = 1 and 2 groups, state size N = 128 and 256, head dim P = 64 (Mamba2's), an entering
 state, the value scale dt (v = dt x, formed in the kernels) and the skip weight D (one per head, expanded over the
-tokens, as the Mamba2 view passes it); one unpacked pair of rows and one packed row of log-normal documents (not aligned to 64, with
-length-1 ones; the first continuing the entering state). Gates as Mamba2 makes them, g = dt A with dt =
+tokens, as the Mamba2 view passes it); one unpacked pair of rows and one packed row of log-normal documents (not
+aligned to 64, with length-1 ones; the first continuing the entering state). Gates as Mamba2 makes them, g = dt A with dt =
 softplus(randn) per token and A = -exp(U(lo, hi)) per head, in three regimes: fast forgetting (A ~ -0.4..-1.6:
 g ~ -1..-0.3), slow (A ~ -0.01) and near-frozen (g ~ -1e-4: a long document's state barely decays).
-Every output and gradient (o, final state, dq, dk, dx, dg, dscale, dskip, dh0), the summary (M, S) and the entering state's
-gradient from the outputs alone within rel-L2 FP32_TOL = 1e-4 (fp32 inputs: fp32 accumulation, tf32x3 products)
+Every output and gradient (o, final state, dq, dk, dx, dg, dscale, dskip, dh0), the summary (M, S) and the
+entering state's gradient from the outputs alone within rel-L2 FP32_TOL = 1e-4 (fp32 inputs: fp32 accumulation, tf32x3 products)
 or BF16_TOL = 2e-2 (bf16 inputs: bf16 products and per-chunk states; bf16's unit roundoff is 2^-9 ~ 2e-3).
 """
 

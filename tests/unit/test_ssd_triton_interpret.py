@@ -9,7 +9,8 @@ every case through `TritonScalarDecay` and prints one figure per quantity; the t
     documents (57, 1, 72 tokens: a length-1 document, documents not aligned to 64), the first continuing the
     entering state and not; B=1, T=100, G=2, H=6, N=P=32, every kernel's blocks cut to 16 (LAUNCH): the score
     gradient and dq, dk summed over three heads per group, dq, dk in two N blocks (dgam in three parts: the in-chunk
-    one and one per N block, summed), q kᵀ, o and dx in two N and P blocks (dscale and dskip in two parts, summed); B=1, T=100, G=1, H=2, N=P=16 with neither scale nor skip (v = x);
+    one and one per N block, summed), q kᵀ, o and dx in two N and P blocks (dscale and dskip summed over them);
+    B=1, T=100, G=1, H=2, N=P=16 with neither scale nor skip (v = x);
   - per case: o and the final state, the gradients of q, k, x, g, scale, skip and the entering state (by autograd
     through the kernels' Function vs autograd of the eager op), the summary (M, S), the entering state's gradient
     from the outputs alone (`initial_state_grad`);
@@ -73,7 +74,7 @@ for dtype in (torch.float64, torch.float32):
     case("packed3", dtype, 1, 130, 2, 4, 16, 32, 2, cu=[0, 57, 58, 130])
     case("packed3_fresh", dtype, 1, 130, 2, 4, 16, 32, 3, cu=[0, 57, 58, 130], first_continues=False)
     # blocks of 16 over N = P = 32: dq, dk and dgam in two N blocks (dgam's parts summed), o and dx in two P blocks
-    # (dscale's and dskip's parts summed), the score gradient's products in two N and two P steps
+    # (dscale and dskip summed over them), q kᵀ and k dh in two N steps
     saved = {n: dict(c) for n, c in LAUNCH.items()}
     for c in LAUNCH.values():
         c.update(BN=16, BP=16)

@@ -9,8 +9,8 @@ weight per head and token; Mamba2's dt and D):
     state_bwd   dh_c = e^{gl} dh_{c+1} + (e^{gam} * q)ᵀ dO                         (dh_{c+1} stored per chunk)
     chunk_dx    dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1})                  (registers only)
                 dx = scale * dv + skip * dO,   dscale = sum_p x * dv,   dskip = sum_p x * dO
-    chunk_dscores  M^h = D ∘ dO xᵀ ∘ scaleᵀ (head h),   dS = sum over the group's heads of M^h
-                   dgam_i (in-chunk part) = rowsum_i(M^h ∘ q kᵀ) - colsum_i(M^h ∘ q kᵀ)
+                M^h = D ∘ dO xᵀ ∘ scaleᵀ (head h),   dS = sum over the group's heads of M^h
+                dgam_i (in-chunk part) = rowsum_i(M^h ∘ q kᵀ) - colsum_i(M^h ∘ q kᵀ)
     chunk_dqk   dq = dS k + sum over the group's heads h of e^{gam} * (dO h_cᵀ)
                 dk = dSᵀ q + sum over the group's heads h of e^{gl - gam} scale * (x dh_{c+1}ᵀ)
                 dgam_i (state part) = q_i·(e^{gam} dO h_cᵀ)_i - k_i·(e^{gl - gam} scale x dh_{c+1}ᵀ)_i
@@ -39,18 +39,18 @@ those chunks is zero (in the backward, no gradient crosses them).
 Accumulation: fp32 (fp64 for fp64 inputs, the interpreter tests). Products: the operands in the input dtype (a
 factor applied to a loaded tile is rounded back to it, as the tensor cores take it); fp32 inputs multiply with
 tf32x3 (about fp32; plain tf32 would cost ~1e-3). The per-chunk states h, dh are stored in the input dtype: their
-only readers are products that round them to that dtype anyway (o, dq, dk, dv), and bf16 halves their bytes
+only readers are products that round them to that dtype anyway (o, dq, dk, dx), and bf16 halves their bytes
 (N = 128, P = 64: 16 KiB per chunk and head in bf16, twice x's chunk). o adds the skip term in the accumulator dtype
 and is rounded once, as the eager op; dx is rounded once, from dv, dO in registers.
 
 Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block,
 row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent).
-ssd_out_fwd and ssd_chunk_dx run one program per (P block, chunk, row * head), looping over N blocks; dscale and
-dskip need the whole of P, so chunk_dx writes one part per P block (one at P <= 64) and the launcher sums them.
-ssd_chunk_dscores runs one program per (chunk, row * group), looping over the group's heads in order: dO xᵀ once
-per head (whole P), dS summed in accumulator-dtype registers and stored once in x's dtype ([B, NT, G, 64, 64]: 1/64
-of x's bytes at 16 heads of 64 per group), the in-chunk dgam part per head. ssd_chunk_dqk then runs one program per (N
-block, chunk, row * group) for dq and dk together: dS k and dSᵀ q once, then per head in order the two state
+ssd_out_fwd runs one program per (P block, chunk, row * head), looping over N blocks. ssd_chunk_dx runs one
+program per (chunk, row * group): q kᵀ once, then the group's heads in order, each by P blocks (dx, and dscale,
+dskip over the whole P, looping over N blocks for k dh_{c+1}), dO xᵀ once per head; dS summed in accumulator-dtype
+registers and stored once in x's dtype ([B, NT, G, 64, 64]: 1/16 of x's bytes at 16 heads of 64 per group), the
+in-chunk dgam part per head. ssd_chunk_dqk then runs one program per (N block, chunk, row * group) for dq and dk
+together: dS k and dSᵀ q once, then per head in order the two state
 products (dO h_cᵀ, x dh_{c+1}ᵀ), added into two accumulator-dtype tiles stored once in the input dtype:
 deterministic, no atomics, no per-head copy in memory, dO xᵀ never recomputed, h and dh read once. dgam needs the
 whole of N, so each dqk program writes its N block's part per head, and the launcher sums the 1 + N / BN parts in
@@ -72,8 +72,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
-    "chunk_dx": dict(BN=32, BP=64, num_warps=8, num_stages=2),
-    "chunk_dscores": dict(BN=64, BP=32, num_warps=8, num_stages=1),
+    "chunk_dx": dict(BN=32, BP=16, num_warps=8, num_stages=1),
+    "chunk_dx/fp32": dict(BN=16, BP=16, num_warps=8, num_stages=1),
     "chunk_dqk": dict(BN=64, BP=32, num_warps=8, num_stages=1),
     "chunk_dqk/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
 }
@@ -216,79 +216,68 @@ def ssd_out_fwd_kernel(q, k, x, gam, scale, skip, h, o, NT,
 
 
 @triton.jit(do_not_specialize=["NT"])
-def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dparts, NT,
+def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dgam, NT,
                         G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                         BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, USE_SKIP: tl.constexpr,
                         PREC: tl.constexpr):
-    """dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1}) in registers, one [BT, BP] tile of one chunk and head per
-    program, and from it dx = scale * dv + skip * dO (stored in x's dtype) and this P block's parts of the per-token
-    weights' gradients, dscale = sum_p x * dv and dskip = sum_p x * dO, in dparts [2, P / BP, B, Tp, H] (part 0
-    dscale, 1 dskip; summed over the P blocks by the launcher)."""
-    i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h, i_g, o_r, b_g, b_gl = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
-    acc = gam.dtype.element_ty
-    T = NT * BT
-    o_p = i_p * BP + tl.arange(0, BP)
-    p_q = q + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
-    p_k = k + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
-    p_dh = dh + ((i_b * NT + i_c) * H + i_h) * N * P + o_p[None, :]
-    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # x, dO, dx
-    b_qk = tl.zeros([BT, BT], dtype=acc)
-    b_kdh = tl.zeros([BT, BP], dtype=acc)
-    for i_n in range(0, N, BN):
-        o_n = i_n + tl.arange(0, BN)
-        b_k = tl.load(p_k + o_n[None, :])
-        b_qk += _mm(tl.load(p_q + o_n[None, :]), tl.trans(b_k), PREC).to(acc)
-        b_kdh += _mm(b_k, tl.load(p_dh + o_n[:, None] * P), PREC).to(acc)
-    b_do = tl.load(do + p_x)
-    b_dx = _mm(tl.trans((b_qk * _decay(b_g, BT)).to(b_do.dtype)), b_do, PREC).to(acc)  # dv, then dx
-    b_dx += b_kdh * tl.exp(b_gl - b_g)[:, None]
-    if USE_SCALE or USE_SKIP:
-        b_x = tl.load(x + p_x).to(acc)
-        n_row = (tl.num_programs(2) // H).to(tl.int64) * T * H  # one [B, Tp, H]
-        p_part = dparts + i_p * n_row + (i_b * T + o_r) * H + i_h
-        if USE_SCALE:
-            tl.store(p_part, tl.sum(b_x * b_dx, axis=1))
-            b_dx *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[:, None]
-        if USE_SKIP:
-            tl.store(p_part + tl.num_programs(0) * n_row, tl.sum(b_x * b_do.to(acc), axis=1))
-            b_dx += _per_token(skip, i_b, i_h, o_r, NT, H, BT)[:, None] * b_do.to(acc)
-    tl.store(dx + p_x, b_dx.to(dx.dtype.element_ty))
-
-
-@triton.jit(do_not_specialize=["NT"])
-def ssd_chunk_dscores_kernel(q, k, x, gam, scale, do, ds, dgam, NT,
-                             G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                             BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, PREC: tl.constexpr):
-    """dS = sum over the group's heads h of M^h = D^h ∘ (dO^h xᵀ) ∘ scaleᵀ, one [BT, BT] tile of one chunk and group
-    per program: the gradient of the group's in-chunk scores q kᵀ, summed head by head in accumulator-dtype registers
-    and stored once in x's dtype in ds [B, NT, G, BT, BT]. Per head, the in-chunk part of dgam, rowsum(M^h ∘ q kᵀ) -
-    colsum(M^h ∘ q kᵀ) (= q·(M^h k) - k·(M^hᵀ q)), in part 0 of dgam [1 + NB, B, Tp, H]."""
+    """One chunk and group per program, its heads in order, the group's scores q kᵀ formed once. Per head, P block
+    by P block: dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1}) in registers, dx = scale * dv + skip * dO (stored
+    in x's dtype), the per-token weights' gradients dscale = sum_p x * dv and dskip = sum_p x * dO (dweights [2, B,
+    Tp, H]), and M^h = D ∘ (dO xᵀ) ∘ scaleᵀ, whose rowsum - colsum against q kᵀ is dgam's in-chunk part (part 0 of
+    dgam [1 + NB, B, Tp, H]). dS = sum over the group's heads of M^h, the gradient of the group's scores, summed in
+    accumulator-dtype registers and stored once in x's dtype in ds [B, NT, G, BT, BT] for ssd_chunk_dqk."""
     i_c, i_bg = tl.program_id(0), tl.program_id(1)
     i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
     acc = gam.dtype.element_ty
+    dt = x.dtype.element_ty
     T = NT * BT
     o_t = tl.arange(0, BT)
-    o_r = (i_c * BT + o_t).to(tl.int64)
-    o_qk0 = (i_b * T + i_c * BT) * G * N + i_g * N  # q, k
+    o_qk0 = (i_b * T + i_c * BT) * G * N + i_g * N  # q, k of the chunk and group (int32 offsets from here)
     b_qk = tl.zeros([BT, BT], dtype=acc)
     for i_n in range(0, N, BN):
         o_qk = o_t[:, None] * (G * N) + i_n + tl.arange(0, BN)[None, :]
         b_qk += _mm(tl.load(q + o_qk0 + o_qk), tl.trans(tl.load(k + o_qk0 + o_qk)), PREC).to(acc)
     b_ds = tl.zeros([BT, BT], dtype=acc)
+    n_row = (tl.num_programs(1) // G).to(tl.int64) * T * H  # one [B, Tp, H]
     for i_hh in range(H // G):
         i_h = i_g * (H // G) + i_hh
-        o_r, b_g, _ = _gates(gam, i_b, i_h, i_c, NT, H, BT)
-        o_t0 = ((i_b * T + i_c * BT) * H + i_h) * P  # x, dO (a scalar base, int32 offsets in the chunk)
-        b_m = tl.zeros([BT, BT], dtype=acc)
+        o_r, b_g, b_gl = _gates(gam, i_b, i_h, i_c, NT, H, BT)
+        b_a = (b_qk * _decay(b_g, BT)).to(dt)  # (D ∘ q kᵀ), the in-chunk operand of dv
+        b_w = tl.exp(b_gl - b_g)
+        o_t0 = ((i_b * T + i_c * BT) * H + i_h) * P  # x, dO, dx of the chunk and head
+        o_s0 = ((i_b * NT + i_c) * H + i_h) * N * P  # dh of the chunk and head
+        b_m = tl.zeros([BT, BT], dtype=acc)  # dO xᵀ
+        b_dsc = tl.zeros([BT], dtype=acc)
+        b_dsk = tl.zeros([BT], dtype=acc)
         for i_p in range(0, P, BP):
-            o_tp = o_t[:, None] * (H * P) + i_p + tl.arange(0, BP)[None, :]
-            b_m += _mm(tl.load(do + o_t0 + o_tp), tl.trans(tl.load(x + o_t0 + o_tp)), PREC).to(acc)
-        b_m *= _decay(b_g, BT)
+            o_p = i_p + tl.arange(0, BP)
+            o_tp = o_t[:, None] * (H * P) + o_p[None, :]
+            b_do = tl.load(do + o_t0 + o_tp)
+            b_x = tl.load(x + o_t0 + o_tp)
+            b_m += _mm(b_do, tl.trans(b_x), PREC).to(acc)
+            b_kdh = tl.zeros([BT, BP], dtype=acc)
+            for i_n in range(0, N, BN):
+                o_n = i_n + tl.arange(0, BN)
+                b_k = tl.load(k + o_qk0 + o_t[:, None] * (G * N) + o_n[None, :])
+                b_kdh += _mm(b_k, tl.load(dh + o_s0 + o_n[:, None] * P + o_p[None, :]), PREC).to(acc)
+            b_dx = _mm(tl.trans(b_a), b_do, PREC).to(acc) + b_kdh * b_w[:, None]  # dv, then dx
+            if USE_SCALE:
+                b_dsc += tl.sum(b_x.to(acc) * b_dx, axis=1)
+                b_dx *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[:, None]
+            if USE_SKIP:
+                b_dsk += tl.sum(b_x.to(acc) * b_do.to(acc), axis=1)
+                b_dx += _per_token(skip, i_b, i_h, o_r, NT, H, BT)[:, None] * b_do.to(acc)
+            tl.store(dx + o_t0 + o_tp, b_dx.to(dx.dtype.element_ty))
+        p_w = (i_b * T + o_r) * H + i_h  # [B, Tp, H] of the chunk's tokens, head i_h
+        if USE_SCALE:
+            tl.store(dweights + p_w, b_dsc)
+        if USE_SKIP:
+            tl.store(dweights + n_row + p_w, b_dsk)
+        b_m *= _decay(b_g, BT)  # formed again: a [BT, BT] tile held across the P loop costs registers
         if USE_SCALE:
             b_m *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[None, :]
         b_mqk = b_m * b_qk
-        tl.store(dgam + (i_b * T + o_r) * H + i_h, tl.sum(b_mqk, axis=1) - tl.sum(b_mqk, axis=0))
+        tl.store(dgam + p_w, tl.sum(b_mqk, axis=1) - tl.sum(b_mqk, axis=0))
         b_ds += b_m
     tl.store(ds + ((i_b * NT + i_c) * G + i_g) * BT * BT + o_t[:, None] * BT + o_t[None, :],
              b_ds.to(ds.dtype.element_ty))
@@ -299,7 +288,7 @@ def ssd_chunk_dqk_kernel(q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT,
                          G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                          BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, PREC: tl.constexpr):
     """The group's dq and dk on one [BT, BN] tile of one chunk: the in-chunk parts from the summed score gradient,
-    dS k and dSᵀ q (ssd_chunk_dscores), plus the state parts summed over the group's heads in a fixed order,
+    dS k and dSᵀ q (ssd_chunk_dx), plus the state parts summed over the group's heads in a fixed order,
     e^{gam} * (dO h_cᵀ) and e^{gl - gam} scale * (x dh_{c+1}ᵀ), in accumulator-dtype registers, stored once in the
     input dtype. Per head, this N block's part of the state terms of dgam, q·e^{gam} (dO h_cᵀ) - k·(the state part
     of dk) plus dgl on the chunk's last row, in part 1 + i_n of dgam [1 + NB, B, Tp, H]."""
@@ -398,29 +387,25 @@ def state_bwd(q, gam, do, dht=None, *, store_dh=True, need_dh0=False, resets=Non
 
 def chunk_bwd(q, k, x, gam, h, dh, do, scale=None, skip=None):
     """-> dq, dk [B, Tp, G, N] (q's dtype; summed over each group's heads in the kernels), dx [B, Tp, H, P] (x's
-    dtype), dgam, dscale, dskip [B, Tp, H] (gam's dtype; dscale, dskip None without scale, skip). Three kernels: dx
-    (dscale and dskip in one part per P block) per (P block, chunk, head); the group's score gradient dS and dgam's
-    in-chunk part per (chunk, group); dq, dk and dgam's state part per (N block, chunk, group), one part per N
-    block. The parts are summed here (in order: deterministic)."""
+    dtype), dgam, dscale, dskip [B, Tp, H] (gam's dtype; dscale, dskip None without scale, skip). Two kernels: dx,
+    dscale, dskip, the group's score gradient dS and dgam's in-chunk part per (chunk, group); dq, dk and dgam's
+    state part per (N block, chunk, group), one part per N block. dgam's parts are summed here (in order:
+    deterministic)."""
     B, Tp, G, N = k.shape
     H, P = x.shape[2], x.shape[3]
     NT = Tp // BT
     dx = torch.empty_like(x)
-    blocks, opts = _config("chunk_dx", N, P)
-    NPB = triton.cdiv(P, blocks["BP"])
-    dparts = (torch.empty(2, NPB, *gam.shape, device=gam.device, dtype=gam.dtype)
-              if scale is not None or skip is not None else None)
-    ssd_chunk_dx_kernel[(NPB, NT, B * H)](q, k, x, gam, scale, skip, dh, do, dx, dparts, NT, G=G, H=H, N=N, P=P,
-                                          BT=BT, USE_SCALE=scale is not None, USE_SKIP=skip is not None,
-                                          **_flags(x), **blocks, **opts)
-    dscale = None if scale is None else dparts[0].sum(0)
-    dskip = None if skip is None else dparts[1].sum(0)
-    blocks, opts = _config("chunk_dscores", N, P, x.dtype)
+    dweights = (torch.empty(2, *gam.shape, device=gam.device, dtype=gam.dtype)
+                if scale is not None or skip is not None else None)
     NB = triton.cdiv(N, _config("chunk_dqk", N, P, x.dtype)[0]["BN"])
     dgam = torch.empty(1 + NB, *gam.shape, device=gam.device, dtype=gam.dtype)
     ds = torch.empty(B, NT, G, BT, BT, device=x.device, dtype=x.dtype)
-    ssd_chunk_dscores_kernel[(NT, B * G)](q, k, x, gam, scale, do, ds, dgam, NT, G=G, H=H, N=N, P=P, BT=BT,
-                                          USE_SCALE=scale is not None, **_flags(x), **blocks, **opts)
+    blocks, opts = _config("chunk_dx", N, P, x.dtype)
+    ssd_chunk_dx_kernel[(NT, B * G)](q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dgam, NT, G=G, H=H, N=N,
+                                     P=P, BT=BT, USE_SCALE=scale is not None, USE_SKIP=skip is not None,
+                                     **_flags(x), **blocks, **opts)
+    dscale = None if scale is None else dweights[0]
+    dskip = None if skip is None else dweights[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     blocks, opts = _config("chunk_dqk", N, P, x.dtype)
     ssd_chunk_dqk_kernel[(NB, NT, B * G)](q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT, G=G, H=H, N=N, P=P,
