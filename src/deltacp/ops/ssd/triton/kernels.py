@@ -43,18 +43,20 @@ only readers are products that round them to that dtype anyway (o, dq, dk, dx), 
 (N = 128, P = 64: 16 KiB per chunk and head in bf16, twice x's chunk). o adds the skip term in the accumulator dtype
 and is rounded once, as the eager op; dx is rounded once, from dv, dO in registers.
 
-Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block,
-row * head), sequential over chunks (a state row depends only on its own row: the N blocks are independent).
-ssd_out_fwd runs one program per (P block, chunk, row * head), looping over N blocks. ssd_chunk_dx runs one
-program per (chunk, row * group): q kᵀ once, then the group's heads in order, each by P blocks (dx, and dscale,
-dskip over the whole P, looping over N blocks for k dh_{c+1}), dO xᵀ once per head; dS summed in accumulator-dtype
-registers and stored once in x's dtype ([B, NT, G, 64, 64]: 1/16 of x's bytes at 16 heads of 64 per group), the
-in-chunk dgam part per head. ssd_chunk_dqk then runs one program per (N block, chunk, row * group) for dq and dk
-together: dS k and dSᵀ q once, then per head in order the two state
-products (dO h_cᵀ, x dh_{c+1}ᵀ), added into two accumulator-dtype tiles stored once in the input dtype:
-deterministic, no atomics, no per-head copy in memory, dO xᵀ never recomputed, h and dh read once. dgam needs the
-whole of N, so each dqk program writes its N block's part per head, and the launcher sums the 1 + N / BN parts in
-order. No tile is wider than 64 whatever N, P are. Every kernel's name starts with ssd_ (profiles group them by it).
+Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block, row *
+head), sequential over chunks (a state row depends only on its own row: the N blocks are independent). ssd_out_fwd
+runs one program per (P block, chunk, row * head), looping over N blocks. ssd_chunk_dx runs one program per (chunk,
+row * group, slice of the group's heads: at most DX_HEADS = 16 heads each, so that a one-group model's 128 heads
+take 8 programs per chunk): q kᵀ once, then the slice's heads in order, each by P blocks (dx, and dscale, dskip over
+the whole P, looping over N blocks for k dh_{c+1}), dO xᵀ once per head; dS summed in accumulator-dtype registers
+and stored once per slice in x's dtype ([slices, B, NT, G, 64, 64]: 1/16 of x's bytes at 16 heads of 64 per slice),
+the in-chunk dgam part per head. ssd_chunk_dqk then runs one program per (N block, chunk, row * group) for dq and dk
+together (a one-group model's heads all in one program, as before the fusion): dS (its slices summed) k and dSᵀ q
+once, then per head in order the two state products (dO h_cᵀ, x dh_{c+1}ᵀ), added into two accumulator-dtype tiles
+stored once in the input dtype: deterministic, no atomics, no per-head copy in memory, dO xᵀ never recomputed, h and
+dh read once. dgam needs the whole of N, so each dqk program writes its N block's part per head, and the launcher
+sums the 1 + N / BN parts in order. No tile is wider than 64 whatever N, P are. Every kernel's name starts with ssd_
+(profiles group them by it).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk_dqk": dict(BN=64, BP=32, num_warps=8, num_stages=1),
     "chunk_dqk/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
 }
+# Heads of a group one chunk_dx program takes at most (the largest divisor of H / G up to it): a one-group model's
+# 128 heads in 8 programs per chunk, not one; the group's dS then in H / G / heads parts, summed by chunk_dqk.
+DX_HEADS = 16
 
 
 def _config(name: str, N: int, P: int, dtype: torch.dtype | None = None) -> tuple[dict[str, int], dict[str, int]]:
@@ -218,15 +223,18 @@ def ssd_out_fwd_kernel(q, k, x, gam, scale, skip, h, o, NT,
 @triton.jit(do_not_specialize=["NT"])
 def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dgam, NT,
                         G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                        BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, USE_SKIP: tl.constexpr,
-                        PREC: tl.constexpr):
-    """One chunk and group per program, its heads in order, the group's scores q kᵀ formed once. Per head, P block
-    by P block: dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1}) in registers, dx = scale * dv + skip * dO (stored
-    in x's dtype), the per-token weights' gradients dscale = sum_p x * dv and dskip = sum_p x * dO (dweights [2, B,
-    Tp, H]), and M^h = D ∘ (dO xᵀ) ∘ scaleᵀ, whose rowsum - colsum against q kᵀ is dgam's in-chunk part (part 0 of
-    dgam [1 + NB, B, Tp, H]). dS = sum over the group's heads of M^h, the gradient of the group's scores, summed in
-    accumulator-dtype registers and stored once in x's dtype in ds [B, NT, G, BT, BT] for ssd_chunk_dqk."""
-    i_c, i_bg = tl.program_id(0), tl.program_id(1)
+                        BN: tl.constexpr, BP: tl.constexpr, HS: tl.constexpr, USE_SCALE: tl.constexpr,
+                        USE_SKIP: tl.constexpr, PREC: tl.constexpr):
+    """One chunk and 1 / HS of a group's heads per program (the HS slices of a group in separate programs, so that a
+    group of many heads still spreads over the GPU), those heads in order, the group's scores q kᵀ formed once. Per
+    head, P block by P block: dv = (D ∘ q kᵀ)ᵀ dO + e^{gl - gam} * (k dh_{c+1}) in registers, dx = scale * dv + skip
+    * dO (stored in x's dtype), the per-token weights' gradients dscale = sum_p x * dv and dskip = sum_p x * dO
+    (dweights [2, B, Tp, H]), and M^h = D ∘ (dO xᵀ) ∘ scaleᵀ, whose rowsum - colsum against q kᵀ is dgam's in-chunk
+    part (part 0 of dgam [1 + NB, B, Tp, H]). The slice's part of dS = sum over the group's heads of M^h, the
+    gradient of the group's scores, summed in accumulator-dtype registers and stored once in x's dtype in ds [HS, B,
+    NT, G, BT, BT] for ssd_chunk_dqk."""
+    i_c, i_bgs = tl.program_id(0), tl.program_id(1)
+    i_bg, i_s = i_bgs // HS, i_bgs % HS
     i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
     acc = gam.dtype.element_ty
     dt = x.dtype.element_ty
@@ -238,9 +246,9 @@ def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dga
         o_qk = o_t[:, None] * (G * N) + i_n + tl.arange(0, BN)[None, :]
         b_qk += _mm(tl.load(q + o_qk0 + o_qk), tl.trans(tl.load(k + o_qk0 + o_qk)), PREC).to(acc)
     b_ds = tl.zeros([BT, BT], dtype=acc)
-    n_row = (tl.num_programs(1) // G).to(tl.int64) * T * H  # one [B, Tp, H]
-    for i_hh in range(H // G):
-        i_h = i_g * (H // G) + i_hh
+    n_row = (tl.num_programs(1) // (G * HS)).to(tl.int64) * T * H  # one [B, Tp, H]
+    for i_hh in range(H // G // HS):
+        i_h = i_g * (H // G) + i_s * (H // G // HS) + i_hh
         o_r, b_g, b_gl = _gates(gam, i_b, i_h, i_c, NT, H, BT)
         b_a = (b_qk * _decay(b_g, BT)).to(dt)  # (D ∘ q kᵀ), the in-chunk operand of dv
         b_w = tl.exp(b_gl - b_g)
@@ -279,19 +287,22 @@ def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dga
         b_mqk = b_m * b_qk
         tl.store(dgam + p_w, tl.sum(b_mqk, axis=1) - tl.sum(b_mqk, axis=0))
         b_ds += b_m
-    tl.store(ds + ((i_b * NT + i_c) * G + i_g) * BT * BT + o_t[:, None] * BT + o_t[None, :],
+    n_ds = (tl.num_programs(1) // HS).to(tl.int64) * NT * BT * BT  # one [B, NT, G, BT, BT]
+    tl.store(ds + i_s * n_ds + ((i_b * NT + i_c) * G + i_g) * BT * BT + o_t[:, None] * BT + o_t[None, :],
              b_ds.to(ds.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["NT"])
 def ssd_chunk_dqk_kernel(q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT,
                          G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                         BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, PREC: tl.constexpr):
+                         BN: tl.constexpr, BP: tl.constexpr, HS: tl.constexpr, USE_SCALE: tl.constexpr,
+                         PREC: tl.constexpr):
     """The group's dq and dk on one [BT, BN] tile of one chunk: the in-chunk parts from the summed score gradient,
-    dS k and dSᵀ q (ssd_chunk_dx), plus the state parts summed over the group's heads in a fixed order,
-    e^{gam} * (dO h_cᵀ) and e^{gl - gam} scale * (x dh_{c+1}ᵀ), in accumulator-dtype registers, stored once in the
-    input dtype. Per head, this N block's part of the state terms of dgam, q·e^{gam} (dO h_cᵀ) - k·(the state part
-    of dk) plus dgl on the chunk's last row, in part 1 + i_n of dgam [1 + NB, B, Tp, H]."""
+    dS k and dSᵀ q (dS: the sum of ssd_chunk_dx's HS parts, in the accumulator dtype), plus the state parts summed
+    over the group's heads in a fixed order, e^{gam} * (dO h_cᵀ) and e^{gl - gam} scale * (x dh_{c+1}ᵀ), in
+    accumulator-dtype registers, stored once in the input dtype. Per head, this N block's part of the state terms of
+    dgam, q·e^{gam} (dO h_cᵀ) - k·(the state part of dk) plus dgl on the chunk's last row, in part 1 + i_n of dgam
+    [1 + NB, B, Tp, H]."""
     i_n, i_c, i_bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
     acc = gam.dtype.element_ty
@@ -303,7 +314,12 @@ def ssd_chunk_dqk_kernel(q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT,
     p_dgam = dgam + (1 + i_n).to(tl.int64) * (tl.num_programs(2) // G) * T * H
     b_q = tl.load(q + p_x)
     b_k = tl.load(k + p_x)
-    b_ds = tl.load(ds + ((i_b * NT + i_c) * G + i_g) * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    p_ds = ds + ((i_b * NT + i_c) * G + i_g) * BT * BT + o_t[:, None] * BT + o_t[None, :]
+    n_ds = (tl.num_programs(2) // G).to(tl.int64) * NT * G * BT * BT  # one [B, NT, G, BT, BT]
+    b_ds = tl.load(p_ds).to(acc)
+    for i_s in range(1, HS):
+        b_ds += tl.load(p_ds + i_s * n_ds).to(acc)
+    b_ds = b_ds.to(b_k.dtype)
     b_dq = _mm(b_ds, b_k, PREC).to(acc)
     b_dk = _mm(tl.trans(b_ds), b_q, PREC).to(acc)
     for i_hh in range(H // G):
@@ -399,15 +415,17 @@ def chunk_bwd(q, k, x, gam, h, dh, do, scale=None, skip=None):
                 if scale is not None or skip is not None else None)
     NB = triton.cdiv(N, _config("chunk_dqk", N, P, x.dtype)[0]["BN"])
     dgam = torch.empty(1 + NB, *gam.shape, device=gam.device, dtype=gam.dtype)
-    ds = torch.empty(B, NT, G, BT, BT, device=x.device, dtype=x.dtype)
+    rep = H // G
+    HS = rep // max(d for d in range(1, min(rep, DX_HEADS) + 1) if rep % d == 0)  # slices of a group's heads
+    ds = torch.empty(HS, B, NT, G, BT, BT, device=x.device, dtype=x.dtype)
     blocks, opts = _config("chunk_dx", N, P, x.dtype)
-    ssd_chunk_dx_kernel[(NT, B * G)](q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dgam, NT, G=G, H=H, N=N,
-                                     P=P, BT=BT, USE_SCALE=scale is not None, USE_SKIP=skip is not None,
-                                     **_flags(x), **blocks, **opts)
+    ssd_chunk_dx_kernel[(NT, B * G * HS)](q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dgam, NT, G=G, H=H,
+                                          N=N, P=P, BT=BT, HS=HS, USE_SCALE=scale is not None,
+                                          USE_SKIP=skip is not None, **_flags(x), **blocks, **opts)
     dscale = None if scale is None else dweights[0]
     dskip = None if skip is None else dweights[1]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     blocks, opts = _config("chunk_dqk", N, P, x.dtype)
     ssd_chunk_dqk_kernel[(NB, NT, B * G)](q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT, G=G, H=H, N=N, P=P,
-                                          BT=BT, USE_SCALE=scale is not None, **_flags(x), **blocks, **opts)
+                                          BT=BT, HS=HS, USE_SCALE=scale is not None, **_flags(x), **blocks, **opts)
     return dq, dk, dx, dgam.sum(0), dscale, dskip
