@@ -10,7 +10,8 @@ every case through `TritonScalarDecay` and prints one figure per quantity; the t
     entering state and not; B=1, T=100, G=2, H=6, N=P=32, every kernel's blocks cut to 16 (LAUNCH): the score
     gradient and dq, dk summed over three heads per group, dq, dk in two N blocks (dgam in three parts: the in-chunk
     one and one per N block, summed), q kᵀ, o and dx in two N and P blocks (dscale and dskip summed over them), each
-    head in its own chunk_dx program (DX_HEADS = 1: the score gradient in three parts, summed by chunk_dqk);
+    head in its own out_fwd and chunk_dx program (GROUP_HEADS = 1: the score gradient in three parts, summed by
+    chunk_dqk);
     B=1, T=100, G=1, H=2, N=P=16 with neither scale nor skip (v = x);
   - per case: o and the final state, the gradients of q, k, x, g, scale, skip and the entering state (by autograd
     through the kernels' Function vs autograd of the eager op), the summary (M, S), the entering state's gradient
@@ -80,10 +81,10 @@ for dtype in (torch.float64, torch.float32):
     saved = {n: dict(c) for n, c in LAUNCH.items()}
     for c in LAUNCH.values():
         c.update(BN=16, BP=16)
-    kernels.DX_HEADS = 1  # each of a group's three heads in its own chunk_dx program: dS in three parts, summed
+    kernels.GROUP_HEADS = 1  # each of a group's three heads in its own program: dS in three parts, summed
     case("blocks16", dtype, 1, 100, 2, 6, 32, 32, 5)
     LAUNCH.update(saved)
-    kernels.DX_HEADS = 16
+    kernels.GROUP_HEADS = 16
     case("plain", dtype, 1, 100, 1, 2, 16, 16, 6, scale=False, skip=False)
 
 # the summary is forward only

@@ -45,12 +45,12 @@ and is rounded once, as the eager op; dx is rounded once, from dv, dO in registe
 
 Tiles: the state kernels (one kernel, ssd_state_scan, both directions) run one program per (P block, N block, row *
 head), sequential over chunks (a state row depends only on its own row: the N blocks are independent). ssd_out_fwd
-runs one program per (P block, chunk, row * head), looping over N blocks. ssd_chunk_dx runs one program per (chunk,
-row * group, slice of the group's heads: at most DX_HEADS = 16 heads each, so that a one-group model's 128 heads
-take 8 programs per chunk): q kᵀ once, then the slice's heads in order, each by P blocks (dx, and dscale, dskip over
-the whole P, looping over N blocks for k dh_{c+1}), dO xᵀ once per head; dS summed in accumulator-dtype registers
-and stored once per slice in x's dtype ([slices, B, NT, G, 64, 64]: 1/16 of x's bytes at 16 heads of 64 per slice),
-the in-chunk dgam part per head. ssd_chunk_dqk then runs one program per (N block, chunk, row * group) for dq and dk
+and ssd_chunk_dx run one program per (chunk, row * group, slice of the group's heads: at most GROUP_HEADS = 16 heads
+each, so that a one-group model's 128 heads take 8 programs per chunk): q kᵀ once, then the slice's heads in order;
+out_fwd by P blocks, looping over N blocks for q h_c; chunk_dx each by P blocks (dx, and dscale, dskip over the
+whole P, looping over N blocks for k dh_{c+1}), dO xᵀ once per head; dS summed in accumulator-dtype registers and
+stored once per slice in x's dtype ([slices, B, NT, G, 64, 64]: 1/16 of x's bytes at 16 heads of 64 per slice), the
+in-chunk dgam part per head. ssd_chunk_dqk then runs one program per (N block, chunk, row * group) for dq and dk
 together (a one-group model's heads all in one program, as before the fusion): dS (its slices summed) k and dSᵀ q
 once, then per head in order the two state products (dO h_cᵀ, x dh_{c+1}ᵀ), added into two accumulator-dtype tiles
 stored once in the input dtype: deterministic, no atomics, no per-head copy in memory, dO xᵀ never recomputed, h and
@@ -74,14 +74,15 @@ LAUNCH: dict[str, dict[str, int]] = {
     "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
     "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
+    "out_fwd/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
     "chunk_dx": dict(BN=32, BP=16, num_warps=8, num_stages=1),
     "chunk_dx/fp32": dict(BN=16, BP=16, num_warps=8, num_stages=1),
     "chunk_dqk": dict(BN=64, BP=32, num_warps=8, num_stages=1),
     "chunk_dqk/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
 }
-# Heads of a group one chunk_dx program takes at most (the largest divisor of H / G up to it): a one-group model's
-# 128 heads in 8 programs per chunk, not one; the group's dS then in H / G / heads parts, summed by chunk_dqk.
-DX_HEADS = 16
+# Heads of a group one out_fwd or chunk_dx program takes at most (the largest divisor of H / G up to it): a one-group
+# model's 128 heads in 8 programs per chunk, not one; chunk_dx's dS then in one part per slice, summed by chunk_dqk.
+GROUP_HEADS = 16
 
 
 def _config(name: str, N: int, P: int, dtype: torch.dtype | None = None) -> tuple[dict[str, int], dict[str, int]]:
@@ -153,15 +154,6 @@ def ssd_state_scan_kernel(x, y, gam, scale, s0, s, st, resets, NT,
 
 
 @triton.jit
-def _chunk_head(gam, i_c, i_bh, NT, H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr):
-    """What a chunk kernel's program (chunk i_c, row * head i_bh) starts from: row, head, group, token rows, gam [BT]
-    and gl of the head."""
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    o_r, b_g, b_gl = _gates(gam, i_b, i_h, i_c, NT, H, BT)
-    return i_b, i_h, i_h // (H // G), o_r, b_g, b_gl
-
-
-@triton.jit
 def _gates(gam, i_b, i_h, i_c, NT, H: tl.constexpr, BT: tl.constexpr):
     """Token rows of chunk i_c, gam [BT] and gl of head i_h."""
     T = NT * BT
@@ -185,39 +177,59 @@ def _decay(b_g, BT: tl.constexpr):
     return tl.where(o_t[:, None] >= o_t[None, :], tl.exp(b_g[:, None] - b_g[None, :]), 0.)
 
 
+@triton.jit
+def _group_scores(q, k, i_b, i_c, i_g, NT, G: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  PREC: tl.constexpr, acc: tl.constexpr):
+    """q kᵀ [BT, BT] of chunk i_c and group i_g in the accumulator dtype, and the offset of the chunk's and group's
+    q, k (rows then N at int32 offsets o_t * G N + o_n from it)."""
+    o_t = tl.arange(0, BT)
+    o_qk0 = (i_b * NT * BT + i_c * BT) * G * N + i_g * N
+    b_qk = tl.zeros([BT, BT], dtype=acc)
+    for i_n in range(0, N, BN):
+        o_qk = o_t[:, None] * (G * N) + i_n + tl.arange(0, BN)[None, :]
+        b_qk += _mm(tl.load(q + o_qk0 + o_qk), tl.trans(tl.load(k + o_qk0 + o_qk)), PREC).to(acc)
+    return b_qk, o_qk0
+
+
 @triton.jit(do_not_specialize=["NT"])
 def ssd_out_fwd_kernel(q, k, x, gam, scale, skip, h, o, NT,
                        G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                       BN: tl.constexpr, BP: tl.constexpr, USE_SCALE: tl.constexpr, USE_SKIP: tl.constexpr,
-                       PREC: tl.constexpr):
-    """o = e^{gam} * (q h_c) + (D ∘ q kᵀ ∘ scaleᵀ) x (+ skip * x, added in the accumulator dtype), one [BT, BP] tile
-    of one chunk and head per program, rounded once to o's dtype. The value scale multiplies D's columns (before the
-    product rounds it to x's dtype), the skip weight the loaded x tile."""
-    i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h, i_g, o_r, b_g, _ = _chunk_head(gam, i_c, i_bh, NT, H, G, BT)
+                       BN: tl.constexpr, BP: tl.constexpr, HS: tl.constexpr, USE_SCALE: tl.constexpr,
+                       USE_SKIP: tl.constexpr, PREC: tl.constexpr):
+    """o = e^{gam} * (q h_c) + (D ∘ q kᵀ ∘ scaleᵀ) x (+ skip * x, added in the accumulator dtype), rounded once to
+    o's dtype; one chunk and 1 / HS of a group's heads per program (as ssd_chunk_dx), the group's scores q kᵀ formed
+    once, each head by [BT, BP] tiles. The value scale multiplies D's columns (before the product rounds it to x's
+    dtype), the skip weight the loaded x tile."""
+    i_c, i_bgs = tl.program_id(0), tl.program_id(1)
+    i_bg, i_s = i_bgs // HS, i_bgs % HS
+    i_b, i_g = (i_bg // G).to(tl.int64), i_bg % G
     acc = gam.dtype.element_ty
+    dt = x.dtype.element_ty
     T = NT * BT
-    o_p = i_p * BP + tl.arange(0, BP)
-    p_q = q + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
-    p_k = k + (i_b * T * G + i_g) * N + o_r[:, None] * (G * N)
-    p_h = h + ((i_b * NT + i_c) * H + i_h) * N * P + o_p[None, :]
-    b_qk = tl.zeros([BT, BT], dtype=acc)
-    b_o = tl.zeros([BT, BP], dtype=acc)
-    for i_n in range(0, N, BN):
-        o_n = i_n + tl.arange(0, BN)
-        b_q = tl.load(p_q + o_n[None, :])
-        b_k = tl.load(p_k + o_n[None, :])
-        b_qk += _mm(b_q, tl.trans(b_k), PREC).to(acc)
-        b_o += _mm(b_q, tl.load(p_h + o_n[:, None] * P), PREC).to(acc)
-    p_x = (i_b * T * H + i_h) * P + o_r[:, None] * (H * P) + o_p[None, :]  # x, o
-    b_x = tl.load(x + p_x)
-    b_a = b_qk * _decay(b_g, BT)
-    if USE_SCALE:
-        b_a *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[None, :]
-    b_o = b_o * tl.exp(b_g)[:, None] + _mm(b_a.to(b_x.dtype), b_x, PREC).to(acc)
-    if USE_SKIP:
-        b_o += _per_token(skip, i_b, i_h, o_r, NT, H, BT)[:, None] * b_x.to(acc)
-    tl.store(o + p_x, b_o.to(o.dtype.element_ty))
+    o_t = tl.arange(0, BT)
+    b_qk, o_qk0 = _group_scores(q, k, i_b, i_c, i_g, NT, G, N, BT, BN, PREC, acc)
+    for i_hh in range(H // G // HS):
+        i_h = i_g * (H // G) + i_s * (H // G // HS) + i_hh
+        o_r, b_g, _ = _gates(gam, i_b, i_h, i_c, NT, H, BT)
+        b_a = b_qk * _decay(b_g, BT)
+        if USE_SCALE:
+            b_a *= _per_token(scale, i_b, i_h, o_r, NT, H, BT)[None, :]
+        b_a = b_a.to(dt)
+        o_t0 = ((i_b * T + i_c * BT) * H + i_h) * P  # x, o of the chunk and head
+        o_s0 = ((i_b * NT + i_c) * H + i_h) * N * P  # h of the chunk and head
+        for i_p in range(0, P, BP):
+            o_p = i_p + tl.arange(0, BP)
+            b_o = tl.zeros([BT, BP], dtype=acc)
+            for i_n in range(0, N, BN):
+                o_n = i_n + tl.arange(0, BN)
+                b_q = tl.load(q + o_qk0 + o_t[:, None] * (G * N) + o_n[None, :])
+                b_o += _mm(b_q, tl.load(h + o_s0 + o_n[:, None] * P + o_p[None, :]), PREC).to(acc)
+            o_tp = o_t[:, None] * (H * P) + o_p[None, :]
+            b_x = tl.load(x + o_t0 + o_tp)
+            b_o = b_o * tl.exp(b_g)[:, None] + _mm(b_a, b_x, PREC).to(acc)
+            if USE_SKIP:
+                b_o += _per_token(skip, i_b, i_h, o_r, NT, H, BT)[:, None] * b_x.to(acc)
+            tl.store(o + o_t0 + o_tp, b_o.to(o.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["NT"])
@@ -240,11 +252,7 @@ def ssd_chunk_dx_kernel(q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dga
     dt = x.dtype.element_ty
     T = NT * BT
     o_t = tl.arange(0, BT)
-    o_qk0 = (i_b * T + i_c * BT) * G * N + i_g * N  # q, k of the chunk and group (int32 offsets from here)
-    b_qk = tl.zeros([BT, BT], dtype=acc)
-    for i_n in range(0, N, BN):
-        o_qk = o_t[:, None] * (G * N) + i_n + tl.arange(0, BN)[None, :]
-        b_qk += _mm(tl.load(q + o_qk0 + o_qk), tl.trans(tl.load(k + o_qk0 + o_qk)), PREC).to(acc)
+    b_qk, o_qk0 = _group_scores(q, k, i_b, i_c, i_g, NT, G, N, BT, BN, PREC, acc)
     b_ds = tl.zeros([BT, BT], dtype=acc)
     n_row = (tl.num_programs(1) // (G * HS)).to(tl.int64) * T * H  # one [B, Tp, H]
     for i_hh in range(H // G // HS):
@@ -355,6 +363,12 @@ def ssd_chunk_dqk_kernel(q, k, x, gam, scale, h, dh, do, ds, dq, dk, dgam, NT,
     tl.store(dk + p_x, b_dk.to(dk.dtype.element_ty))
 
 
+def _head_slices(rep: int) -> int:
+    """How many programs share the rep heads of a group in out_fwd and chunk_dx: each takes the largest divisor of
+    rep up to GROUP_HEADS."""
+    return rep // max(d for d in range(1, min(rep, GROUP_HEADS) + 1) if rep % d == 0)
+
+
 def _flags(x: torch.Tensor) -> dict:
     return {"PREC": {torch.float32: 1, torch.float64: 2}.get(x.dtype, 0)}
 
@@ -387,11 +401,11 @@ def out_fwd(q, k, x, gam, h, scale=None, skip=None):
     H, P = x.shape[2], x.shape[3]
     NT = Tp // BT
     o = torch.empty_like(x)
-    blocks, opts = _config("out_fwd", N, P)
-    ssd_out_fwd_kernel[(triton.cdiv(P, blocks["BP"]), NT, B * H)](q, k, x, gam, scale, skip, h, o, NT, G=G, H=H, N=N,
-                                                                  P=P, BT=BT, USE_SCALE=scale is not None,
-                                                                  USE_SKIP=skip is not None, **_flags(x), **blocks,
-                                                                  **opts)
+    HS = _head_slices(H // G)
+    blocks, opts = _config("out_fwd", N, P, x.dtype)
+    ssd_out_fwd_kernel[(NT, B * G * HS)](q, k, x, gam, scale, skip, h, o, NT, G=G, H=H, N=N, P=P, BT=BT, HS=HS,
+                                         USE_SCALE=scale is not None, USE_SKIP=skip is not None, **_flags(x),
+                                         **blocks, **opts)
     return o
 
 
@@ -415,8 +429,7 @@ def chunk_bwd(q, k, x, gam, h, dh, do, scale=None, skip=None):
                 if scale is not None or skip is not None else None)
     NB = triton.cdiv(N, _config("chunk_dqk", N, P, x.dtype)[0]["BN"])
     dgam = torch.empty(1 + NB, *gam.shape, device=gam.device, dtype=gam.dtype)
-    rep = H // G
-    HS = rep // max(d for d in range(1, min(rep, DX_HEADS) + 1) if rep % d == 0)  # slices of a group's heads
+    HS = _head_slices(H // G)
     ds = torch.empty(HS, B, NT, G, BT, BT, device=x.device, dtype=x.dtype)
     blocks, opts = _config("chunk_dx", N, P, x.dtype)
     ssd_chunk_dx_kernel[(NT, B * G * HS)](q, k, x, gam, scale, skip, dh, do, dx, dweights, ds, dgam, NT, G=G, H=H,
