@@ -59,7 +59,7 @@ def _inputs(op, shape, dtype):
     if op == "ssd":
         H, G, N, P = (shape[k] for k in "HGNP")
         x = RecurrenceInputs(r(1, T, G, N).to(dt), r(1, T, G, N).to(dt), r(1, T, H, P).to(dt), -r(1, T, H).abs(),
-                             r(1, T, H, P).to(dt))
+                             r(1, T, H).abs(), r(1, T, H))  # q, k, x, g, the value scale (dt), the skip weight (D)
         return x, r(1, H, N, P), (1, T, H, P)
     if op == "kda":
         H, K, V = (shape[k] for k in "HKV")

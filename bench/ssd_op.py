@@ -4,8 +4,9 @@ process (timing method: bench/timing.py).
 The op every stack computes, forward + backward (gradients of every input and of the entering state):
     dt = softplus(dt_raw + dt_bias); h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_tᵀ; y_t = C_t h_t + D x_t
 x [1, T, H, P], dt_raw [1, T, H], B, C [1, T, G, N] (G groups of heads), A, D, dt_bias [H], an entering state.
-- deltacp: the Mamba2 view's glue (`families/mamba2.py`: dt, v = dt x in the input dtype, g = dt A, the D skip) and
-  `TritonScalarDecay` (chunk 64);
+- deltacp: the Mamba2 view's glue (`families/mamba2.py`: dt = softplus(dt_raw + dt_bias) and g = dt A in fp32, D
+  expanded over the tokens: [T, H] work) and `TritonScalarDecay` (chunk 64), which reads x, dt and D and forms
+  v = dt x and the skip D x in its kernels (and dx, ddt, dD in its backward);
 - mamba_ssm: `mamba_chunk_scan_combined` (its Triton SSD kernels, chunk 128 and 256), when importable: its package
   root imports its CUDA selective-scan extension, so gpu_checks.sh stages a copy of its Triton files with an empty
   package root (.whl/mamba_ssm_triton; the guard is bypassed, the SSD kernels are unchanged);
@@ -69,9 +70,7 @@ def deltacp_op(backend):
 
     def run(x, dt_raw, dt_bias, A, B, C, D, h0):
         dt = F.softplus(dt_raw.float() + dt_bias.float())
-        x32 = x.float()
-        v = (x32 * dt[..., None]).to(x.dtype)
-        o, ht = rec.forward(RecurrenceInputs(C, B, v, dt * A.float(), D.float()[:, None] * x32), initial_state=h0,
+        o, ht = rec.forward(RecurrenceInputs(C, B, x, dt * A.float(), dt, D.float().expand_as(dt)), initial_state=h0,
                             output_final_state=True)
         return o, ht
 

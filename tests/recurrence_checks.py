@@ -16,7 +16,7 @@ def rel(a, b) -> float:
 
 
 def compare_case(name, dtype, tri, ref, vals, grad_names, seed, layout=None, strided=False) -> None:
-    """vals: the five inputs and the entering state in float64 (an optional input may be None: no gradient named
+    """vals: the recurrence's inputs, then the entering state, in float64 (an optional input may be None: no gradient named
     for it); the Triton side gets them in `dtype` (strided: as non-contiguous views of the same values), the eager
     side in float64; `seed`: the output cotangents'."""
     present = [x is not None for x in vals]
@@ -25,8 +25,9 @@ def compare_case(name, dtype, tri, ref, vals, grad_names, seed, layout=None, str
     if strided:
         xs = [x.mT.contiguous().mT if x is not None and x.dim() == 4 else x for x in xs]
     rs = [None if x is None else x.clone().requires_grad_() for x in vals]
-    o, ht = tri.forward(RecurrenceInputs(*xs[:5]), initial_state=xs[5], output_final_state=True, cu_seqlens=layout)
-    ro, rht = ref.forward(RecurrenceInputs(*rs[:5]), initial_state=rs[5], output_final_state=True,
+    o, ht = tri.forward(RecurrenceInputs(*xs[:-1]), initial_state=xs[-1], output_final_state=True,
+                        cu_seqlens=layout)
+    ro, rht = ref.forward(RecurrenceInputs(*rs[:-1]), initial_state=rs[-1], output_final_state=True,
                           cu_seqlens=layout)
     assert o.dtype == dtype and o.shape == ro.shape and ht.shape == rht.shape, (o.dtype, o.shape, ht.shape)
     out = {"o": rel(o, ro), "final_state": rel(ht, rht)}
@@ -39,8 +40,8 @@ def compare_case(name, dtype, tri, ref, vals, grad_names, seed, layout=None, str
     grs = [torch.zeros_like(x) if d is None else d for x, d in zip(rs_, grs)]  # h0 unused: a fresh first document
     for n, a, b in zip(grad_names, gs, grs):
         out[n] = rel(a, b) if b.norm() > 0 else a.norm().item()
-    x = RecurrenceInputs(*(None if t is None else t.detach() for t in xs[:5]))
-    rx = RecurrenceInputs(*vals[:5])
+    x = RecurrenceInputs(*(None if t is None else t.detach() for t in xs[:-1]))
+    rx = RecurrenceInputs(*vals[:-1])
     with torch.no_grad():
         m, s = tri.summary(x, cu_seqlens=layout)
         rm, rs_ = ref.summary(rx, cu_seqlens=layout)

@@ -10,7 +10,7 @@ tests, and the kernels themselves are generic in those.
 The same spawn runs the other recurrences' mixers on the Triton backend: a Mamba2 mixer (the fused conv over
 [x | B | C] with its three channel groups, the scalar-decay recurrence) and a KDA mixer (the fused conv over
 [q | k | v], the KDA kernels), in p2p and Ulysses (the modes with a Triton path; all_gather runs on eager only),
-against the single-device eager mixer: each view's Triton wiring (Mamba2: v = dt x rounded to the input dtype; KDA:
+against the single-device eager mixer: each view's Triton wiring (Mamba2: x, dt and D handed to the kernels; KDA:
 the per-channel gate and beta handed to the kernels) and each Triton recurrence in the modes (p2p's summary and
 dh_in passes, Ulysses' head slices, Mamba2's groups repeated); fp32, so the bound is fp32's.
 """

@@ -4,14 +4,18 @@ against the eager one (`ops/ssd/eager.py`) in float64 on the same values. Need t
 One subprocess (the interpreter must be on before triton loads; the rest of the suite runs compiled Triton) runs
 every case through `TritonScalarDecay` and prints one figure per quantity; the tests below read them:
   - shapes: B=2, T=100, G=1, H=4, N=16, P=16 and B=2, T=130, G=2, H=4, N=16, P=32 (partial last chunks, grouped
-    q/k), with an entering state and a skip (the first case's q, k, v, skip as non-contiguous views); one packed
-    row of three documents (57, 1, 72 tokens: a length-1 document, documents not aligned to 64), the first
-    continuing the entering state and not; B=1, T=100, G=2, H=6, N=P=32 without a skip, every kernel's blocks cut to
-    16 (LAUNCH): dq, dk summed over three heads per group in two N blocks (dgam in two parts, summed), o and dv in
-    two P blocks;
-  - per case: o and the final state, the gradients of q, k, v, g, skip and the entering state (by autograd through
-    the kernels' Function vs autograd of the eager op), the summary (M, S), the entering state's gradient from the
-    outputs alone (`initial_state_grad`);
+    q/k), with an entering state, the value scale (Mamba2's dt) and the skip weight (Mamba2's D, per token here)
+    (the first case's q, k, x as non-contiguous views; the second without the skip); one packed row of three
+    documents (57, 1, 72 tokens: a length-1 document, documents not aligned to 64), the first continuing the
+    entering state and not; B=1, T=100, G=2, H=6, N=P=32, every kernel's blocks cut to 16 (LAUNCH): the score
+    gradient and dq, dk summed over three heads per group, dq, dk in two N blocks (dgam in three parts: the in-chunk
+    one and one per N block, summed), q kᵀ, o and dx in two N and P blocks (dscale and dskip summed over them), each
+    head in its own out_fwd and chunk_dx program (GROUP_HEADS = 1: the score gradient in three parts, summed by
+    chunk_dqk);
+    B=1, T=100, G=1, H=2, N=P=16 with neither scale nor skip (v = x);
+  - per case: o and the final state, the gradients of q, k, x, g, scale, skip and the entering state (by autograd
+    through the kernels' Function vs autograd of the eager op), the summary (M, S), the entering state's gradient
+    from the outputs alone (`initial_state_grad`);
   - dtypes: float64 inputs (the kernels accumulate and multiply in fp64: bound 1e-10, the figures are ~1e-15) and
     float32 (fp32 accumulation; the interpreter's fp32 products: bound 1e-5, figures <= 3e-6, the largest M = exp of a
     sum of ~100 fp32 gates, and dg; fp32's unit roundoff is 6e-8 and a chunk sums 64 products).
@@ -47,6 +51,7 @@ from deltacp.ops.gdn.varlen import VarlenLayout
 from deltacp.ops.recurrence import RecurrenceInputs
 from deltacp.ops.ssd.eager import ScalarDecay
 from deltacp.ops.ssd.triton import TritonScalarDecay
+from deltacp.ops.ssd.triton import kernels
 from deltacp.ops.ssd.triton.kernels import LAUNCH
 
 tri, ref = TritonScalarDecay(), ScalarDecay()
@@ -55,33 +60,37 @@ def inputs(B, T, G, H, N, P, seed):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     A = -torch.empty(H, dtype=torch.float64).uniform_(-1, 1, generator=gen).exp()
-    g = F.softplus(r(B, T, H)) * A
-    return r(B, T, G, N), r(B, T, G, N), r(B, T, H, P), g, r(B, T, H, P), r(B, H, N, P)
+    dt = F.softplus(r(B, T, H))
+    return r(B, T, G, N), r(B, T, G, N), r(B, T, H, P), dt * A, dt, r(B, T, H), r(B, H, N, P)
 
-def case(name, dtype, B, T, G, H, N, P, seed, cu=None, first_continues=True, strided=False, skip=True):
+def case(name, dtype, B, T, G, H, N, P, seed, cu=None, first_continues=True, strided=False, scale=True, skip=True):
     lay = None if cu is None else VarlenLayout.build(torch.tensor(cu), T, first_continues=first_continues)
     vals = list(inputs(B, T, G, H, N, P, seed))
-    if not skip:
-        vals[4] = None
-    compare_case(name, dtype, tri, ref, vals, ("dq", "dk", "dv", "dg", "dskip", "dh0"), seed + 1, lay, strided)
+    vals[4] = vals[4] if scale else None
+    vals[5] = vals[5] if skip else None
+    compare_case(name, dtype, tri, ref, vals, ("dq", "dk", "dx", "dg", "dscale", "dskip", "dh0"), seed + 1, lay,
+                 strided)
 
 for dtype in (torch.float64, torch.float32):
     case("T100_G1_P16", dtype, 2, 100, 1, 4, 16, 16, 0, strided=True)
-    case("T130_G2_P32", dtype, 2, 130, 2, 4, 16, 32, 1)
+    case("T130_G2_P32_noskip", dtype, 2, 130, 2, 4, 16, 32, 1, skip=False)
     case("packed3", dtype, 1, 130, 2, 4, 16, 32, 2, cu=[0, 57, 58, 130])
     case("packed3_fresh", dtype, 1, 130, 2, 4, 16, 32, 3, cu=[0, 57, 58, 130], first_continues=False)
-    # blocks of 16 over N = P = 32: dq, dk and dgam in two N blocks (dgam's parts summed), o and dv in two P blocks;
-    # no skip term
+    # blocks of 16 over N = P = 32: dq, dk and dgam in two N blocks (dgam's parts summed), o and dx in two P blocks
+    # (dscale and dskip summed over them), q kᵀ and k dh in two N steps
     saved = {n: dict(c) for n, c in LAUNCH.items()}
     for c in LAUNCH.values():
         c.update(BN=16, BP=16)
-    case("blocks16_noskip", dtype, 1, 100, 2, 6, 32, 32, 5, skip=False)
+    kernels.GROUP_HEADS = 1  # each of a group's three heads in its own program: dS in three parts, summed
+    case("blocks16", dtype, 1, 100, 2, 6, 32, 32, 5)
     LAUNCH.update(saved)
+    kernels.GROUP_HEADS = 16
+    case("plain", dtype, 1, 100, 1, 2, 16, 16, 6, scale=False, skip=False)
 
 # the summary is forward only
-q, k, v, g, skip, h0 = (t.float() for t in inputs(1, 70, 1, 2, 16, 16, 4))
+q, k, x, g, scale, skip, h0 = (t.float() for t in inputs(1, 70, 1, 2, 16, 16, 4))
 try:
-    tri.summary(RecurrenceInputs(q, k.requires_grad_(), v, g, skip))
+    tri.summary(RecurrenceInputs(q, k, x, g, scale.requires_grad_(), skip))
     print("SUMMARY_GRAD no error")
 except RuntimeError as e:
     print("SUMMARY_GRAD", "no backward" in str(e))
@@ -98,9 +107,9 @@ def figures():
     return interpreter_figures(_CODE)
 
 
-CASES = ("T100_G1_P16", "T130_G2_P32", "packed3", "packed3_fresh", "blocks16_noskip")
+CASES = ("T100_G1_P16", "T130_G2_P32_noskip", "packed3", "packed3_fresh", "blocks16", "plain")
 PARTS = {"forward": ("o", "final_state"),
-         "gradients": ("dq", "dk", "dv", "dg", "dskip", "dh0"),
+         "gradients": ("dq", "dk", "dx", "dg", "dscale", "dskip", "dh0"),
          "summary_and_initial_state_grad": ("summary_M", "summary_S", "initial_state_grad")}
 
 
@@ -110,7 +119,9 @@ PARTS = {"forward": ("o", "final_state"),
 @pytest.mark.parametrize("case", CASES)
 def test_vs_eager_fp64(figures, case, dtype, part):
     """The part's figures (forward; gradients by autograd; the contract's summary and dh0 from the outputs)."""
-    names = [n for n in PARTS[part] if not (case.endswith("noskip") and n == "dskip")]
+    absent = {"T130_G2_P32_noskip": ("dskip",), "plain": ("dscale", "dskip")}.get(case, ())
+    names = [n for n in PARTS[part] if n not in absent]
+    assert all((case, dtype, n) in figures for n in names), f"{case} {dtype}: a figure is missing"
     bad = {n: figures[(case, dtype, n)] for n in names if not figures[(case, dtype, n)] <= BOUNDS[dtype]}
     assert not bad, f"{case} {dtype}: above {BOUNDS[dtype]:.0e}: {bad}"
 
@@ -135,7 +146,8 @@ def _x(B=1, T=8, G=1, H=2, N=16, P=16, dtype=torch.bfloat16, g_dtype=torch.float
     from deltacp.ops.recurrence import RecurrenceInputs
 
     return RecurrenceInputs(torch.zeros(B, T, G, N, dtype=dtype), torch.zeros(B, T, G, N, dtype=dtype),
-                            torch.zeros(B, T, H, P, dtype=dtype), torch.zeros(B, T, H, dtype=g_dtype), None)
+                            torch.zeros(B, T, H, P, dtype=dtype), torch.zeros(B, T, H, dtype=g_dtype),
+                            torch.zeros(B, T, H, dtype=g_dtype), torch.zeros(B, T, H))
 
 
 @pytest.mark.fast
@@ -156,11 +168,17 @@ def test_check_refuses_outside_the_contract(monkeypatch):
                      (_x(H=3, G=2), "multiple of the groups")):
         with pytest.raises(ValueError, match=match):
             rec.check(x)
-    q, k, v, g, _ = _x().tensors
+    q, k, x, g, scale, skip = _x().tensors
     from deltacp.ops.recurrence import RecurrenceInputs
 
     with pytest.raises(ValueError, match="one dtype"):
-        rec.check(RecurrenceInputs(q, k, v.float(), g, None))
+        rec.check(RecurrenceInputs(q, k, x.float(), g, None, None))
+    with pytest.raises(ValueError, match="skip must be shaped as g"):
+        rec.check(RecurrenceInputs(q, k, x, g, scale, x))
+    with pytest.raises(ValueError, match=r"scale.dtype in .*float32.*; got torch.int32"):
+        rec.check(RecurrenceInputs(q, k, x, g, scale.int(), skip))
+    with pytest.raises(ValueError, match="six inputs"):
+        rec.check(RecurrenceInputs(q, k, x, g, skip))
     with pytest.raises(TypeError, match="stages nothing"):
         rec.prepared_from_saved(())
 

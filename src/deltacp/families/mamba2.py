@@ -1,7 +1,8 @@
 """What every Mamba2 (SSD) mixer of transformers 5.25 shares, read through one family's module: the head layout (the
 pre-conv channels [x | B | C]: x per head, B and C per group of heads, `n_groups` in the role of key heads), the
-inputs of the scalar-decay recurrence (`ops/ssd/eager.py`: k = B, q = C, v = dt x, g = dt A, skip = D x, with
-dt = softplus(dt_raw + dt_bias) clamped to `time_step_limit` and A = -exp(A_log)) on the eager or the Triton backend
+inputs of the scalar-decay recurrence (`ops/ssd/eager.py`: k = B, q = C, x, g = dt A, the value scale dt and the skip
+weight D, with dt = softplus(dt_raw + dt_bias) clamped to `time_step_limit` and A = -exp(A_log); the recurrence forms
+v = dt x and the skip D x where it reads x, so no [B, T, H, P] tensor is made here) on the eager or the Triton backend
 (`ops/ssd/triton`), and the output path (the module's own gated RMSNorm, then the output projection).
 
 Padding: transformers zeroes padded tokens' hidden states before `in_proj` and multiplies the conv's output by the
@@ -62,11 +63,7 @@ class Mamba2View(LinearMixerView):
         lo, hi = m.time_step_limit
         dt = F.softplus(extras_BnHX[..., 0].to(dt_) + m.dt_bias[heads].to(dt_)).clamp(min=lo, max=hi)
         a = -m.A_log[heads].to(dt_).exp()
-        x32 = x.to(dt_)
-        v = x32 * dt[..., None]
-        if backend.name == "triton":  # its kernels take q, k, v of one dtype: dt x rounded to x's, as C and B are
-            v = v.to(x.dtype)
-        return RecurrenceInputs(c, b, v, dt * a, m.D[heads].to(dt_)[:, None] * x32)
+        return RecurrenceInputs(c, b, x, dt * a, dt, m.D[heads].to(dt_).expand_as(dt))
 
     def recurrence(self, backend):
         if backend.name == "triton":

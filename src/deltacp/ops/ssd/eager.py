@@ -1,10 +1,13 @@
 """Eager (pure PyTorch) chunked scalar-decay recurrence: the reference of Mamba2's SSD under the recurrence contract.
 
-    h_t = exp(g_t) h_{t-1} + k_t v_tᵀ          h [B, H, N, P]  (N: state rows, the contract's K; P: its V)
-    o_t = h_tᵀ q_t + skip_t
+    h_t = exp(g_t) h_{t-1} + k_t v_tᵀ,   v_t = scale_t x_t     h [B, H, N, P]  (N: state rows, the contract's K;
+    o_t = h_tᵀ q_t + skip_t x_t                                                  P: its V)
 
-Mamba2 maps onto it as: k = B_t, q = C_t (shared by groups of heads: q, k [B, T, G, N], each group serving H / G
-consecutive heads), v = dt_t x_t [B, T, H, P], g = dt_t A (one log decay per head and token, <= 0), skip = D x_t.
+Inputs (q, k, x, g, scale, skip): q, k [B, T, G, N] (shared by groups of heads, each group serving H / G consecutive
+heads), x [B, T, H, P], and per head and token g (the log decay, <= 0), scale (the value scale; None: 1) and skip
+(the skip weight; None: no skip term), each [B, T, H]. The scales act on x where it is read, so a backend need not
+hold v = scale x, nor the skip term, as a [B, T, H, P] tensor: Mamba2 maps onto it as k = B_t, q = C_t, x its x_t,
+g = dt_t A, scale = dt_t, skip = D (per head, expanded over the tokens).
 M, the effect of a segment on the entering state, is the scalar exp(sum g) per head (`Transition("scalar")`),
 zero where a document starts inside the segment.
 
@@ -48,25 +51,33 @@ def _chunks(q, k, v, g):
     return q, k, v, gam, T
 
 
-def _check(q, k, v, g, skip):
-    if k.dim() != 4 or v.dim() != 4 or g.shape != v.shape[:3] or (q is not None and q.shape != k.shape):
-        raise ValueError(f"the scalar-decay recurrence takes q, k [B, T, G, N], v [B, T, H, P], g [B, T, H]; got "
-                         f"q {None if q is None else tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+def _check(q, k, x, g, scale, skip):
+    if k.dim() != 4 or x.dim() != 4 or g.shape != x.shape[:3] or (q is not None and q.shape != k.shape):
+        raise ValueError(f"the scalar-decay recurrence takes q, k [B, T, G, N], x [B, T, H, P], g [B, T, H]; got "
+                         f"q {None if q is None else tuple(q.shape)}, k {tuple(k.shape)}, x {tuple(x.shape)}, "
                          f"g {tuple(g.shape)}")
-    if v.shape[2] % k.shape[2]:
-        raise ValueError(f"heads ({v.shape[2]}) must be a multiple of the groups of q/k ({k.shape[2]})")
-    if skip is not None and skip.shape != v.shape:
-        raise ValueError(f"skip must be shaped as v {tuple(v.shape)}, got {tuple(skip.shape)}")
+    if x.shape[2] % k.shape[2]:
+        raise ValueError(f"heads ({x.shape[2]}) must be a multiple of the groups of q/k ({k.shape[2]})")
+    for name, t in (("scale", scale), ("skip", skip)):
+        if t is not None and t.shape != g.shape:
+            raise ValueError(f"{name} must be shaped as g {tuple(g.shape)} (one weight per head and token), got "
+                             f"{tuple(t.shape)}")
 
 
-def chunk_scalar_decay(q, k, v, g, skip=None, *, initial_state=None, output_final_state=False,
+def _values(x, scale):
+    """v = scale x in the compute dtype (x itself without a scale)."""
+    return x if scale is None else x.to(compute_dtype(x)) * scale.to(compute_dtype(x))[..., None]
+
+
+def chunk_scalar_decay(q, k, x, g, scale=None, skip=None, *, initial_state=None, output_final_state=False,
                        cu_seqlens: torch.Tensor | VarlenLayout | None = None):
-    """(o [B, T, H, P] in v's dtype, final state [B, H, N, P] or None); differentiable in every input and the
-    entering state."""
-    _check(q, k, v, g, skip)
+    """(o [B, T, H, P] in the dtype of v = scale x (the compute dtype with a scale, else x's), final state
+    [B, H, N, P] or None); differentiable in every input and the entering state."""
+    _check(q, k, x, g, scale, skip)
+    v = _values(x, scale)
     layout = as_layout(cu_seqlens, v.shape[1])
     if layout is not None:
-        q, k, v_in, g = (layout.to_chunks(x) for x in (q, k, v, g))
+        q, k, v_in, g = (layout.to_chunks(t) for t in (q, k, v, g))
     else:
         v_in = v
     qc, kc, vc, gam, T = _chunks(q, k, v_in, g)
@@ -89,17 +100,18 @@ def chunk_scalar_decay(q, k, v, g, skip=None, *, initial_state=None, output_fina
     if layout is not None:
         o = layout.from_chunks(o)
     if skip is not None:
-        o = o + skip.to(o.dtype)
+        o = o + skip.to(o.dtype)[..., None] * x.to(o.dtype)
     return o.to(v.dtype), (h if output_final_state else None)
 
 
-def summary_scalar_decay(k, v, g, *, need_transition=True, cu_seqlens=None):
+def summary_scalar_decay(k, x, g, scale=None, *, need_transition=True, cu_seqlens=None):
     """(M packed [B, H, N, 1] or None, S [B, H, N, P]): h_out = M h_in + S for this segment; M = 0 when a document
     starts inside it (or the first does not continue)."""
-    _check(None, k, v, g, None)
+    _check(None, k, x, g, scale, None)
+    v = _values(x, scale)
     layout = as_layout(cu_seqlens, v.shape[1])
     if layout is not None:
-        k, v, g = (layout.to_chunks(x) for x in (k, v, g))
+        k, v, g = (layout.to_chunks(t) for t in (k, v, g))
     _, kc, vc, gam, _ = _chunks(None, k, v, g)
     B, H, n, C, N = kc.shape
     k_tail = kc * (gam[..., -1:] - gam).exp()[..., None]
@@ -115,23 +127,24 @@ def summary_scalar_decay(k, v, g, *, need_transition=True, cu_seqlens=None):
     return (SCALAR.pack(m, N) if need_transition else None), s
 
 
-def initial_state_grad(q, k, v, g, grad_o, *, cu_seqlens=None) -> torch.Tensor:
-    """d sum(o * grad_o) / dh0, by autograd from a zero h0 (o is affine in h0); the skip does not read h0."""
-    B, H, N, P = v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
-    layout = as_layout(cu_seqlens, v.shape[1])
+def initial_state_grad(q, k, x, g, grad_o, *, cu_seqlens=None) -> torch.Tensor:
+    """d sum(o * grad_o) / dh0, by autograd from a zero h0 (o is affine in h0, with a coefficient free of the
+    values, their scale and the skip: none of them is read)."""
+    B, H, N, P = x.shape[0], x.shape[2], k.shape[-1], x.shape[-1]
+    layout = as_layout(cu_seqlens, x.shape[1])
     if layout is not None and layout.chunk_resets[0]:
-        return torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device)
+        return torch.zeros(B, H, N, P, dtype=compute_dtype(x), device=x.device)
     with torch.enable_grad():
-        h0 = torch.zeros(B, H, N, P, dtype=compute_dtype(v), device=v.device, requires_grad=True)
-        o, _ = chunk_scalar_decay(q.detach(), k.detach(), v.detach(), g.detach(), initial_state=h0,
+        h0 = torch.zeros(B, H, N, P, dtype=compute_dtype(x), device=x.device, requires_grad=True)
+        o, _ = chunk_scalar_decay(q.detach(), k.detach(), x.detach(), g.detach(), initial_state=h0,
                                   cu_seqlens=layout)
         return torch.autograd.grad(o, h0, grad_o)[0]
 
 
 class ScalarDecay:
-    """The scalar-decay recurrence under the contract (`ops/recurrence.py`), eager: inputs (q, k, v, g, skip) with
-    skip optional (None: no skip term); M scalar per head. A backend of other kernels (`ops/ssd/triton`) subclasses
-    it, giving its own ops (`_op`) and checks."""
+    """The scalar-decay recurrence under the contract (`ops/recurrence.py`), eager: inputs (q, k, x, g, scale, skip)
+    with scale and skip optional (None: v = x; no skip term); M scalar per head. A backend of other kernels
+    (`ops/ssd/triton`) subclasses it, giving its own ops (`_op`) and checks."""
 
     transition = SCALAR
     name = "eager"
@@ -141,18 +154,25 @@ class ScalarDecay:
         return globals()[name]
 
     def check(self, x: RecurrenceInputs) -> None:
-        q, k, v, g, skip = x.tensors
-        _check(q, k, v, g, skip)
+        q, k, v, g, scale, skip = self._unpack(x)
+        _check(q, k, v, g, scale, skip)
         if not v.is_floating_point():
             raise ValueError(f"the scalar-decay recurrence needs floating-point inputs, got {v.dtype}")
 
     def state_shape(self, x: RecurrenceInputs) -> tuple[int, ...]:
-        q, k, v, g, skip = x.tensors
+        q, k, v, g, scale, skip = self._unpack(x)
         return (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+
+    @staticmethod
+    def _unpack(x: RecurrenceInputs) -> tuple:
+        if len(x) != 6:
+            raise ValueError(f"the scalar-decay recurrence takes six inputs (q, k, x, g, scale, skip; scale and skip "
+                             f"may be None), got {len(x)}")
+        return x.tensors
 
     def forward(self, x, *, initial_state=None, output_final_state=False, prepared=None, cu_seqlens=None):
         self._no_prepared(prepared)
-        _check(*x.tensors)
+        _check(*self._unpack(x))
         return self._op("chunk_scalar_decay")(*x, initial_state=initial_state, output_final_state=output_final_state,
                                               cu_seqlens=cu_seqlens)
 
@@ -164,15 +184,16 @@ class ScalarDecay:
 
     def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
         self._no_prepared(prepared)
-        q, k, v, g, skip = x.tensors
-        _check(None, k, v, g, None)
-        return self._op("summary_scalar_decay")(k, v, g, need_transition=need_transition, cu_seqlens=cu_seqlens)
+        q, k, v, g, scale, skip = self._unpack(x)
+        _check(None, k, v, g, scale, None)
+        return self._op("summary_scalar_decay")(k, v, g, scale, need_transition=need_transition,
+                                                cu_seqlens=cu_seqlens)
 
     def initial_state_grad(self, x, grad_o, *, prepared=None, cu_seqlens=None):
-        """d sum(o * grad_o) / dh0 (the skip does not read h0)."""
+        """d sum(o * grad_o) / dh0 (neither the values' scale nor the skip enters it)."""
         self._no_prepared(prepared)
-        q, k, v, g, skip = x.tensors
-        _check(q, k, v, g, None)
+        q, k, v, g, scale, skip = self._unpack(x)
+        _check(q, k, v, g, None, None)
         return self._op("initial_state_grad")(q, k, v, g, grad_o, cu_seqlens=cu_seqlens)
 
     def _no_prepared(self, prepared) -> None:

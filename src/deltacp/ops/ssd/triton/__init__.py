@@ -6,9 +6,9 @@ Importing this package imports no Triton: the kernels load on first use.
     chunk.py    the autograd Function and the public ops (forward, summary, entering state's gradient)
 
 Contract (`check`, before any launch; never falls back; `ops/triton_inputs.py`): CUDA tensors (or
-TRITON_INTERPRET=1, for tests); q, k, v of one dtype among bf16, fp16, fp32 (the skip any of those), g a floating
-dtype (cast to fp32); state size N in STATE_SIZES,
-head dim P in HEAD_DIMS; heads a multiple of the groups. `cu_seqlens`: None, document offsets of one packed row,
+TRITON_INTERPRET=1, for tests); q, k, x of one dtype among bf16, fp16, fp32; the per-token weights g, scale, skip
+any floating dtype (cast to fp32); state size N in STATE_SIZES, head dim P in HEAD_DIMS; heads a multiple of the
+groups. `cu_seqlens`: None, document offsets of one packed row,
 or a `VarlenLayout`, as the eager op.
 """
 
@@ -21,17 +21,17 @@ STATE_SIZES = (16, 32, 64, 128, 256)
 HEAD_DIMS = (16, 32, 64, 128)
 
 
-def check_triton_scalar_decay(q, k, v, g, skip) -> None:
+def check_triton_scalar_decay(q, k, x, g, scale, skip) -> None:
     """Raise ValueError naming the offending value and the allowed ones if the inputs are outside the contract."""
-    _check(q, k, v, g, skip)
-    check_triton_inputs("the Triton scalar-decay recurrence", (("q", q), ("k", k), ("v", v), ("skip", skip)),
-                        (("g", g),), (("state size", "N", k.shape[-1], STATE_SIZES),
-                                      ("head dim", "P", v.shape[-1], HEAD_DIMS)))
+    _check(q, k, x, g, scale, skip)
+    check_triton_inputs("the Triton scalar-decay recurrence", (("q", q), ("k", k), ("x", x)),
+                        (("g", g), ("scale", scale), ("skip", skip)),
+                        (("state size", "N", k.shape[-1], STATE_SIZES), ("head dim", "P", x.shape[-1], HEAD_DIMS)))
 
 
 class TritonScalarDecay(ScalarDecay):
-    """The scalar-decay recurrence under the contract (`ops/recurrence.py`) on Triton: inputs (q, k, v, g, skip),
-    skip optional; M scalar per head. As `eager.ScalarDecay`, but: the summary is forward only (differentiating it
+    """The scalar-decay recurrence under the contract (`ops/recurrence.py`) on Triton: inputs (q, k, x, g, scale,
+    skip), scale and skip optional; M scalar per head. As `eager.ScalarDecay`, but: the summary is forward only (differentiating it
     raises, as the Triton GDN backend's), states and summaries are fp32 (fp64 for fp64 inputs)."""
 
     name = "triton"
@@ -43,7 +43,7 @@ class TritonScalarDecay(ScalarDecay):
 
     def check(self, x) -> None:
         super().check(x)
-        check_triton_scalar_decay(*x.tensors)
+        check_triton_scalar_decay(*self._unpack(x))
 
 
 __all__ = ["TritonScalarDecay", "check_triton_scalar_decay", "STATE_SIZES", "HEAD_DIMS"]
