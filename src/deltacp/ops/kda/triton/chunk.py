@@ -45,7 +45,7 @@ class KDAFunction(torch.autograd.Function):
         h, vn, _ = state_fwd(w, u, k, gam, h0, resets=resets)
         do = do.to(gam.dtype).contiguous()
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
-        dvl = dv_local(q, p, do)
+        dvl = dv_local(q, p, do, v.dtype)
         dh, dvn, dh0 = state_bwd(q, k, gam, w, do, dvl, dht, need_dh0=h0 is not None, resets=resets)
         dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgam, dbeta.to(beta.dtype),
@@ -121,6 +121,6 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
     q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
     (do,) = _laid_out(layout, T, grad_o.to(acc))
     _, p, w, _ = wy_fwd(q, k, v, gam, beta)
-    dvl = dv_local(q, p, do)
+    dvl = dv_local(q, p, do, v.dtype)
     _, _, dh0 = state_bwd(q, k, gam, w, do, dvl, None, store=False, need_dh0=True, resets=_resets(layout, v.device))
     return dh0

@@ -45,29 +45,30 @@ import triton.language as tl
 
 BT = 64  # the chunk
 BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks)
-BK = 64  # the per-chunk kernels' key-channel block (clipped to K)
-BV = 32  # the value-column block (clipped to V)
 
-# Launch configurations. The state kernels pipeline two chunks at most: three stages of their fp32 [64, K] tiles
-# need 246,784 bytes of shared memory at K = 128, over a Hopper program's 232,448 (Triton 3.6 refused to launch
-# them on an H100, 2026-12-06; bench/kernel_resources.py finds the same offline).
+# Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py so that at K = V =
+# 128 no kernel spills (bf16 inputs; fp32 inputs: see _prec) and each has shared memory to spare under a Hopper
+# program's 232,448 bytes. The state kernels hold the state as two [64, BV] row blocks at K = 128.
 LAUNCH: dict[str, dict[str, int]] = {
-    "wy_fwd": dict(num_warps=4, num_stages=2),
-    "state_fwd": dict(num_warps=4, num_stages=2),
-    "out_fwd": dict(num_warps=4, num_stages=2),
-    "state_bwd": dict(num_warps=4, num_stages=2),
-    "bwd_wy": dict(num_warps=4, num_stages=2),
-    "bwd_intra": dict(num_warps=4, num_stages=2),
+    "wy_fwd": dict(num_warps=8, num_stages=2, BK=16, BV=32),
+    "state_fwd": dict(num_warps=4, num_stages=2, BV=16),
+    "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
+    "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
+    "bwd_wy": dict(num_warps=8, num_stages=1, BK=16, BV=32),
+    "bwd_intra": dict(num_warps=8, num_stages=2, BK=16),
 }
 
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """a @ b, operands in the accumulator dtype. PREC 1: fp32 (three tf32 products, about fp32); 2: fp64."""
+    """a @ b, operands in the accumulator dtype. PREC 0: one tf32 product (bf16 / fp16 inputs); 1: three tf32
+    products, about fp32 (fp32 inputs); 2: fp64 (fp64 inputs, the interpreter tests)."""
     if PREC == 2:
         return tl.dot(a, b, out_dtype=tl.float64)
-    else:
+    elif PREC == 1:
         return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit
@@ -96,6 +97,20 @@ def _row(ptr, j, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: t
 def _vec(ptr, o_r, i_b, i_c, i_h, Tp, H: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
     """[len(o_r)]: rows o_r of chunk i_c, head i_h of a [B, Tp, H] tensor."""
     return tl.load(ptr + ((i_b * Tp + i_c * BT + o_r) * H + i_h)).to(acc)
+
+
+@triton.jit
+def _vec_at(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_r)]: elements (o_r, o_d) (rows of chunk i_c, head i_h) of a [B, Tp, H, D] tensor."""
+    r = (i_b * Tp + i_c * BT + o_r).to(tl.int64)
+    return tl.load(ptr + (r * H + i_h) * D + o_d).to(acc)
+
+
+@triton.jit
+def _load_t(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_d), len(o_r)]: the transpose of `_load`'s tile, read transposed."""
+    r = (i_b * Tp + i_c * BT + o_r).to(tl.int64)
+    return tl.load(ptr + (r[None, :] * H + i_h) * D + o_d[:, None]).to(acc)
 
 
 @triton.jit
@@ -148,7 +163,7 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: t
         b_g = _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
         if HAS_Q:
             b_q = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        for jb in tl.static_range(BT // BS - 1):
+        for jb in range(BT // BS - 1):  # a loop, not unrolled: one sub-chunk's factors live at a time
             up, down = _through(b_g, gam, jb, o_k, i_b, i_c, i_h, Tp, H, K, BT, BS, acc)
             b_kd = tl.trans(b_k * down)
             b_a += _dot(b_k * up, b_kd, PREC)
@@ -178,39 +193,69 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: t
         _store(u, _dot(b_t, b_y, PREC), o_v, i_b, i_c, i_h, Tp, H, V, BT)
 
 
+@triton.jit
+def _state_ptrs(ptr, i_n, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """Pointers to rows o_k, columns o_v of state i_n of a [N, K, V] stack of states."""
+    return ptr + i_n * K * V + o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def _state_in(b_h, k, gam, b_vn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+              acc: tl.constexpr, PREC: tl.constexpr):
+    """Rows o_k of e^{gl} h + (k e^{gl - gam})ᵀ vn: the state leaving the chunk (the transposed factor read
+    transposed: no transpose in registers)."""
+    o_t = tl.arange(0, BT)
+    b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    b_kt = _load_t(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+        * tl.exp(b_gl[:, None] - _load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    return b_h * tl.exp(b_gl)[:, None] + _dot(b_kt, b_vn, PREC)
+
+
 @triton.jit(do_not_specialize=["NT"])
 def kda_state_fwd_kernel(w, u, k, gam, h0, h, vn, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                          HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
                          STORE_HT: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
-    """h [K, BV] through the chunks. V: the state's columns (the values; K for the summary's M, HAS_U False)."""
+    """h [K, BV] through the chunks, as two [BK, BV] row blocks when K = 2 BK (h1, h2). V: the state's columns (the
+    values; K for the summary's M, HAS_U False)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = gam.dtype.element_ty
     Tp = NT * BT
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
+    o_k1 = tl.arange(0, BK)
+    o_k2 = BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_state = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([K, BV], dtype=acc)
+    TWO: tl.constexpr = K == 2 * BK
+    b_h1 = tl.zeros([BK, BV], dtype=acc)
+    b_h2 = tl.zeros([BK, BV], dtype=acc)
     if USE_H0:
-        b_h += tl.load(h0 + p_state).to(acc)
+        b_h1 += tl.load(_state_ptrs(h0, i_b * H + i_h, o_k1, o_v, K, V)).to(acc)
+        if TWO:
+            b_h2 += tl.load(_state_ptrs(h0, i_b * H + i_h, o_k2, o_v, K, V)).to(acc)
     for i_c in range(NT):
         if RESETS:
-            b_h = tl.where(tl.load(resets + i_c) != 0, 0., b_h)
+            reset = tl.load(resets + i_c) != 0
+            b_h1 = tl.where(reset, 0., b_h1)
+            b_h2 = tl.where(reset, 0., b_h2)
         if STORE_H:
-            tl.store(h + ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_h)
-        b_vn = -_dot(_load(w, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h, PREC)
+            tl.store(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k1, o_v, K, V), b_h1)
+            if TWO:
+                tl.store(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k2, o_v, K, V), b_h2)
+        b_vn = -_dot(_load(w, o_t, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h1, PREC)
+        if TWO:
+            b_vn -= _dot(_load(w, o_t, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h2, PREC)
         if HAS_U:
             b_vn += _load(u, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
         if STORE_VN:
             _store(vn, b_vn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
-        b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        b_kt = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-            * tl.exp(b_gl[None, :] - _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
-        b_h = b_h * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kt), b_vn, PREC)
+        b_h1 = _state_in(b_h1, k, gam, b_vn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if TWO:
+            b_h2 = _state_in(b_h2, k, gam, b_vn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
     if STORE_HT:
-        tl.store(ht + p_state, b_h)
+        tl.store(_state_ptrs(ht, i_b * H + i_h, o_k1, o_v, K, V), b_h1)
+        if TWO:
+            tl.store(_state_ptrs(ht, i_b * H + i_h, o_k2, o_v, K, V), b_h2)
 
 
 @triton.jit(do_not_specialize=["NT"])
@@ -237,40 +282,74 @@ def kda_out_fwd_kernel(q, gam, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.const
     _store(o, b_o, o_v, i_b, i_c, i_h, Tp, H, V, BT)
 
 
+@triton.jit
+def _kt_dh(b_dh, k, gam, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+           acc: tl.constexpr, PREC: tl.constexpr):
+    """(k e^{gl - gam})[:, o_k] dh[o_k]: the part of dvn through rows o_k of the state leaving the chunk."""
+    o_t = tl.arange(0, BT)
+    b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    b_kt = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+        * tl.exp(b_gl[None, :] - _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    return _dot(b_kt, b_dh, PREC)
+
+
+@triton.jit
+def _state_out_grad(b_dh, q, gam, w, b_do, b_dvn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr,
+                    BT: tl.constexpr, acc: tl.constexpr, PREC: tl.constexpr):
+    """Rows o_k of e^{gl} dh + (q e^{gam})ᵀ dO - Wᵀ dvn: the gradient of the state entering the chunk."""
+    o_t = tl.arange(0, BT)
+    b_qg = _load_t(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+        * tl.exp(_load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    b_dh = b_dh * tl.exp(_row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))[:, None] \
+        + _dot(b_qg, b_do, PREC)
+    return b_dh - _dot(_load_t(w, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc), b_dvn, PREC)
+
+
 @triton.jit(do_not_specialize=["NT"])
 def kda_state_bwd_kernel(q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
-                         STORE: tl.constexpr, STORE_DH0: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         USE_DHT: tl.constexpr, STORE: tl.constexpr, STORE_DH0: tl.constexpr, RESETS: tl.constexpr,
+                         PREC: tl.constexpr):
+    """dh [K, BV] back through the chunks, as two [BK, BV] row blocks when K = 2 BK (dh1, dh2)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = gam.dtype.element_ty
     Tp = NT * BT
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
+    o_k1 = tl.arange(0, BK)
+    o_k2 = BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_state = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([K, BV], dtype=acc)
+    TWO: tl.constexpr = K == 2 * BK
+    b_dh1 = tl.zeros([BK, BV], dtype=acc)
+    b_dh2 = tl.zeros([BK, BV], dtype=acc)
     if USE_DHT:
-        b_dh += tl.load(dht + p_state).to(acc)
+        b_dh1 += tl.load(_state_ptrs(dht, i_b * H + i_h, o_k1, o_v, K, V)).to(acc)
+        if TWO:
+            b_dh2 += tl.load(_state_ptrs(dht, i_b * H + i_h, o_k2, o_v, K, V)).to(acc)
     for i_s in range(NT):
         i_c = NT - 1 - i_s
         if STORE:
-            tl.store(dh + ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
-        b_g = _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        b_kt = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) * tl.exp(b_gl[None, :] - b_g)
-        b_dvn = _load(dvl, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) + _dot(b_kt, b_dh, PREC)
+            tl.store(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k1, o_v, K, V), b_dh1)
+            if TWO:
+                tl.store(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k2, o_v, K, V), b_dh2)
+        b_dvn = _load(dvl, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) \
+            + _kt_dh(b_dh1, k, gam, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if TWO:
+            b_dvn += _kt_dh(b_dh2, k, gam, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
         if STORE:
             _store(dvn, b_dvn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
-        b_qg = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) * tl.exp(b_g)
-        b_w = _load(w, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        b_dh = b_dh * tl.exp(b_gl)[:, None] \
-            + _dot(tl.trans(b_qg), _load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC) \
-            - _dot(tl.trans(b_w), b_dvn, PREC)
+        b_do = _load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
+        b_dh1 = _state_out_grad(b_dh1, q, gam, w, b_do, b_dvn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if TWO:
+            b_dh2 = _state_out_grad(b_dh2, q, gam, w, b_do, b_dvn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
         if RESETS:
-            b_dh = tl.where(tl.load(resets + i_c) != 0, 0., b_dh)
+            reset = tl.load(resets + i_c) != 0
+            b_dh1 = tl.where(reset, 0., b_dh1)
+            b_dh2 = tl.where(reset, 0., b_dh2)
     if STORE_DH0:
-        tl.store(dh0 + p_state, b_dh)
+        tl.store(_state_ptrs(dh0, i_b * H + i_h, o_k1, o_v, K, V), b_dh1)
+        if TWO:
+            tl.store(_state_ptrs(dh0, i_b * H + i_h, o_k2, o_v, K, V), b_dh2)
 
 
 @triton.jit(do_not_specialize=["NT"])
@@ -362,8 +441,6 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
     b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
     b_dp = _load(dp, o_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)
     b_da = _load(da, o_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)
-    b_dpt = tl.trans(b_dp)
-    b_dat = tl.trans(b_da)
     b_dbeta = _vec(dbeta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -374,27 +451,26 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
         b_fp = tl.zeros([BT, BK], dtype=acc)
         b_fa = tl.zeros([BT, BK], dtype=acc)
         b_gk = tl.zeros([BT, BK], dtype=acc)
-        for jb in tl.static_range(BT // BS - 1):
+        for jb in range(BT // BS - 1):  # a loop, not unrolled: one sub-chunk's factors live at a time
             up, down = _through(b_g, gam, jb, o_k, i_b, i_c, i_h, Tp, H, K, BT, BS, acc)
             b_kd = b_k * down
             b_fp += up * _dot(b_dp, b_kd, PREC)
             b_fa += up * _dot(b_da, b_kd, PREC)
-            b_gk += down * (_dot(b_dpt, b_q * up, PREC) + _dot(b_dat, b_kb * up, PREC))
+            b_gk += down * (_dot(tl.trans(b_dp), b_q * up, PREC) + _dot(tl.trans(b_da), b_kb * up, PREC))
         for jj in range(BS):  # x = row jj of each sub-chunk: column x of F's row i, row x of G's column j
             o_x = o_t // BS * BS + jj
             b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
             b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
             b_ef = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
             b_eg = tl.exp(tl.where((o_x >= o_t)[:, None], b_gx - b_g, float("-inf")))
-            sel = o_t[None, :] == o_x[:, None]  # [i, x(i)]
-            b_fp += tl.sum(tl.where(sel, b_dp, 0.), axis=1)[:, None] * b_kx * b_ef
-            b_fa += tl.sum(tl.where(sel, b_da, 0.), axis=1)[:, None] * b_kx * b_ef
-            selt = o_t[:, None] == o_x[None, :]  # [x(j), j]
-            b_ax = tl.sum(tl.where(selt, b_dp, 0.), axis=0)[:, None] \
-                * _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-                + (tl.sum(tl.where(selt, b_da, 0.), axis=0) * _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
-                   )[:, None] * b_kx
-            b_gk += b_ax * b_eg
+            m_p = _vec_at(dp, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
+            m_a = _vec_at(da, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+            b_fp += m_p[:, None] * b_kx * b_ef
+            b_fa += m_a[:, None] * b_kx * b_ef
+            m_p = _vec_at(dp, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
+            m_a = _vec_at(da, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc) \
+                * _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
+            b_gk += (m_p[:, None] * _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + m_a[:, None] * b_kx) * b_eg
         b_dbeta += tl.sum(b_k * b_fa, axis=1)
         _store(dq, _load(dq, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_fp, o_k, i_b, i_c, i_h, Tp, H, K, BT)
         _store(dk, _load(dk, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_beta[:, None] * b_fa + b_gk,
@@ -404,8 +480,23 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
     tl.store(dbeta + ((i_b * Tp + i_c * BT + o_t) * H + i_h), b_dbeta)
 
 
-def _prec(acc: torch.dtype) -> int:
-    return 2 if acc == torch.float64 else 1
+def _prec(acc: torch.dtype, inputs: torch.dtype | None = None) -> int:
+    """The products' precision (`_dot`): 2 with fp64 accumulators; 1 (three tf32 products) for fp32 inputs and for
+    the kernels whose errors compound across chunks (inputs None: wy_fwd's Tm and W, the state kernels); 0 (one
+    tf32 product) for the per-chunk output and gradient kernels under bf16 / fp16 inputs."""
+    if acc == torch.float64:
+        return 2
+    return 1 if inputs in (None, torch.float32) else 0
+
+
+def _launch(name: str, K: int, V: int) -> dict[str, int]:
+    """LAUNCH[name] with its blocks clipped to the head dims."""
+    cfg = dict(LAUNCH[name])
+    if "BK" in cfg:
+        cfg["BK"] = min(cfg["BK"], K)
+    if "BV" in cfg:
+        cfg["BV"] = min(cfg["BV"], V)
+    return cfg
 
 
 def _shape(k, v):
@@ -420,8 +511,8 @@ def wy_fwd(q, k, v, gam, beta):
     p = None if q is None else torch.empty_like(tm)
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
-    kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, Tp, H=H, K=K, V=V, BT=BT, BS=BS, BK=min(BK, K),
-                                   BV=min(BV, V), HAS_Q=q is not None, PREC=_prec(gam.dtype), **LAUNCH["wy_fwd"])
+    kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
+                                   HAS_Q=q is not None, PREC=_prec(gam.dtype), **_launch("wy_fwd", K, V))
     return tm, p, w, u
 
 
@@ -436,32 +527,32 @@ def state_fwd(w, u, k, gam, h0=None, *, cols=None, store_h=True, store_vn=True, 
     h = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store_h else None
     vn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store_vn else None
     ht = torch.empty(B, H, K, V, device=k.device, dtype=acc) if output_final_state else None
-    bv = min(BV, V)
-    kda_state_fwd_kernel[(triton.cdiv(V, bv), B * H)](
-        w, u, k, gam, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BV=bv, USE_H0=h0 is not None,
+    cfg = _launch("state_fwd", K, V)
+    kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
+        w, u, k, gam, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
         HAS_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=_prec(acc), **LAUNCH["state_fwd"])
+        RESETS=resets is not None, PREC=_prec(acc), **cfg)
     return h, vn, ht
 
 
-def _out(q, gam, p, h, x, out, dvl: bool):
+def _out(q, gam, p, h, x, out, dvl: bool, inputs: torch.dtype):
     B, Tp, H, _ = p.shape
     K, V, NT = q.shape[3], x.shape[3], Tp // BT
-    bv = min(BV, V)
-    kda_out_fwd_kernel[(NT, V // bv, B * H)](q, gam, p, h, None if dvl else x, x if dvl else None, out, NT, H=H, K=K,
-                                             V=V, BT=BT, BK=min(BK, K), BV=bv, DVL=dvl, PREC=_prec(p.dtype),
-                                             **LAUNCH["out_fwd"])
+    cfg = _launch("out_fwd", K, V)
+    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, p, h, None if dvl else x, x if dvl else None, out, NT,
+                                                    H=H, K=K, V=V, BT=BT, DVL=dvl, PREC=_prec(p.dtype, inputs),
+                                                    **cfg)
     return out
 
 
 def out_fwd(q, gam, p, h, vn, out_dtype):
-    """-> o [B, Tp, H, V] in out_dtype."""
-    return _out(q, gam, p, h, vn, torch.empty(vn.shape, device=vn.device, dtype=out_dtype), dvl=False)
+    """-> o [B, Tp, H, V] in out_dtype (v's)."""
+    return _out(q, gam, p, h, vn, torch.empty(vn.shape, device=vn.device, dtype=out_dtype), False, out_dtype)
 
 
-def dv_local(q, p, do):
-    """-> Pᵀ dO per chunk [B, Tp, H, V] (P's dtype)."""
-    return _out(q, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), dvl=True)
+def dv_local(q, p, do, inputs: torch.dtype):
+    """-> Pᵀ dO per chunk [B, Tp, H, V] (P's dtype); `inputs` v's dtype."""
+    return _out(q, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), True, inputs)
 
 
 def state_bwd(q, k, gam, w, do, dvl, dht=None, *, store=True, need_dh0=False, resets=None):
@@ -471,11 +562,11 @@ def state_bwd(q, k, gam, w, do, dvl, dht=None, *, store=True, need_dh0=False, re
     dh = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store else None
     dvn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store else None
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=acc) if need_dh0 else None
-    bv = min(BV, V)
-    kda_state_bwd_kernel[(triton.cdiv(V, bv), B * H)](
-        q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BV=bv,
+    cfg = _launch("state_bwd", K, V)
+    kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
+        q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
         USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, PREC=_prec(acc),
-        **LAUNCH["state_bwd"])
+        **cfg)
     return dh, dvn, dh0
 
 
@@ -488,9 +579,9 @@ def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
     dv = torch.empty(B, Tp, H, V, device=k.device, dtype=acc)
     dbeta = torch.empty(B, Tp, H, device=k.device, dtype=acc)
     da, dp = (torch.empty(B, Tp, H, BT, device=k.device, dtype=acc) for _ in range(2))
-    bk = min(BK, K)
+    prec = _prec(acc, v.dtype)
     kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
-                                   H=H, K=K, V=V, BT=BT, BK=bk, BV=min(BV, V), PREC=_prec(acc), **LAUNCH["bwd_wy"])
-    kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS, BK=bk,
-                                      PREC=_prec(acc), **LAUNCH["bwd_intra"])
+                                   H=H, K=K, V=V, BT=BT, PREC=prec, **_launch("bwd_wy", K, V))
+    kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
+                                      PREC=prec, **_launch("bwd_intra", K, V))
     return dq, dk, dv, dbeta, dgam
