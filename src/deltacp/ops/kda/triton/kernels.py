@@ -53,7 +53,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=8, num_stages=2, BK=16, BV=32),
     "state_fwd": dict(num_warps=4, num_stages=2, BV=16),
     "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
-    "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
+    "state_bwd": dict(num_warps=8, num_stages=2, BV=16),
     "bwd_wy": dict(num_warps=8, num_stages=1, BK=16, BV=32),
     "bwd_intra": dict(num_warps=8, num_stages=2, BK=16),
 }
