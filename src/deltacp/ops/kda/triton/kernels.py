@@ -72,6 +72,13 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _chunk_head(H: tl.constexpr):
+    """(chunk, row, head) of a per-chunk program (grid: chunks, rows * heads)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    return i_c, (i_bh // H).to(tl.int64), i_bh % H
+
+
+@triton.jit
 def _load(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
     """[len(o_r), len(o_d)]: rows o_r (inside chunk i_c), columns o_d of head i_h of a [B, Tp, H, D] tensor, in the
     accumulator dtype."""
@@ -150,8 +157,7 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: t
                       PREC: tl.constexpr):
     """Tm, W, U and (HAS_Q) P of one chunk; A and P summed over K blocks (off-diagonal sub-chunk blocks by tl.dot
     through `_through`, the diagonal ones one column per step)."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     o_t = tl.arange(0, BT)
     b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
@@ -365,8 +371,7 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, db
                dgl = e^{gl} rowsum(h_c dh_{c+1}) + colsum(Kt ∘ (vn dh_{c+1}ᵀ))
     (elementwise: a factor e^{+gam_i} on an operand gives operand ∘ its gradient, e^{-gam_j} minus it). dA, dP go
     to bwd_intra, which adds the pair products' terms."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     Tp = NT * BT
     o_t = tl.arange(0, BT)
@@ -433,8 +438,7 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
     where F(M, b)_i = sum_j M_ij b_j e^{gam_i - gam_j}, G(M, a)_j = sum_i M_ij a_i e^{gam_i - gam_j} (i >= j; M is
     zero above its diagonal): across sub-chunks F = sum_jb up ∘ (M (b ∘ down)), G = sum_jb down ∘ (Mᵀ (a ∘ up))
     (`_through`), inside them one column (F) or row (G) of every diagonal block per step."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     Tp = NT * BT
     o_t = tl.arange(0, BT)
