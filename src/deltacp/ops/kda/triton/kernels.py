@@ -25,9 +25,12 @@ elementwise work). No exponent is ever positive (e^{gam} and e^{gl - gam} are <=
 however fast the gate (Kimi's unbounded one and Bailing's g >= kda_lower_bound alike); an underflow drops only a
 term below e^{-87} (fp32) times products of unit vectors.
 
-Tiling: the per-chunk kernels step over K in BK columns and V in BV columns inside the program (no [BT, K] tile
-lives whole; [BT, BT] tiles do); out_fwd has one program per V block; the state kernels keep a [K, BV] state tile
-per program and run the chunks in sequence.
+Tiling: the per-chunk kernels (wy_fwd, bwd_wy, bwd_intra: one program per chunk and head) step over K in BK columns
+and V in BV columns inside the program (no [BT, K] tile lives whole; [BT, BT] tiles do); out_fwd has one program per
+chunk, V block and head; the state kernels one per V block and head, the state [K, BV] held as row blocks of at most
+64 (two at K = 128), the chunks in sequence. Products (`_dot`): one tf32 pass in the per-chunk output and gradient
+kernels under bf16 / fp16 inputs, three (about fp32) where errors compound across chunks (WY, the state kernels)
+and everywhere under fp32 inputs, fp64 for fp64 (`_prec`).
 
 Layouts (every tensor contiguous, Tp = NT * 64 rows per sequence: padded, or a packed row laid out chunk-aligned,
 `ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W [B, Tp, H, K]; v, U, vn, dvl, dvn, o,
@@ -46,12 +49,13 @@ import triton.language as tl
 BT = 64  # the chunk
 BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks)
 
-# Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py so that at K = V =
-# 128 no kernel spills (bf16 inputs; fp32 inputs: see _prec) and each has shared memory to spare under a Hopper
-# program's 232,448 bytes. The state kernels hold the state as two [64, BV] row blocks at K = 128.
+# Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py (Triton 3.9, sm_90)
+# at K = V = 128: every kernel under a Hopper program's 232,448 bytes of shared memory (state_bwd the most, 193,024),
+# none spilling registers under bf16 inputs but state_bwd (324 bytes); under fp32 inputs (three tf32 passes
+# everywhere) bwd_wy spills 1,024 bytes and wy_fwd, bwd_intra 16-20 (NOTES.md, KDA).
 LAUNCH: dict[str, dict[str, int]] = {
-    "wy_fwd": dict(num_warps=8, num_stages=2, BK=16, BV=32),
-    "state_fwd": dict(num_warps=4, num_stages=2, BV=16),
+    "wy_fwd": dict(num_warps=8, num_stages=2, BK=16, BV=16),
+    "state_fwd": dict(num_warps=8, num_stages=2, BV=16),
     "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
     "state_bwd": dict(num_warps=8, num_stages=2, BV=16),
     "bwd_wy": dict(num_warps=8, num_stages=1, BK=16, BV=32),
@@ -79,45 +83,55 @@ def _chunk_head(H: tl.constexpr):
 
 
 @triton.jit
+def _at(ptr, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+    """The address of chunk i_c's first row, head i_h, of a [B, Tp, H, D] tensor (int64 scalar arithmetic: the
+    offsets inside a chunk, at most BT * H * D, are int32)."""
+    return ptr + ((i_b * Tp + i_c * BT) * H + i_h).to(tl.int64) * D
+
+
+@triton.jit
 def _load(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
     """[len(o_r), len(o_d)]: rows o_r (inside chunk i_c), columns o_d of head i_h of a [B, Tp, H, D] tensor, in the
     accumulator dtype."""
-    r = (i_b * Tp + i_c * BT + o_r).to(tl.int64)
-    return tl.load(ptr + (r[:, None] * H + i_h) * D + o_d[None, :]).to(acc)
-
-
-@triton.jit
-def _store(ptr, x, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
-    """x [BT, len(o_d)] into the rows of chunk i_c, columns o_d of head i_h of a [B, Tp, H, D] tensor."""
-    r = (i_b * Tp + i_c * BT + tl.arange(0, BT)).to(tl.int64)
-    tl.store(ptr + (r[:, None] * H + i_h) * D + o_d[None, :], x.to(ptr.dtype.element_ty))
-
-
-@triton.jit
-def _row(ptr, j, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
-    """Row j of chunk i_c, columns o_d ([len(o_d)]) of a [B, Tp, H, D] tensor."""
-    r = (i_b * Tp + i_c * BT + j).to(tl.int64)
-    return tl.load(ptr + (r * H + i_h) * D + o_d).to(acc)
-
-
-@triton.jit
-def _vec(ptr, o_r, i_b, i_c, i_h, Tp, H: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
-    """[len(o_r)]: rows o_r of chunk i_c, head i_h of a [B, Tp, H] tensor."""
-    return tl.load(ptr + ((i_b * Tp + i_c * BT + o_r) * H + i_h)).to(acc)
-
-
-@triton.jit
-def _vec_at(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
-    """[len(o_r)]: elements (o_r, o_d) (rows of chunk i_c, head i_h) of a [B, Tp, H, D] tensor."""
-    r = (i_b * Tp + i_c * BT + o_r).to(tl.int64)
-    return tl.load(ptr + (r * H + i_h) * D + o_d).to(acc)
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_r[:, None] * (H * D) + o_d[None, :]).to(acc)
 
 
 @triton.jit
 def _load_t(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
     """[len(o_d), len(o_r)]: the transpose of `_load`'s tile, read transposed."""
-    r = (i_b * Tp + i_c * BT + o_r).to(tl.int64)
-    return tl.load(ptr + (r[None, :] * H + i_h) * D + o_d[:, None]).to(acc)
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_r[None, :] * (H * D) + o_d[:, None]).to(acc)
+
+
+@triton.jit
+def _store(ptr, x, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+    """x [BT, len(o_d)] into the rows of chunk i_c, columns o_d of head i_h of a [B, Tp, H, D] tensor."""
+    o_t = tl.arange(0, BT)
+    tl.store(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_t[:, None] * (H * D) + o_d[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _row(ptr, j, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """Row j of chunk i_c, columns o_d ([len(o_d)]) of a [B, Tp, H, D] tensor."""
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + j * (H * D) + o_d).to(acc)
+
+
+@triton.jit
+def _vec_at(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_r)]: elements (o_r, o_d) (rows of chunk i_c, head i_h) of a [B, Tp, H, D] tensor; D = 1: rows o_r of a
+    [B, Tp, H] tensor (o_d 0)."""
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_r * (H * D) + o_d).to(acc)
+
+
+@triton.jit
+def _vec(ptr, o_r, i_b, i_c, i_h, Tp, H: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_r)]: rows o_r of chunk i_c, head i_h of a [B, Tp, H] tensor."""
+    return _vec_at(ptr, o_r, 0, i_b, i_c, i_h, Tp, H, 1, BT, acc)
+
+
+@triton.jit
+def _state_ptrs(ptr, i_n, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """Pointers to rows o_k, columns o_v of state i_n of a [N, K, V] stack of states."""
+    return ptr + i_n.to(tl.int64) * (K * V) + (o_k[:, None] * V + o_v[None, :])
 
 
 @triton.jit
@@ -200,12 +214,6 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: t
 
 
 @triton.jit
-def _state_ptrs(ptr, i_n, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
-    """Pointers to rows o_k, columns o_v of state i_n of a [N, K, V] stack of states."""
-    return ptr + i_n * K * V + o_k[:, None] * V + o_v[None, :]
-
-
-@triton.jit
 def _state_in(b_h, k, gam, b_vn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
               acc: tl.constexpr, PREC: tl.constexpr):
     """Rows o_k of e^{gl} h + (k e^{gl - gam})ᵀ vn: the state leaving the chunk (the transposed factor read
@@ -283,7 +291,7 @@ def kda_out_fwd_kernel(q, gam, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.const
             o_k = i_k * BK + tl.arange(0, BK)
             b_qg = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
                 * tl.exp(_load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
-            b_h = tl.load(h + ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+            b_h = tl.load(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V))
             b_o += _dot(b_qg, b_h, PREC)
     _store(o, b_o, o_v, i_b, i_c, i_h, Tp, H, V, BT)
 
@@ -398,9 +406,8 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, db
         b_hdh = tl.zeros([BK], dtype=acc)
         for i_v in range(V // BV):
             o_v = i_v * BV + tl.arange(0, BV)
-            p_s = ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            b_h = tl.load(h + p_s).to(acc)
-            b_dh = tl.load(dh + p_s).to(acc)
+            b_h = tl.load(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V)).to(acc)
+            b_dh = tl.load(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V)).to(acc)
             b_doh += _dot(_load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
             b_vdh += _dot(_load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_dh), PREC)
             b_dw -= _dot(_load(dvn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
@@ -426,7 +433,7 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, db
     b_da = -_dot(tl.trans(b_tm), _dot(b_dtm, tl.trans(b_tm), PREC), PREC)
     _store(da, tl.where(o_t[:, None] > o_t[None, :], b_da, 0.), o_t, i_b, i_c, i_h, Tp, H, BT, BT)
     _store(dp, tl.where(o_t[:, None] >= o_t[None, :], b_dp, 0.), o_t, i_b, i_c, i_h, Tp, H, BT, BT)
-    tl.store(dbeta + ((i_b * Tp + i_c * BT + o_t) * H + i_h), b_dbeta)
+    tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
 
 
 @triton.jit(do_not_specialize=["NT"])
@@ -481,7 +488,7 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
                o_k, i_b, i_c, i_h, Tp, H, K, BT)
         _store(dgam, _load(dgam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
                + b_q * b_fp + b_kb * b_fa - b_k * b_gk, o_k, i_b, i_c, i_h, Tp, H, K, BT)
-    tl.store(dbeta + ((i_b * Tp + i_c * BT + o_t) * H + i_h), b_dbeta)
+    tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
 
 
 def _prec(acc: torch.dtype, inputs: torch.dtype | None = None) -> int:
