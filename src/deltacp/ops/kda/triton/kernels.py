@@ -42,12 +42,19 @@ chunks is zero (backward: no gradient crosses them). Names start with kda_.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 BT = 64  # the chunk
 BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks)
+# The per-chunk output and gradient kernels' products under bf16 / fp16 inputs: "tf32" (one pass) or "tf32x3" (three,
+# about fp32, as everywhere else; more registers: bench/kernel_resources.py). Read once, at import.
+LOW_PRECISION_DOTS = os.environ.get("DELTACP_KDA_LOW_PRECISION_DOTS", "tf32")
+if LOW_PRECISION_DOTS not in ("tf32", "tf32x3"):
+    raise ValueError(f"DELTACP_KDA_LOW_PRECISION_DOTS={LOW_PRECISION_DOTS!r}; expected tf32 or tf32x3")
 
 # Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py (Triton 3.9, sm_90)
 # at K = V = 128: every kernel under a Hopper program's 232,448 bytes of shared memory (state_bwd the most, 193,024),
@@ -494,10 +501,10 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
 def _prec(acc: torch.dtype, inputs: torch.dtype | None = None) -> int:
     """The products' precision (`_dot`): 2 with fp64 accumulators; 1 (three tf32 products) for fp32 inputs and for
     the kernels whose errors compound across chunks (inputs None: wy_fwd's Tm and W, the state kernels); 0 (one
-    tf32 product) for the per-chunk output and gradient kernels under bf16 / fp16 inputs."""
+    tf32 product) for the per-chunk output and gradient kernels under bf16 / fp16 inputs (LOW_PRECISION_DOTS)."""
     if acc == torch.float64:
         return 2
-    return 1 if inputs in (None, torch.float32) else 0
+    return 1 if inputs in (None, torch.float32) or LOW_PRECISION_DOTS == "tf32x3" else 0
 
 
 def _launch(name: str, K: int, V: int) -> dict[str, int]:
