@@ -59,13 +59,13 @@ if LOW_PRECISION_DOTS not in ("tf32", "tf32x3"):
 # Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py (Triton 3.9, sm_90)
 # at K = V = 128: every kernel under a Hopper program's 232,448 bytes of shared memory (state_bwd the most, 193,024),
 # none spilling registers under bf16 inputs but state_bwd (324 bytes); under fp32 inputs (three tf32 passes
-# everywhere) bwd_wy spills 1,024 bytes and wy_fwd, bwd_intra 16-20 (NOTES.md, KDA).
+# everywhere) bwd_wy spills 496 bytes and wy_fwd, bwd_intra 16-20 (NOTES.md, KDA).
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=8, num_stages=2, BK=16, BV=16),
     "state_fwd": dict(num_warps=8, num_stages=2, BV=16),
     "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
     "state_bwd": dict(num_warps=8, num_stages=2, BV=16),
-    "bwd_wy": dict(num_warps=8, num_stages=1, BK=16, BV=32),
+    "bwd_wy": dict(num_warps=8, num_stages=2, BK=16, BV=16),
     "bwd_intra": dict(num_warps=8, num_stages=2, BK=16),
 }
 
