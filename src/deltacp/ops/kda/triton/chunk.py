@@ -12,7 +12,6 @@ dbeta, dgam).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 from deltacp.ops.kda.triton.kernels import BT, chunk_bwd, dv_local, out_fwd, state_bwd, state_fwd, wy_fwd
