@@ -218,10 +218,7 @@ def main():
         return 0
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "launches.json")
-        from deltacp.ops.kda.triton.kernels import PAIR_BJ
-
-        # the interpreter runs KDA's pair products in one step; record the GPU's step instead
-        env = dict(os.environ, TRITON_INTERPRET="1", DELTACP_KDA_PAIR_BJ=str(PAIR_BJ))
+        env = dict(os.environ, TRITON_INTERPRET="1")
         subprocess.run([sys.executable, __file__, "--record", path, "--ops", *args.ops], env=env, check=True)
         with open(path) as f:
             launches = json.load(f)

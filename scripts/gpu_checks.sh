@@ -84,10 +84,10 @@
 #   bash scripts/gpu_checks.sh ssd_step  bench/mamba2_step.py: the Nemotron-H-8B-shaped step (8 blocks) at 16K and 64K,
 #                                      deltacp against transformers + mamba_ssm's Triton SSD + liger's fused linear CE,
 #                                      kernel time by class                                         (about 5 minutes)
-#   bash scripts/gpu_checks.sh kda     the KDA recurrence: its GPU tests (the Triton kernels are refused on a GPU until
-#                                      rewritten: the refusal checked), Kimi-Linear's mixer at its config shape (the
-#                                      refusal too), then bench/kda_op.py against FLA's chunk_kda (ours fails the bench:
-#                                      refused; FLA's row measured)                                 (about 5 minutes)
+#   bash scripts/gpu_checks.sh kda     the KDA recurrence: its GPU tests (the Triton op vs eager float64 at
+#                                      Kimi-Linear's head shape, three gate regimes, rows and packed), Kimi-Linear's
+#                                      mixer at its config shape under CP2 (Triton bf16 vs eager fp32), then
+#                                      bench/kda_op.py against FLA's chunk_kda                     (about 5 minutes)
 #   The public kernels (FLA, FlashQLA, mamba_ssm's Triton SSD, liger-kernel, transformers 5.25) come from
 #   .whl/gpu_site.tar.xz (below).
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at

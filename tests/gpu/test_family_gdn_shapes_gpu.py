@@ -2,8 +2,7 @@
 at its config defaults (K = 96, V = 192, beta = 2 sigmoid(b)); the Mamba2 mixers of Bamba, Nemotron-H and
 Granite-4.0-H at their transformers config defaults (hidden 4096, 128 heads of 64; Nemotron-H 8 groups of state 128,
 the others 1 group of state 256), with Mamba2's initialisation ranges (A from [-16, -1], dt from [1e-3, 1e-1]); the
-KDA mixer of Kimi-Linear at its config defaults (Kimi-Linear-48B-A3B: hidden 2304, 32 heads of 128): refused on a GPU
-until the KDA kernels are rewritten (`ops/kda/triton` GPU_REFUSAL), the refusal checked.
+KDA mixer of Kimi-Linear at its config defaults (Kimi-Linear-48B-A3B: hidden 2304, 32 heads of 128).
 
 For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
 Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
@@ -140,12 +139,6 @@ def family_shapes_worker(rank, world, name):
         out_ref, dx_ref = _run(ref, x, d_out)
         grads_ref = grads_of(ref)
         for mode in ("ulysses", "p2p"):
-            if family == "kimi_linear":  # refused on GPUs until the KDA kernels are rewritten (GPU_REFUSAL)
-                with pytest.raises(NotImplementedError, match="linear_attention_backend='eager'"):
-                    LinearAttentionContextParallel(mode=mode, backend="triton").apply(
-                        copy.deepcopy(base).to(torch.bfloat16), mesh)
-                rows.append(f"{name:20s} {family:12s} {mode:8s} refused (GPU_REFUSAL)")
-                continue
             cp = LinearAttentionContextParallel(mode=mode, backend="triton").apply(
                 copy.deepcopy(base).to(torch.bfloat16), mesh)
             out, dx = _run(cp, local_slice(x, rank, world).to(torch.bfloat16), local_slice(d_out, rank, world))

@@ -50,19 +50,6 @@ def _run(rec, vals, layout, do, dht):
                     (o, ht, *grads, m, s, dh0)))
 
 
-def test_refused_on_a_gpu():
-    """The kernels do not fit a Hopper program's shared memory (GPU_REFUSAL): on CUDA tensors the op refuses before
-    any launch, naming the eager backend, instead of failing inside Triton at the first backward."""
-    from deltacp.ops.kda.triton import TritonKimiDeltaRule
-
-    vals = make_inputs(1, "slow", torch.bfloat16, seed=11)
-    with pytest.raises(NotImplementedError, match="linear_attention_backend='eager'"):
-        TritonKimiDeltaRule().check(RecurrenceInputs(*vals[:5]))
-
-
-@pytest.mark.skip(reason="the Triton KDA kernels are refused on GPUs until rewritten (GPU_REFUSAL: 262,144 bytes of "
-                         "shared memory in the chunk backward); their accuracy is checked under the interpreter, "
-                         "tests/unit/test_kda_triton_interpret.py")
 @pytest.mark.parametrize("gate", list(GATES))
 @pytest.mark.parametrize("dtype", list(TOLS), ids=["fp32", "bf16"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])

@@ -84,9 +84,8 @@ class KimiDeltaAttentionView(LinearMixerView):
 
     def recurrence(self, backend):
         if backend.name == "triton":
-            from deltacp.ops.kda.triton import TritonKimiDeltaRule, refuse_on_gpu
+            from deltacp.ops.kda.triton import TritonKimiDeltaRule
 
-            refuse_on_gpu(torch.cuda.is_available())  # at parallelize_cp, before any collective
             return TritonKimiDeltaRule(qk_l2norm=True, scale=None)
         from deltacp.ops.kda.eager import KimiDeltaRule
 

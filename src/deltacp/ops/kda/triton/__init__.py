@@ -2,10 +2,12 @@
 `TritonKimiDeltaRule`, the recurrence contract of `ops/recurrence.py`, M full.
 
 Importing this package imports no Triton: the kernels load on first use.
-    kernels.py  the kernels (wy_fwd, state_fwd, out_fwd / dv_local, state_bwd, chunk_bwd), their math, launchers
+    kernels.py  the kernels (wy_fwd, state_fwd, out_fwd / dv_local, state_bwd, bwd_wy, bwd_intra), their math,
+                tiling and launchers; the in-chunk pair products on tensor cores
     chunk.py    the autograd Function and the public ops (forward, summary, entering state's gradient)
 
-Not on a GPU yet (`GPU_REFUSAL`: the kernels exceed a Hopper program's shared memory); under TRITON_INTERPRET=1 only.
+On a GPU the kernels fit a Hopper program at K = V = 128 (bench/kernel_resources.py gives each kernel's shared
+memory, registers and spills offline; NOTES.md, KDA); under TRITON_INTERPRET=1 they run on the CPU (the tests).
 
 Contract (`check`, before any launch; never falls back): CUDA tensors (or TRITON_INTERPRET=1, for tests); q, k, v
 of one dtype among bf16, fp16, fp32; g, beta floating (cast to fp32); head dims K, V in HEAD_DIMS (K = V = 128 is
@@ -19,29 +21,14 @@ checked (it would need a device sync).
 
 from __future__ import annotations
 
-import os
-
 from deltacp.ops.kda.eager import KimiDeltaRule, _check
 from deltacp.ops.triton_inputs import check_triton_inputs
 
 HEAD_DIMS = (16, 32, 64, 128)
-GPU_REFUSAL = ("the Triton KDA kernels do not fit a GPU program yet: at K = V = 128 their chunk backward needs "
-               "262,144 bytes of shared memory, over the 232,448 an H100 / H200 program may have (Triton refused to "
-               "launch them on an H100, 2026-12-06; bench/kernel_resources.py shows it on any machine), and every "
-               "kernel spills registers; until they are rewritten, run KDA families with "
-               "linear_attention_backend='eager' (the Triton kernels run under TRITON_INTERPRET=1 only)")
-
-
-def refuse_on_gpu(on_cuda: bool) -> None:
-    """NotImplementedError (GPU_REFUSAL) when the KDA Triton kernels would run on a GPU."""
-    if on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise NotImplementedError(GPU_REFUSAL)
 
 
 def check_triton_kda(q, k, v, g, beta) -> None:
-    """Raise ValueError naming the offending value and the allowed ones if the inputs are outside the contract;
-    NotImplementedError on a GPU (`GPU_REFUSAL`)."""
-    refuse_on_gpu(q.is_cuda)
+    """Raise ValueError naming the offending value and the allowed ones if the inputs are outside the contract."""
     _check(q, k, v, g, beta)
     check_triton_inputs("the Triton KDA", (("q", q), ("k", k), ("v", v)), (("g", g), ("beta", beta)),
                         (("key head dim", "K", k.shape[-1], HEAD_DIMS),
@@ -65,4 +52,4 @@ class TritonKimiDeltaRule(KimiDeltaRule):
         check_triton_kda(*x.tensors)
 
 
-__all__ = ["TritonKimiDeltaRule", "check_triton_kda", "refuse_on_gpu", "GPU_REFUSAL", "HEAD_DIMS"]
+__all__ = ["TritonKimiDeltaRule", "check_triton_kda", "HEAD_DIMS"]

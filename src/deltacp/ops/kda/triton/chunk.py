@@ -3,15 +3,15 @@ the entering state's gradient), with the semantics of `ops/kda/eager.py`.
 
 Outside the Function, in torch (differentiable, so their backward is autograd's): the l2 norm of q and k and the
 query scale (in the accumulator dtype), the layout (padding T to a multiple of 64, or a packed row's chunk-aligned
-layout, `VarlenLayout.to_chunks`, and `from_chunks` of o), the chunk-local cumsum of g. Inside: wy_fwd (Tm, W, U)
--> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, W, U from the forward, recomputes h and vn, then
-dv_local (Pᵀ dO) -> state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (dq, dk, dv, dbeta, dgam).
+layout, `VarlenLayout.to_chunks`, and `from_chunks` of o), the chunk-local cumsum of g. Inside: wy_fwd (Tm, P, W,
+U) -> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, P, W, U from the forward, recomputes h and vn,
+then dv_local (Pᵀ dO) -> state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (bwd_wy, then bwd_intra: dq, dk, dv,
+dbeta, dgam).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 from deltacp.ops.kda.triton.kernels import BT, chunk_bwd, dv_local, out_fwd, state_bwd, state_fwd, wy_fwd
@@ -30,21 +30,21 @@ class KDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gam, beta, h0, output_final_state, resets):
-        tm, w, u = wy_fwd(k, v, gam, beta)
+        tm, p, w, u = wy_fwd(q, k, v, gam, beta)
         h, vn, ht = state_fwd(w, u, k, gam, h0, output_final_state=output_final_state, resets=resets)
-        o = out_fwd(q, k, gam, h, vn, v.dtype)
-        ctx.save_for_backward(q, k, v, gam, beta, h0, tm, w, u)
+        o = out_fwd(q, gam, p, h, vn, v.dtype)
+        ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u)
         ctx.resets = resets
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gam, beta, h0, tm, w, u = ctx.saved_tensors
+        q, k, v, gam, beta, h0, tm, p, w, u = ctx.saved_tensors
         resets = ctx.resets
         h, vn, _ = state_fwd(w, u, k, gam, h0, resets=resets)
         do = do.to(gam.dtype).contiguous()
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
-        dvl = dv_local(q, k, gam, do)
+        dvl = dv_local(q, p, do, v.dtype)
         dh, dvn, dh0 = state_bwd(q, k, gam, w, do, dvl, dht, need_dh0=h0 is not None, resets=resets)
         dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgam, dbeta.to(beta.dtype),
@@ -95,7 +95,7 @@ def summary_kda(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, need_transition
     layout = as_layout(cu_seqlens, T)
     _, k, v, gam, beta = _inputs(None, k, v, g, beta, None, use_qk_l2norm_in_kernel, layout, T)
     resets = _resets(layout, v.device)
-    _, w, u = wy_fwd(k, v, gam, beta)
+    _, _, w, u = wy_fwd(None, k, v, gam, beta)
     _, _, s = state_fwd(w, u, k, gam, None, store_h=False, store_vn=False, output_final_state=True, resets=resets)
     if not need_transition:
         return None, s
@@ -119,7 +119,7 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         return torch.zeros(B, H, K, V, dtype=acc, device=v.device)
     q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
     (do,) = _laid_out(layout, T, grad_o.to(acc))
-    _, w, _ = wy_fwd(k, v, gam, beta)
-    dvl = dv_local(q, k, gam, do)
+    _, p, w, _ = wy_fwd(q, k, v, gam, beta)
+    dvl = dv_local(q, p, do, v.dtype)
     _, _, dh0 = state_bwd(q, k, gam, w, do, dvl, None, store=False, need_dh0=True, resets=_resets(layout, v.device))
     return dh0

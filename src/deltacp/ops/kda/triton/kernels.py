@@ -5,34 +5,39 @@ Per chunk of BT = 64 tokens and head, gam the chunk-local inclusive cumsum of g 
 q already l2-normalised and scaled, k l2-normalised, h_c the state [K, V] entering chunk c:
     wy_fwd     A_ij = beta_i sum_c k_ic k_jc e^{gam_ic - gam_jc} (j < i),  Tm = (I + A)^-1 (16 x 16 diagonal blocks
                by forward substitution, then (I - N)(I + N^2) D, `_inverse`),
-               W = Tm (beta k e^{gam}),  U = Tm (beta v)
+               W = Tm (beta k e^{gam}),  U = Tm (beta v),  P_ij = sum_c q_ic k_jc e^{gam_ic - gam_jc} (j <= i)
     state_fwd  vn = U - W h_c,  h_{c+1} = e^{gl} h_c + (k e^{gl - gam})ᵀ vn    (h_c, vn stored; with no U and
                h_0 = I it is the summary's M, one K-column block of it per program)
-    out_fwd    o = (q e^{gam}) h_c + P vn,  P_ij = sum_c q_ic k_jc e^{gam_ic - gam_jc} (j <= i)
-               (DVL: dvl = Pᵀ dO instead, the part of dvn the outputs of the chunk itself give)
+    out_fwd    o = (q e^{gam}) h_c + P vn   (DVL: dvl = Pᵀ dO instead, the part of dvn the chunk's own outputs give)
     state_bwd  dvn = dvl + (k e^{gl - gam}) dh_{c+1},  dh_c = e^{gl} dh_{c+1} + (q e^{gam})ᵀ dO - Wᵀ dvn
                (dh_{c+1} and dvn stored; dh_0 the entering state's gradient)
-    chunk_bwd  dq, dk, dv, dbeta, dgam of one chunk from h_c, dh_{c+1}, vn, dvn and the kept Tm (formulas below)
+    bwd_wy     one chunk's gradient terms through h_c, dh_{c+1} and the WY form: dv, dA, dP, and the parts of dq, dk,
+               dbeta, dgam outside the pair products (formulas at the kernel)
+    bwd_intra  the pair products' terms of dq, dk, dbeta, dgam from dA and dP, added in place
 dgam is the gradient of the chunk-local cumsum; g's is its suffix sum within the chunk (torch autograd, chunk.py).
 
-Decayed pair products (A, P and their backward): every factor e^{gam_ic - gam_jc} is formed per element with
-i >= j, where gam non-increasing (g <= 0) makes the exponent <= 0; e^{gam} and e^{gl - gam} are <= 1 as well. No
-exponent is ever positive, so nothing overflows for any finite g <= 0 however fast (Kimi's unbounded gate and
-Bailing's g >= kda_lower_bound alike); an underflow drops only a term below e^{-87} (fp32) times the products of
-unit vectors. The pair products step over the chunk's columns j, BJ at a time ([BT, BJ, K] elementwise tiles; BJ =
-64, one step, under the interpreter, PAIR_BJ on a GPU, `_bj`): exact, but without tensor cores (the state and WY
-products use tl.dot).
+Decayed pair products (A, P and their backward) on tensor cores, exact for any finite g <= 0. The chunk is four
+sub-chunks of BS = 16 tokens. For i in a later sub-chunk than j, e^{gam_i - gam_j} = e^{gam_i - gam_e} e^{gam_e - gam_j}
+through the last row e of j's sub-chunk (`_through`): both exponents are <= 0, so the products are tl.dot of decayed
+operands, one per sub-chunk jb (three), with the factors zero outside the rows they serve. Inside a sub-chunk (the
+16 x 16 diagonal blocks) the factor is formed per element, one column of every block per step (16 steps of [BT, BK]
+elementwise work). No exponent is ever positive (e^{gam} and e^{gl - gam} are <= 1 as well): nothing overflows
+however fast the gate (Kimi's unbounded one and Bailing's g >= kda_lower_bound alike); an underflow drops only a
+term below e^{-87} (fp32) times products of unit vectors.
+
+Tiling: the per-chunk kernels (wy_fwd, bwd_wy, bwd_intra: one program per chunk and head) step over K in BK columns
+and V in BV columns inside the program (no [BT, K] tile lives whole; [BT, BT] tiles do); out_fwd has one program per
+chunk, V block and head; the state kernels one per V block and head, the state [K, BV] held as row blocks of at most
+64 (two at K = 128), the chunks in sequence. Products (`_dot`): one tf32 pass in the per-chunk output and gradient
+kernels under bf16 / fp16 inputs, three (about fp32) where errors compound across chunks (WY, the state kernels)
+and everywhere under fp32 inputs, fp64 for fp64 (`_prec`).
 
 Layouts (every tensor contiguous, Tp = NT * 64 rows per sequence: padded, or a packed row laid out chunk-aligned,
 `ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W [B, Tp, H, K]; v, U, vn, dvl, dvn, o,
-dO [B, Tp, H, V]; beta [B, Tp, H]; Tm [B, Tp, H, BT]; h, dh [B, NT, H, K, V]; h0, ht, dht, dh0 [B, H, K, V].
+dO [B, Tp, H, V]; beta [B, Tp, H]; Tm, P, dA, dP [B, Tp, H, BT]; h, dh [B, NT, H, K, V]; h0, ht, dht, dh0 [B, H, K, V].
 Everything the kernels compute and store is in the accumulator dtype (fp32; fp64 for fp64 inputs, the interpreter
 tests), except o (v's dtype); loads are cast to it. `resets` [NT] int32 (packed rows only): the state entering those
-chunks is zero (backward: no gradient crosses them).
-
-Grids: per-chunk kernels (wy_fwd, out_fwd, chunk_bwd) one program per (chunk, row * head), whole K and V in a tile;
-state kernels one program per (V block, row * head), sequential over chunks, [K, BV] state tile. Names start
-with kda_.
+chunks is zero (backward: no gradient crosses them). Names start with kda_.
 """
 
 from __future__ import annotations
@@ -43,116 +48,111 @@ import torch
 import triton
 import triton.language as tl
 
-BT = 64
-BV = 32  # the state kernels' column block (clipped to V)
-PAIR_BJ = 4  # columns per step of the decayed pair products on a GPU (see _bj)
+BT = 64  # the chunk
+BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks)
+# The per-chunk output and gradient kernels' products under bf16 / fp16 inputs: "tf32" (one pass) or "tf32x3" (three,
+# about fp32, as everywhere else; more registers: bench/kernel_resources.py). Read once, at import.
+LOW_PRECISION_DOTS = os.environ.get("DELTACP_KDA_LOW_PRECISION_DOTS", "tf32")
+if LOW_PRECISION_DOTS not in ("tf32", "tf32x3"):
+    raise ValueError(f"DELTACP_KDA_LOW_PRECISION_DOTS={LOW_PRECISION_DOTS!r}; expected tf32 or tf32x3")
 
-# Launch configurations. The state kernels pipeline two chunks at most: three stages of their fp32 [64, K] tiles
-# need 246,784 bytes of shared memory at K = 128, over a Hopper program's 232,448 (Triton 3.6 refused to launch
-# them on an H100, 2026-12-06; bench/kernel_resources.py finds the same offline).
+# Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py (Triton 3.9, sm_90)
+# at K = V = 128: every kernel under a Hopper program's 232,448 bytes of shared memory (state_bwd the most, 193,024),
+# none spilling registers under bf16 inputs but state_bwd (324 bytes); under fp32 inputs (three tf32 passes
+# everywhere) bwd_wy spills 496 bytes and wy_fwd, bwd_intra 16-20 (NOTES.md, KDA).
 LAUNCH: dict[str, dict[str, int]] = {
-    "wy_fwd": dict(num_warps=4, num_stages=3),
-    "state_fwd": dict(num_warps=4, num_stages=2),
-    "out_fwd": dict(num_warps=4, num_stages=3),
-    "state_bwd": dict(num_warps=4, num_stages=2),
-    "chunk_bwd": dict(num_warps=8, num_stages=3),
+    "wy_fwd": dict(num_warps=8, num_stages=2, BK=16, BV=16),
+    "state_fwd": dict(num_warps=8, num_stages=2, BV=16),
+    "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
+    "state_bwd": dict(num_warps=8, num_stages=2, BV=16),
+    "bwd_wy": dict(num_warps=8, num_stages=2, BK=16, BV=16),
+    "bwd_intra": dict(num_warps=8, num_stages=2, BK=16),
 }
 
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """a @ b, operands in the accumulator dtype. PREC 1: fp32 (three tf32 products, about fp32); 2: fp64."""
+    """a @ b, operands in the accumulator dtype. PREC 0: one tf32 product (bf16 / fp16 inputs); 1: three tf32
+    products, about fp32 (fp32 inputs); 2: fp64 (fp64 inputs, the interpreter tests)."""
     if PREC == 2:
         return tl.dot(a, b, out_dtype=tl.float64)
-    else:
+    elif PREC == 1:
         return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit
-def _rows(ptr, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
-    """The [BT, D] tile of a [B, Tp, H, D] tensor at chunk i_c, head i_h, in the accumulator dtype."""
-    o_t = tl.arange(0, BT).to(tl.int64)
-    o_d = tl.arange(0, D)
-    r = i_b * Tp + i_c * BT + o_t
-    return tl.load(ptr + (r[:, None] * H + i_h) * D + o_d[None, :]).to(acc)
+def _chunk_head(H: tl.constexpr):
+    """(chunk, row, head) of a per-chunk program (grid: chunks, rows * heads)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    return i_c, (i_bh // H).to(tl.int64), i_bh % H
 
 
 @triton.jit
-def _store_rows(ptr, x, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
-    o_t = tl.arange(0, BT).to(tl.int64)
-    o_d = tl.arange(0, D)
-    r = i_b * Tp + i_c * BT + o_t
-    tl.store(ptr + (r[:, None] * H + i_h) * D + o_d[None, :], x.to(ptr.dtype.element_ty))
+def _at(ptr, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+    """The address of chunk i_c's first row, head i_h, of a [B, Tp, H, D] tensor (int64 scalar arithmetic: the
+    offsets inside a chunk, at most BT * H * D, are int32)."""
+    return ptr + ((i_b * Tp + i_c * BT) * H + i_h).to(tl.int64) * D
 
 
 @triton.jit
-def _row(ptr, i_b, i_c, j, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
-    """Row j of chunk i_c ([D]) of a [B, Tp, H, D] tensor."""
-    r = (i_b * Tp + i_c * BT + j).to(tl.int64)
-    return tl.load(ptr + (r * H + i_h) * D + tl.arange(0, D)).to(acc)
+def _load(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_r), len(o_d)]: rows o_r (inside chunk i_c), columns o_d of head i_h of a [B, Tp, H, D] tensor, in the
+    accumulator dtype."""
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_r[:, None] * (H * D) + o_d[None, :]).to(acc)
 
 
 @triton.jit
-def _rows_at(ptr, o_j, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
-    """Rows o_j of chunk i_c ([BJ, D]) of a [B, Tp, H, D] tensor."""
-    r = (i_b * Tp + i_c * BT + o_j).to(tl.int64)
-    return tl.load(ptr + (r[:, None] * H + i_h) * D + tl.arange(0, D)[None, :]).to(acc)
+def _load_t(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_d), len(o_r)]: the transpose of `_load`'s tile, read transposed."""
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_r[None, :] * (H * D) + o_d[:, None]).to(acc)
 
 
 @triton.jit
-def _decay_to(b_g, g_j, o_j, BT: tl.constexpr):
-    """[BT, BJ, K]: e^{gam_i - gam_j} for rows i >= j (exponent <= 0 for g <= 0), 0 above."""
+def _store(ptr, x, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+    """x [BT, len(o_d)] into the rows of chunk i_c, columns o_d of head i_h of a [B, Tp, H, D] tensor."""
     o_t = tl.arange(0, BT)
-    keep = (o_t[:, None] >= o_j[None, :])[:, :, None]
-    return tl.exp(tl.where(keep, b_g[:, None, :] - g_j[None, :, :], float("-inf")))
+    tl.store(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_t[:, None] * (H * D) + o_d[None, :], x.to(ptr.dtype.element_ty))
 
 
 @triton.jit
-def _cols(m, o_j, BT: tl.constexpr, BJ: tl.constexpr):
-    """m[:, o_j] ([BT, BJ]) of a [BT, BT] tile, exactly."""
-    if BJ == BT:
-        return m
-    else:
-        sel = (o_j[:, None] == tl.arange(0, BT)[None, :]).to(m.dtype)  # [BJ, BT]
-        return tl.sum(m[:, None, :] * sel[None, :, :], axis=2)
+def _row(ptr, j, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """Row j of chunk i_c, columns o_d ([len(o_d)]) of a [B, Tp, H, D] tensor."""
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + j * (H * D) + o_d).to(acc)
 
 
 @triton.jit
-def _at_cols(x, o_j, BT: tl.constexpr, BJ: tl.constexpr):
-    """[BT, BJ] -> [BT, BT] with x in columns o_j, zeros elsewhere."""
-    if BJ == BT:
-        return x
-    else:
-        sel = (o_j[:, None] == tl.arange(0, BT)[None, :]).to(x.dtype)  # [BJ, BT]
-        return tl.sum(x[:, :, None] * sel[None, :, :], axis=1)
+def _vec_at(ptr, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_r)]: elements (o_r, o_d) (rows of chunk i_c, head i_h) of a [B, Tp, H, D] tensor; D = 1: rows o_r of a
+    [B, Tp, H] tensor (o_d 0)."""
+    return tl.load(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_r * (H * D) + o_d).to(acc)
 
 
 @triton.jit
-def _at_rows(x, o_j, BT: tl.constexpr, BJ: tl.constexpr):
-    """[BJ, D] -> [BT, D] with x in rows o_j, zeros elsewhere."""
-    if BJ == BT:
-        return x
-    else:
-        sel = (tl.arange(0, BT)[:, None] == o_j[None, :]).to(x.dtype)  # [BT, BJ]
-        return tl.sum(sel[:, :, None] * x[None, :, :], axis=1)
+def _vec(ptr, o_r, i_b, i_c, i_h, Tp, H: tl.constexpr, BT: tl.constexpr, acc: tl.constexpr):
+    """[len(o_r)]: rows o_r of chunk i_c, head i_h of a [B, Tp, H] tensor."""
+    return _vec_at(ptr, o_r, 0, i_b, i_c, i_h, Tp, H, 1, BT, acc)
 
 
 @triton.jit
-def _pairs(a, b_ptr, gam, b_g, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-           BJ: tl.constexpr, acc: tl.constexpr, STRICT: tl.constexpr):
-    """[BT, BT]: X_ij = sum_c a_ic b_jc e^{gam_ic - gam_jc} for j < i (STRICT) or j <= i, else 0; b read from
-    memory BJ rows at a time ([BT, BJ, K] elementwise products)."""
+def _state_ptrs(ptr, i_n, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """Pointers to rows o_k, columns o_v of state i_n of a [N, K, V] stack of states."""
+    return ptr + i_n.to(tl.int64) * (K * V) + (o_k[:, None] * V + o_v[None, :])
+
+
+@triton.jit
+def _through(b_g, gam, jb, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+             BS: tl.constexpr, acc: tl.constexpr):
+    """The two factors of e^{gam_i - gam_j}, i after sub-chunk jb, j inside it, through its last row e: ([BT, BK]
+    e^{gam_i - gam_e} on rows i > e, [BT, BK] e^{gam_e - gam_j} on the rows j of sub-chunk jb; 0 elsewhere). Both
+    exponents are <= 0 (masked before the exp)."""
     o_t = tl.arange(0, BT)
-    x = tl.zeros([BT, BT], dtype=acc)
-    for j0 in range(0, BT, BJ):
-        o_j = j0 + tl.arange(0, BJ)
-        b_j = _rows_at(b_ptr, o_j, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        g_j = _rows_at(gam, o_j, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        blk = tl.sum(a[:, None, :] * b_j[None, :, :] * _decay_to(b_g, g_j, o_j, BT), axis=2)
-        x += _at_cols(blk, o_j, BT, BJ)
-    if STRICT:
-        x = tl.where(o_t[:, None] > o_t[None, :], x, 0.)
-    return x
+    e = jb * BS + BS - 1
+    g_e = _row(gam, e, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)[None, :]
+    up = tl.exp(tl.where((o_t > e)[:, None], b_g - g_e, float("-inf")))
+    down = tl.exp(tl.where((o_t // BS == jb)[:, None], g_e - b_g, float("-inf")))
+    return up, down
 
 
 @triton.jit
@@ -173,216 +173,348 @@ def _inverse(b_a, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["Tp"])
-def kda_wy_fwd_kernel(k, v, gam, beta, tm, w, u, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BJ: tl.constexpr, PREC: tl.constexpr):
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Q: tl.constexpr,
+                      PREC: tl.constexpr):
+    """Tm, W, U and (HAS_Q) P of one chunk; A and P summed over K blocks (off-diagonal sub-chunk blocks by tl.dot
+    through `_through`, the diagonal ones one column per step)."""
+    i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     o_t = tl.arange(0, BT)
-    b_k = _rows(k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_g = _rows(gam, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_beta = tl.load(beta + ((i_b * Tp + i_c * BT + o_t) * H + i_h)).to(acc)
-    b_a = _pairs(b_k, k, gam, b_g, i_b, i_c, i_h, Tp, H, K, BT, BJ, acc, True) * b_beta[:, None]
-    b_t = _inverse(b_a, BT, PREC)
-    _store_rows(tm, b_t, i_b, i_c, i_h, Tp, H, BT, BT)
-    b_w = _dot(b_t, b_k * tl.exp(b_g) * b_beta[:, None], PREC)
-    _store_rows(w, b_w, i_b, i_c, i_h, Tp, H, K, BT)
-    b_u = _dot(b_t, _rows(v, i_b, i_c, i_h, Tp, H, V, BT, acc) * b_beta[:, None], PREC)
-    _store_rows(u, b_u, i_b, i_c, i_h, Tp, H, V, BT)
+    b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
+    b_a = tl.zeros([BT, BT], dtype=acc)
+    b_p = tl.zeros([BT, BT], dtype=acc)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_g = _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        if HAS_Q:
+            b_q = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        for jb in range(BT // BS - 1):  # a loop, not unrolled: one sub-chunk's factors live at a time
+            up, down = _through(b_g, gam, jb, o_k, i_b, i_c, i_h, Tp, H, K, BT, BS, acc)
+            b_kd = tl.trans(b_k * down)
+            b_a += _dot(b_k * up, b_kd, PREC)
+            if HAS_Q:
+                b_p += _dot(b_q * up, b_kd, PREC)
+        for jj in range(BS):  # column jj of every diagonal block: x = the row of the same sub-chunk
+            o_x = o_t // BS * BS + jj
+            b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+            b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+            b_e = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
+            sel = o_t[None, :] == o_x[:, None]
+            b_a += tl.where(sel, tl.sum(b_k * b_kx * b_e, axis=1)[:, None], 0.)
+            if HAS_Q:
+                b_p += tl.where(sel, tl.sum(b_q * b_kx * b_e, axis=1)[:, None], 0.)
+    b_t = _inverse(tl.where(o_t[:, None] > o_t[None, :], b_a, 0.) * b_beta[:, None], BT, PREC)
+    _store(tm, b_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
+    if HAS_Q:
+        _store(p, b_p, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_x = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+            * tl.exp(_load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)) * b_beta[:, None]
+        _store(w, _dot(b_t, b_x, PREC), o_k, i_b, i_c, i_h, Tp, H, K, BT)
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_y = _load(v, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) * b_beta[:, None]
+        _store(u, _dot(b_t, b_y, PREC), o_v, i_b, i_c, i_h, Tp, H, V, BT)
+
+
+@triton.jit
+def _state_in(b_h, k, gam, b_vn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+              acc: tl.constexpr, PREC: tl.constexpr):
+    """Rows o_k of e^{gl} h + (k e^{gl - gam})ᵀ vn: the state leaving the chunk (the transposed factor read
+    transposed: no transpose in registers)."""
+    o_t = tl.arange(0, BT)
+    b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    b_kt = _load_t(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+        * tl.exp(b_gl[:, None] - _load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    return b_h * tl.exp(b_gl)[:, None] + _dot(b_kt, b_vn, PREC)
 
 
 @triton.jit(do_not_specialize=["NT"])
 def kda_state_fwd_kernel(w, u, k, gam, h0, h, vn, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                          HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
                          STORE_HT: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
-    """h [K, BV] through the chunks. V: the state's columns (the values; K for the summary's M, HAS_U False)."""
+    """h [K, BV] through the chunks, as two [BK, BV] row blocks when K = 2 BK (h1, h2). V: the state's columns (the
+    values; K for the summary's M, HAS_U False)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    acc = gam.dtype.element_ty
-    Tp = NT * BT
-    o_t = tl.arange(0, BT).to(tl.int64)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_state = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([K, BV], dtype=acc)
-    if USE_H0:
-        b_h += tl.load(h0 + p_state).to(acc)
-    for i_c in range(NT):
-        if RESETS:
-            b_h = tl.where(tl.load(resets + i_c) != 0, 0., b_h)
-        if STORE_H:
-            tl.store(h + ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_h)
-        r = i_b * Tp + i_c * BT + o_t
-        p_v = (r[:, None] * H + i_h) * V + o_v[None, :]
-        b_vn = -_dot(_rows(w, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h, PREC)
-        if HAS_U:
-            b_vn += tl.load(u + p_v).to(acc)
-        if STORE_VN:
-            tl.store(vn + p_v, b_vn)
-        b_g = _rows(gam, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        b_gl = _row(gam, i_b, i_c, BT - 1, i_h, Tp, H, K, BT, acc)
-        b_kt = _rows(k, i_b, i_c, i_h, Tp, H, K, BT, acc) * tl.exp(b_gl[None, :] - b_g)
-        b_h = b_h * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kt), b_vn, PREC)
-    if STORE_HT:
-        tl.store(ht + p_state, b_h)
-
-
-@triton.jit(do_not_specialize=["NT"])
-def kda_out_fwd_kernel(q, k, gam, h, vn, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BJ: tl.constexpr, DVL: tl.constexpr, PREC: tl.constexpr):
-    """o = (q e^{gam}) h_c + P vn; DVL: o <- Pᵀ dO (h, vn unused)."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    acc = gam.dtype.element_ty
-    Tp = NT * BT
-    b_q = _rows(q, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_g = _rows(gam, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_p = _pairs(b_q, k, gam, b_g, i_b, i_c, i_h, Tp, H, K, BT, BJ, acc, False)
-    if DVL:
-        b_o = _dot(tl.trans(b_p), _rows(do, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC)
-    else:
-        o_k = tl.arange(0, K)
-        o_v = tl.arange(0, V)
-        b_h = tl.load(h + ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
-        b_o = _dot(b_q * tl.exp(b_g), b_h, PREC) + _dot(b_p, _rows(vn, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC)
-    _store_rows(o, b_o, i_b, i_c, i_h, Tp, H, V, BT)
-
-
-@triton.jit(do_not_specialize=["NT"])
-def kda_state_bwd_kernel(q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
-                         STORE: tl.constexpr, STORE_DH0: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    acc = gam.dtype.element_ty
-    Tp = NT * BT
-    o_t = tl.arange(0, BT).to(tl.int64)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_state = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([K, BV], dtype=acc)
-    if USE_DHT:
-        b_dh += tl.load(dht + p_state).to(acc)
-    for i_s in range(NT):
-        i_c = NT - 1 - i_s
-        if STORE:
-            tl.store(dh + ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_dh)
-        r = i_b * Tp + i_c * BT + o_t
-        p_v = (r[:, None] * H + i_h) * V + o_v[None, :]
-        b_g = _rows(gam, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        b_gl = _row(gam, i_b, i_c, BT - 1, i_h, Tp, H, K, BT, acc)
-        b_kt = _rows(k, i_b, i_c, i_h, Tp, H, K, BT, acc) * tl.exp(b_gl[None, :] - b_g)
-        b_dvn = tl.load(dvl + p_v).to(acc) + _dot(b_kt, b_dh, PREC)
-        if STORE:
-            tl.store(dvn + p_v, b_dvn)
-        b_qg = _rows(q, i_b, i_c, i_h, Tp, H, K, BT, acc) * tl.exp(b_g)
-        b_w = _rows(w, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        b_dh = b_dh * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_qg), tl.load(do + p_v).to(acc), PREC) \
-            - _dot(tl.trans(b_w), b_dvn, PREC)
-        if RESETS:
-            b_dh = tl.where(tl.load(resets + i_c) != 0, 0., b_dh)
-    if STORE_DH0:
-        tl.store(dh0 + p_state, b_dh)
-
-
-@triton.jit(do_not_specialize=["NT"])
-def kda_chunk_bwd_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, NT,
-                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr,
-                         PREC: tl.constexpr):
-    """One chunk's gradients. With Qg = q e^{gam}, Kt = k e^{gl - gam}, X = beta k e^{gam}, Y = beta v:
-        dq = e^{gam} (dO h_cᵀ) + F(dP, k)                         dP = dO vnᵀ (j <= i)
-        dk = e^{gl - gam} (vn dh_{c+1}ᵀ) + G(dP, q) + beta F(dA, k) + G(beta dA, k) + beta e^{gam} dX
-        dX = Tmᵀ dW, dW = -dvn h_cᵀ;  dY = Tmᵀ dvn;  dv = beta dY;  dA = -Tmᵀ (dW Xᵀ + dvn Yᵀ) Tmᵀ (j < i)
-        dbeta = rowsum(dY v + dX k e^{gam} + k F(dA, k))
-        dgam = Qg ∘ (dO h_cᵀ) - Kt ∘ (vn dh_{c+1}ᵀ) + X ∘ dX + q ∘ F(dP, k) - k ∘ G(dP, q)
-               + beta k ∘ F(dA, k) - k ∘ G(beta dA, k)
-               (elementwise: a factor e^{+gam_i} on an operand gives operand ∘ its gradient, e^{-gam_j} minus it)
-    where F(M, b)_i = sum_j M_ij b_j e^{gam_i - gam_j}, G(M, a)_j = sum_i M_ij a_i e^{gam_i - gam_j} (i >= j), and
-    the last row of dgam adds dgl = e^{gl} rowsum(h_c dh_{c+1}) + colsum(Kt ∘ (vn dh_{c+1}ᵀ))."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = gam.dtype.element_ty
     Tp = NT * BT
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    b_q = _rows(q, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_k = _rows(k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_g = _rows(gam, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_gl = _row(gam, i_b, i_c, BT - 1, i_h, Tp, H, K, BT, acc)
-    b_v = _rows(v, i_b, i_c, i_h, Tp, H, V, BT, acc)
-    b_vn = _rows(vn, i_b, i_c, i_h, Tp, H, V, BT, acc)
-    b_dvn = _rows(dvn, i_b, i_c, i_h, Tp, H, V, BT, acc)
-    b_do = _rows(do, i_b, i_c, i_h, Tp, H, V, BT, acc)
-    b_tm = _rows(tm, i_b, i_c, i_h, Tp, H, BT, BT, acc)
-    b_beta = tl.load(beta + ((i_b * Tp + i_c * BT + o_t) * H + i_h)).to(acc)
-    p_s = ((i_b * NT + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(h + p_s)
-    b_dh = tl.load(dh + p_s)
+    o_k1 = tl.arange(0, BK)
+    o_k2 = BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    TWO: tl.constexpr = K == 2 * BK
+    b_h1 = tl.zeros([BK, BV], dtype=acc)
+    b_h2 = tl.zeros([BK, BV], dtype=acc)
+    if USE_H0:
+        b_h1 += tl.load(_state_ptrs(h0, i_b * H + i_h, o_k1, o_v, K, V)).to(acc)
+        if TWO:
+            b_h2 += tl.load(_state_ptrs(h0, i_b * H + i_h, o_k2, o_v, K, V)).to(acc)
+    for i_c in range(NT):
+        if RESETS:
+            reset = tl.load(resets + i_c) != 0
+            b_h1 = tl.where(reset, 0., b_h1)
+            b_h2 = tl.where(reset, 0., b_h2)
+        if STORE_H:
+            tl.store(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k1, o_v, K, V), b_h1)
+            if TWO:
+                tl.store(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k2, o_v, K, V), b_h2)
+        b_vn = -_dot(_load(w, o_t, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h1, PREC)
+        if TWO:
+            b_vn -= _dot(_load(w, o_t, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h2, PREC)
+        if HAS_U:
+            b_vn += _load(u, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
+        if STORE_VN:
+            _store(vn, b_vn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
+        b_h1 = _state_in(b_h1, k, gam, b_vn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if TWO:
+            b_h2 = _state_in(b_h2, k, gam, b_vn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+    if STORE_HT:
+        tl.store(_state_ptrs(ht, i_b * H + i_h, o_k1, o_v, K, V), b_h1)
+        if TWO:
+            tl.store(_state_ptrs(ht, i_b * H + i_h, o_k2, o_v, K, V), b_h2)
 
-    b_eg = tl.exp(b_g)
-    b_et = tl.exp(b_gl[None, :] - b_g)
-    # the entering state's read: o += Qg h_c
-    b_dq = _dot(b_do, tl.trans(b_h), PREC) * b_eg
-    b_dgam = b_q * b_dq
-    # the state update: h_{c+1} = e^{gl} h_c + Ktᵀ vn
-    b_dkt = _dot(b_vn, tl.trans(b_dh), PREC)
-    b_dk = b_dkt * b_et
-    b_dgam -= b_k * b_dk
-    b_dgl = tl.exp(b_gl) * tl.sum(b_h * b_dh, axis=1) + tl.sum(b_k * b_dk, axis=0)
-    # the WY form: vn = U - W h_c, W = Tm X, U = Tm Y, Tm = (I + A)^-1
-    b_x = b_k * b_eg * b_beta[:, None]
-    b_dw = -_dot(b_dvn, tl.trans(b_h), PREC)
-    b_dx = _dot(tl.trans(b_tm), b_dw, PREC)
-    b_dy = _dot(tl.trans(b_tm), b_dvn, PREC)
-    b_dv = b_dy * b_beta[:, None]
-    b_dbeta = tl.sum(b_dy * b_v, axis=1) + tl.sum(b_dx * b_k * b_eg, axis=1)
-    b_dk += b_dx * b_eg * b_beta[:, None]
-    b_dgam += b_x * b_dx
-    b_dtm = _dot(b_dw, tl.trans(b_x), PREC) + _dot(b_dvn, tl.trans(b_v * b_beta[:, None]), PREC)
+
+@triton.jit(do_not_specialize=["NT"])
+def kda_out_fwd_kernel(q, gam, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVL: tl.constexpr, PREC: tl.constexpr):
+    """One V block of o = (q e^{gam}) h_c + P vn; DVL: of Pᵀ dO instead (q, gam, h, vn unused)."""
+    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    acc = p.dtype.element_ty
+    Tp = NT * BT
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_p = _load(p, o_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+    if DVL:
+        b_o = _dot(tl.trans(b_p), _load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC)
+    else:
+        b_o = _dot(b_p, _load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC)
+        for i_k in range(K // BK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_qg = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+                * tl.exp(_load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+            b_h = tl.load(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V))
+            b_o += _dot(b_qg, b_h, PREC)
+    _store(o, b_o, o_v, i_b, i_c, i_h, Tp, H, V, BT)
+
+
+@triton.jit
+def _kt_dh(b_dh, k, gam, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+           acc: tl.constexpr, PREC: tl.constexpr):
+    """(k e^{gl - gam})[:, o_k] dh[o_k]: the part of dvn through rows o_k of the state leaving the chunk."""
+    o_t = tl.arange(0, BT)
+    b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    b_kt = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+        * tl.exp(b_gl[None, :] - _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    return _dot(b_kt, b_dh, PREC)
+
+
+@triton.jit
+def _state_out_grad(b_dh, q, gam, w, b_do, b_dvn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr,
+                    BT: tl.constexpr, acc: tl.constexpr, PREC: tl.constexpr):
+    """Rows o_k of e^{gl} dh + (q e^{gam})ᵀ dO - Wᵀ dvn: the gradient of the state entering the chunk."""
+    o_t = tl.arange(0, BT)
+    b_qg = _load_t(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+        * tl.exp(_load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    b_dh = b_dh * tl.exp(_row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))[:, None] \
+        + _dot(b_qg, b_do, PREC)
+    return b_dh - _dot(_load_t(w, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc), b_dvn, PREC)
+
+
+@triton.jit(do_not_specialize=["NT"])
+def kda_state_bwd_kernel(q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         USE_DHT: tl.constexpr, STORE: tl.constexpr, STORE_DH0: tl.constexpr, RESETS: tl.constexpr,
+                         PREC: tl.constexpr):
+    """dh [K, BV] back through the chunks, as two [BK, BV] row blocks when K = 2 BK (dh1, dh2)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    acc = gam.dtype.element_ty
+    Tp = NT * BT
+    o_t = tl.arange(0, BT)
+    o_k1 = tl.arange(0, BK)
+    o_k2 = BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    TWO: tl.constexpr = K == 2 * BK
+    b_dh1 = tl.zeros([BK, BV], dtype=acc)
+    b_dh2 = tl.zeros([BK, BV], dtype=acc)
+    if USE_DHT:
+        b_dh1 += tl.load(_state_ptrs(dht, i_b * H + i_h, o_k1, o_v, K, V)).to(acc)
+        if TWO:
+            b_dh2 += tl.load(_state_ptrs(dht, i_b * H + i_h, o_k2, o_v, K, V)).to(acc)
+    for i_s in range(NT):
+        i_c = NT - 1 - i_s
+        if STORE:
+            tl.store(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k1, o_v, K, V), b_dh1)
+            if TWO:
+                tl.store(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k2, o_v, K, V), b_dh2)
+        b_dvn = _load(dvl, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) \
+            + _kt_dh(b_dh1, k, gam, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if TWO:
+            b_dvn += _kt_dh(b_dh2, k, gam, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if STORE:
+            _store(dvn, b_dvn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
+        b_do = _load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
+        b_dh1 = _state_out_grad(b_dh1, q, gam, w, b_do, b_dvn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if TWO:
+            b_dh2 = _state_out_grad(b_dh2, q, gam, w, b_do, b_dvn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        if RESETS:
+            reset = tl.load(resets + i_c) != 0
+            b_dh1 = tl.where(reset, 0., b_dh1)
+            b_dh2 = tl.where(reset, 0., b_dh2)
+    if STORE_DH0:
+        tl.store(_state_ptrs(dh0, i_b * H + i_h, o_k1, o_v, K, V), b_dh1)
+        if TWO:
+            tl.store(_state_ptrs(dh0, i_b * H + i_h, o_k2, o_v, K, V), b_dh2)
+
+
+@triton.jit(do_not_specialize=["NT"])
+def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, PREC: tl.constexpr):
+    """One chunk's gradients outside the pair products. With Qg = q e^{gam}, Kt = k e^{gl - gam}, X = beta k e^{gam},
+    Y = beta v:
+        dq = e^{gam} (dO h_cᵀ)                 dk = e^{gl - gam} (vn dh_{c+1}ᵀ) + beta e^{gam} dX
+        dX = Tmᵀ dW, dW = -dvn h_cᵀ;  dY = Tmᵀ dvn;  dv = beta dY;  dA = -Tmᵀ (dW Xᵀ + dvn Yᵀ) Tmᵀ (j < i)
+        dP = dO vnᵀ (j <= i);  dbeta = rowsum(dY v + dX k e^{gam})
+        dgam = Qg ∘ (dO h_cᵀ) - Kt ∘ (vn dh_{c+1}ᵀ) + X ∘ dX, its last row plus
+               dgl = e^{gl} rowsum(h_c dh_{c+1}) + colsum(Kt ∘ (vn dh_{c+1}ᵀ))
+    (elementwise: a factor e^{+gam_i} on an operand gives operand ∘ its gradient, e^{-gam_j} minus it). dA, dP go
+    to bwd_intra, which adds the pair products' terms."""
+    i_c, i_b, i_h = _chunk_head(H)
+    acc = gam.dtype.element_ty
+    Tp = NT * BT
+    o_t = tl.arange(0, BT)
+    b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
+    b_tm = _load(tm, o_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+    b_dtm = tl.zeros([BT, BT], dtype=acc)
+    b_dp = tl.zeros([BT, BT], dtype=acc)
+    b_dbeta = tl.zeros([BT], dtype=acc)
+    for i_v in range(V // BV):  # dv, dvn Yᵀ, dO vnᵀ
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_dvn = _load(dvn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
+        b_v = _load(v, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
+        b_dy = _dot(tl.trans(b_tm), b_dvn, PREC)
+        _store(dv, b_dy * b_beta[:, None], o_v, i_b, i_c, i_h, Tp, H, V, BT)
+        b_dbeta += tl.sum(b_dy * b_v, axis=1)
+        b_dtm += _dot(b_dvn, tl.trans(b_v * b_beta[:, None]), PREC)
+        b_dp += _dot(_load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc),
+                     tl.trans(_load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)), PREC)
+    for i_k in range(K // BK):  # the state's terms and W's, one K block at a time
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_doh = tl.zeros([BT, BK], dtype=acc)
+        b_vdh = tl.zeros([BT, BK], dtype=acc)
+        b_dw = tl.zeros([BT, BK], dtype=acc)
+        b_hdh = tl.zeros([BK], dtype=acc)
+        for i_v in range(V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            b_h = tl.load(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V)).to(acc)
+            b_dh = tl.load(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V)).to(acc)
+            b_doh += _dot(_load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
+            b_vdh += _dot(_load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_dh), PREC)
+            b_dw -= _dot(_load(dvn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
+            b_hdh += tl.sum(b_h * b_dh, axis=1)
+        b_q = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_g = _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_eg = tl.exp(b_g)
+        b_dq = b_doh * b_eg
+        b_dk = b_vdh * tl.exp(b_gl[None, :] - b_g)
+        b_dgl = tl.exp(b_gl) * b_hdh + tl.sum(b_k * b_dk, axis=0)
+        b_dgam = b_q * b_dq - b_k * b_dk + tl.where(o_t[:, None] == BT - 1, b_dgl[None, :], 0.)
+        b_x = b_k * b_eg * b_beta[:, None]
+        b_dx = _dot(tl.trans(b_tm), b_dw, PREC)
+        b_dbeta += tl.sum(b_dx * b_k * b_eg, axis=1)
+        b_dk += b_dx * b_eg * b_beta[:, None]
+        b_dgam += b_x * b_dx
+        b_dtm += _dot(b_dw, tl.trans(b_x), PREC)
+        _store(dq, b_dq, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+        _store(dk, b_dk, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+        _store(dgam, b_dgam, o_k, i_b, i_c, i_h, Tp, H, K, BT)
     b_da = -_dot(tl.trans(b_tm), _dot(b_dtm, tl.trans(b_tm), PREC), PREC)
-    b_da = tl.where(o_t[:, None] > o_t[None, :], b_da, 0.)
-    b_dp = tl.where(o_t[:, None] >= o_t[None, :], _dot(b_do, tl.trans(b_vn), PREC), 0.)
-    # the decayed pair products, column by column: F(dP, k), F(dA, k), G(dP, q) + G(beta dA, k)
-    b_fp = tl.zeros([BT, K], dtype=acc)
-    b_fa = tl.zeros([BT, K], dtype=acc)
-    b_gk = tl.zeros([BT, K], dtype=acc)
-    b_qda = b_beta[:, None] * b_k
-    for j0 in range(0, BT, BJ):
-        o_j = j0 + tl.arange(0, BJ)
-        k_j = _rows_at(k, o_j, i_b, i_c, i_h, Tp, H, K, BT, acc)
-        e = _decay_to(b_g, _rows_at(gam, o_j, i_b, i_c, i_h, Tp, H, K, BT, acc), o_j, BT)  # [BT, BJ, K]
-        c_p = _cols(b_dp, o_j, BT, BJ)[:, :, None]
-        c_a = _cols(b_da, o_j, BT, BJ)[:, :, None]
-        b_fp += tl.sum(c_p * k_j[None, :, :] * e, axis=1)
-        b_fa += tl.sum(c_a * k_j[None, :, :] * e, axis=1)
-        b_gk += _at_rows(tl.sum((c_p * b_q[:, None, :] + c_a * b_qda[:, None, :]) * e, axis=0), o_j, BT, BJ)
-    b_dq += b_fp
-    b_dgam += b_q * b_fp
-    b_dk += b_beta[:, None] * b_fa + b_gk
-    b_dgam += b_k * (b_beta[:, None] * b_fa - b_gk)
-    b_dbeta += tl.sum(b_k * b_fa, axis=1)
-    b_dgam += tl.where(o_t[:, None] == BT - 1, b_dgl[None, :], 0.)
-    _store_rows(dq, b_dq, i_b, i_c, i_h, Tp, H, K, BT)
-    _store_rows(dk, b_dk, i_b, i_c, i_h, Tp, H, K, BT)
-    _store_rows(dv, b_dv, i_b, i_c, i_h, Tp, H, V, BT)
-    _store_rows(dgam, b_dgam, i_b, i_c, i_h, Tp, H, K, BT)
-    tl.store(dbeta + ((i_b * Tp + i_c * BT + o_t) * H + i_h), b_dbeta)
+    _store(da, tl.where(o_t[:, None] > o_t[None, :], b_da, 0.), o_t, i_b, i_c, i_h, Tp, H, BT, BT)
+    _store(dp, tl.where(o_t[:, None] >= o_t[None, :], b_dp, 0.), o_t, i_b, i_c, i_h, Tp, H, BT, BT)
+    tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
 
 
-def _bj() -> int:
-    """Columns of the decayed pair products per step: the whole chunk under the interpreter (one numpy step), PAIR_BJ
-    on a GPU ([BT, BJ, K] elementwise tiles; not tuned on a GPU yet). DELTACP_KDA_PAIR_BJ overrides (tests of the
-    stepped path)."""
-    env = os.environ.get("DELTACP_KDA_PAIR_BJ")
-    if env:
-        return int(env)
-    return BT if os.environ.get("TRITON_INTERPRET") == "1" else PAIR_BJ
+@triton.jit(do_not_specialize=["NT"])
+def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl.constexpr, K: tl.constexpr,
+                         BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The pair products' terms of one chunk, added to bwd_wy's dq, dk, dgam, dbeta:
+        dq += F(dP, k);  dk += beta F(dA, k) + Gk;  dbeta += rowsum(k F(dA, k))
+        dgam += q ∘ F(dP, k) + beta k ∘ F(dA, k) - k ∘ Gk,   Gk = G(dP, q) + G(beta dA, k)
+    where F(M, b)_i = sum_j M_ij b_j e^{gam_i - gam_j}, G(M, a)_j = sum_i M_ij a_i e^{gam_i - gam_j} (i >= j; M is
+    zero above its diagonal): across sub-chunks F = sum_jb up ∘ (M (b ∘ down)), G = sum_jb down ∘ (Mᵀ (a ∘ up))
+    (`_through`), inside them one column (F) or row (G) of every diagonal block per step."""
+    i_c, i_b, i_h = _chunk_head(H)
+    acc = gam.dtype.element_ty
+    Tp = NT * BT
+    o_t = tl.arange(0, BT)
+    b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
+    b_dp = _load(dp, o_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+    b_da = _load(da, o_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+    b_dbeta = _vec(dbeta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_g = _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_kb = b_k * b_beta[:, None]
+        b_fp = tl.zeros([BT, BK], dtype=acc)
+        b_fa = tl.zeros([BT, BK], dtype=acc)
+        b_gk = tl.zeros([BT, BK], dtype=acc)
+        for jb in range(BT // BS - 1):  # a loop, not unrolled: one sub-chunk's factors live at a time
+            up, down = _through(b_g, gam, jb, o_k, i_b, i_c, i_h, Tp, H, K, BT, BS, acc)
+            b_kd = b_k * down
+            b_fp += up * _dot(b_dp, b_kd, PREC)
+            b_fa += up * _dot(b_da, b_kd, PREC)
+            b_gk += down * (_dot(tl.trans(b_dp), b_q * up, PREC) + _dot(tl.trans(b_da), b_kb * up, PREC))
+        for jj in range(BS):  # x = row jj of each sub-chunk: column x of F's row i, row x of G's column j
+            o_x = o_t // BS * BS + jj
+            b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+            b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+            b_ef = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
+            b_eg = tl.exp(tl.where((o_x >= o_t)[:, None], b_gx - b_g, float("-inf")))
+            m_p = _vec_at(dp, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
+            m_a = _vec_at(da, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+            b_fp += m_p[:, None] * b_kx * b_ef
+            b_fa += m_a[:, None] * b_kx * b_ef
+            m_p = _vec_at(dp, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
+            m_a = _vec_at(da, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc) \
+                * _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
+            b_gk += (m_p[:, None] * _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + m_a[:, None] * b_kx) * b_eg
+        b_dbeta += tl.sum(b_k * b_fa, axis=1)
+        _store(dq, _load(dq, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_fp, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+        _store(dk, _load(dk, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_beta[:, None] * b_fa + b_gk,
+               o_k, i_b, i_c, i_h, Tp, H, K, BT)
+        _store(dgam, _load(dgam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+               + b_q * b_fp + b_kb * b_fa - b_k * b_gk, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+    tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
 
 
-def _prec(acc: torch.dtype) -> int:
-    return 2 if acc == torch.float64 else 1
+def _prec(acc: torch.dtype, inputs: torch.dtype | None = None) -> int:
+    """The products' precision (`_dot`): 2 with fp64 accumulators; 1 (three tf32 products) for fp32 inputs and for
+    the kernels whose errors compound across chunks (inputs None: wy_fwd's Tm and W, the state kernels); 0 (one
+    tf32 product) for the per-chunk output and gradient kernels under bf16 / fp16 inputs (LOW_PRECISION_DOTS)."""
+    if acc == torch.float64:
+        return 2
+    return 1 if inputs in (None, torch.float32) or LOW_PRECISION_DOTS == "tf32x3" else 0
+
+
+def _launch(name: str, K: int, V: int) -> dict[str, int]:
+    """LAUNCH[name] with its blocks clipped to the head dims."""
+    cfg = dict(LAUNCH[name])
+    if "BK" in cfg:
+        cfg["BK"] = min(cfg["BK"], K)
+    if "BV" in cfg:
+        cfg["BV"] = min(cfg["BV"], V)
+    return cfg
 
 
 def _shape(k, v):
@@ -390,15 +522,16 @@ def _shape(k, v):
     return B, Tp, H, K, v.shape[3], Tp // BT
 
 
-def wy_fwd(k, v, gam, beta):
-    """-> Tm [B, Tp, H, BT], W [B, Tp, H, K], U [B, Tp, H, V] (gam's dtype)."""
+def wy_fwd(q, k, v, gam, beta):
+    """-> Tm, P [B, Tp, H, BT] (P None without q), W [B, Tp, H, K], U [B, Tp, H, V] (gam's dtype)."""
     B, Tp, H, K, V, NT = _shape(k, v)
     tm = torch.empty(B, Tp, H, BT, device=k.device, dtype=gam.dtype)
+    p = None if q is None else torch.empty_like(tm)
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
-    kda_wy_fwd_kernel[(NT, B * H)](k, v, gam, beta, tm, w, u, Tp, H=H, K=K, V=V, BT=BT, BJ=_bj(), PREC=_prec(gam.dtype),
-                                   **LAUNCH["wy_fwd"])
-    return tm, w, u
+    kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
+                                   HAS_Q=q is not None, PREC=_prec(gam.dtype), **_launch("wy_fwd", K, V))
+    return tm, p, w, u
 
 
 def state_fwd(w, u, k, gam, h0=None, *, cols=None, store_h=True, store_vn=True, output_final_state=False,
@@ -412,30 +545,32 @@ def state_fwd(w, u, k, gam, h0=None, *, cols=None, store_h=True, store_vn=True, 
     h = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store_h else None
     vn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store_vn else None
     ht = torch.empty(B, H, K, V, device=k.device, dtype=acc) if output_final_state else None
-    bv = min(BV, V)
-    kda_state_fwd_kernel[(triton.cdiv(V, bv), B * H)](
-        w, u, k, gam, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BV=bv, USE_H0=h0 is not None,
+    cfg = _launch("state_fwd", K, V)
+    kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
+        w, u, k, gam, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
         HAS_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=_prec(acc), **LAUNCH["state_fwd"])
+        RESETS=resets is not None, PREC=_prec(acc), **cfg)
     return h, vn, ht
 
 
-def out_fwd(q, k, gam, h, vn, out_dtype):
-    """-> o [B, Tp, H, V] in out_dtype."""
-    B, Tp, H, K, V, NT = _shape(k, vn)
-    o = torch.empty(B, Tp, H, V, device=k.device, dtype=out_dtype)
-    kda_out_fwd_kernel[(NT, B * H)](q, k, gam, h, vn, None, o, NT, H=H, K=K, V=V, BT=BT, BJ=_bj(), DVL=False,
-                                    PREC=_prec(gam.dtype), **LAUNCH["out_fwd"])
-    return o
+def _out(q, gam, p, h, x, out, dvl: bool, inputs: torch.dtype):
+    B, Tp, H, _ = p.shape
+    K, V, NT = q.shape[3], x.shape[3], Tp // BT
+    cfg = _launch("out_fwd", K, V)
+    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, p, h, None if dvl else x, x if dvl else None, out, NT,
+                                                    H=H, K=K, V=V, BT=BT, DVL=dvl, PREC=_prec(p.dtype, inputs),
+                                                    **cfg)
+    return out
 
 
-def dv_local(q, k, gam, do):
-    """-> Pᵀ dO per chunk [B, Tp, H, V] (gam's dtype)."""
-    B, Tp, H, K, V, NT = _shape(k, do)
-    dvl = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
-    kda_out_fwd_kernel[(NT, B * H)](q, k, gam, None, None, do, dvl, NT, H=H, K=K, V=V, BT=BT, BJ=_bj(), DVL=True,
-                                    PREC=_prec(gam.dtype), **LAUNCH["out_fwd"])
-    return dvl
+def out_fwd(q, gam, p, h, vn, out_dtype):
+    """-> o [B, Tp, H, V] in out_dtype (v's)."""
+    return _out(q, gam, p, h, vn, torch.empty(vn.shape, device=vn.device, dtype=out_dtype), False, out_dtype)
+
+
+def dv_local(q, p, do, inputs: torch.dtype):
+    """-> Pᵀ dO per chunk [B, Tp, H, V] (P's dtype); `inputs` v's dtype."""
+    return _out(q, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), True, inputs)
 
 
 def state_bwd(q, k, gam, w, do, dvl, dht=None, *, store=True, need_dh0=False, resets=None):
@@ -445,21 +580,26 @@ def state_bwd(q, k, gam, w, do, dvl, dht=None, *, store=True, need_dh0=False, re
     dh = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store else None
     dvn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store else None
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=acc) if need_dh0 else None
-    bv = min(BV, V)
-    kda_state_bwd_kernel[(triton.cdiv(V, bv), B * H)](
-        q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BV=bv,
+    cfg = _launch("state_bwd", K, V)
+    kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
+        q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
         USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, PREC=_prec(acc),
-        **LAUNCH["state_bwd"])
+        **cfg)
     return dh, dvn, dh0
 
 
 def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
-    """-> dq, dk, dgam [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, Tp, H], all in gam's dtype."""
+    """-> dq, dk, dgam [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, Tp, H], all in gam's dtype: bwd_wy, then
+    bwd_intra adding the pair products' terms in place."""
     B, Tp, H, K, V, NT = _shape(k, v)
     acc = gam.dtype
     dq, dk, dgam = (torch.empty(B, Tp, H, K, device=k.device, dtype=acc) for _ in range(3))
     dv = torch.empty(B, Tp, H, V, device=k.device, dtype=acc)
     dbeta = torch.empty(B, Tp, H, device=k.device, dtype=acc)
-    kda_chunk_bwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, NT,
-                                      H=H, K=K, V=V, BT=BT, BJ=_bj(), PREC=_prec(acc), **LAUNCH["chunk_bwd"])
+    da, dp = (torch.empty(B, Tp, H, BT, device=k.device, dtype=acc) for _ in range(2))
+    prec = _prec(acc, v.dtype)
+    kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
+                                   H=H, K=K, V=V, BT=BT, PREC=prec, **_launch("bwd_wy", K, V))
+    kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
+                                      PREC=prec, **_launch("bwd_intra", K, V))
     return dq, dk, dv, dbeta, dgam
