@@ -42,19 +42,12 @@ chunks is zero (backward: no gradient crosses them). Names start with kda_.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 BT = 64  # the chunk
 BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks)
-# The per-chunk output and gradient kernels' products under bf16 / fp16 inputs: "tf32" (one pass) or "tf32x3" (three,
-# about fp32, as everywhere else; more registers: bench/kernel_resources.py). Read once, at import.
-LOW_PRECISION_DOTS = os.environ.get("DELTACP_KDA_LOW_PRECISION_DOTS", "tf32")
-if LOW_PRECISION_DOTS not in ("tf32", "tf32x3"):
-    raise ValueError(f"DELTACP_KDA_LOW_PRECISION_DOTS={LOW_PRECISION_DOTS!r}; expected tf32 or tf32x3")
 
 # Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py (Triton 3.9, sm_90)
 # at K = V = 128: every kernel under a Hopper program's 232,448 bytes of shared memory (state_bwd the most, 193,024),
@@ -73,11 +66,13 @@ LAUNCH: dict[str, dict[str, int]] = {
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     """a @ b, operands in the accumulator dtype. PREC 0: one tf32 product (bf16 / fp16 inputs); 1: three tf32
-    products, about fp32 (fp32 inputs); 2: fp64 (fp64 inputs, the interpreter tests)."""
+    products, about fp32; 2: fp64 (fp64 inputs, the interpreter tests); 3: fp32 FMA products ("ieee")."""
     if PREC == 2:
         return tl.dot(a, b, out_dtype=tl.float64)
     elif PREC == 1:
         return tl.dot(a, b, input_precision="tf32x3")
+    elif PREC == 3:
+        return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision="tf32")
 
@@ -499,12 +494,16 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
 
 
 def _prec(acc: torch.dtype, inputs: torch.dtype | None = None) -> int:
-    """The products' precision (`_dot`): 2 with fp64 accumulators; 1 (three tf32 products) for fp32 inputs and for
-    the kernels whose errors compound across chunks (inputs None: wy_fwd's Tm and W, the state kernels); 0 (one
-    tf32 product) for the per-chunk output and gradient kernels under bf16 / fp16 inputs (LOW_PRECISION_DOTS)."""
+    """The products' precision (`_dot`): 2 with fp64 accumulators; 1 (three tf32 products) for the kernels whose
+    errors compound across chunks (inputs None: wy_fwd's Tm and W, the state kernels); for the per-chunk output and
+    gradient kernels 0 (one tf32 product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32 inputs. Not three
+    tf32 products there: Triton 3.6 compiled bwd_wy's tf32x3 products to out-of-bounds shared-memory reads on an
+    H100 (compute-sanitizer, 2026-12-06; the same kernels' tf32 products under bf16 inputs ran clean)."""
     if acc == torch.float64:
         return 2
-    return 1 if inputs in (None, torch.float32) or LOW_PRECISION_DOTS == "tf32x3" else 0
+    if inputs is None:
+        return 1
+    return 3 if inputs == torch.float32 else 0
 
 
 def _launch(name: str, K: int, V: int) -> dict[str, int]:
