@@ -87,6 +87,7 @@ class Table:
     # the full-attention methods its attention layers take (None: every one); a run of another method takes the
     # first of these instead (e.g. indexed attention: all_gather only, the others refused: test_qwen4_exp.py)
     attention_methods: tuple[str, ...] | None = None
+    valid_runs: bool = False  # transformers' reference of a padded row: its valid tokens alone (transformers_reference)
 
     def attention_for(self, method: str) -> str:
         return method if self.attention_methods is None or method in self.attention_methods else \
@@ -139,11 +140,28 @@ def _targets(single, ids, mask, cu) -> torch.Tensor:
     return _valid_targets(shard_batch_for_cp(ids, single, attention_mask=mask, cu_seqlens=cu))
 
 
-def transformers_reference(model, single, ids, mask, cu):
+def _valid_runs_logits(model, ids, mask):
+    """[B, S, V] the model's logits on each row's valid tokens alone (one contiguous run per row; zeros elsewhere)."""
+    rows = []
+    for b in range(ids.shape[0]):
+        where = mask[b].bool().nonzero()[:, 0]
+        lo, hi = int(where[0]), int(where[-1]) + 1
+        assert hi - lo == where.numel(), "one contiguous run of valid tokens per row"
+        part = model(input_ids=ids[b:b + 1, lo:hi], use_cache=False).logits
+        rows.append(F.pad(part, (0, 0, lo, ids.shape[1] - hi)))
+    return torch.cat(rows, dim=0)
+
+
+def transformers_reference(model, single, ids, mask, cu, valid_runs: bool = False):
     """The unmodified model: logits (per document for a packed row) and the gradient of the mean cross entropy of
     deltacp's targets on them. -> (logits, loss, flat grads). Runs on `model` itself (no copy: its gradients are
-    cleared again before returning, so the copies CP runs take hold none)."""
-    if cu is None:
+    cleared again before returning, so the copies CP runs take hold none). valid_runs: a padded row is run as its
+    valid tokens alone (a NoPE model whose padding transformers itself zeroes, where the padded run cannot be: GLM's
+    float64 eager softmax of a fully masked padded query is NaN, which the next layers' zero-weighted values carry
+    to every token)."""
+    if cu is None and mask is not None and valid_runs:
+        logits = _valid_runs_logits(model, ids, mask)
+    elif cu is None:
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     else:
         b = cu.tolist()
@@ -225,7 +243,7 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
             ids, m, cu = inputs[kind]
             ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p",
                                        full_attention_cp=table.attention_for("ulysses"))
-            theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu)
+            theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu, table.valid_runs)
             return theirs, cp_step(ref_model, single, ids, m, cu)
 
         kinds = sorted({c[3] for c in combos})

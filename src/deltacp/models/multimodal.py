@@ -35,6 +35,17 @@ from deltacp.parallel.placement import check_local_length, check_sequence_layout
 _REFUSED = ("pixel_values_videos", "video_grid_thw", "mm_encoder_outputs", "cache", "past_key_values")
 
 
+def refuse_vision(module, args, kwargs):
+    """The pre-hook of a multimodal model whose family runs its text path only under CP (`Family.vision_cp` False):
+    images, videos and precomputed encoder outputs raise, naming them (the same inputs on every rank: every rank
+    raises before any collective)."""
+    given = [k for k in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs") if kwargs.get(k) is not None]
+    if given:
+        raise NotImplementedError(f"{type(module).__name__} under CP runs its text path only: {given} are not "
+                                  f"supported (pass input_ids, or inputs_embeds, without images or videos)")
+    return args, kwargs
+
+
 def _image_features(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
     """All images' merged features [n_image_tokens, hidden], in image order (as transformers concatenates them)."""
     out = model.get_image_features(pixel_values, image_grid_thw)
