@@ -115,10 +115,10 @@ def check_glm5_next(text_config) -> None:
         if types[i] not in INDEXER_TYPES:
             raise ValueError(f"indexer_types[{i}]={types[i]!r}: allowed values {INDEXER_TYPES}")
         if types[i] == "shared" and not (i > 0 and kinds[i - 1] == "indexed_attention" and types[i - 1] == "full"):
+            got = f"layer {i - 1}: {kinds[i - 1]!r}, {types[i - 1]!r}" if i else "layer 0 has no previous layer"
             raise ValueError(f"indexer_types[{i}]='shared': a shared indexer layer reads the selection of the previous "
-                             f"decoder layer, which must be an indexed_attention layer with indexer_types 'full' (got "
-                             f"layer {i - 1}: {kinds[i - 1] if i else None!r}, "
-                             f"{types[i - 1] if i else None!r}); transformers' forward raises there too")
+                             f"decoder layer, which must be an indexed_attention layer with indexer_types 'full' "
+                             f"({got}); transformers' forward raises there too")
     if not text_config.index_kpool_always_select_tail and "indexed_attention" in kinds:
         raise NotImplementedError("index_kpool_always_select_tail=False under CP is not supported (a query reads "
                                   "no token of its own incomplete pool, and before its first complete pool none at "
