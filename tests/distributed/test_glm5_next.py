@@ -251,3 +251,42 @@ def test_bounded_and_softplus_forget_gates_match_transformers():
         f = view.forget_projection(x).view(2, 7, 4, 8)
         mine = torch.cat([view.forget_gate(f[:, :, 2 * h:2 * h + 2], slice(2 * h, 2 * h + 2)) for h in range(2)], 2)
         assert mine.dtype == torch.float64 and rel_l2(mine, theirs.double()) < 1e-6, bound
+
+
+def _load_save(rank, world, path, out):
+    """load_pretrained (FSDP2 over the CP mesh) of a checkpoint transformers wrote: every tensor equals
+    from_pretrained's, the logits of this rank's slice its logits; save_pretrained writes what transformers wrote
+    (names and shapes) and reloads to the same tensors."""
+    import transformers
+
+    from deltacp import load_pretrained, save_pretrained, shard_batch_for_cp
+    from deltacp.checkpoint_io.hf_format import read_index
+    from helpers import local_slice
+
+    mesh = cp_mesh()
+    cls = transformers.Glm5NextForConditionalGeneration
+    model = load_pretrained(path, mesh, dtype=torch.float32, model_class=cls.__name__, linear_attention_cp_mode="p2p",
+                            full_attention_cp="all_gather")
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    ref.config.get_text_config()._attn_implementation = "eager"
+    mine = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for n, t in model.state_dict().items()}
+    theirs = ref.state_dict()
+    assert set(mine) == set(theirs) and all(torch.equal(mine[n], theirs[n]) for n in theirs)
+    ids = _inputs()["packed"][0]
+    batch = shard_batch_for_cp(ids, mesh, model=model)
+    with torch.no_grad():
+        got = model(**{k: v for k, v in batch.items() if k != "target_ids"}, use_cache=False).logits
+        want = ref(input_ids=ids, use_cache=False).logits
+    assert rel_l2(got, local_slice(want, rank, world)) < 2e-6
+    save_pretrained(model, out, max_shard_size="40KB", block_bytes=512)
+    if rank == 0:
+        assert {k: t.shape for k, t in read_index(out).items()} == {k: t.shape for k, t in read_index(path).items()}
+        again = cls.from_pretrained(out).state_dict()
+        assert all(torch.equal(again[n], theirs[n]) for n in theirs)
+
+
+def test_load_and_save_pretrained_cp2(tmp_path):
+    """A checkpoint as transformers' save_pretrained writes it (bf16, several files: the conversion mapping's names,
+    experts per expert, the conv as q/k/v_conv1d, the hyper-connections as hc_*), loaded and saved at CP2."""
+    tiny_glm5_next(torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "theirs", max_shard_size="60KB")
+    run_distributed(_load_save, 2, tmp_path / "theirs", tmp_path / "ours", timeout_s=300)
