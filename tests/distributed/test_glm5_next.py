@@ -119,6 +119,7 @@ def _cp_run(rank, world, overrides, combos, compare_transformers, fsdp=False):
         checks = {"logits": rel_l2(logits[:, kept], logits_1[:, mine[kept]]), "loss": abs(loss / loss_1 - 1).item(),
                   "grads": rel_l2(grads, grads_1)}
         failures += [f"CP{world} {mode} {layout} {kind}: {k} {v:.2e}" for k, v in checks.items() if not v < CP_BOUND]
+        tf = {}
         if theirs is not None:
             tf = {"logits vs transformers": rel_l2(logits[:, kept][valid], theirs[0][:, mine[kept]][valid]),
                   "loss vs transformers": abs(loss / theirs[1] - 1).item(),
@@ -126,7 +127,7 @@ def _cp_run(rank, world, overrides, combos, compare_transformers, fsdp=False):
             failures += [f"CP{world} {mode} {layout} {kind}: {k} {v:.2e}" for k, v in tf.items()
                          if not v < (100 * TF_BOUND if k.startswith("grads") else TF_BOUND)]
         if rank == 0:
-            print(f"CP{world} {mode} {layout} {kind}: " + ", ".join(f"{k} {v:.1e}" for k, v in checks.items()))
+            print(f"CP{world} {mode} {layout} {kind}: " + ", ".join(f"{k} {v:.1e}" for k, v in {**checks, **tf}.items()))
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 

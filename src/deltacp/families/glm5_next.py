@@ -76,6 +76,28 @@ class Glm5NextIndexedAttentionView(LatentAttentionView, IndexedAttentionView):
     def reuses_selection(self) -> bool:
         return self.module.indexer is None
 
+    def project(self, x_BsD, position_embeddings):
+        """MLA in its absorbed form: each head's query taken into the latent space (q_nope W_uk[h], W_uk the key rows
+        of kv_b_proj), the normed latent as the one key and value head, so that what crosses ranks is the latent
+        (kv_lora_rank per token: 512, against 64 x (256 + 256) for the expanded K and V) and `output` applies the
+        value rows W_uv[h]. The same products as transformers' q . (W_uk c) and p . (W_uv c), summed in another
+        order; NoPE (no rope slice)."""
+        m = self.module
+        B, s, _ = x_BsD.shape
+        H, nope = m.num_heads, m.qk_nope_head_dim
+        q = m.q_b_proj(rms_norm(m.q_a_proj(x_BsD), m.q_a_layernorm)).view(B, s, H, m.qk_head_dim)
+        latent = rms_norm(m.kv_a_proj_with_mqa(x_BsD), m.kv_a_layernorm).view(B, s, 1, m.kv_lora_rank)
+        w_uk = m.kv_b_proj.weight.view(H, nope + m.v_head_dim, m.kv_lora_rank)[:, :nope]
+        return torch.einsum("bshn,hnl->bshl", q, w_uk), latent, latent, None
+
+    def output(self, o_BsX, out):
+        m = self.module
+        B, s, _ = o_BsX.shape
+        H, nope = m.num_heads, m.qk_nope_head_dim
+        w_uv = m.kv_b_proj.weight.view(H, nope + m.v_head_dim, m.kv_lora_rank)[:, nope:]
+        o = torch.einsum("bshl,hvl->bshv", o_BsX.view(B, s, H, m.kv_lora_rank), w_uv)
+        return m.o_proj(o.reshape(B, s, H * m.v_head_dim))
+
     def index(self, x_BsD, position_embeddings, offsets_Bs):
         """iq [B, s, H, d + 1]: each index head's query and (last) its weight weights_proj(x) H^-1/2; terms [gate
         logits + position embedding within the block | LayerNorm(wk(x))] (d each)."""

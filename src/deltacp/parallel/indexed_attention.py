@@ -231,11 +231,12 @@ def indexed_attention_forward(view: IndexedAttentionView, plan: AttentionCP, hid
         with torch.no_grad():
             selection = select_tokens(view, blocks, hidden_states, position_embeddings, rows, group)
     q_BsHD, k_BsKD, v_BsKD, out = view.project(hidden_states, position_embeddings)
+    shared_kv = v_BsKD is k_BsKD  # one tensor as keys and values (MLA's latent in its absorbed form): gathered once
     D = k_BsKD.shape[-1]
-    kv_BsKX = torch.cat([k_BsKD, v_BsKD], dim=-1)
+    kv_BsKX = k_BsKD if shared_kv else torch.cat([k_BsKD, v_BsKD], dim=-1)
     if P > 1:  # one all-gather of K and V, then row order
         kv_BsKX = to_row_order(all_gather_seq_autograd(kv_BsKX, 1, group), 1, P, plan.balanced)
-    k_BSKD, v_BSKD = kv_BsKX.split([D, v_BsKD.shape[-1]], dim=-1)
+    k_BSKD, v_BSKD = (kv_BsKX, kv_BsKX) if shared_kv else kv_BsKX.split([D, v_BsKD.shape[-1]], dim=-1)
     o = selected_attention(q_BsHD, k_BSKD, v_BSKD, selection, view.scaling)
     return view.outputs(view.output(o, out), selection)
 
