@@ -194,6 +194,50 @@ def cp_step(model, mesh, ids, mask, cu, sharded: bool = False):
     return logits.detach(), loss.detach(), grads
 
 
+def run_against_references(rank: int, world: int, base, inputs: dict, combos, compare_transformers: bool,
+                           fsdp: bool = False, valid_runs: bool = False, tf_bound: float = 1e-6, **settings) -> None:
+    """`base` (a tiny float64 model) under CP at `world` ranks in each (linear mode, sequence layout, input kind) of
+    `combos` (`inputs`: kind -> (ids, padding mask, cu_seqlens)), against deltacp's single-device path (CP_BOUND:
+    this rank's logits, the loss, the rank-summed gradients) and, with `compare_transformers`, the unmodified model at
+    the valid tokens (`tf_bound`; gradients 100x; `valid_runs`: `transformers_reference`'s). fsdp: activation
+    checkpointing, then FSDP2 over the CP mesh, on the CP'd model (deltacp's order). settings: parallelize_cp's
+    other keywords (e.g. full_attention_cp). Prints each run's figures on rank 0; raises listing every failure."""
+    from deltacp import apply_activation_checkpointing, fully_shard_cp
+
+    single, mesh = self_meshes(), cp_mesh()
+    failures, refs = [], {}
+    for mode, layout, kind in combos:
+        ids, m, cu = inputs[kind]
+        if kind not in refs:
+            one = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p", **settings)
+            refs[kind] = (cp_step(one, single, ids, m, cu), transformers_reference(base, single, ids, m, cu, valid_runs)
+                          if compare_transformers else None)
+        (logits_1, loss_1, grads_1), theirs = refs[kind]
+        model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode, sequence_layout=layout,
+                               **settings)
+        if fsdp:
+            apply_activation_checkpointing(model)
+            fully_shard_cp(model, mesh)
+        logits, loss, grads = cp_step(model, mesh, ids, m, cu, sharded=fsdp)
+        mine = _rank_positions(model, mesh, ids, cu)
+        kept = mine < ids.shape[1]
+        valid = (torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool())[:, mine[kept]]
+        checks = {"logits": rel_l2(logits[:, kept], logits_1[:, mine[kept]]), "loss": abs(loss / loss_1 - 1).item(),
+                  "grads": rel_l2(grads, grads_1)}
+        tag = f"CP{world} {mode} {layout} {kind}"
+        failures += [f"{tag}: {k} {v:.2e}" for k, v in checks.items() if not v < CP_BOUND]
+        tf = {}
+        if theirs is not None:
+            tf = {"logits vs transformers": rel_l2(logits[:, kept][valid], theirs[0][:, mine[kept]][valid]),
+                  "loss vs transformers": abs(loss / theirs[1] - 1).item(),
+                  "grads vs transformers": rel_l2(grads, theirs[2])}
+            failures += [f"{tag}: {k} {v:.2e}" for k, v in tf.items()
+                         if not v < (100 * tf_bound if k.startswith("grads") else tf_bound)]
+        if rank == 0:
+            print(f"{tag}: " + ", ".join(f"{k} {v:.1e}" for k, v in {**checks, **tf}.items()))
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
 def _rank_positions(model, mesh, ids, cu) -> torch.Tensor:
     """This rank's row positions (a packed row may be padded by the cut: positions >= its length)."""
     batch = shard_batch_for_cp(torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1), mesh, model=model,
