@@ -162,9 +162,9 @@ def _refusals(rank, world):
     with torch.no_grad(), suspend_cp(cp_model):
         got = cp_model(input_ids=ids, use_cache=False).logits
     assert torch.equal(got, tiny_glm5_next()(input_ids=ids, use_cache=False).logits.detach())
-    with pytest.raises(NotImplementedError, match=r"text path only: \['pixel_values'\]"):
-        cp_model(input_ids=ids[:, :S // world], pixel_values=torch.zeros(4, 24, dtype=torch.float64),
-                 image_grid_thw=torch.tensor([[1, 2, 2]]), use_cache=False)
+    with pytest.raises(NotImplementedError, match=r"does not support \['pixel_values_videos', 'video_grid_thw'\]"):
+        cp_model(input_ids=ids[:, :S // world], pixel_values_videos=torch.zeros(4, 24, dtype=torch.float64),
+                 video_grid_thw=torch.tensor([[1, 2, 2]]), use_cache=False)
     for settings, pattern in ((dict(full_attention_cp="ulysses"), r"full_attention_cp='ulysses'.*\('all_gather',\)"),
                               (dict(full_attention_cp="ring"), r"full_attention_cp='ring'.*\('all_gather',\)")):
         with pytest.raises(ValueError, match=pattern):
@@ -256,3 +256,45 @@ def test_load_and_save_pretrained_cp2(tmp_path):
     experts per expert, the conv as q/k/v_conv1d, the hyper-connections as hc_*), loaded and saved at CP2."""
     tiny_glm5_next(torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "theirs", max_shard_size="60KB")
     run_distributed(_load_save, 2, tmp_path / "theirs", tmp_path / "ours", timeout_s=300)
+
+
+def _images(rank, world):
+    """Two images in row 0 whose tokens cross rank boundaries (CP2: 32; CP4: 16, 32, 48): the vision tower on every
+    image, each rank's image features placed on its tokens; NoPE, so no positions are formed. This rank's logits, the
+    loss and the rank-summed gradients (the vision tower's too) against deltacp's single device (1e-8) and the single
+    device against transformers' own forward with the images."""
+    import torch.nn.functional as F
+
+    from conformance.harness import randomize_
+    from deltacp import all_reduce_cp_grads, cp_cross_entropy, shard_batch_for_cp
+    from helpers import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_END_ID, VISION_START_ID, flat, grads_of, image_batch
+
+    base = randomize_(tiny_glm5_next(image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
+                                     image_start_token_id=VISION_START_ID, image_end_token_id=VISION_END_ID),
+                      keep=("A_log", "dt_bias"))
+    ids, _, pixel_values, grid = image_batch(2, S, starts=(14, 30), seed=1)
+    images = dict(pixel_values=pixel_values, image_grid_thw=grid)
+    results = []
+    for mesh in (self_meshes(), cp_mesh()):
+        model = parallelize_cp(copy.deepcopy(base), mesh, full_attention_cp="all_gather")
+        batch = shard_batch_for_cp(ids, mesh, model=model)
+        logits = model(input_ids=batch["input_ids"], **images, use_cache=False).logits
+        loss = cp_cross_entropy(logits, batch["target_ids"], mesh)
+        loss.backward()
+        all_reduce_cp_grads(model, mesh)
+        results.append((logits.detach(), loss.detach(), flat(grads_of(model))))
+    (logits_1, loss_1, grads_1), (logits, loss, grads) = results
+    tf = copy.deepcopy(base)
+    theirs = tf(input_ids=ids, **images, use_cache=False).logits
+    loss_tf = F.cross_entropy(theirs[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss_tf.backward()
+    s = S // world
+    assert rel_l2(logits, logits_1[:, rank * s:(rank + 1) * s]) < 1e-8 and abs(loss / loss_1 - 1) < 1e-8
+    assert rel_l2(grads, grads_1) < 1e-8
+    assert rel_l2(logits_1, theirs) < 1e-6 and abs(loss_1 / loss_tf - 1) < 1e-6
+    assert rel_l2(grads_1, flat(grads_of(tf))) < 1e-4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_images(world):
+    run_distributed(_images, world, timeout_s=300)

@@ -2,7 +2,8 @@
 `modeling_glm5_next.py`): its family record, its KDA view and its indexed attention (MLA + pooled indexer) view.
 
 There is no causal-LM class: the conditional-generation class takes flat text-only configs. Under CP its text path
-runs; images and videos are refused by name (`Family.vision_cp`).
+runs, and images as for Qwen3.5's multimodal classes (`models/multimodal.py`: the vision tower on every image, each
+rank's features placed on its tokens; no positions to form: the language model is NoPE); videos are refused by name.
 Decoder layers (`Glm5NextTextDecoderLayer`): `layer.self_attn` holds KDA (`Glm5NextTextLinearAttention`,
 `layer_types` "linear_attention") or MLA with the indexer (`Glm5NextTextAttention`, "indexed_attention"), told apart
 by class; the residual is 4 Sinkhorn hyper-connection streams (`attn_hc`, `ffn_hc`: per token, transformers' own
@@ -152,7 +153,7 @@ GLM5_NEXT = register_family(Family(
     text_model="Glm5NextTextModel", linear_mixer="Glm5NextTextLinearAttention", attention="Glm5NextTextAttention",
     norm="Glm5NextTextRMSNorm", mlp="Glm5NextTextMLP", text_config="Glm5NextTextConfig",
     conditional="Glm5NextForConditionalGeneration", multimodal_model="Glm5NextModel",
-    multimodal_config="Glm5NextConfig", vision_config="Glm5NextVisionConfig", vision_cp=False,
+    multimodal_config="Glm5NextConfig", vision_config="Glm5NextVisionConfig",
     mixer_view=Glm5NextKDAView, attention_view=Glm5NextIndexedAttentionView, fused_decoder=False,
     linear_attribute="self_attn", attention_attribute="self_attn",
     moe_fields=("n_routed_experts", "num_experts_per_tok", "router_aux_loss_coef"),

@@ -33,9 +33,6 @@ class Family:
     multimodal_model: str | None = None  # its inner model: vision tower + language model
     multimodal_config: str | None = None  # the conditional class's config: text_config + vision_config
     vision_config: str | None = None  # the vision tower's config class (train.model.vision_config fields)
-    # its images run under CP (`models/multimodal.py`); False: the conditional class's text path only, images and
-    # videos refused by name
-    vision_cp: bool = True
     mrope: bool = False  # 3-D (text + mRoPE) position ids
     presets: bool = False  # models/presets.py's released sizes are text_config fields of this family
     mixer_view: object = None  # its linear mixer's view: a `parallel.views.LinearMixerView` subclass

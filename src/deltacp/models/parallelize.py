@@ -31,7 +31,7 @@ from deltacp.distributed.mesh import batch_group_of, cp_group_of
 from deltacp.models.adapters import ModelAdapter, adapter_for
 from deltacp.models.inputs import make_cp_inputs_hook, refuse_local_loss
 from deltacp.models.moe import make_aux_loss_hook
-from deltacp.models.multimodal import make_multimodal_hook, refuse_vision
+from deltacp.models.multimodal import make_multimodal_hook
 from deltacp.models.rotary import check_rotary, install_global_rotary
 from deltacp.parallel.placement import RowCut
 from deltacp.parallel.plan import CPPlan
@@ -211,14 +211,11 @@ def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_lay
     text.register_forward_pre_hook(_unless_suspended(text, make_cp_inputs_hook(group, adapter, sequence_layout)),
                                    with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(adapter.text).__name__)
-    if adapter.multimodal is not None and adapter.family.vision_cp:
+    if adapter.multimodal is not None:
         adapter.multimodal.register_forward_pre_hook(
             _unless_suspended(text, make_multimodal_hook(group, sequence_layout)), with_kwargs=True)
         logger.info("Applied the multimodal CP hook (vision on the whole batch, global mRoPE positions) to %s",
                     type(adapter.multimodal).__name__)
-    elif adapter.multimodal is not None:
-        adapter.multimodal.register_forward_pre_hook(_unless_suspended(text, refuse_vision), with_kwargs=True)
-        logger.info("Applied the text-only hook (images and videos refused) to %s", type(adapter.multimodal).__name__)
     if adapter.head is not None:
         adapter.head.register_forward_pre_hook(_unless_suspended(text, refuse_local_loss), with_kwargs=True)
         if adapter.moe is not None:
