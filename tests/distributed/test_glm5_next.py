@@ -311,3 +311,23 @@ def _images(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_images(world):
     run_distributed(_images, world, timeout_s=300)
+
+
+def _text_model(rank, world):
+    """`Glm5NextTextModel` on its own under CP (the balanced layout): this rank's last hidden states are transformers'
+    text model's at its tokens."""
+    from deltacp import shard_batch_for_cp
+    from helpers import local_slice
+
+    text = copy.deepcopy(tiny_glm5_next().model.language_model)
+    ids = _inputs()["padded"][0]
+    with torch.no_grad():
+        theirs = text(input_ids=ids, use_cache=False).last_hidden_state
+        model = parallelize_cp(text, cp_mesh(), full_attention_cp="all_gather", sequence_layout="balanced")
+        batch = shard_batch_for_cp(ids, cp_mesh(), model=model)
+        mine = model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+    assert rel_l2(mine, local_slice(theirs, rank, world, layout="balanced")) < 1e-6
+
+
+def test_text_model_cp2():
+    run_distributed(_text_model, 2, timeout_s=300)
