@@ -195,12 +195,14 @@ def cp_step(model, mesh, ids, mask, cu, sharded: bool = False):
 
 
 def run_against_references(rank: int, world: int, base, inputs: dict, combos, compare_transformers: bool,
-                           fsdp: bool = False, valid_runs: bool = False, tf_bound: float = 1e-6, **settings) -> None:
+                           fsdp: bool = False, valid_runs: bool = False, tf_bound: float = 1e-6,
+                           checkpoint_policy: str = "full", **settings) -> None:
     """`base` (a tiny float64 model) under CP at `world` ranks in each (linear mode, sequence layout, input kind) of
     `combos` (`inputs`: kind -> (ids, padding mask, cu_seqlens)), against deltacp's single-device path (CP_BOUND:
     this rank's logits, the loss, the rank-summed gradients) and, with `compare_transformers`, the unmodified model at
     the valid tokens (`tf_bound`; gradients 100x; `valid_runs`: `transformers_reference`'s). fsdp: activation
-    checkpointing, then FSDP2 over the CP mesh, on the CP'd model (deltacp's order). settings: parallelize_cp's
+    checkpointing (`checkpoint_policy`), then FSDP2 over the CP mesh, on the CP'd model (deltacp's order). settings:
+    parallelize_cp's
     other keywords (e.g. full_attention_cp). Prints each run's figures on rank 0; raises listing every failure."""
     from deltacp import apply_activation_checkpointing, fully_shard_cp
 
@@ -216,7 +218,7 @@ def run_against_references(rank: int, world: int, base, inputs: dict, combos, co
         model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode, sequence_layout=layout,
                                **settings)
         if fsdp:
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, policy=checkpoint_policy)
             fully_shard_cp(model, mesh)
         logits, loss, grads = cp_step(model, mesh, ids, m, cu, sharded=fsdp)
         mine = _rank_positions(model, mesh, ids, cu)

@@ -88,12 +88,12 @@ def test_selection_matches_transformers_indexer(chunk, monkeypatch):
         assert bool((mine.sum(-1)[late] <= 11).all()), kind  # 3 pools of 3 and a tail of at most 2
 
 
-def _cp_run(rank, world, overrides, combos, compare_transformers, fsdp=False):
+def _cp_run(rank, world, overrides, combos, compare_transformers, fsdp=False, policy="full"):
     from conformance.harness import randomize_, run_against_references
 
     base = randomize_(tiny_glm5_next(**overrides), keep=("A_log", "dt_bias"))
     run_against_references(rank, world, base, _inputs(), combos, compare_transformers, fsdp, valid_runs=True,
-                           tf_bound=TF_BOUND, full_attention_cp="all_gather")
+                           tf_bound=TF_BOUND, checkpoint_policy=policy, full_attention_cp="all_gather")
 
 
 CP4_COMBOS = (("p2p", "contiguous", "padded"), ("ulysses", "balanced", "packed"), ("all_gather", "balanced", "padded"),
@@ -114,12 +114,13 @@ def test_cp8_packed():
     run_distributed(_cp_run, 8, {}, (("p2p", "contiguous", "packed80"),), True, timeout_s=600)
 
 
-def test_fsdp_and_checkpointing_cp2():
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_fsdp_and_checkpointing_cp2(policy):
     """Activation checkpointing (the recompute runs the indexed layer's collectives again, in the same order on every
     rank, and hands the "shared" layer the recomputed selection) and FSDP2 over the CP mesh; against the single
     device (the indexer's parameters take no gradient: transformers' selection is discrete)."""
     run_distributed(_cp_run, 2, {}, (("p2p", "contiguous", "padded"), ("all_gather", "balanced", "packed")), False,
-                    True, timeout_s=600)
+                    True, policy, timeout_s=600)
 
 
 def test_exact_ties_cp4():
