@@ -122,8 +122,8 @@ def softmax_pooling_terms(terms_BsX: torch.Tensor, slot_Bs: torch.Tensor, N: int
 
 def select_tokens(view: IndexedAttentionView, blocks: RowBlocks, x_BsD: torch.Tensor, position_embeddings,
                   rows: torch.Tensor, group) -> Selection:
-    """What each local query reads (`Selection`): its chosen blocks, then its tail. One all-reduce over `group`
-    (every rank, whatever its tokens)."""
+    """What each local query reads (`Selection`): its chosen blocks, then its tail. One all-reduce over `group`, two
+    for a softmax-pooling view (every rank, whatever its tokens)."""
     B, s, _ = x_BsD.shape
     N, size = blocks.blocks, view.block_size
     local_block = blocks.block[:, rows]  # [B, s]
