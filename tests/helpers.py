@@ -656,7 +656,8 @@ GLM5_NEXT_FIELDS = dict(vocab_size=256, hidden_size=32, intermediate_size=64, mo
                         qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=6, index_n_heads=8, index_head_dim=8,
                         index_kpool=3, index_topk=9, linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
                         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-                        hc_mult=4, max_position_embeddings=4096, rms_norm_eps=1e-6, pad_token_id=0,
+                        hc_mult=4, hc_sinkhorn_iters=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                        pad_token_id=0,
                         tie_word_embeddings=False)
 GLM5_NEXT_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
                         projection_intermediate_size=16, patch_size=2, temporal_patch_size=2, spatial_merge_size=2)
@@ -664,7 +665,7 @@ GLM5_NEXT_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=
 
 def tiny_glm5_next(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random Glm5NextForConditionalGeneration with a text-only (flat) config (seeded): hidden 32, 4
-    hyper-connection streams; layers KDA / MLA full indexer / MLA "shared" indexer / KDA, MLPs dense / routed /
+    hyper-connection streams (4 Sinkhorn iterations, not 20: per-token work, 16% of the model's time); layers KDA / MLA full indexer / MLA "shared" indexer / KDA, MLPs dense / routed /
     dense / routed; KDA 4 heads of 8, the bounded forget gate (linear_lower_bound -5); MLA 4 heads, q_lora 12, latent
     16, qk head dim 8 (NoPE), v_head_dim 6; indexer 8 heads of 8, pools of 3 tokens, top 9 tokens (3 pools: sparse
     past 12 tokens; a pool straddles every rank boundary not at a multiple of 3); the tiny vision tower (unused: text

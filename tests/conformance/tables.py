@@ -367,8 +367,8 @@ QWEN4_EXP = Table("Qwen4-Exp", "Qwen4ExpForCausalLM", tiny_qwen4_exp, (
 # padded row's transformers reference is its valid tokens alone (harness.transformers_reference, valid_runs)
 GLM5_NEXT = Table("GLM-5.3-Flash", "Glm5NextForConditionalGeneration", tiny_glm5_next, (
     Knob("defaults (randomised biases, norm weights and routing bias)", touches="all"),
-    Knob("linear_lower_bound: None (the softplus gate)", dict(linear_lower_bound=None), touches="linear"),
-    Knob("linear_lower_bound: -1", dict(linear_lower_bound=-1.0), touches="linear"),
+    Knob("linear_lower_bound: None (the softplus gate; the default -5 bounds g in every other row)",
+         dict(linear_lower_bound=None), touches="linear"),
     Knob("linear_conv_kernel_dim: 1 (no conv halo)", dict(linear_conv_kernel_dim=1), touches="linear"),
     Knob("linear_num_heads 2, linear_head_dim 16", dict(linear_num_heads=2, linear_head_dim=16), touches="linear"),
     Knob("index_kpool 4, index_topk 8, index_n_heads 12, index_head_dim 16",
