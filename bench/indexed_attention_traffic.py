@@ -1,7 +1,15 @@
-"""Bytes moved and memory per rank of one indexed attention layer (Qwen4-Exp's QSA) under CP, by formula: the K/V
-all-gather deltacp runs (parallel/indexed_attention.py), a ring, and fetching only the selected blocks.
+"""Bytes moved and memory per rank of one indexed attention layer (Qwen4-Exp's QSA, GLM-5.3-Flash's MLA with its
+pooled indexer) under CP, by formula: the K/V all-gather deltacp runs (parallel/indexed_attention.py), a ring, and
+fetching only the selected blocks.
 
     python bench/indexed_attention_traffic.py            # the NOTES.md table (markdown)
+    python bench/indexed_attention_traffic.py --glm5-next   # GLM-5.3-Flash: expanded K/V against the MLA latent
+
+GLM-5.3-Flash (transformers 5.25's Glm5NextTextConfig defaults): 64 heads, K = V = 256 per head after kv_b_proj, so
+the expanded K + V are 64 KiB per token in bf16, against the 512-wide latent (kv_lora_rank, bf16: 1 KiB per token)
+from which every rank can rebuild them (kv_a_layernorm and kv_b_proj are per token); pools of 16, top 2048 tokens,
+index head dim 128; the softmax pooling all-reduces each pool's maximum logits (128 fp32) and its sums (2 x 128
+fp32); NoPE, no angles.
 
 Sizes, B = 1, bf16 K/V: Qwen4-Exp's defaults (transformers 5.25's Qwen4ExpTextConfig) of 2 KV heads of head_dim 256,
 so K + V are 2 * 2 * 256 * 2 B = 2 KiB per token. The QSA fields have no default (None): the assumed values are
@@ -43,6 +51,21 @@ def figures(S: int, P: int, kv_bytes: int, budget: int, ratio: int, d: int, rota
         pooled_moved=2 * (P - 1) * pooled // P, pooled_held=pooled, scores_chunk=chunk * N * 4)
 
 
+def glm5_next_table(S_values=(128 * 1024, 1024 * 1024), P_values=(8, 16, 32)) -> None:
+    heads, kv_dim, latent, ratio, d = 64, 256, 512, 16, 128
+    expanded, compressed = 2 * heads * kv_dim * 2, latent * 2
+    print("| tokens | CP | expanded K/V all-gather: moved / held | latent all-gather: moved / held | pooled max + sums: "
+          "moved / held | scores of 1024 queries |")
+    print("|---|---|---|---|---|---|")
+    for S in S_values:
+        for P in P_values:
+            s, N = S // P, S // ratio
+            pooled = N * 3 * d * 4
+            print(f"| {S // 1024}K | {P} | {(P - 1) * s * expanded / GIB:.1f} / {S * expanded / GIB:.1f} GiB | "
+                  f"{(P - 1) * s * compressed / GIB:.2f} / {S * compressed / GIB:.2f} GiB | "
+                  f"{2 * (P - 1) * pooled / P / 2**20:.1f} / {pooled / 2**20:.1f} MiB | {1024 * N * 4 / 2**20:.0f} MiB |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -51,7 +74,10 @@ def main() -> None:
     ap.add_argument("--ratio", type=int, default=16)
     ap.add_argument("--index-dim", type=int, default=128)
     ap.add_argument("--rotary", type=int, default=64)
+    ap.add_argument("--glm5-next", action="store_true", help="GLM-5.3-Flash's table (the flags above unused)")
     args = ap.parse_args()
+    if args.glm5_next:
+        return glm5_next_table()
     kv = 2 * args.kv_heads * args.head_dim * 2
     print("| tokens | CP | all-gather: moved / held | ring: moved / held | selected only: moved (max .. min) | "
           "pooled sums: moved / held | scores of 1024 queries |")

@@ -645,3 +645,57 @@ def tiny_qwen4_exp(dtype=torch.float64, **overrides) -> torch.nn.Module:
             if layer.ple is not None:
                 layer.ple.conv1d.weight.copy_(torch.randn(layer.ple.conv1d.weight.shape, generator=gen) * 0.3)
     return model.to(dtype)
+
+
+GLM5_NEXT_FIELDS = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention", "indexed_attention",
+                                                          "linear_attention"],
+                        indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "dense",
+                                                                                            "sparse"],
+                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=6, index_n_heads=8, index_head_dim=8,
+                        index_kpool=3, index_topk=9, linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                        hc_mult=4, hc_sinkhorn_iters=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                        pad_token_id=0,
+                        tie_word_embeddings=False)
+GLM5_NEXT_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
+                        projection_intermediate_size=16, patch_size=2, temporal_patch_size=2, spatial_merge_size=2)
+
+
+def tiny_glm5_next(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random Glm5NextForConditionalGeneration with a text-only (flat) config (seeded): hidden 32, 4
+    hyper-connection streams (4 Sinkhorn iterations, not 20: per-token work, 16% of the model's time); layers KDA / MLA full indexer / MLA "shared" indexer / KDA, MLPs dense / routed /
+    dense / routed; KDA 4 heads of 8, the bounded forget gate (linear_lower_bound -5); MLA 4 heads, q_lora 12, latent
+    16, qk head dim 8 (NoPE), v_head_dim 6; indexer 8 heads of 8, pools of 3 tokens, top 9 tokens (3 pools: sparse
+    past 12 tokens; a pool straddles every rank boundary not at a multiple of 3); the tiny vision tower (unused: text
+    only). KDA gates as `tiny_bailing_hybrid`'s (exp(A_log) from [0.6, 1.6], dt_bias slow on three channels in four);
+    the hyper-connections' base and scale, the indexer's pooling gate and position embedding drawn; eager attention
+    (transformers' sdpa gives NaN at padded queries, which select nothing), eager experts."""
+    import transformers
+
+    config = transformers.Glm5NextConfig(**{**GLM5_NEXT_FIELDS, **overrides}, vision_config=dict(GLM5_NEXT_VISION))
+    for cfg in (config, config.text_config):
+        cfg._attn_implementation = "eager"
+        cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Glm5NextForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(5678)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_norm.weight", "kv_a_layernorm.weight", "q_a_layernorm.weight")):
+                p.copy_(torch.empty(p.shape).normal_(1, 0.1, generator=gen))
+            elif name.endswith(("hc.base", "index_kpool_compress_ape")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("hc.scale"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
+            elif name.endswith("index_kpool_compress_gate"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for layer in model.model.language_model.layers:
+            gate = getattr(layer.self_attn, "forget_gate", None)
+            if gate is not None:
+                gate.A_log.copy_(torch.empty(gate.A_log.shape).uniform_(-0.5, 0.5, generator=gen))
+                slow = torch.empty(gate.dt_bias.shape).uniform_(-9, -5, generator=gen)
+                fast = torch.empty(gate.dt_bias.shape).uniform_(0, 3, generator=gen)
+                gate.dt_bias.copy_(torch.where(torch.arange(gate.dt_bias.numel()) % 4 == 3, fast, slow))
+    return model.to(dtype)

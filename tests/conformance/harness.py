@@ -87,6 +87,7 @@ class Table:
     # the full-attention methods its attention layers take (None: every one); a run of another method takes the
     # first of these instead (e.g. indexed attention: all_gather only, the others refused: test_qwen4_exp.py)
     attention_methods: tuple[str, ...] | None = None
+    valid_runs: bool = False  # transformers' reference of a padded row: its valid tokens alone (transformers_reference)
 
     def attention_for(self, method: str) -> str:
         return method if self.attention_methods is None or method in self.attention_methods else \
@@ -139,11 +140,28 @@ def _targets(single, ids, mask, cu) -> torch.Tensor:
     return _valid_targets(shard_batch_for_cp(ids, single, attention_mask=mask, cu_seqlens=cu))
 
 
-def transformers_reference(model, single, ids, mask, cu):
+def _valid_runs_logits(model, ids, mask):
+    """[B, S, V] the model's logits on each row's valid tokens alone (one contiguous run per row; zeros elsewhere)."""
+    rows = []
+    for b in range(ids.shape[0]):
+        where = mask[b].bool().nonzero()[:, 0]
+        lo, hi = int(where[0]), int(where[-1]) + 1
+        assert hi - lo == where.numel(), "one contiguous run of valid tokens per row"
+        part = model(input_ids=ids[b:b + 1, lo:hi], use_cache=False).logits
+        rows.append(F.pad(part, (0, 0, lo, ids.shape[1] - hi)))
+    return torch.cat(rows, dim=0)
+
+
+def transformers_reference(model, single, ids, mask, cu, valid_runs: bool = False):
     """The unmodified model: logits (per document for a packed row) and the gradient of the mean cross entropy of
     deltacp's targets on them. -> (logits, loss, flat grads). Runs on `model` itself (no copy: its gradients are
-    cleared again before returning, so the copies CP runs take hold none)."""
-    if cu is None:
+    cleared again before returning, so the copies CP runs take hold none). valid_runs: a padded row is run as its
+    valid tokens alone (a NoPE model whose padding transformers itself zeroes, where the padded run cannot be: GLM's
+    float64 eager softmax of a fully masked padded query is NaN, which the next layers' zero-weighted values carry
+    to every token)."""
+    if cu is None and mask is not None and valid_runs:
+        logits = _valid_runs_logits(model, ids, mask)
+    elif cu is None:
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     else:
         b = cu.tolist()
@@ -174,6 +192,52 @@ def cp_step(model, mesh, ids, mask, cu, sharded: bool = False):
     if mesh.size() > 1:
         dist.all_reduce(grads, group=mesh.get_group())
     return logits.detach(), loss.detach(), grads
+
+
+def run_against_references(rank: int, world: int, base, inputs: dict, combos, compare_transformers: bool,
+                           fsdp: bool = False, valid_runs: bool = False, tf_bound: float = 1e-6,
+                           checkpoint_policy: str = "full", **settings) -> None:
+    """`base` (a tiny float64 model) under CP at `world` ranks in each (linear mode, sequence layout, input kind) of
+    `combos` (`inputs`: kind -> (ids, padding mask, cu_seqlens)), against deltacp's single-device path (CP_BOUND:
+    this rank's logits, the loss, the rank-summed gradients) and, with `compare_transformers`, the unmodified model at
+    the valid tokens (`tf_bound`; gradients 100x; `valid_runs`: `transformers_reference`'s). fsdp: activation
+    checkpointing (`checkpoint_policy`), then FSDP2 over the CP mesh, on the CP'd model (deltacp's order). settings:
+    parallelize_cp's
+    other keywords (e.g. full_attention_cp). Prints each run's figures on rank 0; raises listing every failure."""
+    from deltacp import apply_activation_checkpointing, fully_shard_cp
+
+    single, mesh = self_meshes(), cp_mesh()
+    failures, refs = [], {}
+    for mode, layout, kind in combos:
+        ids, m, cu = inputs[kind]
+        if kind not in refs:
+            one = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p", **settings)
+            refs[kind] = (cp_step(one, single, ids, m, cu), transformers_reference(base, single, ids, m, cu, valid_runs)
+                          if compare_transformers else None)
+        (logits_1, loss_1, grads_1), theirs = refs[kind]
+        model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode, sequence_layout=layout,
+                               **settings)
+        if fsdp:
+            apply_activation_checkpointing(model, policy=checkpoint_policy)
+            fully_shard_cp(model, mesh)
+        logits, loss, grads = cp_step(model, mesh, ids, m, cu, sharded=fsdp)
+        mine = _rank_positions(model, mesh, ids, cu)
+        kept = mine < ids.shape[1]
+        valid = (torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool())[:, mine[kept]]
+        checks = {"logits": rel_l2(logits[:, kept], logits_1[:, mine[kept]]), "loss": abs(loss / loss_1 - 1).item(),
+                  "grads": rel_l2(grads, grads_1)}
+        tag = f"CP{world} {mode} {layout} {kind}"
+        failures += [f"{tag}: {k} {v:.2e}" for k, v in checks.items() if not v < CP_BOUND]
+        tf = {}
+        if theirs is not None:
+            tf = {"logits vs transformers": rel_l2(logits[:, kept][valid], theirs[0][:, mine[kept]][valid]),
+                  "loss vs transformers": abs(loss / theirs[1] - 1).item(),
+                  "grads vs transformers": rel_l2(grads, theirs[2])}
+            failures += [f"{tag}: {k} {v:.2e}" for k, v in tf.items()
+                         if not v < (100 * tf_bound if k.startswith("grads") else tf_bound)]
+        if rank == 0:
+            print(f"{tag}: " + ", ".join(f"{k} {v:.1e}" for k, v in {**checks, **tf}.items()))
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
 def _rank_positions(model, mesh, ids, cu) -> torch.Tensor:
@@ -225,7 +289,7 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
             ids, m, cu = inputs[kind]
             ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p",
                                        full_attention_cp=table.attention_for("ulysses"))
-            theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu)
+            theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu, table.valid_runs)
             return theirs, cp_step(ref_model, single, ids, m, cu)
 
         kinds = sorted({c[3] for c in combos})

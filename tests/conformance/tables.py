@@ -30,6 +30,7 @@ from helpers import (
     tiny_bailing_hybrid,
     tiny_bamba,
     tiny_falcon_h1,
+    tiny_glm5_next,
     tiny_granite_hybrid,
     tiny_kimi_linear,
     tiny_nemotron_h,
@@ -359,11 +360,59 @@ QWEN4_EXP = Table("Qwen4-Exp", "Qwen4ExpForCausalLM", tiny_qwen4_exp, (
          refused="attention_dropout"),
 ), attention_methods=("all_gather",))
 
+# the tiny GLM-5.3-Flash (`tiny_glm5_next`, Glm5NextForConditionalGeneration with a text-only config): 4
+# hyper-connection streams; layers KDA, MLA with its indexer, MLA reusing that selection ("shared"), KDA; KDA 4 heads
+# of 8, bounded gate; MLA 4 heads, NoPE, v 6; indexer 8 heads of 8, pools of 3, top 3 pools (sparse past 12 tokens,
+# pools straddling the rank boundaries); MLPs dense, routed, dense, routed; full_attention_cp='all_gather' only. A
+# padded row's transformers reference is its valid tokens alone (harness.transformers_reference, valid_runs)
+GLM5_NEXT = Table("GLM-5.3-Flash", "Glm5NextForConditionalGeneration", tiny_glm5_next, (
+    Knob("defaults (randomised biases, norm weights and routing bias)", touches="all"),
+    Knob("linear_lower_bound: None (the softplus gate; the default -5 bounds g in every other row)",
+         dict(linear_lower_bound=None), touches="linear"),
+    Knob("linear_conv_kernel_dim: 1 (no conv halo)", dict(linear_conv_kernel_dim=1), touches="linear"),
+    Knob("linear_num_heads 2, linear_head_dim 16", dict(linear_num_heads=2, linear_head_dim=16), touches="linear"),
+    Knob("index_kpool 4, index_topk 8, index_n_heads 12, index_head_dim 16",
+         dict(index_kpool=4, index_topk=8, index_n_heads=12, index_head_dim=16), touches="attention"),
+    Knob("index_kpool 1, index_topk 5 (pools of one token, no tail)", dict(index_kpool=1, index_topk=5),
+         touches="attention"),
+    Knob("indexer_types: all full", dict(indexer_types=["full"] * 4), touches="attention"),
+    Knob("layer_types: MLA, MLA (shared), KDA, MLA",
+         dict(layer_types=["indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+              indexer_types=["full", "shared", "full", "full"]), touches="layers"),
+    Knob("q_lora_rank 8, kv_lora_rank 8, qk_nope_head_dim 12, v_head_dim 12, num_attention_heads 2, "
+         "attention_bias True",
+         dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=12, v_head_dim=12, num_attention_heads=2,
+              num_key_value_heads=2, attention_bias=True), touches="attention"),
+    Knob("hc_mult 2, hc_sinkhorn_iters 3, hc_eps 1e-3", dict(hc_mult=2, hc_sinkhorn_iters=3, hc_eps=1e-3),
+         touches="norm"),
+    Knob("mlp_layer_types all routed, n_group 2, swiglu_limit 0.05, norm_topk_prob False, n_shared_experts 2, "
+         "routed_scaling_factor 1.7",
+         dict(mlp_layer_types=["sparse"] * 4, n_group=2, swiglu_limit=0.05, norm_topk_prob=False,
+              n_shared_experts=2, routed_scaling_factor=1.7), touches="moe mlp"),
+    Knob("rms_norm_eps 1e-2, intermediate_size 48", dict(rms_norm_eps=1e-2, intermediate_size=48),
+         touches="norm mlp linear"),
+    Knob("tie_word_embeddings: True", dict(tie_word_embeddings=True), touches="head embedding"),
+    Knob("hidden_act: gelu (the KDA conv's activation too)", dict(hidden_act="gelu"), touches="linear mlp",
+         refused="hidden_act"),
+    Knob("index_kpool_always_select_tail: False", dict(index_kpool_always_select_tail=False), touches="attention",
+         refused="index_kpool_always_select_tail"),
+    Knob("indexer_types: shared after a KDA layer",
+         dict(layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+              indexer_types=["full", "full", "full", "shared"]), touches="attention", refused="indexer_types[3]"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+    Knob("qk_rope_head_dim", ignored="transformers validates it to 0: the model has no positional encoding"),
+    Knob("num_key_value_heads", ignored="transformers validates it equal to num_attention_heads (MLA expands its "
+                                        "latent per head)"),
+    Knob("max_position_embeddings, rope_parameters", ignored="GLM-5.3-Flash's text model has no rotary (NoPE)"),
+), attention_methods=("all_gather",), valid_runs=True)
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
-                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP)}
+                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
-          "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS}
+          "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
+          "GLM-5.3-Flash": KDA_DECAYS}
 
 
 def readme_section() -> str:

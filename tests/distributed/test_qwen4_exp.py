@@ -17,13 +17,13 @@ import copy
 import pytest
 import torch
 
-from deltacp import apply_activation_checkpointing, fully_shard_cp, parallelize_cp, suspend_cp
+from deltacp import parallelize_cp, suspend_cp
 from deltacp.distributed.launch import run_distributed
-from helpers import cp_mesh, rel_l2, self_meshes, tiny_qwen4_exp
+from helpers import cp_mesh, tiny_qwen4_exp
 
 S = 64
 LENGTHS = [5, 2, 26, 31]  # packed documents starting at 0, 5, 7, 33: blocks of 3 straddle 16, 32, 48
-CP_BOUND, TF_BOUND = 1e-8, 1e-6
+TF_BOUND = 1e-6  # CP against the single device: harness.CP_BOUND (1e-8)
 
 
 EOS_AT = [9, 15, 30, 33, 47, 62]  # EOS (id 2) tokens: PLE's n-grams restart after them (near the rank boundaries)
@@ -88,41 +88,11 @@ def test_selection_matches_transformers_indexer(chunk, monkeypatch):
 
 
 def _cp_run(rank, world, overrides, combos, compare_transformers, fsdp=False):
-    """fsdp: activation checkpointing, then FSDP2 over the CP mesh, on the CP'd model (deltacp's order)."""
-    from conformance.harness import _rank_positions, cp_step, randomize_, transformers_reference
+    from conformance.harness import randomize_, run_against_references
 
-    single, mesh = self_meshes(), cp_mesh()
     base = randomize_(tiny_qwen4_exp(**overrides), keep=("A_log", "dt_bias"))
-    inputs = _inputs()
-    failures = []
-    refs = {}
-    for mode, layout, kind in combos:
-        ids, m, cu = inputs[kind]
-        if kind not in refs:
-            one = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p",
-                                 full_attention_cp="all_gather")
-            refs[kind] = (cp_step(one, single, ids, m, cu),
-                          transformers_reference(base, single, ids, m, cu) if compare_transformers else None)
-        (logits_1, loss_1, grads_1), theirs = refs[kind]
-        model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_cp_mode=mode, sequence_layout=layout,
-                               full_attention_cp="all_gather")
-        if fsdp:
-            apply_activation_checkpointing(model)
-            fully_shard_cp(model, mesh)
-        logits, loss, grads = cp_step(model, mesh, ids, m, cu, sharded=fsdp)
-        mine = _rank_positions(model, mesh, ids, cu)
-        kept = mine < ids.shape[1]
-        valid = (torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool())[:, mine[kept]]
-        checks = {"logits": rel_l2(logits[:, kept], logits_1[:, mine[kept]]), "loss": abs(loss / loss_1 - 1).item(),
-                  "grads": rel_l2(grads, grads_1)}
-        failures += [f"CP{world} {mode} {layout} {kind}: {k} {v:.2e}" for k, v in checks.items() if not v < CP_BOUND]
-        if theirs is not None:
-            tf = {"logits vs transformers": rel_l2(logits[:, kept][valid], theirs[0][:, mine[kept]][valid]),
-                  "loss vs transformers": abs(loss / theirs[1] - 1).item(),
-                  "grads vs transformers": rel_l2(grads, theirs[2])}
-            failures += [f"CP{world} {mode} {layout} {kind}: {k} {v:.2e}" for k, v in tf.items()
-                         if not v < (100 * TF_BOUND if k.startswith("grads") else TF_BOUND)]
-    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+    run_against_references(rank, world, base, _inputs(), combos, compare_transformers, fsdp,
+                           tf_bound=TF_BOUND, full_attention_cp="all_gather")
 
 
 CP4_COMBOS = (("p2p", "contiguous", "padded"), ("ulysses", "balanced", "packed"), ("all_gather", "balanced", "padded"))

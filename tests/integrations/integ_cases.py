@@ -39,7 +39,8 @@ def texts(n: int, seed: int) -> list[str]:
 
 
 def tiny_model(family: str = "qwen3_5"):
-    """The tiny float32 model of `family` ("qwen3_5", "olmo_hybrid", "bamba", "nemotron_h" or "qwen4_exp"; float32:
+    """The tiny float32 model of `family` ("qwen3_5", "olmo_hybrid", "bamba", "nemotron_h", "qwen4_exp" or
+    "glm5_next"; float32:
     CPU float64 conv1d is slow)."""
     from transformers import Qwen3_5ForCausalLM
 
@@ -57,6 +58,12 @@ def tiny_model(family: str = "qwen3_5"):
 
         return tiny_qwen4_exp(torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257, ple_layer_ids=[2],
                               ngram_vocab_size_base=64, ple_conv_kernel_size=3, router_aux_loss_coef=0.0)
+    if family == "glm5_next":  # KDA, MLA with the pooled indexer and a "shared" layer, hyper-connections, routed
+        # experts (aux loss coefficient 0, as above); its conditional class with text only
+        from helpers import tiny_glm5_next
+
+        return tiny_glm5_next(torch.float32, vocab_size=VOCAB, pad_token_id=256, eos_token_id=257,
+                              router_aux_loss_coef=0.0)
     torch.manual_seed(0)
     return long_memory_gates_(Qwen3_5ForCausalLM(tiny_config(vocab_size=VOCAB)))
 

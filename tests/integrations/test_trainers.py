@@ -68,6 +68,10 @@ def _reference_main(out_dir: str) -> None:
                                                     family="qwen4_exp")
     results["trainer/dp1-qwen4"] = integ_cases.run_case("trainer-padded", os.path.join(out_dir, "ref-trainer-qwen4"),
                                                         dp=1, family="qwen4_exp")
+    results["sft/dp1-glm5"] = integ_cases.run_case("sft-padded", os.path.join(out_dir, "ref-sft-glm5"), dp=1,
+                                                   family="glm5_next")
+    results["trainer/dp1-glm5"] = integ_cases.run_case("trainer-padded", os.path.join(out_dir, "ref-trainer-glm5"),
+                                                       dp=1, family="glm5_next")
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(results, f)
 
@@ -259,8 +263,8 @@ def _compare_saved(got_dir: str, ref_dir: str) -> list[str]:
 
 def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     """CP2 and dp2 x cp2 against one process: loss and grad norm per step, eval_loss, the saved weights (Qwen3.5;
-    OLMo-Hybrid, Nemotron-H (Mamba2, MoE) and Qwen4-Exp (indexed attention, PLE) through SFTTrainer, Bamba (Mamba2)
-    and Qwen4-Exp (padded rows) through the Trainer at CP2)."""
+    OLMo-Hybrid, Nemotron-H (Mamba2, MoE), Qwen4-Exp (indexed attention, PLE) and GLM-5.3-Flash (padded rows)
+    through SFTTrainer, Bamba (Mamba2), Qwen4-Exp and GLM-5.3-Flash (padded rows) through the Trainer at CP2)."""
     import time
     out, t0 = str(tmp_path), time.time()
     run_in_process(_reference_main, out)
@@ -274,6 +278,10 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     cp2_runs.append(("sft-packed", "sft-packed/cp2-qwen4", dict(family="qwen4_exp", full_attention_cp="all_gather")))
     cp2_runs.append(("trainer-padded", "trainer-padded/cp2-qwen4", dict(family="qwen4_exp",
                                                                         full_attention_cp="all_gather")))
+    # GLM-5.3-Flash's conditional class with text (padded rows: transformers' GLM reads no packed documents)
+    cp2_runs.append(("sft-padded", "sft-padded/cp2-glm5", dict(family="glm5_next", full_attention_cp="all_gather")))
+    cp2_runs.append(("trainer-padded", "trainer-padded/cp2-glm5", dict(family="glm5_next",
+                                                                       full_attention_cp="all_gather")))
     run_distributed(_cp_worker, 2, out, cp2_runs, timeout_s=600)
     t2 = time.time()
     dp2_runs = [(c, f"{c}/dp2xcp2", dict(save=c == SAVED)) for c in DP2_CASES]
@@ -290,7 +298,8 @@ def test_trainer_and_sft_trainer_match_one_process(tmp_path):
     failures = []
     for label, got in runs.items():
         case, layout = label.split("/")
-        family = next((f"-{f}" for f in ("olmo", "bamba", "nemotron", "qwen4") if layout.endswith(f"-{f}")), "")
+        family = next((f"-{f}" for f in ("olmo", "bamba", "nemotron", "qwen4", "glm5") if layout.endswith(f"-{f}")),
+                      "")
         failures += _compare(label, got, ref[f"{case.split('-')[0]}/dp{1 if layout.startswith('cp2') else 2}{family}"])
         sft = case.startswith("sft")  # SFTConfig checkpoints activations by default: deltacp's, not the trainer's
         assert got["checkpointed"] and set(got["checkpointed"]) == {sft} and not got["trainer_checkpointing"], (

@@ -6,7 +6,8 @@ Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, 
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
 Bailing-Hybrid (KDA and MLA, routed experts; eager); Qwen4-Exp (indexed attention with full_attention_cp=all_gather,
-a PLE layer, hyper-connections)."""
+a PLE layer, hyper-connections); GLM-5.3-Flash (its conditional class with a text-only batch: KDA, MLA with the pooled
+indexer and a "shared" layer, hyper-connections)."""
 
 from pathlib import Path
 
@@ -66,11 +67,25 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
                                  indexer_head_dim=16, indexer_budget=24, indexer_compress_ratio=4, eos_token_id=10,
                                  layer_types=["linear_attention"] * 3 + ["indexed_attention"], ple_layer_ids=[2],
                                  ngram_vocab_size_base=64), ["intermediate_size"], {}),
+    # KDA (bounded gate) + MLA with the pooled indexer (pools of 4, top 8 of the 32 pools of a 128-token row) and a
+    # "shared" indexer layer reusing its selection, 2 hyper-connection streams, routed experts; text only (the
+    # conditional class: a tiny vision tower, unused)
+    "Glm5NextForConditionalGeneration": (
+        dict(MOE, n_routed_experts=4, n_group=1, topk_group=1, num_key_value_heads=8, linear_num_heads=4,
+             linear_head_dim=16, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0,
+             v_head_dim=16, index_n_heads=8, index_head_dim=16, index_kpool=4, index_topk=32, hc_mult=2,
+             layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+             indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+             pad_token_id=0), GDN_FIELDS + ["head_dim", "num_experts", "shared_expert_intermediate_size"],
+        dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=64,
+             projection_intermediate_size=16, patch_size=2, temporal_patch_size=2, spatial_merge_size=2)),
 }
-ACCELERATOR = {"Qwen4ExpForCausalLM": ["train.accelerator.full_attention_cp=all_gather"]}  # its indexed layers' method
+ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their indexed layers' method
+               for name in ("Qwen4ExpForCausalLM", "Glm5NextForConditionalGeneration")}
 
 DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-         "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM", "Qwen4ExpForCausalLM")
+         "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM", "Qwen4ExpForCausalLM",
+         "Glm5NextForConditionalGeneration")
 
 
 def _cfg(name):

@@ -218,9 +218,12 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
     cls = type(model).__name__
     if missing:
         hint = ""
+        text_class = adapter_for(model).family.causal_lm
         if any(".visual." in m for m in missing):
-            hint = (f"; the checkpoint has no vision tower: load its text model with model_class="
-                    f"{adapter_for(model).family.causal_lm}")
+            hint = (f"; the checkpoint has no vision tower: load its text model with model_class={text_class}"
+                    if text_class is not None else
+                    f"; the checkpoint has no vision tower, and {adapter_for(model).family.name} has no causal-LM "
+                    f"class to load instead: its vision tensors must be in the checkpoint")
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) of {cls}, e.g. "
                          f"{'; '.join(missing[:3])}{hint}")
     if problems:

@@ -9,6 +9,9 @@
     falcon_h1.py    Falcon-H1 (Mamba2 and attention in parallel in every layer)
     kimi_linear.py  Kimi-Linear (KDA and MLA in `self_attn`, routed experts; on a GPU the eager backend only)
     bailing_hybrid.py  Bailing-Hybrid / Ling (KDA with the safe gate, MLA with RoPE and an output gate; on a GPU eager)
+    qwen4_exp.py    Qwen4-Exp (GDN, indexed sparse attention, hyper-connections, PLE n-gram layers)
+    glm5_next.py    GLM-5.3-Flash (KDA with the bounded gate, MLA with a pooled sparse indexer and "shared" layers,
+                    Sinkhorn hyper-connections; its conditional class's text path)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)

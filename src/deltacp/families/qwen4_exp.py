@@ -74,7 +74,7 @@ class Qwen4ExpIndexedAttentionView(GatedAttentionView, IndexedAttentionView):
     def _rotate(self, x_BnHD: torch.Tensor, cos, sin) -> torch.Tensor:
         return x_BnHD if cos is None else self._apply_rotary(x_BnHD, cos=cos, sin=sin, unsqueeze_dim=2)
 
-    def index(self, x_BsD, position_embeddings):
+    def index(self, x_BsD, position_embeddings, offsets_Bs=None):  # mean pooling: offsets not read
         ix = self.module.indexer
         B, s, _ = x_BsD.shape
         d = ix.index_head_dim

@@ -22,7 +22,7 @@ class Family:
 
     name: str
     module: str  # transformers.models.<...>.modeling_<...>
-    causal_lm: str
+    causal_lm: str | None  # None: the family has no causal-LM class (GLM-5.3-Flash: its conditional class takes text)
     text_model: str
     linear_mixer: str  # its linear-recurrent mixer's class (GDN, Mamba2, KDA, ...)
     attention: str
@@ -72,7 +72,7 @@ class Family:
 
     def model_classes(self) -> tuple[str, ...]:
         """Every class parallelize_cp takes: the trainable ones and the bare text model."""
-        return (self.causal_lm, self.text_model) + ((self.conditional,) if self.conditional else ())
+        return tuple(n for n in (self.causal_lm, self.text_model, self.conditional) if n is not None)
 
     def classes(self) -> dict[str, type] | None:
         """The role -> class map from the installed transformers (imports the modeling module), or None when
@@ -100,7 +100,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid", "qwen4_exp")
+         "bailing_hybrid", "qwen4_exp", "glm5_next")
 
 
 def families() -> tuple[Family, ...]:

@@ -128,7 +128,7 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
             continue
         if isinstance(model, classes["text_model"]):
             return ModelAdapter(family, model, model, None, None)
-        if isinstance(model, classes["causal_lm"]):
+        if "causal_lm" in classes and isinstance(model, classes["causal_lm"]):
             return ModelAdapter(family, model, model.model, None, model)
         if "conditional" in classes and isinstance(model, classes["conditional"]):
             return ModelAdapter(family, model, model.model.language_model, model.model, model)

@@ -1,5 +1,5 @@
-"""Multimodal Qwen3.5 (dense and MoE `...ForConditionalGeneration`) under CP: vision on the whole batch, the
-language model on the rank's slice.
+"""Multimodal Qwen3.5 (dense and MoE `...ForConditionalGeneration`; Qwen4-Exp's and GLM-5.3-Flash's the same way)
+under CP: vision on the whole batch, the language model on the rank's slice.
 
 Each rank receives its slice of the token row (`input_ids` [B, s], `mm_token_type_ids` [B, s], the padding
 mask [B, s]: what `shard_batch_for_cp` cuts) and the batch's images whole (`pixel_values`, `image_grid_thw`:
@@ -8,7 +8,8 @@ the same on every rank). A forward pre-hook on the multimodal model (vision towe
 1. exchanges a header (shapes, image grid checksum, what was given) so that ranks with different inputs all
    raise together, then all-gathers the token ids, token types and mask (a few bytes per token);
 2. forms the 3-D mRoPE position ids over the WHOLE row with the model's own `get_rope_index` and cuts the
-   rank's slice (an image's positions depend on everything before it);
+   rank's slice (an image's positions depend on everything before it); a model without one (GLM-5.3-Flash: its
+   language model has no positional encoding) gets none and needs no mm_token_type_ids;
 3. runs the vision tower on every image of the batch (as the single device does; each rank's backward carries
    only its tokens' share of the vision gradients, so gradients summed over ranks are the single-device ones),
    picks the features of the image tokens in its slice (their order in the whole row), and places them into
@@ -94,7 +95,7 @@ def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
                                      "and no inputs_embeds")
                 if grid is None:
                     raise ValueError("pixel_values under CP need image_grid_thw")
-                if types is None and positions is None:
+                if types is None and positions is None and hasattr(module, "get_rope_index"):
                     raise ValueError("images under CP need mm_token_type_ids (the rank's slice, as the processor "
                                      "returns it; shard_batch_for_cp cuts it) to form the mRoPE position ids")
                 if types is not None and tuple(types.shape) != tuple(input_ids.shape):
@@ -113,7 +114,7 @@ def make_multimodal_hook(group, sequence_layout: str = "contiguous"):
         mine = rank_pieces(sequence_layout, rank, cp, s).row_index(input_ids.device)  # row positions of my tokens
         ids = gather_row(input_ids, cp)
         full_mask = None if mask is None else gather_row(mask, cp)
-        if positions is None:
+        if positions is None and hasattr(module, "get_rope_index"):  # none: a NoPE language model (GLM-5.3-Flash)
             extra = dict(image_grid_thw=grid, video_grid_thw=None, attention_mask=full_mask)
             if "mm_token_type_ids" in inspect.signature(module.get_rope_index).parameters:
                 extra["mm_token_type_ids"] = gather_row(types, cp)

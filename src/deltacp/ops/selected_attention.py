@@ -64,7 +64,7 @@ class Selection:
 
 def gathered_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, index: torch.Tensor,
                        valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """[B, s, H * D]: each query's softmax attention over the row positions `index` ([B, s, T], where `valid`) of
+    """[B, s, H * Dv]: each query's softmax attention over the row positions `index` ([B, s, T], where `valid`) of
     the row's keys and values [B, S, KV heads, D] (query head h reads KV head h // (H / KV heads)), in chunks of
     KV_CHUNK queries. Scores and softmax in the compute dtype (float32 for 16-bit inputs)."""
     B, s, H, D = q_BsHD.shape
@@ -82,7 +82,7 @@ def gathered_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch
         scores = scores.masked_fill(~ok[:, :, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("bckgt,bctkd->bckgd", probs, v_sel.to(dt)).to(q_BsHD.dtype)
-        out.append(o.reshape(B, hi - lo, H * D))
+        out.append(o.reshape(B, hi - lo, -1))  # H x the value head dim
     return torch.cat(out, dim=1)
 
 

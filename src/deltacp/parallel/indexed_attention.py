@@ -12,7 +12,12 @@ Exact under CP, every rank running the same collectives in the same order (no ra
 1. the pooled keys of the whole row: each rank sums its tokens' terms into the blocks they belong to (a block
    straddling two ranks gets a part from each) and writes the rotary cos / sin of the block starts it holds; ONE
    all-reduce (sum) over the CP group gives every rank every block's full sum and start angles (a sum of parts
-   plus zeros: exact but for the order of the float additions). Without gradient: the indexer's choice is discrete;
+   plus zeros: exact but for the order of the float additions). Without gradient: the indexer's choice is discrete.
+   A softmax-pooling view (GLM-5.3-Flash: each block's key a softmax-weighted mean of its tokens' keys) first takes
+   each block's largest logit over the ranks (one all-reduce, max, of [B, N, Y]) and sums exp(logit - that) times
+   the values and exp(logit - that): the softmax of one process, whichever ranks hold the block's tokens;
+   a layer that reuses the previous decoder layer's selection (GLM's "shared" indexer layers) skips 1 and 2: the
+   selection of this rank's queries comes with that layer's outputs, as the token indices do in one process;
 2. each local query (in chunks of QUERY_CHUNK) scores every block of its row; blocks it cannot see are -inf; the
    selection is a stable descending sort (ties: the earlier block first), the same on every rank and in one process
    (torch.topk leaves the order of equal scores unspecified: it varies with the vector's length, so transformers'
@@ -91,30 +96,47 @@ def _row_blocks(docs, B: int, S: int, size: int, device) -> RowBlocks:
     return docs._cache[key]
 
 
-def _sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's x summed (not differentiable: the indexer's pooled keys); through host memory over gloo."""
+def _reduce_over_group(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Every rank's x reduced by `op` (not differentiable: the indexer's pooled keys); through host memory over
+    gloo."""
     if group is None or dist.get_world_size(group) == 1:
         return x
     staged = x.is_cuda and dist.get_backend(group) == "gloo"
     y = x.cpu() if staged else x.clone()
-    dist.all_reduce(y, group=group)
+    dist.all_reduce(y, op=op, group=group)
     return y.to(x.device)
+
+
+def softmax_pooling_terms(terms_BsX: torch.Tensor, slot_Bs: torch.Tensor, N: int, group) -> torch.Tensor:
+    """A softmax-pooling view's terms [logits | values] (Y channels each) -> [exp(logit - m) value | exp(logit - m)],
+    m the largest logit of the token's block per channel over every rank (one MAX all-reduce of [B, N, Y]: a block
+    straddling ranks is weighted as in one process); zeros for tokens in no complete block (slot N)."""
+    B, s, X = terms_BsX.shape
+    logits, values = terms_BsX.split(X // 2, dim=-1)
+    index = slot_Bs[..., None].expand_as(logits)
+    peak = logits.new_full((B, N + 1, X // 2), float("-inf")).scatter_reduce_(1, index, logits, "amax")
+    peak = torch.cat([_reduce_over_group(peak[:, :N], group, dist.ReduceOp.MAX), peak.new_zeros(B, 1, X // 2)], 1)
+    weight = torch.where(index < N, torch.exp(logits - peak.gather(1, index)), 0.0)
+    return torch.cat([weight * values, weight], dim=-1)
 
 
 def select_tokens(view: IndexedAttentionView, blocks: RowBlocks, x_BsD: torch.Tensor, position_embeddings,
                   rows: torch.Tensor, group) -> Selection:
-    """What each local query reads (`Selection`): its chosen blocks, then its tail. One all-reduce over `group`
-    (every rank, whatever its tokens)."""
+    """What each local query reads (`Selection`): its chosen blocks, then its tail. One all-reduce over `group`, two
+    for a softmax-pooling view (every rank, whatever its tokens)."""
     B, s, _ = x_BsD.shape
-    iq, terms_BsX = view.index(x_BsD, position_embeddings)
-    N = blocks.blocks
+    N, size = blocks.blocks, view.block_size
     local_block = blocks.block[:, rows]  # [B, s]
+    offsets = torch.where(local_block >= 0, (rows[None] - blocks.doc_start[:, rows]) % size, -1)
+    iq, terms_BsX = view.index(x_BsD, position_embeddings, offsets)
+    slot = torch.where(local_block >= 0, local_block, N)
+    if view.pooling == "softmax":
+        terms_BsX = softmax_pooling_terms(terms_BsX, slot, N, group)
     # 1. the blocks' sums (a straddling block: a part from each rank holding some of it) and start angles
     X = terms_BsX.shape[-1]
     cos_sin = None if position_embeddings is None else torch.cat(position_embeddings, dim=-1)
     width = X + (0 if cos_sin is None else cos_sin.shape[-1])
     parts = terms_BsX.new_zeros(B, N + 1, width)  # block N: the tokens of no complete block
-    slot = torch.where(local_block >= 0, local_block, N)
     parts[..., :X].scatter_add_(1, slot[..., None].expand(B, s, X), terms_BsX)
     if cos_sin is not None:
         head = (local_block >= 0) & (blocks.block_start.gather(1, local_block.clamp_min(0))
@@ -122,7 +144,7 @@ def select_tokens(view: IndexedAttentionView, blocks: RowBlocks, x_BsD: torch.Te
         b_idx, t_idx = head.nonzero(as_tuple=True)
         parts[b_idx, local_block[b_idx, t_idx], X:] = cos_sin[b_idx if cos_sin.shape[0] == B else 0 * b_idx,
                                                               t_idx].to(parts.dtype)
-    sums = _sum_over_group(parts[:, :N], group)
+    sums = _reduce_over_group(parts[:, :N], group)
     if N:
         angles = (None, None) if cos_sin is None else sums[..., X:].to(cos_sin.dtype).split(
             position_embeddings[0].shape[-1], dim=-1)
@@ -164,14 +186,32 @@ def _chosen_blocks(view: IndexedAttentionView, blocks: RowBlocks, iq, keys, rows
     return chosen, torch.arange(kk, device=dev) < n_visible[..., None]
 
 
+def passed_selection(view: IndexedAttentionView, selection, B: int, s: int) -> Selection:
+    """The selection a layer that indexes nothing (`reuses_selection`) reads: the previous decoder layer's, handed on
+    with its outputs (for this rank's queries); ValueError otherwise, as transformers raises without one."""
+    if not isinstance(selection, Selection) or tuple(selection.pos.shape) != (B, s):
+        got = type(selection).__name__ if not isinstance(selection, Selection) else \
+            f"a selection of {tuple(selection.pos.shape)} queries"
+        raise ValueError(f"{type(view.module).__name__} reuses the previous decoder layer's selection (a 'shared' "
+                         f"indexer layer) and needs it as prev_topk_indices, a deltacp Selection of this rank's "
+                         f"{(B, s)} queries; got {got} (the previous layer must be an indexed attention layer that "
+                         f"runs its indexer)")
+    return selection
+
+
 def indexed_attention_forward(view: IndexedAttentionView, plan: AttentionCP, hidden_states: torch.Tensor,
                               position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                               attention_mask=None, cache=None, past_key_values=None, use_cache: bool | None = None,
                               position_ids: torch.Tensor | None = None, output_router_logits: bool | None = None,
+                              prev_topk_indices: Selection | None = None, input_ids: torch.Tensor | None = None,
                               **unsupported):
     """The CP forward of an indexed attention layer on this rank's tokens (see the module docstring).
     position_ids: read upstream (the rotary embedding, the model hook's documents). output_router_logits: honoured
-    by transformers' recording of the routers. attention_mask: None or the model hook's CPForwardContext."""
+    by transformers' recording of the routers. attention_mask: None or the model hook's CPForwardContext.
+    prev_topk_indices: the previous decoder layer's selection, read by a layer that reuses it
+    (`view.reuses_selection`; a layer that indexes ignores it, as transformers does); what the layer returns is
+    `view.outputs` (GLM-5.3-Flash hands its selection on to a "shared" next layer). input_ids: read upstream (the
+    embedding; GLM-5.3-Flash's decoder layers pass them to their attention, which ignores them)."""
     hidden_states, docs = attention_inputs(view, hidden_states, attention_mask, unsupported, cache, past_key_values,
                                            use_cache, "indexed")
     if view.dropout:
@@ -184,17 +224,21 @@ def indexed_attention_forward(view: IndexedAttentionView, plan: AttentionCP, hid
     S = P * s
     dev = hidden_states.device
     rows = Pieces(r, P, plan.balanced, s).row_index(dev)
-    blocks = _row_blocks(docs, B, S, view.block_size, dev)
-    with torch.no_grad():
-        selection = select_tokens(view, blocks, hidden_states, position_embeddings, rows, group)
+    if view.reuses_selection:
+        selection = passed_selection(view, prev_topk_indices, B, s)
+    else:
+        blocks = _row_blocks(docs, B, S, view.block_size, dev)
+        with torch.no_grad():
+            selection = select_tokens(view, blocks, hidden_states, position_embeddings, rows, group)
     q_BsHD, k_BsKD, v_BsKD, out = view.project(hidden_states, position_embeddings)
+    shared_kv = v_BsKD is k_BsKD  # one tensor as keys and values (MLA's latent in its absorbed form): gathered once
     D = k_BsKD.shape[-1]
-    kv_BsKX = torch.cat([k_BsKD, v_BsKD], dim=-1)
+    kv_BsKX = k_BsKD if shared_kv else torch.cat([k_BsKD, v_BsKD], dim=-1)
     if P > 1:  # one all-gather of K and V, then row order
         kv_BsKX = to_row_order(all_gather_seq_autograd(kv_BsKX, 1, group), 1, P, plan.balanced)
-    k_BSKD, v_BSKD = kv_BsKX.split([D, v_BsKD.shape[-1]], dim=-1)
+    k_BSKD, v_BSKD = (kv_BsKX, kv_BsKX) if shared_kv else kv_BsKX.split([D, v_BsKD.shape[-1]], dim=-1)
     o = selected_attention(q_BsHD, k_BSKD, v_BSKD, selection, view.scaling)
-    return view.output(o, out), None
+    return view.outputs(view.output(o, out), selection)
 
 
 def check_indexed_attention(view: IndexedAttentionView, method: str, ulysses_degree: int) -> dict:
@@ -209,7 +253,7 @@ def check_indexed_attention(view: IndexedAttentionView, method: str, ulysses_deg
                          f"({type(view.module).__name__}) run in the 1-D layout only (ulysses_degree None or cp)")
     return dict(family=view.family, num_attention_heads=view.num_heads, num_key_value_heads=view.num_kv_heads,
                 head_dim=view.head_dim, full_attention_cp=method, block_size=view.block_size,
-                top_blocks=view.top_blocks)
+                top_blocks=view.top_blocks, pooling=view.pooling, reuses_selection=view.reuses_selection)
 
 
 def install_indexed_attention(module, view: IndexedAttentionView, plan: AttentionCP):

@@ -108,7 +108,7 @@ def document_segments(ctx: CPForwardContext, pieces: Pieces) -> list[DocumentSeg
 def linear_forward_cp(layer: LinearLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
                    cache_params=None, use_cache: bool | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                    max_length_q=None, max_length_k=None, output_router_logits: bool | None = None,
-                   position_embeddings=None, **unsupported) -> torch.Tensor:
+                   position_embeddings=None, input_ids=None, **unsupported) -> torch.Tensor:
     """The CP forward of one linear-recurrent layer on this rank's slice [B, s, hidden] of the sequence.
 
     attention_mask: the model hook's `CPForwardContext`, or the local 2-D padding mask, or None.
@@ -117,6 +117,8 @@ def linear_forward_cp(layer: LinearLayerCP, hidden_states: torch.Tensor, attenti
     routers honours it, this layer has nothing to do with it.
     position_embeddings: the rotary cos / sin that some decoder layers hand to whichever mixer
     they hold; a linear-recurrent mixer reads no positions (transformers' mixer ignores them too).
+    input_ids: the token ids GLM-5.3-Flash's decoder layers hand to their mixer (read upstream, by the embedding;
+    transformers' mixer ignores them too).
     Inference caches (cache, cache_params, use_cache=True) and any other keyword raise.
     """
     refuse_unsupported(f"{type(layer.module).__name__}", dict(unsupported, cache=cache, cache_params=cache_params,

@@ -187,14 +187,26 @@ class IndexedAttentionView(AttentionView):
     `AttentionView`'s attention path (`project`, `output`), the CP method (`parallel/indexed_attention.py`) reads:
 
         block_size, top_blocks
-        index(x, position_embeddings) -> (iq [B, s, ...], terms_BsX): the indexer's per-token queries (what
-                                    `block_scores` takes, sliced by query along dim 1) and the per-token terms summed
-                                    over each block's tokens (compute dtype)
-        block_keys(sums_BNX, cos_BNR, sin_BNR) -> [B, N, ...] the block keys from the sums of their tokens' terms and
-                                    the rotary cos / sin at each block's first token (None: no rotary)
+        pooling                   how a block's key is pooled from its tokens' terms: "sum" (the terms summed) or
+                                  "softmax" (terms [logits_BsY | values_BsY]: the values weighted by a softmax of the
+                                  logits over the block's tokens, per channel; the sums handed on are [sum of
+                                  exp(logit - m) value | sum of exp(logit - m)], m the block's largest logit)
+        index(x, position_embeddings, offsets_Bs) -> (iq [B, s, ...], terms_BsX): the indexer's per-token queries
+                                  (what `block_scores` takes, sliced by query along dim 1) and the per-token terms
+                                  pooled over each block's tokens (compute dtype); offsets_Bs: each token's offset
+                                  in its block (-1: in no complete block)
+        block_keys(sums_BNX, cos_BNR, sin_BNR) -> [B, N, ...] the block keys from the pooled sums of their tokens'
+                                  terms and the rotary cos / sin at each block's first token (None: no rotary)
         block_scores(iq, keys)    -> [B, c, N] each query's score of every block (compute dtype)
+        reuses_selection          the layer indexes nothing: it reads the selection the previous decoder layer
+                                  handed on (GLM-5.3-Flash's "shared" indexer layers)
+        outputs(o, selection)     -> what the module's forward returns, given its output and its selection (the
+                                  default: transformers' (output, attention weights None))
 
     The indexer takes no gradient (its selection is a discrete choice, as in transformers)."""
+
+    pooling = "sum"
+    reuses_selection = False
 
     @property
     def block_size(self) -> int:
@@ -204,7 +216,7 @@ class IndexedAttentionView(AttentionView):
     def top_blocks(self) -> int:
         raise NotImplementedError
 
-    def index(self, x_BsD: torch.Tensor, position_embeddings):
+    def index(self, x_BsD: torch.Tensor, position_embeddings, offsets_Bs: torch.Tensor):
         raise NotImplementedError
 
     def block_keys(self, sums_BNX: torch.Tensor, cos_BNR: torch.Tensor | None, sin_BNR: torch.Tensor | None):
@@ -212,6 +224,9 @@ class IndexedAttentionView(AttentionView):
 
     def block_scores(self, iq, keys) -> torch.Tensor:
         raise NotImplementedError
+
+    def outputs(self, o_BsD: torch.Tensor, selection) -> tuple:
+        return o_BsD, None
 
 
 _MIXER_VIEWS: dict[type, Callable[[nn.Module], LinearMixerView]] = {}
