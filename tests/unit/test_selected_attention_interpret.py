@@ -75,3 +75,20 @@ def test_triton_selected_attention_under_interpreter():
     print(f"Triton selected attention vs gathered (fp32, interpreter): worst error {worst:.2e} of the largest value")
     assert worst < 1e-5
     assert caught, "a selection without its tails gave the same output: the test cannot see the tails"
+
+
+@pytest.mark.fast
+def test_triton_selected_attention_refuses_wide_heads():
+    """A head dim over MAX_HEAD_DIM (GLM-5.3-Flash's absorbed 512-wide latent) raises naming it and the limit, before
+    any kernel loads; so do mixed dtypes."""
+    import torch
+
+    from deltacp.ops import selected_attention as sa
+    from deltacp.testing.selection import random_selection
+
+    sel = random_selection(torch.tensor([0, 32]), 1, 32, 4, 2, 0, "cpu")
+    q, k = torch.randn(1, 32, 2, 512), torch.randn(1, 32, 1, 512)
+    with pytest.raises(NotImplementedError, match=r"head dims up to 256.*got 512"):
+        sa.triton_selected_attention(q, k, k, sel, 0.1)
+    with pytest.raises(ValueError, match=r"one dtype"):
+        sa.triton_selected_attention(q[..., :16].double(), k[..., :16], k[..., :16], sel, 0.1)

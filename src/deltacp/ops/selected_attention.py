@@ -106,6 +106,7 @@ class _SelectedAttention(torch.autograd.Function):
 
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 256  # measured: Qwen4-Exp's 256 (NOTES.md)
 
 
 def triton_selected_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, sel: Selection,
@@ -119,6 +120,10 @@ def triton_selected_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD
     if H % k_BSKD.shape[2] or k_BSKD.shape[-1] != D or v_BSKD.shape[-1] != D:
         raise ValueError(f"the Triton selected attention needs query heads a multiple of the KV heads and one head "
                          f"dim; got q {tuple(q_BsHD.shape)}, k {tuple(k_BSKD.shape)}, v {tuple(v_BSKD.shape)}")
+    if D > MAX_HEAD_DIM:
+        raise NotImplementedError(f"the Triton selected attention takes head dims up to {MAX_HEAD_DIM} (a program holds "
+                                  f"[64, D] key and value tiles); got {D} (GLM-5.3-Flash's absorbed 512-wide latent "
+                                  f"is one): indexed attention with it runs on the CPU only")
     o = _SelectedAttention.apply(q_BsHD.contiguous(), k_BSKD.contiguous(), v_BSKD.contiguous(),
                                  sel.pos.to(torch.int32).contiguous(), sel.run_starts(), scale, sel.size)
     return o.reshape(B, s, H * D)
