@@ -6,9 +6,10 @@ One subprocess (the interpreter must be on before triton loads; the rest of the 
 every case through `TritonKimiDeltaRule` (q/k l2-normalised inside, the default scale) and prints one figure per
 quantity; the tests below read them. Head dims K = 16, V = 16 / 32 are inside the contract (HEAD_DIMS), no bypass.
   - cases (each with an entering state): B=2, T=100, H=2, K=V=16, fast gates; B=1, T=130, H=2, K=16, V=32, slow
-    gates; the same shape near-frozen, and very fast; one packed row of three documents (57, 1, 72 tokens: a
-    length-1 document, documents not aligned to 64) with fast gates, the first continuing the entering state and
-    not; K = V = 128 (Kimi-Linear's head: several K and V blocks per kernel, the state in two row blocks), fp64;
+    gates and the same shape near-frozen (fp64 only), and very fast; one packed row of three documents (57, 1, 72
+    tokens: a length-1 document, documents not aligned to 64) with fast gates, the first continuing the entering
+    state and not; K = V = 128 at T = 100 (Kimi-Linear's head: several K and V blocks per kernel, the state in two
+    row blocks), fp64;
   - gates per token and key channel: fast g ~ -U(0, 5) (down to -5: products over 64 tokens reach e^-300, the
     regime where splitting e^{gam_i - gam_j} would overflow), very fast g ~ -U(0, 50) (Kimi-Linear's gate is
     unbounded below: in-chunk log decays to -3200, every factor through a sub-chunk reference e^{-50} to e^{-800}),
@@ -18,7 +19,7 @@ quantity; the tests below read them. Head dims K = 16, V = 16 / 32 are inside th
   - dtypes: float64 (the kernels compute in fp64: bound 1e-10, figures ~1e-15) and float32 (fp32 kernels vs eager
     fp64 on the same values: bound 1e-5; 1e-4 under very fast gates, where the fp32 cumsum of g, |gam| up to 3200,
     rounds each log decay by ~1e-4: figures ~1e-5).
-Every figure finite (a nan or inf fails every bound). About 50 s on 2 cores.
+Every figure finite (a nan or inf fails every bound). About 45 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def case(name, dtype, B, T, H, K, V, gate, seed, cu=None, first_continues=True):
 
 for dtype in (torch.float64, torch.float32):
     case("T100_fast", dtype, 2, 100, 2, 16, 16, "fast", 0)
-    case("T130_slow", dtype, 1, 130, 2, 16, 32, "slow", 1)
-    case("T130_frozen", dtype, 1, 130, 2, 16, 32, "frozen", 2)
+    if dtype == torch.float64:  # the slow regimes' fp32 figures add nothing the fast ones do not show
+        case("T130_slow", dtype, 1, 130, 2, 16, 32, "slow", 1)
+        case("T130_frozen", dtype, 1, 130, 2, 16, 32, "frozen", 2)
     case("T130_veryfast", dtype, 1, 130, 2, 16, 32, "veryfast", 7)
     case("packed3", dtype, 1, 130, 2, 16, 32, "fast", 3, cu=[0, 57, 58, 130])
     case("packed3_fresh", dtype, 1, 130, 2, 16, 32, "fast", 4, cu=[0, 57, 58, 130], first_continues=False)
@@ -79,7 +81,7 @@ try:
     print("SUMMARY_GRAD no error")
 except RuntimeError as e:
     print("SUMMARY_GRAD", "no backward" in str(e))
-case("T130_K128_fast", torch.float64, 1, 130, 1, 128, 128, "fast", 6)
+case("T100_K128_fast", torch.float64, 1, 100, 1, 128, 128, "fast", 6)
 print("DONE")
 """
 
@@ -101,8 +103,8 @@ PARTS = {"forward": ("o", "final_state"),
 
 @needs_triton
 @pytest.mark.parametrize("part", list(PARTS))
-@pytest.mark.parametrize("dtype", list(BOUNDS))
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,dtype", [(c, d) for c in CASES for d in BOUNDS
+                                        if d == "float64" or c not in ("T130_slow", "T130_frozen")])
 def test_vs_eager_fp64(figures, case, dtype, part):
     """The part's figures (forward; gradients by autograd; the contract's summary and dh0 from the outputs)."""
     bound = VERYFAST_FP32_BOUND if (case, dtype) == ("T130_veryfast", "float32") else BOUNDS[dtype]
@@ -114,8 +116,8 @@ def test_vs_eager_fp64(figures, case, dtype, part):
 @pytest.mark.parametrize("part", list(PARTS))
 def test_kimi_linear_head_dims(figures, part):
     """K = V = 128: several K and V blocks in every kernel, the state kernels' two row blocks."""
-    bad = {n: figures[("T130_K128_fast", "float64", n)] for n in PARTS[part]
-           if not figures[("T130_K128_fast", "float64", n)] <= BOUNDS["float64"]}
+    bad = {n: figures[("T100_K128_fast", "float64", n)] for n in PARTS[part]
+           if not figures[("T100_K128_fast", "float64", n)] <= BOUNDS["float64"]}
     assert not bad, f"above 1e-10: {bad}"
 
 
