@@ -574,19 +574,21 @@ def tiny_bailing_hybrid(dtype=torch.float64, **overrides) -> torch.nn.Module:
     return model
 
 
-def interpreter_figures(code: str, drop_env: tuple[str, ...] = ()) -> dict:
+def interpreter_figures(code: str, drop_env: tuple[str, ...] = (), parts: int = 1) -> dict:
     """Run `code` in a fresh process under TRITON_INTERPRET=1 (set before triton loads; `drop_env` names variables
     left out) and read its report: lines "FIG case dtype quantity value" -> {(case, dtype, quantity): value}, and the
-    word after "SUMMARY_GRAD" -> ["summary_grad"]. The code ends by printing DONE."""
+    word after "SUMMARY_GRAD" -> ["summary_grad"]. The code ends by printing DONE. parts > 1: `code` runs once per
+    part with PART = 0 .. parts - 1 defined first, the parts side by side (`concurrent_runs`), their reports merged."""
     import os
-    import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in drop_env}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(env, TRITON_INTERPRET="1"), timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("DONE"), out.stdout[-3000:] + out.stderr[-3000:]
-    figs, lines = {}, out.stdout.splitlines()
+    outs = concurrent_runs({part: [sys.executable, "-c", f"PART = {part}\n" + code] for part in range(parts)},
+                           env=dict(env, TRITON_INTERPRET="1"))
+    figs, lines = {}, []
+    for out in outs.values():
+        assert out.returncode == 0 and out.stdout.strip().endswith("DONE"), out.stdout[-3000:] + out.stderr[-3000:]
+        lines += out.stdout.splitlines()
     for line in lines:
         if line.startswith("FIG "):
             _, case, dtype, name, value = line.split()

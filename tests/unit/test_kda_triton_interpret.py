@@ -19,7 +19,8 @@ quantity; the tests below read them. Head dims K = 16, V = 16 / 32 are inside th
   - dtypes: float64 (the kernels compute in fp64: bound 1e-10, figures ~1e-15) and float32 (fp32 kernels vs eager
     fp64 on the same values: bound 1e-5; 1e-4 under very fast gates, where the fp32 cumsum of g, |gam| up to 3200,
     rounds each log decay by ~1e-4: figures ~1e-5).
-Every figure finite (a nan or inf fails every bound). About 45 s on 2 cores.
+Every figure finite (a nan or inf fails every bound). Two processes side by side (the fp64 cases; the fp32 ones
+and K = V = 128): about 30 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def case(name, dtype, B, T, H, K, V, gate, seed, cu=None, first_continues=True):
     compare_case(name, dtype, tri, ref, inputs(B, T, H, K, V, gate, seed), ("dq", "dk", "dv", "dg", "dbeta", "dh0"),
                  seed + 1, lay)
 
-for dtype in (torch.float64, torch.float32):
+for dtype in ((torch.float64,), (torch.float32,))[PART]:  # two processes side by side (interpreter_figures)
     case("T100_fast", dtype, 2, 100, 2, 16, 16, "fast", 0)
     if dtype == torch.float64:  # the slow regimes' fp32 figures add nothing the fast ones do not show
         case("T130_slow", dtype, 1, 130, 2, 16, 32, "slow", 1)
@@ -74,14 +75,15 @@ for dtype in (torch.float64, torch.float32):
     case("T130_veryfast", dtype, 1, 130, 2, 16, 32, "veryfast", 7)
     case("packed3", dtype, 1, 130, 2, 16, 32, "fast", 3, cu=[0, 57, 58, 130])
     case("packed3_fresh", dtype, 1, 130, 2, 16, 32, "fast", 4, cu=[0, 57, 58, 130], first_continues=False)
-# the summary is forward only
-q, k, v, g, beta, h0 = (t.float() for t in inputs(1, 70, 2, 16, 16, "slow", 5))
-try:
-    tri.summary(RecurrenceInputs(q, k.requires_grad_(), v, g, beta))
-    print("SUMMARY_GRAD no error")
-except RuntimeError as e:
-    print("SUMMARY_GRAD", "no backward" in str(e))
-case("T100_K128_fast", torch.float64, 1, 100, 1, 128, 128, "fast", 6)
+if PART == 0:  # the summary is forward only
+    q, k, v, g, beta, h0 = (t.float() for t in inputs(1, 70, 2, 16, 16, "slow", 5))
+    try:
+        tri.summary(RecurrenceInputs(q, k.requires_grad_(), v, g, beta))
+        print("SUMMARY_GRAD no error")
+    except RuntimeError as e:
+        print("SUMMARY_GRAD", "no backward" in str(e))
+else:
+    case("T100_K128_fast", torch.float64, 1, 100, 1, 128, 128, "fast", 6)
 print("DONE")
 """
 
@@ -92,7 +94,7 @@ def figures():
         pytest.skip("triton is not installed")
     from helpers import interpreter_figures
 
-    return interpreter_figures(_CODE)
+    return interpreter_figures(_CODE, parts=2)
 
 
 CASES = ("T100_fast", "T130_slow", "T130_frozen", "T130_veryfast", "packed3", "packed3_fresh")
