@@ -154,7 +154,7 @@ def _meta(q: torch.Tensor, k: torch.Tensor, starts: torch.Tensor, size: int) -> 
     KVH = k.shape[2]
     G = H // KVH
     return dict(J=starts.shape[-1], H=H, KVH=KVH, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
-                BD=triton.next_power_of_2(D), SIZE=size, BN=max(16, triton.next_power_of_2(size)),
+                BD=max(16, triton.next_power_of_2(D)), SIZE=size, BN=max(16, triton.next_power_of_2(size)),
                 PREC="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 inputs: fp32 products
 
 
@@ -193,7 +193,7 @@ def backward(q, k, v, pos, starts, o, lse, do, scale: float, size: int):
     offsets, readers = _readers(starts, S)
     meta.pop("J")
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for grad, is_dk in ((dk, True), (dv, False)):
+    for is_dk in (True, False):
         selected_dkv_kernel[(B * S, meta["KVH"])](q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, scale, s,
                                                   S, **meta, DK=is_dk, **_launch(q))
     return dq, dk, dv
