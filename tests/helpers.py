@@ -539,6 +539,16 @@ def tiny_kimi_linear(dtype=torch.float64, **overrides) -> torch.nn.Module:
     return _kda_model(transformers.KimiLinearForCausalLM, config, dtype)
 
 
+def _bounded_gate_(gate, gen) -> None:
+    """A bounded forget gate (Bailing-Hybrid's, GLM-5.3-Flash's) drawn away from its init: A_log from U(-0.5, 0.5),
+    dt_bias slow (U(-9, -5)) on three channels of four, fast (U(0, 3)) on the fourth. None: a layer without one."""
+    if gate is not None:
+        gate.A_log.copy_(torch.empty(gate.A_log.shape).uniform_(-0.5, 0.5, generator=gen))
+        slow = torch.empty(gate.dt_bias.shape).uniform_(-9, -5, generator=gen)
+        fast = torch.empty(gate.dt_bias.shape).uniform_(0, 3, generator=gen)
+        gate.dt_bias.copy_(torch.where(torch.arange(gate.dt_bias.numel()) % 4 == 3, fast, slow))
+
+
 def tiny_bailing_hybrid(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random BailingHybridForCausalLM (seeded): hidden 32, layers KDA / MLA / KDA / KDA, MLPs dense / routed
     / routed / dense (SwiGLU clamps of 0.05 on the routed layers' experts and shared experts); KDA 8 heads of D = 8
@@ -565,12 +575,7 @@ def tiny_bailing_hybrid(dtype=torch.float64, **overrides) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(5678)
     with torch.no_grad():
         for layer in model.model.layers:
-            gate = getattr(layer.self_attn, "forget_gate", None)
-            if gate is not None:
-                gate.A_log.copy_(torch.empty(gate.A_log.shape).uniform_(-0.5, 0.5, generator=gen))
-                slow = torch.empty(gate.dt_bias.shape).uniform_(-9, -5, generator=gen)
-                fast = torch.empty(gate.dt_bias.shape).uniform_(0, 3, generator=gen)
-                gate.dt_bias.copy_(torch.where(torch.arange(gate.dt_bias.numel()) % 4 == 3, fast, slow))
+            _bounded_gate_(getattr(layer.self_attn, "forget_gate", None), gen)
     return model
 
 
@@ -694,10 +699,5 @@ def tiny_glm5_next(dtype=torch.float64, **overrides) -> torch.nn.Module:
             elif name.endswith("index_kpool_compress_gate"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         for layer in model.model.language_model.layers:
-            gate = getattr(layer.self_attn, "forget_gate", None)
-            if gate is not None:
-                gate.A_log.copy_(torch.empty(gate.A_log.shape).uniform_(-0.5, 0.5, generator=gen))
-                slow = torch.empty(gate.dt_bias.shape).uniform_(-9, -5, generator=gen)
-                fast = torch.empty(gate.dt_bias.shape).uniform_(0, 3, generator=gen)
-                gate.dt_bias.copy_(torch.where(torch.arange(gate.dt_bias.numel()) % 4 == 3, fast, slow))
+            _bounded_gate_(getattr(layer.self_attn, "forget_gate", None), gen)
     return model.to(dtype)
