@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import sys
 
 import torch
 import torch.distributed as dist
@@ -701,3 +703,34 @@ def tiny_glm5_next(dtype=torch.float64, **overrides) -> torch.nn.Module:
         for layer in model.model.language_model.layers:
             _bounded_gate_(getattr(layer.self_attn, "forget_gate", None), gen)
     return model.to(dtype)
+
+
+
+def _kernel_fallback_target(obj) -> object | None:
+    """The PyTorch function under transformers' hub-kernel wrapper `obj` (`use_kernel_func_from_hub_with_fallback`:
+    a function carrying `__wrapped__`, inside a `kernels` Func module where that package is installed), else None."""
+    fn = obj
+    if isinstance(obj, torch.nn.Module):
+        inner = [c.cell_contents for c in getattr(type(obj).forward, "__closure__", None) or ()
+                 if inspect.isfunction(c.cell_contents)]
+        fn = inner[0] if len(inner) == 1 else None
+    if not (inspect.isfunction(fn) and fn.__code__.co_qualname.startswith("use_kernel_func_from_hub_with_fallback.")):
+        return None  # not that decorator's wrapper (others carry `__wrapped__` too)
+    return fn.__wrapped__
+
+
+@contextlib.contextmanager
+def transformers_torch_paths(model: torch.nn.Module):
+    """Run the model's transformers module on its own PyTorch functions while the block runs. Where FLA or
+    causal-conv1d are installed, transformers' hub-kernel decorator sends CUDA inputs to them, and their tf32 products
+    are no float32 reference. Swaps each module-level function the decorator wrapped for the function it wraps,
+    then restores the module."""
+    module = sys.modules[type(model).__module__]
+    swapped = {n: (f, t) for n, f in vars(module).items() if (t := _kernel_fallback_target(f)) is not None}
+    try:
+        for name, (_, torch_fn) in swapped.items():
+            setattr(module, name, torch_fn)
+        yield sorted(swapped)
+    finally:
+        for name, (fn, _) in swapped.items():
+            setattr(module, name, fn)

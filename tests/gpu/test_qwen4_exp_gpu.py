@@ -2,7 +2,8 @@
 path, the Triton selected attention (`ops/selected_attention.py`), where the CPU tests run the gathered kernel. The
 tiny model of tests/distributed/test_qwen4_exp.py (QSA blocks of 3, top 4 blocks: sparse past 15 tokens) in float32,
 192 tokens in one row and in packed documents, against the unmodified transformers model on the same GPU in float32
-(its own indexer loop and SDPA): logits and every parameter gradient of sum(logits * w), rank-summed, within 1e-4
+(its own indexer loop and SDPA, and its PyTorch GDN and conv even where FLA and causal-conv1d are installed:
+`helpers.transformers_torch_paths`): logits and every parameter gradient of sum(logits * w), rank-summed, within 1e-4
 rel-L2 (float32 everywhere; the kernels' fp32 products are IEEE). The GDN layers run the eager recurrence: this test
 is about the indexed layer's CUDA path.
 """
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp import parallelize_cp, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
-from helpers import flat, grads_of, rel_l2, tiny_qwen4_exp
+from helpers import flat, grads_of, rel_l2, tiny_qwen4_exp, transformers_torch_paths
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (the indexed attention's Triton kernels)")
@@ -40,13 +41,15 @@ def worker(rank, world):
     failures = []
     for packed in (False, True):
         ref = copy.deepcopy(base)
-        if packed:
-            b = cu.tolist()
-            logits_ref = torch.cat([ref(input_ids=ids[:, x:y], use_cache=False).logits
-                                    for x, y in zip(b[:-1], b[1:])], dim=1)
-        else:
-            logits_ref = ref(input_ids=ids, use_cache=False).logits
-        (logits_ref * w).sum().backward()
+        with transformers_torch_paths(ref) as swapped:  # not FLA's GDN kernels (tf32), where the machine has them
+            assert "torch_chunk_gated_delta_rule" in swapped, swapped
+            if packed:
+                b = cu.tolist()
+                logits_ref = torch.cat([ref(input_ids=ids[:, x:y], use_cache=False).logits
+                                        for x, y in zip(b[:-1], b[1:])], dim=1)
+            else:
+                logits_ref = ref(input_ids=ids, use_cache=False).logits
+            (logits_ref * w).sum().backward()
         model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_backend="eager",
                                full_attention_cp="all_gather")
         batch = shard_batch_for_cp(ids, mesh, cu_seqlens=cu if packed else None, model=model)

@@ -1,0 +1,196 @@
+"""Launch sweep of the SSD or KDA Triton kernels: per kernel, its num_warps, num_stages and tile blocks (and SSD's
+GROUP_HEADS), by coordinate descent from the current launch table, timing the op's forward + backward at one length.
+
+Each candidate changes one setting of one kernel (the others at the best found so far). A candidate is kept only when
+it compiles and launches (shared memory, registers) and its output, final state and every gradient stay within
+`--match` rel-L2 of the source table's (a tiling changes the rounding, not the math; a miscompile shows as a large
+difference). The candidates run in a worker process, restarted after a CUDA error (an illegal address loses the
+context), and are timed against the current table measured in the same process. The printed table is a proposal: the launch table changes only after the op's GPU tests pass with it.
+
+    python bench/launch_sweep.py --op kda --length 32768            # Kimi-Linear's 32 heads of 128, bf16
+    python bench/launch_sweep.py --op ssd --length 32768            # Nemotron-H-8B's Mamba2 shape, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from op_peers import fwd_bwd, rel, timed_fwd_bwd  # noqa: E402
+from timing import emit, time_cuda  # noqa: E402
+
+BLOCKS = (16, 32, 64)
+WARPS = (4, 8)
+STAGES = (1, 2, 3)
+
+
+def op_and_inputs(op: str, T: int | None):
+    """(the kernels' module, the launch names to sweep: those of bf16 inputs), and with a length T: (the module, the
+    op, its inputs at the op's released shape, their names, the launch names)."""
+    mod = importlib.import_module(f"deltacp.ops.{op}.triton.kernels")
+    kernels = [n for n in mod.LAUNCH if "/" not in n]
+    if T is None:
+        return mod, kernels
+    if op == "kda":
+        import kda_op as bench
+
+        t = bench.make_inputs(T, 32, 128, 128, "slow", torch.bfloat16)
+    else:
+        import ssd_op as bench
+
+        t = bench.make_inputs(T, *bench.SHAPES["nemotron-h-8b"], "slow", torch.bfloat16)
+    return mod, bench.deltacp_op("triton"), t, bench.NAMES, kernels
+
+
+def candidates(cfg: dict[str, int]):
+    """Every config one setting away from cfg."""
+    for key, values in (("num_warps", WARPS), ("num_stages", STAGES)):
+        for v in values:
+            if v != cfg[key]:
+                yield {**cfg, key: v}
+    for key in sorted(k for k in cfg if k.startswith("B")):
+        for v in BLOCKS:
+            if v != cfg[key]:
+                yield {**cfg, key: v}
+
+
+def child(job_path: str) -> None:
+    """Measure the current table, then each trial of the job, one JSON line each; exits 3 at the first CUDA error
+    (the context is lost: the parent starts a new process for the trials left)."""
+    with open(job_path) as f:
+        job = json.load(f)
+    mod, fn, t, names, _ = op_and_inputs(job["op"], job["length"])
+    y0, h0, g0 = fwd_bwd(fn, t, names)  # the reference: the table in the source, which the GPU tests verified
+    ref = [y0.detach(), h0.detach()] + [g0[n].detach() for n in names]
+    del y0, h0, g0
+
+    def apply(table, group_heads):
+        mod.LAUNCH.update({k: dict(v) for k, v in table.items()})
+        if group_heads is not None:
+            mod.GROUP_HEADS = group_heads
+
+    def measure() -> tuple[float | None, str]:
+        try:
+            y, h, g = fwd_bwd(fn, t, names)
+            worst = max(rel(a, b) for a, b in zip([y, h] + [g[n] for n in names], ref))
+            if not worst <= job["match"]:
+                return None, f"differs ({worst:.2e})"
+            step = timed_fwd_bwd(fn, t, names)
+            return time_cuda(step, warmup=2, repeat=job["repeat"])["median_ms"], f"rel {worst:.1e}"
+        except torch.cuda.OutOfMemoryError as e:
+            return None, f"OutOfMemoryError: {str(e).splitlines()[0][:80]}"
+        except Exception as e:  # out of resources, a failed compile; a CUDA error ends the process
+            note = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            if "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError":
+                print(json.dumps({"index": job["next"], "ms": None, "note": note, "fatal": True}), flush=True)
+                sys.exit(3)
+            return None, note
+
+    apply(job["table"], job.get("group_heads"))
+    base, why = measure()
+    print(json.dumps({"base": base, "note": why}), flush=True)
+    for i, (name, trial) in enumerate(job["trials"]):
+        if i < job["next"]:
+            continue
+        job["next"] = i
+        if name == "GROUP_HEADS":
+            apply(job["table"], trial)
+        else:
+            apply({**job["table"], name: trial}, job.get("group_heads"))
+        ms, why = measure()
+        print(json.dumps({"index": i, "ms": ms, "note": why}), flush=True)
+        apply(job["table"], job.get("group_heads"))
+
+
+def run_trials(args, table, group_heads, trials) -> tuple[float | None, list[tuple[float | None, str]]]:
+    """(the current table's ms, [(ms or None, note)] per trial), each trial in a process that lives until a CUDA
+    error."""
+    results: list[tuple[float | None, str] | None] = [None] * len(trials)
+    base, nxt = None, 0
+    while nxt < len(trials):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(dict(op=args.op, length=args.length, match=args.match, repeat=args.repeat, table=table,
+                           group_heads=group_heads, trials=trials, next=nxt), f)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", f.name], capture_output=True,
+                              text=True, env=os.environ)
+        os.unlink(f.name)
+        for line in proc.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            if "base" in row:
+                base = row["base"] if base is None else min(base, row["base"] or base)
+            elif "index" in row:
+                results[row["index"]] = (row["ms"], row["note"])
+                nxt = row["index"] + 1
+        if proc.returncode not in (0, 3):
+            print(proc.stderr[-2000:])
+            raise SystemExit(f"the sweep's worker failed (exit {proc.returncode})")
+    return base, results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--op", choices=("kda", "ssd"))
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--match", type=float, default=1e-2, help="rel-L2 bound against the source table's results")
+    ap.add_argument("--gain", type=float, default=0.02, help="the least relative gain that moves the table")
+    ap.add_argument("--budget", type=float, default=400, help="seconds; no kernel is started after them")
+    ap.add_argument("--passes", type=int, default=1)
+    ap.add_argument("--kernels", nargs="*", help="the launch names to sweep (default: all)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.worker:
+        return child(args.worker)
+    if args.op is None:
+        ap.error("--op is required")
+    start = time.time()
+    mod, kernels = op_and_inputs(args.op, None)
+    table = {k: dict(v) for k, v in mod.LAUNCH.items()}
+    group_heads = getattr(mod, "GROUP_HEADS", None)
+    knobs = list(args.kernels or kernels) + (["GROUP_HEADS"] if group_heads is not None and not args.kernels else [])
+    first = None
+    for _, name in itertools.product(range(args.passes), knobs):
+        if time.time() - start > args.budget:
+            print("budget spent: stopping")
+            break
+        if name == "GROUP_HEADS":
+            trials = [(name, v) for v in (4, 8, 16, 32) if v != group_heads]
+        else:
+            trials = [(name, c) for c in candidates(table[name])]
+        base, results = run_trials(args, table, group_heads, trials)
+        first = first or base
+        print(f"{name}: the current table {base:.2f} ms")
+        best, choice = base, None
+        for (_, trial), (ms, note) in zip(trials, results):
+            emit(dict(op=args.op, T=args.length, kernel=name, config=trial, ms=ms, base_ms=base, note=note), args.json)
+            print(f"    {trial}: {'-' if ms is None else f'{ms:.2f} ms'} ({note})")
+            if ms is not None and ms < best * (1 - args.gain):
+                best, choice = ms, trial
+        if choice is not None:
+            print(f"  -> {name} = {choice}")
+            if name == "GROUP_HEADS":
+                group_heads = choice
+            else:
+                table[name] = choice
+    print(f"{args.op} T={args.length}: from {first:.2f} ms; {time.time() - start:.0f} s. Proposed table:")
+    for name in kernels:
+        print(f"    {name!r}: {table[name]},")
+    if group_heads is not None:
+        print(f"    GROUP_HEADS = {group_heads}")
+
+
+if __name__ == "__main__":
+    main()
