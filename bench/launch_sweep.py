@@ -9,6 +9,8 @@ context), and are timed against the current table measured in the same process. 
 
     python bench/launch_sweep.py --op kda --length 32768            # Kimi-Linear's 32 heads of 128, bf16
     python bench/launch_sweep.py --op ssd --length 32768            # Nemotron-H-8B's Mamba2 shape, bf16
+    python bench/launch_sweep.py --op kda --table-out t.json; python bench/launch_sweep.py --op kda --apply t.json \
+        -- tests/gpu/test_kda_triton_gpu.py -q                         # the op's GPU tests on the proposal
 """
 
 from __future__ import annotations
@@ -149,9 +151,25 @@ def main():
     ap.add_argument("--budget", type=float, default=400, help="seconds; no kernel is started after them")
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--kernels", nargs="*", help="the launch names to sweep (default: all)")
+    ap.add_argument("--table-out", help="write the proposed table here (JSON: the launch entries, GROUP_HEADS)")
+    ap.add_argument("--apply", metavar="TABLE", help="run pytest (the arguments after --) with a --table-out table "
+                    "in place of the source's: the op's GPU tests on a proposal")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--json")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:len(argv) - len(rest) - (1 if rest or "--" in argv else 0)])
+    if args.apply:
+        import pytest
+
+        mod, _ = op_and_inputs(args.op, None)
+        with open(args.apply) as f:
+            proposal = json.load(f)
+        mod.LAUNCH.update(proposal["LAUNCH"])
+        if proposal.get("GROUP_HEADS") is not None:
+            mod.GROUP_HEADS = proposal["GROUP_HEADS"]
+        print(f"pytest with the proposed {args.op} table: {proposal}")
+        raise SystemExit(pytest.main(rest))
     if args.worker:
         return child(args.worker)
     if args.op is None:
@@ -190,6 +208,9 @@ def main():
         print(f"    {name!r}: {table[name]},")
     if group_heads is not None:
         print(f"    GROUP_HEADS = {group_heads}")
+    if args.table_out:
+        with open(args.table_out, "w") as f:
+            json.dump({"LAUNCH": table, "GROUP_HEADS": group_heads}, f)
 
 
 if __name__ == "__main__":
