@@ -228,6 +228,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_kimi_linear(dtype)
     if name == "BailingHybridForCausalLM":
         return tiny_bailing_hybrid(dtype)
+    if name == "MiniMaxForCausalLM":
+        return tiny_minimax(dtype)
     if name == "Qwen4ExpForConditionalGeneration":  # tiny_qwen4_exp's text model with a PLE layer (its conv drawn),
         # the tiny vision tower
         text = {**QWEN4_EXP_FIELDS, "ple_layer_ids": [1], "ngram_vocab_size_base": 64, **text_overrides}
