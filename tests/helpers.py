@@ -230,6 +230,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_kimi_linear(dtype)
     if name == "BailingHybridForCausalLM":
         return tiny_bailing_hybrid(dtype)
+    if name == "MiniMaxForCausalLM":
+        return tiny_minimax(dtype)
     if name == "Qwen4ExpForConditionalGeneration":  # tiny_qwen4_exp's text model with a PLE layer (its conv drawn),
         # the tiny vision tower
         text = {**QWEN4_EXP_FIELDS, "ple_layer_ids": [1], "ngram_vocab_size_base": 64, **text_overrides}
@@ -704,6 +706,29 @@ def tiny_glm5_next(dtype=torch.float64, **overrides) -> torch.nn.Module:
             _bounded_gate_(getattr(layer.self_attn, "forget_gate", None), gen)
     return model.to(dtype)
 
+
+MINIMAX_LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+
+
+def tiny_minimax(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random MiniMaxForCausalLM (seeded): hidden 32, layers lightning / attention / lightning / lightning (8
+    heads of d = 8 in both mixers; attention over 2 KV heads, full RoPE), 4 experts top 2; transformers' blocks of
+    `block_size` 16 (its inter-block path crosses rank boundaries); residual factors away from 1. The lightning
+    decays are the layer's fixed slopes: per token e^{-s} from about 0.6 (layer 0, head 0) to 1 - 5e-8 (layer 3,
+    whose slope factor 1 - 3 / (3 + 1e-5) + 1e-5 is 2e-5): the state of one rank matters on the next."""
+    import transformers
+
+    fields = dict(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                  layer_types=MINIMAX_LAYERS, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                  num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.25, block_size=16,
+                  full_attn_alpha_factor=1.1, full_attn_beta_factor=0.8, linear_attn_alpha_factor=0.9,
+                  linear_attn_beta_factor=1.2, mlp_alpha_factor=0.95, mlp_beta_factor=1.3, rms_norm_eps=1e-6,
+                  max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
+    config = transformers.MiniMaxConfig(**{**fields, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.MiniMaxForCausalLM(config).to(dtype)
 
 
 def _kernel_fallback_target(obj) -> object | None:

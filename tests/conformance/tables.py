@@ -33,6 +33,7 @@ from helpers import (
     tiny_glm5_next,
     tiny_granite_hybrid,
     tiny_kimi_linear,
+    tiny_minimax,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
@@ -407,12 +408,44 @@ GLM5_NEXT = Table("GLM-5.3-Flash", "Glm5NextForConditionalGeneration", tiny_glm5
     Knob("max_position_embeddings, rope_parameters", ignored="GLM-5.3-Flash's text model has no rotary (NoPE)"),
 ), attention_methods=("all_gather",), valid_runs=True)
 
+# the tiny MiniMax-Text-01 (`tiny_minimax`): layers lightning, attention, lightning, lightning; 8 heads of 8 in both
+# mixers (attention over 2 KV heads, full RoPE); 4 experts top 2; transformers' lightning blocks of 16; residual
+# factors away from 1. The lightning decays are fixed per layer and head (no parameters: nothing to keep)
+MINIMAX = Table("MiniMax-Text-01", "MiniMaxForCausalLM", tiny_minimax, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("num_attention_heads 4, num_key_value_heads 1, head_dim 16 (both mixers)",
+         dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16), touches="linear attention"),
+    Knob("hidden_act: gelu (the lightning q/k/v activation and the experts')", dict(hidden_act="gelu"),
+         touches="linear moe"),
+    Knob("block_size: 7 (transformers' partial lightning blocks)", dict(block_size=7), touches="linear"),
+    Knob("layer_types: attention, lightning, lightning, attention (other slopes per layer)",
+         dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+         touches="layers"),
+) + _rope_rows(8)[1:2] + (
+    Knob("full_attn / linear_attn / mlp alpha and beta factors: other values",
+         dict(full_attn_alpha_factor=0.7, full_attn_beta_factor=1.4, linear_attn_alpha_factor=1.3,
+              linear_attn_beta_factor=0.6, mlp_alpha_factor=1.2, mlp_beta_factor=0.7), touches="norm"),
+    Knob("num_local_experts 8, num_experts_per_tok 1, intermediate_size 48",
+         dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=48), touches="moe"),
+    Knob("rms_norm_eps 1e-2, tie_word_embeddings", dict(rms_norm_eps=1e-2, tie_word_embeddings=True),
+         touches="norm embedding head"),
+    Knob("sliding_window: 16", dict(sliding_window=16), touches="attention", refused="sliding_window"),
+    Knob("router_jitter_noise: 0.1 (training)", dict(router_jitter_noise=0.1), touches="moe",
+         refused="router_jitter_noise"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+    Knob("router_aux_loss_coef (a loss term with output_router_logits)",
+         elsewhere="tests/distributed/test_model_families.py (MiniMaxForCausalLM's global aux loss)"),
+    Knob("rms_norm_eps on the lightning attention's output norm",
+         ignored="MiniMaxLightningAttention's norm keeps eps 1e-6 in transformers"),
+))
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
-                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT)}
+                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
-          "GLM-5.3-Flash": KDA_DECAYS}
+          "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": ()}
 
 
 def readme_section() -> str:

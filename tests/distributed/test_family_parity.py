@@ -9,7 +9,8 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
 - Qwen3.5 dense, Qwen3.5 MoE, Qwen3-Next (`tiny_family_model`, 8 value heads and 8 attention heads so that Ulysses
   runs at CP8), Bamba, Nemotron-H, Granite-4.0-H and Falcon-H1 (Mamba2: 8 heads in 2 groups, conv with bias, the D
   skip, their MLP / MoE blocks and muP multipliers), Kimi-Linear and Bailing-Hybrid (KDA with per-channel gates, MLA
-  with v_head_dim != qk head dim, routed and shared experts);
+  with v_head_dim != qk head dim, routed and shared experts), MiniMax-Text-01 (`tiny_minimax`: lightning attention,
+  the scalar-decay recurrence without a conv and with fixed per-layer slopes; the normed-input residual; experts);
 - rows right-padded ("padded") against the unmodified model at their valid tokens (left padding: the tables).
 
 References:
@@ -169,10 +170,12 @@ OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
 # (tests/conformance); here what they do not run: FSDP2 + activation checkpointing, the p2p scan, the 2-D layout, CP8
 CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
              names=("OlmoHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
-                    "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM"))
+                    "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
+                    "MiniMaxForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d"))
-CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM")
+CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
+              "MiniMaxForCausalLM")
 CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode; one family of each other mixer, in turn
        + [(name, "packed", ("ulysses", "p2p", "all_gather")[i % 3], ("balanced", "contiguous")[i % 2], None)
           for i, name in enumerate(CP8_OTHERS)]

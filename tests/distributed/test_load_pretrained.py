@@ -37,7 +37,8 @@ WORLD = 4
 CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "BambaForCausalLM",
                                                      "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                                                      "FalconH1ForCausalLM", "BailingHybridForCausalLM",
-                                                     "KimiLinearForCausalLM", "Qwen4ExpForCausalLM")
+                                                     "KimiLinearForCausalLM", "Qwen4ExpForCausalLM",
+                                                     "MiniMaxForCausalLM")
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 
@@ -103,6 +104,21 @@ def checkpoints(tmp_path_factory):
     return cases, root / "big"
 
 
+def _decays_from_slopes(model):
+    """A copy of a MiniMax model with its in-block decay buffers recomputed in float32 from each layer's stored slope
+    (transformers' own `decay_factors`): a bf16 checkpoint stores them rounded to bf16 (1e-4 of the tiny model's
+    logits), while deltacp forms every factor from the stored slope (`families/minimax.py`)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if hasattr(attn, "slope_rate"):
+                for buffer, value in zip((attn.query_decay, attn.key_decay, attn.diagonal_decay),
+                                         attn.decay_factors(attn.slope_rate)):
+                    buffer.copy_(value)
+    return model
+
+
 def _full(model):
     return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for n, t in model.state_dict().items()}
 
@@ -132,7 +148,8 @@ def worker(rank, world, cases, big, out_root):
         ref = cls.from_pretrained(path, dtype=torch.float32).eval()
         failures += _compare(_full(model), ref.state_dict(), case)
         failures += _compare(dict(model.named_buffers()), dict(ref.named_buffers()), f"{case} buffers")
-        err = rel_l2(_logits(model, ids, mesh), local_slice(_logits(ref, ids), rank, world))
+        logits_ref = _logits(_decays_from_slopes(ref) if cls_name == "MiniMaxForCausalLM" else ref, ids)
+        err = rel_l2(_logits(model, ids, mesh), local_slice(logits_ref, rank, world))
         if not err < 2e-6:
             failures.append(f"{case}: logits rel-L2 {err:.2e} against from_pretrained")
 

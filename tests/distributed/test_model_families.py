@@ -1,6 +1,7 @@
 """Model families under CP on gloo, float64, with their auxiliary losses and images: Qwen3.5 MoE, Qwen3-Next,
 multimodal Qwen3.5 (dense and MoE) with images crossing rank boundaries, a text-only batch through a multimodal model,
-Granite-4.0-H (Mamba2 with routed experts: its aux loss read from `num_local_experts`), and multimodal Qwen4-Exp at CP2
+Granite-4.0-H (Mamba2 with routed experts: its aux loss read from `num_local_experts`), MiniMax-Text-01 (lightning
+attention, its experts' aux loss read from `num_local_experts`), and multimodal Qwen4-Exp at CP2
 (indexed attention with full_attention_cp="all_gather", 64-token rows past the indexer's budget; a PLE layer whose
 n-grams read the image tokens' ids, as transformers hands them; with images in every mode, and text only).
 
@@ -124,6 +125,7 @@ CP2_CASES = [(name, MODES, None, False) for name in ("Qwen3_5MoeForCausalLM", "Q
                                                      "Qwen3_5ForConditionalGeneration",
                                                      "Qwen3_5MoeForConditionalGeneration")]
 CP2_CASES.append(("GraniteMoeHybridForCausalLM", MODES, "p2p", False))  # Mamba2 + routed experts, FSDP2 on p2p
+CP2_CASES.append(("MiniMaxForCausalLM", MODES, None, False))  # lightning attention + routed experts (its aux loss)
 # Qwen4-Exp's multimodal model (indexed attention, full_attention_cp="all_gather"; a PLE layer reading the image
 # tokens' ids), with images and text only
 CP2_CASES += [("Qwen4ExpForConditionalGeneration", MODES, None, False),

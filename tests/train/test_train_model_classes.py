@@ -7,7 +7,7 @@ Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
 Bailing-Hybrid (KDA and MLA, routed experts; eager); Qwen4-Exp (indexed attention with full_attention_cp=all_gather,
 a PLE layer, hyper-connections); GLM-5.3-Flash (its conditional class with a text-only batch: KDA, MLA with the pooled
-indexer and a "shared" layer, hyper-connections)."""
+indexer and a "shared" layer, hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts)."""
 
 from pathlib import Path
 
@@ -79,13 +79,19 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
              pad_token_id=0), GDN_FIELDS + ["head_dim", "num_experts", "shared_expert_intermediate_size"],
         dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=64,
              projection_intermediate_size=16, patch_size=2, temporal_patch_size=2, spatial_merge_size=2)),
+    # lightning attention (fixed per-layer slopes, no conv) and GQA, the normed-input residual with its factors,
+    # routed experts with the aux loss; transformers' lightning blocks of 32 (four in a 128-token row)
+    "MiniMaxForCausalLM": (dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, block_size=32,
+                                layer_types=["linear_attention", "full_attention", "linear_attention",
+                                             "linear_attention"], linear_attn_alpha_factor=1.5,
+                                full_attn_alpha_factor=1.5, mlp_alpha_factor=1.5), GDN_FIELDS, {}),
 }
 ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their indexed layers' method
                for name in ("Qwen4ExpForCausalLM", "Glm5NextForConditionalGeneration")}
 
 DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
          "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM", "Qwen4ExpForCausalLM",
-         "Glm5NextForConditionalGeneration")
+         "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM")
 
 
 def _cfg(name):

@@ -100,7 +100,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid", "qwen4_exp", "glm5_next")
+         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax")
 
 
 def families() -> tuple[Family, ...]:

@@ -56,16 +56,21 @@ class LinearLayerCP:
         return self.view.module
 
     @property
-    def conv_weight_CK(self) -> torch.Tensor:
-        return self.view.conv.weight.squeeze(1)
+    def conv_weight_CK(self) -> torch.Tensor | None:
+        """The depthwise kernels [C, kernel]; None for a mixer without a conv (`LinearMixerView.conv` None)."""
+        conv = self.view.conv
+        return None if conv is None else conv.weight.squeeze(1)
 
     @property
     def conv_dilation(self) -> int:
-        return self.view.conv.dilation[0]
+        conv = self.view.conv
+        return 1 if conv is None else conv.dilation[0]
 
     @property
     def halo(self) -> int:
-        return (self.view.conv.kernel_size[0] - 1) * self.conv_dilation
+        """The pre-conv tokens of the previous piece the conv reads: (kernel-1)*dilation; 0 without a conv."""
+        conv = self.view.conv
+        return 0 if conv is None else (conv.kernel_size[0] - 1) * conv.dilation[0]
 
 
 def linear_context(layer: LinearLayerCP, hidden_states: torch.Tensor, attention_mask, packing: dict) -> CPForwardContext:
@@ -108,7 +113,7 @@ def document_segments(ctx: CPForwardContext, pieces: Pieces) -> list[DocumentSeg
 def linear_forward_cp(layer: LinearLayerCP, hidden_states: torch.Tensor, attention_mask=None, cache=None,
                    cache_params=None, use_cache: bool | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                    max_length_q=None, max_length_k=None, output_router_logits: bool | None = None,
-                   position_embeddings=None, input_ids=None, **unsupported) -> torch.Tensor:
+                   position_embeddings=None, input_ids=None, position_ids=None, **unsupported) -> torch.Tensor:
     """The CP forward of one linear-recurrent layer on this rank's slice [B, s, hidden] of the sequence.
 
     attention_mask: the model hook's `CPForwardContext`, or the local 2-D padding mask, or None.
@@ -119,6 +124,8 @@ def linear_forward_cp(layer: LinearLayerCP, hidden_states: torch.Tensor, attenti
     they hold; a linear-recurrent mixer reads no positions (transformers' mixer ignores them too).
     input_ids: the token ids GLM-5.3-Flash's decoder layers hand to their mixer (read upstream, by the embedding;
     transformers' mixer ignores them too).
+    position_ids: what MiniMax's decoder layers hand to whichever mixer they hold (read upstream: the rotary
+    embedding, and the model hook for document starts; transformers' lightning attention ignores them too).
     Inference caches (cache, cache_params, use_cache=True) and any other keyword raise.
     """
     refuse_unsupported(f"{type(layer.module).__name__}", dict(unsupported, cache=cache, cache_params=cache_params,

@@ -27,7 +27,7 @@ from deltacp.parallel.placement import Pieces
 class LinearShard:
     key_heads: int  # key heads scanned here (after any repeat to the value heads)
     v_heads: int
-    conv_weight_CK: torch.Tensor  # this shard's pre-conv channels
+    conv_weight_CK: torch.Tensor | None  # this shard's pre-conv channels' kernels (None: the mixer has no conv)
     conv_bias_C: torch.Tensor | None
     heads: slice  # the module's value heads scanned here
     seq_group: object | None  # the ranks whose slices make the row (halo from the previous one); None: whole here
@@ -35,7 +35,8 @@ class LinearShard:
     @classmethod
     def whole(cls, layer: LinearLayerCP) -> "LinearShard":
         layout = layer.view.layout
-        return cls(layout.key_heads, layout.value_heads, layer.conv_weight_CK, layer.view.conv.bias,
+        conv = layer.view.conv
+        return cls(layout.key_heads, layout.value_heads, layer.conv_weight_CK, None if conv is None else conv.bias,
                    slice(0, layout.value_heads), layer.group)
 
 

@@ -123,16 +123,17 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
         """Validate the module (through its family's view) for this mode and return the configuration every rank
         must share."""
         view = mixer_view_of(module)
-        conv, layout = view.conv, view.layout
-        if conv.stride[0] != 1 or conv.groups != layout.channels or conv.in_channels != conv.out_channels:
+        conv, layout = view.conv, view.layout  # conv None: the mixer has none (no halo, no activation of ours)
+        if conv is not None and (conv.stride[0] != 1 or conv.groups != layout.channels
+                                 or conv.in_channels != conv.out_channels):
             raise ValueError(f"linear attention CP needs a depthwise causal conv with stride 1 and groups == the "
                              f"pre-conv channels ({layout.channels}); got stride {conv.stride[0]}, groups "
                              f"{conv.groups}")
-        if conv.padding[0] != (conv.kernel_size[0] - 1) * conv.dilation[0]:
+        if conv is not None and conv.padding[0] != (conv.kernel_size[0] - 1) * conv.dilation[0]:
             raise ValueError(f"linear attention CP needs a causal conv with padding (kernel-1)*dilation = "
                              f"{(conv.kernel_size[0] - 1) * conv.dilation[0]}, got padding {conv.padding[0]}")
         view.recurrence(self.linear_backend)  # raises here (before any collective) for a backend it has no kernels on
-        if view.conv_activation not in SILU_NAMES:
+        if conv is not None and view.conv_activation not in SILU_NAMES:
             raise NotImplementedError(f"linear attention CP computes the conv's activation as SiLU; this layer's "
                                       f"is {view.conv_activation!r} (hidden_act; SiLU's names: {SILU_NAMES})")
         if layout.value_heads % layout.key_heads:
@@ -150,7 +151,8 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
                     ulysses_degree=u, family=view.family, num_k_heads=layout.key_heads,
                     num_v_heads=layout.value_heads, head_k_dim=K, head_v_dim=V, channels=layout.channels,
                     state_passing=self.state_passing, sequence_layout=self.sequence_layout,
-                    conv_kernel=conv.kernel_size[0], conv_halo=(conv.kernel_size[0] - 1) * conv.dilation[0],
+                    conv_kernel=0 if conv is None else conv.kernel_size[0],
+                    conv_halo=0 if conv is None else (conv.kernel_size[0] - 1) * conv.dilation[0],
                     dtype=str(param.dtype), device_type=param.device.type)
 
     def install(self, module: nn.Module, group, groups=None) -> nn.Module:

@@ -51,8 +51,8 @@ class HeadShard:
     def scan_shard(self, layer: LinearLayerCP, seq_group=None) -> LinearShard:
         """What these heads' scan covers: their conv channels; `seq_group`: None (the group's whole row is here) or
         the groups across which it is one slice (2-D)."""
-        bias = layer.view.conv.bias
-        return LinearShard(self.key_local, self.v_local, layer.conv_weight_CK[self.channels],
+        weight, bias = layer.conv_weight_CK, None if layer.view.conv is None else layer.view.conv.bias
+        return LinearShard(self.key_local, self.v_local, None if weight is None else weight[self.channels],
                         None if bias is None else bias[self.channels], self.heads, seq_group)
 
 

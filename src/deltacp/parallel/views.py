@@ -85,8 +85,10 @@ class LinearMixerView:
     family (its home in `deltacp.families`). The CP layer reads only this:
 
         layout                      HeadLayout: heads and pre-conv channels
-        conv                        the depthwise causal conv over the pre-conv channels (nn.Conv1d)
-        conv_activation             its activation's name (the CP conv computes "silu")
+        conv                        the depthwise causal conv over the pre-conv channels (nn.Conv1d), or None:
+                                    the mixer has no conv (no halo; the pre-conv channels are the parts as they
+                                    are, any activation applied by `project`)
+        conv_activation             its activation's name (the CP conv computes "silu"; unread without a conv)
         extras                      per-token inputs per value head that skip the conv (e.g. GDN's b and a)
         state_dims                  (K, V) of the recurrent state
         project(x)                  -> (pre_BsC, extras_BsHX [B, s, Hv, extras], out): the module's projections
@@ -94,7 +96,8 @@ class LinearMixerView:
         inputs(parts, extras, heads, backend) -> RecurrenceInputs of value heads `heads` (a slice) from the conv
                                     output parts and the extras of those heads: the family's gate formula
         recurrence(backend)         -> the Recurrence (`ops/recurrence.py`) the inputs are for
-        output(o_BsHV, out, backend) -> the mixer's output [B, s, hidden] (gated norm, output projection)
+        output(o_BsHV, out, backend) -> the mixer's output [B, s, hidden] (gated norm, output projection), in the
+                                    form the module's forward returns it (a tuple where transformers' is one)
 
     Parameters are read at call time (FSDP2 swaps them between sharded and unsharded tensors)."""
 
