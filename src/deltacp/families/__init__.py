@@ -12,6 +12,8 @@
     qwen4_exp.py    Qwen4-Exp (GDN, indexed sparse attention, hyper-connections, PLE n-gram layers)
     glm5_next.py    GLM-5.3-Flash (KDA with the bounded gate, MLA with a pooled sparse indexer and "shared" layers,
                     Sinkhorn hyper-connections; its conditional class's text path)
+    lara_mini.py    LaRA-mini (GDN with a float32-weight gated norm, sliding-window and NoPE full attention, MoE with
+                    an ungated shared expert; in_proj stored fused)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
