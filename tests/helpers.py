@@ -232,6 +232,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_bailing_hybrid(dtype)
     if name == "MiniMaxForCausalLM":
         return tiny_minimax(dtype)
+    if name == "LaraMiniForCausalLM":
+        return tiny_lara_mini(dtype, **text_overrides)
     if name == "Qwen4ExpForConditionalGeneration":  # tiny_qwen4_exp's text model with a PLE layer (its conv drawn),
         # the tiny vision tower
         text = {**QWEN4_EXP_FIELDS, "ple_layer_ids": [1], "ngram_vocab_size_base": 64, **text_overrides}
@@ -759,3 +761,25 @@ def transformers_torch_paths(model: torch.nn.Module):
     finally:
         for name, (fn, _) in swapped.items():
             setattr(module, name, fn)
+LARA_MINI_FIELDS = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4,
+                        layer_types=["linear_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=24, router_aux_loss_coef=0.25, sliding_window=20,
+                        rms_norm_eps=1e-6, eos_token_id=1)
+
+
+def tiny_lara_mini(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random LaraMiniForCausalLM (seeded): hidden 32; layers GDN, sliding attention, full attention (NoPE),
+    sliding attention; GDN 2 key heads for 4 value heads of 8; attention 4 heads of 8 over 2 KV heads, window 20 (at
+    CP2 a 64-token row's balanced pieces hold 16 tokens: the halo of 19 reaches back over two pieces); 4 experts top 2
+    and the ungated shared expert; tied embeddings (the config's default); slow GDN decays; sdpa attention, eager
+    experts."""
+    import transformers
+
+    config = transformers.LaraMiniConfig(**{**LARA_MINI_FIELDS, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return long_memory_gates_(transformers.LaraMiniForCausalLM(config)).to(dtype)

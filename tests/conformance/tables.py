@@ -34,6 +34,7 @@ from helpers import (
     tiny_granite_hybrid,
     tiny_kimi_linear,
     tiny_minimax,
+    tiny_lara_mini,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
@@ -440,12 +441,51 @@ MINIMAX = Table("MiniMax-Text-01", "MiniMaxForCausalLM", tiny_minimax, (
          ignored="MiniMaxLightningAttention's norm keeps eps 1e-6 in transformers"),
 ))
 
+# the tiny LaRA-mini (`tiny_lara_mini`): layers GDN, sliding attention (window 20, RoPE on the 8-dim heads), full
+# attention (NoPE), sliding attention; attention 4 heads of 8 over 2 KV heads with per-head q/k norms; GDN 2 key heads
+# for 4 value heads of 8; 4 experts top 2 with the ungated shared expert; tied embeddings. The window crosses rank
+# boundaries everywhere and is longer than a piece at CP2 balanced (16 tokens) and CP4 (16 / 8): its K/V halo reaches
+# back over several pieces
+LARA_MINI = Table("LaRA-mini", "LaraMiniForCausalLM", tiny_lara_mini, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("sliding_window: 5 (shorter than every piece)", dict(sliding_window=5), touches="attention"),
+    Knob("sliding_window: 50 (longer than a CP2 slice; the long row's balanced pieces: 40)", dict(sliding_window=50),
+         touches="attention"),
+    Knob("sliding_window: 1 (a query sees itself only: no halo)", dict(sliding_window=1), touches="attention"),
+    Knob("layer_types: sliding, GDN, full, sliding",
+         dict(layer_types=["sliding_attention", "linear_attention", "full_attention", "sliding_attention"]),
+         touches="layers"),
+    Knob("num_attention_heads 8, num_key_value_heads 1, head_dim 4, attention_bias True",
+         dict(num_attention_heads=8, num_key_value_heads=1, head_dim=4, attention_bias=True), touches="attention"),
+) + _rope_rows(8)[1:2] + (
+    Knob("rope_parameters: rope_theta 500", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+         touches="rotary"),
+    Knob("linear_conv_kernel_dim: 1 (no conv halo)", dict(linear_conv_kernel_dim=1), touches="linear"),
+    Knob("linear_num_key_heads 1, linear_num_value_heads 4, linear_key_head_dim 4, linear_value_head_dim 12",
+         dict(linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=4, linear_value_head_dim=12),
+         touches="linear"),
+    Knob("hidden_act: swish (SiLU)", dict(hidden_act="swish"), touches="linear mlp moe"),
+    Knob("num_experts 6, num_experts_per_tok 3, norm_topk_prob False, moe_intermediate_size 8, "
+         "shared_expert_intermediate_size 12",
+         dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, moe_intermediate_size=8,
+              shared_expert_intermediate_size=12), touches="moe"),
+    Knob("rms_norm_eps 1e-2, tie_word_embeddings False", dict(rms_norm_eps=1e-2, tie_word_embeddings=False),
+         touches="norm embedding head linear"),
+    Knob("hidden_act: gelu", dict(hidden_act="gelu"), touches="linear mlp",
+         refused="computes the conv's activation as SiLU"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+    Knob("intermediate_size, decoder_sparse_step, mlp_only_layers",
+         ignored="LaraMiniConfig refuses them (AttributeError): every layer is MoE with a shared expert"),
+))
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
-                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX)}
+                                 FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
+                                 LARA_MINI)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
-          "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": ()}
+          "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS}
 
 
 def readme_section() -> str:

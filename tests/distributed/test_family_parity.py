@@ -1,7 +1,7 @@
 """Every supported family under CP on gloo, float64, in what the conformance tables (tests/conformance: every config
 knob, every mode and layout, padded, packed and long rows, at CP2 and CP4) do not run: FSDP2 + activation
 checkpointing at CP2, the p2p scan and the 2-D layout at CP4, and CP8 on packed rows (OLMo-Hybrid in every mode, one
-family of each other mixer kind once).
+family of each other mixer kind once, LaRA-mini's sliding window on packed and padded rows).
 
 Models (tiny, as transformers builds them; slowly decaying gates, so that the state of one rank matters on the next):
 - OLMo-Hybrid (`tiny_olmo_hybrid`): hidden 32, layers [GDN, attention, GDN, GDN], 2 key heads serving 8 value heads
@@ -11,6 +11,8 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   skip, their MLP / MoE blocks and muP multipliers), Kimi-Linear and Bailing-Hybrid (KDA with per-channel gates, MLA
   with v_head_dim != qk head dim, routed and shared experts), MiniMax-Text-01 (`tiny_minimax`: lightning attention,
   the scalar-decay recurrence without a conv and with fixed per-layer slopes; the normed-input residual; experts);
+- LaRA-mini (`tiny_lara_mini`): GDN, sliding-window attention (window 20, RoPE) and NoPE full attention, routed and
+  ungated shared experts; at CP8 its window reaches back over several pieces;
 - rows right-padded ("padded") against the unmodified model at their valid tokens (left padding: the tables).
 
 References:
@@ -171,15 +173,20 @@ OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
 CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
              names=("OlmoHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
-                    "MiniMaxForCausalLM"))
+                    "MiniMaxForCausalLM", "LaraMiniForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
-       + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d"))
+       + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
+       # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
+       + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d"))
 CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
               "MiniMaxForCausalLM")
 CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode; one family of each other mixer, in turn
        + [(name, "packed", ("ulysses", "p2p", "all_gather")[i % 3], ("balanced", "contiguous")[i % 2], None)
           for i, name in enumerate(CP8_OTHERS)]
-       + _cases(("p2p",), ("balanced",), ("padded",), extra="scan"))
+       + _cases(("p2p",), ("balanced",), ("padded",), extra="scan")
+       # LaRA-mini's window of 20 over pieces of 4 (balanced) and 8 tokens: the K/V halo reaches back 5 and 3 pieces
+       + [("LaraMiniForCausalLM", "packed", "ulysses", "balanced", None),
+          ("LaraMiniForCausalLM", "padded", "all_gather", "contiguous", None)])
 
 
 @pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])

@@ -1,7 +1,8 @@
 """`load_pretrained` and `save_pretrained` on 4 gloo CPU ranks, one spawn, against transformers on one process.
 
 The checkpoints are written by transformers itself (`save_pretrained`, bf16, split into several safetensors files
-with their index: routed experts stored per expert, as transformers 5.25 writes them), plus one in the layout of
+with their index: routed experts stored per expert, as transformers 5.25 writes them, fused for LaRA-mini, whose
+mapping also fuses its GDN input projections into one `in_proj` and renames its gated norm), plus one in the layout of
 the released Qwen3.5 MoE checkpoints (multimodal names, fused experts, a multi-token-prediction tensor) loaded as
 the text-only causal LM, and a Kimi-Linear one with its dense MLPs under `mlp.` (transformers writes
 `block_sparse_moe.` for every layer). Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
@@ -38,7 +39,7 @@ CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "
                                                      "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                                                      "FalconH1ForCausalLM", "BailingHybridForCausalLM",
                                                      "KimiLinearForCausalLM", "Qwen4ExpForCausalLM",
-                                                     "MiniMaxForCausalLM")
+                                                     "MiniMaxForCausalLM", "LaraMiniForCausalLM")
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 
@@ -51,6 +52,8 @@ def _tiny(name):
         # shard_*, transformers' conversion mapping; the released model: 512); conv halo 6 (8 tokens a rank)
         return tiny_qwen4_exp(torch.float32, ple_layer_ids=[1], ngram_vocab_size_base=64, split_ngram_parts=4,
                               ple_conv_kernel_size=3)
+    if name == "LaraMiniForCausalLM":  # untied: the head is stored too; in_proj fused, out_norm, experts fused
+        return tiny_family_model(name, torch.float32, tie_word_embeddings=False)
     return tiny_family_model(name, torch.float32)  # (Bamba, Granite-4.0-H, Nemotron-H, Falcon-H1: Mamba2, eager)
 
 

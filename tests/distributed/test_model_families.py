@@ -126,6 +126,7 @@ CP2_CASES = [(name, MODES, None, False) for name in ("Qwen3_5MoeForCausalLM", "Q
                                                      "Qwen3_5MoeForConditionalGeneration")]
 CP2_CASES.append(("GraniteMoeHybridForCausalLM", MODES, "p2p", False))  # Mamba2 + routed experts, FSDP2 on p2p
 CP2_CASES.append(("MiniMaxForCausalLM", MODES, None, False))  # lightning attention + routed experts (its aux loss)
+CP2_CASES.append(("LaraMiniForCausalLM", ("all_gather",), None, False))  # sliding layers under the global aux loss
 # Qwen4-Exp's multimodal model (indexed attention, full_attention_cp="all_gather"; a PLE layer reading the image
 # tokens' ids), with images and text only
 CP2_CASES += [("Qwen4ExpForConditionalGeneration", MODES, None, False),

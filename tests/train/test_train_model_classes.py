@@ -7,7 +7,8 @@ Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
 Bailing-Hybrid (KDA and MLA, routed experts; eager); Qwen4-Exp (indexed attention with full_attention_cp=all_gather,
 a PLE layer, hyper-connections); GLM-5.3-Flash (its conditional class with a text-only batch: KDA, MLA with the pooled
-indexer and a "shared" layer, hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts)."""
+indexer and a "shared" layer, hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
+(GDN, sliding-window and NoPE full attention, MoE with an ungated shared expert)."""
 
 from pathlib import Path
 
@@ -85,6 +86,11 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
                                 layer_types=["linear_attention", "full_attention", "linear_attention",
                                              "linear_attention"], linear_attn_alpha_factor=1.5,
                                 full_attn_alpha_factor=1.5, mlp_alpha_factor=1.5), GDN_FIELDS, {}),
+    # GDN, sliding-window attention (window 48: crosses the CP2 boundary of a 128-token row) and NoPE full attention,
+    # routed experts with the ungated shared expert, tied embeddings
+    "LaraMiniForCausalLM": (dict(MOE, sliding_window=48, eos_token_id=1,
+                                 layer_types=["linear_attention", "sliding_attention", "linear_attention",
+                                              "full_attention"]), ["intermediate_size", "tie_word_embeddings"], {}),
 }
 ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their indexed layers' method
                for name in ("Qwen4ExpForCausalLM", "Glm5NextForConditionalGeneration")}

@@ -10,9 +10,11 @@ conversion mapping, `transformers/conversion_mapping.py`, does the same renaming
   `model.language_model.`, a causal-LM one under `model.`, a bare text model under no prefix; any text class
   loads from any of them (the vision tower, `model.visual.*`, and the multi-token-prediction head, `mtp.*`, are
   then left unread, as transformers ignores them);
-- the family's names (`Family.checkpoint_renames`, `checkpoint_row_pieces`, from its home): dotted name parts
-  renamed (OLMo-Hybrid's decoder norms), and tensors stored as row pieces (OLMo-Hybrid's conv weight as one weight
-  per q, k, v, whose rows make the module's in order);
+- the family's names (`Family.checkpoint_renames`, `checkpoint_row_pieces`, `checkpoint_fused_rows`, from its
+  home): dotted name parts renamed (OLMo-Hybrid's decoder norms), tensors stored as row pieces (OLMo-Hybrid's conv
+  weight as one weight per q, k, v, whose rows make the module's in order), and consecutive parameters stored as one
+  tensor of their rows in order (LaRA-mini's `linear_attn.in_proj` = [in_proj_qkv | in_proj_z | in_proj_b |
+  in_proj_a]);
 - routed experts: the modules hold fused `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
   [E, H, I]; a checkpoint stores them fused under those names (the released Qwen3.5 MoE sizes) or per expert,
   `mlp.experts.{e}.gate_proj.weight` [I, H], `.up_proj.weight` [I, H], `.down_proj.weight` [H, I] (Qwen3-Next's
@@ -257,6 +259,20 @@ def row_pieces(model: nn.Module, name: str) -> list[tuple[str, int]] | None:
             if callable(pieces):
                 return [(base + stored, int(rows)) for stored, rows in pieces(owner, adapter.text_config)]
             return [(base + stored, int(getattr(owner, rows))) for stored, rows in pieces]
+    return None
+
+
+def fused_rows(model: nn.Module, name: str) -> tuple[str, int, int, int] | None:
+    """When the family stores model tensor `name` fused with the parameters beside it (`Family.checkpoint_fused_rows`:
+    one stored tensor whose rows are theirs in order): (the stored tensor's name before the text prefix and the
+    renames are applied, the row where `name`'s rows start in it, its rows, `name`'s place among the parts: 0 the
+    first); else None."""
+    for whole, parts in adapter_for(model).family.checkpoint_fused_rows:
+        for place, part in enumerate(parts):
+            if name == part or name.endswith("." + part):
+                base = name[: len(name) - len(part)]
+                rows = [model.get_parameter(base + p).shape[0] for p in parts]
+                return base + whole, sum(rows[:place]), sum(rows), place
     return None
 
 

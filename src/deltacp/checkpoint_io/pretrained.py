@@ -47,6 +47,7 @@ from deltacp.checkpoint_io.hf_format import (
     dominant_dtype,
     expert_keys,
     float_dtype,
+    fused_rows,
     input_embedding_name,
     model_tensors,
     read_header,
@@ -68,11 +69,13 @@ DTYPES = FLOAT_DTYPES  # (the name this module exported)
 class Source:
     """Where one model tensor is stored: `key`, a tensor of the same shape; or, for fused experts stored per
     expert, `experts[e]` = the (key, rows) pieces whose rows, in order, make row e; or, for a tensor the family
-    stores in row pieces, `rows` = the (key, rows) pieces whose rows, in order, make the tensor's."""
+    stores in row pieces, `rows` = the (key, rows) pieces whose rows, in order, make the tensor's; or, for a tensor
+    stored fused with its neighbours, `fused` = (key, the row of that stored tensor where its rows start)."""
 
     key: str | None = None
     experts: tuple[tuple[tuple[str, int], ...], ...] | None = None
     rows: tuple[tuple[str, int], ...] | None = None
+    fused: tuple[str, int] | None = None
 
 
 def resolve_checkpoint_dir(path) -> Path:
@@ -184,6 +187,18 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
                 continue
             sources[name] = Source(rows=tuple(keys))
             used.update(k for k, _ in keys)
+            continue
+        fused = fused_rows(model, name)
+        if key not in stored and fused is not None:  # rows of one stored tensor with its neighbours' (LaRA's in_proj)
+            whole, first, total, _ = fused
+            whole = stored_name(whole, model_prefix, checkpoint_prefix, renames)
+            if whole not in stored:
+                missing.append(f"{name} (stored as {key}, or as rows of {whole})")
+            elif stored[whole].shape != (total, *shape[1:]):
+                problems.append(f"{whole} is stored with shape {stored[whole].shape}, its parts make {(total, *shape[1:])}")
+            else:
+                sources[name] = Source(fused=(whole, first))
+                used.add(whole)
             continue
         if key in stored:
             if stored[key].shape != shape:
@@ -329,6 +344,13 @@ def read_weights(model: nn.Module, sources: dict[str, Source], path: Path, store
                       for _, rows in source.rows]
             state.update({key: piece for (key, _), piece in zip(source.rows, pieces)})
             assemble.append((local, first, pieces))
+            continue
+        if source.fused is not None:  # small tensors (a projection): the stored tensor read whole once, this rank's rows
+            # of its part kept
+            key, start = source.fused
+            if key not in state:
+                state[key] = torch.empty(stored[key].shape, dtype=tensor.dtype, device=local.device)
+            assemble.append((local, start + first, [state[key]]))
             continue
         if source.experts is None:
             state[source.key] = tensor  # a DTensor: DCP reads the rows of this rank's shard

@@ -6,7 +6,8 @@
 What `model.save_pretrained` writes for a model built from its config (transformers 5.25): config.json (the
 transformers class, `dtype`), generation_config.json, the weights as safetensors (`model.safetensors`, or
 `model-0000i-of-0000N.safetensors` of at most `max_shard_size` each with `model.safetensors.index.json`), routed
-experts per expert (`checkpoint_io/hf_format.py`), a tied output embedding not stored.
+experts per expert (fused for a family whose mapping keeps them so), the family's fused tensors as one (their parts
+in one file), a tied output embedding not stored (`checkpoint_io/hf_format.py`).
 
 How: the file layout (every tensor's name, shape, dtype and offset) follows from the global shapes alone, so the
 writing rank writes each header first and then the data in order, tensor by tensor; a tensor sharded on dim 0
@@ -45,6 +46,7 @@ from deltacp.checkpoint_io.hf_format import (
     dominant_dtype,
     expert_keys,
     float_dtype,
+    fused_rows,
     model_tensors,
     renamed,
     row_pieces,
@@ -66,6 +68,8 @@ class Entry:
     dtype: torch.dtype
     pieces: list[tuple[str, tuple[int, ...]]]
     nbytes: int = 0
+    joins: bool = False  # a later part of a tensor stored fused (no piece of its own: its rows follow the previous
+    # entry's in the same file)
 
 
 @dataclass
@@ -82,17 +86,26 @@ def _entries(model: nn.Module, dtype: torch.dtype | None) -> list[Entry]:
     for name, tensor in model_tensors(model):
         shape, to = tuple(tensor.shape), dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         stored = renamed(name, renames)
-        match = FUSED_EXPERTS.fullmatch(stored)  # fused experts under a stored name of their own stay one tensor
+        # fused experts under a stored name of their own, or of a family that stores them fused, stay one tensor
+        match = None if family.checkpoint_experts_fused else FUSED_EXPERTS.fullmatch(stored)
         rows = row_pieces(model, name)
+        fused = fused_rows(model, name)
         if rows is not None:  # the family stores it in row pieces (in row order: the rows stream as they are)
             pieces = [(renamed(key, renames), (n, *shape[1:])) for key, n in rows]
+        elif fused is not None:  # stored as rows of one tensor with the parameters beside it: the first part names it
+            whole, first, total, place = fused
+            if place and (not out or (fused_rows(model, out[-1].name) or (None,))[0] != whole):
+                raise NotImplementedError(f"save_pretrained: {name} is stored fused into {whole} but does not follow "
+                                          f"the tensor before it in the module's parameters")
+            pieces = [] if place else [(renamed(whole, renames), (total, *shape[1:]))]
         elif match is not None and len(shape) >= 2 and shape[1] % len(EXPERT_PARTS[match["name"]]) == 0:
             rows = shape[1] // len(EXPERT_PARTS[match["name"]])  # gate_proj and up_proj split gate_up_proj's rows
             pieces = [(key, (rows, *shape[2:])) for e in range(shape[0])
                       for key in expert_keys(match["base"], match["name"], e, family.checkpoint_expert_names)]
         else:
             pieces = [(stored, shape)]
-        out.append(Entry(name, tensor, to, pieces, tensor.numel() * to.itemsize))
+        out.append(Entry(name, tensor, to, pieces, tensor.numel() * to.itemsize,
+                         joins=fused is not None and fused[3] > 0))
     return out
 
 
@@ -100,7 +113,7 @@ def _files(entries: list[Entry], max_bytes: int) -> list[OutFile]:
     """Entries in order, a new file when the next one would pass `max_bytes` (a bigger tensor gets a file alone)."""
     files: list[OutFile] = []
     for entry in entries:
-        if not files or (files[-1].entries and files[-1].nbytes + entry.nbytes > max_bytes):
+        if not files or (not entry.joins and files[-1].entries and files[-1].nbytes + entry.nbytes > max_bytes):
             files.append(OutFile(""))
         files[-1].entries.append(entry)
         files[-1].nbytes += entry.nbytes

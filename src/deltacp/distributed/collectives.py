@@ -11,6 +11,8 @@ head group, C conv channels, K/V state dims.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -88,76 +90,114 @@ def all_to_all_head_to_seq(y_BSD: torch.Tensor, group: ProcessGroup) -> torch.Te
 
 
 # ---------------------------------------------------------------------------------------------
-# Conv halo: the last `halo` pre-conv tokens of each piece go to whoever holds the next piece
+# Halo: the `halo` tokens before each piece come from whoever holds the pieces before it
 # ---------------------------------------------------------------------------------------------
 
 
-def halo_routes(pieces) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """The conv-halo messages of one member of a sequence group (`parallel.placement.Pieces`): (peer, slot, piece)
-    of each local tail it sends (to the holder of the next piece) and of each halo it receives (from the holder of
-    the previous piece; the row's first piece receives none), both sorted by (peer, piece): a pair of members
-    orders the messages between them alike on both sides."""
+@dataclass(frozen=True)
+class HaloPart:
+    """One message of a halo exchange: tokens of row piece `source` that piece `dest` reads as left context.
+    `peer`: the member at the other end; `slot`: the local slot (sender: of `source`, receiver: of `dest`);
+    `offset`: where the tokens start (sender: inside its piece; receiver: inside the `halo` buffer); `length`."""
+
+    peer: int
+    slot: int
+    source: int
+    dest: int
+    offset: int
+    length: int
+
+
+def halo_routes(pieces, halo: int) -> tuple[list[HaloPart], list[HaloPart]]:
+    """The halo messages of one member of a sequence group (`parallel.placement.Pieces`): each local piece's last
+    tokens sent to the holders of the pieces whose `halo`-token left context they fall in, and each local piece's
+    left context received from the holders of the pieces before it (the row's first pieces receive nothing for the
+    positions before the row: zeros). A halo of at most one piece's tokens is one message from the previous piece;
+    a longer one (a sliding window longer than a piece) reads ceil(halo / piece length) pieces back, the farthest
+    in part. Both lists sorted by (peer, source, dest): a pair of members orders the messages between them alike on
+    both sides."""
+    n = pieces.piece_length
+    if halo < 0 or n < 1:
+        raise ValueError(f"a halo of {halo} tokens over pieces of {n} tokens")
+    back = -(-halo // n)  # pieces a halo reaches back
+
+    def part(j: int) -> tuple[int, int]:  # (tokens, offset in the halo buffer) from the j-th piece back
+        length = min(n, halo - (j - 1) * n)
+        return length, max(halo - j * n, 0)
+
     sends, recvs = [], []
     for slot, piece in enumerate(pieces.positions):
-        if piece + 1 < pieces.total:
-            sends.append((pieces.holder(piece + 1)[0], slot, piece))
-        if piece > 0:
-            recvs.append((pieces.holder(piece - 1)[0], slot, piece - 1))
-    return sorted(sends, key=lambda r: (r[0], r[2])), sorted(recvs, key=lambda r: (r[0], r[2]))
+        for j in range(1, back + 1):
+            length, at = part(j)
+            if piece + j < pieces.total:
+                sends.append(HaloPart(pieces.holder(piece + j)[0], slot, piece, piece + j, n - length, length))
+            if piece - j >= 0:
+                recvs.append(HaloPart(pieces.holder(piece - j)[0], slot, piece - j, piece, at, length))
+    order = lambda r: (r.peer, r.source, r.dest)  # noqa: E731
+    return sorted(sends, key=order), sorted(recvs, key=order)
 
 
-def _route(parts: list[torch.Tensor], to: list[int], frm: list[int], like: torch.Tensor, size: int,
+def _route(parts: list[torch.Tensor], sends: list[HaloPart], recvs: list[HaloPart], like: torch.Tensor,
            group: ProcessGroup) -> list[torch.Tensor]:
-    """One all-to-all-v: parts[i] to member to[i] (sorted by member), one part like `like` from each of `frm`
-    (sorted by member; a member may appear in both, itself included)."""
-    n = like.shape[0]
-    in_splits = [n * to.count(j) for j in range(size)]
-    out_splits = [n * frm.count(j) for j in range(size)]
+    """One all-to-all-v: parts[i] ([length, ...]) to sends[i].peer (sorted by peer), one part of recvs[i].length
+    tokens, shaped like `like` past dim 0, from each recvs[i].peer (sorted by peer; a member may appear in both,
+    itself included)."""
+    size = dist.get_world_size(group)
+    in_splits = [sum(r.length for r in sends if r.peer == j) for j in range(size)]
+    out_splits = [sum(r.length for r in recvs if r.peer == j) for j in range(size)]
     send = torch.cat(parts) if parts else like[:0]
     recv = like.new_empty((sum(out_splits), *like.shape[1:]))
     recv = _all_to_all(recv, send.contiguous(), out_splits, in_splits, group)
-    return list(recv.split(n)) if frm else []
+    return list(recv.split([r.length for r in recvs])) if recvs else []
 
 
-class _ConvHalo(torch.autograd.Function):
-    """Forward: every local piece's left halo [slots, B, halo, C] (zeros for the row's first piece). Backward: each
-    halo's gradient goes back to the tail it came from (the dual all-to-all)."""
+class _Halo(torch.autograd.Function):
+    """Forward: every local piece's left halo [slots, B, halo, C] (zeros before the row's start). Backward: each
+    halo part's gradient goes back to the tokens it came from (the dual all-to-all), summed where one token went to
+    several pieces' halos."""
 
     @staticmethod
     def forward(ctx, x_BsC, halo, group, pieces):
         ctx.group, ctx.halo, ctx.seq, ctx.pieces = group, halo, x_BsC.shape[1], pieces
-        sends, recvs = halo_routes(pieces)
-        tails = [x_BsC[:, pieces.local(slot)][:, -halo:].transpose(0, 1) for _, slot, _ in sends]  # [halo, B, C]
-        like = x_BsC.new_empty((halo, x_BsC.shape[0], x_BsC.shape[2]))
-        got = _route(tails, [r[0] for r in sends], [r[0] for r in recvs], like, dist.get_world_size(group), group)
+        sends, recvs = halo_routes(pieces, halo)
+        start = [pieces.local(slot).start for slot in range(len(pieces.positions))]
+        tails = [x_BsC[:, start[r.slot] + r.offset:start[r.slot] + r.offset + r.length].transpose(0, 1)
+                 for r in sends]  # [length, B, C]
+        like = x_BsC.new_empty((0, x_BsC.shape[0], x_BsC.shape[2]))
+        got = _route(tails, sends, recvs, like, group)
         left = x_BsC.new_zeros((len(pieces.positions), x_BsC.shape[0], halo, x_BsC.shape[2]))
-        for (_, slot, _), h in zip(recvs, got):
-            left[slot] = h.transpose(0, 1)
+        for r, h in zip(recvs, got):
+            left[r.slot, :, r.offset:r.offset + r.length] = h.transpose(0, 1)
         return left
 
     @staticmethod
     def backward(ctx, grad_kBhC):
-        pieces, halo = ctx.pieces, ctx.halo
-        sends, recvs = halo_routes(pieces)
-        parts = [grad_kBhC[slot].transpose(0, 1) for _, slot, _ in recvs]
-        like = grad_kBhC.new_empty((halo, grad_kBhC.shape[1], grad_kBhC.shape[3]))
-        back = _route(parts, [r[0] for r in recvs], [r[0] for r in sends], like, dist.get_world_size(ctx.group),
-                      ctx.group)
+        pieces = ctx.pieces
+        sends, recvs = halo_routes(pieces, ctx.halo)
+        parts = [grad_kBhC[r.slot, :, r.offset:r.offset + r.length].transpose(0, 1) for r in recvs]
+        like = grad_kBhC.new_empty((0, grad_kBhC.shape[1], grad_kBhC.shape[3]))
+        back = _route(parts, recvs, sends, like, ctx.group)  # the dual: receivers send, senders receive
         grad_x = grad_kBhC.new_zeros(grad_kBhC.shape[1], ctx.seq, grad_kBhC.shape[3])
-        for (_, slot, _), g in zip(sends, back):
-            end = pieces.local(slot).stop
-            grad_x[:, end - halo:end] = g.transpose(0, 1)
+        for r, g in zip(sends, back):
+            lo = pieces.local(r.slot).start + r.offset
+            grad_x[:, lo:lo + r.length] += g.transpose(0, 1)
         return grad_x, None, None, None
 
 
-def conv_halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup, pieces) -> torch.Tensor:
-    """The `halo` pre-conv tokens before each of this member's pieces (`parallel.placement.Pieces` over `group`),
-    [slots, B, halo, C]: the previous piece's last tokens, wherever it lives (zeros before the row's first piece:
-    causal left padding). One all-to-all-v; contiguous, it carries one message from each rank to the next.
+def halo_exchange(x_BsC: torch.Tensor, halo: int, group: ProcessGroup, pieces) -> torch.Tensor:
+    """The `halo` tokens before each of this member's pieces (`parallel.placement.Pieces` over `group`),
+    [slots, B, halo, C], wherever they live: the previous pieces' last tokens (zeros before the row's first
+    piece: causal left padding), reaching back over several pieces when the halo is longer than one (a sliding
+    window's K/V). One all-to-all-v; contiguous with a halo of at most a piece, one message from each rank to the
+    next.
 
-    Backward: each halo's gradient lands on the last `halo` tokens of the piece it came from.
+    Backward: each halo part's gradient lands on the tokens it came from (summed over the halos that read them).
     """
-    return _ConvHalo.apply(x_BsC, halo, group, pieces)
+    return _Halo.apply(x_BsC, halo, group, pieces)
+
+
+# a causal conv's left context is the (kernel - 1) * dilation pre-conv tokens before each piece (the conv halo)
+conv_halo_exchange = halo_exchange
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@
                     Sinkhorn hyper-connections; its conditional class's text path)
     minimax.py      MiniMax-Text-01 (lightning attention as the scalar-decay recurrence without a conv, GQA, the
                     normed-input residual, routed experts)
+    lara_mini.py    LaRA-mini (GDN with a float32-weight gated norm, sliding-window and NoPE full attention, MoE with
+                    an ungated shared expert; in_proj stored fused)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)

@@ -63,6 +63,13 @@ class Family:
     # module, text config) -> [(stored suffix, rows), ...]) for a config-dependent number of pieces
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     checkpoint_row_pieces: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # tensors stored fused: (stored suffix, (module suffixes, ...)): the module tensors, consecutive parameters of one
+    # module, are the stored tensor's rows in order (LaRA-mini's in_proj = [in_proj_qkv | in_proj_z | in_proj_b |
+    # in_proj_a])
+    checkpoint_fused_rows: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # transformers' conversion mapping of the family keeps routed experts fused (gate_up_proj, down_proj) on save
+    # (LaRA-mini's mapping has no per-expert split, and its from_pretrained reads no per-expert names)
+    checkpoint_experts_fused: bool = False
     # the stored names of one routed expert's gate, up and down matrices when stored per expert
     checkpoint_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
@@ -100,7 +107,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax")
+         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini")
 
 
 def families() -> tuple[Family, ...]:

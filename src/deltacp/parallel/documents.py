@@ -106,6 +106,22 @@ class AttentionDocuments:
             self._cache[key] = pack_diagonals(plan_span_tiles(B, S, spans, self.cu_seqlens, block), block)
         return self._cache[key]
 
+    def starts(self, B: int, S: int, spans) -> torch.Tensor:
+        """[B, L] int64 (CPU): the row position of the document start of every query of `spans` (row-position runs
+        in local order, L tokens in all), for windows that stop at document starts (`sliding_attention.py`);
+        documents never cross rows (a padded batch's padding is a document of its row). Cached per forward."""
+        spans = tuple((int(lo), int(hi)) for lo, hi in spans)
+        key = ("starts", B, S, spans)
+        if key not in self._cache:
+            cu = self.cu_seqlens
+            if int(cu[-1]) != B * S:
+                raise ValueError(f"attention documents cover {int(cu[-1])} tokens, expected the flattened batch "
+                                 f"B * S = {B} * {S}")
+            pos = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+            flat = torch.arange(B)[:, None] * S + pos[None]
+            self._cache[key] = cu[torch.searchsorted(cu, flat, right=True) - 1] - torch.arange(B)[:, None] * S
+        return self._cache[key]
+
     def on(self, device) -> torch.Tensor:
         device = torch.device(device)
         if device not in self._cache:

@@ -40,6 +40,7 @@ from deltacp.parallel.linear_layer import LinearLayerCP, linear_forward_cp
 from deltacp.parallel.layout import attention_two_d_degree, check_ulysses_degree_value, linear_two_d_degree
 from deltacp.parallel.modes import AttentionMethod, LinearMode, attention_method, check_state_passing, linear_mode
 from deltacp.parallel.placement import check_sequence_layout
+from deltacp.parallel.sliding_attention import check_sliding_attention, install_sliding_attention
 from deltacp.parallel.two_d import TwoDGroups, two_d_mixer
 from deltacp.parallel.ulysses import ulysses_head_layout
 from deltacp.parallel.views import IndexedAttentionView, LinearMixerView, attention_view_of, mixer_view_of
@@ -180,7 +181,8 @@ class LinearAttentionContextParallel(_ContextParallelStyle):
 class FullAttentionContextParallel(_ContextParallelStyle):
     """A full attention module under CP. method: a registered full-attention method (`parallel/modes.py`:
     ulysses | all_gather | ring); ulysses_degree: None (1-D) or u < cp: Ulysses inside groups of u consecutive CP
-    ranks and `method` (all_gather | ring) across them. `shared`, for `groups`: the linear-recurrent layers' `TwoDGroups` of the
+    ranks and `method` (all_gather | ring) across them. A sliding-window layer (its view's `sliding_window`) runs
+    its K/V halo over the CP group whatever the method and degree (`sliding_attention.py`). `shared`, for `groups`: the linear-recurrent layers' `TwoDGroups` of the
     same degree, whose collective groups attention reuses. sequence_layout: "contiguous" or "balanced"
     (`placement.py`), as every other layer of the model."""
 
@@ -204,6 +206,8 @@ class FullAttentionContextParallel(_ContextParallelStyle):
 
     def check_module(self, module: nn.Module, cp: int) -> dict:
         view = attention_view_of(module)
+        if view.sliding_window is not None:  # the K/V halo in every method (parallel/sliding_attention.py)
+            return dict(check_sliding_attention(view), sequence_layout=self.sequence_layout)
         if isinstance(view, IndexedAttentionView):  # its own method (parallel/indexed_attention.py)
             return dict(check_indexed_attention(view, self.method, self.degree(cp)),
                         sequence_layout=self.sequence_layout)
@@ -219,6 +223,8 @@ class FullAttentionContextParallel(_ContextParallelStyle):
                                  balanced=self.sequence_layout == "balanced")
 
     def install(self, module: nn.Module, group, groups=None) -> nn.Module:
+        if attention_view_of(module).sliding_window is not None:
+            return install_sliding_attention(module, group, balanced=self.sequence_layout == "balanced")
         if self.cp_method.splits_heads:
             return install_ulysses_attention(module, group, balanced=self.sequence_layout == "balanced")
         if groups is None:

@@ -1,13 +1,14 @@
 """Per-token layers with a short causal window under CP (no recurrence): the values of the few tokens before each
 local piece, wherever they are held, by the conv halo exchange of the linear-recurrent layers
-(`collectives.conv_halo_exchange`: one all-to-all-v; contiguous, from the previous rank; balanced, from the holder
+(`collectives.halo_exchange`: one all-to-all-v; contiguous, from the previous rank; balanced, from the holder
 of the previous piece; zeros before the row's first piece; backward: the halo's gradient to the tokens it came from).
 
     left_context(x_BsX, halo, group, pieces)       -> per local piece [B, halo + n, X]: its halo, then its tokens
     dilated_conv_silu(x_BsC, weight_CK, dilation, group, pieces, doc_starts) -> SiLU(causal depthwise conv) [B, s, C]
 
-Every rank of the group calls them at the same point (a collective), whatever its tokens. A piece must hold at least
-`halo` tokens (the model's row cut pads rows so that it does, `parallelize_cp`'s `token_halo` entries).
+Every rank of the group calls them at the same point (a collective), whatever its tokens. A halo longer than a piece
+reaches back over several pieces (the exchange routes each part from its holder); the model's row cut still pads rows
+so that every piece holds a PLE layer's halo (`parallelize_cp`'s `token_halo` entries): one message per piece.
 
 Shape legend: x_BsX local tokens (pieces in local order, `placement.Pieces`); weight_CK depthwise kernels.
 """
@@ -16,26 +17,22 @@ from __future__ import annotations
 
 import torch
 
-from deltacp.distributed.collectives import conv_halo_exchange
+from deltacp.distributed.collectives import halo_exchange
 from deltacp.ops.gdn.eager import causal_conv_silu
 from deltacp.parallel.conv import whole_row_here
 from deltacp.parallel.placement import Pieces
 
 
 def left_context(x_BsX: torch.Tensor, halo: int, group, pieces: Pieces) -> list[torch.Tensor]:
-    """Per local piece (slot order): the `halo` row tokens before it (zeros before the row's first piece), then the
-    piece's own tokens, [B, halo + n, X]. Differentiable (the halo's gradient returns to the rank it came from)."""
-    n = pieces.piece_length
-    if n < halo:
-        raise ValueError(f"a local piece of {n} tokens is shorter than the {halo}-token halo a per-token window "
-                         f"reads; cut the batch with shard_batch_for_cp(..., model=model), which pads rows so that "
-                         f"every piece holds it")
+    """Per local piece (slot order): the `halo` row tokens before it (zeros before the row's start), then the piece's
+    own tokens, [B, halo + n, X]. A halo longer than a piece reaches back over several pieces (a sliding window's
+    K/V, `sliding_attention.py`). Differentiable (each halo part's gradient returns to the rank it came from)."""
     slots = [x_BsX[:, pieces.local(slot)] for slot in range(pieces.per_member)]
     if halo == 0:
         return slots
     if whole_row_here(group, pieces):
         return [torch.cat([x_BsX.new_zeros(x_BsX.shape[0], halo, x_BsX.shape[2]), slots[0]], dim=1)]
-    left = conv_halo_exchange(x_BsX, halo, group, pieces)  # [slots, B, halo, X]
+    left = halo_exchange(x_BsX, halo, group, pieces)  # [slots, B, halo, X]
     return [torch.cat([left[slot], x], dim=1) for slot, x in enumerate(slots)]
 
 

@@ -148,6 +148,7 @@ class AttentionView:
     """One full-attention module as the attention CP methods need it (subclassed per family):
 
         num_heads, num_kv_heads, head_dim, scaling, dropout
+        sliding_window              None (full attention) or the window of a sliding-window layer
         project(x, position_embeddings) -> (q_BsHD, k_BsHD, v_BsHD, out): the local projections, q/k norms and
                                     rotary (position_embeddings None: the family's NoPE layers)
         output(o_BsX, out)          -> [B, s, hidden]: any output gate, then the output projection
@@ -167,6 +168,12 @@ class AttentionView:
     @property
     def dropout(self) -> float:
         return self.module.attention_dropout if self.module.training else 0.0
+
+    @property
+    def sliding_window(self) -> int | None:
+        """A sliding-window layer's window (transformers' `sliding_window` on the module: a query sees itself and the
+        window - 1 tokens before it), None for full attention (`parallel/sliding_attention.py`)."""
+        return getattr(self.module, "sliding_window", None)
 
     def apply_rotary(self, q_BsHD: torch.Tensor, k_BsHD: torch.Tensor, position_embeddings):
         """The family's rotary embedding of the local tokens (partial rotary and mRoPE are in cos/sin); None: none."""
