@@ -49,17 +49,19 @@ import triton.language as tl
 BT = 64  # the chunk
 BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks)
 
-# Launch configurations and blocks (BK, BV: clipped to K, V), chosen with bench/kernel_resources.py (Triton 3.9, sm_90)
-# at K = V = 128: every kernel under a Hopper program's 232,448 bytes of shared memory (state_bwd the most, 193,024),
-# none spilling registers under bf16 inputs but state_bwd (324 bytes); under fp32 inputs (three tf32 passes
-# everywhere) bwd_wy spills 496 bytes and wy_fwd, bwd_intra 16-20 (NOTES.md, KDA).
+# Launch configurations and blocks (BK, BV: clipped to K, V): timed by bench/launch_sweep.py on an H100 (Triton 3.6,
+# Kimi-Linear's 32 heads of 128, bf16, 32K tokens: one fwd + bwd 96.0 ms with 8 warps everywhere, 60.7 ms with this
+# table; the op's GPU tests pass with it, 2026-12-06). Blocks of 32 in wy_fwd's V loop hit Triton 3.6's tf32x3
+# miscompile (an illegal address). bench/kernel_resources.py (Triton 3.9, sm_90): every kernel under a Hopper program's
+# 232,448 bytes of shared memory (state_bwd the most, 188,928); 4 warps spill (bf16 inputs: state_bwd 376 bytes,
+# bwd_wy 288, bwd_intra 144, wy_fwd 44; fp32 inputs: bwd_intra 1,192), which the timings above include.
 LAUNCH: dict[str, dict[str, int]] = {
-    "wy_fwd": dict(num_warps=8, num_stages=2, BK=16, BV=16),
-    "state_fwd": dict(num_warps=8, num_stages=2, BV=16),
+    "wy_fwd": dict(num_warps=4, num_stages=2, BK=16, BV=16),
+    "state_fwd": dict(num_warps=4, num_stages=2, BV=16),
     "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
-    "state_bwd": dict(num_warps=8, num_stages=2, BV=16),
-    "bwd_wy": dict(num_warps=8, num_stages=2, BK=16, BV=16),
-    "bwd_intra": dict(num_warps=8, num_stages=2, BK=16),
+    "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
+    "bwd_wy": dict(num_warps=8, num_stages=2, BK=32, BV=16),
+    "bwd_intra": dict(num_warps=4, num_stages=2, BK=16),
 }
 
 
