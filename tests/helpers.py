@@ -234,6 +234,10 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_minimax(dtype)
     if name == "LaraMiniForCausalLM":
         return tiny_lara_mini(dtype, **text_overrides)
+    if name == "Lfm2ForCausalLM":
+        return tiny_lfm2(dtype, **text_overrides)
+    if name == "Lfm2MoeForCausalLM":
+        return tiny_lfm2_moe(dtype, **text_overrides)
     if name == "Qwen4ExpForConditionalGeneration":  # tiny_qwen4_exp's text model with a PLE layer (its conv drawn),
         # the tiny vision tower
         text = {**QWEN4_EXP_FIELDS, "ple_layer_ids": [1], "ngram_vocab_size_base": 64, **text_overrides}
