@@ -234,6 +234,10 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_minimax(dtype)
     if name == "LaraMiniForCausalLM":
         return tiny_lara_mini(dtype, **text_overrides)
+    if name == "Lfm2ForCausalLM":
+        return tiny_lfm2(dtype, **text_overrides)
+    if name == "Lfm2MoeForCausalLM":
+        return tiny_lfm2_moe(dtype, **text_overrides)
     if name == "Qwen4ExpForConditionalGeneration":  # tiny_qwen4_exp's text model with a PLE layer (its conv drawn),
         # the tiny vision tower
         text = {**QWEN4_EXP_FIELDS, "ple_layer_ids": [1], "ngram_vocab_size_base": 64, **text_overrides}
@@ -783,3 +787,38 @@ def tiny_lara_mini(dtype=torch.float64, **overrides) -> torch.nn.Module:
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     return long_memory_gates_(transformers.LaraMiniForCausalLM(config)).to(dtype)
+
+
+LFM2_LAYERS = ["conv", "full_attention", "conv", "conv"]
+LFM2_FIELDS = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=4, layer_types=LFM2_LAYERS,
+                   num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+                   max_position_embeddings=65536, norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0)
+
+
+def tiny_lfm2(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random Lfm2ForCausalLM (seeded): hidden 32; layers conv, attention, conv, conv (gated short conv kernel
+    3; attention 4 heads of 8 over 2 KV heads, q/k layernorms, full RoPE); SwiGLU 48; untied head; sdpa attention."""
+    import transformers
+
+    config = transformers.Lfm2Config(**{**LFM2_FIELDS, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).to(dtype)
+
+
+LFM2_MOE_FIELDS = dict(LFM2_FIELDS, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                       num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.3)
+LFM2_MOE_FIELDS.pop("block_auto_adjust_ff_dim")
+
+
+def tiny_lfm2_moe(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random Lfm2MoeForCausalLM (seeded): `tiny_lfm2`'s layers; layer 0 dense (SwiGLU 48), layers 1-3 4
+    routed experts of 16, top 2, sigmoid router with the expert bias (drawn by `randomize_` in the tables),
+    renormalised, scaled 1.3; eager experts."""
+    import transformers
+
+    config = transformers.Lfm2MoeConfig(**{**LFM2_MOE_FIELDS, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Lfm2MoeForCausalLM(config).to(dtype)

@@ -35,6 +35,8 @@ from helpers import (
     tiny_kimi_linear,
     tiny_minimax,
     tiny_lara_mini,
+    tiny_lfm2,
+    tiny_lfm2_moe,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
@@ -479,13 +481,63 @@ LARA_MINI = Table("LaRA-mini", "LaraMiniForCausalLM", tiny_lara_mini, (
          ignored="LaraMiniConfig refuses them (AttributeError): every layer is MoE with a shared expert"),
 ))
 
+# the tiny LFM2 (`tiny_lfm2`): layers conv, attention, conv, conv; gated short convs of kernel 3 over hidden 32 (the
+# halo of 2 crosses every rank boundary; the packed row's documents of 1 and 3 tokens are shorter than the kernel);
+# attention 4 heads of 8 over 2 KV heads with q/k layernorms, full RoPE; SwiGLU 48; untied head
+LFM2_ATTENTION = (
+    Knob("num_attention_heads 8, num_key_value_heads 1 (MQA; head_dim 4)",
+         dict(num_attention_heads=8, num_key_value_heads=1), touches="attention"),
+) + _rope_rows(8)[1:2] + (
+    Knob("rope_parameters: rope_theta 500", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+         touches="rotary"),
+)
+LFM2_CONV = (
+    Knob("conv_bias: True (conv, in_proj and out_proj biases)", dict(conv_bias=True), touches="linear"),
+    Knob("conv_L_cache: 7 (LFM3's kernel: a halo of 6)", dict(conv_L_cache=7), touches="linear"),
+    Knob("conv_L_cache: 1 (no conv halo)", dict(conv_L_cache=1), touches="linear"),
+)
+LFM2 = Table("LFM2", "Lfm2ForCausalLM", tiny_lfm2, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+) + LFM2_CONV + LFM2_ATTENTION + (
+    Knob("layer_types: attention, conv, conv, attention",
+         dict(layer_types=["full_attention", "conv", "conv", "full_attention"]), touches="layers"),
+    Knob("full_attn_idxs [0, 2] (layer_types None)", dict(layer_types=None, full_attn_idxs=[0, 2]),
+         touches="layers"),
+    Knob("block_auto_adjust_ff_dim with block_ffn_dim_multiplier 1.5, block_multiple_of 16; block_ff_dim 96",
+         dict(block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5, block_multiple_of=16, block_ff_dim=96),
+         touches="mlp"),
+    Knob("norm_eps 1e-2, tie_embedding (tied)", dict(norm_eps=1e-2, tie_embedding=True),
+         touches="norm embedding head"),
+    Knob("head_dim", ignored="Lfm2Config has no such field: head_dim is hidden_size / num_attention_heads"),
+))
+
+# the tiny LFM2-MoE (`tiny_lfm2_moe`): `tiny_lfm2`'s layers; layer 0 dense, layers 1-3 4 experts of 16, top 2, the
+# sigmoid router's expert bias drawn by randomize_, renormalised, scaled 1.3
+LFM2_MOE = Table("LFM2-MoE", "Lfm2MoeForCausalLM", tiny_lfm2_moe, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("conv_bias: True, conv_L_cache 4", dict(conv_bias=True, conv_L_cache=4), touches="linear"),
+    Knob("layer_types: attention, conv, attention, conv",
+         dict(layer_types=["full_attention", "conv", "full_attention", "conv"]), touches="layers"),
+    Knob("num_experts 6, num_experts_per_tok 3, moe_intermediate_size 8, num_dense_layers 2, intermediate_size 24",
+         dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=8, num_dense_layers=2,
+              intermediate_size=24), touches="moe mlp"),
+    Knob("use_expert_bias False, norm_topk_prob False, routed_scaling_factor 1.0",
+         dict(use_expert_bias=False, norm_topk_prob=False, routed_scaling_factor=1.0), touches="moe"),
+    Knob("norm_eps 1e-2, tie_embedding (tied)", dict(norm_eps=1e-2, tie_embedding=True),
+         touches="norm embedding head"),
+) + LFM2_ATTENTION[:1] + (
+    Knob("output_router_logits",
+         ignored="Lfm2MoeForCausalLM adds no auxiliary loss: the router logits are only recorded"),
+))
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
-                                 LARA_MINI)}
+                                 LARA_MINI, LFM2, LFM2_MOE)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
-          "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS}
+          "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
+          "LFM2": (), "LFM2-MoE": ()}
 
 
 def readme_section() -> str:

@@ -13,6 +13,8 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   the scalar-decay recurrence without a conv and with fixed per-layer slopes; the normed-input residual; experts);
 - LaRA-mini (`tiny_lara_mini`): GDN, sliding-window attention (window 20, RoPE) and NoPE full attention, routed and
   ungated shared experts; at CP8 its window reaches back over several pieces;
+- LFM2 and LFM2-MoE (`tiny_lfm2`, `tiny_lfm2_moe`): gated short convs (no recurrence: the kernel - 1 halo only) and
+  GQA with q/k layernorms; LFM2-MoE's sigmoid router with the expert bias;
 - rows right-padded ("padded") against the unmodified model at their valid tokens (left padding: the tables).
 
 References:
@@ -173,7 +175,7 @@ OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
 CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
              names=("OlmoHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
-                    "MiniMaxForCausalLM", "LaraMiniForCausalLM"))
+                    "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
@@ -186,7 +188,9 @@ CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode;
        + _cases(("p2p",), ("balanced",), ("padded",), extra="scan")
        # LaRA-mini's window of 20 over pieces of 4 (balanced) and 8 tokens: the K/V halo reaches back 5 and 3 pieces
        + [("LaraMiniForCausalLM", "packed", "ulysses", "balanced", None),
-          ("LaraMiniForCausalLM", "padded", "all_gather", "contiguous", None)])
+          ("LaraMiniForCausalLM", "padded", "all_gather", "contiguous", None),
+          # LFM2's gated short conv (halo 2) over pieces of 4 (balanced): each from its holder
+          ("Lfm2ForCausalLM", "packed", "p2p", "balanced", None)])
 
 
 @pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])

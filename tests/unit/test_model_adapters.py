@@ -50,7 +50,8 @@ def test_every_family_record_names_transformers_classes():
             assert config_class is getattr(transformers, family.multimodal_config), family.name
             assert config_class.sub_configs["text_config"] is getattr(transformers, family.text_config)
             assert config_class.sub_configs["vision_config"] is getattr(transformers, family.vision_config)
-        assert family.mixer_view.__name__ in GDN_VIEWS, family.name
+        assert family.mixer_view is None or family.mixer_view.__name__ in GDN_VIEWS, family.name
+        assert (family.mixer_view is None) == (family.linear_mixer is None), family.name  # LFM2: no linear mixer
     models = {"Qwen3_5ForCausalLM": transformers.Qwen3_5ForCausalLM(tiny_config())}
     models.update({name: tiny_family_model(name, torch.float32) for name in FAMILY_CLASSES})
     for name, model in models.items():

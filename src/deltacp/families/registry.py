@@ -24,7 +24,9 @@ class Family:
     module: str  # transformers.models.<...>.modeling_<...>
     causal_lm: str | None  # None: the family has no causal-LM class (GLM-5.3-Flash: its conditional class takes text)
     text_model: str
-    linear_mixer: str  # its linear-recurrent mixer's class (GDN, Mamba2, KDA, ...)
+    # its linear-recurrent mixer's class (GDN, Mamba2, KDA, ...); None: the family has none (LFM2: its layers are gated
+    # short convs, a `token_layers` entry, or attention)
+    linear_mixer: str | None
     attention: str
     norm: str  # the decoder's RMSNorm: (x * rsqrt(mean(x^2) + eps) * (1 + w)).type_as(x), the fused glue's form
     mlp: str  # the dense MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)) (activation checkpointing's SwiGLU form)
@@ -90,6 +92,7 @@ class Family:
             return None
         names = dict(causal_lm=self.causal_lm, text_model=self.text_model, linear_mixer=self.linear_mixer,
                      attention=self.attention, conditional=self.conditional, multimodal_model=self.multimodal_model)
+        # a role the family does not have (None) is left out of the map
         found = {role: getattr(mod, name, None) for role, name in names.items() if name is not None}
         return found if all(found.values()) else None
 
@@ -107,7 +110,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini")
+         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2")
 
 
 def families() -> tuple[Family, ...]:

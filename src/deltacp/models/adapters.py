@@ -31,7 +31,8 @@ def _register_views() -> None:
         classes = family.classes()
         if classes is None:
             continue
-        register_mixer_view(classes["linear_mixer"], family.mixer_view)
+        if family.linear_mixer is not None:  # LFM2: no linear-recurrent mixer
+            register_mixer_view(classes["linear_mixer"], family.mixer_view)
         rotary = getattr(importlib.import_module(family.module), "apply_rotary_pos_emb", None)
         register_attention_view(classes["attention"], partial(family.attention_view, apply_rotary=rotary))
 
@@ -41,7 +42,7 @@ _register_views()
 
 def __getattr__(name: str):
     """The view classes by the names of earlier versions (`Qwen3_5GDNView`, `GDN_VIEWS`), from the homes."""
-    views = {family.mixer_view.__name__: family.mixer_view for family in families()}
+    views = {family.mixer_view.__name__: family.mixer_view for family in families() if family.mixer_view is not None}
     if name == "GDN_VIEWS":
         return views
     if name in views:
@@ -72,7 +73,9 @@ class ModelAdapter:
         return list(self.text.layers)
 
     def linear_attention(self, layer: nn.Module) -> nn.Module | None:
-        """The layer's linear mixer (the family's class at its attribute), or None."""
+        """The layer's linear mixer (the family's class at its attribute), or None (also for a family without one)."""
+        if self.family.linear_mixer is None:
+            return None
         module = getattr(layer, self.family.linear_attribute, None)
         return module if type(module).__name__ == self.family.linear_mixer else None
 

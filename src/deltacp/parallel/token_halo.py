@@ -5,6 +5,7 @@ of the previous piece; zeros before the row's first piece; backward: the halo's 
 
     left_context(x_BsX, halo, group, pieces)       -> per local piece [B, halo + n, X]: its halo, then its tokens
     dilated_conv_silu(x_BsC, weight_CK, dilation, group, pieces, doc_starts) -> SiLU(causal depthwise conv) [B, s, C]
+    windowed_conv(x_BsC, weight_CK, bias_C, dilation, group, pieces, doc_starts) -> causal depthwise conv [B, s, C]
 
 Every rank of the group calls them at the same point (a collective), whatever its tokens. A halo longer than a piece
 reaches back over several pieces (the exchange routes each part from its holder); the model's row cut still pads rows
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from deltacp.distributed.collectives import halo_exchange
-from deltacp.ops.gdn.eager import causal_conv_silu
+from deltacp.ops.gdn.eager import causal_conv, causal_conv_silu
 from deltacp.parallel.conv import whole_row_here
 from deltacp.parallel.placement import Pieces
 
@@ -42,9 +43,19 @@ def dilated_conv_silu(x_BsC: torch.Tensor, weight_CK: torch.Tensor, dilation: in
     the (kernel - 1) * dilation tokens before each piece by `left_context`; `doc_starts[slot]` ([n] local index of
     each token's document start, negative: began before the piece; None: no documents) keeps other documents' tokens
     out of every window (the eager GDN conv's rule, `ops/gdn/eager.causal_conv_silu`)."""
+    return _conv_over_pieces(causal_conv_silu, x_BsC, weight_CK, None, dilation, group, pieces, doc_starts)
+
+
+def windowed_conv(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int, group,
+                  pieces: Pieces, doc_starts: list[torch.Tensor | None]) -> torch.Tensor:
+    """The causal depthwise conv (optional bias, NO activation: a gated short conv, `families/lfm2.py`) of the local
+    tokens as one process computes it over the row: `dilated_conv_silu`'s halo and document rules."""
+    return _conv_over_pieces(causal_conv, x_BsC, weight_CK, bias_C, dilation, group, pieces, doc_starts)
+
+
+def _conv_over_pieces(conv, x_BsC, weight_CK, bias_C, dilation, group, pieces, doc_starts) -> torch.Tensor:
     halo = (weight_CK.shape[-1] - 1) * dilation
     out = []
     for slot, x in enumerate(left_context(x_BsC, halo, group, pieces)):
-        out.append(causal_conv_silu(x[:, halo:], weight_CK, None, dilation, x[:, :halo] if halo else None,
-                                    doc_starts[slot]))
+        out.append(conv(x[:, halo:], weight_CK, bias_C, dilation, x[:, :halo] if halo else None, doc_starts[slot]))
     return torch.cat(out, dim=1)

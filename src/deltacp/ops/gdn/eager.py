@@ -197,9 +197,24 @@ def conv_fix_from_starts(doc_start_s: torch.Tensor, kernel: int, dilation: int
 def causal_conv_silu(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int,
                      left_context_BhC: torch.Tensor | None = None,
                      doc_start_s: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU(causal depthwise conv) of x [B, s, C] -> [B, s, C]; `left_context` supplies the (kernel-1)*dilation
-    tokens before x (zeros when None). Casts to the weight dtype for the conv and back, as transformers' Qwen3.5
-    does (the conv rounds to the weight dtype, SiLU rounds again).
+    """SiLU(causal depthwise conv) of x [B, s, C] -> [B, s, C] (`causal_conv`'s window rules); SiLU in the weight
+    dtype, then one rounding to x's dtype, as transformers' Qwen3.5 does."""
+    return F.silu(_causal_conv_CBs(x_BsC, weight_CK, bias_C, dilation, left_context_BhC, doc_start_s)).to(
+        x_BsC.dtype).transpose(1, 2)
+
+
+def causal_conv(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int,
+                left_context_BhC: torch.Tensor | None = None, doc_start_s: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal depthwise conv of x [B, s, C] -> [B, s, C], no activation (LFM2's gated short conv: transformers'
+    `causal_conv1d_fn` with activation None): in the weight dtype, one rounding to x's dtype."""
+    return _causal_conv_CBs(x_BsC, weight_CK, bias_C, dilation, left_context_BhC, doc_start_s).to(
+        x_BsC.dtype).transpose(1, 2)
+
+
+def _causal_conv_CBs(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, dilation: int,
+                     left_context_BhC: torch.Tensor | None, doc_start_s: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise conv of x [B, s, C] -> [B, C, s] in the weight dtype (x cast to it, as transformers
+    does); `left_context` supplies the (kernel-1)*dilation tokens before x (zeros when None).
 
     Packed documents (`doc_start_s` [s], the local index of each token's document start): no token of another
     document may enter a conv window. Only the first (kernel-1)*dilation tokens of each document have windows
@@ -224,7 +239,7 @@ def causal_conv_silu(x_BsC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch
             if bias_C is not None:
                 fixed_BCn = fixed_BCn + bias_C[:, None]
             out = out.index_copy(2, index, fixed_BCn)
-    return F.silu(out).to(x_BsC.dtype).transpose(1, 2)
+    return out
 
 
 def split_parts(x: torch.Tensor, parts: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
