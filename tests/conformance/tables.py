@@ -35,6 +35,7 @@ from helpers import (
     tiny_kimi_linear,
     tiny_minimax,
     tiny_lara_mini,
+    tiny_mamba2,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
@@ -265,6 +266,22 @@ NEMOTRON_H = Table("Nemotron-H", "NemotronHForCausalLM", tiny_nemotron_h, (
                  "mamba_head_dim and use_bias, its attention without biases or a window, and ties no weights"),
 ))
 
+# the tiny Mamba2: 3 Mamba2 blocks (8 heads of 8 in 2 groups, state 6, conv 4 with bias); no attention, no MLP
+MAMBA2 = Table("Mamba2", "Mamba2ForCausalLM", tiny_mamba2, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+) + _mamba2_rows("mamba2", "n_groups", "conv_kernel", "use_conv_bias", "use_bias") + (
+    Knob("expand 1, head_dim 4", dict(expand=1, head_dim=4), touches="linear"),
+    Knob("residual_in_fp32 False, layer_norm_epsilon 1e-2, tie_word_embeddings True",
+         dict(residual_in_fp32=False, layer_norm_epsilon=1e-2, tie_word_embeddings=True),
+         touches="norm linear embedding head"),
+    Knob("hidden_act: gelu (the conv's activation)", dict(hidden_act="gelu"), touches="linear",
+         refused="computes the conv's activation as SiLU"),
+    Knob("chunk_size", ignored="the chunk length of transformers' torch scan: the same sums grouped otherwise "
+                               "(deltacp's chunks are its own)"),
+    Knob("rescale_prenorm_residual, time_step_min, time_step_max, time_step_floor, initializer_range, time_step_rank",
+         ignored="initialisation only (time_step_rank: stored, never read)"),
+))
+
 # the tiny Falcon-H1: 3 layers, each Mamba2 (8 heads of 8 in 2 groups, state 6, the grouped gated RMSNorm) and
 # attention (8 heads of 4 over 2 KV heads, full RoPE: 4 dims) in parallel; every muP multiplier away from 1
 FALCON_H1 = Table("Falcon-H1", "FalconH1ForCausalLM", tiny_falcon_h1, (
@@ -481,11 +498,11 @@ LARA_MINI = Table("LaRA-mini", "LaraMiniForCausalLM", tiny_lara_mini, (
 
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
-                                 LARA_MINI)}
+                                 LARA_MINI, MAMBA2)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
-          "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS}
+          "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS, "Mamba2": SSD_DECAYS}
 
 
 def readme_section() -> str:
