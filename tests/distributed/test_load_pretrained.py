@@ -39,7 +39,8 @@ CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "
                                                      "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
                                                      "FalconH1ForCausalLM", "BailingHybridForCausalLM",
                                                      "KimiLinearForCausalLM", "Qwen4ExpForCausalLM",
-                                                     "MiniMaxForCausalLM", "LaraMiniForCausalLM")
+                                                     "MiniMaxForCausalLM", "LaraMiniForCausalLM",
+                                                     "Mamba2ForCausalLM")
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 

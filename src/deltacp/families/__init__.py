@@ -16,6 +16,8 @@
                     normed-input residual, routed experts)
     lara_mini.py    LaRA-mini (GDN with a float32-weight gated norm, sliding-window and NoPE full attention, MoE with
                     an ungated shared expert; in_proj stored fused)
+    mamba2_lm.py    Mamba2 (the pure SSM: Mamba2 blocks only, no attention or MLP; the context reaches its layers by
+                    pre-hooks)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
