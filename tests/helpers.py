@@ -222,6 +222,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_bamba(dtype)
     if name == "NemotronHForCausalLM":
         return tiny_nemotron_h(dtype)
+    if name == "Mamba2ForCausalLM":
+        return tiny_mamba2(dtype)
     if name == "GraniteMoeHybridForCausalLM":
         return tiny_granite_hybrid(dtype)
     if name == "FalconH1ForCausalLM":
@@ -287,13 +289,13 @@ def _mamba2_model(cls, config, mixer_of, dtype) -> torch.nn.Module:
     """`cls(config)` seeded (sdpa attention, eager experts), its Mamba2 mixers (`mixer_of(layer)`, None elsewhere)
     with slowly decaying heads (A_log from [-5, -1]: the state of one rank matters on the next), D and the gated
     norm's weight away from their init."""
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "sdpa" if cls._supports_sdpa else "eager"  # Mamba2: no attention, no sdpa
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config)
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
-        for mixer in filter(None, map(mixer_of, model.model.layers)):
+        for mixer in filter(None, map(mixer_of, model.base_model.layers)):
             mixer.A_log.copy_(torch.empty(mixer.A_log.shape).uniform_(-5, -1, generator=gen))
             mixer.dt_bias.copy_(torch.empty(mixer.dt_bias.shape).uniform_(-2, 0, generator=gen))
             mixer.D.copy_(torch.empty(mixer.D.shape).uniform_(0.5, 1.5, generator=gen))
@@ -315,6 +317,17 @@ def tiny_bamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
                   max_position_embeddings=65536, tie_word_embeddings=False, pad_token_id=0)
     config = transformers.BambaConfig(**{**fields, **overrides})
     return _mamba2_model(transformers.BambaForCausalLM, config, lambda layer: getattr(layer, "mamba", None), dtype)
+
+
+def tiny_mamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random Mamba2ForCausalLM (seeded): hidden 32, 3 Mamba2 blocks, 8 heads of dim 8 (expand 2) in 2 groups
+    with state 6, conv kernel 4 with bias, chunk 16; no attention, no MLP."""
+    import transformers
+
+    config = transformers.Mamba2Config(**{**dict(
+        vocab_size=256, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8, expand=2, n_groups=2,
+        state_size=6, conv_kernel=4, chunk_size=16, tie_word_embeddings=False, pad_token_id=0), **overrides})
+    return _mamba2_model(transformers.Mamba2ForCausalLM, config, lambda layer: layer.mixer, dtype)
 
 
 def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:

@@ -37,6 +37,7 @@ from helpers import (
     tiny_lara_mini,
     tiny_lfm2,
     tiny_lfm2_moe,
+    tiny_mamba2,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
@@ -265,6 +266,22 @@ NEMOTRON_H = Table("Nemotron-H", "NemotronHForCausalLM", tiny_nemotron_h, (
     Knob("expand, mamba_proj_bias, attention_bias, sliding_window, residual_in_fp32, tie_word_embeddings",
          ignored="NemotronHConfig stores them; the modeling code builds the mixer from mamba_num_heads x "
                  "mamba_head_dim and use_bias, its attention without biases or a window, and ties no weights"),
+))
+
+# the tiny Mamba2: 3 Mamba2 blocks (8 heads of 8 in 2 groups, state 6, conv 4 with bias); no attention, no MLP
+MAMBA2 = Table("Mamba2", "Mamba2ForCausalLM", tiny_mamba2, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+) + _mamba2_rows("mamba2", "n_groups", "conv_kernel", "use_conv_bias", "use_bias") + (
+    Knob("expand 1, head_dim 4", dict(expand=1, head_dim=4), touches="linear"),
+    Knob("residual_in_fp32 False, layer_norm_epsilon 1e-2, tie_word_embeddings True",
+         dict(residual_in_fp32=False, layer_norm_epsilon=1e-2, tie_word_embeddings=True),
+         touches="norm linear embedding head"),
+    Knob("hidden_act: gelu (the conv's activation)", dict(hidden_act="gelu"), touches="linear",
+         refused="computes the conv's activation as SiLU"),
+    Knob("chunk_size", ignored="the chunk length of transformers' torch scan: the same sums grouped otherwise "
+                               "(deltacp's chunks are its own)"),
+    Knob("rescale_prenorm_residual, time_step_min, time_step_max, time_step_floor, initializer_range, time_step_rank",
+         ignored="initialisation only (time_step_rank: stored, never read)"),
 ))
 
 # the tiny Falcon-H1: 3 layers, each Mamba2 (8 heads of 8 in 2 groups, state 6, the grouped gated RMSNorm) and
@@ -532,12 +549,12 @@ LFM2_MOE = Table("LFM2-MoE", "Lfm2MoeForCausalLM", tiny_lfm2_moe, (
 
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
-                                 LARA_MINI, LFM2, LFM2_MOE)}
+                                 LARA_MINI, LFM2, LFM2_MOE, MAMBA2)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
           "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
-          "LFM2": (), "LFM2-MoE": ()}
+          "LFM2": (), "LFM2-MoE": (), "Mamba2": SSD_DECAYS}
 
 
 def readme_section() -> str:

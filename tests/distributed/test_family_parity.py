@@ -11,6 +11,7 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   skip, their MLP / MoE blocks and muP multipliers), Kimi-Linear and Bailing-Hybrid (KDA with per-channel gates, MLA
   with v_head_dim != qk head dim, routed and shared experts), MiniMax-Text-01 (`tiny_minimax`: lightning attention,
   the scalar-decay recurrence without a conv and with fixed per-layer slopes; the normed-input residual; experts);
+- Mamba2 (`tiny_mamba2`): Mamba2 blocks only (no attention, no MLP): its context reaches the layers by pre-hooks;
 - LaRA-mini (`tiny_lara_mini`): GDN, sliding-window attention (window 20, RoPE) and NoPE full attention, routed and
   ungated shared experts; at CP8 its window reaches back over several pieces;
 - LFM2 and LFM2-MoE (`tiny_lfm2`, `tiny_lfm2_moe`): gated short convs (no recurrence: the kernel - 1 halo only) and
@@ -175,13 +176,13 @@ OTHERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
 CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
              names=("OlmoHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
-                    "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM"))
+                    "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM", "Mamba2ForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
        + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d"))
 CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
-              "MiniMaxForCausalLM")
+              "MiniMaxForCausalLM", "Mamba2ForCausalLM")
 CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode; one family of each other mixer, in turn
        + [(name, "packed", ("ulysses", "p2p", "all_gather")[i % 3], ("balanced", "contiguous")[i % 2], None)
           for i, name in enumerate(CP8_OTHERS)]

@@ -40,7 +40,8 @@ CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "
                                                      "FalconH1ForCausalLM", "BailingHybridForCausalLM",
                                                      "KimiLinearForCausalLM", "Qwen4ExpForCausalLM",
                                                      "MiniMaxForCausalLM", "LaraMiniForCausalLM",
-                                                     "Lfm2MoeForCausalLM")  # LFM2-MoE: experts per expert w1/w3/w2
+                                                     "Lfm2MoeForCausalLM",  # LFM2-MoE: experts per expert w1/w3/w2
+                                                     "Mamba2ForCausalLM")
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 

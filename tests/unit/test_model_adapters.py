@@ -151,3 +151,18 @@ def test_a_mamba2_family_takes_the_triton_backend_and_names_the_device_on_cpu(si
     assert layers and all(isinstance(cp_layer_of(m).recurrence, TritonScalarDecay) for m in layers)
     with pytest.raises(RuntimeError, match=r"backend='triton' needs CUDA tensors; got qkv on device 'cpu'"):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
+
+@pytest.mark.fast
+def test_a_family_without_attention_or_mlp():
+    """Mamba2: the adapter finds its text model at `backbone`, a Mamba2 mixer in every block and no full attention;
+    its checkpoints keep the text model under `backbone.`."""
+    from deltacp.checkpoint_io.hf_format import text_prefix_of, text_prefixes
+    from helpers import tiny_mamba2
+
+    model = tiny_mamba2(torch.float32)
+    adapter = adapter_for(model)
+    assert adapter.family.attention is None and adapter.family.mlp is None
+    assert adapter.text is model.backbone and text_prefix_of(model) == "backbone."
+    assert "backbone." in text_prefixes(adapter.family.text_attribute)
+    assert all(adapter.linear_attention(layer) is layer.mixer and adapter.full_attention(layer) is None
+               for layer in adapter.layers())

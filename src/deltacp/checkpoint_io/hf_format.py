@@ -214,11 +214,17 @@ def input_embedding_name(model: nn.Module) -> str:
     return next(name for name, module in text.named_modules() if module is embedding)
 
 
+def text_prefixes(text_attribute: str = "model") -> tuple[str, ...]:
+    """TEXT_PREFIXES with a causal LM's own attribute for its text model (`Family.text_attribute`; Mamba2:
+    `backbone.`) in place of `model.`."""
+    return tuple(f"{text_attribute}." if p == "model." else p for p in TEXT_PREFIXES)
+
+
 def stored_text_prefix(stored: dict[str, StoredTensor], embedding: str = "embed_tokens",
-                       renames: tuple[tuple[str, str], ...] = ()) -> str | None:
-    """Where the checkpoint keeps the text model (one of TEXT_PREFIXES), found by its input embedding (its name in
-    the text model, the family's renames applied)."""
-    for prefix in TEXT_PREFIXES:
+                       renames: tuple[tuple[str, str], ...] = (), text_attribute: str = "model") -> str | None:
+    """Where the checkpoint keeps the text model (one of `text_prefixes(text_attribute)`), found by its input
+    embedding (its name in the text model, the family's renames applied)."""
+    for prefix in text_prefixes(text_attribute):
         if renamed(f"{prefix}{embedding}.weight", renames) in stored:
             return prefix
     return None

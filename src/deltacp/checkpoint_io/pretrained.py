@@ -42,7 +42,6 @@ from deltacp.parallel.plan import CPPlan
 from deltacp.checkpoint_io.hf_format import (
     FLOAT_DTYPES,
     FUSED_EXPERTS,
-    TEXT_PREFIXES,
     StoredTensor,
     dominant_dtype,
     expert_keys,
@@ -57,6 +56,7 @@ from deltacp.checkpoint_io.hf_format import (
     scan_checkpoint,
     stored_name,
     stored_text_prefix,
+    text_prefixes,
     text_prefix_of,
 )
 
@@ -157,9 +157,9 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
     family = adapter_for(model).family
     renames = family.checkpoint_renames
     embedding = input_embedding_name(model)
-    checkpoint_prefix = stored_text_prefix(stored, embedding, renames)
+    checkpoint_prefix = stored_text_prefix(stored, embedding, renames, family.text_attribute)
     if checkpoint_prefix is None:
-        names = [renamed(f"{p}{embedding}.weight", renames) for p in TEXT_PREFIXES]
+        names = [renamed(f"{p}{embedding}.weight", renames) for p in text_prefixes(family.text_attribute)]
         raise ValueError(f"{path}: no input embedding ({', '.join(names)}): not a checkpoint of "
                          f"{type(model).__name__}")
     model_prefix = text_prefix_of(model)

@@ -18,6 +18,8 @@
                     an ungated shared expert; in_proj stored fused)
     lfm2.py         LFM2 and LFM2-MoE (no linear mixer: gated short convs as token layers with a conv halo, GQA with
                     q/k layernorms; sigmoid-routed experts with the expert bias, stored per expert as w1 / w3 / w2)
+    mamba2_lm.py    Mamba2 (the pure SSM: Mamba2 blocks only, no attention or MLP; the context reaches its layers by
+                    pre-hooks)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)

@@ -27,9 +27,9 @@ class Family:
     # its linear-recurrent mixer's class (GDN, Mamba2, KDA, ...); None: the family has none (LFM2: its layers are gated
     # short convs, a `token_layers` entry, or attention)
     linear_mixer: str | None
-    attention: str
+    attention: str | None  # its full attention's class; None: a pure linear-recurrent model (Mamba2)
     norm: str  # the decoder's RMSNorm: (x * rsqrt(mean(x^2) + eps) * (1 + w)).type_as(x), the fused glue's form
-    mlp: str  # the dense MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)) (activation checkpointing's SwiGLU form)
+    mlp: str | None  # the dense MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)); None: no MLP (Mamba2)
     text_config: str  # the config class of the text model (the trainer's train.model.config fields)
     conditional: str | None = None  # the multimodal ...ForConditionalGeneration
     multimodal_model: str | None = None  # its inner model: vision tower + language model
@@ -51,6 +51,10 @@ class Family:
     # after the weights are read): (model, its text config) -> the names of the modules whose buffers it set
     recompute_buffers: object = None
     attention_attribute: str = "self_attn"  # ... and its full attention
+    text_attribute: str = "model"  # the causal LM's attribute holding the text model (Mamba2: "backbone")
+    # its text model hands its attention_mask to transformers' mask helper as a 2-D tensor (Mamba2Model: no per-layer-
+    # type dict): the CP context then reaches each decoder layer through a forward pre-hook (`models/inputs.py`)
+    mask_through_layers: bool = False
     # (text config) -> None: raises for what deltacp refuses of the family's config under CP (parallelize_cp calls
     # it before any collective); None: nothing beyond the layer checks
     check_config: object = None
@@ -110,7 +114,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2")
+         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2", "mamba2_lm")
 
 
 def families() -> tuple[Family, ...]:

@@ -33,6 +33,8 @@ def _register_views() -> None:
             continue
         if family.linear_mixer is not None:  # LFM2: no linear-recurrent mixer
             register_mixer_view(classes["linear_mixer"], family.mixer_view)
+        if family.attention is None:  # a pure linear-recurrent model
+            continue
         rotary = getattr(importlib.import_module(family.module), "apply_rotary_pos_emb", None)
         register_attention_view(classes["attention"], partial(family.attention_view, apply_rotary=rotary))
 
@@ -80,7 +82,10 @@ class ModelAdapter:
         return module if type(module).__name__ == self.family.linear_mixer else None
 
     def full_attention(self, layer: nn.Module) -> nn.Module | None:
-        """The layer's full attention (the family's class at its attribute), or None."""
+        """The layer's full attention (the family's class at its attribute), or None (always, for a family without
+        one)."""
+        if self.family.attention is None:
+            return None
         module = getattr(layer, self.family.attention_attribute, None)
         return module if type(module).__name__ == self.family.attention else None
 
@@ -132,7 +137,7 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         if isinstance(model, classes["text_model"]):
             return ModelAdapter(family, model, model, None, None)
         if "causal_lm" in classes and isinstance(model, classes["causal_lm"]):
-            return ModelAdapter(family, model, model.model, None, model)
+            return ModelAdapter(family, model, getattr(model, family.text_attribute), None, model)
         if "conditional" in classes and isinstance(model, classes["conditional"]):
             return ModelAdapter(family, model, model.model.language_model, model.model, model)
     raise NotImplementedError(f"context parallelism supports {', '.join(supported_classes())}; got "

@@ -103,7 +103,25 @@ def _check_packed_positions(text_positions: torch.Tensor, docs: PackedDocuments,
                                                      f"sequence_layout={other!r}")
 
 
-def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "contiguous"):
+def make_layer_context_hooks():
+    """(deliver, layer hook) for a text model that reads its attention_mask as a 2-D tensor (`Family.
+    mask_through_layers`): `deliver(context)` keeps the forward's context (the text model then gets attention_mask
+    None), and the layer hook, a forward pre-hook (with kwargs) on each decoder layer, hands it to the layer as its
+    attention_mask. The layer's kwargs hold it from there (an activation-checkpoint recompute reuses them)."""
+    current = [None]
+
+    def deliver(context: CPForwardContext) -> None:
+        current[0] = context
+
+    def layer_hook(module, args, kwargs):
+        if current[0] is not None:
+            kwargs["attention_mask"] = current[0]
+        return args, kwargs
+
+    return deliver, layer_hook
+
+
+def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "contiguous", deliver=None):
     """Builds the forward's `CPForwardContext` and hands it to every layer as its attention mask; fills missing
     position ids.
 
@@ -117,6 +135,9 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
     restart at 0 (`check_row_order`), else the batch was cut with another layout (ValueError naming it). That
     check reads only the all-gathered row, the same on every rank, so every rank raises it together without a
     second exchange.
+
+    deliver: None (the context goes in as every layer kind's attention_mask), or `make_layer_context_hooks`'s
+    (the text model gets attention_mask None; its layers' pre-hooks hand them the context).
     """
     check_sequence_layout(sequence_layout)
     balanced = sequence_layout == "balanced"
@@ -201,6 +222,10 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
             attention = None if cu_pad is None else AttentionDocuments.build(cu_pad)
         context = CPForwardContext(padding=mask, documents=docs, attention=attention)
         # every layer kind of the config reads the context (e.g. Qwen4-Exp's "indexed_attention")
+        if deliver is not None:
+            deliver(context)
+            kwargs["attention_mask"] = None
+            return args, kwargs
         kwargs["attention_mask"] = {kind: context for kind in ("linear_attention", "full_attention",
                                                                *(adapter.text_config.layer_types or ()))}
         return args, kwargs

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of, cp_group_of
 from deltacp.models.adapters import ModelAdapter, adapter_for
-from deltacp.models.inputs import make_cp_inputs_hook, refuse_local_loss
+from deltacp.models.inputs import make_cp_inputs_hook, make_layer_context_hooks, refuse_local_loss
 from deltacp.models.moe import make_aux_loss_hook
 from deltacp.models.multimodal import make_multimodal_hook
 from deltacp.models.rotary import check_rotary, install_global_rotary
@@ -137,8 +137,8 @@ def check_model(model: nn.Module, adapter: ModelAdapter, linear: LinearAttention
         kind = text.config.layer_types[i]
         if gdn is None and attention is None:
             if kind in ("linear_attention", "full_attention", "hybrid"):
-                raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} ({kind}) has neither a "
-                                          f"{adapter.family.linear_mixer} nor a {adapter.family.attention}")
+                expected = " nor a ".join(filter(None, (adapter.family.linear_mixer, adapter.family.attention)))
+                raise NotImplementedError(f"decoder layer {i} of {type(model).__name__} ({kind}) has no {expected}")
             continue  # a token-wise block (Nemotron-H's mlp / moe layers): nothing to make CP
         try:
             layer_config = {}  # a layer may hold both (Falcon-H1 runs them in parallel)
@@ -208,8 +208,13 @@ def _unless_suspended(text: nn.Module, hook):
 
 def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_layout: str = "contiguous") -> None:
     group, text = cp_group_of(cp_mesh), adapter.text
-    text.register_forward_pre_hook(_unless_suspended(text, make_cp_inputs_hook(group, adapter, sequence_layout)),
-                                   with_kwargs=True)
+    deliver = None
+    if adapter.family.mask_through_layers:  # the context reaches the layers past the text model's mask helper
+        deliver, layer_hook = make_layer_context_hooks()
+        for layer in adapter.layers():
+            layer.register_forward_pre_hook(_unless_suspended(text, layer_hook), with_kwargs=True)
+    text.register_forward_pre_hook(_unless_suspended(text, make_cp_inputs_hook(group, adapter, sequence_layout,
+                                                                               deliver)), with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(adapter.text).__name__)
     if adapter.multimodal is not None:
         adapter.multimodal.register_forward_pre_hook(
