@@ -224,6 +224,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_nemotron_h(dtype)
     if name == "Mamba2ForCausalLM":
         return tiny_mamba2(dtype)
+    if name in ("MambaForCausalLM", "FalconMambaForCausalLM"):
+        return tiny_mamba(dtype, falcon=name.startswith("Falcon"))
     if name == "GraniteMoeHybridForCausalLM":
         return tiny_granite_hybrid(dtype)
     if name == "FalconH1ForCausalLM":
@@ -328,6 +330,34 @@ def tiny_mamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
         vocab_size=256, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8, expand=2, n_groups=2,
         state_size=6, conv_kernel=4, chunk_size=16, tie_word_embeddings=False, pad_token_id=0), **overrides})
     return _mamba2_model(transformers.Mamba2ForCausalLM, config, lambda layer: layer.mixer, dtype)
+
+
+def tiny_mamba(dtype=torch.float64, falcon: bool = False, **overrides) -> torch.nn.Module:
+    """A tiny random MambaForCausalLM (FalconMambaForCausalLM with `falcon`), seeded: hidden 16, 2 blocks, I = 32
+    (expand 2), state 4, dt rank 3, conv kernel 4 with bias, in_proj / out_proj with bias; slowly decaying channels
+    (A_log from [-5, -1]), dt_proj's bias, D, the conv bias and the block norms away from their init."""
+    import transformers
+
+    fields = dict(vocab_size=256, hidden_size=16, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4,
+                  time_step_rank=3, use_bias=True, use_conv_bias=True, tie_word_embeddings=False, pad_token_id=0)
+    cls = transformers.FalconMambaForCausalLM if falcon else transformers.MambaForCausalLM
+    config = (transformers.FalconMambaConfig if falcon else transformers.MambaConfig)(**{**fields, **overrides})
+    torch.manual_seed(0)
+    model = cls(config)
+    gen = torch.Generator().manual_seed(1234)
+    uniform = lambda t, lo, hi: t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))  # noqa: E731
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            m = layer.mixer
+            uniform(m.A_log, -5, -1)
+            uniform(m.dt_proj.bias, -2, 0)
+            uniform(m.D, 0.5, 1.5)
+            for bias in (m.conv1d.bias, m.in_proj.bias, m.out_proj.bias):
+                if bias is not None:
+                    uniform(bias, -0.2, 0.2)
+            uniform(layer.norm.weight, 0.8, 1.2)
+        uniform(model.backbone.norm_f.weight, 0.8, 1.2)
+    return model.to(dtype)
 
 
 def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:

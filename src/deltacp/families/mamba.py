@@ -1,0 +1,109 @@
+"""Mamba (`MambaForCausalLM`, `MambaModel`; transformers 5.25): its family record and the Mamba1 mixer's view. A pure
+SSM: no attention, no MLP (`Family.attention` and `Family.mlp` None).
+
+Blocks (`MambaBlock`, `backbone.layers`): `residual + mixer(norm(x))`, the norm `MambaRMSNorm` (weight x form, eps
+`layer_norm_epsilon`), the residual cast to float32 first under `residual_in_fp32` (transformers' own block forward
+under CP). Mixer (`MambaMixer`, `layer.mixer`): in_proj H -> 2I = [x | z] (bias under `use_bias`), a depthwise causal
+conv over x (kernel `conv_kernel`, bias under `use_conv_bias`, `hidden_act` SiLU), x_proj I -> [dt (`time_step_rank`)
+| B (`state_size`) | C] (no bias), dt_proj (rank -> I, with bias: dt = softplus(dt_proj.weight dt + bias), no clamp),
+A = -exp(A_log) [I, N], the selective scan with the D skip and the silu(z) gate (`ops/selective/eager.py`), out_proj
+(bias under `use_bias`); the padding mask applied before in_proj and after the conv (`apply_mask_to_padding_states`),
+as the CP layer does (`parallel/shard.py`). The final norm is `norm_f`, the embedding `embeddings`; the causal LM holds
+the model as `backbone` (its checkpoint prefix: no renames). `use_mambapy` / `use_associative_scan` pick another torch
+scan of the same recurrence; `time_step_*`, `rescale_prenorm_residual`, `initializer_range` touch initialisation only.
+
+CP: x_proj reads every channel of the conv output, so the channels cannot be split over ranks (no Ulysses, no 2-D
+layout): the view declares ONE head of I * N state rows (V = 1, M diagonal) and every rank keeps all channels
+(p2p, chain or scan, and all_gather). The conv halo is kernel - 1 tokens of x. The gate z travels as the head's
+extras (I per token), since transformers' scan applies it inside, after the entering state's contribution.
+Backends: eager only (no selective-scan kernels yet): `linear_attention_backend="triton"` raises in
+`parallelize_cp`'s checks, before any collective.
+
+Shape legend: x_BsD local hidden states; pre_BsC pre-conv x [B, s, I]; extras_BsHX z [B, s, 1, I].
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from deltacp.families.registry import Family, register_family
+from deltacp.ops.precision import compute_dtype
+from deltacp.ops.recurrence import RecurrenceInputs
+from deltacp.parallel.views import HeadLayout, LinearMixerView
+
+ONE_HEAD = ("Mamba1's scan heads (one: x_proj reads every channel of the conv output, so the channels cannot be "
+            "split over ranks)")
+
+
+class MambaView(LinearMixerView):
+    """A Mamba1 mixer with transformers' attribute names (in_proj = [x | z], conv1d, x_proj, dt_proj, A_log, D,
+    out_proj; intermediate_size, ssm_state_size, time_step_rank). FalconMamba overrides `dt_b_c`."""
+
+    family = "mamba"
+
+    @property
+    def extras(self) -> int:
+        return self.module.intermediate_size  # z
+
+    @property
+    def layout(self) -> HeadLayout:
+        return HeadLayout(1, 1, (("value", self.module.intermediate_size),), key_setting=ONE_HEAD,
+                          value_setting=ONE_HEAD)
+
+    @property
+    def conv_activation(self) -> str:
+        return self.module.activation
+
+    @property
+    def state_dims(self) -> tuple[int, int]:
+        m = self.module
+        return m.intermediate_size * m.ssm_state_size, 1
+
+    def conv_heads(self, key_heads: int) -> tuple[tuple[int, int], ...]:
+        return ((1, self.module.intermediate_size),)
+
+    def project(self, x_BsD):
+        x, z = self.module.in_proj(x_BsD).chunk(2, dim=-1)
+        return x, z[:, :, None], x_BsD.dtype
+
+    def dt_b_c(self, x):
+        """(dt before dt_proj, B, C) from the conv output x [rows, n, I]."""
+        m = self.module
+        return m.x_proj(x).split([m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
+
+    def inputs(self, parts, extras_BnHX, heads: slice, backend) -> RecurrenceInputs:
+        m = self.module
+        (x,) = parts
+        x = x[:, :, 0]
+        rows = x.shape[0]
+        dt, b, c = self.dt_b_c(x)
+        dt = F.softplus(F.linear(dt, m.dt_proj.weight) + m.dt_proj.bias.to(dt.dtype))
+        cd = compute_dtype(x)
+        a = -m.A_log.to(cd).exp()
+        return RecurrenceInputs(x, dt, a.expand(rows, *a.shape), b, c, m.D.to(cd).expand(rows, -1),
+                                extras_BnHX[:, :, 0])
+
+    def recurrence(self, backend):
+        if backend.name != "eager":
+            raise NotImplementedError(
+                f"{type(self.module).__name__}: the selective scan (Mamba1) has eager kernels only; "
+                f"linear_attention_backend={backend.name!r} is not supported for this family: use "
+                f"linear_attention_backend='eager'")
+        from deltacp.ops.selective.eager import SelectiveScan
+
+        return SelectiveScan()
+
+    def output(self, o_BsHV, out, backend):
+        B, s = o_BsHV.shape[:2]
+        return self.module.out_proj(o_BsHV.reshape(B, s, -1).to(out))
+
+
+def mamba_family(name: str, prefix: str, view) -> Family:
+    return Family(
+        name, f"transformers.models.{name}.modeling_{name}", causal_lm=f"{prefix}ForCausalLM",
+        text_model=f"{prefix}Model", linear_mixer=f"{prefix}Mixer", attention=None, norm=f"{prefix}RMSNorm", mlp=None,
+        text_config=f"{prefix}Config", mixer_view=view, fused_decoder=False, linear_attribute="mixer",
+        text_attribute="backbone", moe_fields=None, mask_through_layers=True)
+
+
+MAMBA = register_family(mamba_family("mamba", "Mamba", MambaView))
