@@ -1,0 +1,82 @@
+"""The selective scan (`ops/selective/eager.py`, Mamba1's recurrence under the recurrence contract), float64 on the
+CPU: against a token recurrence written here and transformers' `mamba_selective_scan` (its torch loop), with an
+entering state (added before the silu(z) gate), lengths off the chunk, packed documents (the first continuing);
+the contract's summary (h_out = M ⊙ h_in + S, M diagonal), the entering state's gradient, and every input gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltacp.ops.recurrence import RecurrenceInputs
+from deltacp.ops.selective.eager import DIAGONAL, SelectiveScan, selective_scan
+
+pytestmark = pytest.mark.fast
+
+
+def token_recurrence(x, dt, A, B, C, D, z, h0=None, starts=()):
+    R, T, I = x.shape
+    h = torch.zeros(R, I, A.shape[-1], dtype=x.dtype) if h0 is None else h0.clone()
+    ys = []
+    for t in range(T):
+        if t in starts:
+            h = torch.zeros_like(h)
+        h = (dt[:, t, :, None] * A).exp() * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
+        ys.append(((h * C[:, t, None, :]).sum(-1) + D * x[:, t]) * F.silu(z[:, t]))
+    return torch.stack(ys, dim=1), h
+
+
+def _inputs(R=2, T=45, I=6, N=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    f32 = lambda t: t.float().double()  # noqa: E731  (transformers' loop reads x and B in float32)
+    x, B = f32(r(R, T, I)), f32(r(R, T, N))
+    dt = F.softplus(r(R, T, I))
+    A = -(r(I, N).exp())
+    return x, dt, A.expand(R, I, N), B, r(R, T, N), r(I).expand(R, I), r(R, T, I), r(R, I, N)
+
+
+def test_matches_the_token_recurrence_and_transformers_loop():
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+
+    x, dt, A, B, C, D, z, h0 = _inputs()
+    for T in (1, 45):  # one token; several chunks with a partial one
+        xs = (x[:, :T], dt[:, :T], A, B[:, :T], C[:, :T], D, z[:, :T])
+        ref, ref_h = token_recurrence(*xs, h0=h0)
+        y, h = selective_scan(*xs, initial_state=h0, output_final_state=True)
+        torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(h, ref_h, rtol=1e-12, atol=1e-12)
+    hf, hf_h = mamba_selective_scan(x.mT, dt.mT, A[0], B.mT, C.mT, D=D[0], z=z.mT, return_last_state=True)
+    y, h = selective_scan(x, dt, A, B, C, D, z, output_final_state=True)
+    torch.testing.assert_close(y, hf.mT, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h, hf_h, rtol=1e-12, atol=1e-12)
+
+
+def test_contract_summary_state_grad_documents_and_gradients():
+    x, dt, A, B, C, D, z, h0 = _inputs(T=40, seed=1)
+    rec = SelectiveScan()
+    R, I, N = A.shape
+    inp = RecurrenceInputs(x, dt, A, B, C, D, z)
+    rec.check(inp)
+    h0_c = h0.reshape(R, 1, I * N, 1)
+    starts = (0, 13, 30)  # documents at 13 and 30; the first continues the entering state
+    for cu in (None, torch.tensor([0, 13, 30, 40])):
+        kw = dict(starts=starts[1:] if cu is not None else ())
+        ref, ref_h = token_recurrence(x[:1], dt[:1], A[:1], B[:1], C[:1], D[:1], z[:1], h0[:1], **kw)
+        one = inp.rows(slice(0, 1))
+        o, ht = rec.forward(one, initial_state=h0_c[:1], output_final_state=True, cu_seqlens=cu)
+        torch.testing.assert_close(o[:, :, 0], ref, rtol=1e-12, atol=1e-12)
+        m, s = rec.summary(one, cu_seqlens=cu)
+        torch.testing.assert_close(DIAGONAL.apply(m, s, h0_c[:1]), ht, rtol=1e-12, atol=1e-12)
+        assert (m.abs().max() == 0) == (cu is not None)  # a document starts inside: the entering state cannot reach
+        g_o = torch.randn_like(o)
+        h_in = h0_c[:1].clone().requires_grad_()
+        (rec.forward(one, initial_state=h_in, cu_seqlens=cu)[0] * g_o).sum().backward()
+        torch.testing.assert_close(rec.initial_state_grad(one, g_o, cu_seqlens=cu), h_in.grad, rtol=1e-12,
+                                   atol=1e-12)
+    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, z, h0)]
+    y, h = selective_scan(*leaves[:7], initial_state=leaves[7], output_final_state=True)
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    grads = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), leaves)
+    ry, rh = token_recurrence(*leaves[:7], h0=leaves[7])
+    for got, ref in zip(grads, torch.autograd.grad((ry * gy).sum() + (rh * gh).sum(), leaves)):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
