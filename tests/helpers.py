@@ -242,6 +242,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_lfm2(dtype, **text_overrides)
     if name == "Lfm2MoeForCausalLM":
         return tiny_lfm2_moe(dtype, **text_overrides)
+    if name == "Lfm3ForCausalLM":
+        return tiny_lfm3(dtype, **text_overrides)
     if name == "Qwen4ExpForConditionalGeneration":  # tiny_qwen4_exp's text model with a PLE layer (its conv drawn),
         # the tiny vision tower
         text = {**QWEN4_EXP_FIELDS, "ple_layer_ids": [1], "ngram_vocab_size_base": 64, **text_overrides}
@@ -847,6 +849,26 @@ def tiny_lfm2(dtype=torch.float64, **overrides) -> torch.nn.Module:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.Lfm2ForCausalLM(config).to(dtype)
+
+
+LFM3_FIELDS = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                   layer_types=["conv", "sliding_attention", "full_attention", "conv"], num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, conv_L_cache=7, sliding_window=20,
+                   max_position_embeddings=65536, norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+                   bos_token_id=1, eos_token_id=2)
+
+
+def tiny_lfm3(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random Lfm3ForCausalLM (seeded): hidden 32; layers conv, sliding attention, full attention, conv (gated
+    short conv kernel 7, LFM3's: a halo of 6; attention 4 heads of 8 over 2 KV heads, q/k norms, the g_proj gate;
+    window 20 with RoPE theta 1e4; the full layer's proportional RoPE theta 1e6, half its frequencies 0: transformers'
+    defaults); sandwich norms; SwiGLU 48; untied head; sdpa attention."""
+    import transformers
+
+    config = transformers.Lfm3Config(**{**LFM3_FIELDS, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Lfm3ForCausalLM(config).to(dtype)
 
 
 LFM2_MOE_FIELDS = dict(LFM2_FIELDS, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,

@@ -37,6 +37,7 @@ from helpers import (
     tiny_lara_mini,
     tiny_lfm2,
     tiny_lfm2_moe,
+    tiny_lfm3,
     tiny_mamba2,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
@@ -547,14 +548,43 @@ LFM2_MOE = Table("LFM2-MoE", "Lfm2MoeForCausalLM", tiny_lfm2_moe, (
          ignored="Lfm2MoeForCausalLM adds no auxiliary loss: the router logits are only recorded"),
 ))
 
+# the tiny LFM3 (`tiny_lfm3`): layers conv, sliding attention (window 20, default RoPE theta 1e4), full attention
+# (proportional RoPE theta 1e6, half the frequencies 0), conv; gated short convs of kernel 7 (a halo of 6: the packed
+# row's documents of 1 and 3 tokens are shorter); attention 4 heads of 8 over 2 KV heads, q/k norms, the g_proj gate;
+# sandwich norms; SwiGLU 48; untied head. The window of 20 crosses every rank boundary and is longer than the balanced
+# pieces at CP2 (16 tokens) and every piece at CP4 (16 / 8): its K/V halo reaches back over several pieces; 40 is
+# longer than a CP2 slice (32)
+LFM3_ROPE = {"sliding_attention": _rope("dynamic", 8),
+             "full_attention": {"rope_type": "proportional", "rope_theta": 500.0, "partial_rotary_factor": 0.25}}
+LFM3 = Table("LFM3", "Lfm3ForCausalLM", tiny_lfm3, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("sliding_window: 40 (longer than a CP2 slice)", dict(sliding_window=40), touches="attention"),
+    Knob("use_attention_gate False, use_sandwich_norm False", dict(use_attention_gate=False, use_sandwich_norm=False),
+         touches="attention norm"),
+    Knob("num_attention_heads 8, num_key_value_heads 1, head_dim 4, attention_bias True",
+         dict(num_attention_heads=8, num_key_value_heads=1, head_dim=4, attention_bias=True), touches="attention"),
+    Knob("conv_bias True (conv, in_proj and out_proj biases), conv_L_cache 3", dict(conv_bias=True, conv_L_cache=3),
+         touches="linear"),
+    Knob("layer_types None: the default pattern (5 layers: conv, conv, full, conv, sliding)",
+         dict(layer_types=None, num_hidden_layers=5), touches="layers"),
+    Knob("rope_parameters: sliding dynamic (max_position_embeddings 48); full proportional theta 500, "
+         "partial_rotary_factor 0.25", dict(rope_parameters=LFM3_ROPE, max_position_embeddings=48), touches="rope"),
+    Knob("norm_eps 1e-2, intermediate_size 24, tie_word_embeddings True",
+         dict(norm_eps=1e-2, intermediate_size=24, tie_word_embeddings=True), touches="norm mlp embedding head"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+    Knob("tie_embedding, block_ff_dim",
+         ignored="Lfm3Config's __post_init__ skips LFM2's aliases: tie_word_embeddings and intermediate_size stay"),
+))
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
-                                 LARA_MINI, LFM2, LFM2_MOE, MAMBA2)}
+                                 LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
           "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
-          "LFM2": (), "LFM2-MoE": (), "Mamba2": SSD_DECAYS}
+          "LFM2": (), "LFM2-MoE": (), "LFM3": (), "Mamba2": SSD_DECAYS}
 
 
 def readme_section() -> str:

@@ -16,8 +16,10 @@
                     normed-input residual, routed experts)
     lara_mini.py    LaRA-mini (GDN with a float32-weight gated norm, sliding-window and NoPE full attention, MoE with
                     an ungated shared expert; in_proj stored fused)
-    lfm2.py         LFM2 and LFM2-MoE (no linear mixer: gated short convs as token layers with a conv halo, GQA with
-                    q/k layernorms; sigmoid-routed experts with the expert bias, stored per expert as w1 / w3 / w2)
+    lfm2.py         LFM2, LFM2-MoE and LFM3 (no linear mixer: gated short convs as token layers with a conv halo, GQA
+                    with q/k layernorms; sigmoid-routed experts with the expert bias, stored per expert as w1 / w3 / w2;
+                    LFM3: sliding-window and full attention with their own rotary, a per-head sigmoid output gate,
+                    sandwich norms)
     mamba2_lm.py    Mamba2 (the pure SSM: Mamba2 blocks only, no attention or MLP; the context reaches its layers by
                     pre-hooks)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
