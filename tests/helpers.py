@@ -362,6 +362,11 @@ def tiny_mamba(dtype=torch.float64, falcon: bool = False, **overrides) -> torch.
     return model.to(dtype)
 
 
+def tiny_falcon_mamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """`tiny_mamba` as a FalconMambaForCausalLM (the weightless RMSNorms on dt, B and C)."""
+    return tiny_mamba(dtype, falcon=True, **overrides)
+
+
 def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random NemotronHForCausalLM (seeded): hidden 32, blocks Mamba2 / MoE / attention / Mamba2 / MLP, 8 Mamba
     heads of dim 4 in 2 groups with state 6, conv with bias; attention 8 heads over 2 KV heads, no RoPE; 4 relu2

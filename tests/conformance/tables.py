@@ -37,7 +37,9 @@ from helpers import (
     tiny_lara_mini,
     tiny_lfm2,
     tiny_lfm2_moe,
+    tiny_falcon_mamba,
     tiny_lfm3,
+    tiny_mamba,
     tiny_mamba2,
     tiny_nemotron_h,
     tiny_olmo_hybrid,
@@ -188,6 +190,7 @@ OLMO_HYBRID = Table("OLMo-Hybrid", "OlmoHybridForCausalLM", tiny_olmo_hybrid, (
     Knob("rms_norm_eps on the GDN output norm", ignored="the GDN o_norm keeps eps 1e-5 in transformers"),
 ))
 
+MAMBA_DECAYS = ("A_log", "dt_proj.bias")  # and D, which randomize_ does not touch
 SSD_DECAYS = ("A_log", "dt_bias")  # and D, which randomize_ does not touch
 BIAS_WINDOW = ("padded tokens' input-projection biases enter the conv windows of the first valid tokens, as in "
                "transformers")
@@ -284,6 +287,40 @@ MAMBA2 = Table("Mamba2", "Mamba2ForCausalLM", tiny_mamba2, (
     Knob("rescale_prenorm_residual, time_step_min, time_step_max, time_step_floor, initializer_range, time_step_rank",
          ignored="initialisation only (time_step_rank: stored, never read)"),
 ))
+
+# the tiny Mamba: 2 Mamba1 blocks (I = 32, state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias); no
+# attention, no MLP. One scan head (x_proj reads every channel): Ulysses is refused (the harness then runs p2p)
+MAMBA_SCAN_INIT = Knob("time_step_scale, time_step_min, time_step_max, time_step_init_scheme, time_step_floor, "
+                       "rescale_prenorm_residual, initializer_range", ignored="initialisation only")
+MAMBA_SCANS = Knob("use_mambapy, use_associative_scan",
+                   ignored="another torch scan of the same recurrence (mambapy: a package; the associative scan: "
+                           "under torch.compile only)")
+MAMBA_TAIL = (  # the rows Mamba and FalconMamba share after their mixer rows
+    Knob("residual_in_fp32 False, layer_norm_epsilon 1e-2, tie_word_embeddings True",
+         dict(residual_in_fp32=False, layer_norm_epsilon=1e-2, tie_word_embeddings=True),
+         touches="norm embedding head"),
+    Knob("hidden_act: gelu (the conv's activation)", dict(hidden_act="gelu"), touches="linear",
+         refused="computes the conv's activation as SiLU"),
+    MAMBA_SCANS, MAMBA_SCAN_INIT,
+)
+MAMBA = Table("Mamba", "MambaForCausalLM", tiny_mamba, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob(f"use_bias: False (in_proj / out_proj; True in the tiny model: {BIAS_WINDOW})", dict(use_bias=False),
+         touches="linear padding"),
+    Knob("use_conv_bias False, conv_kernel 2 (conv_kernel 1, no halo: FalconMamba's table)",
+         dict(use_conv_bias=False, conv_kernel=2), touches="linear"),
+    Knob("state_size 8, expand 1, time_step_rank auto (1)", dict(state_size=8, expand=1, time_step_rank="auto"),
+         touches="linear"),
+) + MAMBA_TAIL)
+
+# the tiny FalconMamba: the tiny Mamba with the weightless RMSNorms on dt, B and C (eps mixer_rms_eps)
+FALCON_MAMBA = Table("FalconMamba", "FalconMambaForCausalLM", tiny_falcon_mamba, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("mixer_rms_eps 0.1, state_size 8, expand 1, time_step_rank 5",
+         dict(mixer_rms_eps=0.1, state_size=8, expand=1, time_step_rank=5), touches="linear"),
+    Knob("use_bias False, use_conv_bias False, conv_kernel 1 (no conv halo)",
+         dict(use_bias=False, use_conv_bias=False, conv_kernel=1), touches="linear padding"),
+) + MAMBA_TAIL)
 
 # the tiny Falcon-H1: 3 layers, each Mamba2 (8 heads of 8 in 2 groups, state 6, the grouped gated RMSNorm) and
 # attention (8 heads of 4 over 2 KV heads, full RoPE: 4 dims) in parallel; every muP multiplier away from 1
@@ -579,12 +616,13 @@ LFM3 = Table("LFM3", "Lfm3ForCausalLM", tiny_lfm3, (
 
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
-                                 LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2)}
+                                 LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2, MAMBA, FALCON_MAMBA)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
           "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
-          "LFM2": (), "LFM2-MoE": (), "LFM3": (), "Mamba2": SSD_DECAYS}
+          "LFM2": (), "LFM2-MoE": (), "LFM3": (), "Mamba2": SSD_DECAYS, "Mamba": MAMBA_DECAYS,
+          "FalconMamba": MAMBA_DECAYS}
 
 
 def readme_section() -> str:

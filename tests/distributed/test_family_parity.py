@@ -192,7 +192,10 @@ CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode;
        + [("LaraMiniForCausalLM", "packed", "ulysses", "balanced", None),
           ("LaraMiniForCausalLM", "padded", "all_gather", "contiguous", None),
           # LFM2's gated short conv (halo 2) over pieces of 4 (balanced): each from its holder
-          ("Lfm2ForCausalLM", "packed", "p2p", "balanced", None)])
+          ("Lfm2ForCausalLM", "packed", "p2p", "balanced", None),
+          # Mamba1's selective scan (one head of I x N state rows: Ulysses refused) over pieces of 4 and 8 tokens
+          ("MambaForCausalLM", "packed", "p2p", "balanced", None),
+          ("FalconMambaForCausalLM", "packed", "all_gather", "contiguous", None)])
 
 
 @pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])

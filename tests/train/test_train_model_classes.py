@@ -5,7 +5,7 @@ settings name the key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
-Bailing-Hybrid (KDA and MLA, routed experts; eager); Mamba2 (Mamba2 blocks only); Qwen4-Exp (indexed attention with full_attention_cp=all_gather,
+Bailing-Hybrid (KDA and MLA, routed experts; eager); Mamba2 (Mamba2 blocks only); Mamba (Mamba1 blocks only); Qwen4-Exp (indexed attention with full_attention_cp=all_gather,
 a PLE layer, hyper-connections); GLM-5.3-Flash (its conditional class with a text-only batch: KDA, MLA with the pooled
 indexer and a "shared" layer, hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
 (GDN, sliding-window and NoPE full attention, MoE with an ungated shared expert)."""
@@ -64,6 +64,10 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
                                chunk_size=64, pad_token_id=0),
                           GDN_FIELDS + ["layer_types", "intermediate_size", "num_attention_heads",
                                         "num_key_value_heads", "max_position_embeddings"], {}),
+    # Mamba1 blocks only (the selective scan: one head of I x N state rows, p2p)
+    "MambaForCausalLM": (dict(state_size=16, expand=2, conv_kernel=4, time_step_rank=8, pad_token_id=0),
+                         GDN_FIELDS + ["layer_types", "intermediate_size", "num_attention_heads",
+                                       "num_key_value_heads", "max_position_embeddings", "head_dim"], {}),
     # KDA + MLA (v_head_dim != qk head dim), routed and shared experts; Bailing: the safe gate, RoPE, output gate
     "KimiLinearForCausalLM": (dict(MLA, linear_num_heads=8, linear_head_dim=16), GDN_FIELDS + NOT_MLA, {}),
     "BailingHybridForCausalLM": (dict(MLA, head_dim=16, q_lora_rank=24), GDN_FIELDS + NOT_MLA[1:], {}),

@@ -166,3 +166,22 @@ def test_a_family_without_attention_or_mlp():
     assert "backbone." in text_prefixes(adapter.family.text_attribute)
     assert all(adapter.linear_attention(layer) is layer.mixer and adapter.full_attention(layer) is None
                for layer in adapter.layers())
+
+
+@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM"])
+def test_mamba1_refuses_the_triton_backend_before_any_collective(single_rank_group, monkeypatch, name):
+    """Mamba1's selective scan has eager kernels only: backend='triton' is refused by parallelize_cp's local checks
+    (the error travels in its one configuration exchange, `raise_together`, so every rank raises it together), naming
+    the eager backend; no other collective runs first, and the model never runs eager instead."""
+    import torch.distributed as dist
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective ran before the refusal")
+
+    for op in ("all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier", "send", "recv"):
+        monkeypatch.setattr(dist, op, collective)
+    model = tiny_family_model(name, torch.float32)
+    with pytest.raises(NotImplementedError, match=r"selective scan \(Mamba1\) has eager kernels only; "
+                                                  r"linear_attention_backend='triton' .*use linear_attention_backend="
+                                                  r"'eager'"):
+        parallelize_cp(model, _mesh(), linear_attention_backend="triton", linear_attention_cp_mode="p2p")

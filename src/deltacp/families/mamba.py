@@ -9,7 +9,10 @@ conv over x (kernel `conv_kernel`, bias under `use_conv_bias`, `hidden_act` SiLU
 A = -exp(A_log) [I, N], the selective scan with the D skip and the silu(z) gate (`ops/selective/eager.py`), out_proj
 (bias under `use_bias`); the padding mask applied before in_proj and after the conv (`apply_mask_to_padding_states`),
 as the CP layer does (`parallel/shard.py`). The final norm is `norm_f`, the embedding `embeddings`; the causal LM holds
-the model as `backbone` (its checkpoint prefix: no renames). `use_mambapy` / `use_associative_scan` pick another torch
+the model as `backbone` (its checkpoint prefix: no renames). `MambaForCausalLM.forward` takes **kwargs and does not
+hand them to `backbone`: the packing keywords would never reach the text model and a packed row would run as one
+document, so the family sets `lm_passes_kwargs=False` and deltacp relays them past the causal LM
+(`models/inputs.make_keyword_relay`). `use_mambapy` / `use_associative_scan` pick another torch
 scan of the same recurrence; `time_step_*`, `rescale_prenorm_residual`, `initializer_range` touch initialisation only.
 
 CP: x_proj reads every channel of the conv output, so the channels cannot be split over ranks (no Ulysses, no 2-D
@@ -103,7 +106,7 @@ def mamba_family(name: str, prefix: str, view) -> Family:
         name, f"transformers.models.{name}.modeling_{name}", causal_lm=f"{prefix}ForCausalLM",
         text_model=f"{prefix}Model", linear_mixer=f"{prefix}Mixer", attention=None, norm=f"{prefix}RMSNorm", mlp=None,
         text_config=f"{prefix}Config", mixer_view=view, fused_decoder=False, linear_attribute="mixer",
-        text_attribute="backbone", moe_fields=None, mask_through_layers=True)
+        text_attribute="backbone", moe_fields=None, mask_through_layers=True, lm_passes_kwargs=False)
 
 
 MAMBA = register_family(mamba_family("mamba", "Mamba", MambaView))

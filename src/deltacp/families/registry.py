@@ -55,6 +55,10 @@ class Family:
     # its text model hands its attention_mask to transformers' mask helper as a 2-D tensor (Mamba2Model: no per-layer-
     # type dict): the CP context then reaches each decoder layer through a forward pre-hook (`models/inputs.py`)
     mask_through_layers: bool = False
+    # its causal LM's forward hands its extra keywords (**kwargs: the packing keywords, position_ids) to the text
+    # model; False (MambaForCausalLM, FalconMambaForCausalLM drop them): deltacp relays them past it
+    # (`models/inputs.make_keyword_relay`), else a packed row would run as one document
+    lm_passes_kwargs: bool = True
     # (text config) -> None: raises for what deltacp refuses of the family's config under CP (parallelize_cp calls
     # it before any collective); None: nothing beyond the layer checks
     check_config: object = None
@@ -114,7 +118,7 @@ def register_family(family: Family) -> Family:
 
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
-         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2", "mamba2_lm", "mamba")
+         "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2", "mamba2_lm", "mamba", "falcon_mamba")
 
 
 def families() -> tuple[Family, ...]:

@@ -18,4 +18,8 @@ def long_memory_gates_(model: torch.nn.Module) -> torch.nn.Module:
             if hasattr(module, "A_log") and hasattr(module, "dt_bias"):  # a linear mixer of any family (GDN, Mamba2, KDA)
                 module.A_log.copy_(torch.empty(module.A_log.shape, device="cpu").uniform_(-5, -1, generator=gen))
                 module.dt_bias.copy_(torch.empty(module.dt_bias.shape, device="cpu").uniform_(-1, 1, generator=gen))
+            elif hasattr(module, "A_log") and hasattr(module, "dt_proj"):  # Mamba1: dt's bias is dt_proj's
+                module.A_log.copy_(torch.empty(module.A_log.shape, device="cpu").uniform_(-5, -1, generator=gen))
+                module.dt_proj.bias.copy_(
+                    torch.empty(module.dt_proj.bias.shape, device="cpu").uniform_(-1, 1, generator=gen))
     return model

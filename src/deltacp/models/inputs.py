@@ -121,7 +121,31 @@ def make_layer_context_hooks():
     return deliver, layer_hook
 
 
-def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "contiguous", deliver=None):
+RELAYED_KEYWORDS = PACKING_KEYWORDS + (BATCH_LAYOUT_KEY, "position_ids")
+
+
+def make_keyword_relay():
+    """(head hook, take) for a causal LM whose forward does not hand its extra keywords to the text model
+    (`Family.lm_passes_kwargs` False: MambaForCausalLM's forward takes **kwargs and drops them, so the packing
+    keywords, the batch's layout and position_ids would never reach the text model, and a packed row would run as
+    one document). The head hook, a forward pre-hook (with kwargs) on the causal LM, takes them out of its call
+    (`RELAYED_KEYWORDS`); `take()`, called by the text model's CP input hook, hands them back once (those the text
+    model was given itself win)."""
+    held = [{}]
+
+    def head_hook(module, args, kwargs):
+        held[0] = {key: kwargs.pop(key) for key in RELAYED_KEYWORDS if key in kwargs}
+        return args, kwargs
+
+    def take() -> dict:
+        out, held[0] = held[0], {}
+        return out
+
+    return head_hook, take
+
+
+def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "contiguous", deliver=None,
+                        relay=None):
     """Builds the forward's `CPForwardContext` and hands it to every layer as its attention mask; fills missing
     position ids.
 
@@ -138,11 +162,15 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
 
     deliver: None (the context goes in as every layer kind's attention_mask), or `make_layer_context_hooks`'s
     (the text model gets attention_mask None; its layers' pre-hooks hand them the context).
+    relay: None, or `make_keyword_relay`'s `take` (the keywords the causal LM's forward would drop).
     """
     check_sequence_layout(sequence_layout)
     balanced = sequence_layout == "balanced"
 
     def hook(module, args, kwargs):
+        if relay is not None:
+            for key, value in relay().items():
+                kwargs.setdefault(key, value)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         local = input_ids if input_ids is not None else embeds

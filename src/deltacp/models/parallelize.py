@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of, cp_group_of
 from deltacp.models.adapters import ModelAdapter, adapter_for
-from deltacp.models.inputs import make_cp_inputs_hook, make_layer_context_hooks, refuse_local_loss
+from deltacp.models.inputs import make_cp_inputs_hook, make_keyword_relay, make_layer_context_hooks, refuse_local_loss
 from deltacp.models.moe import make_aux_loss_hook
 from deltacp.models.multimodal import make_multimodal_hook
 from deltacp.models.rotary import check_rotary, install_global_rotary
@@ -213,8 +213,12 @@ def install_input_hooks(adapter: ModelAdapter, cp_mesh: DeviceMesh, sequence_lay
         deliver, layer_hook = make_layer_context_hooks()
         for layer in adapter.layers():
             layer.register_forward_pre_hook(_unless_suspended(text, layer_hook), with_kwargs=True)
+    relay = None
+    if not adapter.family.lm_passes_kwargs and adapter.head is not None:  # its forward drops the packing keywords
+        relay_hook, relay = make_keyword_relay()
+        adapter.head.register_forward_pre_hook(_unless_suspended(text, relay_hook), with_kwargs=True)
     text.register_forward_pre_hook(_unless_suspended(text, make_cp_inputs_hook(group, adapter, sequence_layout,
-                                                                               deliver)), with_kwargs=True)
+                                                                               deliver, relay)), with_kwargs=True)
     logger.info("Applied the CP input hook (documents, padding, positions) to %s", type(adapter.text).__name__)
     if adapter.multimodal is not None:
         adapter.multimodal.register_forward_pre_hook(
