@@ -5,9 +5,10 @@ settings name the key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
-Bailing-Hybrid (KDA and MLA, routed experts; eager); Mamba2 (Mamba2 blocks only); Mamba (Mamba1 blocks only); Qwen4-Exp (indexed attention with full_attention_cp=all_gather,
-a PLE layer, hyper-connections); GLM-5.3-Flash (its conditional class with a text-only batch: KDA, MLA with the pooled
-indexer and a "shared" layer, hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
+Bailing-Hybrid (KDA and MLA, routed experts; eager); Mamba2 (Mamba2 blocks only); Mamba (Mamba1 blocks only);
+Qwen4-Exp (indexed attention with full_attention_cp=all_gather, a PLE layer, hyper-connections); GLM-5.3-Flash
+(its conditional class with a text-only batch: KDA, MLA with the pooled indexer and a "shared" layer,
+hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
 (GDN, sliding-window and NoPE full attention, MoE with an ungated shared expert)."""
 
 from pathlib import Path

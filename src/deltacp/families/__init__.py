@@ -22,8 +22,9 @@
                     sandwich norms)
     mamba2_lm.py    Mamba2 (the pure SSM: Mamba2 blocks only, no attention or MLP; the context reaches its layers by
                     pre-hooks)
-    mamba.py        Mamba (Mamba1 blocks only: the selective scan as ONE head of I x N state rows, since x_proj reads every
-                    channel; Ulysses and the 2-D layout refused; eager only; the causal LM's dropped keywords relayed)
+    mamba.py        Mamba (Mamba1 blocks only: the selective scan as ONE head of I x N state rows, since x_proj reads
+                    every channel; Ulysses and the 2-D layout refused; eager only; the causal LM's dropped keywords
+                    relayed)
     falcon_mamba.py FalconMamba (Mamba1 with weightless RMSNorms on dt, B and C)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
