@@ -228,6 +228,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_mamba(dtype, falcon=name.startswith("Falcon"))
     if name == "GraniteMoeHybridForCausalLM":
         return tiny_granite_hybrid(dtype)
+    if name == "JambaForCausalLM":
+        return tiny_jamba(dtype)
     if name == "FalconH1ForCausalLM":
         return tiny_falcon_h1(dtype)
     if name == "KimiLinearForCausalLM":
@@ -334,6 +336,17 @@ def tiny_mamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
     return _mamba2_model(transformers.Mamba2ForCausalLM, config, lambda layer: layer.mixer, dtype)
 
 
+def mamba1_away_from_init_(m, uniform) -> None:
+    """A Mamba1 mixer's slow decays (A_log from [-5, -1]), dt_proj's bias, D and its biases away from their init;
+    `uniform(tensor, lo, hi)` draws in place."""
+    uniform(m.A_log, -5, -1)
+    uniform(m.dt_proj.bias, -2, 0)
+    uniform(m.D, 0.5, 1.5)
+    for bias in (m.conv1d.bias, m.in_proj.bias, m.out_proj.bias):
+        if bias is not None:
+            uniform(bias, -0.2, 0.2)
+
+
 def tiny_mamba(dtype=torch.float64, falcon: bool = False, **overrides) -> torch.nn.Module:
     """A tiny random MambaForCausalLM (FalconMambaForCausalLM with `falcon`), seeded: hidden 16, 2 blocks, I = 32
     (expand 2), state 4, dt rank 3, conv kernel 4 with bias, in_proj / out_proj with bias; slowly decaying channels
@@ -350,13 +363,7 @@ def tiny_mamba(dtype=torch.float64, falcon: bool = False, **overrides) -> torch.
     uniform = lambda t, lo, hi: t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))  # noqa: E731
     with torch.no_grad():
         for layer in model.backbone.layers:
-            m = layer.mixer
-            uniform(m.A_log, -5, -1)
-            uniform(m.dt_proj.bias, -2, 0)
-            uniform(m.D, 0.5, 1.5)
-            for bias in (m.conv1d.bias, m.in_proj.bias, m.out_proj.bias):
-                if bias is not None:
-                    uniform(bias, -0.2, 0.2)
+            mamba1_away_from_init_(layer.mixer, uniform)
             uniform(layer.norm.weight, 0.8, 1.2)
         uniform(model.backbone.norm_f.weight, 0.8, 1.2)
     return model.to(dtype)
@@ -365,6 +372,37 @@ def tiny_mamba(dtype=torch.float64, falcon: bool = False, **overrides) -> torch.
 def tiny_falcon_mamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """`tiny_mamba` as a FalconMambaForCausalLM (the weightless RMSNorms on dt, B and C)."""
     return tiny_mamba(dtype, falcon=True, **overrides)
+
+
+def tiny_jamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random JambaForCausalLM (seeded): hidden 16, layers Mamba1 / attention / Mamba1 (attn_layer_period 3,
+    offset 1), routed experts after both Mamba1 layers (expert_layer_period 2, offset 0: 4 SwiGLU experts of 24, top
+    2, not renormalised), a dense MLP after the attention; Mamba1 I = 32, state 4, dt rank 3, conv 4 with bias,
+    in_proj / out_proj with bias; attention 4 heads of 4 over 2 KV heads, NoPE. Slowly decaying channels (A_log from
+    [-5, -1]), dt_proj's bias, D, the biases and every norm weight (the dt / B / C norms included) away from their
+    init; eager experts."""
+    import transformers
+
+    fields = dict(vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=4, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=3, mamba_conv_bias=True, mamba_proj_bias=True,
+                  router_aux_loss_coef=0.25, tie_word_embeddings=False, pad_token_id=0)
+    config = transformers.JambaConfig(**{**fields, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.JambaForCausalLM(config)
+    gen = torch.Generator().manual_seed(1234)
+    uniform = lambda t, lo, hi: t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))  # noqa: E731
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if getattr(layer, "mamba", None) is not None:
+                mamba1_away_from_init_(layer.mamba, uniform)
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                uniform(p, 0.6, 1.4)
+    return model.to(dtype)
 
 
 def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:

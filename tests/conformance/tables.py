@@ -32,6 +32,7 @@ from helpers import (
     tiny_falcon_h1,
     tiny_glm5_next,
     tiny_granite_hybrid,
+    tiny_jamba,
     tiny_kimi_linear,
     tiny_minimax,
     tiny_lara_mini,
@@ -321,6 +322,39 @@ FALCON_MAMBA = Table("FalconMamba", "FalconMambaForCausalLM", tiny_falcon_mamba,
     Knob("use_bias False, use_conv_bias False, conv_kernel 1 (no conv halo)",
          dict(use_bias=False, use_conv_bias=False, conv_kernel=1), touches="linear padding"),
 ) + MAMBA_TAIL)
+
+# the tiny Jamba: layers Mamba1 (I = 32, state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias, the dt /
+# B / C RMSNorms with weights), NoPE attention (4 heads of 4 over 2 KV heads), Mamba1; 4 experts of 24, top 2, not
+# renormalised, after both Mamba1 layers, a SwiGLU MLP after the attention. One scan head (x_proj reads every
+# channel): Ulysses is refused (the harness then runs p2p)
+JAMBA = Table("Jamba", "JambaForCausalLM", tiny_jamba, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("mamba_proj_bias: False (in_proj / out_proj)", dict(mamba_proj_bias=False), touches="linear padding"),
+    Knob("mamba_conv_bias False, mamba_d_conv 1 (no conv halo)", dict(mamba_conv_bias=False, mamba_d_conv=1),
+         touches="linear"),
+    Knob("mamba_d_state 8, mamba_expand 1, mamba_dt_rank auto (1)",
+         dict(mamba_d_state=8, mamba_expand=1, mamba_dt_rank="auto"), touches="linear"),
+    Knob("rms_norm_eps: 1e-1 (the dt / B / C norms and the decoder norms)", dict(rms_norm_eps=1e-1),
+         touches="linear norm"),
+    Knob("attn_layer_period 2, attn_layer_offset 0 (attention, Mamba1, attention)",
+         dict(attn_layer_period=2, attn_layer_offset=0), touches="layers"),
+    Knob("num_attention_heads 8, num_key_value_heads 1 (MQA, head dim 2)",
+         dict(num_attention_heads=8, num_key_value_heads=1), touches="attention"),
+    Knob("expert_layer_period 3, expert_layer_offset 1, num_experts 6, num_experts_per_tok 3, intermediate_size 20",
+         dict(expert_layer_period=3, expert_layer_offset=1, num_experts=6, num_experts_per_tok=3,
+              intermediate_size=20), touches="moe mlp"),
+    Knob("tie_word_embeddings: True", dict(tie_word_embeddings=True), touches="embedding head"),
+    Knob("hidden_act: gelu (the conv's activation)", dict(hidden_act="gelu"), touches="linear mlp moe",
+         refused="computes the conv's activation as SiLU"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+    Knob("router_aux_loss_coef (a loss term with output_router_logits)",
+         elsewhere="tests/distributed/test_model_families.py (JambaForCausalLM's global aux loss)"),
+    MAMBA_SCANS,
+    Knob("use_mamba_kernels", ignored="deprecated: no effect in transformers 5.25 (the path follows what is "
+                                      "installed; the torch path computes the same recurrence)"),
+    Knob("initializer_range", ignored="initialisation only"),
+))
 
 # the tiny Falcon-H1: 3 layers, each Mamba2 (8 heads of 8 in 2 groups, state 6, the grouped gated RMSNorm) and
 # attention (8 heads of 4 over 2 KV heads, full RoPE: 4 dims) in parallel; every muP multiplier away from 1
@@ -616,13 +650,13 @@ LFM3 = Table("LFM3", "Lfm3ForCausalLM", tiny_lfm3, (
 
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
-                                 LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2, MAMBA, FALCON_MAMBA)}
+                                 LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2, MAMBA, FALCON_MAMBA, JAMBA)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
           "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
           "LFM2": (), "LFM2-MoE": (), "LFM3": (), "Mamba2": SSD_DECAYS, "Mamba": MAMBA_DECAYS,
-          "FalconMamba": MAMBA_DECAYS}
+          "FalconMamba": MAMBA_DECAYS, "Jamba": MAMBA_DECAYS}
 
 
 def readme_section() -> str:

@@ -177,7 +177,7 @@ CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
              names=("OlmoHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
                     "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM", "Mamba2ForCausalLM",
-                    "MambaForCausalLM"))
+                    "MambaForCausalLM", "JambaForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
@@ -195,7 +195,9 @@ CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode;
           ("Lfm2ForCausalLM", "packed", "p2p", "balanced", None),
           # Mamba1's selective scan (one head of I x N state rows: Ulysses refused) over pieces of 4 and 8 tokens
           ("MambaForCausalLM", "packed", "p2p", "balanced", None),
-          ("FalconMambaForCausalLM", "packed", "all_gather", "contiguous", None)])
+          ("FalconMambaForCausalLM", "packed", "all_gather", "contiguous", None),
+          # Jamba: Mamba1 with the dt / B / C norms, NoPE attention and routed experts, over pieces of 4 tokens
+          ("JambaForCausalLM", "packed", "all_gather", "balanced", None)])
 
 
 @pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])

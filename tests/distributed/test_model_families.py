@@ -1,7 +1,8 @@
 """Model families under CP on gloo, float64, with their auxiliary losses and images: Qwen3.5 MoE, Qwen3-Next,
 multimodal Qwen3.5 (dense and MoE) with images crossing rank boundaries, a text-only batch through a multimodal model,
 Granite-4.0-H (Mamba2 with routed experts: its aux loss read from `num_local_experts`), MiniMax-Text-01 (lightning
-attention, its experts' aux loss read from `num_local_experts`), and multimodal Qwen4-Exp at CP2
+attention, its experts' aux loss read from `num_local_experts`), Jamba (Mamba1, NoPE GQA, experts not renormalised:
+its aux loss read from `num_experts`), and multimodal Qwen4-Exp at CP2
 (indexed attention with full_attention_cp="all_gather", 64-token rows past the indexer's budget; a PLE layer whose
 n-grams read the image tokens' ids, as transformers hands them; with images in every mode, and text only).
 
@@ -127,6 +128,8 @@ CP2_CASES = [(name, MODES, None, False) for name in ("Qwen3_5MoeForCausalLM", "Q
 CP2_CASES.append(("GraniteMoeHybridForCausalLM", MODES, "p2p", False))  # Mamba2 + routed experts, FSDP2 on p2p
 CP2_CASES.append(("MiniMaxForCausalLM", MODES, None, False))  # lightning attention + routed experts (its aux loss)
 CP2_CASES.append(("LaraMiniForCausalLM", ("all_gather",), None, False))  # sliding layers under the global aux loss
+# Mamba1 with the dt / B / C norms + routed experts (not renormalised): the global aux loss
+CP2_CASES.append(("JambaForCausalLM", ("p2p",), None, False))
 # Qwen4-Exp's multimodal model (indexed attention, full_attention_cp="all_gather"; a PLE layer reading the image
 # tokens' ids), with images and text only
 CP2_CASES += [("Qwen4ExpForConditionalGeneration", MODES, None, False),

@@ -168,7 +168,7 @@ def test_a_family_without_attention_or_mlp():
                for layer in adapter.layers())
 
 
-@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM"])
+@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"])
 def test_mamba1_refuses_the_triton_backend_before_any_collective(single_rank_group, monkeypatch, name):
     """Mamba1's selective scan has eager kernels only: backend='triton' is refused by parallelize_cp's local checks
     (the error travels in its one configuration exchange, `raise_together`, so every rank raises it together), naming
