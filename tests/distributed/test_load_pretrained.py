@@ -43,7 +43,8 @@ CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "
                                                      "Lfm2MoeForCausalLM",  # LFM2-MoE: experts per expert w1/w3/w2
                                                      "Lfm3ForCausalLM",  # LFM3: g_proj stored as gate_proj
                                                      "Mamba2ForCausalLM", "MambaForCausalLM",
-                                                     "FalconMambaForCausalLM")
+                                                     "FalconMambaForCausalLM",
+                                                     "Zamba2ForCausalLM")  # shared blocks: stored once
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 

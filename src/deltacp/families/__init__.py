@@ -26,6 +26,8 @@
                     every channel; Ulysses and the 2-D layout refused; eager only; the causal LM's dropped keywords
                     relayed)
     falcon_mamba.py FalconMamba (Mamba1 with weightless RMSNorms on dt, B and C)
+    zamba2.py       Zamba2 (Mamba2 layers; hybrid layers whose shared attention blocks, cycled over num_mem_blocks and
+                    tied across invocations, take per-invocation LoRA adapters: one parameter set, one FSDP2 unit)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)
