@@ -183,7 +183,7 @@ CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
        + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d"))
 CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
-              "MiniMaxForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
+              "MiniMaxForCausalLM", "Mamba2ForCausalLM")
 CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode; one family of each other mixer, in turn
        + [(name, "packed", ("ulysses", "p2p", "all_gather")[i % 3], ("balanced", "contiguous")[i % 2], None)
           for i, name in enumerate(CP8_OTHERS)]
