@@ -224,6 +224,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_nemotron_h(dtype)
     if name == "Mamba2ForCausalLM":
         return tiny_mamba2(dtype)
+    if name == "Zamba2ForCausalLM":
+        return tiny_zamba2(dtype)
     if name in ("MambaForCausalLM", "FalconMambaForCausalLM"):
         return tiny_mamba(dtype, falcon=name.startswith("Falcon"))
     if name == "GraniteMoeHybridForCausalLM":
@@ -403,6 +405,23 @@ def tiny_jamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
             if "norm" in name and name.endswith("weight"):
                 uniform(p, 0.6, 1.4)
     return model.to(dtype)
+
+
+def tiny_zamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random Zamba2ForCausalLM (seeded): hidden 32, layers Mamba2 / hybrid / Mamba2 / hybrid / hybrid, the
+    hybrid layers cycling 2 shared blocks (the first and third hybrid layers share one: tied parameters) with LoRA
+    adapters of rank 4 and RoPE; Mamba2 8 heads of 8 in 2 groups, state 6, conv 4; attention 8 heads of 8 (no GQA:
+    transformers adds the adapters to k and v at the query width), MLP 48, chunk 16; tied embeddings (the default)."""
+    import transformers
+
+    config = transformers.Zamba2Config(**{**dict(
+        vocab_size=256, hidden_size=32, num_hidden_layers=5,
+        layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid", "hybrid"], mamba_d_state=6,
+        n_mamba_heads=8, mamba_ngroups=2, num_attention_heads=8, num_key_value_heads=8, intermediate_size=48,
+        num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, chunk_size=16,
+        pad_token_id=0), **overrides})
+    return _mamba2_model(transformers.Zamba2ForCausalLM, config,
+                         lambda layer: layer.mamba if hasattr(layer, "mamba") else layer.mamba_decoder.mamba, dtype)
 
 
 def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:

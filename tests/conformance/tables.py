@@ -46,6 +46,7 @@ from helpers import (
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
     tiny_text_fields,
+    tiny_zamba2,
 )
 
 GDN_DECAYS = ("A_log", "dt_bias")  # the builders' slow decays, kept by randomize_
@@ -648,15 +649,52 @@ LFM3 = Table("LFM3", "Lfm3ForCausalLM", tiny_lfm3, (
          ignored="Lfm3Config's __post_init__ skips LFM2's aliases: tie_word_embeddings and intermediate_size stay"),
 ))
 
+# the tiny Zamba2: layers Mamba2, hybrid, Mamba2, hybrid, hybrid (2 shared blocks cycled: the first and last hybrid
+# layers run the same tied block, each invocation its own LoRA adapters); Mamba2 8 heads of 8 in 2 groups, state 6,
+# conv 4 with bias; attention 8 heads of 8 on concat(hidden, embeddings) (width 64), full RoPE (8 dims)
+ZAMBA2 = Table("Zamba2", "Zamba2ForCausalLM", tiny_zamba2, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob(f"add_bias_linear: True ({BIAS_WINDOW}; the MLP's biases too)", dict(add_bias_linear=True),
+         touches="linear padding mlp"),
+    Knob("mamba_ngroups 1 (one B/C group for every head), mamba_d_conv 1 (no conv halo), time_step_min 0.5 (dt "
+         "clamped below), mamba_expand 1, n_mamba_heads 4, mamba_d_state 4",
+         dict(mamba_ngroups=1, mamba_d_conv=1, time_step_min=0.5, mamba_expand=1, n_mamba_heads=4, mamba_d_state=4),
+         touches="linear"),
+    Knob("num_mem_blocks 1 (one block for both hybrid layers), layers_block_type: hybrid, linear_attention, hybrid "
+         "(a hybrid layer first)",
+         dict(num_mem_blocks=1, num_hidden_layers=3, layers_block_type=["hybrid", "linear_attention", "hybrid"]),
+         touches="attention mlp layers"),
+    Knob("num_mem_blocks 3 (no block shared), use_shared_attention_adapter False, num_key_value_heads 2 (GQA), "
+         "num_attention_heads 4 (head dim 16), use_mem_rope False (NoPE)",
+         dict(num_mem_blocks=3, use_shared_attention_adapter=False, num_key_value_heads=2, num_attention_heads=4,
+              use_mem_rope=False), touches="attention mlp"),
+    Knob("use_shared_attention_adapter True with num_key_value_heads 2",
+         dict(num_key_value_heads=2), refused="use_shared_attention_adapter"),
+) + tuple(row for row in _rope_rows(8) if row.name.endswith(("dynamic", "yarn"))) + (
+    Knob("hidden_act silu, intermediate_size 32, adapter_rank 2, rms_norm_eps 1e-2, tie_word_embeddings False",
+         dict(hidden_act="silu", intermediate_size=32, adapter_rank=2, rms_norm_eps=1e-2, tie_word_embeddings=False),
+         touches="mlp norm embedding head"),
+    Knob("rope_parameters: linear, llama3, longrope", ignored="transformers' shared rotary code, the same under "
+                                                              "CP as dynamic / yarn above (the other tables run them)"),
+    Knob("use_conv_bias", ignored="Zamba2MambaMixer's conv has a bias whatever it says"),
+    Knob("use_long_context", ignored="sets max_position_embeddings 16384 only (read by the position-dependent rope "
+                                     "types, whose row sets it)"),
+    Knob("chunk_size", ignored="the chunk length of transformers' torch scan: the same sums grouped otherwise"),
+    Knob("use_mem_eff_path, use_mamba_kernels", ignored="not read by the forward (use_mamba_kernels: deprecated)"),
+    Knob("time_step_max, time_step_floor, initializer_range", ignored="initialisation only"),
+))
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
-                                 LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2, MAMBA, FALCON_MAMBA, JAMBA)}
+                                 LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2, MAMBA, FALCON_MAMBA, JAMBA,
+                                 ZAMBA2)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
           "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
           "LFM2": (), "LFM2-MoE": (), "LFM3": (), "Mamba2": SSD_DECAYS, "Mamba": MAMBA_DECAYS,
-          "FalconMamba": MAMBA_DECAYS, "Jamba": MAMBA_DECAYS}
+          "FalconMamba": MAMBA_DECAYS, "Jamba": MAMBA_DECAYS,
+          "Zamba2": SSD_DECAYS}
 
 
 def readme_section() -> str:

@@ -177,7 +177,8 @@ CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
              names=("OlmoHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
                     "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM", "Mamba2ForCausalLM",
-                    "MambaForCausalLM", "JambaForCausalLM"))
+                    "MambaForCausalLM", "JambaForCausalLM",
+                    "Zamba2ForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout

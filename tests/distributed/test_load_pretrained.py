@@ -44,7 +44,8 @@ CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "
                                                      "Lfm3ForCausalLM",  # LFM3: g_proj stored as gate_proj
                                                      "Mamba2ForCausalLM", "MambaForCausalLM",
                                                      "FalconMambaForCausalLM",
-                                                     "JambaForCausalLM")  # experts stored per expert
+                                                     "JambaForCausalLM",  # experts stored per expert
+                                                     "Zamba2ForCausalLM")  # shared blocks: stored once
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 

@@ -139,16 +139,19 @@ print("APPLIED")
     assert "APPLIED" in out.stdout, out.stderr[-3000:]
 
 
-def test_a_mamba2_family_takes_the_triton_backend_and_names_the_device_on_cpu(single_rank_group):
-    """Under backend='triton' the Mamba2 layers run the Triton scalar-decay recurrence (no eager fall-back); on CPU
-    tensors the first kernel says what it needs."""
+@pytest.mark.parametrize("name", ["BambaForCausalLM", "Zamba2ForCausalLM"])
+def test_a_mamba2_family_takes_the_triton_backend_and_names_the_device_on_cpu(single_rank_group, name):
+    """Under backend='triton' the Mamba2 layers run the Triton scalar-decay recurrence (no eager fall-back; Zamba2:
+    those of its hybrid layers too); on CPU tensors the first kernel says what it needs."""
     from deltacp.ops.ssd.triton import TritonScalarDecay
     from deltacp.parallel.style import cp_layer_of
 
-    model = tiny_family_model("BambaForCausalLM", torch.float32)
+    model = tiny_family_model(name, torch.float32)
     parallelize_cp(model, _mesh(), linear_attention_backend="triton", linear_attention_cp_mode="p2p")
-    layers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
-    assert layers and all(isinstance(cp_layer_of(m).recurrence, TritonScalarDecay) for m in layers)
+    adapter = adapter_for(model)
+    layers = [m for m in map(adapter.linear_attention, adapter.layers()) if m is not None]
+    assert len(layers) == (5 if name.startswith("Zamba2") else 3)
+    assert all(isinstance(cp_layer_of(m).recurrence, TritonScalarDecay) for m in layers)
     with pytest.raises(RuntimeError, match=r"backend='triton' needs CUDA tensors; got qkv on device 'cpu'"):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
 
@@ -185,3 +188,53 @@ def test_mamba1_refuses_the_triton_backend_before_any_collective(single_rank_gro
                                                   r"linear_attention_backend='triton' .*use linear_attention_backend="
                                                   r"'eager'"):
         parallelize_cp(model, _mesh(), linear_attention_backend="triton", linear_attention_cp_mode="p2p")
+
+
+def test_zamba2_shared_blocks_stay_one_parameter_set(single_rank_group, tmp_path):
+    """Zamba2's shared blocks (one instance per hybrid layer, the parameters of a block's instances tied by
+    transformers): after parallelize_cp, activation checkpointing and FSDP2 (`fully_shard_cp`: one unit per tied
+    group) the instances of a block still hold the SAME parameters and the model as many as before; the gradient of a
+    tied weight is the sum over its invocations (transformers' own, on the same input), each invocation with its
+    own adapters; the Mamba2 layers of both layer kinds and the shared attention are found."""
+    from deltacp import apply_activation_checkpointing, fully_shard_cp
+    from helpers import float64_upcasts, rel_l2, tiny_zamba2
+
+    base = tiny_zamba2(torch.float64)
+    adapter = adapter_for(base)
+    layers = adapter.layers()
+    assert [adapter.linear_attention(layer) is not None for layer in layers] == [True] * 5
+    assert [adapter.full_attention(layer) is not None for layer in layers] == [False, True, False, True, True]
+    numel = sum(p.numel() for p in base.parameters())
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(base)
+    with float64_upcasts():
+        reference(input_ids=ids, use_cache=False).logits.square().mean().backward()
+
+    model = parallelize_cp(base, _mesh(), linear_attention_cp_mode="p2p")
+    apply_activation_checkpointing(model)
+    fully_shard_cp(model, _mesh())
+    first, second, third = (layers[i].shared_transformer for i in (1, 3, 4))  # blocks 0, 1, 0
+    for (name, p), (_, q) in zip(first.named_parameters(remove_duplicate=False),
+                                 third.named_parameters(remove_duplicate=False)):
+        assert p is q, name
+    assert all(p is not q for p, q in zip(first.parameters(), second.parameters()))
+    assert sum(p.numel() for p in model.parameters()) == numel
+    with float64_upcasts():
+        model(input_ids=ids, use_cache=False).logits.square().mean().backward()
+    for name in ("self_attn.q_proj.weight", "self_attn.linear_q_adapter_list.0.0.weight",
+                 "self_attn.linear_v_adapter_list.2.1.weight", "feed_forward.gate_up_proj.weight",
+                 "feed_forward.gate_up_proj_adapter_list.2.0.weight"):
+        mine = first.get_parameter(name).grad.full_tensor()
+        theirs = reference.model.layers[1].shared_transformer.get_parameter(name).grad
+        assert rel_l2(mine, theirs) < 1e-10, name
+
+    # loaded without FSDP2 (to_empty gives every module its own parameter: load_pretrained ties them again), the
+    # tied group read once under its first layer's names (transformers' save left the others out)
+    from deltacp import load_pretrained
+
+    reference.save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, _mesh(), dtype=torch.float64, fsdp=False, linear_attention_cp_mode="p2p")
+    blocks = [loaded.model.layers[i].shared_transformer for i in (1, 4)]
+    assert all(p is q for p, q in zip(*(b.parameters() for b in blocks)))
+    assert torch.equal(blocks[1].self_attn.q_proj.weight, reference.model.layers[4].shared_transformer.self_attn.
+                       q_proj.weight)

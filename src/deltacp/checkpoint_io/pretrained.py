@@ -398,6 +398,25 @@ def init_buffers(model: nn.Module) -> None:
                                       f"non-persistent buffers {stale} unset; load_pretrained cannot recompute them")
 
 
+def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter that several modules hold (tied embeddings, Zamba2's shared blocks): the (module, attribute)
+    pairs of each, the first the one `named_parameters` keeps (the stored name)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, name))
+    return [pairs for pairs in holders.values() if len(pairs) > 1]
+
+
+def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make each group of `tied_parameters` one parameter again (the first holder's)."""
+    for (first, first_name), *rest in ties:
+        param = getattr(first, first_name)
+        for module, name in rest:
+            if getattr(module, name) is not param:
+                setattr(module, name, param)
+
+
 def tied_head(model: nn.Module) -> bool:
     """Whether the model's output embedding is its input embedding's parameter (tie_word_embeddings)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -482,10 +501,9 @@ def load_pretrained(path, cp_mesh: DeviceMesh, *, plan: CPPlan | None = None, dt
                        len(unused), path, cls.__name__, unused[:3])
     parallelize_and_shard(model, cp_mesh, plan, fsdp=fsdp, activation_checkpointing=checkpointing or False,
                           mp_policy=mp_policy)
-    tied = tied_head(model)
+    ties = tied_parameters(model)
     model.to_empty(device=device)
-    if tied and not tied_head(model):  # to_empty gives each module its own parameter (FSDP2 keeps them shared)
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    retie(ties)  # to_empty gives each module its own parameter (FSDP2 keeps them shared)
     held = read_weights(model, sources, path, stored, group)
     init_buffers(model)
     logger.info("Loaded %s from %s (%s, %d tensors, %.2f GiB on this rank) in %.1f s", cls.__name__, path, dtype,

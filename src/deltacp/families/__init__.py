@@ -28,6 +28,8 @@
     falcon_mamba.py FalconMamba (Mamba1 with weightless RMSNorms on dt, B and C)
     jamba.py        Jamba (Mamba1 with weighted RMSNorms on dt, B and C; NoPE GQA; routed experts, not
                     renormalised, with the aux loss)
+    zamba2.py       Zamba2 (Mamba2 layers; hybrid layers whose shared attention blocks, cycled over num_mem_blocks and
+                    tied across invocations, take per-invocation LoRA adapters: one parameter set, one FSDP2 unit)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)

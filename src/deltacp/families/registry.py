@@ -40,7 +40,9 @@ class Family:
     mixer_view: object = None  # its linear mixer's view: a `parallel.views.LinearMixerView` subclass
     attention_view: object = None  # its full attention's view: an `AttentionView` subclass (takes apply_rotary=)
     fused_decoder: bool = True  # its decoder norms are the (1 + w) form the fused Triton glue computes
-    linear_attribute: str = "linear_attn"  # the decoder layer's attribute holding its linear mixer
+    # the decoder layer's attribute holding its linear mixer: a dotted path, or several (the first a layer has wins:
+    # Zamba2's "mamba" in its Mamba layers, "mamba_decoder.mamba" in its hybrid ones)
+    linear_attribute: str | tuple[str, ...] = "linear_attn"
     # routed experts with transformers' load-balancing auxiliary loss: the config fields of (experts, top k, loss
     # coefficient), and (a layer's attribute, its router's attribute) that mark a routed layer; None: no aux loss
     moe_fields: tuple[str, str, str] | None = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
@@ -50,7 +52,10 @@ class Family:
     # recomputes non-persistent buffers that transformers' per-module initialisation cannot (load_pretrained calls it
     # after the weights are read): (model, its text config) -> the names of the modules whose buffers it set
     recompute_buffers: object = None
-    attention_attribute: str = "self_attn"  # ... and its full attention
+    attention_attribute: str | tuple[str, ...] = "self_attn"  # ... and its full attention
+    # (text model) -> lists of modules that hold the SAME parameters (transformers ties them: Zamba2's shared blocks,
+    # one instance per invocation): FSDP2 shards each list as one unit, before the decoder layers; None: none
+    shared_modules: object = None
     text_attribute: str = "model"  # the causal LM's attribute holding the text model (Mamba2: "backbone")
     # its text model hands its attention_mask to transformers' mask helper as a 2-D tensor (Mamba2Model: no per-layer-
     # type dict): the CP context then reaches each decoder layer through a forward pre-hook (`models/inputs.py`)
@@ -119,7 +124,7 @@ def register_family(family: Family) -> Family:
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
          "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2", "mamba2_lm", "mamba",
-         "falcon_mamba", "jamba")
+         "falcon_mamba", "jamba", "zamba2")
 
 
 def families() -> tuple[Family, ...]:

@@ -52,6 +52,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _module_at(layer: nn.Module, paths: str | tuple[str, ...]) -> nn.Module | None:
+    """The module at the first of `paths` (dotted attribute paths) the layer has, or None."""
+    for path in (paths,) if isinstance(paths, str) else paths:
+        module = layer
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        if module is not None:
+            return module
+    return None
+
+
 @dataclass(frozen=True)
 class MoEInfo:
     """Routed experts of a family's text config: what the auxiliary load-balancing loss needs."""
@@ -78,7 +89,7 @@ class ModelAdapter:
         """The layer's linear mixer (the family's class at its attribute), or None (also for a family without one)."""
         if self.family.linear_mixer is None:
             return None
-        module = getattr(layer, self.family.linear_attribute, None)
+        module = _module_at(layer, self.family.linear_attribute)
         return module if type(module).__name__ == self.family.linear_mixer else None
 
     def full_attention(self, layer: nn.Module) -> nn.Module | None:
@@ -86,7 +97,7 @@ class ModelAdapter:
         one)."""
         if self.family.attention is None:
             return None
-        module = getattr(layer, self.family.attention_attribute, None)
+        module = _module_at(layer, self.family.attention_attribute)
         return module if type(module).__name__ == self.family.attention else None
 
     @property

@@ -34,9 +34,10 @@ def all_reduce_cp_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 
 def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_after_forward: bool = True
                    ) -> nn.Module:
-    """FSDP2 on each decoder layer, then the root, over every rank of `mesh`: a CP mesh, or a ("dp", "cp") mesh
-    flattened to one dimension (parameters sharded over dp x cp, not HSDP). Any class a model adapter supports
-    (the vision tower goes with the root).
+    """FSDP2 on each group of modules that share their parameters (`Family.shared_modules`: one unit each, so a tied
+    parameter stays one parameter), each decoder layer, then the root, over every rank of `mesh`: a CP mesh, or a
+    ("dp", "cp") mesh flattened to one dimension (parameters sharded over dp x cp, not HSDP). Any class a model
+    adapter supports (the vision tower goes with the root).
 
     FSDP2 would average over its mesh; here the reduction is a plain sum (divide factor 1, see the module
     docstring). A model CP was not applied to is refused on every rank together.
@@ -48,7 +49,11 @@ def fully_shard_cp(model: nn.Module, mesh: DeviceMesh, mp_policy=None, reshard_a
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy if isinstance(mp_policy, MixedPrecisionPolicy) else MixedPrecisionPolicy(
             **mp_policy)
-    for layer in adapter_for(model).layers():
+    adapter = adapter_for(model)
+    if adapter.family.shared_modules is not None:  # tied across layers (Zamba2's shared blocks): one unit per group
+        for modules in adapter.family.shared_modules(adapter.text):
+            fully_shard(modules, **kwargs)
+    for layer in adapter.layers():
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():

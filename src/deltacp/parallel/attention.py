@@ -48,7 +48,7 @@ from deltacp.distributed.mesh import across_subgroup, cp_group_of, dedicated_cp_
 from deltacp.parallel.documents import AttentionDocuments, CPForwardContext, refuse_unsupported
 from deltacp.parallel.modes import attention_method
 from deltacp.parallel.placement import Pieces, check_local_length, from_row_order, to_row_order
-from deltacp.parallel.views import AttentionView, attention_view_of
+from deltacp.parallel.views import AttentionView, attention_view_of, bind_call
 
 # Tile bound per kernel family (tokens on each side of a tile, `attention_tiles.tile_kernel`): the fused kernels
 # keep no [queries, keys] scores, so a tile only bounds the head-expanded K/V copy (GQA) of one flash call (cuDNN
@@ -165,6 +165,7 @@ def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden
     output_router_logits: passed down every decoder layer of an MoE model, honoured by transformers' recording of
     the routers' outputs; nothing to do here. balanced: the rank holds pieces r and 2P - 1 - r of the row
     (`placement.py`); the all-to-all's tokens are put in row order for the attention and back after it."""
+    view = bind_call(view, unsupported)
     hidden_states, docs = attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, "Ulysses")
     cp = dist.get_world_size(group)
@@ -203,6 +204,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     tokens in local order for Hq / u query heads and the KV heads they read, and rank j of group g exchanges KV
     with rank j of every other group (the same heads). Causal per document, tile by tile (`attention_tiles`: the
     tiles of each query piece), no mask built."""
+    view = bind_call(view, unsupported)
     hidden_states, docs = attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, f"{plan.method}")
     if view.dropout:

@@ -42,7 +42,7 @@ from deltacp.parallel.attention import attention_inputs, one_head_dim, register_
 from deltacp.parallel.documents import CPForwardContext
 from deltacp.parallel.placement import Pieces
 from deltacp.parallel.token_halo import left_context
-from deltacp.parallel.views import AttentionView, IndexedAttentionView, attention_view_of
+from deltacp.parallel.views import AttentionView, IndexedAttentionView, attention_view_of, bind_call
 
 MIN_BLOCK = 256  # queries per SDPA call (at least the window): the band mask of a call is block x (block + W - 1)
 
@@ -93,6 +93,7 @@ def sliding_attention_forward(view: AttentionView, group, balanced: bool, hidden
     """A sliding-window attention layer on this rank's pieces of the row (module docstring). position_ids: read
     upstream (the rotary embedding, the model hook's documents); output_router_logits: passed down every decoder
     layer of an MoE model, nothing to do here; every other keyword raises (`attention_inputs`)."""
+    view = bind_call(view, unsupported)
     hidden_states, docs = attention_inputs(view, hidden_states, attention_mask, unsupported, cache,
                                             past_key_values, use_cache, "sliding-window")
     if view.dropout:

@@ -152,9 +152,12 @@ class AttentionView:
         project(x, position_embeddings) -> (q_BsHD, k_BsHD, v_BsHD, out): the local projections, q/k norms and
                                     rotary (position_embeddings None: the family's NoPE layers)
         output(o_BsX, out)          -> [B, s, hidden]: any output gate, then the output projection
+        call_keywords, for_call(**keywords) -> the view of one call: the keywords of the module's forward the view
+                                    reads (Zamba2's layer_idx: the LoRA adapters of the shared block's invocation)
     """
 
     family = "generic"
+    call_keywords: tuple[str, ...] = ()
 
     def __init__(self, module: nn.Module, apply_rotary: Callable | None = None):
         self.module = module
@@ -182,11 +185,23 @@ class AttentionView:
         cos, sin = position_embeddings
         return self._apply_rotary(q_BsHD, k_BsHD, cos, sin, unsqueeze_dim=2)
 
+    def for_call(self, **keywords) -> AttentionView:
+        """The view of one call given its `call_keywords` (those the call passed); the default reads none."""
+        return self
+
     def project(self, x_BsD: torch.Tensor, position_embeddings):
         raise NotImplementedError
 
     def output(self, o_BsX: torch.Tensor, out) -> torch.Tensor:
         raise NotImplementedError
+
+
+def bind_call(view: AttentionView, keywords: dict) -> AttentionView:
+    """`view.for_call` with the view's `call_keywords` taken out of a forward's remaining keywords (`keywords`,
+    changed in place: what is left is refused as unsupported)."""
+    if not view.call_keywords:
+        return view
+    return view.for_call(**{key: keywords.pop(key) for key in view.call_keywords if key in keywords})
 
 
 class IndexedAttentionView(AttentionView):
