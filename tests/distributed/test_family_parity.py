@@ -15,7 +15,10 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
 - LaRA-mini (`tiny_lara_mini`): GDN, sliding-window attention (window 20, RoPE) and NoPE full attention, routed and
   ungated shared experts; at CP8 its window reaches back over several pieces;
 - LFM2 and LFM2-MoE (`tiny_lfm2`, `tiny_lfm2_moe`): gated short convs (no recurrence: the kernel - 1 halo only) and
-  GQA with q/k layernorms; LFM2-MoE's sigmoid router with the expert bias;
+  GQA with q/k layernorms; LFM2-MoE's sigmoid router with the expert bias; LFM3 (`tiny_lfm3`): kernel-7 convs,
+  sliding-window and full attention with per-head sigmoid gates and sandwich norms;
+- Mamba, FalconMamba, Jamba (Mamba1's selective scan: Ulysses refused); Zamba2 (`tiny_zamba2`): Mamba2 layers and
+  shared attention blocks tied across invocations (one parameter set under FSDP2);
 - rows right-padded ("padded") against the unmodified model at their valid tokens (left padding: the tables).
 
 References:
@@ -178,7 +181,7 @@ CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
                     "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM", "Mamba2ForCausalLM",
                     "MambaForCausalLM", "JambaForCausalLM",
-                    "Zamba2ForCausalLM"))
+                    "Zamba2ForCausalLM", "Lfm3ForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
@@ -198,7 +201,12 @@ CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode;
           ("MambaForCausalLM", "packed", "p2p", "balanced", None),
           ("FalconMambaForCausalLM", "packed", "all_gather", "contiguous", None),
           # Jamba: Mamba1 with the dt / B / C norms, NoPE attention and routed experts, over pieces of 4 tokens
-          ("JambaForCausalLM", "packed", "all_gather", "balanced", None)])
+          ("JambaForCausalLM", "packed", "all_gather", "balanced", None),
+          # Zamba2's shared blocks (tied across invocations) under Ulysses, over pieces of 4 tokens
+          ("Zamba2ForCausalLM", "packed", "ulysses", "balanced", None),
+          # LFM3: the conv halo of 6 and the window of 20 over pieces of 8 tokens (balanced pieces of 4 would be
+          # shorter than the conv halo: refused, the error says to pad)
+          ("Lfm3ForCausalLM", "packed", "p2p", "contiguous", None)])
 
 
 @pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])

@@ -10,7 +10,8 @@ attention blocks with adapters); Mamba (Mamba1 blocks only);
 Qwen4-Exp (indexed attention with full_attention_cp=all_gather, a PLE layer, hyper-connections); GLM-5.3-Flash
 (its conditional class with a text-only batch: KDA, MLA with the pooled indexer and a "shared" layer,
 hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
-(GDN, sliding-window and NoPE full attention, MoE with an ungated shared expert)."""
+(GDN, sliding-window and NoPE full attention, MoE with an ungated shared expert); LFM2 and LFM3 (gated short convs;
+LFM3's sliding-window and gated full attention)."""
 
 from pathlib import Path
 
@@ -108,6 +109,13 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
     "LaraMiniForCausalLM": (dict(MOE, sliding_window=48, eos_token_id=1,
                                  layer_types=["linear_attention", "sliding_attention", "linear_attention",
                                               "full_attention"]), ["intermediate_size", "tie_word_embeddings"], {}),
+    # gated short convs (kernel 3: a halo of 2) and GQA with q/k layernorms
+    "Lfm2ForCausalLM": (dict(layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3, pad_token_id=0),
+                        GDN_FIELDS + ["head_dim"], {}),
+    # LFM3: kernel-7 convs, a sliding layer (window 48: crosses the CP2 boundary of a 128-token row) and a gated full
+    # layer with proportional RoPE, sandwich norms
+    "Lfm3ForCausalLM": (dict(layer_types=["conv", "sliding_attention", "full_attention", "conv"], sliding_window=48,
+                             pad_token_id=0), GDN_FIELDS, {}),
 }
 ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their indexed layers' method
                for name in ("Qwen4ExpForCausalLM", "Glm5NextForConditionalGeneration")}

@@ -16,8 +16,9 @@ s_h a buffer (`slope_rate` [H, 1, 1]: (2^{-8/H})^{h+1} (1 - l / (L - 1 + 1e-5) +
 scalar-decay one (`ops/ssd`, Mamba2's SSD) with k = k, q = q, x = v, g = -s_h, no value scale and no skip: M =
 e^{-s_h T} per head. The view reads the buffer (what transformers' forward multiplies by, in the model's dtype).
 Padded tokens: transformers zeroes q, k, v there (`apply_mask_to_padding_states`), as the CP layer does.
-Attention (`MiniMaxAttention`): GQA, full RoPE, no q/k norm, no output gate; `sliding_window` is refused under CP
-(`check_minimax`).
+Attention (`MiniMaxAttention`): GQA, full RoPE, no q/k norm, no output gate; the config's `sliding_window` (every
+attention layer, when set: transformers' mask and its attention call read it from the config, not the module) makes
+each attention layer a sliding-window one under CP (`parallel/sliding_attention.py`: the K/V halo).
 Experts: `router_jitter_noise` > 0 multiplies the hidden states by uniform noise in training, drawn per rank under CP
 over its own tokens (another stream than one process's): refused (`check_minimax`).
 Checkpoints (transformers' "mixtral" conversion mapping): the experts under block_sparse_moe, per expert as
@@ -100,15 +101,15 @@ class LightningAttentionView(LinearMixerView):
 class MiniMaxAttentionView(PlainAttentionView):
     family = "minimax"
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The config's window: MiniMax keeps it on the config (every attention layer slides when it is set)."""
+        return getattr(self.module.config, "sliding_window", None)
+
 
 def check_minimax(text_config) -> None:
-    """What deltacp refuses of a MiniMax config under CP (before any collective): a sliding window on the full
-    attention, and router jitter (each rank would draw its own tokens' noise, not one process's)."""
-    window = getattr(text_config, "sliding_window", None)
-    if window is not None:
-        raise NotImplementedError(f"sliding_window={window} under CP is not supported for MiniMax's full attention "
-                                  f"(its CP methods attend every earlier token of the document); allowed: None, "
-                                  f"transformers' default")
+    """What deltacp refuses of a MiniMax config under CP (before any collective): router jitter (each rank would draw
+    its own tokens' noise, not one process's)."""
     jitter = getattr(text_config, "router_jitter_noise", 0.0) or 0.0
     if jitter > 0:
         raise NotImplementedError(f"router_jitter_noise={jitter} under CP is not supported: in training each rank "
