@@ -123,6 +123,24 @@ class RecurrenceInputs:
         return self.map(lambda t: t.unflatten(1, (pieces, -1)).flatten(0, 1).contiguous())
 
 
+class StagesNothing:
+    """`prepare`, `prepared_from_saved` and the check of `prepared` for a recurrence that stages nothing: each call
+    computes what it needs (the eager SSD, KDA and selective scan). `name` is the implementation's."""
+
+    name: str
+
+    def prepare(self, x, *, cu_seqlens=None):
+        return None  # nothing staged
+
+    def prepared_from_saved(self, tensors):
+        raise TypeError(f"{type(self).__name__} ({self.name}) stages nothing (prepare returns None)")
+
+    def _no_prepared(self, prepared) -> None:
+        if prepared is not None:
+            raise TypeError(f"{type(self).__name__} ({self.name}) takes no prepared chunks (got "
+                            f"{type(prepared).__name__})")
+
+
 class Recurrence(Protocol):
     """A local chunked linear recurrence (no ranks, no modes). `transition` declares M's structure."""
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from deltacp.ops.gdn.contract import CHUNK_SIZE
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 from deltacp.ops.precision import compute_dtype
-from deltacp.ops.recurrence import FULL, RecurrenceInputs
+from deltacp.ops.recurrence import FULL, RecurrenceInputs, StagesNothing
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -207,7 +207,7 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         return torch.autograd.grad(o, h0, grad_o)[0]
 
 
-class KimiDeltaRule:
+class KimiDeltaRule(StagesNothing):
     """KDA under the recurrence contract (`ops/recurrence.py`), eager: inputs (q, k, v, g, beta), q, k, g [rows, T, H,
     K], v [rows, T, H, V], beta [rows, T, H]; M full. `qk_l2norm`: q and k l2-normalised inside the op (Kimi-Linear and
     Bailing-Hybrid in transformers 5.25 both do); `scale`: the query scale (None: K ** -0.5). A backend of other
@@ -240,12 +240,6 @@ class KimiDeltaRule:
                                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=self.qk_l2norm,
                                      cu_seqlens=cu_seqlens)
 
-    def prepare(self, x, *, cu_seqlens=None):
-        return None  # nothing staged: each call computes what it needs
-
-    def prepared_from_saved(self, tensors):
-        raise TypeError(f"the {self.name} KDA stages nothing (prepare returns None)")
-
     def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
         self._no_prepared(prepared)
         q, k, v, g, beta = x.tensors
@@ -258,7 +252,3 @@ class KimiDeltaRule:
         _check(*x.tensors)
         return self._op("initial_state_grad")(*x, grad_o, scale=self.scale, use_qk_l2norm_in_kernel=self.qk_l2norm,
                                               cu_seqlens=cu_seqlens)
-
-    def _no_prepared(self, prepared) -> None:
-        if prepared is not None:
-            raise TypeError(f"the {self.name} KDA takes no prepared chunks (got {type(prepared).__name__})")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 from deltacp.ops.precision import compute_dtype
-from deltacp.ops.recurrence import RecurrenceInputs, Transition
+from deltacp.ops.recurrence import RecurrenceInputs, StagesNothing, Transition
 
 DIAGONAL = Transition("diagonal")
 
@@ -157,7 +157,7 @@ def initial_state_grad(x, dt, A, C, z, grad_y, *, cu_seqlens=None) -> torch.Tens
     return torch.einsum("rtin,rtn,rti->rin", reach, C.to(cd), g)
 
 
-class SelectiveScan:
+class SelectiveScan(StagesNothing):
     """Mamba1's selective scan under the contract (`ops/recurrence.py`), eager. Inputs (x, dt, A, B, C, D, z) in
     transformers' `mamba_selective_scan` order: x, dt, z [rows, T, I] (dt after softplus; z the gate, or None),
     A [rows, I, N] and D [rows, I] (or None) per row (no token dimension: the modes never cut the inputs by tokens),
@@ -194,12 +194,6 @@ class SelectiveScan:
                                cu_seqlens=cu_seqlens)
         return y[:, :, None], (None if ht is None else ht.reshape(R, 1, I * N, 1))
 
-    def prepare(self, x, *, cu_seqlens=None):
-        return None  # nothing staged
-
-    def prepared_from_saved(self, tensors):
-        raise TypeError(f"the {self.name} selective scan stages nothing (prepare returns None)")
-
     def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
         self._no_prepared(prepared)
         x_, dt, A, B, C, D, z = self._unpack(x)
@@ -213,7 +207,3 @@ class SelectiveScan:
         R, I, N = A.shape
         g = initial_state_grad(x_, dt, A, C, z, grad_o.reshape(x_.shape), cu_seqlens=cu_seqlens)
         return g.reshape(R, 1, I * N, 1)
-
-    def _no_prepared(self, prepared) -> None:
-        if prepared is not None:
-            raise TypeError(f"the {self.name} selective scan takes no prepared chunks (got {type(prepared).__name__})")

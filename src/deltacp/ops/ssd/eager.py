@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from deltacp.ops.gdn.contract import CHUNK_SIZE
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 from deltacp.ops.precision import compute_dtype
-from deltacp.ops.recurrence import RecurrenceInputs, Transition
+from deltacp.ops.recurrence import RecurrenceInputs, StagesNothing, Transition
 
 SCALAR = Transition("scalar")
 
@@ -141,7 +141,7 @@ def initial_state_grad(q, k, x, g, grad_o, *, cu_seqlens=None) -> torch.Tensor:
         return torch.autograd.grad(o, h0, grad_o)[0]
 
 
-class ScalarDecay:
+class ScalarDecay(StagesNothing):
     """The scalar-decay recurrence under the contract (`ops/recurrence.py`), eager: inputs (q, k, x, g, scale, skip)
     with scale and skip optional (None: v = x; no skip term); M scalar per head. A backend of other kernels
     (`ops/ssd/triton`) subclasses it, giving its own ops (`_op`) and checks."""
@@ -176,12 +176,6 @@ class ScalarDecay:
         return self._op("chunk_scalar_decay")(*x, initial_state=initial_state, output_final_state=output_final_state,
                                               cu_seqlens=cu_seqlens)
 
-    def prepare(self, x, *, cu_seqlens=None):
-        return None  # nothing staged
-
-    def prepared_from_saved(self, tensors):
-        raise TypeError(f"the {self.name} scalar-decay recurrence stages nothing (prepare returns None)")
-
     def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
         self._no_prepared(prepared)
         q, k, v, g, scale, skip = self._unpack(x)
@@ -195,8 +189,3 @@ class ScalarDecay:
         q, k, v, g, scale, skip = self._unpack(x)
         _check(q, k, v, g, None, None)
         return self._op("initial_state_grad")(q, k, v, g, grad_o, cu_seqlens=cu_seqlens)
-
-    def _no_prepared(self, prepared) -> None:
-        if prepared is not None:
-            raise TypeError(f"the {self.name} scalar-decay recurrence takes no prepared chunks (got "
-                            f"{type(prepared).__name__})")
