@@ -11,6 +11,7 @@ context), and are timed against the current table measured in the same process. 
     python bench/launch_sweep.py --op ssd --length 32768            # Nemotron-H-8B's Mamba2 shape, bf16
     python bench/launch_sweep.py --op kda --table-out t.json; python bench/launch_sweep.py --op kda --apply t.json \
         -- tests/gpu/test_kda_triton_gpu.py -q                         # the op's GPU tests on the proposal
+    python bench/launch_sweep.py --op ssd --apply t.json -- bench/ssd_op.py --lengths 32768  # its bench on it
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib
 import itertools
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -152,8 +154,8 @@ def main():
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--kernels", nargs="*", help="the launch names to sweep (default: all)")
     ap.add_argument("--table-out", help="write the proposed table here (JSON: the launch entries, GROUP_HEADS)")
-    ap.add_argument("--apply", metavar="TABLE", help="run pytest (the arguments after --) with a --table-out table "
-                    "in place of the source's: the op's GPU tests on a proposal")
+    ap.add_argument("--apply", metavar="TABLE", help="with a --table-out table in place of the source's, run the "
+                    "arguments after --: pytest's, or a bench script (bench/*.py) and its arguments")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--json")
     argv = sys.argv[1:]
@@ -168,6 +170,11 @@ def main():
         mod.LAUNCH.update(proposal["LAUNCH"])
         if proposal.get("GROUP_HEADS") is not None:
             mod.GROUP_HEADS = proposal["GROUP_HEADS"]
+        if rest and rest[0].endswith(".py") and not os.path.basename(rest[0]).startswith("test_"):
+            print(f"{rest[0]} with the proposed {args.op} table: {proposal}", flush=True)
+            sys.argv = rest
+            runpy.run_path(rest[0], run_name="__main__")
+            return
         print(f"pytest with the proposed {args.op} table: {proposal}")
         raise SystemExit(pytest.main(rest))
     if args.worker:

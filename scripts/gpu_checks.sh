@@ -101,6 +101,9 @@
 #                                      vs transformers fp32, then
 #                                      bench/selected_attention.py vs transformers' SDPA with its dense mask and causal
 #                                      SDPA, 8K-64K (about 5 minutes)
+#   bash scripts/gpu_checks.sh ssd_sweep  bench/launch_sweep.py --op ssd at 32K (SWEEP_BUDGET s), then the SSD GPU
+#                                      tests and the ssd_op timings (32K, the peers beside) on its proposed table,
+#                                      written to $OUT/ssd_launch.json                             (about 9 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -115,7 +118,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_op|ssd_step|kda|kda_op|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -251,6 +254,20 @@ ssd)
   check ssd_tests 240 python -m pytest tests/gpu/test_ssd_triton_gpu.py -q -s -ra -p no:cacheprovider
   check mamba2_shapes 240 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
     -k "Bamba or Nemotron or Granite"
+  ;;
+ssd_sweep)
+  # the SSD launch sweep at 32K (Nemotron-H-8B's shape), then the op's GPU tests and its bench (timings, the peers in
+  # the same process; accuracy is the tests') on the proposed table; the table changes in the source only after this
+  # part passes
+  check ssd_sweep 260 python bench/launch_sweep.py --op ssd --length 32768 --budget "${SWEEP_BUDGET:-150}" \
+    --table-out "$OUT/ssd_launch.json" --json "$OUT/ssd_sweep.jsonl"
+  if [ -f "$OUT/ssd_launch.json" ]; then
+    check ssd_tests_swept 130 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- -n 4 -q -rA \
+      -p no:cacheprovider tests/gpu/test_ssd_triton_gpu.py
+    # shellcheck disable=SC2086
+    check ssd_op_swept 180 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- bench/ssd_op.py \
+      --lengths ${SSD_LENGTHS:-32768} --shapes nemotron-h-8b --regimes --profile 32768 --json "$OUT/ssd_op.jsonl"
+  fi
   ;;
 ssd_op|kda_op)
   # the benches alone (the tests in `recurrences`); accuracy at 4K (the float64 reference at 128 heads is the slow
