@@ -256,13 +256,14 @@ ssd)
     -k "Bamba or Nemotron or Granite"
   ;;
 ssd_sweep)
-  # the SSD launch sweep at 32K (Nemotron-H-8B's shape), then the op's GPU tests and its bench (timings, the peers in
-  # the same process; accuracy is the tests') on the proposed table; the table changes in the source only after this
-  # part passes
+  # the SSD launch sweep at 32K (Nemotron-H-8B's shape), then the op's bf16 GPU tests (the sweep changes only the bf16
+  # launches; in this process: xdist's workers would not see the proposal) and its bench (timings, the peers in the
+  # same process; accuracy is the tests') on the proposed table; the table changes in the source only after this part
+  # passes
   check ssd_sweep 260 python bench/launch_sweep.py --op ssd --length 32768 --budget "${SWEEP_BUDGET:-150}" \
     --table-out "$OUT/ssd_launch.json" --json "$OUT/ssd_sweep.jsonl"
   if [ -f "$OUT/ssd_launch.json" ]; then
-    check ssd_tests_swept 130 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- -n 4 -q -rA \
+    check ssd_tests_swept 130 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- -q -rA -k bf16 \
       -p no:cacheprovider tests/gpu/test_ssd_triton_gpu.py
     # shellcheck disable=SC2086
     check ssd_op_swept 180 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- bench/ssd_op.py \
