@@ -2,7 +2,8 @@
 at its config defaults (K = 96, V = 192, beta = 2 sigmoid(b)); the Mamba2 mixers of Bamba, Nemotron-H and
 Granite-4.0-H at their transformers config defaults (hidden 4096, 128 heads of 64; Nemotron-H 8 groups of state 128,
 the others 1 group of state 256), with Mamba2's initialisation ranges (A from [-16, -1], dt from [1e-3, 1e-1]); the
-KDA mixer of Kimi-Linear at its config defaults (Kimi-Linear-48B-A3B: hidden 2304, 32 heads of 128).
+KDA mixer of Kimi-Linear at its config defaults (Kimi-Linear-48B-A3B: hidden 2304, 32 heads of 128); MiniMax's
+lightning attention, Zamba2's Mamba2 mixer and LaRA-mini's GDN at their config defaults (`_config_default_mixer`).
 
 For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
 Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
@@ -49,6 +50,12 @@ SHAPES = {  # model: (family module class, hidden, key heads, value heads)
     "Granite-4.0-H (config defaults)": ("granite_hybrid", None, None, None),
     # KDA at Kimi-Linear-48B-A3B's shape (KimiLinearConfig's defaults: hidden 2304, 32 heads of 128)
     "Kimi-Linear (config defaults)": ("kimi_linear", None, None, None),
+    # the mixers of issue 53's families at their config defaults: MiniMax's lightning attention (hidden 4096, 32 heads
+    # of 128: the scalar-decay kernels with one B/C group per head, G = H), Zamba2's Mamba2 (hidden 2560, dt clamped,
+    # gate before the norm), LaRA-mini's GDN (hidden 1024, 8 key heads for 16 value heads of 128, fp32 gated norm)
+    "MiniMax-Text-01 (config defaults)": ("minimax", None, None, None),
+    "Zamba2 (config defaults)": ("zamba2", None, None, None),
+    "LaRA-mini (config defaults)": ("lara_mini", None, None, None),
 }
 MAMBA2 = {  # family: (config class, module path, mixer class)
     "bamba": ("BambaConfig", "bamba.modeling_bamba", "BambaMixer"),
@@ -85,6 +92,35 @@ def _mamba2(family):
     return module, config.hidden_size
 
 
+def _config_default_mixer(family):
+    """The mixer of an issue-53 family at its config defaults (MiniMax: a middle layer's fixed slopes, per token
+    e^-s from about 0.6 down to 1 - 2e-3; Zamba2: Mamba2's initialisation ranges as `_mamba2`; LaRA-mini: slowly
+    decaying gates)."""
+    import math
+
+    import transformers
+
+    if family == "minimax":
+        from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+        config = transformers.MiniMaxConfig()
+        return MiniMaxLightningAttention(config, config.num_hidden_layers // 2), config.hidden_size
+    if family == "zamba2":
+        from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
+
+        config = transformers.Zamba2Config()
+        module = Zamba2MambaMixer(config, 0)
+        with torch.no_grad():
+            module.A_log.copy_(torch.empty(module.num_heads).uniform_(0, math.log(16)))
+            dt = torch.exp(torch.empty(module.num_heads).uniform_(math.log(1e-3), math.log(1e-1)))
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        return module, config.hidden_size
+    from transformers.models.lara_mini.modeling_lara_mini import LaraMiniGatedDeltaNet
+
+    config = transformers.LaraMiniConfig()
+    return long_memory_gates_(LaraMiniGatedDeltaNet(config, 0)), config.hidden_size
+
+
 def _gdn(family, hidden, hk, hv, k_dim=128, v_dim=128):
     import transformers
 
@@ -112,6 +148,7 @@ def _gdn(family, hidden, hk, hv, k_dim=128, v_dim=128):
 def _run(module, x, d_out):
     x = x.clone().requires_grad_()
     out = module(x)
+    out = out[0] if isinstance(out, tuple) else out  # MiniMax's lightning attention returns (output, None)
     (out.float() * d_out).sum().backward()
     return out.detach().float(), x.grad.float()
 
@@ -130,6 +167,9 @@ def family_shapes_worker(rank, world, name):
         torch.manual_seed(0)
         if family in MAMBA2 or family == "kimi_linear":
             base, hidden = _mamba2(family) if family in MAMBA2 else _kda()
+            base = base.cuda()
+        elif family in ("minimax", "zamba2", "lara_mini"):
+            base, hidden = _config_default_mixer(family)
             base = base.cuda()
         else:
             base = _gdn(family, hidden, hk, hv, *dims).cuda()
