@@ -12,6 +12,8 @@ context), and are timed against the current table measured in the same process. 
     python bench/launch_sweep.py --op kda --table-out t.json; python bench/launch_sweep.py --op kda --apply t.json \
         -- tests/gpu/test_kda_triton_gpu.py -q                         # the op's GPU tests on the proposal
     python bench/launch_sweep.py --op ssd --apply t.json -- bench/ssd_op.py --lengths 32768  # its bench on it
+    echo '{"COMPOUND_PREC": 0}' > p.json; python bench/launch_sweep.py --op kda --apply p.json -- bench/kda_op.py
+                                                                   # any other module constant the same way
 """
 
 from __future__ import annotations
@@ -167,9 +169,15 @@ def main():
         mod, _ = op_and_inputs(args.op, None)
         with open(args.apply) as f:
             proposal = json.load(f)
-        mod.LAUNCH.update(proposal["LAUNCH"])
-        if proposal.get("GROUP_HEADS") is not None:
-            mod.GROUP_HEADS = proposal["GROUP_HEADS"]
+        for key, value in proposal.items():  # LAUNCH updated; any other module constant (GROUP_HEADS,
+            if value is None:                  # COMPOUND_PREC) replaced; a name the module lacks is an error
+                continue
+            if not hasattr(mod, key):
+                raise SystemExit(f"{args.apply}: {mod.__name__} has no {key}")
+            if key == "LAUNCH":
+                mod.LAUNCH.update(value)
+            else:
+                setattr(mod, key, value)
         if rest and rest[0].endswith(".py") and not os.path.basename(rest[0]).startswith("test_"):
             print(f"{rest[0]} with the proposed {args.op} table: {proposal}", flush=True)
             sys.argv = rest

@@ -31,7 +31,8 @@ class KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, gam, beta, h0, output_final_state, resets):
         tm, p, w, u = wy_fwd(q, k, v, gam, beta)
-        h, vn, ht = state_fwd(w, u, k, gam, h0, output_final_state=output_final_state, resets=resets)
+        h, vn, ht = state_fwd(w, u, k, gam, h0, inputs=v.dtype, output_final_state=output_final_state,
+                              resets=resets)
         o = out_fwd(q, gam, p, h, vn, v.dtype)
         ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u)
         ctx.resets = resets
@@ -41,11 +42,12 @@ class KDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, gam, beta, h0, tm, p, w, u = ctx.saved_tensors
         resets = ctx.resets
-        h, vn, _ = state_fwd(w, u, k, gam, h0, resets=resets)
+        h, vn, _ = state_fwd(w, u, k, gam, h0, inputs=v.dtype, resets=resets)
         do = do.to(gam.dtype).contiguous()
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
         dvl = dv_local(q, p, do, v.dtype)
-        dh, dvn, dh0 = state_bwd(q, k, gam, w, do, dvl, dht, need_dh0=h0 is not None, resets=resets)
+        dh, dvn, dh0 = state_bwd(q, k, gam, w, do, dvl, dht, inputs=v.dtype, need_dh0=h0 is not None,
+                                 resets=resets)
         dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgam, dbeta.to(beta.dtype),
                 None if dh0 is None else dh0.to(h0.dtype), None, None)
@@ -96,14 +98,16 @@ def summary_kda(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, need_transition
     _, k, v, gam, beta = _inputs(None, k, v, g, beta, None, use_qk_l2norm_in_kernel, layout, T)
     resets = _resets(layout, v.device)
     _, _, w, u = wy_fwd(None, k, v, gam, beta)
-    _, _, s = state_fwd(w, u, k, gam, None, store_h=False, store_vn=False, output_final_state=True, resets=resets)
+    _, _, s = state_fwd(w, u, k, gam, None, inputs=v.dtype, store_h=False, store_vn=False, output_final_state=True,
+                        resets=resets)
     if not need_transition:
         return None, s
     B, _, H, K = k.shape
     if layout is not None and layout.any_reset:
         return torch.zeros(B, H, K, K, dtype=gam.dtype, device=v.device), s
     eye = torch.eye(K, dtype=gam.dtype, device=v.device).expand(B, H, K, K).contiguous()
-    _, _, m = state_fwd(w, None, k, gam, eye, cols=K, store_h=False, store_vn=False, output_final_state=True)
+    _, _, m = state_fwd(w, None, k, gam, eye, inputs=v.dtype, cols=K, store_h=False, store_vn=False,
+                        output_final_state=True)
     return m, s
 
 
@@ -121,5 +125,6 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
     (do,) = _laid_out(layout, T, grad_o.to(acc))
     _, p, w, _ = wy_fwd(q, k, v, gam, beta)
     dvl = dv_local(q, p, do, v.dtype)
-    _, _, dh0 = state_bwd(q, k, gam, w, do, dvl, None, store=False, need_dh0=True, resets=_resets(layout, v.device))
+    _, _, dh0 = state_bwd(q, k, gam, w, do, dvl, None, inputs=v.dtype, store=False, need_dh0=True,
+                          resets=_resets(layout, v.device))
     return dh0

@@ -55,6 +55,9 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # miscompile (an illegal address). bench/kernel_resources.py (Triton 3.9, sm_90): every kernel under a Hopper program's
 # 232,448 bytes of shared memory (state_bwd the most, 188,928); 4 warps spill (bf16 inputs: state_bwd 376 bytes,
 # bwd_wy 288, bwd_intra 144, wy_fwd 44; fp32 inputs: bwd_intra 1,192), which the timings above include.
+# The products of the kernels whose errors compound across chunks (WY, the state kernels) under bf16 / fp16 inputs:
+# 1, three tf32 passes (about fp32); 0, one (tf32's 10-bit mantissa, still above the bf16 inputs' 7). `_prec`.
+COMPOUND_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=2, BK=16, BV=16),
     "state_fwd": dict(num_warps=4, num_stages=2, BV=16),
@@ -495,16 +498,17 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
     tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
 
 
-def _prec(acc: torch.dtype, inputs: torch.dtype | None = None) -> int:
-    """The products' precision (`_dot`): 2 with fp64 accumulators; 1 (three tf32 products) for the kernels whose
-    errors compound across chunks (inputs None: wy_fwd's Tm and W, the state kernels); for the per-chunk output and
-    gradient kernels 0 (one tf32 product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32 inputs. Not three
-    tf32 products there: Triton 3.6 compiled bwd_wy's tf32x3 products to out-of-bounds shared-memory reads on an
-    H100 (compute-sanitizer, 2026-12-06; the same kernels' tf32 products under bf16 inputs ran clean)."""
+def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False) -> int:
+    """The products' precision (`_dot`) for inputs of dtype `inputs`: 2 with fp64 accumulators; for the kernels whose
+    errors compound across chunks (`compounds`: wy_fwd's Tm and W, the state kernels) 1 (three tf32 products) under
+    fp32 inputs and COMPOUND_PREC under bf16 / fp16 inputs; for the per-chunk output and gradient kernels 0 (one tf32
+    product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32 inputs. Not three tf32 products there: Triton 3.6
+    compiled bwd_wy's tf32x3 products to out-of-bounds shared-memory reads on an H100 (compute-sanitizer,
+    2026-12-06; the same kernels' tf32 products under bf16 inputs ran clean)."""
     if acc == torch.float64:
         return 2
-    if inputs is None:
-        return 1
+    if compounds:
+        return 1 if inputs == torch.float32 else COMPOUND_PREC
     return 3 if inputs == torch.float32 else 0
 
 
@@ -531,14 +535,15 @@ def wy_fwd(q, k, v, gam, beta):
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
     kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
-                                   HAS_Q=q is not None, PREC=_prec(gam.dtype), **_launch("wy_fwd", K, V))
+                                   HAS_Q=q is not None, PREC=_prec(gam.dtype, v.dtype, True),
+                                   **_launch("wy_fwd", K, V))
     return tm, p, w, u
 
 
-def state_fwd(w, u, k, gam, h0=None, *, cols=None, store_h=True, store_vn=True, output_final_state=False,
+def state_fwd(w, u, k, gam, h0=None, *, inputs, cols=None, store_h=True, store_vn=True, output_final_state=False,
               resets=None):
     """-> h [B, NT, H, K, cols] (the state entering each chunk) or None, vn [B, Tp, H, cols] or None, ht or None.
-    u None: no values (the summary's M: h0 = I, cols = K)."""
+    u None: no values (the summary's M: h0 = I, cols = K). `inputs`: v's dtype (the products' precision)."""
     B, Tp, H, K = k.shape
     NT = Tp // BT
     V = u.shape[3] if u is not None else cols
@@ -550,7 +555,7 @@ def state_fwd(w, u, k, gam, h0=None, *, cols=None, store_h=True, store_vn=True, 
     kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
         w, u, k, gam, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
         HAS_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=_prec(acc), **cfg)
+        RESETS=resets is not None, PREC=_prec(acc, inputs, True), **cfg)
     return h, vn, ht
 
 
@@ -574,8 +579,9 @@ def dv_local(q, p, do, inputs: torch.dtype):
     return _out(q, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), True, inputs)
 
 
-def state_bwd(q, k, gam, w, do, dvl, dht=None, *, store=True, need_dh0=False, resets=None):
-    """-> dh [B, NT, H, K, V] (the gradient of the state leaving each chunk), dvn [B, Tp, H, V], dh0 (or Nones)."""
+def state_bwd(q, k, gam, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=False, resets=None):
+    """-> dh [B, NT, H, K, V] (the gradient of the state leaving each chunk), dvn [B, Tp, H, V], dh0 (or Nones).
+    `inputs`: v's dtype (the products' precision)."""
     B, Tp, H, K, V, NT = _shape(k, do)
     acc = gam.dtype
     dh = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store else None
@@ -584,7 +590,8 @@ def state_bwd(q, k, gam, w, do, dvl, dht=None, *, store=True, need_dh0=False, re
     cfg = _launch("state_bwd", K, V)
     kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
         q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
-        USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, PREC=_prec(acc),
+        USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None,
+        PREC=_prec(acc, inputs, True),
         **cfg)
     return dh, dvn, dh0
 
