@@ -79,13 +79,19 @@ def main():
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--profile", type=int, default=None, metavar="T",
                     help="kernel time of one fwd+bwd of each stack at this length")
+    ap.add_argument("--no-peers", action="store_true", help="deltacp's op alone")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     H, D = args.heads, args.dim
-    runs = [("deltacp-triton", deltacp_op("triton"))]
-    fla = fla_op()
-    if fla is None:  # a missing public kernel is said, never silently left out
+    from deltacp.ops.kda.triton import kernels
+
+    # the label names the compounding kernels' products (kernels.COMPOUND_PREC: 1 three tf32 passes, 0 one)
+    runs = [(f"deltacp-triton-{'tf32x3' if kernels.COMPOUND_PREC == 1 else 'tf32'}", deltacp_op("triton"))]
+    fla = None if args.no_peers else fla_op()
+    if args.no_peers:
+        pass
+    elif fla is None:  # a missing public kernel is said, never silently left out
         print("NOTE: flash-linear-attention is not importable here: no row for it")
     else:
         import fla as fla_pkg

@@ -104,6 +104,9 @@
 #   bash scripts/gpu_checks.sh ssd_sweep  bench/launch_sweep.py --op ssd at 32K (SWEEP_BUDGET s), then the SSD GPU
 #                                      tests and the ssd_op timings (32K, the peers beside) on its proposed table,
 #                                      written to $OUT/ssd_launch.json                             (about 9 minutes)
+#   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC 0) against the
+#                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
+#                                      tests on it                                                 (about 6 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -118,7 +121,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -268,6 +271,23 @@ ssd_sweep)
     # shellcheck disable=SC2086
     check ssd_op_swept 180 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- bench/ssd_op.py \
       --lengths ${SSD_LENGTHS:-32768} --shapes nemotron-h-8b --regimes --profile 32768 --json "$OUT/ssd_op.jsonl"
+  fi
+  ;;
+kda_prec)
+  # the compounding KDA kernels (WY, state) with one tf32 pass instead of three under bf16 inputs
+  # (kernels.COMPOUND_PREC 0): its accuracy against float64 in three regimes (the source's is in NOTES.md) and the
+  # time of each beside the other in the same call; then (KDA_PREC_TESTS=1, the default) the op's bf16 GPU tests on it
+  # (in this process: xdist's workers would not see it)
+  echo '{"COMPOUND_PREC": 0}' > "$OUT/kda_prec0.json"
+  # shellcheck disable=SC2086
+  check kda_op_prec_source 90 python bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} \
+    --json "$OUT/kda_prec.jsonl"
+  # shellcheck disable=SC2086
+  check kda_op_prec0 180 python bench/launch_sweep.py --op kda --apply "$OUT/kda_prec0.json" -- bench/kda_op.py \
+    --no-peers --lengths ${KDA_LENGTHS:-32768} --json "$OUT/kda_prec.jsonl"
+  if [ "${KDA_PREC_TESTS:-1}" = 1 ]; then
+    check kda_tests_prec0 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_prec0.json" -- -q -rA -k bf16 \
+      -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py
   fi
   ;;
 ssd_op|kda_op)
