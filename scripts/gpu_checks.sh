@@ -103,7 +103,8 @@
 #                                      SDPA, 8K-64K (about 5 minutes)
 #   bash scripts/gpu_checks.sh ssd_sweep  bench/launch_sweep.py --op ssd at 32K (SWEEP_BUDGET s), then the SSD GPU
 #                                      tests and the ssd_op timings (32K, the peers beside) on its proposed table,
-#                                      written to $OUT/ssd_launch.json                             (about 9 minutes)
+#                                      written to $OUT/ssd_launch.json (the peers compile and autotune first: about
+#                                      2 minutes of the bench on a cold machine, 2026-12-06)       (about 9 minutes)
 #   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC 0) against the
 #                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
 #                                      tests on it                                                 (about 6 minutes)
@@ -263,13 +264,13 @@ ssd_sweep)
   # launches; in this process: xdist's workers would not see the proposal) and its bench (timings, the peers in the
   # same process; accuracy is the tests') on the proposed table; the table changes in the source only after this part
   # passes
-  check ssd_sweep 260 python bench/launch_sweep.py --op ssd --length 32768 --budget "${SWEEP_BUDGET:-150}" \
+  check ssd_sweep 230 python bench/launch_sweep.py --op ssd --length 32768 --budget "${SWEEP_BUDGET:-90}" \
     --table-out "$OUT/ssd_launch.json" --json "$OUT/ssd_sweep.jsonl"
   if [ -f "$OUT/ssd_launch.json" ]; then
-    check ssd_tests_swept 130 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- -q -rA -k bf16 \
+    check ssd_tests_swept 100 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- -q -rA -k bf16 \
       -p no:cacheprovider tests/gpu/test_ssd_triton_gpu.py
     # shellcheck disable=SC2086
-    check ssd_op_swept 180 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- bench/ssd_op.py \
+    check ssd_op_swept 240 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- bench/ssd_op.py \
       --lengths ${SSD_LENGTHS:-32768} --shapes nemotron-h-8b --regimes --profile 32768 --json "$OUT/ssd_op.jsonl"
   fi
   ;;

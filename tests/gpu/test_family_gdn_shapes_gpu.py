@@ -108,7 +108,7 @@ def _config_default_mixer(family):
     if family == "zamba2":
         from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
 
-        config = transformers.Zamba2Config()
+        config = transformers.Zamba2Config(n_mamba_heads=80)  # Zamba2-2.7B's 80 heads of 64 (the default: 8 of 640)
         module = Zamba2MambaMixer(config, 0)
         with torch.no_grad():
             module.A_log.copy_(torch.empty(module.num_heads).uniform_(0, math.log(16)))

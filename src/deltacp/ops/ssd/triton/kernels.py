@@ -67,19 +67,22 @@ import triton.language as tl
 
 BT = 64
 
-# Fixed launch configurations (block widths clipped to N, P), chosen so that no kernel spills registers on sm_90 at
-# N = 128 and 256, P = 64, bf16 and fp32 (`bench/kernel_resources.py --ops ssd`; chunk_dx under fp32 inputs spills
-# 76 bytes); "<name>/fp32": the entry for fp32 (and fp64) inputs where it differs. chunk_dx/fp32 keeps BN >= 32:
-# with BN = 16 Triton 3.6 compiled its three-tf32 products to out-of-bounds shared-memory reads on an H100
-# (compute-sanitizer, 2026-12-06: an illegal address in the GPU tests; BN = 32 with BP = 16 or 32 ran clean).
+# Launch configurations (block widths clipped to N, P); "<name>/fp32": the entry for fp32 (and fp64) inputs where it
+# differs. The bf16 entries: `bench/launch_sweep.py --op ssd --length 32768` (coordinate descent, Nemotron-H-8B's
+# shape, one H100, Triton 3.6, 2026-12-06): state_fwd BN 64, out_fwd and chunk_dqk 4 warps, chunk_dx BP 64 took one
+# fwd + bwd at 32K from 18.33 to 11.65 ms (the same call); the op's bf16 GPU tests and the Mamba2 mixers at their
+# config shapes pass with it. The fp32 entries were chosen so that no kernel spills registers on sm_90 at N = 128 and
+# 256, P = 64 (`bench/kernel_resources.py --ops ssd`; chunk_dx under fp32 inputs spills 76 bytes). chunk_dx/fp32
+# keeps BN >= 32: with BN = 16 Triton 3.6 compiled its three-tf32 products to out-of-bounds shared-memory reads on an
+# H100 (compute-sanitizer, 2026-12-06: an illegal address in the GPU tests; BN = 32 with BP = 16 or 32 ran clean).
 LAUNCH: dict[str, dict[str, int]] = {
-    "state_fwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
+    "state_fwd": dict(BN=64, BP=32, num_warps=4, num_stages=2),
     "state_bwd": dict(BN=32, BP=32, num_warps=4, num_stages=2),
-    "out_fwd": dict(BN=32, BP=64, num_warps=8, num_stages=2),
+    "out_fwd": dict(BN=32, BP=64, num_warps=4, num_stages=2),
     "out_fwd/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
-    "chunk_dx": dict(BN=32, BP=16, num_warps=8, num_stages=1),
+    "chunk_dx": dict(BN=32, BP=64, num_warps=8, num_stages=1),
     "chunk_dx/fp32": dict(BN=32, BP=16, num_warps=8, num_stages=1),
-    "chunk_dqk": dict(BN=64, BP=32, num_warps=8, num_stages=1),
+    "chunk_dqk": dict(BN=64, BP=32, num_warps=4, num_stages=1),
     "chunk_dqk/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
 }
 # Heads of a group one out_fwd or chunk_dx program takes at most (the largest divisor of H / G up to it): a one-group
