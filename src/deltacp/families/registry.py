@@ -124,7 +124,7 @@ def register_family(family: Family) -> Family:
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
          "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2", "mamba2_lm", "mamba",
-         "falcon_mamba", "jamba", "zamba2")
+         "falcon_mamba", "jamba", "zamba2", "zamba")
 
 
 def families() -> tuple[Family, ...]:
