@@ -413,7 +413,8 @@ def tiny_zamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     """A tiny random ZambaForCausalLM (seeded): hidden 16, layers Mamba1 / hybrid / Mamba1 / hybrid (both hybrid
     layers run the ONE shared block: tied parameters); Mamba1 I = 32 in 2 heads of 16 (x / z interleaved in in_proj),
     state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias; attention on concat(hidden, embeddings) (width
-    32) 4 heads of 8 over 2 KV heads, NoPE; gelu MLP 24; untied embeddings; weights drawn with std 0.1 (the default
+    32) 4 heads of 8 over 2 KV heads, NoPE; gelu MLP 24; tied embeddings (the default: transformers ties the shared
+    block's instances only under tie_word_embeddings); weights drawn with std 0.1 (the default
     0.02 leaves the shared block's input nearly the same at every hybrid layer, its outputs with it). Slowly decaying
     channels (A_log from [-5, -1]), dt_proj_bias, D, the biases and every norm weight away from their init."""
     import transformers
@@ -421,8 +422,8 @@ def tiny_zamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     fields = dict(vocab_size=256, hidden_size=16, num_hidden_layers=4, intermediate_size=24,
                   layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
                   num_attention_heads=4, num_key_value_heads=2, n_mamba_heads=2, mamba_d_state=4, mamba_d_conv=4,
-                  mamba_expand=2, mamba_dt_rank=3, mamba_conv_bias=True, mamba_proj_bias=True,
-                  tie_word_embeddings=False, pad_token_id=0, initializer_range=0.1)
+                  mamba_expand=2, mamba_dt_rank=3, mamba_conv_bias=True, mamba_proj_bias=True, pad_token_id=0,
+                  initializer_range=0.1)
     config = transformers.ZambaConfig(**{**fields, **overrides})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

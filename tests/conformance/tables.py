@@ -686,7 +686,8 @@ ZAMBA2 = Table("Zamba2", "Zamba2ForCausalLM", tiny_zamba2, (
     Knob("time_step_max, time_step_floor, initializer_range", ignored="initialisation only"),
 ))
 
-# the tiny Zamba: layers Mamba1, hybrid, Mamba1, hybrid (both hybrid layers run the ONE shared block); Mamba1 I = 32 in
+# the tiny Zamba: layers Mamba1, hybrid, Mamba1, hybrid (both hybrid layers run the ONE shared block, tied with the
+# embeddings under tie_word_embeddings, the default); Mamba1 I = 32 in
 # 2 heads of 16 (x / z interleaved), state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias; attention on
 # concat(hidden, embeddings) 4 heads of 8 over 2 KV heads, NoPE; gelu MLP 24. Ulysses splits the Mamba heads (CP2;
 # CP4 needs n_mamba_heads 4, else refused and run through p2p)
@@ -704,8 +705,9 @@ ZAMBA = Table("Zamba", "ZambaForCausalLM", tiny_zamba, (
          "hybrid), num_attention_heads 8, num_key_value_heads 1 (MQA), attention_head_dim 6",
          dict(num_hidden_layers=5, layers_block_type=None, attn_layer_period=2, attn_layer_offset=1,
               num_attention_heads=8, num_key_value_heads=1, attention_head_dim=6), touches="layers attention"),
-    Knob("hidden_act silu, intermediate_size 20, rms_norm_eps 1e-1, tie_word_embeddings True",
-         dict(hidden_act="silu", intermediate_size=20, rms_norm_eps=1e-1, tie_word_embeddings=True),
+    Knob("hidden_act silu, intermediate_size 20, rms_norm_eps 1e-1, tie_word_embeddings False (transformers then "
+         "ties nothing: the shared block's instances are independent blocks, each its own parameters)",
+         dict(hidden_act="silu", intermediate_size=20, rms_norm_eps=1e-1, tie_word_embeddings=False),
          touches="mlp norm embedding head"),
     Knob("hidden_mamba_act: gelu (the conv's activation)", dict(hidden_mamba_act="gelu"), touches="linear",
          refused="computes the conv's activation as SiLU"),
