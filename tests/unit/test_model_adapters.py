@@ -273,3 +273,36 @@ def test_zamba_shared_block_stays_one_parameter_set(single_rank_group):
         theirs = reference.model.layers[1].shared_transf.get_parameter(name).grad
         assert rel_l2(mine, theirs) < 1e-6, name  # transformers' float32 A and D in a float64 model
 
+
+
+def test_xlstm_and_rwkv_are_refused_with_the_reason(single_rank_group, monkeypatch, tmp_path):
+    """xLSTM (mLSTM) and RWKV-4 are refused (docs/design.md, "Refused: the stabilised recurrences"): parallelize_cp
+    (in its one configuration exchange: no other collective first), load_pretrained and the trainer's class lookup
+    raise NotImplementedError naming the class and why."""
+    import torch.distributed as dist
+    import transformers
+
+    from deltacp import load_pretrained
+    from deltacp.families.registry import family_of
+
+    models = {"xLSTMForCausalLM": transformers.xLSTMForCausalLM(transformers.xLSTMConfig(
+                  vocab_size=64, hidden_size=32, embedding_dim=32, num_heads=2, num_blocks=1)),
+              "RwkvForCausalLM": transformers.RwkvForCausalLM(transformers.RwkvConfig(
+                  vocab_size=64, hidden_size=16, attention_hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  context_length=64))}
+    why = {"xLSTMForCausalLM": r"max\(\|q n\|, exp\(-m\)\) \+ eps", "RwkvForCausalLM": r"ratio of the carried state"}
+    for name, model in models.items():
+        reason = rf"{name}: .*{why[name]}.*outside the recurrence contract"
+        with pytest.raises(NotImplementedError, match=reason):
+            family_of(name)
+        model.save_pretrained(tmp_path / name)
+        with pytest.raises(NotImplementedError, match=rf"^load_pretrained: {reason}"):
+            load_pretrained(tmp_path / name, _mesh())
+        with monkeypatch.context() as m:
+            def collective(*args, **kwargs):
+                raise AssertionError("a collective ran before the refusal")
+
+            for op in ("all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier", "send", "recv"):
+                m.setattr(dist, op, collective)
+            with pytest.raises(NotImplementedError, match=rf"^context parallelism: {reason}"):
+                parallelize_cp(model, _mesh(), linear_attention_cp_mode="p2p")
