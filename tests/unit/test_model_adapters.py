@@ -277,13 +277,16 @@ def test_zamba_shared_block_stays_one_parameter_set(single_rank_group):
 
 def test_xlstm_and_rwkv_are_refused_with_the_reason(single_rank_group, monkeypatch, tmp_path):
     """xLSTM (mLSTM) and RWKV-4 are refused (docs/design.md, "Refused: the stabilised recurrences"): parallelize_cp
-    (in its one configuration exchange: no other collective first), load_pretrained and the trainer's class lookup
-    raise NotImplementedError naming the class and why."""
+    (in its one configuration exchange: no other collective first), load_pretrained and the registry's class lookup
+    raise NotImplementedError naming the class and why; the trainer's config a ConfigError with the reason."""
     import torch.distributed as dist
     import transformers
 
     from deltacp import load_pretrained
     from deltacp.families.registry import family_of
+    from deltacp.train.config import ConfigError, load_config
+
+    MAIN = Path(__file__).resolve().parents[2] / "configs" / "tiny_cp4.yaml"
 
     models = {"xLSTMForCausalLM": transformers.xLSTMForCausalLM(transformers.xLSTMConfig(
                   vocab_size=64, hidden_size=32, embedding_dim=32, num_heads=2, num_blocks=1)),
@@ -295,6 +298,9 @@ def test_xlstm_and_rwkv_are_refused_with_the_reason(single_rank_group, monkeypat
         reason = rf"{name}: .*{why[name]}.*outside the recurrence contract"
         with pytest.raises(NotImplementedError, match=reason):
             family_of(name)
+        key = rf"^train\.model\.model_class='{name}'"
+        with pytest.raises(ConfigError, match=rf"{key} is not supported: .*{why[name]}"):
+            load_config(MAIN, [f"train.model.model_class={name}"])
         model.save_pretrained(tmp_path / name)
         with pytest.raises(NotImplementedError, match=rf"^load_pretrained: {reason}"):
             load_pretrained(tmp_path / name, _mesh())

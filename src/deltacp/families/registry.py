@@ -130,9 +130,9 @@ HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite
 # transformers classes deltacp refuses, with the reason (docs/design.md, "Refused: the stabilised recurrences"): their
 # carried state is affine in real arithmetic, but they carry it through a max stabiliser (max-plus, not h_out = M h_in +
 # S) and their outputs are not affine in the entering state, outside the recurrence contract every CP mode is built on
-_STABILISED = ("; the carried state's max stabiliser (max-plus, not h_out = M h_in + S) and an output that is not affine "
-               "in the entering state are outside the recurrence contract every CP mode is built on (docs/design.md, "
-               "'Refused: the stabilised recurrences')")
+_STABILISED = ("; the carried state's max stabiliser (max-plus, not h_out = M h_in + S) and an output that is not "
+               "affine in the entering state are outside the recurrence contract every CP mode is built on "
+               "(docs/design.md, 'Refused: the stabilised recurrences')")
 _XLSTM = ("xLSTM's mLSTM is refused: its output q C / (max(|q n|, exp(-m)) + eps) reads the stabiliser m, not only "
           "the state (C, n), through eps exp(m) and the max" + _STABILISED)
 _RWKV = ("RWKV-4 is refused: its WKV output (num + exp(u + k) v) / (den + exp(u + k)) is a ratio of the carried state "

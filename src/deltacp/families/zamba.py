@@ -5,8 +5,9 @@ Layers (`ZambaModel.layers`, `layers_block_type`): "linear_attention" ones are `
 (`residual + mamba(input_layernorm(x))`), "hybrid" ones `ZambaHybridLayer`: ONE shared block (`shared_transf`, a
 `ZambaAttentionDecoderLayer`: RMSNorm over 2 x hidden -> attention -> `pre_ff_layernorm` -> gelu MLP, no inner
 residual) on concat(x, the input embeddings) -> a per-layer `linear` -> added to the input of the layer's Mamba
-decoder (`mamba_decoder`: x + mamba(input_layernorm(x + that)), the residual without it). The layers' own forwards run under CP; the mixers at `mamba` / `mamba_decoder.mamba` and the
-shared block's attention at `shared_transf.self_attn` are made CP.
+decoder (`mamba_decoder`: x + mamba(input_layernorm(x + that)), the residual without it). The layers' own forwards
+run under CP; the mixers at `mamba` / `mamba_decoder.mamba` and the shared block's attention at
+`shared_transf.self_attn` are made CP.
 
 Mixer (`ZambaMambaMixer`): `n_mamba_heads` independent Mamba1 scans (`families/mamba.py`'s recurrence, the selective
 scan of `ops/selective/eager.py`). in_proj H -> 2I (bias under `mamba_proj_bias`) split INTERLEAVED: channel 2i is x_i,
