@@ -341,10 +341,10 @@ def tiny_mamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
 
 
 def mamba1_away_from_init_(m, uniform) -> None:
-    """A Mamba1 mixer's slow decays (A_log from [-5, -1]), dt_proj's bias, D and its biases away from their init;
-    `uniform(tensor, lo, hi)` draws in place."""
+    """A Mamba1 mixer's slow decays (A_log from [-5, -1]), dt_proj's bias (Zamba's `dt_proj_bias`), D and its biases
+    away from their init; `uniform(tensor, lo, hi)` draws in place."""
     uniform(m.A_log, -5, -1)
-    uniform(m.dt_proj.bias, -2, 0)
+    uniform(m.dt_proj.bias if hasattr(m, "dt_proj") else m.dt_proj_bias, -2, 0)
     uniform(m.D, 0.5, 1.5)
     for bias in (m.conv1d.bias, m.in_proj.bias, m.out_proj.bias):
         if bias is not None:
@@ -397,16 +397,22 @@ def tiny_jamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.JambaForCausalLM(config)
+    mixers = [layer.mamba for layer in model.model.layers if getattr(layer, "mamba", None) is not None]
+    return mamba1_hybrid_away_from_init_(model, mixers).to(dtype)
+
+
+def mamba1_hybrid_away_from_init_(model, mixers):
+    """`mamba1_away_from_init_` on each of `mixers` and every norm weight of `model` drawn from [0.6, 1.4] (seeded);
+    returns the model."""
     gen = torch.Generator().manual_seed(1234)
     uniform = lambda t, lo, hi: t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))  # noqa: E731
     with torch.no_grad():
-        for layer in model.model.layers:
-            if getattr(layer, "mamba", None) is not None:
-                mamba1_away_from_init_(layer.mamba, uniform)
+        for m in mixers:
+            mamba1_away_from_init_(m, uniform)
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 uniform(p, 0.6, 1.4)
-    return model.to(dtype)
+    return model
 
 
 def tiny_zamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
@@ -428,21 +434,8 @@ def tiny_zamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.ZambaForCausalLM(config)
-    gen = torch.Generator().manual_seed(1234)
-    uniform = lambda t, lo, hi: t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))  # noqa: E731
-    with torch.no_grad():
-        for layer in model.model.layers:
-            m = layer.mamba if hasattr(layer, "mamba") else layer.mamba_decoder.mamba
-            uniform(m.A_log, -5, -1)
-            uniform(m.dt_proj_bias, -2, 0)
-            uniform(m.D, 0.5, 1.5)
-            for bias in (m.conv1d.bias, m.in_proj.bias, m.out_proj.bias):
-                if bias is not None:
-                    uniform(bias, -0.2, 0.2)
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                uniform(p, 0.6, 1.4)
-    return model.to(dtype)
+    mixers = [layer.mamba if hasattr(layer, "mamba") else layer.mamba_decoder.mamba for layer in model.model.layers]
+    return mamba1_hybrid_away_from_init_(model, mixers).to(dtype)
 
 
 def tiny_zamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
