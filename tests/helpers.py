@@ -226,6 +226,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_mamba2(dtype)
     if name == "Zamba2ForCausalLM":
         return tiny_zamba2(dtype)
+    if name == "ZambaForCausalLM":
+        return tiny_zamba(dtype)
     if name in ("MambaForCausalLM", "FalconMambaForCausalLM"):
         return tiny_mamba(dtype, falcon=name.startswith("Falcon"))
     if name == "GraniteMoeHybridForCausalLM":
@@ -339,10 +341,10 @@ def tiny_mamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
 
 
 def mamba1_away_from_init_(m, uniform) -> None:
-    """A Mamba1 mixer's slow decays (A_log from [-5, -1]), dt_proj's bias, D and its biases away from their init;
-    `uniform(tensor, lo, hi)` draws in place."""
+    """A Mamba1 mixer's slow decays (A_log from [-5, -1]), dt_proj's bias (Zamba's `dt_proj_bias`), D and its biases
+    away from their init; `uniform(tensor, lo, hi)` draws in place."""
     uniform(m.A_log, -5, -1)
-    uniform(m.dt_proj.bias, -2, 0)
+    uniform(m.dt_proj.bias if hasattr(m, "dt_proj") else m.dt_proj_bias, -2, 0)
     uniform(m.D, 0.5, 1.5)
     for bias in (m.conv1d.bias, m.in_proj.bias, m.out_proj.bias):
         if bias is not None:
@@ -395,16 +397,45 @@ def tiny_jamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.JambaForCausalLM(config)
+    mixers = [layer.mamba for layer in model.model.layers if getattr(layer, "mamba", None) is not None]
+    return mamba1_hybrid_away_from_init_(model, mixers).to(dtype)
+
+
+def mamba1_hybrid_away_from_init_(model, mixers):
+    """`mamba1_away_from_init_` on each of `mixers` and every norm weight of `model` drawn from [0.6, 1.4] (seeded);
+    returns the model."""
     gen = torch.Generator().manual_seed(1234)
     uniform = lambda t, lo, hi: t.copy_(torch.empty(t.shape).uniform_(lo, hi, generator=gen))  # noqa: E731
     with torch.no_grad():
-        for layer in model.model.layers:
-            if getattr(layer, "mamba", None) is not None:
-                mamba1_away_from_init_(layer.mamba, uniform)
+        for m in mixers:
+            mamba1_away_from_init_(m, uniform)
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 uniform(p, 0.6, 1.4)
-    return model.to(dtype)
+    return model
+
+
+def tiny_zamba(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random ZambaForCausalLM (seeded): hidden 16, layers Mamba1 / hybrid / Mamba1 / hybrid (both hybrid
+    layers run the ONE shared block: tied parameters); Mamba1 I = 32 in 2 heads of 16 (x / z interleaved in in_proj),
+    state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias; attention on concat(hidden, embeddings) (width
+    32) 4 heads of 8 over 2 KV heads, NoPE; gelu MLP 24; tied embeddings (the default: transformers ties the shared
+    block's instances only under tie_word_embeddings); weights drawn with std 0.1 (the default
+    0.02 leaves the shared block's input nearly the same at every hybrid layer, its outputs with it). Slowly decaying
+    channels (A_log from [-5, -1]), dt_proj_bias, D, the biases and every norm weight away from their init."""
+    import transformers
+
+    fields = dict(vocab_size=256, hidden_size=16, num_hidden_layers=4, intermediate_size=24,
+                  layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+                  num_attention_heads=4, num_key_value_heads=2, n_mamba_heads=2, mamba_d_state=4, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=3, mamba_conv_bias=True, mamba_proj_bias=True, pad_token_id=0,
+                  initializer_range=0.1)
+    config = transformers.ZambaConfig(**{**fields, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.ZambaForCausalLM(config)
+    mixers = [layer.mamba if hasattr(layer, "mamba") else layer.mamba_decoder.mamba for layer in model.model.layers]
+    return mamba1_hybrid_away_from_init_(model, mixers).to(dtype)
 
 
 def tiny_zamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:

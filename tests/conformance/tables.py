@@ -46,6 +46,7 @@ from helpers import (
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
     tiny_text_fields,
+    tiny_zamba,
     tiny_zamba2,
 )
 
@@ -685,17 +686,52 @@ ZAMBA2 = Table("Zamba2", "Zamba2ForCausalLM", tiny_zamba2, (
     Knob("time_step_max, time_step_floor, initializer_range", ignored="initialisation only"),
 ))
 
+# the tiny Zamba: layers Mamba1, hybrid, Mamba1, hybrid (both hybrid layers run the ONE shared block, tied with the
+# embeddings under tie_word_embeddings, the default); Mamba1 I = 32 in
+# 2 heads of 16 (x / z interleaved), state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias; attention on
+# concat(hidden, embeddings) 4 heads of 8 over 2 KV heads, NoPE; gelu MLP 24. Ulysses splits the Mamba heads (CP2;
+# CP4 needs n_mamba_heads 4, else refused and run through p2p)
+ZAMBA = Table("Zamba", "ZambaForCausalLM", tiny_zamba, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("mamba_conv_bias False, mamba_d_conv 1 (no conv halo), n_mamba_heads 1 (one scan over every channel)",
+         dict(mamba_conv_bias=False, mamba_d_conv=1, n_mamba_heads=1), touches="linear"),
+    Knob(f"mamba_proj_bias False (in_proj / out_proj; True in the tiny model: {BIAS_WINDOW}), n_mamba_heads 4, "
+         "mamba_d_state 8, mamba_expand 1 (heads of 4), mamba_dt_rank auto (1)",
+         dict(mamba_proj_bias=False, n_mamba_heads=4, mamba_d_state=8, mamba_expand=1, mamba_dt_rank="auto"),
+         touches="linear padding"),
+    Knob("layers_block_type: hybrid, linear_attention, hybrid (a hybrid layer first)",
+         dict(num_hidden_layers=3, layers_block_type=["hybrid", "linear_attention", "hybrid"]), touches="layers"),
+    Knob("attn_layer_period 2, attn_layer_offset 1 (layers_block_type unset: Mamba1, Mamba1, hybrid, Mamba1, "
+         "hybrid), num_attention_heads 8, num_key_value_heads 1 (MQA), attention_head_dim 6",
+         dict(num_hidden_layers=5, layers_block_type=None, attn_layer_period=2, attn_layer_offset=1,
+              num_attention_heads=8, num_key_value_heads=1, attention_head_dim=6), touches="layers attention"),
+    Knob("hidden_act silu, intermediate_size 20, rms_norm_eps 1e-1, tie_word_embeddings False (transformers then "
+         "ties nothing: the shared block's instances are independent blocks, each its own parameters)",
+         dict(hidden_act="silu", intermediate_size=20, rms_norm_eps=1e-1, tie_word_embeddings=False),
+         touches="mlp norm embedding head"),
+    Knob("hidden_mamba_act: gelu (the conv's activation)", dict(hidden_mamba_act="gelu"), touches="linear",
+         refused="computes the conv's activation as SiLU"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+    Knob("attention_hidden_size", ignored="must be 2 x hidden_size: the shared block reads concat(hidden, "
+                                          "embeddings) (another value fails in transformers)"),
+    Knob("use_associative_scan", ignored="another torch scan of the same recurrence, under torch.compile only"),
+    Knob("use_mamba_kernels", ignored="deprecated: no effect in transformers 5.25"),
+    Knob("max_position_embeddings, num_logits_to_keep", ignored="NoPE: no position is read; generation only"),
+    Knob("time_step_min, time_step_max, time_step_floor, initializer_range", ignored="initialisation only"),
+))
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
                                  LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2, MAMBA, FALCON_MAMBA, JAMBA,
-                                 ZAMBA2)}
+                                 ZAMBA2, ZAMBA)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
           "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
           "LFM2": (), "LFM2-MoE": (), "LFM3": (), "Mamba2": SSD_DECAYS, "Mamba": MAMBA_DECAYS,
           "FalconMamba": MAMBA_DECAYS, "Jamba": MAMBA_DECAYS,
-          "Zamba2": SSD_DECAYS}
+          "Zamba2": SSD_DECAYS, "Zamba": ("A_log", "dt_proj_bias")}
 
 
 def readme_section() -> str:

@@ -181,11 +181,13 @@ CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
                     "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM", "Mamba2ForCausalLM",
                     "MambaForCausalLM", "JambaForCausalLM",
-                    "Zamba2ForCausalLM", "Lfm3ForCausalLM"))
+                    "Zamba2ForCausalLM", "Lfm3ForCausalLM", "ZambaForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
-       + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d"))
+       + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d")
+       # Zamba's 2 Mamba heads, one a Ulysses group member, across the groups by p2p
+       + _cases(("p2p",), ("balanced",), ("packed",), names=("ZambaForCausalLM",), extra="2d"))
 CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
               "MiniMaxForCausalLM", "Mamba2ForCausalLM")
 CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode; one family of each other mixer, in turn
@@ -204,6 +206,8 @@ CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode;
           ("JambaForCausalLM", "packed", "all_gather", "balanced", None),
           # Zamba2's shared blocks (tied across invocations) under Ulysses, over pieces of 4 tokens
           ("Zamba2ForCausalLM", "packed", "ulysses", "balanced", None),
+          # Zamba's Mamba1 heads and its one shared block, a left-padded row, over pieces of 4 tokens
+          ("ZambaForCausalLM", "padded", "p2p", "balanced", None),
           # LFM3: the conv halo of 6 and the window of 20 over pieces of 8 tokens (balanced pieces of 4 would be
           # shorter than the conv halo: refused, the error says to pad)
           ("Lfm3ForCausalLM", "packed", "p2p", "contiguous", None)])

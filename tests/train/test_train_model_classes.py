@@ -6,7 +6,7 @@ Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, 
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
 Bailing-Hybrid (KDA and MLA, routed experts; eager); Mamba2 (Mamba2 blocks only); Zamba2 (Mamba2 layers, shared
-attention blocks with adapters); Mamba (Mamba1 blocks only);
+attention blocks with adapters); Mamba (Mamba1 blocks only); Zamba (Mamba1 heads, one shared attention block);
 Qwen4-Exp (indexed attention with full_attention_cp=all_gather, a PLE layer, hyper-connections); GLM-5.3-Flash
 (its conditional class with a text-only batch: KDA, MLA with the pooled indexer and a "shared" layer,
 hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
@@ -73,6 +73,11 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
                                mamba_ngroups=2, mamba_d_state=16, chunk_size=64, num_key_value_heads=8,
                                num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
                                pad_token_id=0), GDN_FIELDS + ["layer_types", "head_dim"], {}),
+    # Mamba1 layers of 2 heads (x / z interleaved) and hybrid layers running the one shared NoPE attention block
+    "ZambaForCausalLM": (dict(layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+                              n_mamba_heads=2, mamba_d_state=16, mamba_dt_rank=8, pad_token_id=0,
+                              tie_word_embeddings=True),  # transformers ties the shared block only under it
+                         GDN_FIELDS + ["layer_types", "head_dim"], {}),
     # Mamba1 blocks only (the selective scan: one head of I x N state rows, p2p)
     "MambaForCausalLM": (dict(state_size=16, expand=2, conv_kernel=4, time_step_rank=8, pad_token_id=0),
                          GDN_FIELDS + ["layer_types", "intermediate_size", "num_attention_heads",

@@ -171,7 +171,8 @@ def test_a_family_without_attention_or_mlp():
                for layer in adapter.layers())
 
 
-@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"])
+@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
+                                  "ZambaForCausalLM"])
 def test_mamba1_refuses_the_triton_backend_before_any_collective(single_rank_group, monkeypatch, name):
     """Mamba1's selective scan has eager kernels only: backend='triton' is refused by parallelize_cp's local checks
     (the error travels in its one configuration exchange, `raise_together`, so every rank raises it together), naming
@@ -238,3 +239,76 @@ def test_zamba2_shared_blocks_stay_one_parameter_set(single_rank_group, tmp_path
     assert all(p is q for p, q in zip(*(b.parameters() for b in blocks)))
     assert torch.equal(blocks[1].self_attn.q_proj.weight, reference.model.layers[4].shared_transformer.self_attn.
                        q_proj.weight)
+
+
+def test_zamba_shared_block_stays_one_parameter_set(single_rank_group):
+    """Zamba's ONE shared block (an instance per hybrid layer, all tied by transformers) after parallelize_cp,
+    activation checkpointing and FSDP2 (one unit for the tied group): the instances hold the SAME parameters, the
+    model as many as before, and a tied weight's gradient is the sum over both invocations (transformers' own, on the
+    same input). (Loading: test_load_pretrained.py; without FSDP2, the Zamba2 test above.)"""
+    from deltacp import apply_activation_checkpointing, fully_shard_cp
+    from helpers import float64_upcasts, rel_l2, tiny_zamba
+
+    base = tiny_zamba(torch.float64)
+    adapter = adapter_for(base)
+    layers = adapter.layers()
+    assert [adapter.full_attention(layer) is not None for layer in layers] == [False, True, False, True]
+    assert all(adapter.linear_attention(layer) is not None for layer in layers)
+    numel = sum(p.numel() for p in base.parameters())
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(base)
+    reference(input_ids=ids, use_cache=False).logits.square().mean().backward()
+
+    model = parallelize_cp(base, _mesh(), linear_attention_cp_mode="p2p")
+    apply_activation_checkpointing(model)
+    fully_shard_cp(model, _mesh())
+    first, second = layers[1].shared_transf, layers[3].shared_transf
+    assert all(p is q for p, q in zip(first.parameters(), second.parameters()))
+    assert sum(p.numel() for p in model.parameters()) == numel
+    with float64_upcasts():
+        model(input_ids=ids, use_cache=False).logits.square().mean().backward()
+    for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "feed_forward.up_proj.weight",
+                 "input_layernorm.weight"):
+        mine = first.get_parameter(name).grad.full_tensor()
+        theirs = reference.model.layers[1].shared_transf.get_parameter(name).grad
+        assert rel_l2(mine, theirs) < 1e-6, name  # transformers' float32 A and D in a float64 model
+
+
+
+def test_xlstm_and_rwkv_are_refused_with_the_reason(single_rank_group, monkeypatch, tmp_path):
+    """xLSTM (mLSTM) and RWKV-4 are refused (docs/design.md, "Refused: the stabilised recurrences"): parallelize_cp
+    (in its one configuration exchange: no other collective first), load_pretrained and the registry's class lookup
+    raise NotImplementedError naming the class and why; the trainer's config a ConfigError with the reason."""
+    import torch.distributed as dist
+    import transformers
+
+    from deltacp import load_pretrained
+    from deltacp.families.registry import family_of
+    from deltacp.train.config import ConfigError, load_config
+
+    MAIN = Path(__file__).resolve().parents[2] / "configs" / "tiny_cp4.yaml"
+
+    models = {"xLSTMForCausalLM": transformers.xLSTMForCausalLM(transformers.xLSTMConfig(
+                  vocab_size=64, hidden_size=32, embedding_dim=32, num_heads=2, num_blocks=1)),
+              "RwkvForCausalLM": transformers.RwkvForCausalLM(transformers.RwkvConfig(
+                  vocab_size=64, hidden_size=16, attention_hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  context_length=64))}
+    why = {"xLSTMForCausalLM": r"max\(\|q n\|, exp\(-m\)\) \+ eps", "RwkvForCausalLM": r"ratio of the carried state"}
+    for name, model in models.items():
+        reason = rf"{name}: .*{why[name]}.*outside the recurrence contract"
+        with pytest.raises(NotImplementedError, match=reason):
+            family_of(name)
+        key = rf"^train\.model\.model_class='{name}'"
+        with pytest.raises(ConfigError, match=rf"{key} is not supported: .*{why[name]}"):
+            load_config(MAIN, [f"train.model.model_class={name}"])
+        model.save_pretrained(tmp_path / name)
+        with pytest.raises(NotImplementedError, match=rf"^load_pretrained: {reason}"):
+            load_pretrained(tmp_path / name, _mesh())
+        with monkeypatch.context() as m:
+            def collective(*args, **kwargs):
+                raise AssertionError("a collective ran before the refusal")
+
+            for op in ("all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier", "send", "recv"):
+                m.setattr(dist, op, collective)
+            with pytest.raises(NotImplementedError, match=rf"^context parallelism: {reason}"):
+                parallelize_cp(model, _mesh(), linear_attention_cp_mode="p2p")

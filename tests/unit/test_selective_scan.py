@@ -1,7 +1,8 @@
 """The selective scan (`ops/selective/eager.py`, Mamba1's recurrence under the recurrence contract), float64 on the
 CPU: against a token recurrence written here and transformers' `mamba_selective_scan` (its torch loop), with an
 entering state (added before the silu(z) gate), lengths off the chunk, packed documents (the first continuing);
-the contract's summary (h_out = M ⊙ h_in + S, M diagonal), the entering state's gradient, and every input gradient."""
+the contract's summary (h_out = M ⊙ h_in + S, M diagonal), the entering state's gradient, and every input gradient;
+B and C shared by every channel, or per group of channels (Zamba's Mamba heads: one contract head per group)."""
 
 import pytest
 import torch
@@ -15,24 +16,35 @@ pytestmark = pytest.mark.fast
 
 def token_recurrence(x, dt, A, B, C, D, z, h0=None, starts=()):
     R, T, I = x.shape
+    if B.dim() == 4:  # per group of channels: each channel reads its group's B and C
+        B, C = (t.repeat_interleave(I // t.shape[2], dim=2) for t in (B, C))
+        return _channel_recurrence(x, dt, A, B, C, D, z, h0, starts)
+    return _channel_recurrence(x, dt, A, B[:, :, None], C[:, :, None], D, z, h0, starts)
+
+
+def _channel_recurrence(x, dt, A, B, C, D, z, h0, starts):
+    """B, C [R, T, I or 1, N]."""
+    R, T, I = x.shape
     h = torch.zeros(R, I, A.shape[-1], dtype=x.dtype) if h0 is None else h0.clone()
     ys = []
     for t in range(T):
         if t in starts:
             h = torch.zeros_like(h)
-        h = (dt[:, t, :, None] * A).exp() * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
-        ys.append(((h * C[:, t, None, :]).sum(-1) + D * x[:, t]) * F.silu(z[:, t]))
+        h = (dt[:, t, :, None] * A).exp() * h + (dt[:, t] * x[:, t])[..., None] * B[:, t]
+        ys.append(((h * C[:, t]).sum(-1) + D * x[:, t]) * F.silu(z[:, t]))
     return torch.stack(ys, dim=1), h
 
 
-def _inputs(R=2, T=45, I=6, N=5, seed=0):
+def _inputs(R=2, T=45, I=6, N=5, seed=0, G=None):
+    """G: B and C per group of I / G channels ([R, T, G, N]); None: shared ([R, T, N])."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     f32 = lambda t: t.float().double()  # noqa: E731  (transformers' loop reads x and B in float32)
-    x, B = f32(r(R, T, I)), f32(r(R, T, N))
+    bc = (R, T, N) if G is None else (R, T, G, N)
+    x, B = f32(r(R, T, I)), f32(r(*bc))
     dt = F.softplus(r(R, T, I))
     A = -(r(I, N).exp())
-    return x, dt, A.expand(R, I, N), B, r(R, T, N), r(I).expand(R, I), r(R, T, I), r(R, I, N)
+    return x, dt, A.expand(R, I, N), B, r(*bc), r(I).expand(R, I), r(R, T, I), r(R, I, N)
 
 
 def test_matches_the_token_recurrence_and_transformers_loop():
@@ -51,20 +63,23 @@ def test_matches_the_token_recurrence_and_transformers_loop():
     torch.testing.assert_close(h, hf_h, rtol=1e-12, atol=1e-12)
 
 
-def test_contract_summary_state_grad_documents_and_gradients():
-    x, dt, A, B, C, D, z, h0 = _inputs(T=40, seed=1)
+@pytest.mark.parametrize("G", [None, 3])
+def test_contract_summary_state_grad_documents_and_gradients(G):
+    x, dt, A, B, C, D, z, h0 = _inputs(T=40, seed=1, G=G)
     rec = SelectiveScan()
     R, I, N = A.shape
+    H = G or 1  # the contract's heads: one per group
     inp = RecurrenceInputs(x, dt, A, B, C, D, z)
     rec.check(inp)
-    h0_c = h0.reshape(R, 1, I * N, 1)
+    assert rec.state_shape(inp) == (R, H, I // H * N, 1)
+    h0_c = h0.reshape(R, H, I // H * N, 1)
     starts = (0, 13, 30)  # documents at 13 and 30; the first continues the entering state
     for cu in (None, torch.tensor([0, 13, 30, 40])):
         kw = dict(starts=starts[1:] if cu is not None else ())
         ref, ref_h = token_recurrence(x[:1], dt[:1], A[:1], B[:1], C[:1], D[:1], z[:1], h0[:1], **kw)
         one = inp.rows(slice(0, 1))
         o, ht = rec.forward(one, initial_state=h0_c[:1], output_final_state=True, cu_seqlens=cu)
-        torch.testing.assert_close(o[:, :, 0], ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(o.flatten(2), ref, rtol=1e-12, atol=1e-12)
         m, s = rec.summary(one, cu_seqlens=cu)
         torch.testing.assert_close(DIAGONAL.apply(m, s, h0_c[:1]), ht, rtol=1e-12, atol=1e-12)
         assert (m.abs().max() == 0) == (cu is not None)  # a document starts inside: the entering state cannot reach

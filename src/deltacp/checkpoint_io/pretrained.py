@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp.distributed.agree import LocalChecks, raise_together
 from deltacp.distributed.mesh import batch_group_of, cp_group_of
-from deltacp.models.adapters import adapter_for, supported_classes
+from deltacp.models.adapters import adapter_for, refuse_class, supported_classes
 from deltacp.models.checkpointing import CheckpointingPlan, checkpointing_plan
 from deltacp.models.compose import parallelize_and_shard
 from deltacp.parallel.plan import CPPlan
@@ -110,6 +110,7 @@ def resolve_class(path: Path, model_class, config=None) -> type:
                              f"{supported_classes()}")
         model_class = architectures[0]
     name = model_class if isinstance(model_class, str) else getattr(model_class, "__name__", repr(model_class))
+    refuse_class(name, "load_pretrained")
     if name not in supported_classes():
         raise NotImplementedError(f"load_pretrained: model class {name} is not supported; expected one of "
                                   f"{supported_classes()} (pass model_class=...)")

@@ -30,6 +30,8 @@
                     renormalised, with the aux loss)
     zamba2.py       Zamba2 (Mamba2 layers; hybrid layers whose shared attention blocks, cycled over num_mem_blocks and
                     tied across invocations, take per-invocation LoRA adapters: one parameter set, one FSDP2 unit)
+    zamba.py        Zamba (Mamba1 layers of n_mamba_heads independent scans, x / z interleaved in in_proj, one contract
+                    head each; hybrid layers running ONE tied NoPE attention block on concat(hidden, embeddings))
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)

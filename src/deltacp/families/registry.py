@@ -124,7 +124,26 @@ def register_family(family: Family) -> Family:
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
          "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2", "mamba2_lm", "mamba",
-         "falcon_mamba", "jamba", "zamba2")
+         "falcon_mamba", "jamba", "zamba2", "zamba")
+
+
+# transformers classes deltacp refuses, with the reason (docs/design.md, "Refused: the stabilised recurrences"): their
+# carried state is affine in real arithmetic, but they carry it through a max stabiliser (max-plus, not h_out = M h_in +
+# S) and their outputs are not affine in the entering state, outside the recurrence contract every CP mode is built on
+_STABILISED = ("; the carried state's max stabiliser (max-plus, not h_out = M h_in + S) and an output that is not "
+               "affine in the entering state are outside the recurrence contract every CP mode is built on "
+               "(docs/design.md, 'Refused: the stabilised recurrences')")
+_XLSTM = ("xLSTM's mLSTM is refused: its output q C / (max(|q n|, exp(-m)) + eps) reads the stabiliser m, not only "
+          "the state (C, n), through eps exp(m) and the max" + _STABILISED)
+_RWKV = ("RWKV-4 is refused: its WKV output (num + exp(u + k) v) / (den + exp(u + k)) is a ratio of the carried state "
+         "(num, den), kept under a running max exponent" + _STABILISED)
+REFUSED = {"xLSTMForCausalLM": _XLSTM, "xLSTMModel": _XLSTM, "RwkvForCausalLM": _RWKV, "RwkvModel": _RWKV}
+
+
+def refuse_class(class_name: str, what: str) -> None:
+    """NotImplementedError naming a refused class (`REFUSED`) and why; nothing for any other class."""
+    if class_name in REFUSED:
+        raise NotImplementedError(f"{what}: {class_name}: {REFUSED[class_name]}")
 
 
 def families() -> tuple[Family, ...]:
@@ -151,7 +170,9 @@ def trainable_classes() -> tuple[str, ...]:
 
 
 def family_of(class_name: str) -> Family:
-    """The family of a supported class name, or NotImplementedError naming it and the supported ones."""
+    """The family of a supported class name, or NotImplementedError naming it and the supported ones (a refused
+    class: why, `REFUSED`)."""
+    refuse_class(class_name, "deltacp")
     for family in families():
         if class_name in family.model_classes():
             return family

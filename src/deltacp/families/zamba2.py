@@ -19,7 +19,7 @@ j % num_mem_blocks). transformers builds one `Zamba2AttentionDecoderLayer` insta
 parameters of the later ones to the first of their block (`Zamba2Model._tied_weights_keys`, prefix
 `layers.<i>.shared_transformer`): the instances hold the SAME Parameter objects. CP installs its forward on every
 instance and reads the parameters through it at call time, so they stay one set; FSDP2 must shard each tied group as
-ONE unit (`shared_modules`, read by `models/fsdp.fully_shard_cp`), and checkpoints store a tied group once, under
+ONE unit (`shared_blocks`, read by `models/fsdp.fully_shard_cp`), and checkpoints store a tied group once, under
 its first layer's names (`checkpoint_io`: transformers' save drops the tied keys). Attention (`Zamba2Attention`):
 input width 2 x hidden, GQA, head_dim 2 x hidden / heads, scaling (head_dim / 2)^-1/2, no biases, no q/k norm, the
 full RoPE only under `use_mem_rope` (the model computes no position embeddings otherwise); under
@@ -82,16 +82,21 @@ def check_config(config) -> None:
                          f"transformers adds the k / v adapters at the query width, its own forward cannot run it")
 
 
-def shared_modules(text_model) -> list[list]:
-    """The shared blocks' instances grouped by the parameters they hold (one list per tied group, in layer order):
-    FSDP2 shards each group as one unit, so that a tied parameter is one sharded parameter."""
-    groups: dict[int, list] = {}
-    for layer in text_model.layers:
-        block = getattr(layer, "shared_transformer", None)
-        if block is not None:
-            key = id(block.self_attn.q_proj.weight)
-            groups.setdefault(key, []).append(block)
-    return list(groups.values())
+def shared_blocks(attribute: str):
+    """`Family.shared_modules` for shared blocks at the hybrid layers' `attribute`: their instances grouped by the
+    parameters they hold (one list per tied group, in layer order); FSDP2 shards each group as one unit, so that a
+    tied parameter is one sharded parameter (Zamba's `shared_transf` too)."""
+
+    def shared_modules(text_model) -> list[list]:
+        groups: dict[int, list] = {}
+        for layer in text_model.layers:
+            block = getattr(layer, attribute, None)
+            if block is not None:
+                key = id(block.self_attn.q_proj.weight)
+                groups.setdefault(key, []).append(block)
+        return list(groups.values())
+
+    return shared_modules
 
 
 ZAMBA2 = register_family(Family(
@@ -99,4 +104,4 @@ ZAMBA2 = register_family(Family(
     linear_mixer="Zamba2MambaMixer", attention="Zamba2Attention", norm="Zamba2RMSNorm", mlp="Zamba2MLP",
     text_config="Zamba2Config", mixer_view=Zamba2Mamba2View, attention_view=Zamba2AttentionView, fused_decoder=False,
     linear_attribute=("mamba", "mamba_decoder.mamba"), attention_attribute="shared_transformer.self_attn",
-    moe_fields=None, check_config=check_config, shared_modules=shared_modules))
+    moe_fields=None, check_config=check_config, shared_modules=shared_blocks("shared_transformer")))

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from deltacp.families.registry import Family, families, supported_classes
+from deltacp.families.registry import Family, families, refuse_class, supported_classes
 from deltacp.parallel.views import register_attention_view, register_mixer_view
 
 
@@ -140,7 +140,9 @@ class ModelAdapter:
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
-    """The adapter of a supported model, or NotImplementedError naming its class and the supported classes."""
+    """The adapter of a supported model, or NotImplementedError naming its class and the supported classes (a refused
+    class: why, `registry.REFUSED`)."""
+    refuse_class(type(model).__name__, "context parallelism")
     for family in families():
         classes = family.classes()
         if classes is None:

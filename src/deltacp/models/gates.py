@@ -22,4 +22,8 @@ def long_memory_gates_(model: torch.nn.Module) -> torch.nn.Module:
                 module.A_log.copy_(torch.empty(module.A_log.shape, device="cpu").uniform_(-5, -1, generator=gen))
                 module.dt_proj.bias.copy_(
                     torch.empty(module.dt_proj.bias.shape, device="cpu").uniform_(-1, 1, generator=gen))
+            elif hasattr(module, "A_log") and hasattr(module, "dt_proj_bias"):  # Zamba's Mamba1 heads
+                module.A_log.copy_(torch.empty(module.A_log.shape, device="cpu").uniform_(-5, -1, generator=gen))
+                module.dt_proj_bias.copy_(
+                    torch.empty(module.dt_proj_bias.shape, device="cpu").uniform_(-1, 1, generator=gen))
     return model

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import yaml
 
 from deltacp.config import AcceleratorConfig
-from deltacp.families.registry import FAMILIES, family_of, trainable_classes
+from deltacp.families.registry import FAMILIES, REFUSED, family_of, trainable_classes
 
 DTYPES = ("float32", "float64", "bfloat16")
 
@@ -224,6 +224,8 @@ def _check_scalar(key: str, value: Any, hint: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
+            if isinstance(value, str) and value in REFUSED:  # a class deltacp refuses: why (train.model.model_class)
+                raise ConfigError(f"{key}={value!r} is not supported: {REFUSED[value]}")
             raise ConfigError(f"{key}={value!r} is not supported; expected one of {list(choices)}")
         return value
     if origin in (typing.Union, types.UnionType):

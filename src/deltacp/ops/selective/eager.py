@@ -4,10 +4,11 @@
     y_t[d]    = (sum_n C_t[n] h_t[d, n] + D[d] x_t[d]) * silu(z_t[d])
 
 as transformers' `mamba_selective_scan` (models/mamba) computes it token by token, with dt already softplus'd (the
-caller adds dt_proj's bias and applies softplus: no clamp in Mamba1). B and C are shared by all I channels. The
+caller adds dt_proj's bias and applies softplus: no clamp in Mamba1). B and C are shared by all I channels, or by
+each of G equal groups of channels (Zamba's Mamba heads: B, C [rows, T, G, N], the channels group-major). The
 decay differs per (channel, state index), so over a segment h_out = M ⊙ h_in + S with M = exp(A ⊙ sum dt) elementwise:
-under the contract (`ops/recurrence.py`) the state is one "head" of K = I * N rows and V = 1 column, and M is
-`Transition("diagonal")`, packed [rows, 1, I * N, 1]: the chain and the scan move two numbers per (d, n).
+under the contract (`ops/recurrence.py`) the state is one "head" per group, of K = (I / G) * N rows and V = 1 column,
+and M is `Transition("diagonal")`, packed [rows, G, K, 1]: the chain and the scan move two numbers per (d, n).
 
 The entering state's contribution, sum_n C_t[n] (prod_{s<=t} a_s[d, n]) h_in[d, n], is added BEFORE the silu(z)
 gate, as in the single-device scan whose state it continues.
@@ -22,7 +23,8 @@ so the state (and the entering state's reach) restart there; no chunk alignment 
 Computation in float32 for float32 / bf16 inputs and float64 for float64 (`ops.precision.compute_dtype`); backward
 by autograd; the entering state's gradient in closed form.
 
-Shape legend: x_RTI [rows, tokens, channels]; *_RncIN chunked [rows, chunks, chunk, I, N].
+Shape legend: x_RTI [rows, tokens, channels]; *_RncIN chunked [rows, chunks, chunk, I, N]; G channel groups of
+P = I / G channels (B and C per group).
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ def chunk_size(T: int) -> int:
 
 def _check(x, dt, A, B, C, D, z):
     R, T, I = x.shape if x.dim() == 3 else (None, None, None)
-    if x.dim() != 3 or dt.shape != x.shape or A.dim() != 3 or A.shape[:2] != (R, I) or B.dim() != 3 \
-            or B.shape != C.shape or B.shape[:2] != (R, T) or B.shape[-1] != A.shape[-1]:
-        raise ValueError(f"the selective scan takes x, dt [rows, T, I], A [rows, I, N], B, C [rows, T, N]; got x "
-                         f"{tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, C "
-                         f"{tuple(C.shape)}")
+    if x.dim() != 3 or dt.shape != x.shape or A.dim() != 3 or A.shape[:2] != (R, I) or B.dim() not in (3, 4) \
+            or B.shape != C.shape or B.shape[:2] != (R, T) or B.shape[-1] != A.shape[-1] \
+            or (B.dim() == 4 and I % B.shape[2]):
+        raise ValueError(f"the selective scan takes x, dt [rows, T, I], A [rows, I, N], B, C [rows, T, N] or [rows, "
+                         f"T, G, N] (G dividing I); got x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
     if D is not None and D.shape != (R, I):
         raise ValueError(f"D must be [rows, I] = {(R, I)}, got {tuple(D.shape)}")
     if z is not None and z.shape != x.shape:
@@ -69,6 +72,21 @@ def _resets(layout: VarlenLayout | None, T: int, device) -> torch.Tensor | None:
     return r.to(device)
 
 
+def groups(B: torch.Tensor) -> int:
+    """G: the channel groups B (or C) is given for ([rows, T, N]: one)."""
+    return 1 if B.dim() == 3 else B.shape[2]
+
+
+def _grouped(t: torch.Tensor, G: int) -> torch.Tensor:
+    """[rows, T, I, ...] -> [rows, T, G, I / G, ...] (a view)."""
+    return t.unflatten(2, (G, -1))
+
+
+def _per_group(B: torch.Tensor) -> torch.Tensor:
+    """B or C as [rows, T, G, N]."""
+    return B[:, :, None] if B.dim() == 3 else B
+
+
 def _decays_and_inputs(x, dt, A, B, resets):
     """a [rows, T, I, N] = exp(dt A) (0 at a reset) and b = dt B x, in the compute dtype."""
     cd = compute_dtype(x)
@@ -76,7 +94,8 @@ def _decays_and_inputs(x, dt, A, B, resets):
     a = torch.exp(dt_[..., None] * A.to(cd)[:, None])
     if resets is not None:
         a = a * (~resets).to(cd)[None, :, None, None]
-    b = (dt_ * x.to(cd))[..., None] * B.to(cd)[:, :, None, :]
+    G = groups(B)
+    b = (_grouped(dt_ * x.to(cd), G)[..., None] * _per_group(B).to(cd)[:, :, :, None, :]).flatten(2, 3)
     return a, b
 
 
@@ -117,17 +136,21 @@ def _local_scan(a, b):
 def selective_scan(x, dt, A, B, C, D=None, z=None, *, initial_state=None, output_final_state=False,
                    cu_seqlens: torch.Tensor | VarlenLayout | None = None):
     """(y [rows, T, I] in the compute dtype, final state [rows, I, N] or None). x, dt [rows, T, I] (dt after
-    softplus), A [rows, I, N] (negative), B, C [rows, T, N], D [rows, I] or None, z [rows, T, I] or None (no gate);
-    initial_state [rows, I, N]. Differentiable in every input and the entering state."""
+    softplus), A [rows, I, N] (negative), B, C [rows, T, N] (every channel) or [rows, T, G, N] (per group of I / G
+    channels), D [rows, I] or None, z [rows, T, I] or None (no gate); initial_state [rows, I, N]. Differentiable in
+    every input and the entering state."""
     _check(x, dt, A, B, C, D, z)
     cd = compute_dtype(x)
     layout = as_layout(cu_seqlens, x.shape[1])
     a, b = _decays_and_inputs(x, dt, A, B, _resets(layout, x.shape[1], x.device))
     h, reach = _local_scan(a, b)
-    Cc = C.to(cd)
-    y = torch.einsum("rtin,rtn->rti", h, Cc)
+    G = groups(C)
+    Cc = _per_group(C).to(cd)
+    y = torch.einsum("rtgpn,rtgn->rtgp", _grouped(h, G), Cc)
     if initial_state is not None:  # the entering state's contribution, before the gate
-        y = y + torch.einsum("rtin,rin,rtn->rti", reach, initial_state.to(cd), Cc)
+        y = y + torch.einsum("rtgpn,rgpn,rtgn->rtgp", _grouped(reach, G), initial_state.to(cd).unflatten(1, (G, -1)),
+                             Cc)
+    y = y.flatten(2, 3)
     if D is not None:
         y = y + x.to(cd) * D.to(cd)[:, None]
     if z is not None:
@@ -154,15 +177,17 @@ def initial_state_grad(x, dt, A, C, z, grad_y, *, cu_seqlens=None) -> torch.Tens
     a, _ = _decays_and_inputs(x, dt, A, C, _resets(layout, x.shape[1], x.device))
     reach = torch.cumprod(a, dim=1)
     g = grad_y.to(cd) if z is None else grad_y.to(cd) * F.silu(z.to(cd))
-    return torch.einsum("rtin,rtn,rti->rin", reach, C.to(cd), g)
+    G = groups(C)
+    return torch.einsum("rtgpn,rtgn,rtgp->rgpn", _grouped(reach, G), _per_group(C).to(cd), _grouped(g, G)).flatten(1, 2)
 
 
 class SelectiveScan(StagesNothing):
     """Mamba1's selective scan under the contract (`ops/recurrence.py`), eager. Inputs (x, dt, A, B, C, D, z) in
     transformers' `mamba_selective_scan` order: x, dt, z [rows, T, I] (dt after softplus; z the gate, or None),
     A [rows, I, N] and D [rows, I] (or None) per row (no token dimension: the modes never cut the inputs by tokens),
-    B, C [rows, T, N]. State [rows, 1, I * N, 1] (one head of I * N rows, V = 1); outputs [rows, T, 1, I]; M
-    diagonal, packed [rows, 1, I * N, 1]."""
+    B, C [rows, T, N] (one head) or [rows, T, G, N] (G heads of P = I / G channels each: Zamba's Mamba heads).
+    State [rows, G, P * N, 1] (a head of P * N rows per group, V = 1); outputs [rows, T, G, P]; M diagonal, packed
+    [rows, G, P * N, 1]."""
 
     transition = DIAGONAL
     name = "eager"
@@ -182,7 +207,8 @@ class SelectiveScan(StagesNothing):
 
     def state_shape(self, x: RecurrenceInputs) -> tuple[int, ...]:
         x_, dt, A, B, C, D, z = self._unpack(x)
-        return (x_.shape[0], 1, A.shape[1] * A.shape[2], 1)
+        G = groups(B)
+        return (x_.shape[0], G, A.shape[1] // G * A.shape[2], 1)
 
     def forward(self, x, *, initial_state=None, output_final_state=False, prepared=None, cu_seqlens=None):
         self._no_prepared(prepared)
@@ -192,18 +218,22 @@ class SelectiveScan(StagesNothing):
         h0 = None if initial_state is None else initial_state.reshape(R, I, N)
         y, ht = selective_scan(x_, dt, A, B, C, D, z, initial_state=h0, output_final_state=output_final_state,
                                cu_seqlens=cu_seqlens)
-        return y[:, :, None], (None if ht is None else ht.reshape(R, 1, I * N, 1))
+        G = groups(B)
+        return y.unflatten(2, (G, -1)), (None if ht is None else ht.reshape(R, G, I // G * N, 1))
 
     def summary(self, x, *, prepared=None, need_transition=True, cu_seqlens=None):
         self._no_prepared(prepared)
         x_, dt, A, B, C, D, z = self._unpack(x)
         R, I, N = A.shape
         m, s = summary_selective_scan(x_, dt, A, B, need_transition=need_transition, cu_seqlens=cu_seqlens)
-        return (None if m is None else DIAGONAL.pack(m.reshape(R, 1, I * N), I * N)), s.reshape(R, 1, I * N, 1)
+        G = groups(B)
+        K = I // G * N
+        return (None if m is None else DIAGONAL.pack(m.reshape(R, G, K), K)), s.reshape(R, G, K, 1)
 
     def initial_state_grad(self, x, grad_o, *, prepared=None, cu_seqlens=None):
         self._no_prepared(prepared)
         x_, dt, A, B, C, D, z = self._unpack(x)
         R, I, N = A.shape
         g = initial_state_grad(x_, dt, A, C, z, grad_o.reshape(x_.shape), cu_seqlens=cu_seqlens)
-        return g.reshape(R, 1, I * N, 1)
+        G = groups(B)
+        return g.reshape(R, G, I // G * N, 1)
