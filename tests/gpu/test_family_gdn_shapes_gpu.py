@@ -114,7 +114,11 @@ def _mamba1(family, hidden, inter, rank):
 
         cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{prefix}Mixer")
         # FalconMambaMixer's own initialisation reads its norms before making them (transformers 5.25): skipped
-        module = cls(config, 0, initialize_mixer_weights=False) if family == "falcon_mamba" else cls(config, 0)
+        # where the constructor has the switch
+        try:
+            module = cls(config, 0, initialize_mixer_weights=False)
+        except TypeError:
+            module = cls(config, 0)
     with torch.no_grad():
         inter, n = module.intermediate_size, module.ssm_state_size
         module.A_log.copy_(torch.arange(1, n + 1, dtype=torch.float32).log().expand(inter, n))
