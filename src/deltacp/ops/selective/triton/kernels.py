@@ -47,13 +47,15 @@ import triton.language as tl
 # Launch configurations. BT: the chunk (tokens per program, the granularity of the stored chunk states: [T / BT,
 # I, N] fp32, 1 / BT of a [T, I, N] tensor); BD: channels per program (contiguous: BD bf16 = 64 bytes at 32);
 # NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
-# NG x [T, N]); BS (state_pass): state entries per program.
+# NG x [T, N]); BS (state_pass): state entries per program. Chosen offline, not timed (no GPU yet): no kernel spills
+# on sm_90 (`bench/kernel_resources.py --ops selective`, Triton 3.9: chunk_out 8 warps about 150 registers,
+# chunk_bwd BD = 16 about 240; BD = 32 there spilled 120 bytes).
 LAUNCH: dict[str, dict[str, int]] = {
     "chunk": dict(BT=64),
     "chunk_state": dict(BD=32, num_warps=4),
     "state_pass": dict(BS=256, num_warps=4),
-    "chunk_out": dict(BD=32, num_warps=4),
-    "chunk_bwd": dict(BD=32, NG=8, num_warps=8),
+    "chunk_out": dict(BD=32, num_warps=8, num_stages=1),
+    "chunk_bwd": dict(BD=16, NG=8, num_warps=8, num_stages=1),
 }
 
 
@@ -178,7 +180,10 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
     first = (o_l == 0)[:, None]
     if RESETS:
         is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, None]
-    b_y = tl.zeros([BT, BD], dtype=acc)
+    if USE_D:  # D x first: x is not held across the loop
+        b_y = b_x * tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, :]
+    else:
+        b_y = tl.zeros([BT, BD], dtype=acc)
     p_h = h + ((i_r * NC + i_c) * N) * I + o_d
     for n in range(N):
         b_an = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)
@@ -190,8 +195,6 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
         b_b = tl.where(first, b_b + b_a * b_hin[None, :], b_b)
         _, b_hs = tl.associative_scan((b_a, b_b), 0, _affine)
         b_y += b_hs * _col(Cm, i_r, sc_r, sc_t, o_t, n, m_t, acc)[:, None]
-    if USE_D:
-        b_y += b_x * tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, :]
     if USE_Z:
         b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
         b_y = b_y * b_z * tl.sigmoid(b_z)
@@ -230,6 +233,7 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
             b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
             b_sg = tl.sigmoid(b_z)
             b_gy = b_do * b_z * b_sg
+            b_dzf = b_do * b_sg * (1. + b_z * (1. - b_sg))  # dz = dy silu'(z) y_pre
         else:
             b_gy = b_do
         b_u = b_dt * b_x
@@ -274,14 +278,14 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
         tl.store(dx + p_o, b_dx.to(dx.dtype.element_ty), mask=m)
         tl.store(ddt + p_o, (b_x * b_bdh + b_adt).to(ddt.dtype.element_ty), mask=m)
         if USE_Z:
-            tl.store(dz + p_o, (b_do * b_yp * b_sg * (1. + b_z * (1. - b_sg))).to(dz.dtype.element_ty), mask=m)
+            tl.store(dz + p_o, (b_dzf * b_yp).to(dz.dtype.element_ty), mask=m)
 
 
 # --- launchers -------------------------------------------------------------------------------------------------
 
 def _opts(name: str) -> tuple[dict[str, int], dict[str, int]]:
     cfg = dict(LAUNCH[name])
-    return cfg, {"num_warps": cfg.pop("num_warps")}
+    return cfg, {o: cfg.pop(o) for o in ("num_warps", "num_stages") if o in cfg}
 
 
 def _rt_strides(t: torch.Tensor | None) -> tuple[int, int]:
