@@ -54,8 +54,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk": dict(BT=64),
     "chunk_state": dict(BD=32, num_warps=4),
     "state_pass": dict(BS=256, num_warps=4),
-    "chunk_out": dict(BD=32, num_warps=8, num_stages=1),
-    "chunk_bwd": dict(BD=16, NG=8, num_warps=8, num_stages=1),
+    "chunk_out": dict(BD=32, num_warps=8),
+    "chunk_bwd": dict(BD=16, NG=8, num_warps=8),
 }
 
 
