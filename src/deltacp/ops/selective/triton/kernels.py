@@ -49,13 +49,13 @@ import triton.language as tl
 # NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
 # NG x [T, N]); BS (state_pass): state entries per program. Chosen offline, not timed (no GPU yet): no kernel spills
 # on sm_90 (`bench/kernel_resources.py --ops selective`, Triton 3.9: chunk_out 8 warps about 150 registers,
-# chunk_bwd BD = 16 about 240; BD = 32 there spilled 120 bytes).
+# chunk_bwd BD = 16 about 240; BD = 32 there spilled 120 bytes). `bench/launch_sweep.py --op selective` sweeps it.
 LAUNCH: dict[str, dict[str, int]] = {
     "chunk": dict(BT=64),
-    "chunk_state": dict(BD=32, num_warps=4),
-    "state_pass": dict(BS=256, num_warps=4),
-    "chunk_out": dict(BD=32, num_warps=8),
-    "chunk_bwd": dict(BD=16, NG=8, num_warps=8),
+    "chunk_state": dict(BD=32, num_warps=4, num_stages=3),
+    "state_pass": dict(BS=256, num_warps=4, num_stages=3),
+    "chunk_out": dict(BD=32, num_warps=8, num_stages=3),
+    "chunk_bwd": dict(BD=16, NG=8, num_warps=8, num_stages=3),
 }
 
 
