@@ -43,6 +43,9 @@ SHAPES = {
     # the selected attention of the indexed attention layers (not a recurrence): Qwen4-Exp's 16 query heads over 2
     # KV heads of 256, blocks of 64
     "selected": {"qwen4-exp (16 / 2 x 256, blocks of 64)": dict(H=16, KV=2, D=256, size=64)},
+    # Mamba1's selective scan: the launches depend on N, not on the channels I (a runtime argument; recorded at a
+    # few blocks): Falcon-Mamba-7B, Mamba-2.8B and Jamba all have N = 16
+    "selective": {"falcon-mamba-7b / jamba (N = 16)": dict(I=96, N=16)},
 }
 DTYPES = ("bfloat16", "float32")
 T = 192  # three chunks of 64
@@ -66,6 +69,12 @@ def _inputs(op, shape, dtype):
         x = RecurrenceInputs(r(1, T, H, K).to(dt), r(1, T, H, K).to(dt), r(1, T, H, V).to(dt),
                              -r(1, T, H, K).abs(), torch.rand(1, T, H, generator=g))
         return x, r(1, H, K, V), (1, T, H, V)
+    if op == "selective":
+        I, N = shape["I"], shape["N"]
+        A = -r(1, I, N).abs()
+        x = RecurrenceInputs(r(1, T, I).to(dt), r(1, T, I).abs().to(dt), A, r(1, T, N).to(dt), r(1, T, N).to(dt),
+                             r(1, I), r(1, T, I).to(dt))  # x, dt, A, B, C, D, z
+        return x, r(1, 1, I * N, 1), (1, T, 1, I)
     Hk, Hv, K, V = (shape[k] for k in ("Hk", "Hv", "K", "V"))
     x = RecurrenceInputs(r(1, T, Hk, K).to(dt), r(1, T, Hk, K).to(dt), r(1, T, Hv, V).to(dt),
                          -r(1, T, Hv).abs(), torch.rand(1, T, Hv, generator=g).to(dt))
@@ -73,6 +82,10 @@ def _inputs(op, shape, dtype):
 
 
 def _recurrence(op):
+    if op == "selective":
+        from deltacp.ops.selective.triton import TritonSelectiveScan
+
+        return TritonSelectiveScan()
     if op == "ssd":
         from deltacp.ops.ssd.triton import TritonScalarDecay
 

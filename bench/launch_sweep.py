@@ -1,4 +1,4 @@
-"""Launch sweep of the SSD or KDA Triton kernels: per kernel, its num_warps, num_stages and tile blocks (and SSD's
+"""Launch sweep of the SSD, KDA or selective-scan Triton kernels: per kernel, its num_warps, num_stages and tile blocks (and SSD's
 GROUP_HEADS), by coordinate descent from the current launch table, timing the op's forward + backward at one length.
 
 Each candidate changes one setting of one kernel (the others at the best found so far). A candidate is kept only when
@@ -9,6 +9,7 @@ context), and are timed against the current table measured in the same process. 
 
     python bench/launch_sweep.py --op kda --length 32768            # Kimi-Linear's 32 heads of 128, bf16
     python bench/launch_sweep.py --op ssd --length 32768            # Nemotron-H-8B's Mamba2 shape, bf16
+    python bench/launch_sweep.py --op selective --length 32768      # Falcon-Mamba-7B's Mamba1 shape, bf16
     python bench/launch_sweep.py --op kda --table-out t.json; python bench/launch_sweep.py --op kda --apply t.json \
         -- tests/gpu/test_kda_triton_gpu.py -q                         # the op's GPU tests on the proposal
     python bench/launch_sweep.py --op ssd --apply t.json -- bench/ssd_op.py --lengths 32768  # its bench on it
@@ -51,6 +52,10 @@ def op_and_inputs(op: str, T: int | None):
         import kda_op as bench
 
         t = bench.make_inputs(T, 32, 128, 128, "slow", torch.bfloat16)
+    elif op == "selective":
+        import selective_op as bench
+
+        t = bench.make_inputs(T, *bench.SHAPES["falcon-mamba-7b"], "slow", torch.bfloat16)
     else:
         import ssd_op as bench
 
@@ -62,7 +67,7 @@ def candidates(cfg: dict[str, int]):
     """Every config one setting away from cfg."""
     for key, values in (("num_warps", WARPS), ("num_stages", STAGES)):
         for v in values:
-            if v != cfg[key]:
+            if key in cfg and v != cfg[key]:
                 yield {**cfg, key: v}
     for key in sorted(k for k in cfg if k.startswith("B")):
         for v in BLOCKS:
@@ -147,7 +152,7 @@ def run_trials(args, table, group_heads, trials) -> tuple[float | None, list[tup
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--op", choices=("kda", "ssd"))
+    ap.add_argument("--op", choices=("kda", "ssd", "selective"))
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--match", type=float, default=1e-2, help="rel-L2 bound against the source table's results")

@@ -88,6 +88,15 @@
 #                                      Kimi-Linear's head shape, three gate regimes, rows and packed), Kimi-Linear's
 #                                      mixer at its config shape under CP2 (Triton bf16 vs eager fp32), then
 #                                      bench/kda_op.py against FLA's chunk_kda                     (about 5 minutes)
+#   bash scripts/gpu_checks.sh selective  Mamba1's selective scan on Triton: its GPU tests vs eager float64 (fp32 and
+#                                      bf16, three gate regimes, rows and packed, entering state; one compilation
+#                                      across lengths), the Mamba1 mixers (Falcon-Mamba-7B, Mamba-2.8B, Jamba) at
+#                                      released shapes under CP2 (bf16 Triton vs fp32 eager), then
+#                                      bench/selective_op.py at Falcon-Mamba-7B's shape (I 8192, N 16): rel-L2 vs
+#                                      float64 at 2K in three regimes, fwd / fwd+bwd ms and peak memory at 8K-64K
+#                                      (SELECTIVE_LENGTHS), against transformers' torch loop (at 8K) and mamba_ssm's
+#                                      selective_scan_fn / _ref when importable (said when not); exits non-zero
+#                                      when a check fails                                          (about 5 minutes)
 #   The public kernels (FLA, FlashQLA, mamba_ssm's Triton SSD, liger-kernel, transformers 5.25) come from
 #   .whl/gpu_site.tar.xz (below).
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
@@ -122,7 +131,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -252,6 +261,15 @@ kda)
   # shellcheck disable=SC2086  (KDA_LENGTHS: a list of lengths)
   check kda_op 420 python bench/kda_op.py --lengths ${KDA_LENGTHS:-8192 16384 32768 65536} --profile 32768 \
     --json "$OUT/kda_op.jsonl"
+  ;;
+selective)
+  # limits sum to 540 s: with the archive unpacked first, the part reports inside one 10-minute device call
+  check selective_tests 190 python -m pytest tests/gpu/test_selective_triton_gpu.py -q -s -ra -p no:cacheprovider
+  check mamba1_shapes 160 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
+    -k "Mamba or Jamba"
+  # shellcheck disable=SC2086  (SELECTIVE_LENGTHS: a list of lengths)
+  check selective_op 190 python bench/selective_op.py --lengths ${SELECTIVE_LENGTHS:-8192 16384 32768 65536} \
+    --profile 32768 --json "$OUT/selective_op.jsonl"
   ;;
 ssd)
   # (the bench is part ssd_op: both do not fit one call)

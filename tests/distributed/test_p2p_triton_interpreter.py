@@ -12,7 +12,9 @@ The same spawn runs the other recurrences' mixers on the Triton backend: a Mamba
 [q | k | v], the KDA kernels), in p2p and Ulysses (the modes with a Triton path; all_gather runs on eager only),
 against the single-device eager mixer: each view's Triton wiring (Mamba2: x, dt and D handed to the kernels; KDA:
 the per-channel gate and beta handed to the kernels) and each Triton recurrence in the modes (p2p's summary and
-dh_in passes, Ulysses' head slices, Mamba2's groups repeated); fp32, so the bound is fp32's.
+dh_in passes, Ulysses' head slices, Mamba2's groups repeated); fp32, so the bound is fp32's. A Mamba1 mixer (the
+selective scan: x, dt after softplus, A, B, C, D and the gate z handed to its kernels) runs in p2p only (one scan
+head: Ulysses is refused for it).
 """
 
 import copy
@@ -89,7 +91,24 @@ def _kda():
     return copy.deepcopy(model.model.layers[0].self_attn)
 
 
-MIXERS = {"mamba2 (Bamba)": _mamba2, "kda (Kimi-Linear)": _kda}
+def _mamba1():
+    """A Mamba1 mixer (the selective scan: one head of I x N state rows) with I = 32 channels (one channel block of
+    the kernels), N = 4, slowly decaying so the state crosses the rank boundary, a non-zero D."""
+    import transformers
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+
+    config = transformers.MambaConfig(hidden_size=HIDDEN, state_size=4, expand=1, conv_kernel=4, time_step_rank=4,
+                                      num_hidden_layers=1)
+    torch.manual_seed(6)
+    mixer = MambaMixer(config, 0)
+    with torch.no_grad():
+        mixer.A_log.uniform_(-4, -2)
+        mixer.D.uniform_(0.5, 1.5)
+    return mixer
+
+
+MIXERS = {"mamba2 (Bamba)": _mamba2, "kda (Kimi-Linear)": _kda, "selective scan (Mamba)": _mamba1}
+MIXER_MODES = {"selective scan (Mamba)": ("p2p",)}  # one scan head: no Ulysses
 
 
 def family_mixers_worker(rank, world):
@@ -106,7 +125,7 @@ def family_mixers_worker(rank, world):
         ref = LinearAttentionContextParallel(mode="p2p", backend="eager").apply(copy.deepcopy(base), self_meshes())
         out_ref, dx_ref = run(ref, x, d_out)
         grads_ref = grads_of(ref)
-        for mode in MODES:
+        for mode in MIXER_MODES.get(name, MODES):
             cp = LinearAttentionContextParallel(mode=mode, backend="triton").apply(copy.deepcopy(base), cp_mesh())
             out, dx = run(cp, local_slice(x, rank, world), local_slice(d_out, rank, world))
             grads = summed_grads(cp)

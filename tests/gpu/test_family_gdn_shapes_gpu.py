@@ -3,7 +3,10 @@ at its config defaults (K = 96, V = 192, beta = 2 sigmoid(b)); the Mamba2 mixers
 Granite-4.0-H at their transformers config defaults (hidden 4096, 128 heads of 64; Nemotron-H 8 groups of state 128,
 the others 1 group of state 256), with Mamba2's initialisation ranges (A from [-16, -1], dt from [1e-3, 1e-1]); the
 KDA mixer of Kimi-Linear at its config defaults (Kimi-Linear-48B-A3B: hidden 2304, 32 heads of 128); MiniMax's
-lightning attention, Zamba2's Mamba2 mixer and LaRA-mini's GDN at their config defaults (`_config_default_mixer`).
+lightning attention, Zamba2's Mamba2 mixer and LaRA-mini's GDN at their config defaults (`_config_default_mixer`); the
+Mamba1 mixers (the selective scan) of Falcon-Mamba-7B (hidden 4096, I = 8192, N = 16, dt rank 256), Mamba-2.8B (2560,
+5120, 16, 160) and Jamba (its config defaults: hidden 4096, I = 8192, N = 16, with the dt / B / C norms), p2p only (one
+scan head), 2048 tokens.
 
 For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
 Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
@@ -56,7 +59,14 @@ SHAPES = {  # model: (family module class, hidden, key heads, value heads)
     "MiniMax-Text-01 (config defaults)": ("minimax", None, None, None),
     "Zamba2 (config defaults)": ("zamba2", None, None, None),
     "LaRA-mini (config defaults)": ("lara_mini", None, None, None),
+    # Mamba1 mixers (the selective scan, one head of I x N state rows: p2p only) at released shapes (hidden, I,
+    # time_step_rank; N = 16)
+    "Falcon-Mamba-7B": ("falcon_mamba", 4096, 8192, 256),
+    "Mamba-2.8B": ("mamba", 2560, 5120, 160),
+    "Jamba (config defaults)": ("jamba", None, None, None),
 }
+MAMBA1_SEQ = 2048  # each rank's float32 eager reference holds several [T, I, N] tensors (I = 8192: 1 GiB each)
+MAMBA1 = ("mamba", "falcon_mamba", "jamba")
 MAMBA2 = {  # family: (config class, module path, mixer class)
     "bamba": ("BambaConfig", "bamba.modeling_bamba", "BambaMixer"),
     "nemotron_h": ("NemotronHConfig", "nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
@@ -89,6 +99,38 @@ def _mamba2(family):
         module.A_log.copy_(torch.empty(heads).uniform_(0, math.log(16)))
         dt = torch.exp(torch.empty(heads).uniform_(math.log(1e-3), math.log(1e-1)))
         module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+    return module, config.hidden_size
+
+
+def _mamba1(family, hidden, inter, rank):
+    """The family's Mamba1 mixer (Jamba: at JambaConfig's defaults, hidden 4096, I = 8192, with its dt / B / C
+    norms), A = -(1..16) per channel and D = 1 (Mamba1's initialisation) and dt from Mamba1's initial range
+    [1e-3, 1e-1] through dt_proj's bias."""
+    import importlib
+    import math
+
+    import transformers
+
+    if family == "jamba":
+        config = transformers.JambaConfig()
+        module = transformers.models.jamba.modeling_jamba.JambaMambaMixer(config, 1)
+    else:
+        prefix = {"mamba": "Mamba", "falcon_mamba": "FalconMamba"}[family]
+        config = getattr(transformers, f"{prefix}Config")(hidden_size=hidden, intermediate_size=inter, state_size=16,
+                                                          time_step_rank=rank, conv_kernel=4)
+        cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{prefix}Mixer")
+        # FalconMambaMixer's own initialisation reads its norms before making them (transformers 5.25): skipped
+        # where the constructor has the switch
+        try:
+            module = cls(config, 0, initialize_mixer_weights=False)
+        except TypeError:
+            module = cls(config, 0)
+    with torch.no_grad():
+        inter, n = module.intermediate_size, module.ssm_state_size
+        module.A_log.copy_(torch.arange(1, n + 1, dtype=torch.float32).log().expand(inter, n))
+        module.D.fill_(1.0)
+        dt = torch.exp(torch.empty(inter).uniform_(math.log(1e-3), math.log(1e-1)))
+        module.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(bias) = dt
     return module, config.hidden_size
 
 
@@ -165,7 +207,11 @@ def family_shapes_worker(rank, world, name):
     failures, rows = [], []
     for family, hidden, hk, hv, *dims in [SHAPES[name]]:
         torch.manual_seed(0)
-        if family in MAMBA2 or family == "kimi_linear":
+        modes, seq = ("ulysses", "p2p"), SEQ
+        if family in MAMBA1:
+            (base, hidden), modes, seq = _mamba1(family, hidden, hk, hv), ("p2p",), MAMBA1_SEQ
+            base = base.cuda()
+        elif family in MAMBA2 or family == "kimi_linear":
             base, hidden = _mamba2(family) if family in MAMBA2 else _kda()
             base = base.cuda()
         elif family in ("minimax", "zamba2", "lara_mini"):
@@ -173,12 +219,12 @@ def family_shapes_worker(rank, world, name):
             base = base.cuda()
         else:
             base = _gdn(family, hidden, hk, hv, *dims).cuda()
-        x = torch.randn(1, SEQ, hidden, device="cuda")
-        d_out = torch.randn(1, SEQ, hidden, device="cuda")
+        x = torch.randn(1, seq, hidden, device="cuda")
+        d_out = torch.randn(1, seq, hidden, device="cuda")
         ref = LinearAttentionContextParallel(mode="p2p", backend="eager").apply(copy.deepcopy(base).float(), single)
         out_ref, dx_ref = _run(ref, x, d_out)
         grads_ref = grads_of(ref)
-        for mode in ("ulysses", "p2p"):
+        for mode in modes:
             cp = LinearAttentionContextParallel(mode=mode, backend="triton").apply(
                 copy.deepcopy(base).to(torch.bfloat16), mesh)
             out, dx = _run(cp, local_slice(x, rank, world).to(torch.bfloat16), local_slice(d_out, rank, world))

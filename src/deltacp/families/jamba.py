@@ -23,7 +23,8 @@ the experts one by one (`feed_forward.experts.<e>.gate_proj / up_proj / down_pro
 mapping).
 
 CP: as Mamba's, the Mamba1 layers are one scan head of I * N state rows (x_proj reads every channel), so Ulysses and
-the 2-D layout are refused and the attention takes p2p / all_gather's full-attention methods; eager only.
+the 2-D layout are refused and the attention takes p2p / all_gather's full-attention methods; eager or Triton
+scan (`families/mamba.py`).
 """
 
 from __future__ import annotations

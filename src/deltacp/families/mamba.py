@@ -19,8 +19,9 @@ CP: x_proj reads every channel of the conv output, so the channels cannot be spl
 layout): the view declares ONE head of I * N state rows (V = 1, M diagonal) and every rank keeps all channels
 (p2p, chain or scan, and all_gather). The conv halo is kernel - 1 tokens of x. The gate z travels as the head's
 extras (I per token), since transformers' scan applies it inside, after the entering state's contribution.
-Backends: eager only (no selective-scan kernels yet): `linear_attention_backend="triton"` raises in
-`parallelize_cp`'s checks, before any collective.
+Backends: eager (`ops/selective/eager.py`) and Triton (`ops/selective/triton`: chunked scans with the state in
+registers, no [T, I, N] tensor; the view hands it x, dt after softplus, A, B, C, D and z as they are, A and D
+expanded over the rows with stride 0).
 
 Shape legend: x_BsD local hidden states; pre_BsC pre-conv x [B, s, I]; extras_BsHX z [B, s, 1, I].
 """
@@ -87,11 +88,10 @@ class MambaView(LinearMixerView):
                                 extras_BnHX[:, :, 0])
 
     def recurrence(self, backend):
-        if backend.name != "eager":
-            raise NotImplementedError(
-                f"{type(self.module).__name__}: the selective scan (Mamba1) has eager kernels only; "
-                f"linear_attention_backend={backend.name!r} is not supported for this family: use "
-                f"linear_attention_backend='eager'")
+        if backend.name == "triton":
+            from deltacp.ops.selective.triton import TritonSelectiveScan
+
+            return TritonSelectiveScan()
         from deltacp.ops.selective.eager import SelectiveScan
 
         return SelectiveScan()

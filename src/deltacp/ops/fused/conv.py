@@ -279,6 +279,13 @@ def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like if t is None else t
 
 
+def _parts(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The three output (or output-gradient) parts for a launch, a zero-width part replaced by a non-empty one: its
+    channel mask stores and loads nothing there, and an empty tensor may have no device address."""
+    full = next(t for t in ts if t.numel())
+    return [t if t.numel() else full for t in ts]
+
+
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, left, starts, dilation: int, split: tuple[int, int, int]):
@@ -295,7 +302,7 @@ class _ConvSiluSplit(torch.autograd.Function):
         BT, BC, warps = FWD_BLOCKS
         grid = (triton.cdiv(s, BT), triton.cdiv(C, BC), B)
         conv_silu_fwd_kernel[grid](
-            x, _dummy(left, x), weight, _dummy(bias, weight), _dummy(starts, x), q, k, v, s, x.stride(0),
+            x, _dummy(left, x), weight, _dummy(bias, weight), _dummy(starts, x), *_parts(q, k, v), s, x.stride(0),
             x.stride(1), x.stride(2), C, n_q, n_k, KW=KW, DIL=dilation, HALO=halo, HAS_LEFT=left is not None,
             HAS_BIAS=bias is not None, HAS_DOCS=starts is not None, F64=f64, BT=BT, BC=BC, num_warps=warps)
         ctx.save_for_backward(x, weight, bias, left, starts)
@@ -325,8 +332,8 @@ class _ConvSiluSplit(torch.autograd.Function):
         dw_part = torch.empty(parts, C, KW, dtype=acc, device=x.device)
         db_part = torch.empty(parts, C, dtype=acc, device=x.device)
         conv_silu_bwd_dpre_kernel[(spans, n_c, B)](
-            x, _dummy(left, x), weight, _dummy(bias, weight), _dummy(starts, x), dq, dk, dv, dpre, dw_part, db_part,
-            s, span, x.stride(0), x.stride(1), x.stride(2), C, n_q, n_k, KW=KW, DIL=dilation, HALO=halo,
+            x, _dummy(left, x), weight, _dummy(bias, weight), _dummy(starts, x), *_parts(dq, dk, dv), dpre, dw_part,
+            db_part, s, span, x.stride(0), x.stride(1), x.stride(2), C, n_q, n_k, KW=KW, DIL=dilation, HALO=halo,
             HAS_LEFT=left is not None, HAS_BIAS=bias is not None, HAS_DOCS=starts is not None, F64=f64,
             NEED_DW=need_dw, BT=BT, BC=BC, num_warps=warps)
         # pass 2: dx (and the left context's gradient) from dpre

@@ -192,6 +192,11 @@ class SelectiveScan(StagesNothing):
     transition = DIAGONAL
     name = "eager"
 
+    def _op(self, name: str):
+        """The implementation's op `name` (selective_scan, summary_selective_scan, initial_state_grad): this
+        module's; the Triton backend (`ops/selective/triton`) gives its own."""
+        return globals()[name]
+
     @staticmethod
     def _unpack(x: RecurrenceInputs) -> tuple:
         if len(x) != 7:
@@ -216,8 +221,8 @@ class SelectiveScan(StagesNothing):
         R, T, I = x_.shape
         N = A.shape[-1]
         h0 = None if initial_state is None else initial_state.reshape(R, I, N)
-        y, ht = selective_scan(x_, dt, A, B, C, D, z, initial_state=h0, output_final_state=output_final_state,
-                               cu_seqlens=cu_seqlens)
+        y, ht = self._op("selective_scan")(x_, dt, A, B, C, D, z, initial_state=h0,
+                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         G = groups(B)
         return y.unflatten(2, (G, -1)), (None if ht is None else ht.reshape(R, G, I // G * N, 1))
 
@@ -225,7 +230,8 @@ class SelectiveScan(StagesNothing):
         self._no_prepared(prepared)
         x_, dt, A, B, C, D, z = self._unpack(x)
         R, I, N = A.shape
-        m, s = summary_selective_scan(x_, dt, A, B, need_transition=need_transition, cu_seqlens=cu_seqlens)
+        m, s = self._op("summary_selective_scan")(x_, dt, A, B, need_transition=need_transition,
+                                                  cu_seqlens=cu_seqlens)
         G = groups(B)
         K = I // G * N
         return (None if m is None else DIAGONAL.pack(m.reshape(R, G, K), K)), s.reshape(R, G, K, 1)
@@ -234,6 +240,6 @@ class SelectiveScan(StagesNothing):
         self._no_prepared(prepared)
         x_, dt, A, B, C, D, z = self._unpack(x)
         R, I, N = A.shape
-        g = initial_state_grad(x_, dt, A, C, z, grad_o.reshape(x_.shape), cu_seqlens=cu_seqlens)
+        g = self._op("initial_state_grad")(x_, dt, A, C, z, grad_o.reshape(x_.shape), cu_seqlens=cu_seqlens)
         G = groups(B)
         return g.reshape(R, G, I // G * N, 1)

@@ -84,12 +84,12 @@ class TritonGDNBackend:
         else:  # (qk_heads, head_k_dim, head_v_dim): GDN's [q | k | v]
             qk_heads, head_k_dim, head_v_dim = heads
             parts = ((qk_heads, head_k_dim), (qk_heads, head_k_dim), (-1, head_v_dim))
-        if len(parts) != 3:
-            raise NotImplementedError(f"the fused conv splits its channels in three parts; got {len(parts)}")
+        if not 1 <= len(parts) <= 3:
+            raise NotImplementedError(f"the fused conv splits its channels in one to three parts; got {len(parts)}")
         known = sum(h * d for h, d in parts if h != -1)
         split = tuple(h * d if h != -1 else C - known for h, d in parts)
         outs = conv_silu_split(x_BsC, weight_CK, bias_C, dilation, left_BhC=left_BhC, doc_start_s=doc_start_s,
-                               split=split)
+                               split=split + (0,) * (3 - len(split)))  # Mamba1's one part: [x | - | -]
         return tuple(t.view(B, s, -1, d) for t, (_, d) in zip(outs, parts))
 
     def prepared_from_saved(self, tensors):

@@ -1,0 +1,362 @@
+"""Triton kernels of the selective scan (Mamba1) and their launchers. Imports triton: only on the Triton path
+(`deltacp.ops.selective.triton` loads this module on first use).
+
+Per row r, channel d and state index n (a decay per channel AND state index: nothing to share over a tensor core),
+in chunks of BT tokens, with a_t = exp(dt_t[d] A[d, n]) (0 at a document start), b_t = dt_t[d] x_t[d] B_t[n]:
+    h_t = a_t h_{t-1} + b_t                         y_t[d] = (sum_n C_t[n] h_t[d, n] + D[d] x_t[d]) silu(z_t[d])
+The log decay of a span is A[d, n] times the sum of dt over it, so a chunk's transition needs no product:
+    chunk_state (fwd)   S_c = sum_t exp(A (dts_c - cdt_t)) b_t   (tokens after the chunk's last reset only),
+                        dts_c = sum of dt over chunk c, cdt_t the in-chunk inclusive cumsum; exponents <= 0
+    chunk_state (bwd)   dS_c = sum_t exp(A cdt_t) C_t[n] gy_t     (tokens before the chunk's first reset only),
+                        gy = dy silu(z): the gradient reaching the chunk's entering state from its own outputs
+    state_pass          M_c = exp(A dts_c) (0 if a document starts in chunk c); forward h_{c+1} = M_c h_c + S_c
+                        (H_c stored: the state entering chunk c; the final state); reverse dH_{c-1} = M_c dH_c +
+                        dS_c (dH_c stored: the gradient of the state leaving chunk c; dh0)
+    chunk_out           per n, the in-chunk scan of (a_t, b_t) from H_c (folded into the first token's b), y
+                        accumulated over n in registers, then + D x and the gate; each input read once per n tile
+    chunk_bwd           per n, two in-chunk scans of pairs of affine maps (below): forward, h_t and h_{t-1} from
+                        H_c; reverse, W_t = a_t dh_t (the gradient reaching h_{t-1}) and W_{t+1}, from dH_c; then
+                        dh_t = C_t gy_t + W_{t+1} and
+                          dx   = dt sum_n B_n dh + D gy         ddt = x sum_n B_n dh + sum_n A_n a h_{t-1} dh
+                          dA   = sum_t dt a h_{t-1} dh          dD  = sum_t gy x          dz = dy y_pre silu'(z)
+                          dB_t = sum_d dt x dh                  dC_t = sum_d gy h
+The pair scan: the scan's element is the affine map of a token (h -> a h + b) AND the map of all but its last
+token (identity for one token); composing (F1, G1) then (F2, G2) gives (F2 F1, G2 F1), so the inclusive scan yields
+the state after each token and the state before it in one pass, with no division by a decay (which may be 0) and
+no subtraction h_t - b_t (which cancels when a_t h_{t-1} << b_t). The reverse scan is the same combine run from the
+chunk's end. No [T, I, N] tensor exists: the states live per (BT tokens x BD channels) tile of one n, the chunk
+states H, dH are [rows, chunks, N, I] (one state per BT tokens), and dB, dC leave chunk_bwd as partial sums over
+its channel group ([rows, NG, Tp, N], summed by the caller).
+
+Layouts: x, dt, z, dy, y, dx, ddt, dz [R, T, I] with unit channel stride (row and token strides passed); B, C, dB, dC
+[R, T, N]; A [R, I, N] (row stride passed: 0 when expanded, as the Mamba view passes it), D [R, I]; h0, ht, dht,
+dh0 [R, I, N] in the accumulator dtype; S, H, dS, dH [R, NC, N, I] and dts [R, NC, I] in the accumulator dtype.
+T is never a compile-time constant (one compilation for every length): the last chunk is masked (a masked token
+has dt = x = 0: decay 1, input 0). `resets` [T] int32 (packed rows only): the state entering those tokens is zero.
+
+Accumulation and states: fp32 (fp64 for fp64 inputs, the interpreter tests); inputs are read in their dtype and
+widened. Every kernel's name starts with sel_ (profiles group them by it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch configurations. BT: the chunk (tokens per program, the granularity of the stored chunk states: [T / BT,
+# I, N] fp32, 1 / BT of a [T, I, N] tensor); BD: channels per program (contiguous: BD bf16 = 64 bytes at 32);
+# NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
+# NG x [T, N]); BS (state_pass): state entries per program. Chosen offline, not timed (no GPU yet): no kernel spills
+# on sm_90 (`bench/kernel_resources.py --ops selective`, Triton 3.9: chunk_out 8 warps about 150 registers,
+# chunk_bwd BD = 16 about 240; BD = 32 there spilled 120 bytes). `bench/launch_sweep.py --op selective` sweeps it.
+LAUNCH: dict[str, dict[str, int]] = {
+    "chunk": dict(BT=64),
+    "chunk_state": dict(BD=32, num_warps=4, num_stages=3),
+    "state_pass": dict(BS=256, num_warps=4, num_stages=3),
+    "chunk_out": dict(BD=32, num_warps=8, num_stages=3),
+    "chunk_bwd": dict(BD=16, NG=8, num_warps=8, num_stages=3),
+}
+
+
+def chunk_len() -> int:
+    return LAUNCH["chunk"]["BT"]
+
+
+@triton.jit
+def _pair(a1, b1, ga1, gb1, a2, b2, ga2, gb2):
+    """(F, G) of segment 1 then segment 2: F = F2 F1, G = G2 F1 (affine maps h -> a h + b)."""
+    return a1 * a2, a2 * b1 + b2, a1 * ga2, ga2 * b1 + gb2
+
+
+@triton.jit
+def _affine(a1, b1, a2, b2):
+    """h -> a1 h + b1, then h -> a2 h + b2."""
+    return a1 * a2, a2 * b1 + b2
+
+
+@triton.jit
+def _tile(p, i_r, s_r, s_t, o_t, o_d, m, acc: tl.constexpr):
+    """A [BT, BD] tile of a [R, T, I] tensor (unit channel stride) in the accumulator dtype, 0 where masked."""
+    return tl.load(p + i_r * s_r + o_t[:, None] * s_t + o_d[None, :], mask=m, other=0.).to(acc)
+
+
+@triton.jit
+def _col(p, i_r, s_r, s_t, o_t, n, m_t, acc: tl.constexpr):
+    """Column n [BT] of a [R, T, N] tensor (B, C), 0 where masked."""
+    return tl.load(p + i_r * s_r + o_t * s_t + n, mask=m_t, other=0.).to(acc)
+
+
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r"])
+def sel_chunk_state_kernel(x, dt, z, A, Bm, resets, s, dts, T, I, sx_r, sx_t, sd_r, sd_t, sg_r, sg_t, sa_r, sb_r,
+                           sb_t, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr,
+                           USE_Z: tl.constexpr, RESETS: tl.constexpr):
+    """One (chunk, channel block, row) of S_c (forward: x = x, Bm = B) or dS_c (REVERSE: x = dy, z the gate, Bm = C),
+    stored [R, NC, N, I]; dts_c [R, NC, I] (the sum of dt over the chunk)."""
+    i_c, i_b, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    NC = tl.cdiv(T, BT)
+    acc = s.dtype.element_ty
+    o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
+    o_d = i_b * BD + tl.arange(0, BD)
+    m_t, m_d = o_t < T, o_d < I
+    m = m_t[:, None] & m_d[None, :]
+    b_dt = _tile(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
+    b_x = _tile(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
+    c_dt = tl.cumsum(b_dt, 0)
+    b_tot = tl.sum(b_dt, 0)
+    if REVERSE:
+        if USE_Z:
+            b_z = _tile(z, i_r, sg_r, sg_t, o_t, o_d, m, acc)
+            b_x = b_x * b_z * tl.sigmoid(b_z)  # gy = dy silu(z)
+        b_e = c_dt  # exp(A cdt_t): the entering state's reach to token t
+    else:
+        b_x = b_x * b_dt  # dt x
+        b_e = b_tot[None, :] - c_dt  # exp(A (dts - cdt_t)): token t's reach to the chunk's end
+    if RESETS:
+        b_rs = tl.load(resets + o_t, mask=m_t, other=0)
+        c_rs = tl.cumsum(b_rs, 0)
+        if REVERSE:
+            keep = c_rs == 0  # no document start at or before t
+        else:
+            keep = c_rs == tl.sum(b_rs, 0)  # no document start after t
+        b_x = tl.where(keep[:, None], b_x, 0.)
+    p_s = s + ((i_r * NC + i_c) * N) * I + o_d
+    for n in range(N):
+        b_a = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)
+        b_col = _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)
+        b_s = tl.sum(tl.exp(b_e * b_a[None, :]) * b_x * b_col[:, None], 0)
+        tl.store(p_s + n * I, b_s, mask=m_d)
+    tl.store(dts + (i_r * NC + i_c) * I + o_d, b_tot, mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T"])
+def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, N: tl.constexpr, BT: tl.constexpr,
+                          BS: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr, STORE_H: tl.constexpr,
+                          STORE_ST: tl.constexpr, RESETS: tl.constexpr):
+    """BS entries (n, d) of one row's state, sequential over the chunks: forward h = M_c h + S_c from s0 (h0),
+    storing the entering state H_c and the final one st; REVERSE from the last chunk, dh = M_c dh + dS_c from
+    s0 (dht), storing the gradient leaving each chunk and st (dh0). M_c = exp(A dts_c), 0 on a chunk with a reset."""
+    i_s, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    NC = tl.cdiv(T, BT)
+    acc = s.dtype.element_ty
+    o = i_s * BS + tl.arange(0, BS)  # n * I + d
+    m = o < N * I
+    o_n, o_d = o // I, o % I
+    p_io = i_r * I * N + o_d * N + o_n  # [R, I, N] (h0, ht, dht, dh0)
+    b_a = tl.load(A + i_r * sa_r + o_d * N + o_n, mask=m, other=0.).to(acc)
+    b_h = tl.zeros([BS], dtype=acc)
+    if USE_S0:
+        b_h += tl.load(s0 + p_io, mask=m, other=0.).to(acc)
+    for i_i in range(NC):
+        i_c = NC - 1 - i_i if REVERSE else i_i
+        p_c = (i_r * NC + i_c) * N * I + o
+        if STORE_H:
+            tl.store(h + p_c, b_h, mask=m)
+        b_m = tl.exp(b_a * tl.load(dts + (i_r * NC + i_c) * I + o_d, mask=m, other=0.))
+        if RESETS:
+            b_m = tl.where(tl.load(creset + i_c) != 0, 0., b_m)
+        b_h = b_m * b_h + tl.load(s + p_c, mask=m, other=0.)
+    if STORE_ST:
+        tl.store(st + p_io, b_h, mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r"])
+def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, sa_r,
+                         sb_r, sb_t, sc_r, sc_t, sdv_r, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                         USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
+    """One (chunk, channel block, row) of y: per n the scan of (a_t, b_t) from the entering state H_c (folded into
+    the chunk's first token), C_t[n] h_t summed over n in registers; + D x; the silu(z) gate; y stored once."""
+    i_c, i_b, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    NC = tl.cdiv(T, BT)
+    acc = h.dtype.element_ty
+    o_l = tl.arange(0, BT)
+    o_t = (i_c * BT + o_l).to(tl.int64)
+    o_d = i_b * BD + tl.arange(0, BD)
+    m_t, m_d = o_t < T, o_d < I
+    m = m_t[:, None] & m_d[None, :]
+    b_dt = _tile(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
+    b_x = _tile(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
+    b_u = b_dt * b_x
+    first = (o_l == 0)[:, None]
+    if RESETS:
+        is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, None]
+    if USE_D:  # D x first: x is not held across the loop
+        b_y = b_x * tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, :]
+    else:
+        b_y = tl.zeros([BT, BD], dtype=acc)
+    p_h = h + ((i_r * NC + i_c) * N) * I + o_d
+    for n in range(N):
+        b_an = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)
+        b_a = tl.exp(b_dt * b_an[None, :])
+        if RESETS:
+            b_a = tl.where(is_rs, 0., b_a)
+        b_hin = tl.load(p_h + n * I, mask=m_d, other=0.)
+        b_b = b_u * _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)[:, None]
+        b_b = tl.where(first, b_b + b_a * b_hin[None, :], b_b)
+        _, b_hs = tl.associative_scan((b_a, b_b), 0, _affine)
+        b_y += b_hs * _col(Cm, i_r, sc_r, sc_t, o_t, n, m_t, acc)[:, None]
+    if USE_Z:
+        b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
+        b_y = b_y * b_z * tl.sigmoid(b_z)
+    tl.store(y + i_r * T * I + o_t[:, None] * I + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
+def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
+                         sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sb_r, sb_t, sc_r, sc_t, sdv_r,
+                         N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr,
+                         USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
+    """One (chunk, channel group, row): for each channel block of the group, every gradient of the chunk's tokens
+    (module docstring) from the entering state H_c and the gradient dH_c of the state leaving the chunk. dx, ddt,
+    dz stored once; dA, dD per chunk ([R, NC, N, I], [R, NC, I]: summed over the chunks by the caller); dB, dC
+    summed over the group's blocks in place ([R, NG, Tp, N], zeroed by the caller; each element has one program)."""
+    i_c, i_g, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    NC = tl.cdiv(T, BT)
+    acc = h.dtype.element_ty
+    o_l = tl.arange(0, BT)
+    o_t = (i_c * BT + o_l).to(tl.int64)
+    m_t = o_t < T
+    first, last = (o_l == 0)[:, None], (o_l == BT - 1)[:, None]
+    if RESETS:
+        is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, None]
+    NB = tl.cdiv(I, BD)
+    per = tl.cdiv(NB, NG)
+    p_bc = ((i_r * NG + i_g) * NC * BT + i_c * BT + o_l) * N  # dB, dC [R, NG, Tp, N]
+    for i_j in range(per):
+        o_d = (i_g * per + i_j) * BD + tl.arange(0, BD)
+        m_d = o_d < I
+        m = m_t[:, None] & m_d[None, :]
+        b_dt = _tile(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
+        b_x = _tile(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
+        b_do = _tile(do, i_r, so_r, so_t, o_t, o_d, m, acc)
+        if USE_Z:
+            b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
+            b_sg = tl.sigmoid(b_z)
+            b_gy = b_do * b_z * b_sg
+            b_dzf = b_do * b_sg * (1. + b_z * (1. - b_sg))  # dz = dy silu'(z) y_pre
+        else:
+            b_gy = b_do
+        b_u = b_dt * b_x
+        b_yp = tl.zeros([BT, BD], dtype=acc)  # sum_n C h (the gate's input, less D x)
+        b_bdh = tl.zeros([BT, BD], dtype=acc)  # sum_n B dh
+        b_adt = tl.zeros([BT, BD], dtype=acc)  # sum_n A a h_{t-1} dh
+        p_hc = ((i_r * NC + i_c) * N) * I + o_d
+        for n in range(N):
+            b_an = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)
+            b_a = tl.exp(b_dt * b_an[None, :])
+            if RESETS:
+                b_a = tl.where(is_rs, 0., b_a)
+            b_bn = _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)
+            b_cn = _col(Cm, i_r, sc_r, sc_t, o_t, n, m_t, acc)
+            b_hin = tl.load(h + p_hc + n * I, mask=m_d, other=0.)[None, :]
+            b_b = b_u * b_bn[:, None]
+            one = tl.full([BT, BD], 1., acc)
+            _, b_hs, _, b_hp = tl.associative_scan(
+                (b_a, tl.where(first, b_b + b_a * b_hin, b_b), tl.where(first, 0., one), tl.where(first, b_hin, 0.)),
+                0, _pair)
+            b_g = b_gy * b_cn[:, None]
+            b_dhe = tl.load(dh + p_hc + n * I, mask=m_d, other=0.)[None, :]
+            _, _, _, b_wn = tl.associative_scan(
+                (b_a, tl.where(last, b_a * (b_g + b_dhe), b_a * b_g), tl.where(last, 0., one),
+                 tl.where(last, b_dhe, 0.)), 0, _pair, reverse=True)
+            b_dhs = b_g + b_wn  # dh_t = C_t gy_t + a_{t+1} dh_{t+1}
+            b_yp += b_hs * b_cn[:, None]
+            b_bdh += b_dhs * b_bn[:, None]
+            b_ahd = b_a * b_hp * b_dhs
+            b_adt += b_ahd * b_an[None, :]
+            tl.store(dA + p_hc + n * I, tl.sum(b_ahd * b_dt, 0), mask=m_d)
+            p_b = p_bc + n
+            tl.store(dB + p_b, tl.load(dB + p_b) + tl.sum(b_u * b_dhs, 1))
+            tl.store(dC + p_b, tl.load(dC + p_b) + tl.sum(b_gy * b_hs, 1))
+        b_dx = b_dt * b_bdh
+        if USE_D:
+            b_dv = tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)
+            b_dx += b_dv[None, :] * b_gy
+            b_yp += b_dv[None, :] * b_x
+            tl.store(dD + (i_r * NC + i_c) * I + o_d, tl.sum(b_gy * b_x, 0), mask=m_d)
+        p_o = i_r * T * I + o_t[:, None] * I + o_d[None, :]
+        tl.store(dx + p_o, b_dx.to(dx.dtype.element_ty), mask=m)
+        tl.store(ddt + p_o, (b_x * b_bdh + b_adt).to(ddt.dtype.element_ty), mask=m)
+        if USE_Z:
+            tl.store(dz + p_o, (b_dzf * b_yp).to(dz.dtype.element_ty), mask=m)
+
+
+# --- launchers -------------------------------------------------------------------------------------------------
+
+def _opts(name: str) -> tuple[dict[str, int], dict[str, int]]:
+    cfg = dict(LAUNCH[name])
+    return cfg, {o: cfg.pop(o) for o in ("num_warps", "num_stages") if o in cfg}
+
+
+def _rt_strides(t: torch.Tensor | None) -> tuple[int, int]:
+    """(row, token) strides of a [R, T, ...] tensor with a unit last stride (0, 0 for None)."""
+    return (0, 0) if t is None else (t.stride(0), t.stride(1))
+
+
+def chunk_state(x, dt, z, A, Bm, resets, *, reverse: bool, acc: torch.dtype):
+    """(S or dS [R, NC, N, I], dts [R, NC, I]) in `acc` (module docstring: chunk_state)."""
+    R, T, I = x.shape
+    N = A.shape[-1]
+    BT = chunk_len()
+    NC = triton.cdiv(T, BT)
+    cfg, opts = _opts("chunk_state")
+    s = torch.empty(R, NC, N, I, dtype=acc, device=x.device)
+    dts = torch.empty(R, NC, I, dtype=acc, device=x.device)
+    grid = (NC, triton.cdiv(I, cfg["BD"]), R)
+    sel_chunk_state_kernel[grid](x, dt, z, A, Bm, resets, s, dts, T, I, *_rt_strides(x), *_rt_strides(dt),
+                                 *_rt_strides(z), A.stride(0), *_rt_strides(Bm), N=N, BT=BT, BD=cfg["BD"],
+                                 REVERSE=reverse, USE_Z=z is not None, RESETS=resets is not None, **opts)
+    return s, dts
+
+
+def state_pass(A, dts, creset, s, s0, *, T: int, reverse: bool, store_h: bool = True, store_st: bool = True):
+    """(H or dH [R, NC, N, I] or None, final state / dh0 [R, I, N] or None) (module docstring: state_pass)."""
+    R, NC, N, I = s.shape
+    cfg, opts = _opts("state_pass")
+    h = torch.empty_like(s) if store_h else None
+    st = torch.empty(R, I, N, dtype=s.dtype, device=s.device) if store_st else None
+    sel_state_pass_kernel[(triton.cdiv(N * I, cfg["BS"]), R)](
+        A, dts, creset, s, s0, st, h, T, I, A.stride(0), N=N, BT=chunk_len(), BS=cfg["BS"], REVERSE=reverse,
+        USE_S0=s0 is not None, STORE_H=store_h, STORE_ST=store_st, RESETS=creset is not None, **opts)
+    return h, st
+
+
+def chunk_out(x, dt, z, A, Bm, Cm, D, resets, h):
+    """y [R, T, I] in x's dtype (module docstring: chunk_out)."""
+    R, T, I = x.shape
+    N = A.shape[-1]
+    cfg, opts = _opts("chunk_out")
+    y = torch.empty(R, T, I, dtype=x.dtype, device=x.device)
+    grid = (h.shape[1], triton.cdiv(I, cfg["BD"]), R)
+    sel_chunk_out_kernel[grid](x, dt, z, A, Bm, Cm, D, resets, h, y, T, I, *_rt_strides(x), *_rt_strides(dt),
+                               *_rt_strides(z), A.stride(0), *_rt_strides(Bm), *_rt_strides(Cm),
+                               0 if D is None else D.stride(0), N=N, BT=chunk_len(), BD=cfg["BD"],
+                               USE_D=D is not None, USE_Z=z is not None, RESETS=resets is not None, **opts)
+    return y
+
+
+def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
+    """(dx, ddt, dz or None, dA [R, I, N], dD [R, I] or None, dB, dC [R, T, N]) in the accumulator dtype for the
+    reductions and the inputs' dtypes for the rest (module docstring: chunk_bwd)."""
+    R, T, I = x.shape
+    N = A.shape[-1]
+    acc = h.dtype
+    BT = chunk_len()
+    NC = h.shape[1]
+    cfg, opts = _opts("chunk_bwd")
+    NB = triton.cdiv(I, cfg["BD"])
+    NG = max(1, min(cfg["NG"], NB))
+    dx = torch.empty(R, T, I, dtype=x.dtype, device=x.device)
+    ddt = torch.empty(R, T, I, dtype=dt.dtype, device=x.device)
+    dz = None if z is None else torch.empty(R, T, I, dtype=z.dtype, device=x.device)
+    dA = torch.empty(R, NC, N, I, dtype=acc, device=x.device)
+    dD = None if D is None else torch.empty(R, NC, I, dtype=acc, device=x.device)
+    dB = torch.zeros(R, NG, NC * BT, N, dtype=acc, device=x.device)
+    dC = torch.zeros_like(dB)
+    sel_chunk_bwd_kernel[(NC, NG, R)](
+        x, dt, z, do, A, Bm, Cm, D, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I, *_rt_strides(x),
+        *_rt_strides(dt), *_rt_strides(z), *_rt_strides(do), A.stride(0), *_rt_strides(Bm), *_rt_strides(Cm),
+        0 if D is None else D.stride(0), N=N, BT=BT, BD=cfg["BD"], NG=NG, USE_D=D is not None,
+        USE_Z=z is not None, RESETS=resets is not None, **opts)
+    return (dx, ddt, dz, dA.sum(1).transpose(1, 2), None if dD is None else dD.sum(1), dB.sum(1)[:, :T],
+            dC.sum(1)[:, :T])
