@@ -185,6 +185,19 @@ def refuse_z_loss(model: nn.Module, fn: str) -> None:
                          f"the logits)")
 
 
+def refuse_soft_cap(model: nn.Module, fn: str) -> None:
+    """A causal LM that soft-caps its logits (RecurrentGemma: cap * tanh(logits / cap)) is refused by the losses that
+    replace its head: their chunked kernels compute no soft-cap, and the model's forward would cap their result
+    instead of the logits (a silently wrong loss). NotImplementedError naming the setting and the exact path."""
+    cap = adapter_for(model).logit_softcap
+    if cap is not None:
+        field = adapter_for(model).family.logit_softcap
+        raise NotImplementedError(f"{fn}: {type(model).__name__} soft-caps its logits ({field}={cap}: cap * tanh("
+                                  f"logits / cap)), which deltacp's chunked head losses do not compute; use "
+                                  f"cp_cross_entropy(model(**inputs).logits, target_ids, cp_mesh) (the trainer's "
+                                  f"loss: cross_entropy)")
+
+
 def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: DeviceMesh, *,
                       chunk_size: int | None = None, vocab_chunk_size: int | None = None,
                       weight_grad: str = "accumulate", num_items_in_batch: int | torch.Tensor | None = None,
@@ -216,6 +229,7 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         head = output_head(model, fn)
         kernels = head_kernels_of(model)
         refuse_z_loss(model, fn)
+        refuse_soft_cap(model, fn)
     raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device)
     stats = []
 
@@ -280,6 +294,7 @@ def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         check_weight_grad(fn, weight_grad)
         check_targets(fn, target_ids, head.out_features)
         kernels = head_kernels_of(model)
+        refuse_soft_cap(model, fn)
     same = float(temperature) if isinstance(temperature, (int, float)) else math.nan  # (a bad one raised above)
     raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device,
                    agree=dict(temperature=same))
