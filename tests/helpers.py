@@ -232,6 +232,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_granite_hybrid(dtype)
     if name == "JambaForCausalLM":
         return tiny_jamba(dtype)
+    if name == "RecurrentGemmaForCausalLM":
+        return tiny_recurrent_gemma(dtype)
     if name == "FalconH1ForCausalLM":
         return tiny_falcon_h1(dtype)
     if name == "KimiLinearForCausalLM":
