@@ -45,7 +45,9 @@ CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "
                                                      "Mamba2ForCausalLM", "MambaForCausalLM",
                                                      "FalconMambaForCausalLM",
                                                      "JambaForCausalLM",  # experts stored per expert
-                                                     "Zamba2ForCausalLM")  # shared blocks: stored once
+                                                     "Zamba2ForCausalLM",  # shared blocks: stored once
+                                                     # tied head; a bf16 normalizer buffer, not stored
+                                                     "RecurrentGemmaForCausalLM")
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 

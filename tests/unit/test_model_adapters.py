@@ -190,6 +190,54 @@ def test_mamba1_refuses_the_triton_backend_before_any_collective(single_rank_gro
         parallelize_cp(model, _mesh(), linear_attention_backend="triton", linear_attention_cp_mode="p2p")
 
 
+def test_recurrent_gemma_refusals_and_stale_states(single_rank_group, monkeypatch):
+    """RecurrentGemma on a one-rank mesh: the Triton backend refused before any collective (the RG-LRU has eager
+    kernels only); the CP losses that replace the head refuse its soft-capped logits, naming logits_soft_cap, while
+    cp_cross_entropy of model(...).logits is transformers' own loss (the soft-cap in its forward); the CP forwards
+    never read transformers' state attributes (garbage there changes nothing, and they stay as they were), and
+    use_cache=True is refused."""
+    import torch.distributed as dist
+
+    from deltacp import cp_causal_lm_loss, cp_cross_entropy, cp_token_logprobs, shard_batch_for_cp
+    from helpers import tiny_recurrent_gemma
+
+    real = {op: getattr(dist, op) for op in ("all_gather", "all_reduce", "broadcast")}
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective ran before the refusal")
+
+    for op in real:
+        monkeypatch.setattr(dist, op, collective)
+    with pytest.raises(NotImplementedError, match=r"RG-LRU scan \(RecurrentGemma\) has eager kernels only; "
+                                                  r"linear_attention_backend='triton' .*use linear_attention_backend="
+                                                  r"'eager'"):
+        parallelize_cp(tiny_recurrent_gemma(torch.float32), _mesh(), linear_attention_backend="triton")
+    for op, fn in real.items():
+        monkeypatch.setattr(dist, op, fn)
+
+    base = tiny_recurrent_gemma(torch.float64)
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    expected = base(input_ids=ids, labels=ids, use_cache=False).loss
+    model = parallelize_cp(copy.deepcopy(base), _mesh(), linear_attention_cp_mode="p2p")
+    batch = shard_batch_for_cp(ids, _mesh(), model=model)
+    targets = batch.pop("target_ids")
+    for fn in (cp_causal_lm_loss, cp_token_logprobs):
+        with pytest.raises(NotImplementedError, match=r"soft-caps its logits \(logits_soft_cap=2.0"):
+            fn(model, targets, _mesh(), use_cache=False, **batch)
+    loss = cp_cross_entropy(model(**batch, use_cache=False).logits, targets, _mesh())
+    assert abs(loss.item() / expected.item() - 1) < 1e-6  # transformers: its scan and loss in float32
+    model.model._forward_hooks.clear()  # the tiny builder's (it drops transformers' states after each forward)
+    blocks = [layer.temporal_block for layer in model.model.layers if hasattr(layer.temporal_block, "rg_lru")]
+    for block in blocks:  # stale inference states of the wrong shape and value
+        block.conv1d_state = torch.full((3, 5, 7), 1e3, dtype=torch.float64)
+        block.rg_lru.recurrent_states = torch.full((3, 32), 1e3)
+    again = cp_cross_entropy(model(**batch, use_cache=False).logits, targets, _mesh())
+    assert again.item() == loss.item()
+    assert all(b.conv1d_state.shape == (3, 5, 7) and b.rg_lru.recurrent_states.shape == (3, 32) for b in blocks)
+    with pytest.raises(NotImplementedError, match=r"use_cache"):
+        model(**batch, use_cache=True)
+
+
 def test_zamba2_shared_blocks_stay_one_parameter_set(single_rank_group, tmp_path):
     """Zamba2's shared blocks (one instance per hybrid layer, the parameters of a block's instances tied by
     transformers): after parallelize_cp, activation checkpointing and FSDP2 (`fully_shard_cp`: one unit per tied
