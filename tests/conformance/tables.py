@@ -693,18 +693,16 @@ ZAMBA2 = Table("Zamba2", "Zamba2ForCausalLM", tiny_zamba2, (
 # reference is its valid tokens alone (`valid_runs`: transformers' recurrent block reads padding)
 RECURRENT_GEMMA = Table("RecurrentGemma", "RecurrentGemmaForCausalLM", tiny_recurrent_gemma, (
     Knob("defaults (randomised biases and norm weights)", touches="all"),
-    Knob("lru_width 48 (gate blocks of 12), conv1d_width 2 (a halo of 1)", dict(lru_width=48, conv1d_width=2),
-         touches="linear"),
-    Knob("num_attention_heads 8, num_key_value_heads 2 (head dim 4; RG-LRU blocks of 4), attention_bias True",
-         dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True), touches="attention linear"),
-    Knob("attention_window_size: 40 (longer than a CP2 slice)", dict(attention_window_size=40), touches="attention"),
-    Knob("rope_parameters: rope_theta 500, partial_rotary_factor 0.25",
-         dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25}),
-         touches="attention rotary"),
-    Knob("block_types: attention, recurrent (4 layers)", dict(block_types=("attention", "recurrent"),
-                                                             num_hidden_layers=4), touches="layers"),
-    Knob("hidden_activation: gelu (the block's y branch and the MLP)", dict(hidden_activation="gelu"),
-         touches="linear mlp"),
+    Knob("lru_width 48 (gate blocks of 12), conv1d_width 2 (a halo of 1), hidden_activation gelu (the block's y "
+         "branch and the MLP)", dict(lru_width=48, conv1d_width=2, hidden_activation="gelu"), touches="linear mlp"),
+    Knob("num_attention_heads 8, num_key_value_heads 2 (head dim 4; RG-LRU blocks of 4), attention_bias True, "
+         "rope_parameters: rope_theta 500, partial_rotary_factor 0.25",
+         dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25}),
+         touches="attention linear rotary"),
+    Knob("block_types: attention, recurrent (4 layers), attention_window_size 40 (longer than a CP2 slice)",
+         dict(block_types=("attention", "recurrent"), num_hidden_layers=4, attention_window_size=40),
+         touches="layers attention"),
     Knob("logits_soft_cap 0.5, rms_norm_eps 1e-2, intermediate_size 40, tie_word_embeddings False",
          dict(logits_soft_cap=0.5, rms_norm_eps=1e-2, intermediate_size=40, tie_word_embeddings=False),
          touches="head norm mlp embedding"),
