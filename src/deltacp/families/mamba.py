@@ -87,11 +87,7 @@ class MambaView(LinearMixerView):
                                 extras_BnHX[:, :, 0])
 
     def recurrence(self, backend):
-        if backend.name != "eager":
-            raise NotImplementedError(
-                f"{type(self.module).__name__}: the selective scan (Mamba1) has eager kernels only; "
-                f"linear_attention_backend={backend.name!r} is not supported for this family: use "
-                f"linear_attention_backend='eager'")
+        self.eager_only("the selective scan (Mamba1)", backend)
         from deltacp.ops.selective.eager import SelectiveScan
 
         return SelectiveScan()

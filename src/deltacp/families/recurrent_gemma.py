@@ -112,11 +112,7 @@ class RglruView(LinearMixerView):
         return RecurrenceInputs(a * ~reset, b)
 
     def recurrence(self, backend):
-        if backend.name != "eager":
-            raise NotImplementedError(
-                f"{type(self.module).__name__}: the RG-LRU scan (RecurrentGemma) has eager kernels only; "
-                f"linear_attention_backend={backend.name!r} is not supported for this family: use "
-                f"linear_attention_backend='eager'")
+        self.eager_only("the RG-LRU scan (RecurrentGemma)", backend)
         from deltacp.ops.selective.diagonal import DiagonalScan
 
         return DiagonalScan()

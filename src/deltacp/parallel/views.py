@@ -139,6 +139,14 @@ class LinearMixerView:
     def output(self, o_BsHV: torch.Tensor, out, backend) -> torch.Tensor:
         raise NotImplementedError
 
+    def eager_only(self, scan: str, backend) -> None:
+        """For a recurrence with eager kernels only (`recurrence` calls it): NotImplementedError naming `scan`, the
+        backend and the allowed one, unless `backend` is eager."""
+        if backend.name != "eager":
+            raise NotImplementedError(
+                f"{type(self.module).__name__}: {scan} has eager kernels only; linear_attention_backend="
+                f"{backend.name!r} is not supported for this family: use linear_attention_backend='eager'")
+
     def parameter(self) -> torch.Tensor:
         """Any parameter (dtype and device of the module)."""
         return next(self.module.parameters())
