@@ -194,7 +194,10 @@ CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
-       + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d"))
+       + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d")
+       # RecurrentGemma: the RG-LRU's gate blocks split over Ulysses groups of 2, its states by the p2p scan
+       + [("RecurrentGemmaForCausalLM", "padded", "all_gather", "contiguous", "2d"),
+          ("RecurrentGemmaForCausalLM", "packed", "p2p", "balanced", "scan")])
 CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
               "MiniMaxForCausalLM", "Mamba2ForCausalLM")
 CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode; one family of each other mixer, in turn

@@ -101,8 +101,13 @@ class RglruView(LinearMixerView):
         m = self.module
         (x,) = parts  # [rows, n, h, block_width]
         reset = extras_BnHX[..., :1] > 0.5  # [rows, n, h, 1]
-        gate_x = torch.einsum("rnhi,hij->rnhj", x, m.input_gate_weight[heads]) + m.input_gate_bias[heads]
-        gate_a = torch.einsum("rnhi,hij->rnhj", x, m.recurrent_gate_weight[heads]) + m.recurrent_gate_bias[heads]
+        x_hTK = x.flatten(0, 1).transpose(0, 1)  # per head, every token: transformers' baddbmm (one rounding)
+
+        def gate(weight, bias):
+            return torch.baddbmm(bias[heads, None, :], x_hTK, weight[heads]).transpose(0, 1).reshape(x.shape)
+
+        gate_x, gate_a = gate(m.input_gate_weight, m.input_gate_bias), gate(m.recurrent_gate_weight,
+                                                                             m.recurrent_gate_bias)
         log_a = -8.0 * torch.sigmoid(gate_a) * F.softplus(m.recurrent_param.view(m.num_attention_heads, -1)[heads])
         a, a_square = torch.exp(log_a), torch.exp(2 * log_a)
         sqrt_bound = importlib.import_module(type(m).__module__).SqrtBoundDerivative  # its clipped gradient
