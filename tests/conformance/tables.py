@@ -694,7 +694,9 @@ ZAMBA2 = Table("Zamba2", "Zamba2ForCausalLM", tiny_zamba2, (
 RECURRENT_GEMMA = Table("RecurrentGemma", "RecurrentGemmaForCausalLM", tiny_recurrent_gemma, (
     Knob("defaults (randomised biases and norm weights)", touches="all"),
     Knob("lru_width 48 (gate blocks of 12), conv1d_width 2 (a halo of 1), hidden_activation gelu (the block's y "
-         "branch and the MLP)", dict(lru_width=48, conv1d_width=2, hidden_activation="gelu"), touches="linear mlp"),
+         "branch and the MLP), block_types: recurrent (no attention layer)",
+         dict(lru_width=48, conv1d_width=2, hidden_activation="gelu", block_types=("recurrent",)),
+         touches="linear mlp layers"),
     Knob("num_attention_heads 8, num_key_value_heads 2 (head dim 4; RG-LRU blocks of 4), attention_bias True, "
          "rope_parameters: rope_theta 500, partial_rotary_factor 0.25",
          dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,

@@ -194,11 +194,11 @@ def test_recurrent_gemma_refusals_and_stale_states(single_rank_group, monkeypatc
     """RecurrentGemma on a one-rank mesh: the Triton backend refused before any collective (the RG-LRU has eager
     kernels only); the CP losses that replace the head refuse its soft-capped logits, naming logits_soft_cap, while
     cp_cross_entropy of model(...).logits is transformers' own loss (the soft-cap in its forward); the CP forwards
-    never read transformers' state attributes (garbage there changes nothing, and they stay as they were), and
-    use_cache=True is refused."""
+    never read transformers' state attributes (garbage there changes nothing, and they stay as they were),
+    use_cache=True is refused; suspend_cp puts transformers' forwards back and the CP ones after."""
     import torch.distributed as dist
 
-    from deltacp import cp_causal_lm_loss, cp_cross_entropy, cp_token_logprobs, shard_batch_for_cp
+    from deltacp import cp_causal_lm_loss, cp_cross_entropy, cp_token_logprobs, shard_batch_for_cp, suspend_cp
     from helpers import tiny_recurrent_gemma
 
     real = {op: getattr(dist, op) for op in ("all_gather", "all_reduce", "broadcast")}
@@ -206,16 +206,16 @@ def test_recurrent_gemma_refusals_and_stale_states(single_rank_group, monkeypatc
     def collective(*args, **kwargs):
         raise AssertionError("a collective ran before the refusal")
 
+    base = tiny_recurrent_gemma(torch.float64)
     for op in real:
         monkeypatch.setattr(dist, op, collective)
     with pytest.raises(NotImplementedError, match=r"RG-LRU scan \(RecurrentGemma\) has eager kernels only; "
                                                   r"linear_attention_backend='triton' .*use linear_attention_backend="
                                                   r"'eager'"):
-        parallelize_cp(tiny_recurrent_gemma(torch.float32), _mesh(), linear_attention_backend="triton")
+        parallelize_cp(copy.deepcopy(base), _mesh(), linear_attention_backend="triton")
     for op, fn in real.items():
         monkeypatch.setattr(dist, op, fn)
 
-    base = tiny_recurrent_gemma(torch.float64)
     ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     expected = base(input_ids=ids, labels=ids, use_cache=False).loss
     model = parallelize_cp(copy.deepcopy(base), _mesh(), linear_attention_cp_mode="p2p")
@@ -236,6 +236,9 @@ def test_recurrent_gemma_refusals_and_stale_states(single_rank_group, monkeypatc
     assert all(b.conv1d_state.shape == (3, 5, 7) and b.rg_lru.recurrent_states.shape == (3, 32) for b in blocks)
     with pytest.raises(NotImplementedError, match=r"use_cache"):
         model(**batch, use_cache=True)
+    with suspend_cp(model):  # transformers' forwards back (the attention is a token layer's attribute too: once)
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, base(input_ids=ids, use_cache=False).logits)
+    assert all("forward" in layer.temporal_block.__dict__ for layer in model.model.layers)
 
 
 def test_zamba2_shared_blocks_stay_one_parameter_set(single_rank_group, tmp_path):
