@@ -11,8 +11,7 @@ Qwen4-Exp (indexed attention with full_attention_cp=all_gather, a PLE layer, hyp
 (its conditional class with a text-only batch: KDA, MLA with the pooled indexer and a "shared" layer,
 hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
 (GDN, sliding-window and NoPE full attention, MoE with an ungated shared expert); LFM2 and LFM3 (gated short convs;
-LFM3's sliding-window and gated full attention); RecurrentGemma (the RG-LRU, local MQA, soft-capped logits: the
-cross_entropy loss)."""
+LFM3's sliding-window and gated full attention); RecurrentGemma (the RG-LRU, local MQA, soft-capped logits)."""
 
 from pathlib import Path
 
@@ -118,13 +117,12 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
     "Lfm3ForCausalLM": (dict(layer_types=["conv", "sliding_attention", "full_attention", "conv"], sliding_window=48,
                              pad_token_id=0), GDN_FIELDS, {}),
     # RG-LRU (8 gate blocks of 8), conv 4 with bias, MQA local attention (window 48: crosses the CP2 boundary of a
-    # 128-token row), partial RoPE, logits soft-capped at 30 (the loss from the logits: cross_entropy)
+    # 128-token row), partial RoPE, logits soft-capped at 30 (in the fused loss's kernels)
     "RecurrentGemmaForCausalLM": (dict(block_types=["recurrent", "recurrent", "attention"], num_hidden_layers=3,
                                        num_key_value_heads=1, lru_width=64, attention_window_size=48,
                                        pad_token_id=0), GDN_FIELDS + ["layer_types", "head_dim",
                                                                       "max_position_embeddings"], {}),
 }
-LOSS = {"RecurrentGemmaForCausalLM": ["train.loss=cross_entropy"]}  # soft-capped logits: the full-logits loss
 ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their indexed layers' method
                for name in ("Qwen4ExpForCausalLM", "Glm5NextForConditionalGeneration")}
 
@@ -137,7 +135,7 @@ DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausal
 def _cfg(name):
     raw = config_to_dict(load_config(MAIN, ["train.data.seq_len=128", "train.data.batch_size=2",
                                             "train.logging.progress=none", f"train.steps={STEPS}"]
-                                     + ACCELERATOR.get(name, []) + LOSS.get(name, [])))
+                                     + ACCELERATOR.get(name, [])))
     added, removed, vision = CLASSES[name]
     model = raw["train"]["model"]
     model["config"] = {k: v for k, v in {**model["config"], **added}.items() if k not in removed}
@@ -164,8 +162,6 @@ def test_every_model_class_trains_at_cp2():
     (["train.model.model_class=Qwen3_5MoeForCausalLM"],
      r"^train\.model\.config\.intermediate_size: unknown Qwen3_5MoeTextConfig field"),
     (["train.model.vision_config={depth: 1}"], r"^train\.model\.vision_config is for the multimodal classes"),
-    (["train.model.model_class=RecurrentGemmaForCausalLM", "train.model.config={hidden_size: 64}"],
-     r"^train\.loss=linear_cross_entropy: RecurrentGemmaForCausalLM soft-caps its logits"),
     (["train.model.model_class=Qwen3_5ForConditionalGeneration", "train.model.vision_config={dept: 1}"],
      r"^train\.model\.vision_config\.dept: unknown Qwen3_5VisionConfig field"),
 ])

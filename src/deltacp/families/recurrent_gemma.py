@@ -9,8 +9,8 @@ intermediate_size / 2), the residual; norms `RecurrentGemmaRMSNorm` ((1 + w) in 
 `final_norm`. The text model multiplies the embeddings by its `normalizer` buffer, sqrt(hidden_size) ROUNDED TO
 bfloat16 (then cast to the hidden states' dtype: 50.5 for hidden 2560, not 50.596), and the causal LM soft-caps its
 logits: cap * tanh(logits / cap), cap `logits_soft_cap` (30): transformers' own forwards under CP. The CP losses that
-replace the head (`cp_causal_lm_loss`, `cp_token_logprobs`) do not compute the soft-cap and refuse the family
-(`Family.logit_softcap`); `model(...).logits` with `cp_cross_entropy` is exact.
+replace the head (`cp_causal_lm_loss`, `cp_token_logprobs`) cap the logits in their kernels instead
+(`Family.logit_softcap`, `ops/lm_head/kernels.soft_capped`); `model(...).logits` with `cp_cross_entropy` is exact.
 
 Recurrent block (`RecurrentGemmaRecurrentBlock`): y = gelu_tanh(linear_y x); x = conv_1d(linear_x x) (depthwise,
 kernel `conv1d_width`, WITH bias, NO activation); h = rg_lru(x, position_ids); out = linear_out(h * y). Under CP its

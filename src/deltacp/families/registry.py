@@ -50,7 +50,7 @@ class Family:
     # the causal LM's forward scales the head's output: (config field, "div" | "mul"): logits = head(h) / or * it
     logit_scale: tuple[str, str] | None = None
     # the causal LM's forward soft-caps the head's output: logits = cap * tanh(logits / cap), cap this config field
-    # (RecurrentGemma's logits_soft_cap); the CP losses that replace the head refuse it (they do not compute it)
+    # (RecurrentGemma's logits_soft_cap); the CP losses that replace the head compute it in their kernels
     logit_softcap: str | None = None
     # recomputes non-persistent buffers that transformers' per-module initialisation cannot (load_pretrained calls it
     # after the weights are read): (model, its text config) -> the names of the modules whose buffers it set

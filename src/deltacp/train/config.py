@@ -425,10 +425,6 @@ def config_from_dict(raw: dict) -> TrainConfig:
         raise ConfigError(f"train.model.gate_init={cfg.model.gate_init!r} would overwrite the gates (A_log, dt_bias) "
                           f"of the pretrained model in train.model.pretrained; use gate_init: default")
     check_model_config_keys(cfg.model.config, config_class=family.text_config)
-    if family.logit_softcap is not None and cfg.loss == "linear_cross_entropy":
-        raise ConfigError(f"train.loss=linear_cross_entropy: {cfg.model.model_class} soft-caps its logits "
-                          f"({family.logit_softcap}), which the chunked head loss does not compute; use train.loss: "
-                          f"cross_entropy (the model's logits, then cp_cross_entropy)")
     if cfg.model.vision_config:
         if cfg.model.model_class != family.conditional:
             multimodal = [f.conditional for f in FAMILIES if f.conditional is not None]
