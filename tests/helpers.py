@@ -234,6 +234,8 @@ def tiny_family_model(name: str, dtype=torch.float64, **text_overrides) -> torch
         return tiny_granite_hybrid(dtype)
     if name == "JambaForCausalLM":
         return tiny_jamba(dtype)
+    if name == "RecurrentGemmaForCausalLM":
+        return tiny_recurrent_gemma(dtype)
     if name == "FalconH1ForCausalLM":
         return tiny_falcon_h1(dtype)
     if name == "KimiLinearForCausalLM":
@@ -453,6 +455,38 @@ def tiny_zamba2(dtype=torch.float64, **overrides) -> torch.nn.Module:
         pad_token_id=0), **overrides})
     return _mamba2_model(transformers.Zamba2ForCausalLM, config,
                          lambda layer: layer.mamba if hasattr(layer, "mamba") else layer.mamba_decoder.mamba, dtype)
+
+
+RECURRENT_GEMMA_FIELDS = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=1, lru_width=32, attention_window_size=20,
+                              conv1d_width=4, logits_soft_cap=2.0, pad_token_id=0)
+
+
+def tiny_recurrent_gemma(dtype=torch.float64, **overrides) -> torch.nn.Module:
+    """A tiny random RecurrentGemmaForCausalLM (seeded): hidden 32, layers recurrent, recurrent, attention
+    (block_types' default cycle); RG-LRU width 32 in 4 gate blocks of 8 (transformers' init: slow decays), conv 4
+    with bias; attention 4 heads of 8 over 1 KV head (MQA), partial RoPE 0.5 (4 dims), window 20 (crosses every rank
+    boundary, longer than the balanced pieces at CP2); MLP 24 with biases; logits soft-capped at 2 (small: the
+    tiny logits reach the tanh's curve); tied head; sdpa attention."""
+    import transformers
+
+    config = transformers.RecurrentGemmaConfig(**{**RECURRENT_GEMMA_FIELDS, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(config).to(dtype)
+    model.model.register_forward_hook(_drop_recurrent_states)
+    return model
+
+
+def _drop_recurrent_states(text, args, output) -> None:
+    """After a forward of transformers' RecurrentGemma: its recurrent blocks keep their last states on module
+    attributes even with use_cache=False (`rg_lru.recurrent_states`, with its autograd graph), which deepcopy (the
+    tests' copies of the reference model) refuses; every forward with use_cache=False starts from None again, so
+    dropping them changes no result."""
+    for layer in text.layers:
+        block = layer.temporal_block
+        if hasattr(block, "rg_lru"):
+            block.conv1d_state = block.rg_lru.recurrent_states = None
 
 
 def tiny_nemotron_h(dtype=torch.float64, **overrides) -> torch.nn.Module:

@@ -43,7 +43,7 @@ from deltacp.ops.lm_head.chunks import (  # noqa: F401  (re-exported: their home
     vocab_budget_bytes,
 )
 from deltacp.ops.lm_head.cross_entropy import linear_cross_entropy_sum
-from deltacp.ops.lm_head.kernels import IGNORE_INDEX, check_kernels
+from deltacp.ops.lm_head.kernels import IGNORE_INDEX, KERNELS, check_kernels, select_impl
 from deltacp.ops.lm_head.logprobs import linear_token_logprobs
 from deltacp.ops.lm_head.metrics import head_token_stats
 
@@ -94,7 +94,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
                             vocab_chunk_size: int | None = None,
                             lm_head_bias: torch.Tensor | None = None, weight_grad: str = "accumulate",
                             num_items_in_batch: int | torch.Tensor | None = None,
-                            kernels: str = "auto") -> torch.Tensor:
+                            kernels: str = "auto", logit_softcap: float | None = None) -> torch.Tensor:
     """Mean cross entropy of `hidden_states @ lm_head_weight.T (+ lm_head_bias)` over every valid target of the
     global batch, without ever holding [tokens, vocab] logits.
 
@@ -138,6 +138,10 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     Triton kernels (CUDA, or any device under TRITON_INTERPRET=1; not float64). `cp_causal_lm_loss` passes the
     model's GDN backend's choice (`head_kernels_of`: eager "torch", triton "triton").
 
+    logit_softcap: the logits are cap * tanh(logits / cap) (transformers' RecurrentGemma, `logits_soft_cap`), formed
+    in float32 (float64 stays float64) from the logits chunk, the gradient through it; the PyTorch kernels only
+    (the Triton ones refuse it, before any collective). `cp_causal_lm_loss` passes the model's.
+
     From a Qwen3_5ForCausalLM (CP'd): the text model's last hidden state (after the final norm) and the head,
     `hidden = model.model(**kwargs).last_hidden_state` and `model.lm_head.weight` (tied embeddings work the
     same: the weight is the embedding matrix, both uses' gradients add up). Under FSDP2 the head's weight is
@@ -145,6 +149,7 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     which computes this loss inside the model's forward in place of the head (also fine without FSDP).
     """
     fn = "cp_linear_cross_entropy"
+    check_soft_cap(fn, logit_softcap, kernels, hidden_states)
     check_chunk(fn, "chunk_size", chunk_size)
     check_chunk(fn, "vocab_chunk_size", vocab_chunk_size)
     check_weight_grad(fn, weight_grad)
@@ -165,11 +170,23 @@ def cp_linear_cross_entropy(hidden_states: torch.Tensor, lm_head_weight: torch.T
     scale = (1.0 / count.clamp(min=1).to(acc)).reshape(())  # on the device
     local = linear_cross_entropy_sum(hidden, lm_head_weight, lm_head_bias, targets, chunk_size,  # this rank's
                                      vocab_chunk_size=vocab_chunk_size, scale=scale,  # sum / count
-                                     weight_grad=weight_grad, impl=kernels)
+                                     weight_grad=weight_grad, impl=kernels, softcap=logit_softcap)
     global_mean = local.detach().clone()
     dist.all_reduce(global_mean, group=group)
     # the value: the global mean on every rank; the gradient: this rank's share (local's, already scaled)
     return local + (global_mean - local.detach())
+
+
+def check_soft_cap(fn: str, cap, kernels: str, hidden_states: torch.Tensor) -> None:
+    """A logit soft-cap is a finite number > 0 (or None), computed by the PyTorch kernels only: ValueError /
+    NotImplementedError naming it, before any collective."""
+    if cap is None:
+        return
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"{fn}: logit_softcap={cap!r}: expected a finite number > 0 (or None: no soft-cap)")
+    if kernels in KERNELS and select_impl(fn, hidden_states.device, hidden_states.dtype, kernels) == "triton":
+        raise NotImplementedError(f"{fn}: the Triton head kernels compute no logit soft-cap (logit_softcap={cap}); "
+                                  f"use kernels='torch'")
 
 
 def refuse_z_loss(model: nn.Module, fn: str) -> None:
@@ -203,6 +220,9 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     the head outside every checkpointed region, so nothing recomputes them; do not checkpoint the whole model
     forward around this call (a recompute would run the loss, gradients included, a second time).
 
+    A causal LM that soft-caps its logits (RecurrentGemma's `logits_soft_cap`) gets the cap inside the loss's kernels
+    (`logit_softcap`), and the model's own cap is kept off the loss (`forward_with_head`).
+
     With routed experts whose forward returns `aux_loss` (output_router_logits), the result is the loss plus
     `router_aux_loss_coef * aux_loss` (the global auxiliary loss, `models/moe.py`), as transformers adds it.
 
@@ -216,17 +236,18 @@ def cp_causal_lm_loss(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         head = output_head(model, fn)
         kernels = head_kernels_of(model)
         refuse_z_loss(model, fn)
+        softcap = adapter_for(model).logit_softcap
     raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device)
     stats = []
 
     def loss_head(hidden: torch.Tensor) -> torch.Tensor:
         if return_token_stats:
             stats.append(head_token_stats(hidden.flatten(0, -2), head.weight, head.bias,
-                                          target_ids.reshape(-1).to(hidden.device)))
+                                          target_ids.reshape(-1).to(hidden.device), softcap=softcap))
         return cp_linear_cross_entropy(hidden, head.weight, target_ids, cp_mesh, chunk_size=chunk_size,
                                        vocab_chunk_size=vocab_chunk_size, lm_head_bias=head.bias,
                                        weight_grad=weight_grad, num_items_in_batch=num_items_in_batch,
-                                       kernels=kernels)
+                                       kernels=kernels, logit_softcap=softcap)
 
     output = forward_with_head(model, head, loss_head, model_kwargs)
     loss = output.logits
@@ -280,6 +301,7 @@ def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
         check_weight_grad(fn, weight_grad)
         check_targets(fn, target_ids, head.out_features)
         kernels = head_kernels_of(model)
+        softcap = adapter_for(model).logit_softcap
     same = float(temperature) if isinstance(temperature, (int, float)) else math.nan  # (a bad one raised above)
     raise_together(batch_group_of(cp_mesh), fn, checks.error, device=target_ids.device,
                    agree=dict(temperature=same))
@@ -287,7 +309,8 @@ def cp_token_logprobs(model: nn.Module, target_ids: torch.Tensor, cp_mesh: Devic
     def logprob_head(hidden: torch.Tensor) -> torch.Tensor:
         out = linear_token_logprobs(hidden, head.weight, target_ids.to(hidden.device), bias=head.bias,
                                     temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size,
-                                    vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad, kernels=kernels)
+                                    vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad, kernels=kernels,
+                                    softcap=softcap)
         # one tensor through the model's output (its `logits` field; FSDP2's pre-backward hook sees it)
         return torch.stack(out, dim=-1) if return_entropy else out
 
@@ -329,14 +352,41 @@ def forward_with_head(model: nn.Module, head: nn.Linear, head_fn: Callable[[torc
     """(see `_forward_with_head`) A family whose causal LM scales the head's output by a factor f (Granite-4.0-H's
     1 / logits_scaling, Falcon-H1's lm_head_multiplier): head_fn sees the hidden states times f (the logits it
     computes are the model's: (f h) Wᵀ = f (h Wᵀ); a head bias is refused) and its result is divided by f, which
-    the model's forward multiplies back."""
-    factor = adapter_for(model).logit_factor
+    the model's forward multiplies back. A family that soft-caps the head's output (RecurrentGemma): head_fn caps
+    the logits itself, and its result is the model's output as it is (`_forward_past_soft_cap`)."""
+    adapter = adapter_for(model)
+    if adapter.logit_softcap is not None:
+        return _forward_past_soft_cap(model, head, head_fn, model_kwargs)
+    factor = adapter.logit_factor
     if factor == 1.0:
         return _forward_with_head(model, head, head_fn, model_kwargs)
     if head.bias is not None:
         raise NotImplementedError(f"{type(model).__name__} scales its logits by {factor}: an output head with a bias "
                                   f"is not supported by the CP losses")
     return _forward_with_head(model, head, lambda hidden: head_fn(hidden * factor) / factor, model_kwargs)
+
+
+def _forward_past_soft_cap(model: nn.Module, head: nn.Linear, head_fn: Callable[[torch.Tensor], torch.Tensor],
+                           model_kwargs: dict):
+    """`_forward_with_head` for a causal LM that soft-caps the head's output (RecurrentGemma: cap * tanh(x / cap)
+    after the head): head_fn computes the soft-cap itself (its kernels' `softcap`), and its result replaces the
+    capped one in the model's output (a forward hook run before FSDP2's, so FSDP2's pre-backward hook is on the
+    result as on any output)."""
+    held = []
+
+    def keep(hidden: torch.Tensor) -> torch.Tensor:
+        held.append(head_fn(hidden))
+        return held[-1]
+
+    def swap(module, args, output):
+        output.logits = held[-1]
+        return output
+
+    handle = model.register_forward_hook(swap, prepend=True)
+    try:
+        return _forward_with_head(model, head, keep, model_kwargs)
+    finally:
+        handle.remove()
 
 
 def _forward_with_head(model: nn.Module, head: nn.Linear, head_fn: Callable[[torch.Tensor], torch.Tensor],

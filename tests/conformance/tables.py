@@ -45,6 +45,7 @@ from helpers import (
     tiny_nemotron_h,
     tiny_olmo_hybrid,
     tiny_qwen4_exp,
+    tiny_recurrent_gemma,
     tiny_text_fields,
     tiny_zamba,
     tiny_zamba2,
@@ -721,17 +722,48 @@ ZAMBA = Table("Zamba", "ZambaForCausalLM", tiny_zamba, (
     Knob("time_step_min, time_step_max, time_step_floor, initializer_range", ignored="initialisation only"),
 ))
 
+# the tiny RecurrentGemma (`tiny_recurrent_gemma`): layers recurrent, recurrent, attention; RG-LRU width 32 in 4 gate
+# blocks of 8 (transformers' init: slow decays), conv 4 with bias (a halo of 3: the packed row's documents of 1 and 3
+# tokens are shorter); attention 4 heads of 8 over 1 KV head, partial RoPE 0.5, window 20 (crosses every rank boundary,
+# longer than the balanced pieces at CP2); MLP 24 with biases; logits soft-capped at 2; tied head. The padded row's
+# reference is its valid tokens alone (`valid_runs`: transformers' recurrent block reads padding)
+RECURRENT_GEMMA = Table("RecurrentGemma", "RecurrentGemmaForCausalLM", tiny_recurrent_gemma, (
+    Knob("defaults (randomised biases and norm weights)", touches="all"),
+    Knob("lru_width 48 (gate blocks of 12), conv1d_width 2 (a halo of 1), hidden_activation gelu (the block's y "
+         "branch and the MLP), block_types: recurrent (no attention layer)",
+         dict(lru_width=48, conv1d_width=2, hidden_activation="gelu", block_types=("recurrent",)),
+         touches="linear mlp layers"),
+    Knob("num_attention_heads 8, num_key_value_heads 2 (head dim 4; RG-LRU blocks of 4), attention_bias True, "
+         "rope_parameters: rope_theta 500, partial_rotary_factor 0.25",
+         dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25}),
+         touches="attention linear rotary"),
+    Knob("block_types: attention, recurrent (4 layers), attention_window_size 40 (longer than a CP2 slice)",
+         dict(block_types=("attention", "recurrent"), num_hidden_layers=4, attention_window_size=40),
+         touches="layers attention"),
+    Knob("logits_soft_cap 0.5, rms_norm_eps 1e-2, intermediate_size 40, tie_word_embeddings False",
+         dict(logits_soft_cap=0.5, rms_norm_eps=1e-2, intermediate_size=40, tie_word_embeddings=False),
+         touches="head norm mlp embedding"),
+    Knob("attention_dropout: 0.1 (training)", dict(attention_dropout=0.1), touches="attention",
+         refused="attention_dropout"),
+    Knob("rope_parameters: other rope types", ignored="RecurrentGemmaRotaryEmbedding raises for any type but "
+                                                      "'default'"),
+    Knob("head_dim", ignored="RecurrentGemmaConfig sets it to hidden_size / num_attention_heads"),
+    Knob("w_init_variance_scale, final_w_init_variance_scale", ignored="initialisation only"),
+), valid_runs=True)
+
 TABLES = {t.family: t for t in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID, BAMBA, GRANITE_HYBRID, NEMOTRON_H,
                                  FALCON_H1, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP, GLM5_NEXT, MINIMAX,
                                  LARA_MINI, LFM2, LFM2_MOE, LFM3, MAMBA2, MAMBA, FALCON_MAMBA, JAMBA,
-                                 ZAMBA2, ZAMBA)}
+                                 ZAMBA2, ZAMBA, RECURRENT_GEMMA)}
 DECAYS = {"Qwen3.5": GDN_DECAYS, "Qwen3.5-MoE": GDN_DECAYS, "Qwen3-Next": GDN_DECAYS, "OLMo-Hybrid": GDN_DECAYS,
           "Bamba": SSD_DECAYS, "Granite-4.0-H": SSD_DECAYS, "Nemotron-H": SSD_DECAYS, "Falcon-H1": SSD_DECAYS,
           "Kimi-Linear": KDA_DECAYS, "Bailing-Hybrid": KDA_DECAYS, "Qwen4-Exp": GDN_DECAYS,
           "GLM-5.3-Flash": KDA_DECAYS, "MiniMax-Text-01": (), "LaRA-mini": GDN_DECAYS,
           "LFM2": (), "LFM2-MoE": (), "LFM3": (), "Mamba2": SSD_DECAYS, "Mamba": MAMBA_DECAYS,
           "FalconMamba": MAMBA_DECAYS, "Jamba": MAMBA_DECAYS,
-          "Zamba2": SSD_DECAYS, "Zamba": ("A_log", "dt_proj_bias")}
+          "Zamba2": SSD_DECAYS, "Zamba": ("A_log", "dt_proj_bias"),
+          "RecurrentGemma": ("recurrent_param",)}
 
 
 def readme_section() -> str:

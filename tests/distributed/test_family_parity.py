@@ -18,7 +18,9 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
   GQA with q/k layernorms; LFM2-MoE's sigmoid router with the expert bias; LFM3 (`tiny_lfm3`): kernel-7 convs,
   sliding-window and full attention with per-head sigmoid gates and sandwich norms;
 - Mamba, FalconMamba, Jamba (Mamba1's selective scan: Ulysses refused); Zamba2 (`tiny_zamba2`): Mamba2 layers and
-  shared attention blocks tied across invocations (one parameter set under FSDP2);
+  shared attention blocks tied across invocations (one parameter set under FSDP2); RecurrentGemma
+  (`tiny_recurrent_gemma`: the RG-LRU behind a conv halo, local attention, soft-capped logits: in the fused loss's
+  kernels);
 - rows right-padded ("padded") against the unmodified model at their valid tokens (left padding: the tables).
 
 References:
@@ -114,7 +116,7 @@ def family_worker(rank, world, cases):
         fused_model = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p")
         batch = shard_batch_for_cp(ids, single_mesh, attention_mask=m, cu_seqlens=cu, model=fused_model)
         targets = batch.pop("target_ids")
-        with float64_upcasts(), torch.no_grad():
+        with float64_upcasts(), torch.no_grad():  # (RecurrentGemma: the logits' soft-cap in the loss's kernels)
             fused = cp_causal_lm_loss(fused_model, targets, single_mesh, use_cache=False,
                                       **{k: v for k, v in batch.items() if v is not None})
         return logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf)), _step(ref, single_mesh, ids, m, cu), fused
@@ -181,13 +183,17 @@ CP2 = _cases(("p2p",), ("contiguous",), ("padded",), extra="fsdp+checkpointing",
                     "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM",
                     "MiniMaxForCausalLM", "LaraMiniForCausalLM", "Lfm2MoeForCausalLM", "Mamba2ForCausalLM",
                     "MambaForCausalLM", "JambaForCausalLM",
-                    "Zamba2ForCausalLM", "Lfm3ForCausalLM", "ZambaForCausalLM"))
+                    "Zamba2ForCausalLM", "Lfm3ForCausalLM", "ZambaForCausalLM",
+                    "RecurrentGemmaForCausalLM"))
 CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p", "all_gather"), ("contiguous", "balanced"), ("padded",), extra="2d")
        # LaRA-mini's sliding layers keep their K/V halo over the whole CP group in the 2-D layout
        + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d")
        # Zamba's 2 Mamba heads, one a Ulysses group member, across the groups by p2p
-       + _cases(("p2p",), ("balanced",), ("packed",), names=("ZambaForCausalLM",), extra="2d"))
+       + _cases(("p2p",), ("balanced",), ("packed",), names=("ZambaForCausalLM",), extra="2d")
+       # RecurrentGemma: the RG-LRU's gate blocks split over Ulysses groups of 2, its states by the p2p scan
+       + [("RecurrentGemmaForCausalLM", "padded", "all_gather", "contiguous", "2d"),
+          ("RecurrentGemmaForCausalLM", "packed", "p2p", "balanced", "scan")])
 CP8_OTHERS = ("Qwen3NextForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM",
               "MiniMaxForCausalLM", "Mamba2ForCausalLM")
 CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode; one family of each other mixer, in turn
@@ -210,7 +216,10 @@ CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode;
           ("ZambaForCausalLM", "padded", "p2p", "balanced", None),
           # LFM3: the conv halo of 6 and the window of 20 over pieces of 8 tokens (balanced pieces of 4 would be
           # shorter than the conv halo: refused, the error says to pad)
-          ("Lfm3ForCausalLM", "packed", "p2p", "contiguous", None)])
+          ("Lfm3ForCausalLM", "packed", "p2p", "contiguous", None),
+          # RecurrentGemma: the RG-LRU's resets at global position 0, the conv halo of 3 and the window of 20 over
+          # pieces of 4 tokens
+          ("RecurrentGemmaForCausalLM", "packed", "all_gather", "balanced", None)])
 
 
 @pytest.mark.parametrize("world,cases", [(2, CP2), (4, CP4), (8, CP8)])

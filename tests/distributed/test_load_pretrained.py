@@ -46,7 +46,9 @@ CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "
                                                      "FalconMambaForCausalLM",
                                                      "JambaForCausalLM",  # experts stored per expert
                                                      "Zamba2ForCausalLM",  # shared blocks: stored once
-                                                     "ZambaForCausalLM")  # one shared block, stored once
+                                                     "ZambaForCausalLM",  # one shared block, stored once
+                                                     # tied head; a bf16 normalizer buffer, not stored
+                                                     "RecurrentGemmaForCausalLM")
 SETTINGS = {"Qwen4ExpForCausalLM": dict(full_attention_cp="all_gather")}  # its indexed layers' method
 
 

@@ -1,7 +1,7 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
 float32, packed rows) with the single-device losses and grad norms, 3 steps, and the families added after Qwen3.5
-(OLMo-Hybrid, the Mamba2 and the KDA ones, Qwen4-Exp, GLM-5.3-Flash, MiniMax-Text-01, Zamba2, LFM3, Mamba2, LaRA-mini)
-also at dp2 x cp2 (4 ranks, the same global batch); bad class settings name the key.
+(OLMo-Hybrid, the Mamba2 and the KDA ones, Qwen4-Exp, GLM-5.3-Flash, MiniMax-Text-01, Zamba2, LFM3, Mamba2, LaRA-mini,
+RecurrentGemma) also at dp2 x cp2 (4 ranks, the same global batch); bad class settings name the key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
@@ -11,7 +11,7 @@ Qwen4-Exp (indexed attention with full_attention_cp=all_gather, a PLE layer, hyp
 (its conditional class with a text-only batch: KDA, MLA with the pooled indexer and a "shared" layer,
 hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
 (GDN, sliding-window and NoPE full attention, MoE with an ungated shared expert); LFM2 and LFM3 (gated short convs;
-LFM3's sliding-window and gated full attention)."""
+LFM3's sliding-window and gated full attention); RecurrentGemma (the RG-LRU, local MQA, soft-capped logits)."""
 
 from pathlib import Path
 
@@ -121,6 +121,12 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
     # layer with proportional RoPE, sandwich norms
     "Lfm3ForCausalLM": (dict(layer_types=["conv", "sliding_attention", "full_attention", "conv"], sliding_window=48,
                              pad_token_id=0), GDN_FIELDS, {}),
+    # RG-LRU (8 gate blocks of 8), conv 4 with bias, MQA local attention (window 48: crosses the CP2 boundary of a
+    # 128-token row), partial RoPE, logits soft-capped at 30 (in the fused loss's kernels)
+    "RecurrentGemmaForCausalLM": (dict(block_types=["recurrent", "recurrent", "attention"], num_hidden_layers=3,
+                                       num_key_value_heads=1, lru_width=64, attention_window_size=48,
+                                       pad_token_id=0), GDN_FIELDS + ["layer_types", "head_dim",
+                                                                      "max_position_embeddings"], {}),
 }
 ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their indexed layers' method
                for name in ("Qwen4ExpForCausalLM", "Glm5NextForConditionalGeneration")}
@@ -128,7 +134,7 @@ ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their
 DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
          "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM", "Qwen4ExpForCausalLM",
          "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "Zamba2ForCausalLM", "Lfm3ForCausalLM",
-         "Mamba2ForCausalLM", "LaraMiniForCausalLM")
+         "Mamba2ForCausalLM", "LaraMiniForCausalLM", "RecurrentGemmaForCausalLM")
 
 
 def _cfg(name):

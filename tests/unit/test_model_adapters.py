@@ -203,9 +203,91 @@ def test_zamba_refuses_the_triton_backend_before_any_collective(single_rank_grou
     for op in ("all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier", "send", "recv"):
         monkeypatch.setattr(dist, op, collective)
     model = tiny_family_model("ZambaForCausalLM", torch.float32)
-    with pytest.raises(NotImplementedError, match=r"multi-head selective scan has eager kernels only .*"
-                                                  r"use linear_attention_backend='eager'"):
+    with pytest.raises(NotImplementedError, match=r"multi-head selective scan has eager kernels only; "
+                                                  r"linear_attention_backend='triton' .*use linear_attention_backend="
+                                                  r"'eager'"):
         parallelize_cp(model, _mesh(), linear_attention_backend="triton", linear_attention_cp_mode="p2p")
+
+
+def test_recurrent_gemma_soft_cap_refusals_and_stale_states(single_rank_group, monkeypatch):
+    """RecurrentGemma on a one-rank mesh: the Triton backend refused before any collective (the RG-LRU has eager
+    kernels only); cp_cross_entropy of model(...).logits is transformers' own loss (the soft-cap in its forward), and
+    the chunked head losses (cp_causal_lm_loss with its token statistics, cp_token_logprobs) give the same values
+    and gradients with the cap in their kernels (the Triton kernels refuse a cap); the CP forwards never read
+    transformers' state attributes (garbage there changes nothing, and they stay as they were), use_cache=True is
+    refused; suspend_cp puts transformers' forwards back and the CP ones after."""
+    import torch.distributed as dist
+
+    from deltacp import (cp_causal_lm_loss, cp_cross_entropy, cp_linear_cross_entropy, cp_token_logprobs,
+                         shard_batch_for_cp, suspend_cp)
+    from helpers import tiny_recurrent_gemma
+
+    real = {op: getattr(dist, op) for op in ("all_gather", "all_reduce", "broadcast")}
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective ran before the refusal")
+
+    base = tiny_recurrent_gemma(torch.float64)
+    for op in real:
+        monkeypatch.setattr(dist, op, collective)
+    with pytest.raises(NotImplementedError, match=r"RG-LRU scan \(RecurrentGemma\) has eager kernels only; "
+                                                  r"linear_attention_backend='triton' .*use linear_attention_backend="
+                                                  r"'eager'"):
+        parallelize_cp(copy.deepcopy(base), _mesh(), linear_attention_backend="triton")
+    for op, fn in real.items():
+        monkeypatch.setattr(dist, op, fn)
+
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    expected = base(input_ids=ids, labels=ids, use_cache=False).loss
+    model = parallelize_cp(copy.deepcopy(base), _mesh(), linear_attention_cp_mode="p2p")
+    batch = shard_batch_for_cp(ids, _mesh(), model=model)
+    targets = batch.pop("target_ids")
+    logits = model(**batch, use_cache=False).logits  # transformers' soft-cap, in its forward
+    assert logits.abs().max() < 2.0
+    loss = cp_cross_entropy(logits, targets, _mesh())
+    assert abs(loss.item() / expected.item() - 1) < 1e-6  # transformers: its scan and loss in float32
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    # the chunked head losses cap the logits in their kernels, the model's own cap kept off their result
+    fused, stats = cp_causal_lm_loss(model, targets, _mesh(), use_cache=False, return_token_stats=True,
+                                     chunk_size=8, **batch)
+    assert abs(fused.item() / loss.item() - 1) < 1e-13
+    fused.backward()
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-11, atol=1e-13)
+    model.zero_grad()
+    valid = targets >= 0
+    z = logits.detach()
+    entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)[valid].sum()
+    assert abs(stats[0].item() / entropy.item() - 1) < 1e-12  # the logged entropy: of the capped logits
+    logp = cp_token_logprobs(model, targets, _mesh(), temperature=0.7, use_cache=False, chunk_size=8, **batch)
+    logp_ref = torch.log_softmax(z / 0.7, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(logp[valid], logp_ref[valid], rtol=1e-12, atol=1e-12)
+    (logp * valid).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out = model(**batch, use_cache=False).logits / 0.7
+    (torch.log_softmax(out, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0] * valid).sum().backward()
+    for p, g in zip(model.parameters(), got):
+        torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-12)
+    model.zero_grad()
+    with pytest.raises(NotImplementedError, match=r"Triton head kernels compute no logit soft-cap"):
+        cp_linear_cross_entropy(torch.randn(4, 32), torch.randn(256, 32), targets[0, :4], _mesh(),
+                                kernels="triton", logit_softcap=2.0)
+    model.model._forward_hooks.clear()  # the tiny builder's (it drops transformers' states after each forward)
+    blocks = [layer.temporal_block for layer in model.model.layers if hasattr(layer.temporal_block, "rg_lru")]
+    for block in blocks:  # stale inference states of the wrong shape and value
+        block.conv1d_state = torch.full((3, 5, 7), 1e3, dtype=torch.float64)
+        block.rg_lru.recurrent_states = torch.full((3, 32), 1e3)
+    again = cp_cross_entropy(model(**batch, use_cache=False).logits, targets, _mesh())
+    assert again.item() == loss.item()
+    assert all(b.conv1d_state.shape == (3, 5, 7) and b.rg_lru.recurrent_states.shape == (3, 32) for b in blocks)
+    with pytest.raises(NotImplementedError, match=r"use_cache"):
+        model(**batch, use_cache=True)
+    with suspend_cp(model):  # transformers' forwards back (the attention is a token layer's attribute too: once)
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, base(input_ids=ids, use_cache=False).logits)
+    assert all("forward" in layer.temporal_block.__dict__ for layer in model.model.layers)
 
 
 def test_zamba2_shared_blocks_stay_one_parameter_set(single_rank_group, tmp_path):

@@ -109,7 +109,8 @@ def test_every_family_registered_once_with_views_that_read_its_modules():
     assert sorted(names) == sorted(["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h",
                                     "granitemoehybrid", "falcon_h1", "kimi_linear", "bailing_hybrid", "qwen4_exp",
                                     "glm5_next", "minimax", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "mamba2", "mamba",
-                                    "falcon_mamba", "jamba", "zamba2", "zamba"])
+                                    "falcon_mamba", "jamba", "zamba2", "zamba",
+                                    "recurrent_gemma"])
     with pytest.raises(ValueError, match="registered twice"):
         register_family(qwen3_5.QWEN3_5)
     for home, family in ((qwen3_5, qwen3_5.QWEN3_5), (qwen3_next, qwen3_next.QWEN3_NEXT),

@@ -95,3 +95,60 @@ def test_contract_summary_state_grad_documents_and_gradients(G):
     ry, rh = token_recurrence(*leaves[:7], h0=leaves[7])
     for got, ref in zip(grads, torch.autograd.grad((ry * gy).sum() + (rh * gh).sum(), leaves)):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_diagonal_scan_against_token_recurrence_and_transformers_rnn_scan():
+    """The RG-LRU's diagonal scan (`ops/selective/diagonal.py`): outputs and final state against a token recurrence
+    and transformers' `RecurrentGemmaRglru._rnn_scan` (its loop, accumulating in float64 here), with an entering
+    state and resets; the contract's summary, the entering state's gradient with documents, every input gradient."""
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    from deltacp.ops.selective.diagonal import DiagonalScan, diagonal_scan
+
+    gen = torch.Generator().manual_seed(5)
+    R, T, H, K = 2, 37, 3, 4
+    a = torch.rand(R, T, H, K, generator=gen, dtype=torch.float64) * 0.3 + 0.7
+    reset = torch.zeros(R, T, 1, 1, dtype=torch.bool)
+    reset[:, 0] = reset[1, 20] = True
+    a = a * ~reset
+    b = torch.randn(R, T, H, K, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(R, H, K, generator=gen, dtype=torch.float64)
+
+    def token(a, b, h, starts=()):
+        ys = []
+        for t in range(a.shape[1]):
+            h = (0 if t in starts else a[:, t]) * h + b[:, t]
+            ys.append(h)
+        return torch.stack(ys, dim=1), h
+
+    ref, ref_h = token(a, b, h0)
+    y, h = diagonal_scan(a, b, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h, ref_h, rtol=1e-12, atol=1e-12)
+    hf, hf_h = RecurrentGemmaRglru._rnn_scan(None, b.flatten(2), a.flatten(2), reset.expand(R, T, H, K).flatten(2),
+                                             None, acc_dtype=torch.float64)
+    y, h = diagonal_scan(a, b, output_final_state=True)
+    torch.testing.assert_close(y.flatten(2), hf, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h.flatten(1), hf_h, rtol=1e-12, atol=1e-12)
+
+    rec, one = DiagonalScan(), RecurrenceInputs(a[1:], b[1:])
+    rec.check(one)
+    h_in = h0[1:, ..., None]
+    for cu in (None, torch.tensor([0, 9, 37])):  # a document at 9; the first continues the entering state
+        ref, ref_h = token(a[1:], b[1:], h0[1:], starts=(9,) if cu is not None else ())
+        o, ht = rec.forward(one, initial_state=h_in, output_final_state=True, cu_seqlens=cu)
+        torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+        m, s = rec.summary(one, cu_seqlens=cu)
+        torch.testing.assert_close(DIAGONAL.apply(m, s, h_in), ht, rtol=1e-12, atol=1e-12)
+        g_o = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+        leaf = h_in.clone().requires_grad_()
+        (rec.forward(one, initial_state=leaf, cu_seqlens=cu)[0] * g_o).sum().backward()
+        torch.testing.assert_close(rec.initial_state_grad(one, g_o, cu_seqlens=cu), leaf.grad, rtol=1e-12,
+                                   atol=1e-12)
+    leaves = [t.clone().requires_grad_() for t in (a, b, h0)]
+    y, h = diagonal_scan(*leaves[:2], initial_state=leaves[2], output_final_state=True)
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    ry, rh = token(*leaves)
+    for got, want in zip(torch.autograd.grad((y * gy).sum() + (h * gh).sum(), leaves),
+                         torch.autograd.grad((ry * gy).sum() + (rh * gh).sum(), leaves)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

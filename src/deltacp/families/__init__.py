@@ -32,6 +32,9 @@
                     tied across invocations, take per-invocation LoRA adapters: one parameter set, one FSDP2 unit)
     zamba.py        Zamba (Mamba1 layers of n_mamba_heads independent scans, x / z interleaved in in_proj, one contract
                     head each; hybrid layers running ONE tied NoPE attention block on concat(hidden, embeddings))
+    recurrent_gemma.py  RecurrentGemma / Griffin (the RG-LRU as a diagonal recurrence reset at global position 0,
+                    behind the recurrent block's conv halo (a token layer); local attention with its own partial
+                    rotary; the logits' soft-cap in the kernels of the CP losses that replace the head)
     gdn.py          what every Gated DeltaNet mixer shares (layout, gates, recurrence, output path)
     attention.py    full attentions without an output gate (GQA, optional full-width q/k norms, any rotary)
     mamba2.py       what every Mamba2 mixer shares (layout, dt and decay, the SSD recurrence, output path)

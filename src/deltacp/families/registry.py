@@ -49,6 +49,9 @@ class Family:
     moe_router: tuple[str, str] = ("mlp", "gate")
     # the causal LM's forward scales the head's output: (config field, "div" | "mul"): logits = head(h) / or * it
     logit_scale: tuple[str, str] | None = None
+    # the causal LM's forward soft-caps the head's output: logits = cap * tanh(logits / cap), cap this config field
+    # (RecurrentGemma's logits_soft_cap); the CP losses that replace the head compute it in their kernels
+    logit_softcap: str | None = None
     # recomputes non-persistent buffers that transformers' per-module initialisation cannot (load_pretrained calls it
     # after the weights are read): (model, its text config) -> the names of the modules whose buffers it set
     recompute_buffers: object = None
@@ -124,7 +127,7 @@ def register_family(family: Family) -> Family:
 # the homes (`deltacp.families.<home>`), in registration order (the order of supported_classes())
 HOMES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "granite_hybrid", "falcon_h1", "kimi_linear",
          "bailing_hybrid", "qwen4_exp", "glm5_next", "minimax", "lara_mini", "lfm2", "mamba2_lm", "mamba",
-         "falcon_mamba", "jamba", "zamba2", "zamba")
+         "falcon_mamba", "jamba", "zamba2", "zamba", "recurrent_gemma")
 
 
 # transformers classes deltacp refuses, with the reason (docs/design.md, "Refused: the stabilised recurrences"): their

@@ -75,11 +75,8 @@ class ZambaMambaView(MambaView):
         return ((-1, self.module.mamba_head_dim),)
 
     def recurrence(self, backend):
-        if backend.name != "eager":  # before any collective: parallelize_cp's local checks
-            raise NotImplementedError(
-                f"{type(self.module).__name__}: Zamba's multi-head selective scan has eager kernels only (the Triton "
-                f"scan takes one group of B and C); linear_attention_backend={backend.name!r} is not supported for "
-                f"this family: use linear_attention_backend='eager'")
+        # before any collective (parallelize_cp's local checks); the Triton scan takes one group of B and C
+        self.eager_only("Zamba's multi-head selective scan", backend)
         return super().recurrence(backend)
 
     def project(self, x_BsD):

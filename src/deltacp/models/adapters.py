@@ -126,6 +126,14 @@ class ModelAdapter:
         value = float(getattr(self.text_config, field))
         return 1.0 / value if op == "div" else value
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """The cap of the causal LM's soft-capped logits (the family's `logit_softcap`), or None: none."""
+        if self.family.logit_softcap is None or self.head is None:
+            return None
+        cap = getattr(self.text_config, self.family.logit_softcap, None)
+        return None if cap is None else float(cap)
+
     def text_positions(self, position_ids: torch.Tensor) -> torch.Tensor | None:
         """The [B, s] text positions that describe documents (restarting per document), or None when the
         position ids carry none (the 3 mRoPE rows of a multimodal forward, as transformers' text model reads them).

@@ -249,12 +249,14 @@ def make_cp_inputs_hook(group, adapter: ModelAdapter, sequence_layout: str = "co
             cu_pad = cu_seqlens_from_padding(row_mask)
             attention = None if cu_pad is None else AttentionDocuments.build(cu_pad)
         context = CPForwardContext(padding=mask, documents=docs, attention=attention)
-        # every layer kind of the config reads the context (e.g. Qwen4-Exp's "indexed_attention")
+        # every layer kind of the config reads the context (e.g. Qwen4-Exp's "indexed_attention"); RecurrentGemma's
+        # text model reads "sliding_attention" whatever its layers
         if deliver is not None:
             deliver(context)
             kwargs["attention_mask"] = None
             return args, kwargs
         kwargs["attention_mask"] = {kind: context for kind in ("linear_attention", "full_attention",
+                                                               "sliding_attention",
                                                                *(adapter.text_config.layer_types or ()))}
         return args, kwargs
 

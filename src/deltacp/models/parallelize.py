@@ -322,9 +322,11 @@ def suspend_cp(model: nn.Module):
         yield model
         return
     token_attribute = None if adapter.family.token_layers is None else adapter.family.token_layers[0]
-    mixers = [m for layer in adapter.layers() for m in (adapter.linear_attention(layer), adapter.full_attention(layer),
-                                                         getattr(layer, token_attribute or "", None))
-              if m is not None and "forward" in m.__dict__]
+    # once each: a token layer's attribute may hold the layer's attention (RecurrentGemma's temporal_block)
+    mixers = list({id(m): m for layer in adapter.layers()
+                   for m in (adapter.linear_attention(layer), adapter.full_attention(layer),
+                             getattr(layer, token_attribute or "", None))
+                   if m is not None and "forward" in m.__dict__}.values())
     saved = [(m, m.__dict__.pop("forward")) for m in mixers]  # the CP forwards, installed on the instances
     setattr(text, _SUSPENDED, True)
     try:

@@ -171,7 +171,7 @@ def ulysses_attention_forward(view: AttentionView, group, balanced: bool, hidden
     cp = dist.get_world_size(group)
     attention_head_layout(view.num_heads, view.num_kv_heads, cp)
     check_local_length(balanced, hidden_states.shape[1], cp)
-    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, position_embeddings)
+    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, view.positions(position_embeddings, position_ids))
     q_BsHD, k_BsHD, v_BsHD, dv = one_head_dim(q_BsHD, k_BsHD, v_BsHD)
     q_BHSD, k_BHSD, v_BHSD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, group, balanced)  # the whole row, row order
     o_BHSD = causal_document_attention(q_BHSD, k_BHSD, v_BHSD, docs, scale=view.scaling, dropout_p=view.dropout)
@@ -213,7 +213,7 @@ def kv_cp_attention_forward(view: AttentionView, plan: AttentionCP, hidden_state
     G, g = dist.get_world_size(plan.across_group), dist.get_rank(plan.across_group)
     u = 1 if plan.ulysses_group is None else dist.get_world_size(plan.ulysses_group)
     check_local_length(plan.balanced, hidden_states.shape[1], u * G)
-    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, position_embeddings)
+    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, view.positions(position_embeddings, position_ids))
     q_BsHD, k_BsHD, v_BsHD, dv = one_head_dim(q_BsHD, k_BsHD, v_BsHD)
     q_BHLD, k_BHLD, v_BHLD = seq_to_heads(q_BsHD, k_BsHD, v_BsHD, plan.ulysses_group, plan.balanced)
     B, _, L, D = q_BHLD.shape

@@ -125,7 +125,8 @@ def linear_forward_cp(layer: LinearLayerCP, hidden_states: torch.Tensor, attenti
     input_ids: the token ids GLM-5.3-Flash's decoder layers hand to their mixer (read upstream, by the embedding;
     transformers' mixer ignores them too).
     position_ids: what MiniMax's decoder layers hand to whichever mixer they hold (read upstream: the rotary
-    embedding, and the model hook for document starts; transformers' lightning attention ignores them too).
+    embedding, and the model hook for document starts; transformers' lightning attention ignores them too); a view
+    that `reads_positions` takes them (the RG-LRU: its resets at position 0), [B, s] or [1, s], required.
     Inference caches (cache, cache_params, use_cache=True) and any other keyword raise.
     """
     refuse_unsupported(f"{type(layer.module).__name__}", dict(unsupported, cache=cache, cache_params=cache_params,
@@ -146,7 +147,14 @@ def linear_forward_cp(layer: LinearLayerCP, hidden_states: torch.Tensor, attenti
                          f"((kernel-1)*dilation = {layer.halo}) tokens, got {piece} (local tokens {s}, "
                          f"sequence_layout={'balanced' if layer.balanced else 'contiguous'!r})")
 
-    pre_BsC, extras_BsHX, out = v.project(hidden_states)
+    if v.reads_positions:
+        if position_ids is None or position_ids.shape[-1] != s:
+            got = None if position_ids is None else tuple(position_ids.shape)
+            raise ValueError(f"{type(layer.module).__name__} under CP reads the position ids of its tokens [B, s] = "
+                             f"{(B, s)} (GLOBAL positions), got {got}")
+        pre_BsC, extras_BsHX, out = v.project(hidden_states, position_ids.expand(B, s))
+    else:
+        pre_BsC, extras_BsHX, out = v.project(hidden_states)
     if ctx.padding is not None:  # the mask as one more extra: it travels with its tokens through every layout
         keep = ctx.padding.to(extras_BsHX.dtype)[:, :, None, None].expand(*extras_BsHX.shape[:-1], 1)
         extras_BsHX = torch.cat([extras_BsHX, keep], dim=-1)

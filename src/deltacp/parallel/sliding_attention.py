@@ -103,7 +103,7 @@ def sliding_attention_forward(view: AttentionView, group, balanced: bool, hidden
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     B, s, _ = hidden_states.shape
     pieces = Pieces(rank, P, balanced, s)  # raises for an odd length under 'balanced'
-    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, position_embeddings)
+    q_BsHD, k_BsHD, v_BsHD, out = view.project(hidden_states, view.positions(position_embeddings, position_ids))
     q_BsHD, k_BsHD, v_BsHD, dv = one_head_dim(q_BsHD, k_BsHD, v_BsHD)
     Hk, D = k_BsHD.shape[2:]
     kv_BsX = torch.cat([k_BsHD, v_BsHD], dim=2).flatten(2)  # one exchange for K and V

@@ -92,6 +92,8 @@ class LinearMixerView:
         extras                      per-token inputs per value head that skip the conv (e.g. GDN's b and a)
         state_dims                  (K, V) of the recurrent state
         project(x)                  -> (pre_BsC, extras_BsHX [B, s, Hv, extras], out): the module's projections
+        reads_positions             project takes the call's position ids too: project(x, position_ids) (the
+                                    RG-LRU's resets at position 0, as transformers' module reads them)
         conv_heads(key_heads)       -> the split of the conv output the backend's conv op makes
         inputs(parts, extras, heads, backend) -> RecurrenceInputs of value heads `heads` (a slice) from the conv
                                     output parts and the extras of those heads: the family's gate formula
@@ -103,6 +105,7 @@ class LinearMixerView:
 
     family = "generic"
     extras = 0
+    reads_positions = False
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -136,6 +139,14 @@ class LinearMixerView:
     def output(self, o_BsHV: torch.Tensor, out, backend) -> torch.Tensor:
         raise NotImplementedError
 
+    def eager_only(self, scan: str, backend) -> None:
+        """For a recurrence with eager kernels only (`recurrence` calls it): NotImplementedError naming `scan`, the
+        backend and the allowed one, unless `backend` is eager."""
+        if backend.name != "eager":
+            raise NotImplementedError(
+                f"{type(self.module).__name__}: {scan} has eager kernels only; linear_attention_backend="
+                f"{backend.name!r} is not supported for this family: use linear_attention_backend='eager'")
+
     def parameter(self) -> torch.Tensor:
         """Any parameter (dtype and device of the module)."""
         return next(self.module.parameters())
@@ -151,6 +162,9 @@ class AttentionView:
         sliding_window              None (full attention) or the window of a sliding-window layer
         project(x, position_embeddings) -> (q_BsHD, k_BsHD, v_BsHD, out): the local projections, q/k norms and
                                     rotary (position_embeddings None: the family's NoPE layers)
+        positions(position_embeddings, position_ids) -> what `project` takes as its second argument: the (cos, sin)
+                                    the decoder layer handed over (the default), or the position ids for a module
+                                    that forms its own rotary from them (RecurrentGemma's)
         output(o_BsX, out)          -> [B, s, hidden]: any output gate, then the output projection
         call_keywords, for_call(**keywords) -> the view of one call: the keywords of the module's forward the view
                                     reads (Zamba2's layer_idx: the LoRA adapters of the shared block's invocation)
@@ -177,6 +191,10 @@ class AttentionView:
         """A sliding-window layer's window (transformers' `sliding_window` on the module: a query sees itself and the
         window - 1 tokens before it), None for full attention (`parallel/sliding_attention.py`)."""
         return getattr(self.module, "sliding_window", None)
+
+    def positions(self, position_embeddings, position_ids):
+        """What `project` takes as its positions (see the class docstring); the default: the layer's (cos, sin)."""
+        return position_embeddings
 
     def apply_rotary(self, q_BsHD: torch.Tensor, k_BsHD: torch.Tensor, position_embeddings):
         """The family's rotary embedding of the local tokens (partial rotary and mRoPE are in cos/sin); None: none."""

@@ -54,11 +54,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl, weight_grad):
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl, weight_grad, softcap):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         total, d_hidden, d_weight, d_bias = _linear_ce_two_pass(
             hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, need_hidden=need_h,
-            need_weight=need_w, need_bias=need_b, kernels=ce_kernels(hidden.device, hidden.dtype, impl),
+            need_weight=need_w, need_bias=need_b, kernels=ce_kernels(hidden.device, hidden.dtype, impl, softcap),
             weight_grad=weight_grad)
         ctx.grads = (d_hidden, d_weight, d_bias)
         return total
@@ -79,13 +79,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for g in grads:
             if g is not None:
                 g.mul_(grad_total)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              targets: torch.Tensor, chunk_size: int | None = None, *,
                              vocab_chunk_size: int | None = None, scale: torch.Tensor | None = None,
-                             impl: str = "auto", weight_grad: str = "accumulate") -> torch.Tensor:
+                             impl: str = "auto", weight_grad: str = "accumulate",
+                             softcap: float | None = None) -> torch.Tensor:
     """scale x the sum over valid rows of cross_entropy(hidden @ weight.T + bias, targets), one rank, no checks
     (callers check).
 
@@ -95,7 +96,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     `chunk_size` / `vocab_chunk_size`: pass 1's token chunk / pass 2's vocabulary chunk (None: `chunk_sizes`).
     `impl`: the kernels (`kernels.KERNELS`: "auto", Triton for CUDA tensors; "torch"; "triton"). `weight_grad`:
     "two_pass" (dW rounded once) or "accumulate" (dW summed in place over token chunks in the weight's dtype; see
-    `chunks.chunk_loop`).
+    `chunks.chunk_loop`). `softcap`: the logits are cap * tanh(logits / cap) (`kernels.soft_capped`), or None.
     """
     check_weight_grad("linear cross entropy", weight_grad)
     chunk_size, vocab_chunk_size = chunk_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype,
@@ -109,7 +110,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
         with torch.no_grad():
             total, *_ = _linear_ce_two_pass(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size,
                                             need_hidden=False, need_weight=False, need_bias=False,
-                                            kernels=ce_kernels(hidden.device, hidden.dtype, impl))
+                                            kernels=ce_kernels(hidden.device, hidden.dtype, impl, softcap))
         return total
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, chunk_size, vocab_chunk_size, impl,
-                                     weight_grad)
+                                     weight_grad, softcap)

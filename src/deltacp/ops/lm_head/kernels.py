@@ -151,15 +151,46 @@ def select_impl(what: str, device: torch.device, dtype: torch.dtype, impl: str =
     return impl
 
 
-def ce_kernels(device: torch.device, dtype: torch.dtype, impl: str = "auto"):
-    """(pass 1, pass 2) kernels of the linear cross entropy (`select_impl`)."""
+def soft_capped(kernel, cap: float, writes_grad):
+    """`kernel` over the soft-capped logits cap * tanh(logits / cap) (transformers' RecurrentGemma caps its logits
+    so), formed in the accumulation dtype; where the kernel writes a gradient (`writes_grad(keywords)`), it is the
+    gradient with respect to the capped logits, times the cap's derivative 1 - tanh^2, written over the logits."""
+
+    def run(logits, *args, **kwargs):
+        t = torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
+        capped = t * cap
+        kernel(capped, *args, **kwargs)
+        if writes_grad(kwargs):
+            logits.copy_(capped.mul_(1 - t * t))
+
+    return run
+
+
+def _no_triton_cap(what: str, softcap) -> None:
+    if softcap is not None:
+        raise NotImplementedError(f"{what}: the Triton head kernels compute no logit soft-cap (softcap={softcap}); "
+                                  f"use kernels='torch'")
+
+
+def ce_kernels(device: torch.device, dtype: torch.dtype, impl: str = "auto", softcap: float | None = None):
+    """(pass 1, pass 2) kernels of the linear cross entropy (`select_impl`); softcap: of the logits
+    (`soft_capped`, PyTorch kernels only)."""
     if select_impl("linear cross entropy", device, dtype, impl) == "triton":
+        _no_triton_cap("linear cross entropy", softcap)
         return ce_rows_triton_, ce_grad_cols_triton_
-    return ce_rows_torch_, ce_grad_cols_torch_
+    if softcap is None:
+        return ce_rows_torch_, ce_grad_cols_torch_
+    return (soft_capped(ce_rows_torch_, softcap, lambda kw: kw["compute_grad"]),
+            soft_capped(ce_grad_cols_torch_, softcap, lambda kw: True))
 
 
-def lp_kernels(device: torch.device, dtype: torch.dtype, impl: str = "auto"):
-    """(forward, backward) kernels of the token log-probabilities (`select_impl`)."""
+def lp_kernels(device: torch.device, dtype: torch.dtype, impl: str = "auto", softcap: float | None = None):
+    """(forward, backward) kernels of the token log-probabilities (`select_impl`); softcap: of the logits
+    (`soft_capped`, PyTorch kernels only)."""
     if select_impl("token log-probabilities", device, dtype, impl) == "triton":
+        _no_triton_cap("token log-probabilities", softcap)
         return lp_rows_triton_, lp_grad_triton_
-    return lp_rows_torch_, lp_grad_torch_
+    if softcap is None:
+        return lp_rows_torch_, lp_grad_torch_
+    return (soft_capped(lp_rows_torch_, softcap, lambda kw: False),
+            soft_capped(lp_grad_torch_, softcap, lambda kw: True))

@@ -68,8 +68,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, return_entropy, chunk_size, vocab_chunk_size,
-                weight_grad, impl):
-        kernels = lp_kernels(hidden.device, hidden.dtype, impl)
+                weight_grad, impl, softcap):
+        kernels = lp_kernels(hidden.device, hidden.dtype, impl, softcap)
         logp, ent, lse = token_logprobs_fwd(hidden, weight, bias, targets, temperature, return_entropy, chunk_size,
                                             kernels)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
@@ -85,35 +85,37 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
-            return (None,) * 10
+            return (None,) * 11
         temperature, chunk_size, vocab_chunk_size, weight_grad, kernels = ctx.settings
         flat = [None if g is None else g.reshape(-1).to(lse.dtype).contiguous() for g in (g_lp, g_ent)]
         grads = token_logprobs_bwd(hidden, weight, bias, targets, lse, ent, *flat, temperature, chunk_size,
                                    vocab_chunk_size, weight_grad, need_hidden=need_h, need_weight=need_w,
                                    need_bias=need_b, kernels=kernels)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                    temperature: float = 1.0, return_entropy: bool = False, chunk_size: int | None = None, *,
-                   vocab_chunk_size: int | None = None, weight_grad: str = "two_pass", impl: str = "auto"):
+                   vocab_chunk_size: int | None = None, weight_grad: str = "two_pass", impl: str = "auto",
+                   softcap: float | None = None):
     """`linear_token_logprobs` on hidden [tokens, H] and targets [tokens], no checks (callers check); `impl`: the
-    kernels (`kernels.KERNELS`: "auto", Triton for CUDA bf16 / fp16 / fp32; "torch"; "triton")."""
+    kernels (`kernels.KERNELS`: "auto", Triton for CUDA bf16 / fp16 / fp32; "torch"; "triton"); softcap: the
+    logits' (`kernels.soft_capped`), or None."""
     chunk_size, vocab_chunk_size = chunk_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype,
                                                chunk_size, vocab_chunk_size, weight_grad)
     if not wants_grad(hidden, weight, bias):
         with torch.no_grad():
             logp, ent, _ = token_logprobs_fwd(hidden, weight, bias, targets, temperature, return_entropy,
-                                              chunk_size, lp_kernels(hidden.device, hidden.dtype, impl))
+                                              chunk_size, lp_kernels(hidden.device, hidden.dtype, impl, softcap))
         return (logp, ent) if return_entropy else logp
     return _LinearTokenLogprobs.apply(hidden, weight, bias, targets, temperature, bool(return_entropy), chunk_size,
-                                      vocab_chunk_size, weight_grad, impl)
+                                      vocab_chunk_size, weight_grad, impl, softcap)
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, *,
                           bias: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
                           chunk_size: int | None = None, vocab_chunk_size: int | None = None,
-                          weight_grad: str = "two_pass", kernels: str = "auto"):
+                          weight_grad: str = "two_pass", kernels: str = "auto", softcap: float | None = None):
     """Per-token log-probabilities of `target_ids` under softmax((hidden @ weight.T + bias) / temperature), without
     [tokens, vocab] logits; with return_entropy, (logp, entropy) of the same tempered distribution.
 
@@ -139,6 +141,9 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_ids
     for CUDA bf16 / fp16 / fp32 inputs, PyTorch otherwise; "torch" PyTorch on any device and dtype; "triton" the
     Triton kernels (CUDA, or any device under TRITON_INTERPRET=1; not float64). `cp_token_logprobs` passes the
     model's GDN backend's choice (eager: "torch", triton: "triton").
+
+    softcap: the logits are cap * tanh(logits / cap) before the temperature (transformers' RecurrentGemma), formed in
+    float32 (float64 stays float64) by the PyTorch kernels (the Triton ones refuse it); None: none.
     """
     fn = "linear_token_logprobs"
     check_head(fn, hidden, weight, bias, target_ids, ("hidden", "weight", "bias", "target_ids"),
@@ -153,7 +158,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target_ids
     check_kernels(fn, kernels, hidden.dtype)
     out = token_logprobs(hidden.flatten(0, -2) if hidden.ndim > 1 else hidden[None], weight, bias,
                          target_ids.reshape(-1).to(hidden.device), temperature, return_entropy, chunk_size,
-                         vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad, impl=kernels)
+                         vocab_chunk_size=vocab_chunk_size, weight_grad=weight_grad, impl=kernels, softcap=softcap)
     if return_entropy:
         return tuple(x.view(target_ids.shape) for x in out)
     return out.view(target_ids.shape)

@@ -61,7 +61,7 @@ def _check(x, dt, A, B, C, D, z):
         raise ValueError(f"z must be shaped as x {tuple(x.shape)}, got {tuple(z.shape)}")
 
 
-def _resets(layout: VarlenLayout | None, T: int, device) -> torch.Tensor | None:
+def document_resets(layout: VarlenLayout | None, T: int, device) -> torch.Tensor | None:
     """[T] bool: the tokens whose previous state is dropped (document starts; token 0 unless the first document
     continues); None without documents."""
     if layout is None:
@@ -107,8 +107,9 @@ def _chunked(t_RT, c: int):
     return t_RT.reshape(R, (T + pad) // c, c, *t_RT.shape[2:])
 
 
-def _local_scan(a, b):
-    """(local states h [R, T, I, N] from a zero state, reach P [R, T, I, N] = prod_{s<=t} a_s): the chunked scan."""
+def chunked_scan(a, b):
+    """(local states h [R, T, I, N] from a zero state, reach P [R, T, I, N] = prod_{s<=t} a_s): the chunked scan of
+    h_t = a_t ⊙ h_{t-1} + b_t over any trailing shape (also the RG-LRU's, `ops/selective/diagonal.py`)."""
     R, T, I, N = a.shape
     c = chunk_size(T)
     a_c = _chunked(a - 1, c) + 1  # padded tokens decay by 1
@@ -142,8 +143,8 @@ def selective_scan(x, dt, A, B, C, D=None, z=None, *, initial_state=None, output
     _check(x, dt, A, B, C, D, z)
     cd = compute_dtype(x)
     layout = as_layout(cu_seqlens, x.shape[1])
-    a, b = _decays_and_inputs(x, dt, A, B, _resets(layout, x.shape[1], x.device))
-    h, reach = _local_scan(a, b)
+    a, b = _decays_and_inputs(x, dt, A, B, document_resets(layout, x.shape[1], x.device))
+    h, reach = chunked_scan(a, b)
     G = groups(C)
     Cc = _per_group(C).to(cd)
     y = torch.einsum("rtgpn,rtgn->rtgp", _grouped(h, G), Cc)
@@ -165,8 +166,8 @@ def summary_selective_scan(x, dt, A, B, *, need_transition=True, cu_seqlens=None
     """(M [rows, I, N] or None, S [rows, I, N]): h_out = M ⊙ h_in + S over this segment (M = 0 where a document
     starts inside it)."""
     layout = as_layout(cu_seqlens, x.shape[1])
-    a, b = _decays_and_inputs(x, dt, A, B, _resets(layout, x.shape[1], x.device))
-    h, reach = _local_scan(a, b)
+    a, b = _decays_and_inputs(x, dt, A, B, document_resets(layout, x.shape[1], x.device))
+    h, reach = chunked_scan(a, b)
     return (reach[:, -1] if need_transition else None), h[:, -1]
 
 
@@ -174,7 +175,7 @@ def initial_state_grad(x, dt, A, C, z, grad_y, *, cu_seqlens=None) -> torch.Tens
     """d sum(y * grad_y) / dh_in [rows, I, N], in closed form: sum_t reach_t ⊙ C_t (grad_y_t silu(z_t))."""
     cd = compute_dtype(x)
     layout = as_layout(cu_seqlens, x.shape[1])
-    a, _ = _decays_and_inputs(x, dt, A, C, _resets(layout, x.shape[1], x.device))
+    a, _ = _decays_and_inputs(x, dt, A, C, document_resets(layout, x.shape[1], x.device))
     reach = torch.cumprod(a, dim=1)
     g = grad_y.to(cd) if z is None else grad_y.to(cd) * F.silu(z.to(cd))
     G = groups(C)
