@@ -872,6 +872,43 @@ def transformers_torch_paths(model: torch.nn.Module):
     finally:
         for name, (fn, _) in swapped.items():
             setattr(module, name, fn)
+
+
+def indexed_cp_vs_transformers(base, ids, w, cu, mesh, torch_fn: str) -> dict:
+    """CP over `mesh` (eager linear layers, full_attention_cp all_gather) against the unmodified transformers model on
+    its own PyTorch functions (`transformers_torch_paths`; `torch_fn` must be among those swapped) on the same device:
+    one row, and packed documents `cu` (transformers run per document). {"row" / "packed": {"logits": this rank's
+    rel-L2, "grads": every parameter gradient of sum(logits * w), rank-summed}}. Collective: every rank calls."""
+    from deltacp import parallelize_cp, shard_batch_for_cp
+
+    rank, world, S = dist.get_rank(), dist.get_world_size(), ids.shape[1]
+    out = {}
+    for packed in (False, True):
+        ref = copy.deepcopy(base)
+        with transformers_torch_paths(ref) as swapped:  # not FLA's kernels (tf32), where the machine has them
+            assert torch_fn in swapped, swapped
+            if packed:
+                b = cu.tolist()
+                logits_ref = torch.cat([ref(input_ids=ids[:, x:y], use_cache=False).logits
+                                        for x, y in zip(b[:-1], b[1:])], dim=1)
+            else:
+                logits_ref = ref(input_ids=ids, use_cache=False).logits
+            (logits_ref * w).sum().backward()
+        model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_backend="eager",
+                               full_attention_cp="all_gather")
+        batch = shard_batch_for_cp(ids, mesh, cu_seqlens=cu if packed else None, model=model)
+        logits = model(**{k: v for k, v in batch.items() if k != "target_ids" and v is not None},
+                       use_cache=False).logits
+        s = S // world
+        (logits * w[:, rank * s:(rank + 1) * s]).sum().backward()
+        grads = grads_of(model)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out["packed" if packed else "row"] = {"logits": rel_l2(logits, logits_ref[:, rank * s:(rank + 1) * s]),
+                                              "grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+    return out
+
+
 LARA_MINI_FIELDS = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4,
                         layer_types=["linear_attention", "sliding_attention", "full_attention", "sliding_attention"],
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,

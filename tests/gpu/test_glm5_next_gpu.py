@@ -16,16 +16,13 @@ is about the indexed layers' CUDA path.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from deltacp import parallelize_cp, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
-from helpers import flat, grads_of, rel_l2, tiny_glm5_next, transformers_torch_paths
+from helpers import indexed_cp_vs_transformers, tiny_glm5_next
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (the indexed attention's Triton kernels)")
@@ -46,34 +43,11 @@ def worker(rank, world):
     failures = []
     for latent in (512, 16):
         base = tiny_glm5_next(torch.float32, kv_lora_rank=latent, index_n_heads=16).cuda()
-        for packed in (False, True):
-            case = f"latent {latent}, {'packed' if packed else 'row'}"
-            ref = copy.deepcopy(base)
-            with transformers_torch_paths(ref) as swapped:  # not FLA's KDA kernels (tf32), where the machine has them
-                assert "chunk_kimi_delta_attention" in swapped, swapped
-                if packed:
-                    b = cu.tolist()
-                    logits_ref = torch.cat([ref(input_ids=ids[:, x:y], use_cache=False).logits
-                                            for x, y in zip(b[:-1], b[1:])], dim=1)
-                else:
-                    logits_ref = ref(input_ids=ids, use_cache=False).logits
-                (logits_ref * w).sum().backward()
-            model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_backend="eager",
-                                   full_attention_cp="all_gather")
-            batch = shard_batch_for_cp(ids, mesh, cu_seqlens=cu if packed else None, model=model)
-            logits = model(**{k: v for k, v in batch.items() if k != "target_ids" and v is not None},
-                           use_cache=False).logits
-            s = S // world
-            (logits * w[:, rank * s:(rank + 1) * s]).sum().backward()
-            grads = grads_of(model)
-            for g in grads.values():
-                dist.all_reduce(g)
-            figures = {"logits": rel_l2(logits, logits_ref[:, rank * s:(rank + 1) * s]),
-                       "grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+        for case, figures in indexed_cp_vs_transformers(base, ids, w, cu, mesh, "chunk_kimi_delta_attention").items():
             if rank == 0:
-                print(f"GLM-5.3-Flash CP{world} on CUDA ({case}) vs transformers fp32: " +
+                print(f"GLM-5.3-Flash CP{world} on CUDA (latent {latent}, {case}) vs transformers fp32: " +
                       ", ".join(f"{n} {v:.2e}" for n, v in figures.items()))
-            failures += [f"{case}: {n} {v:.2e}" for n, v in figures.items() if not v < BOUND]
+            failures += [f"latent {latent}, {case}: {n} {v:.2e}" for n, v in figures.items() if not v < BOUND]
     assert not failures, failures
 
 
