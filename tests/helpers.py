@@ -874,15 +874,26 @@ def transformers_torch_paths(model: torch.nn.Module):
             setattr(module, name, fn)
 
 
-def indexed_cp_vs_transformers(base, ids, w, cu, mesh, torch_fn: str) -> dict:
-    """CP over `mesh` (eager linear layers, full_attention_cp all_gather) against the unmodified transformers model on
-    its own PyTorch functions (`transformers_torch_paths`; `torch_fn` must be among those swapped) on the same device:
-    one row, and packed documents `cu` (transformers run per document). {"row" / "packed": {"logits": this rank's
-    rel-L2, "grads": every parameter gradient of sum(logits * w), rank-summed}}. Collective: every rank calls."""
+def indexed_cp_vs_transformers(base, label: str, torch_fn: str, bound: float) -> list[str]:
+    """On CUDA, the ranks sharing GPU 0 (float32, no tf32): CP over every rank (eager linear layers,
+    full_attention_cp all_gather) against the unmodified transformers model `base` on its own PyTorch functions
+    (`transformers_torch_paths`; `torch_fn` must be among those swapped) on the same GPU, for 192 tokens in one row and
+    in packed documents (40, 1, 77, 74; transformers run per document): this rank's logits and every parameter
+    gradient of sum(logits * w), rank-summed, rel-L2. Prints them on rank 0 after `label`; returns those not under
+    `bound`. Collective: every rank calls."""
     from deltacp import parallelize_cp, shard_batch_for_cp
 
-    rank, world, S = dist.get_rank(), dist.get_world_size(), ids.shape[1]
-    out = {}
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    base = base.cuda()
+    rank, world, S = dist.get_rank(), dist.get_world_size(), 192
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (1, S), generator=gen).cuda()
+    w = torch.randn(1, S, base.config.get_text_config().vocab_size, generator=gen).cuda()
+    cu = torch.tensor([0, 40, 41, 118, 192])
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("cp",))
+    failures = []
     for packed in (False, True):
         ref = copy.deepcopy(base)
         with transformers_torch_paths(ref) as swapped:  # not FLA's kernels (tf32), where the machine has them
@@ -904,9 +915,14 @@ def indexed_cp_vs_transformers(base, ids, w, cu, mesh, torch_fn: str) -> dict:
         grads = grads_of(model)
         for g in grads.values():
             dist.all_reduce(g)
-        out["packed" if packed else "row"] = {"logits": rel_l2(logits, logits_ref[:, rank * s:(rank + 1) * s]),
-                                              "grads": rel_l2(flat(grads), flat(grads_of(ref)))}
-    return out
+        figures = {"logits": rel_l2(logits, logits_ref[:, rank * s:(rank + 1) * s]),
+                   "grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+        case = f"{label}, {'packed' if packed else 'row'}"
+        if rank == 0:
+            print(f"{case}: CP{world} on CUDA vs transformers fp32: " +
+                  ", ".join(f"{n} {v:.2e}" for n, v in figures.items()))
+        failures += [f"{case}: {n} {v:.2e}" for n, v in figures.items() if not v < bound]
+    return failures
 
 
 LARA_MINI_FIELDS = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4,
