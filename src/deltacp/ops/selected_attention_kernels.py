@@ -12,10 +12,10 @@ tl.dot's least); per run a K / V tile of BN rows (BN = SIZE rounded up to a powe
   dK, dV with float32 atomics from the query programs (H100, 2026-12-06: 104 vs 179 ms at 32K, NOTES.md).
 Head dims up to TILE_DIM: one [*, D] tile per operand, one column block (the programs Qwen4-Exp's 256 was tuned
 with). Wider ones (GLM-5.3-Flash's absorbed MLA: q . latent over 512 dims, the 512-wide latent as the values) are
-`wide`: each product over D summed over blocks of BD columns (q and K, or dO and V, loaded a block at a time), and
-the D output columns (o, dq, dK, dV) split over NV programs of BV columns each, every one recomputing the scores:
-a [GP, BV] float32 accumulator a program where [GP, D] would not fit the registers. The same additions in the same
-order in every run: bitwise reproducible too.
+`wide`: each product over D summed over ND blocks of BD columns (q and K, or dO and V, loaded a block at a time),
+and the D output columns (o, dq, dK, dV) split over NV programs of BV columns each, every one recomputing the
+scores: a [GP, BV] float32 accumulator a program where [GP, D] would not fit the registers (the one-tile branches
+are those with ND == 1 and BD == BV). The same additions in the same order in every run: bitwise reproducible too.
 The work and the bytes read grow with the queries times their runs, not with the prefix: at a 2048-token budget a
 query reads 33 runs of 64 keys whatever the row's length.
 """
@@ -89,7 +89,7 @@ def selected_fwd_kernel(q, k, v, pos, starts, o, lse, scale, s, S, J: tl.constex
     i_t, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_kh = i_bh // KVH, i_bh % KVH
     q_rows, m_g, p = _rows(pos, i_t, i_b, i_kh, s, H, G, GP)
-    if ND == 1:
+    if ND == 1 and BD == BV:
         b_q = _tile(q, q_rows, m_g, 0, D, BD)
     m = tl.full([GP], float("-inf"), tl.float32)
     acc_l = tl.zeros([GP], tl.float32)
@@ -97,7 +97,7 @@ def selected_fwd_kernel(q, k, v, pos, starts, o, lse, scale, s, S, J: tl.constex
     for i in range(J):
         st = tl.load(starts + (i_b * s + i_t) * J + i)
         m_j, kv_rows = _run(st, i_b, i_kh, p, S, KVH, SIZE, BN)
-        if ND == 1:
+        if ND == 1 and BD == BV:
             sc = tl.dot(b_q, tl.trans(_tile(k, kv_rows, m_j, 0, D, BD)), input_precision=PREC) * scale
         else:
             sc = _dot_t(q, q_rows, m_g, k, kv_rows, m_j, D, BD, ND, PREC, GP, BN) * scale
@@ -124,7 +124,7 @@ def selected_dq_kernel(q, k, v, pos, starts, do, lse, delta, dq, scale, s, S, J:
     i_t, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_kh = i_bh // KVH, i_bh % KVH
     q_rows, m_g, p = _rows(pos, i_t, i_b, i_kh, s, H, G, GP)
-    if ND == 1:
+    if ND == 1 and BD == BV:
         b_q = _tile(q, q_rows, m_g, 0, D, BD)
         b_do = _tile(do, q_rows, m_g, 0, D, BD)
     b_lse = tl.load(lse + q_rows, mask=m_g, other=0.0)
@@ -133,7 +133,7 @@ def selected_dq_kernel(q, k, v, pos, starts, do, lse, delta, dq, scale, s, S, J:
     for i in range(J):
         st = tl.load(starts + (i_b * s + i_t) * J + i)
         m_j, kv_rows = _run(st, i_b, i_kh, p, S, KVH, SIZE, BN)
-        if ND == 1:
+        if ND == 1 and BD == BV:
             b_k = _tile(k, kv_rows, m_j, 0, D, BD)
             sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
             b_dp = tl.dot(b_do, tl.trans(_tile(v, kv_rows, m_j, 0, D, BD)), input_precision=PREC)
@@ -164,7 +164,7 @@ def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, 
         j = st + o_n
         kv_rows = (i_b * S + j) * KVH + i_kh
         m_n = (o_n < SIZE) & (j < S)
-        if ND == 1:
+        if ND == 1 and BD == BV:
             b_k = _tile(k, kv_rows, m_n, 0, D, BD)
             b_v = _tile(v, kv_rows, m_n, 0, D, BD)
         acc = tl.zeros([BN, BV], tl.float32)
@@ -174,7 +174,7 @@ def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, 
             q_rows, m_g, p = _rows(pos, i_t, i_b, i_kh, s, H, G, GP)
             b_lse = tl.load(lse + q_rows, mask=m_g, other=0.0)
             m_j = (o_n < SIZE) & (j <= p)
-            if ND == 1:
+            if ND == 1 and BD == BV:
                 b_q = _tile(q, q_rows, m_g, 0, D, BD)
                 sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
             else:
@@ -182,7 +182,7 @@ def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, 
             b_p = tl.where(m_g[:, None] & m_j[None, :], tl.exp(sc - b_lse[:, None]), 0.0)
             if DK:
                 b_delta = tl.load(delta + q_rows, mask=m_g, other=0.0)
-                if ND == 1:
+                if ND == 1 and BD == BV:
                     b_dp = tl.dot(_tile(do, q_rows, m_g, 0, D, BD), tl.trans(b_v), input_precision=PREC)
                     b_qc = b_q
                 else:
