@@ -110,6 +110,12 @@
 #                                      vs transformers fp32, then
 #                                      bench/selected_attention.py vs transformers' SDPA with its dense mask and causal
 #                                      SDPA, 8K-64K (about 5 minutes)
+#   bash scripts/gpu_checks.sh glm     GLM-5.3-Flash's indexed layers (its absorbed MLA: head dim 512, the kernels'
+#                                      column blocks): the selected attention at its shape vs a fp32 dense reference
+#                                      (bf16, 4K, row and packed; reproducible bitwise), one compilation across lengths
+#                                      (both shapes), the tiny GLM-5.3-Flash (latents 512 and 16) at CP2 on the GPU vs
+#                                      transformers fp32, then bench/selected_attention.py --shape glm at 4K-32K
+#                                      (estimated 4 minutes: not yet run on a GPU)
 #   bash scripts/gpu_checks.sh ssd_sweep  bench/launch_sweep.py --op ssd at 32K (SWEEP_BUDGET s), then the SSD GPU
 #                                      tests and the ssd_op timings (32K, the peers beside) on its proposed table,
 #                                      written to $OUT/ssd_launch.json (the peers compile and autotune first: about
@@ -131,7 +137,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -333,9 +339,15 @@ gdn_peers)
   ;;
 indexed)
   check indexed_tests 300 python -m pytest tests/gpu/test_selected_attention_gpu.py tests/gpu/test_qwen4_exp_gpu.py -q -s \
-    -ra -p no:cacheprovider
+    -ra -p no:cacheprovider -k "not glm"
   check indexed_op 300 python bench/selected_attention.py --lengths ${INDEXED_LENGTHS:-8192 16384 32768 65536} \
     --json "$OUT/selected_attention.jsonl"
+  ;;
+glm)
+  check glm_tests 300 python -m pytest tests/gpu/test_selected_attention_gpu.py tests/gpu/test_glm5_next_gpu.py -q -s \
+    -ra -p no:cacheprovider -k "glm or compilation"
+  check glm_op 240 python bench/selected_attention.py --shape glm --block 16 --top 128 \
+    --lengths ${GLM_LENGTHS:-4096 16384 32768} --sdpa-mask-max 16384 --json "$OUT/selected_attention_glm.jsonl"
   ;;
 gdn_peers_32h)
   check gdn_peers_32h 480 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --regimes \

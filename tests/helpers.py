@@ -937,6 +937,59 @@ def transformers_torch_paths(model: torch.nn.Module):
     finally:
         for name, (fn, _) in swapped.items():
             setattr(module, name, fn)
+
+
+def indexed_cp_vs_transformers(base, label: str, torch_fn: str, bound: float) -> list[str]:
+    """On CUDA, the ranks sharing GPU 0 (float32, no tf32): CP over every rank (eager linear layers,
+    full_attention_cp all_gather) against the unmodified transformers model `base` on its own PyTorch functions
+    (`transformers_torch_paths`; `torch_fn` must be among those swapped) on the same GPU, for 192 tokens in one row and
+    in packed documents (40, 1, 77, 74; transformers run per document): this rank's logits and every parameter
+    gradient of sum(logits * w), rank-summed, rel-L2. Prints them on rank 0 after `label`; returns those not under
+    `bound`. Collective: every rank calls."""
+    from deltacp import parallelize_cp, shard_batch_for_cp
+
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    base = base.cuda()
+    rank, world, S = dist.get_rank(), dist.get_world_size(), 192
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (1, S), generator=gen).cuda()
+    w = torch.randn(1, S, base.config.get_text_config().vocab_size, generator=gen).cuda()
+    cu = torch.tensor([0, 40, 41, 118, 192])
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("cp",))
+    failures = []
+    for packed in (False, True):
+        ref = copy.deepcopy(base)
+        with transformers_torch_paths(ref) as swapped:  # not FLA's kernels (tf32), where the machine has them
+            assert torch_fn in swapped, swapped
+            if packed:
+                b = cu.tolist()
+                logits_ref = torch.cat([ref(input_ids=ids[:, x:y], use_cache=False).logits
+                                        for x, y in zip(b[:-1], b[1:])], dim=1)
+            else:
+                logits_ref = ref(input_ids=ids, use_cache=False).logits
+            (logits_ref * w).sum().backward()
+        model = parallelize_cp(copy.deepcopy(base), mesh, linear_attention_backend="eager",
+                               full_attention_cp="all_gather")
+        batch = shard_batch_for_cp(ids, mesh, cu_seqlens=cu if packed else None, model=model)
+        logits = model(**{k: v for k, v in batch.items() if k != "target_ids" and v is not None},
+                       use_cache=False).logits
+        s = S // world
+        (logits * w[:, rank * s:(rank + 1) * s]).sum().backward()
+        grads = grads_of(model)
+        for g in grads.values():
+            dist.all_reduce(g)
+        figures = {"logits": rel_l2(logits, logits_ref[:, rank * s:(rank + 1) * s]),
+                   "grads": rel_l2(flat(grads), flat(grads_of(ref)))}
+        case = f"{label}, {'packed' if packed else 'row'}"
+        if rank == 0:
+            print(f"{case}: CP{world} on CUDA vs transformers fp32: " +
+                  ", ".join(f"{n} {v:.2e}" for n, v in figures.items()))
+        failures += [f"{case}: {n} {v:.2e}" for n, v in figures.items() if not v < bound]
+    return failures
+
+
 LARA_MINI_FIELDS = dict(vocab_size=256, hidden_size=32, num_hidden_layers=4,
                         layer_types=["linear_attention", "sliding_attention", "full_attention", "sliding_attention"],
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,

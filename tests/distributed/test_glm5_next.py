@@ -330,11 +330,21 @@ def test_text_model_cp2():
     run_distributed(_text_model, 2, timeout_s=300)
 
 
+BF16_U = 2.0 ** -8  # bf16's unit roundoff
+
+
 def _bf16(rank, world):
     """bf16 with transformers' float32 modules (the conv, dt_bias, A_log: `_keep_in_fp32_modules_strict`, as
     from_pretrained keeps them): CP runs (the conv rounds to float32, g stays float32, the pooling in float32) and
     its logits are the single device's (1e-2) and transformers' at bf16 level (3e-2; measured: CP bitwise the single
-    device, 6e-3 from transformers)."""
+    device, 6e-3 from transformers). Then 3 SGD steps (lr 0.05) in bf16 at CP and on deltacp's single device from
+    the same weights. The 3 steps move the weights about one bf16 ulp (4.3e-3 rel-L2); the rank-summed gradients
+    differ from the single device's by bf16 rounding (u = 2^-8 of the update), which moves a weight whose exact update
+    lands near a rounding midpoint by one ulp: the losses of every step agree within u relative and the weights'
+    gap is a small part of their movement, bounded at a quarter (measured 2026-12-06 on the VM: losses 0 / 1.5e-5 /
+    1.0e-4 apart, weights 1.6e-4: 0.04 of the 4.3e-3 moved). Mutation: the CP run's gradients not summed over the ranks
+    (all_reduce_cp_grads dropped): weights 3.4e-3 / 2.8e-3 apart on ranks 0 / 1 (0.8 / 0.65 of the movement); the
+    losses stayed within u (2.3e-3 at step 3)."""
     from deltacp import shard_batch_for_cp
     from helpers import local_slice
 
@@ -354,6 +364,32 @@ def _bf16(rank, world):
             got.append(model(input_ids=batch["input_ids"], use_cache=False).logits.float())
     assert got[1].shape[1] == S // world
     assert rel_l2(got[1], local_slice(got[0], rank, world)) < 1e-2 and rel_l2(got[0], theirs) < 3e-2
+    # training in bf16: 3 SGD steps at CP2 and on deltacp's single device from the same weights
+    from deltacp import all_reduce_cp_grads, cp_cross_entropy
+    from helpers import flat
+
+    runs = []
+    for mesh in (self_meshes(), cp_mesh()):
+        model = parallelize_cp(copy.deepcopy(base), mesh, full_attention_cp="all_gather")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        batch = shard_batch_for_cp(ids, mesh, model=model)
+        losses = []
+        for _ in range(3):
+            loss = cp_cross_entropy(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["target_ids"],
+                                    mesh)
+            loss.backward()
+            all_reduce_cp_grads(model, mesh)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, flat({n: p.detach().float() for n, p in model.named_parameters()})))
+    (losses_1, weights_1), (losses, weights) = runs
+    moved = rel_l2(weights_1, flat({n: p.float() for n, p in base.named_parameters()}))
+    drift = rel_l2(weights, weights_1)
+    print(f"bf16 training CP{world} vs single device: losses {losses} / {losses_1}, weights {drift:.1e} (moved "
+          f"{moved:.1e})")
+    assert all(abs(a / b - 1) < BF16_U for a, b in zip(losses, losses_1)), (losses, losses_1)
+    assert drift < moved / 4, (drift, moved)
 
 
 def test_bf16_cp2():

@@ -56,13 +56,17 @@ CASES["grpo-falcon_h1"] = (CASES["grpo"][0], dict(CASES["grpo"][1], sequence_lay
 # coefficient 0, eager experts; the indexer's budget 6: the top 2 blocks of 3, so GRPO's rows of up to 12 tokens are
 # sparse): the "bnpo" case on that model (padded rows)
 CASES["bnpo-qwen4_exp"] = (CASES["bnpo"][0], dict(CASES["bnpo"][1], full_attention_cp="all_gather"))
-MODEL_DIRS = {"grpo-falcon_h1": "model-falcon_h1", "bnpo-qwen4_exp": "model-qwen4_exp"}  # the other cases train the
+# GLM-5.3-Flash (KDA, MLA with the pooled indexer (all_gather) and a "shared" layer, hyper-connections, routed experts
+# with the aux loss coefficient 0; pools of 3, the top one chosen, so GRPO's rows of up to 12 tokens are sparse): "bnpo"
+CASES["bnpo-glm5_next"] = (CASES["bnpo"][0], dict(CASES["bnpo"][1], full_attention_cp="all_gather"))
+MODEL_DIRS = {"grpo-falcon_h1": "model-falcon_h1", "bnpo-qwen4_exp": "model-qwen4_exp",
+              "bnpo-glm5_next": "model-glm5_next"}  # the other cases train the
 # tiny Qwen3.5 of `model`
 
 
 def save_tiny_model(path: str, family: str = "qwen3_5") -> None:
     """A tiny float32 model (Qwen3.5: 3 GDN + 1 full attention layers; "falcon_h1": `tiny_falcon_h1`; "qwen4_exp":
-    `tiny_qwen4_exp` with a PLE layer), seeded, and the
+    `tiny_qwen4_exp` with a PLE layer; "glm5_next": `tiny_glm5_next`, one pool of 3 chosen), seeded, and the
     byte tokenizer, saved for every run (TRL builds the reference model from the policy's directory)."""
     from transformers import Qwen3_5ForCausalLM
 
@@ -74,6 +78,12 @@ def save_tiny_model(path: str, family: str = "qwen3_5") -> None:
     if family == "falcon_h1":
         model = tiny_falcon_h1(torch.float32, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id)
+    elif family == "glm5_next":  # Glm5NextForConditionalGeneration (no causal LM class): TRL's loader takes the
+        # config's architectures[0]
+        from helpers import tiny_glm5_next
+
+        model = tiny_glm5_next(torch.float32, vocab_size=VOCAB, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, router_aux_loss_coef=0.0, index_topk=3)
     elif family == "qwen4_exp":
         from helpers import tiny_qwen4_exp
 
@@ -120,7 +130,8 @@ def build(case: str, out_dir: str, model_dir: str, *, cp_size: int | None, dtype
     """The trainer of `case` (TRL's when cp_size is None). `cls` replaces the trainer class, `config_extra` adds
     GRPOConfig fields, other keywords go to the trainer."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     fields, cp_kwargs = CASES[case]
@@ -130,9 +141,18 @@ def build(case: str, out_dir: str, model_dir: str, *, cp_size: int | None, dtype
                   dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0, per_device_eval_batch_size=4)
     config.update(fields)
     config.update(config_extra or {})
-    # Qwen4-Exp's routed experts run eager (grouped_mm has no float64 kernel)
-    experts = dict(experts_implementation="eager") if model_dir.endswith(MODEL_DIRS["bnpo-qwen4_exp"]) else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True, **experts)
+    # Qwen4-Exp's and GLM's routed experts run eager (grouped_mm has no float64 kernel); GLM's attention eager (sdpa
+    # gives NaN at padded queries, which select nothing)
+    extra = {}
+    if model_dir.endswith((MODEL_DIRS["bnpo-qwen4_exp"], MODEL_DIRS["bnpo-glm5_next"])):
+        extra["experts_implementation"] = "eager"
+    if model_dir.endswith(MODEL_DIRS["bnpo-glm5_next"]):
+        extra["attn_implementation"] = "eager"
+    # the saved config's architecture, as TRL's own loader takes it (GLM-5.3-Flash has no causal-LM class)
+    architecture = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True).architectures[0]
+    model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=dtype, local_files_only=True, **extra)
+    if model_dir.endswith(MODEL_DIRS["bnpo-glm5_next"]):  # its KDA conv is kept in float32 by from_pretrained, which
+        model = model.to(dtype)  # transformers' own conv then refuses beside float64 inputs
     kwargs.update(model=model, reward_funcs=digits_reward, args=GRPOConfig(**config),
                   train_dataset=Dataset.from_dict({"prompt": prompts(48)}),
                   processing_class=AutoTokenizer.from_pretrained(model_dir, local_files_only=True))

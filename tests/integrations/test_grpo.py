@@ -13,7 +13,10 @@ steps; all_gather, contiguous, packed) and "dapo" (beta 0.1, token-level,
 steps_per_generation 4; p2p, balanced, padded rows; float64, the saved weights compared). "grpo-falcon_h1" runs
 "grpo" on a tiny Falcon-H1 (balanced) and "bnpo-qwen4_exp" "bnpo" on a tiny Qwen4-Exp (GDN, indexed attention with
 full_attention_cp="all_gather", its budget 6 so that rows of up to 12 tokens select sparsely, a PLE layer, eager
-experts), both at CP2 against one process.
+experts), both at CP2 against one process; "bnpo-glm5_next" the same on a tiny GLM-5.3-Flash
+(`Glm5NextForConditionalGeneration` loaded by the class its saved config names, as TRL's loader does: KDA, MLA with
+the pooled indexer and a "shared" layer, hyper-connections, eager experts and attention; the reference's float32
+eager softmax would turn a float64 padded query into NaN, `float64_upcasts` keeps it float64).
 
 The same 2-rank spawn generates for real (transformers' generate on the model outside CP, parameters unsharded):
 greedy completions of two rounds, the second after an update, equal those of a plain single-device model with the
@@ -43,7 +46,8 @@ from helpers import run_in_process
 FLOAT64_REL = 1e-11  # every logged number, eval metrics, saved weights: float64 rounding (module docstring)
 LOGGED_LOSS_REL = 1e-6  # the logged training loss at dp2 x cp2: the Trainer's float32 accumulator
 CLIP_ABS = 1e-12  # clip ratios: counts over the same tokens, equal unless a ratio sits within rounding of the clip
-CP2_CASES, DP2_CASES = ("grpo", "bnpo", "grpo-falcon_h1", "bnpo-qwen4_exp"), ("dr_grpo", "dapo")
+CP2_CASES = ("grpo", "bnpo", "grpo-falcon_h1", "bnpo-qwen4_exp", "bnpo-glm5_next")
+DP2_CASES = ("dr_grpo", "dapo")
 EVALUATED = "grpo"
 
 

@@ -12,7 +12,8 @@ Two kernels, the same result up to the order of the float additions:
   budget), softmax in the compute dtype. Any device and dtype; the reference and the CPU path.
 - `triton_selected_attention` (`selected_attention_kernels.py`): one program per query and KV head reads its runs
   in place (no gathered copies), online softmax; the backward sums each run's dK, dV over its readers in query
-  order (no atomics: reproducible). CUDA, bf16 / fp16 / fp32.
+  order (no atomics: reproducible). CUDA, bf16 / fp16 / fp32, head dims up to MAX_HEAD_DIM (over 256 in column
+  blocks: GLM-5.3-Flash's absorbed MLA, 512-wide queries over its latent as keys and values).
 A block-sparse kernel over tiles (FlexAttention's BlockMask) does not fit: the selection is per query, so a tile
 of 128 queries reads the union of 128 selections, about every block of the prefix; measured in NOTES.md.
 
@@ -106,7 +107,7 @@ class _SelectedAttention(torch.autograd.Function):
 
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 256  # measured: Qwen4-Exp's 256 (NOTES.md)
+MAX_HEAD_DIM = 512  # GLM-5.3-Flash's absorbed latent; over 256 the kernels run in column blocks (kernels' docstring)
 
 
 def triton_selected_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, sel: Selection,
@@ -121,9 +122,8 @@ def triton_selected_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD
         raise ValueError(f"the Triton selected attention needs query heads a multiple of the KV heads and one head "
                          f"dim; got q {tuple(q_BsHD.shape)}, k {tuple(k_BSKD.shape)}, v {tuple(v_BSKD.shape)}")
     if D > MAX_HEAD_DIM:
-        raise NotImplementedError(f"the Triton selected attention takes head dims up to {MAX_HEAD_DIM} (a program holds "
-                                  f"[64, D] key and value tiles); got {D} (GLM-5.3-Flash's absorbed 512-wide latent "
-                                  f"is one): indexed attention with it runs on the CPU only")
+        raise NotImplementedError(f"the Triton selected attention takes head dims up to {MAX_HEAD_DIM} (the widest "
+                                  f"tested: GLM-5.3-Flash's absorbed 512-wide latent); got {D}")
     o = _SelectedAttention.apply(q_BsHD.contiguous(), k_BSKD.contiguous(), v_BSKD.contiguous(),
                                  sel.pos.to(torch.int32).contiguous(), sel.run_starts(), scale, sel.size)
     return o.reshape(B, s, H * D)
