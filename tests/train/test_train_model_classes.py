@@ -6,7 +6,9 @@ Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, 
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
 Bailing-Hybrid (KDA and MLA, routed experts; eager); Mamba2 (Mamba2 blocks only); Zamba2 (Mamba2 layers, shared
-attention blocks with adapters); Mamba (Mamba1 blocks only); Zamba (Mamba1 heads, one shared attention block);
+attention blocks with adapters); Mamba (Mamba1 blocks only; FalconMamba is the same class layout with weightless
+dt / B / C norms, in the conformance and parity grids); Jamba (Mamba1 with its dt / B / C norms, a NoPE GQA layer,
+routed experts); Zamba (Mamba1 heads, one shared attention block);
 Qwen4-Exp (indexed attention with full_attention_cp=all_gather, a PLE layer, hyper-connections); GLM-5.3-Flash
 (its conditional class with a text-only batch: KDA, MLA with the pooled indexer and a "shared" layer,
 hyper-connections); MiniMax-Text-01 (lightning attention and GQA, routed experts); LaRA-mini
@@ -82,6 +84,12 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
     "MambaForCausalLM": (dict(state_size=16, expand=2, conv_kernel=4, time_step_rank=8, pad_token_id=0),
                          GDN_FIELDS + ["layer_types", "intermediate_size", "num_attention_heads",
                                        "num_key_value_heads", "max_position_embeddings", "head_dim"], {}),
+    # Mamba1 layers with the dt / B / C norms, a NoPE GQA layer (attn_layer_period 4, offset 3), routed experts on
+    # the odd layers (top 2 of 4, not renormalised, the aux loss)
+    "JambaForCausalLM": (dict(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2, expert_layer_offset=1,
+                              num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                              mamba_dt_rank=8, output_router_logits=True, pad_token_id=0),
+                         GDN_FIELDS + ["layer_types", "head_dim"], {}),
     # KDA + MLA (v_head_dim != qk head dim), routed and shared experts; Bailing: the safe gate, RoPE, output gate
     "KimiLinearForCausalLM": (dict(MLA, linear_num_heads=8, linear_head_dim=16), GDN_FIELDS + NOT_MLA, {}),
     "BailingHybridForCausalLM": (dict(MLA, head_dim=16, q_lora_rank=24), GDN_FIELDS + NOT_MLA[1:], {}),
