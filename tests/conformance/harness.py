@@ -289,7 +289,10 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
             ids, m, cu = inputs[kind]
             ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p",
                                        full_attention_cp=table.attention_for("ulysses"))
-            theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu, table.valid_runs)
+            # the single-device path against transformers: at CP2 (every input of this row, the same build and
+            # inputs); the rotated degrees compare CP against the single-device path alone
+            theirs = None if kind == "long" or rotate else transformers_reference(base, single, ids, m, cu,
+                                                                                   table.valid_runs)
             return theirs, cp_step(ref_model, single, ids, m, cu)
 
         kinds = sorted({c[3] for c in combos})
