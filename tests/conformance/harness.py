@@ -9,7 +9,8 @@ For every knob of the table (a config value away from transformers' default, or 
 - references, computed once and shared (`computed_once`): the unmodified transformers model on the padded batch (its
   logits at the valid tokens and the gradient of deltacp's loss on them) and on the packed row (per document), and
   deltacp's single-device path (a one-rank mesh) on all three inputs (the long row is there for CP: several chunks
-  per rank; its single-device run is the padded and packed rows' code);
+  per rank; its single-device run is the padded and packed rows' code); transformers' at CP2 only (the rows a larger
+  degree runs meet every input at CP2, on the same build);
 - six CP runs, `COMBOS`: every linear-attention mode in both sequence layouts, each full-attention method twice,
   each input twice. CP against the single-device path within 1e-8 (this rank's logits, the loss, every gradient
   summed over ranks, the grad norm); the single-device path against transformers within float32-level bounds
