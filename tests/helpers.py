@@ -145,6 +145,26 @@ def started_in_process(fn, *args, timeout_s: float = 600, what: str = "the one-p
     assert proc.exitcode == 0, f"{what} failed"
 
 
+def single_device_jobs(path: str, jobs: list) -> None:
+    """The training parity tool's single-device jobs [(label, config)] in this process, a gloo group of one (what
+    `deltacp.train.parity.run_jobs(1, jobs)` runs in its one rank); {label: rows} written to `path` as JSON (the
+    rows' numbers read back exactly). For `started_in_process`, beside the CP ranks."""
+    import json
+    import os
+
+    from deltacp.distributed.launch import free_port
+    from deltacp.train.parity import _worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    results = {}
+    _worker(0, 1, jobs, results, None)
+    dist.destroy_process_group()
+    with open(path, "w") as f:
+        json.dump(results, f)
+
+
 def clone_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)
 
