@@ -100,20 +100,69 @@ def computed_once(*fns) -> list:
     return [results[i] for i in range(len(fns))]
 
 
-def run_in_process(fn, *args, timeout_s: float = 600, what: str = "the one-process reference runs") -> None:
-    """fn(*args) in a freshly spawned process (a reference that must not share this process's state, e.g. the
-    plain trainers on one process); pytest fails naming `what` if it fails or outlives `timeout_s`."""
+def _with_environment(caller: int, environ: dict, fn, *args) -> None:
+    import os
+
+    from deltacp.distributed.launch import die_with_caller
+
+    if os.getppid() != caller:  # forked by the server: its environment, and the caller is not its parent
+        die_with_caller(caller)
+        os.environ.clear()
+        os.environ.update(environ)
+    fn(*args)
+
+
+@contextlib.contextmanager
+def started_in_process(fn, *args, timeout_s: float = 600, what: str = "the one-process reference runs"):
+    """fn(*args) in a fresh process (a reference that must not share this process's state, e.g. the plain trainers
+    on one process) while the body runs (e.g. the CP ranks, which leave cores idle while they wait for each other);
+    on leaving, pytest fails naming `what` if it failed or outlives `timeout_s` from its start. The process is forked
+    from the suite's preloaded server where the ranks are (`tests/conftest.py`: torch, transformers and deltacp
+    imported once; the caller's environment applied), else spawned."""
     import multiprocessing
+    import os
+    import time
 
     import pytest
 
-    proc = multiprocessing.get_context("spawn").Process(target=fn, args=args)
+    from deltacp.distributed.launch import start_method
+
+    proc = multiprocessing.get_context(start_method()).Process(target=_with_environment,
+                                                                args=(os.getpid(), dict(os.environ), fn, *args))
+    deadline = time.monotonic() + timeout_s
     proc.start()
-    proc.join(timeout_s)
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        proc.join()
+        raise
+    proc.join(max(0.0, deadline - time.monotonic()))
     if proc.is_alive():
         proc.kill()
+        proc.join()
         pytest.fail(f"{what} did not finish in {timeout_s:.0f} s")
     assert proc.exitcode == 0, f"{what} failed"
+
+
+def single_device_jobs(path: str, jobs: list) -> None:
+    """The training parity tool's single-device jobs [(label, config)] in this process, a gloo group of one (what
+    `deltacp.train.parity.run_jobs(1, jobs)` runs in its one rank); {label: rows} written to `path` as JSON (the
+    rows' numbers read back exactly). For `started_in_process`, beside the CP ranks."""
+    import json
+    import os
+
+    from deltacp.distributed.launch import free_port
+    from deltacp.train.parity import _worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    results = {}
+    _worker(0, 1, jobs, results, None)
+    dist.destroy_process_group()
+    with open(path, "w") as f:
+        json.dump(results, f)
 
 
 def clone_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -9,7 +9,8 @@ For every knob of the table (a config value away from transformers' default, or 
 - references, computed once and shared (`computed_once`): the unmodified transformers model on the padded batch (its
   logits at the valid tokens and the gradient of deltacp's loss on them) and on the packed row (per document), and
   deltacp's single-device path (a one-rank mesh) on all three inputs (the long row is there for CP: several chunks
-  per rank; its single-device run is the padded and packed rows' code);
+  per rank; its single-device run is the padded and packed rows' code); transformers' at CP2 only (the rows a larger
+  degree runs meet every input at CP2, on the same build);
 - six CP runs, `COMBOS`: every linear-attention mode in both sequence layouts, each full-attention method twice,
   each input twice. CP against the single-device path within 1e-8 (this rank's logits, the loss, every gradient
   summed over ranks, the grad norm); the single-device path against transformers within float32-level bounds
@@ -289,7 +290,10 @@ def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_n
             ids, m, cu = inputs[kind]
             ref_model = parallelize_cp(copy.deepcopy(base), single, linear_attention_cp_mode="p2p",
                                        full_attention_cp=table.attention_for("ulysses"))
-            theirs = None if kind == "long" else transformers_reference(base, single, ids, m, cu, table.valid_runs)
+            # the single-device path against transformers: at CP2 (every input of this row, the same build and
+            # inputs); the rotated degrees compare CP against the single-device path alone
+            theirs = None if kind == "long" or rotate else transformers_reference(base, single, ids, m, cu,
+                                                                                   table.valid_runs)
             return theirs, cp_step(ref_model, single, ids, m, cu)
 
         kinds = sorted({c[3] for c in combos})

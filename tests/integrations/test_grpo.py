@@ -41,7 +41,7 @@ import pytest
 
 from deltacp.distributed.launch import run_distributed
 import grpo_cases
-from helpers import run_in_process
+from helpers import started_in_process
 
 FLOAT64_REL = 1e-11  # every logged number, eval metrics, saved weights: float64 rounding (module docstring)
 LOGGED_LOSS_REL = 1e-6  # the logged training loss at dp2 x cp2: the Trainer's float32 accumulator
@@ -244,12 +244,12 @@ def test_cp_grpo_trainer_matches_trl(tmp_path):
     grpo_cases.save_tiny_model(os.path.join(out, "model"))
     for case, directory in grpo_cases.MODEL_DIRS.items():
         grpo_cases.save_tiny_model(os.path.join(out, directory), family=case.split("-", 1)[1])
-    run_in_process(_one_process, out)
-    t1 = time.time()
-    run_distributed(_worker2, 2, out, timeout_s=900)
+    with started_in_process(_one_process, out):  # TRL on one process beside the CP2 ranks
+        run_distributed(_worker2, 2, out, timeout_s=900)
+        t1 = time.time()
     t2 = time.time()
     run_distributed(_worker4, 4, out, timeout_s=900)
-    print(f"times: one process {t1 - t0:.0f} s, 2 ranks {t2 - t1:.0f} s, 4 ranks {time.time() - t2:.0f} s")
+    print(f"times: 2 ranks {t1 - t0:.0f} s, one process {t2 - t0:.0f} s, 4 ranks {time.time() - t2:.0f} s")
 
     results = {}
     for name in ("ref-1", "cp2", "cp4"):

@@ -10,7 +10,9 @@ initial_state_grad, state_summary (M, S) - and p2p's staged path (prepare_chunks
     packed row: rel-L2 <= FP32_BOUND = 1e-5 (fp32 has 2^-24 ~ 6e-8 unit roundoff; the interpreter's fp32 chain at
     K = V = 32 stays below 1e-5, tests/unit/test_triton_contract.py), M of the packed row exactly 0. A column that
     escaped its mask shows here: an unmasked load past a head dim of 96 reads the next head's values.
-  - bf16 inputs (the production dtypes, so the bf16 hi/lo split products of wu_fwd and wy_bwd run), one sequence:
+  - bf16 inputs (the production dtypes, so the bf16 hi/lo split products of wu_fwd and wy_bwd run), one sequence
+    (but at (96, 192), a shape of the first-use self-check: its figures there, the same inputs and bounds and more
+    cases, are test_triton_selfcheck.py's):
     within the self-check's bounds (BOUND_BF16 = 3e-2 for what passes through bf16; bf16 has 2^-9 ~
     2e-3 unit roundoff and the op rounds q, k, W, U, Vn and the per-chunk state to bf16: about 1.6e-2 measured;
     BOUND_FP32 = 3e-3 for M, an fp32 recurrence). The packed row and p2p's staged path in bf16 at K = 96, V = 192
@@ -53,12 +55,13 @@ for f in figs:
     print("fp32 %-36s %.2e (bound %.1e)" % (f.name, f.value, bound))
     if not f.value <= bound:  # NaN fails
         bad.append("fp32 %s = %.2e > bound %.1e" % (f.name, f.value, bound))
-figs = sc.measure_shape("cpu", shape, dtype=torch.bfloat16, cases=("unpacked",), staged=(False,))
-for f in figs:
-    print("bf16 %-36s %.2e (bound %.1e)" % (f.name, f.value, f.bound))
-    if not f.ok:
-        bad.append("bf16 " + str(f))
-assert len(figs) == 11, len(figs)
+if shape not in sc.SHAPES:  # a self-check shape's bf16 figures are the self-check's (test_triton_selfcheck.py)
+    figs = sc.measure_shape("cpu", shape, dtype=torch.bfloat16, cases=("unpacked",), staged=(False,))
+    for f in figs:
+        print("bf16 %-36s %.2e (bound %.1e)" % (f.name, f.value, f.bound))
+        if not f.ok:
+            bad.append("bf16 " + str(f))
+    assert len(figs) == 11, len(figs)
 print("FAILED: " + "; ".join(bad) if bad else "ALL OK")
 """
 

@@ -80,6 +80,17 @@ def _ensure_server() -> None:
             os.environ["PYTHONPATH"] = saved
 
 
+def start_method() -> str:
+    """How a process started now starts: "spawn", or "forkserver" (the server then running) unless a variable read
+    at import (IMPORT_TIME_ENV) differs from the server's, where it is "spawn"."""
+    method = _start["method"]
+    if method == "forkserver" and _import_time_env() != _start["server_env"]:
+        method = "spawn"  # the server's modules were imported under other values of these variables
+    if method == "forkserver":
+        _ensure_server()
+    return method
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -201,13 +212,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 600, collecti
     started_before = {p.pid for p in multiprocessing.active_children()}
     ctx = None
     try:
-        method = _start["method"]
-        if method == "forkserver" and _import_time_env() != _start["server_env"]:
-            method = "spawn"  # the server's modules were imported under other values of these variables
-        caller_state = None
-        if method == "forkserver":
-            _ensure_server()
-            caller_state = dict(os.environ)
+        method = start_method()
+        caller_state = dict(os.environ) if method == "forkserver" else None
         ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, collective_timeout_s, os.getpid(),
                                                caller_state), nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
