@@ -11,8 +11,11 @@ For every knob of the table (a config value away from transformers' default, or 
   deltacp's single-device path (a one-rank mesh) on all three inputs (the long row is there for CP: several chunks
   per rank; its single-device run is the padded and packed rows' code); transformers' at CP2 only (the rows a larger
   degree runs meet every input at CP2, on the same build);
-- six CP runs, `COMBOS`: every linear-attention mode in both sequence layouts, each full-attention method twice,
-  each input twice. CP against the single-device path within 1e-8 (this rank's logits, the loss, every gradient
+- at CP2, the CP runs of `COMBOS` (`combos_of`): the defaults row (touches "all") all six, every linear-attention
+  mode in both sequence layouts, each full-attention method twice, each input twice; a row that changes a sequence
+  part (linear, attention, rope, layers, padding) three, every mode, every input and every full-attention method
+  once, in one layout (contiguous and balanced by turns over the rows: every layout meets every mode and input in
+  each table); a token-wise row (MLP, MoE, norms, embeddings, the head) two. CP against the single-device path within 1e-8 (this rank's logits, the loss, every gradient
   summed over ranks, the grad norm); the single-device path against transformers within float32-level bounds
   (`TRANSFORMERS_BOUNDS`: transformers computes its norms, gates and fallbacks in float32 even in a float64 model).
 A knob deltacp refuses is run as a refusal: `parallelize_cp` or the first forward must raise, on every rank, an error
@@ -37,7 +40,8 @@ S = 64  # tokens of a padded or packed row
 LONG = 160  # tokens of the long row (two chunks of 64 per rank at CP2)
 LENGTHS = [1, 3, 29, 31]  # the packed row's documents: two shorter than the conv kernel, two crossing rank boundaries
 PAD_RIGHT, PAD_LEFT = 45, 19  # row 0 valid up to PAD_RIGHT, row 1 from PAD_LEFT
-COMBOS = (  # (linear-attention mode, sequence layout, full-attention method, input)
+COMBOS = (  # (linear-attention mode, sequence layout, full-attention method, input); the even ones contiguous, the
+    # odd ones balanced: each half holds every mode, input and full-attention method once
     ("ulysses", "contiguous", "ulysses", "padded"),
     ("ulysses", "balanced", "ulysses", "long"),
     ("p2p", "contiguous", "all_gather", "packed"),
@@ -253,14 +257,17 @@ def build_knob(table: Table, knob: Knob, keep: tuple[str, ...]):
 
 
 def combos_of(knob: Knob, index: int, rotate: bool = False) -> tuple:
-    """The runs of the table's `index`-th knob: all six, or for a token-wise knob two of them (in turn); with
-    `rotate` (the larger CP degrees), one, in turn, so that the table's rows still meet all six, and none for a
-    token-wise or attention-only knob."""
+    """The runs of the table's `index`-th knob: all six for a row touching "all" (the defaults); three for a row
+    touching a sequence part (one layout's half of `COMBOS`: every mode, input and full-attention method once, the
+    layout by turns); two for a token-wise knob (in turn); with `rotate` (the larger CP degrees), one, in turn, so
+    that the table's rows still meet all six, and none for a token-wise or attention-only knob."""
     if rotate:  # the attention-only rows too: what a larger degree changes is the sequence parts' work and halos
         attention_only = set(knob.touches.split()) == {"attention"}
         return () if knob.token_wise or attention_only else (COMBOS[index % len(COMBOS)],)
-    if not knob.token_wise:
+    if "all" in knob.touches.split():
         return COMBOS
+    if not knob.token_wise:
+        return COMBOS[index % 2::2]  # contiguous (0, 2, 4) or balanced (1, 3, 5)
     first = (2 * index) % len(COMBOS)  # (0, 5), (2, 1), (4, 3): two inputs, both layouts
     return COMBOS[first], COMBOS[(first + 5) % len(COMBOS)]
 

@@ -777,12 +777,14 @@ def readme_section() -> str:
              "value that exercises it on a tiny model whose biases, norm weights and routing biases are drawn away "
              "from",
              "transformers' init; each row runs a padded batch (one row right-, one left-padded), a packed row and a "
-             "long row in",
-             "every linear mode, sequence layout and full-attention method at CP2 (and in turn at CP4), against the "
-             "single device",
-             "(1e-8, float64) and the single device against the unmodified transformers model (float32-level). "
-             "Besides the",
-             "defaults (randomised) row, the rows are:", ""]
+             "long row at",
+             "CP2 in every linear mode and full-attention method (the defaults row in both sequence layouts, a row "
+             "changing a",
+             "sequence part in one, the layouts by turns; a token-wise row in two of the six runs), and in turn at "
+             "CP4, against",
+             "the single device (1e-8, float64), and the single device against the unmodified transformers model "
+             "(float32-level).",
+             "Besides the defaults (randomised) row, the rows are:", ""]
     for family, table in TABLES.items():
         run = [k.name for k in table.knobs if k.runs and k.refused is None and not k.name.startswith("defaults")]
         line = f"- **{family}** (`{table.model_class}`): " + "; ".join(run)

@@ -282,11 +282,13 @@ def total_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    # foreach None: torch's choice (the multi-tensor kernels on CUDA; a loop on the CPU, where the foreach path's
+    # DTensor dispatch costs each new model's first step 0.3-1 s a rank and the result is the same)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
     return norm
 
 
@@ -338,7 +340,7 @@ class Trainer:
         opt = cfg.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                           weight_decay=opt.weight_decay, foreach=True)
+                                           weight_decay=opt.weight_decay)  # foreach: torch's choice, as above
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_lambda, cfg))
         self.step_count = 0
         self.run_id: str | None = None  # set when the checkpoint directory is prepared (fit)
