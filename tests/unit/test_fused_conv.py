@@ -237,7 +237,7 @@ def _run(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 test of the fused conv "
-                                           "runs only where triton is (CI installs none)")
+                                           "runs only where triton is (test.sh installs it)")
 def test_fused_conv_vs_eager_under_interpreter():
     out = _run(_CODE.format(bf16_out=BF16_OUT, bf16_grad=BF16_GRAD,
                             testdir=os.path.dirname(os.path.abspath(__file__))))

@@ -205,7 +205,7 @@ print("ok")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 tests of the fused GDN "
-                                           "glue kernels run only where triton is (CI installs none)")
+                                           "glue kernels run only where triton is (test.sh installs it)")
 def test_fused_glue_kernels_vs_eager_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=600)

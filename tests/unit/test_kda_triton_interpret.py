@@ -1,6 +1,6 @@
 """CPU (TRITON_INTERPRET=1) tests of the Triton KDA (`deltacp.ops.kda.triton`, Kimi delta attention) against the
 eager one (`ops/kda/eager.py`: `chunk_kda` and autograd through it, `summary_kda`, `initial_state_grad`) in float64
-on the same values. Need triton (CI installs none: skip).
+on the same values. Need triton (test.sh installs it).
 
 One subprocess (the interpreter must be on before triton loads; the rest of the suite runs compiled Triton) runs
 every case through `TritonKimiDeltaRule` (q/k l2-normalised inside, the default scale) and prints one figure per

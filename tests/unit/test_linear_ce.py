@@ -351,7 +351,7 @@ assert worst["op fp32"] < 1e-5, worst
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 test of the linear "
-                                           "cross-entropy kernels runs only where triton is (CI installs none)")
+                                           "cross-entropy kernels runs only where triton is (test.sh installs it)")
 def test_triton_ce_kernels_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = _TRITON_CODE

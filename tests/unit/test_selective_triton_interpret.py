@@ -1,6 +1,6 @@
 """CPU (TRITON_INTERPRET=1) tests of the Triton selective scan (`deltacp.ops.selective.triton`, Mamba1) against the
 eager one (`ops/selective/eager.py`, itself checked against transformers' `mamba_selective_scan` and a token
-recurrence in tests/unit/test_selective_scan.py) in float64 on the same values. Need triton (CI installs none: skip).
+recurrence in tests/unit/test_selective_scan.py) in float64 on the same values. Need triton (test.sh installs it).
 
 One subprocess per dtype (the interpreter must be on before triton loads) runs every case through
 `TritonSelectiveScan` and prints one figure per quantity (`recurrence_checks.compare_case`); the tests read them.
@@ -34,7 +34,7 @@ import torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 tests of "
                                                          "the Triton selective-scan kernels run only where triton is "
-                                                         "(CI installs none)")
+                                                         "(test.sh installs it)")
 
 BOUNDS = {"float64": 1e-10, "float32": 1e-5}
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # recurrence_checks, for the subprocess

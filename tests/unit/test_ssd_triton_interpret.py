@@ -1,5 +1,5 @@
 """CPU (TRITON_INTERPRET=1) tests of the Triton scalar-decay recurrence (`deltacp.ops.ssd.triton`, Mamba2's SSD)
-against the eager one (`ops/ssd/eager.py`) in float64 on the same values. Need triton (CI installs none: skip).
+against the eager one (`ops/ssd/eager.py`) in float64 on the same values. Need triton (test.sh installs it).
 
 One subprocess (the interpreter must be on before triton loads; the rest of the suite runs compiled Triton) runs
 every case through `TritonScalarDecay` and prints one figure per quantity; the tests below read them:
@@ -37,7 +37,7 @@ import torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 tests of "
                                                          "the Triton scalar-decay kernels run only where triton is "
-                                                         "(CI installs none)")
+                                                         "(test.sh installs it)")
 
 BOUNDS = {"float64": 1e-10, "float32": 1e-5}
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # recurrence_checks, for the subprocess

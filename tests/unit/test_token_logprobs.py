@@ -383,7 +383,7 @@ assert all(v < 1e-5 for k, v in worst.items() if k.startswith("op")), worst
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 test of the "
-                                           "log-probability kernels runs only where triton is (CI installs none)")
+                                           "log-probability kernels runs only where triton is (test.sh installs it)")
 def test_triton_kernels_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _TRITON_CODE], capture_output=True, text=True, env=env, timeout=300)

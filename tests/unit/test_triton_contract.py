@@ -264,7 +264,7 @@ print(max(errs))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 kernel parity test "
-                                           "runs only where triton is (CI installs none)")
+                                           "runs only where triton is (test.sh installs it)")
 def test_interpreter_parity_fp32():
     """Real kernels under TRITON_INTERPRET=1 with fp32 inputs (so fp32 math end to end) vs an fp64 recurrence:
     output, final state, all six gradients, the entering state's gradient from the outputs alone, and the

@@ -1,6 +1,6 @@
 """CPU (TRITON_INTERPRET=1) tests of the Triton GDN backend at the head dims of its contract other than 128
 (`contract_check.HEAD_DIMS`), K != V included, against the eager backend in float64 on the same values; and of the
-fused glue (conv + q/k/v split by heads, gated RMSNorm) at those dims. Need triton (CI installs none: skip).
+fused glue (conv + q/k/v split by heads, gated RMSNorm) at those dims. Need triton (test.sh installs it).
 
 Per (K, V) pair, one subprocess, shape as the first-use self-check's (`selfcheck.measure_shape`: B=1, T=80, Hk=1,
 Hv=2; one sequence, and one packed row of documents 37, 1, 42): every operation - chunk_gated_delta_rule fwd+bwd
@@ -32,7 +32,7 @@ import pytest
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 head-dim "
-                                                         "tests run only where triton is (CI installs none)")
+                                                         "tests run only where triton is (test.sh installs it)")
 
 PAIRS = [(64, 64), (96, 192), (128, 256), (192, 96), (256, 256)]
 FP32_BOUND = 1e-5

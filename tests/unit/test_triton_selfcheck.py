@@ -1,5 +1,5 @@
 """The first-use self-check of the Triton GDN kernels (`deltacp.ops.gdn.triton.selfcheck`), on the CPU under
-TRITON_INTERPRET=1 (needs triton; CI installs none: those tests skip), and its cache without any kernel.
+TRITON_INTERPRET=1 (needs triton; test.sh installs it), and its cache without any kernel.
 
 Interpreter runs (each in a fresh process: the interpreter must be chosen before the kernels are imported; the two
 side by side, one core each, about 50 s here: K = V = 128 and K = 96, V = 192, T = 80):
@@ -26,7 +26,7 @@ from deltacp.ops.gdn.triton import selfcheck
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 "
-                                                         "self-check runs only where triton is (CI installs none)")
+                                                         "self-check runs only where triton is (test.sh installs it)")
 
 _CODE = r"""
 import json, sys

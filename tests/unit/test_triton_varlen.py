@@ -1,5 +1,5 @@
 """CPU (TRITON_INTERPRET=1) tests of the Triton backend on packed documents (`cu_seqlens`), against the eager
-backend's float64 varlen results, and of the kernels' runtime lengths. Need triton (CI installs none: skip).
+backend's float64 varlen results, and of the kernels' runtime lengths. Need triton (test.sh installs it).
 
 Per case (documents not aligned to 64, length-1 documents, seven tiny documents; first_continues True/False; the
 many-document rows at real shapes are the GPU test's, tests/gpu/test_triton_varlen_gpu.py):
@@ -168,7 +168,7 @@ print("worst", worst["fp32"], worst["bf16"])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the TRITON_INTERPRET=1 varlen test runs only "
-                                           "where triton is (CI installs none)")
+                                           "where triton is (test.sh installs it)")
 def test_interpreter_varlen_vs_eager_fp64():
     """The cases in two processes at once (the interpreter runs one core each: twice as fast on two cores)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
