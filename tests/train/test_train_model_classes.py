@@ -1,7 +1,7 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
 float32, packed rows) with the single-device losses and grad norms, 3 steps, and the families added after Qwen3.5
 (OLMo-Hybrid, the Mamba2 and the KDA ones, Qwen4-Exp, GLM-5.3-Flash, MiniMax-Text-01, Zamba2, LFM3, Mamba2, LaRA-mini,
-RecurrentGemma) also at dp2 x cp2 (4 ranks, the same global batch); bad class settings name the key.
+RecurrentGemma, Jamba, Zamba) also at dp2 x cp2 (4 ranks, the same global batch); bad class settings name the key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
@@ -142,7 +142,8 @@ ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their
 DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
          "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM", "Qwen4ExpForCausalLM",
          "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "Zamba2ForCausalLM", "Lfm3ForCausalLM",
-         "Mamba2ForCausalLM", "LaraMiniForCausalLM", "RecurrentGemmaForCausalLM")
+         "Mamba2ForCausalLM", "LaraMiniForCausalLM", "RecurrentGemmaForCausalLM", "JambaForCausalLM",
+         "ZambaForCausalLM")
 
 
 def _cfg(name):

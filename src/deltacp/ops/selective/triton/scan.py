@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
-from deltacp.ops.selective.eager import _resets
+from deltacp.ops.selective.eager import document_resets
 from deltacp.ops.selective.triton import kernels as K
 
 
@@ -35,7 +35,7 @@ def _resets_i32(layout: VarlenLayout | None, T: int, device) -> tuple[torch.Tens
     BT = K.chunk_len()
     key = ("selective_resets", BT, torch.device(device))
     if key not in layout._index:
-        r = _resets(layout, T, "cpu")
+        r = document_resets(layout, T, "cpu")
         chunks = torch.nn.functional.pad(r, (0, (-T) % BT)).view(-1, BT).any(1)
         layout._index[key] = (r.to(torch.int32).to(device), chunks.to(torch.int32).to(device))
     return layout._index[key]
