@@ -814,9 +814,16 @@ def interpreter_figures(code: str, drop_env: tuple[str, ...] = (), parts: int = 
     """Run `code` in a fresh process under TRITON_INTERPRET=1 (set before triton loads; `drop_env` names variables
     left out) and read its report: lines "FIG case dtype quantity value" -> {(case, dtype, quantity): value}, and the
     word after "SUMMARY_GRAD" -> ["summary_grad"]. The code ends by printing DONE. parts > 1: `code` runs once per
-    part with PART = 0 .. parts - 1 defined first, the parts side by side (`concurrent_runs`), their reports merged."""
+    part with PART = 0 .. parts - 1 defined first, the parts side by side (`concurrent_runs`), their reports merged.
+    Skips the calling test (or fixture) where triton is not installed."""
+    import importlib.util
     import os
     import sys
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
 
     env = {k: v for k, v in os.environ.items() if k not in drop_env}
     outs = concurrent_runs({part: [sys.executable, "-c", f"PART = {part}\n" + code] for part in range(parts)},

@@ -90,8 +90,6 @@ print("DONE")
 
 @pytest.fixture(scope="module")
 def figures():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
     from helpers import interpreter_figures
 
     return interpreter_figures(_CODE, parts=2)
