@@ -51,8 +51,8 @@ def ours(label: str) -> bool:
     return label.startswith("deltacp")
 
 
-def compare(runs, make, reference, names, *, regimes, lengths, accuracy_length, bound, repeat=10, profile=None,
-            json=None, tag=None, timing_regime="slow"):
+def compare(runs, make, reference, names, *, regimes, lengths, accuracy_length, bound, repeat=10, warmup=3,
+            profile=None, json=None, tag=None, timing_regime="slow"):
     """Accuracy in every regime at `accuracy_length` (none for regimes=[]), then times at every length, then
     (profile: a length) the kernels of one fwd + bwd of each stack. `make(T, regime)` -> {name: leaf tensor requiring grad} in the dtype
     the stacks take; `reference` runs on float64 copies of them. Prints the tables; returns the failures of ours."""
@@ -88,8 +88,8 @@ def compare(runs, make, reference, names, *, regimes, lengths, accuracy_length, 
         for label, fn in runs:
             t = make(T, timing_regime)
             try:
-                f = time_cuda(lambda: fn(*(t[n] for n in names)), warmup=3, repeat=repeat)  # noqa: B023
-                fb = time_cuda(timed_fwd_bwd(fn, t, names), warmup=3, repeat=repeat)
+                f = time_cuda(lambda: fn(*(t[n] for n in names)), warmup=warmup, repeat=repeat)  # noqa: B023
+                fb = time_cuda(timed_fwd_bwd(fn, t, names), warmup=warmup, repeat=repeat)
                 row = {"kind": "timing", "stack": label, "T": T, **tag, "fwd_ms": f["median_ms"],
                        "fwd_bwd_ms": fb["median_ms"], "fwd_bwd_p90_ms": fb["p90_ms"], "peak_gib": fb["peak_gib"]}
             except Exception as e:  # noqa: BLE001  (out of memory, or a public kernel that fails: in the row)

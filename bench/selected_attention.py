@@ -62,8 +62,9 @@ def main():
     ap.add_argument("--sdpa-mask-max", type=int, default=32768, help="longest T for the dense-mask SDPA row")
     ap.add_argument("--json", default=None)
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen4-exp")
-    ap.add_argument("--launch", nargs="*", default=[], metavar="WARPS,STAGES",
-                    help="time deltacp's kernels under these launch settings too (at every length)")
+    ap.add_argument("--launch", nargs="*", default=[], metavar="WARPS,STAGES[,ROWS]",
+                    help="time deltacp's kernels under these launch settings too (at every length; ROWS: the most "
+                         "query heads a program takes)")
     args = ap.parse_args()
     from deltacp.ops import selected_attention_kernels as kernels
     global H, KV, D
@@ -116,16 +117,17 @@ def main():
             row[name] = {"fwd_ms": round(fwd["median_ms"], 3), "fwd_bwd_ms": round(both["median_ms"], 3),
                          "peak_gib": round(both["peak_gib"], 2)}
         emit(row, args.json)
-        default = dict(kernels.LAUNCH["16-bit"])
+        entry = "16-bit wide" if D > kernels.WIDE_DIM else "16-bit"  # the launch entry this shape runs
+        default = dict(kernels.LAUNCH[entry])
         for setting in args.launch:
-            warps, stages = map(int, setting.split(","))
-            kernels.LAUNCH["16-bit"].update(num_warps=warps, num_stages=stages)
+            warps, stages, *rows = map(int, setting.split(","))
+            kernels.LAUNCH[entry].update(num_warps=warps, num_stages=stages, **({"rows": rows[0]} if rows else {}))
             fn = stacks["deltacp triton"]
             fwd = time_cuda(lambda: fn(), warmup=3, repeat=10)
             both = time_cuda(lambda: torch.autograd.grad(fn(), leaves, go), warmup=3, repeat=10)
             emit({"T": T, "launch": setting, "fwd_ms": round(fwd["median_ms"], 3),
                   "fwd_bwd_ms": round(both["median_ms"], 3)}, args.json)
-        kernels.LAUNCH["16-bit"].update(default)
+        kernels.LAUNCH[entry].update(default)
         del mask, stacks
         torch.cuda.empty_cache()
 

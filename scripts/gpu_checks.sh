@@ -94,9 +94,15 @@
 #                                      released shapes under CP2 (bf16 Triton vs fp32 eager), then
 #                                      bench/selective_op.py at Falcon-Mamba-7B's shape (I 8192, N 16): rel-L2 vs
 #                                      float64 at 2K in three regimes, fwd / fwd+bwd ms and peak memory at 8K-64K
-#                                      (SELECTIVE_LENGTHS), against transformers' torch loop (at 8K) and mamba_ssm's
+#                                      (SELECTIVE_LENGTHS), against transformers' torch loop (at 2K) and mamba_ssm's
 #                                      selective_scan_fn / _ref when importable (said when not); exits non-zero
 #                                      when a check fails                                          (about 5 minutes)
+#   bash scripts/gpu_checks.sh mamba1_peer  mamba_ssm 2.3.2.post1's selective_scan_fn, the public Mamba1 CUDA kernel,
+#                                      compiled here for this GPU only from .whl/mamba1_peer_src.tar.gz (made by
+#                                      `python bench/mamba1_peer.py pack --mamba DIR`: its sources, einops, ninja;
+#                                      build time not yet measured: a build cut short goes on at the next call),
+#                                      then bench/selective_op.py with its rows at 8K-64K (SELECTIVE_LENGTHS); once
+#                                      built, part selective adds the same rows; exits non-zero when a check fails
 #   The public kernels (FLA, FlashQLA, mamba_ssm's Triton SSD, liger-kernel, transformers 5.25) come from
 #   .whl/gpu_site.tar.xz (below).
 #   bash scripts/gpu_checks.sh sweep   launch/product-variant sweeps of wy_bwd, wu_fwd and the state kernels at
@@ -110,12 +116,13 @@
 #                                      vs transformers fp32, then
 #                                      bench/selected_attention.py vs transformers' SDPA with its dense mask and causal
 #                                      SDPA, 8K-64K (about 5 minutes)
-#   bash scripts/gpu_checks.sh glm     GLM-5.3-Flash's indexed layers (its absorbed MLA: head dim 512, the kernels'
-#                                      column blocks): the selected attention at its shape vs a fp32 dense reference
-#                                      (bf16, 4K, row and packed; reproducible bitwise), one compilation across lengths
-#                                      (both shapes), the tiny GLM-5.3-Flash (latents 512 and 16) at CP2 on the GPU vs
-#                                      transformers fp32, then bench/selected_attention.py --shape glm at 4K-32K
-#                                      (estimated 4 minutes: not yet run on a GPU)
+#   bash scripts/gpu_checks.sh glm     GLM-5.3-Flash's indexed layers (its absorbed MLA: head dim 512, the wide
+#                                      launches' blocks of 16 query heads): the selected attention at its shape vs a
+#                                      fp32 dense reference (bf16, 4K, row and packed; reproducible bitwise), one
+#                                      compilation across lengths (both shapes), the tiny GLM-5.3-Flash (latents 512
+#                                      and 16) at CP2 on the GPU vs transformers fp32, then bench/selected_attention.py
+#                                      --shape glm at 4K-32K with the wide launch and GLM_LAUNCH's others (warps,
+#                                      stages, rows) (about 2 minutes with the column-block kernels, 2026-12-06)
 #   bash scripts/gpu_checks.sh ssd_sweep  bench/launch_sweep.py --op ssd at 32K (SWEEP_BUDGET s), then the SSD GPU
 #                                      tests and the ssd_op timings (32K, the peers beside) on its proposed table,
 #                                      written to $OUT/ssd_launch.json (the peers compile and autotune first: about
@@ -137,7 +144,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -179,6 +186,8 @@ peers_env() {
   fi
   if [ -f /tmp/gpu_site/.unpacked ]; then
     export PYTHONPATH="/tmp/gpu_site/site312:/tmp/gpu_site/mamba_ssm_triton:src:tests"
+    # mamba_ssm's selective-scan CUDA extension, once part mamba1_peer has built it on this machine
+    [ -f /tmp/mamba1_peer/.built ] && export PYTHONPATH="/tmp/mamba1_peer:$PYTHONPATH"
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=NO
     CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
     export CUDA_HOME
@@ -269,13 +278,25 @@ kda)
     --json "$OUT/kda_op.jsonl"
   ;;
 selective)
-  # limits sum to 540 s: with the archive unpacked first, the part reports inside one 10-minute device call
-  check selective_tests 190 python -m pytest tests/gpu/test_selective_triton_gpu.py -q -s -ra -p no:cacheprovider
-  check mamba1_shapes 160 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
+  # limits sum to 540 s: with the archive unpacked first, the part reports inside one 10-minute device call (on an
+  # H100, 2026-12-06: the tests 16 s, the mixers 61-71 s; the bench's deltacp rows about 60 s)
+  check selective_tests 120 python -m pytest tests/gpu/test_selective_triton_gpu.py -q -s -ra -p no:cacheprovider
+  check mamba1_shapes 150 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
     -k "Mamba or Jamba"
   # shellcheck disable=SC2086  (SELECTIVE_LENGTHS: a list of lengths)
-  check selective_op 190 python bench/selective_op.py --lengths ${SELECTIVE_LENGTHS:-8192 16384 32768 65536} \
+  check selective_op 270 python bench/selective_op.py --lengths ${SELECTIVE_LENGTHS:-8192 16384 32768 65536} \
     --profile 32768 --json "$OUT/selective_op.jsonl"
+  ;;
+mamba1_peer)
+  # mamba_ssm's selective_scan_fn (CUDA) built on this machine from .whl/mamba1_peer_src.tar.gz (bench/mamba1_peer.py
+  # pack), once: a build cut short by its limit goes on at the next call; then the op bench with its rows
+  check mamba1_peer_build 400 python bench/mamba1_peer.py build --dest /tmp/mamba1_peer
+  if [ -f /tmp/mamba1_peer/.built ]; then
+    export PYTHONPATH="/tmp/mamba1_peer:$PYTHONPATH"
+    # shellcheck disable=SC2086  (SELECTIVE_LENGTHS: a list of lengths)
+    check selective_op 180 python bench/selective_op.py --lengths ${SELECTIVE_LENGTHS:-8192 32768 65536} \
+      --profile 32768 --json "$OUT/selective_op.jsonl"
+  fi
   ;;
 ssd)
   # (the bench is part ssd_op: both do not fit one call)
@@ -346,8 +367,10 @@ indexed)
 glm)
   check glm_tests 300 python -m pytest tests/gpu/test_selected_attention_gpu.py tests/gpu/test_glm5_next_gpu.py -q -s \
     -ra -p no:cacheprovider -k "glm or compilation"
-  check glm_op 240 python bench/selected_attention.py --shape glm --block 16 --top 128 \
-    --lengths ${GLM_LENGTHS:-4096 16384 32768} --sdpa-mask-max 16384 --json "$OUT/selected_attention_glm.jsonl"
+  # shellcheck disable=SC2086  (GLM_LENGTHS, GLM_LAUNCH: lists)
+  check glm_op 300 python bench/selected_attention.py --shape glm --block 16 --top 128 \
+    --lengths ${GLM_LENGTHS:-4096 16384 32768} --sdpa-mask-max 16384 --json "$OUT/selected_attention_glm.jsonl" \
+    --launch ${GLM_LAUNCH:-4,2,16 8,1,16 8,2,32}
   ;;
 gdn_peers_32h)
   check gdn_peers_32h 480 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --regimes \

@@ -1,11 +1,11 @@
 """The Triton selective scan (`deltacp.ops.selective.triton`, Mamba1) on CUDA vs the eager one in float64 on the same
 values (the inputs rounded to the kernel dtype first).
 
-T = 4000 (62 chunks of 64 and a partial one), I = 1024 channels, N = 16 (Mamba1's state size), an entering state,
-D and the silu(z) gate, A and D expanded over the rows (stride 0, as the Mamba view passes them); one unpacked pair
-of rows and one packed row of log-normal documents (not aligned to the chunks, with length-1 ones; the first
-continuing the entering state). Three gate regimes, dt after softplus as the view makes it: fast (|A| in [1, 16],
-Mamba1's initial range, dt ~ softplus(randn) ~ 0.7: a token decays by e^-0.1 to e^-30), slow (|A| in [0.01, 0.1],
+T = 4000 (125 chunks of 32 and a partial one, by the launch table), I = 1024 channels, N = 16 (Mamba1's state size),
+an entering state, D and the silu(z) gate, A and D expanded over the rows (stride 0, as the Mamba view passes them);
+one unpacked pair of rows and one packed row of log-normal documents (not aligned to the chunks, with length-1 ones;
+the first continuing the entering state). Three gate regimes, dt after softplus as the view makes it: fast (|A| in [1,
+16], Mamba1's initial range, dt ~ softplus(randn) ~ 0.7: a token decays by e^-0.1 to e^-30), slow (|A| in [0.01, 0.1],
 dt ~ 0.05) and near-frozen (A = -1e-4: a long document's state barely decays). Every output and gradient (y, final
 state, dx, ddt, dA, dB, dC, dD, dz, dh0), the summary (M, S) and the entering state's gradient from the outputs alone
 within rel-L2 FP32_TOL = 1e-4 (fp32 inputs: fp32 accumulation) or BF16_TOL = 2e-2 (bf16 inputs and outputs; bf16's

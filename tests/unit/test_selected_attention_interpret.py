@@ -10,12 +10,11 @@ heads (G = 2, padded to 16 rows), head dim 24 (not a power of two); the odd posi
 against the whole row's keys). Output and the gradients of q, k, v (dk, dv by the per-run kernel) within 1e-5 of
 the largest reference value (fp32 products; the figures are ~1e-7). A selection without its tails changes the
 output (checked: the test sees them).
-Head dims over 256 (the column-block kernels of GLM-5.3-Flash's absorbed MLA) in the same process, against a float64
-dense reference written here (softmax under the selection's token mask): 512 with one tensor as the keys and the
-values (GLM's latent, one KV head), and 320 over 2 KV heads (the last block of each loop part-filled), in blocks of
-256 columns, larger than the GPU's (the interpreter's time goes with their count; the GPU's own blocks run in
-tests/gpu/test_selected_attention_gpu.py): two blocks of each loop; rel-L2 within 1e-5 (the figures are ~2e-7).
-About 22 s on 2 cores (the wide cases 7 s of it).
+Head dims over 256 (the wide launches of GLM-5.3-Flash's absorbed MLA: blocks of at most 16 query heads a program)
+in the same process, against a float64 dense reference written here (softmax under the selection's token mask): 512
+with one tensor as the keys and the values (GLM's latent, one KV head) read by 20 query heads (two head blocks, the
+second part-filled), and 320 over 2 KV heads (not a power of two: tiles padded to 512 columns); rel-L2 within 1e-5
+(the figures are ~2e-7). About 22 s on 2 cores (the wide cases 7 s of it).
 """
 
 from __future__ import annotations
@@ -67,21 +66,20 @@ def dense64(q, k, v, sel, scale):
     scores = (qd @ kd.transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
     return (scores.softmax(-1) @ vd).transpose(1, 2).reshape(B, s, H * D)
 
-def wide(D, KV, blocks, seed):
-    # a head dim over TILE_DIM (the column-block kernels) in float32, blocks (BD, BV) small enough for the
-    # interpreter (the products over D in D / BD blocks, the outputs in D / BV column blocks): one row of 48 tokens,
-    # documents of 5, 1, 20, 22, its last 8 even positions as queries, 4 query heads; KV = 1: one tensor as keys and
+def wide(D, H, KV, seed):
+    # a head dim over WIDE_DIM in float32 (the wide launch: at most 16 query heads a program): one row of 48 tokens,
+    # documents of 5, 1, 20, 22, its last 8 even positions as queries, H query heads; KV = 1: one tensor as keys and
     # values (GLM-5.3-Flash's absorbed latent). Worst rel-L2 of the output and the gradients against float64
-    kernels.LAUNCH["fp32 wide"].update(BD=blocks[0], BV=blocks[1])
+    assert kernels.LAUNCH["fp32 wide"]["rows"] == 16
     S, s = 48, 8
     sel = random_selection(cu_of([5, 1, 20, 22]), 1, S, 6, 3, seed, "cpu")
     rows = torch.arange(S - 2 * s, S, 2)
     sel = sa.Selection(*(x[:, rows] for x in (sel.blocks, sel.ok, sel.tail_lo, sel.pos)), sel.block_start, 6)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, s, 4, D, generator=gen, requires_grad=True)
+    q = torch.randn(1, s, H, D, generator=gen, requires_grad=True)
     k = torch.randn(1, S, KV, D, generator=gen, requires_grad=True)
     v = k if KV == 1 else torch.randn(1, S, KV, D, generator=gen, requires_grad=True)
-    go = torch.randn(1, s, 4 * D, generator=gen)
+    go = torch.randn(1, s, H * D, generator=gen)
     leaves = (q, k) if KV == 1 else (q, k, v)
     out = sa.triton_selected_attention(q, k, v, sel, D ** -0.5)
     ref = dense64(q, k, v, sel, D ** -0.5)
@@ -92,8 +90,8 @@ cu = cu_of([5, 1, 20, 38, 11, 53])  # row 0: four packed documents; row 1: 11 pa
 errs, same = case(cu, 6, 24, torch.arange(1, 64, 2), 30)
 print("RESULT", max(errs), not same)
 from deltacp.ops import selected_attention_kernels as kernels
-# 512 (GLM's latent, keys = values) and 320 over 2 KV heads (the last block of each loop part-filled) in 2 x 2 blocks
-print("WIDE", wide(512, 1, (256, 256), 31), wide(320, 2, (256, 256), 32))
+# 512 (GLM's latent, keys = values) read by 20 heads (two head blocks, the second part-filled), 320 over 2 KV heads
+print("WIDE", wide(512, 20, 1, 31), wide(320, 4, 2, 32))
 """
 
 
