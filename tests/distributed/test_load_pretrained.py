@@ -4,8 +4,8 @@ The checkpoints are written by transformers itself (`save_pretrained`, bf16, spl
 with their index: routed experts stored per expert, as transformers 5.25 writes them, fused for LaRA-mini, whose
 mapping also fuses its GDN input projections into one `in_proj` and renames its gated norm), plus one in the layout of
 the released Qwen3.5 MoE checkpoints (multimodal names, fused experts, a multi-token-prediction tensor) loaded as
-the text-only causal LM, and a Kimi-Linear one with its dense MLPs under `mlp.` (transformers writes
-`block_sparse_moe.` for every layer). Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
+the text-only causal LM, a Kimi-Linear one with its dense MLPs under `mlp.` (transformers writes
+`block_sparse_moe.` for every layer), and a Mamba2 one with its input embedding under the older name `embedding`. Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
 
 - every parameter (gathered) and buffer equals `from_pretrained(dtype=float32)`'s exactly (bf16 -> float32 is
   exact), and this rank's logits equal that model's logits of its slice to float32 accuracy (CP sums in another
@@ -98,6 +98,35 @@ def _kimi_dense_under_mlp(root):
     return path
 
 
+def _mamba2_older_names(root):
+    """The Mamba2 checkpoint of this file (several files and their index) with the input embedding under its older
+    name `backbone.embedding.weight` (the state-spaces Mamba2 conversions). transformers' `Mamba2Model.load_hook`
+    renames it, but 5.25's from_pretrained never calls the hook: it reports the tensor MISSING and initialises it
+    anew. deltacp reads it (`Family.checkpoint_load_aliases`); the reference is from_pretrained of the original."""
+    from safetensors.torch import load_file
+
+    src, path = root / "Mamba2ForCausalLM", root / "mamba2_older_names"
+    path.mkdir()
+    older = {}
+    for f in os.listdir(src):
+        if f.endswith(".safetensors"):
+            state = load_file(src / f)
+            older.update({k: k.replace(".embeddings.", ".embedding.") for k in state})
+            save_file({older[k]: v for k, v in state.items()}, path / f, metadata={"format": "pt"})
+        elif f.endswith(".json"):
+            (path / f).write_bytes((src / f).read_bytes())
+    assert "backbone.embedding.weight" in older.values()
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+        index["weight_map"] = {older[k]: v for k, v in index["weight_map"].items()}
+        index_file.write_text(json.dumps(index))
+    return path
+
+
+REFERENCE = {"mamba2_older_names": "Mamba2ForCausalLM"}  # case -> the checkpoint from_pretrained reads as reference
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """[(case, directory, class to load)], and the ~100 MB checkpoint of the memory check."""
@@ -109,6 +138,7 @@ def checkpoints(tmp_path_factory):
         cases.append((name, root / name, name))
     cases.append(("released_moe", _released_moe_layout(root), "Qwen3_5MoeForCausalLM"))
     cases.append(("kimi_dense_mlp", _kimi_dense_under_mlp(root), "KimiLinearForCausalLM"))
+    cases.append(("mamba2_older_names", _mamba2_older_names(root), "Mamba2ForCausalLM"))
     big = tiny_config(vocab_size=32768, hidden_size=512, intermediate_size=2048, num_attention_heads=8, head_dim=64,
                       linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
                       linear_value_head_dim=64)
@@ -157,7 +187,7 @@ def worker(rank, world, cases, big, out_root):
         cls = getattr(transformers, cls_name)
         model = load_pretrained(path, mesh, dtype=torch.float32, model_class=cls_name,
                                 linear_attention_cp_mode="p2p", **SETTINGS.get(cls_name, {}))
-        ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+        ref = cls.from_pretrained(path.with_name(REFERENCE.get(case, path.name)), dtype=torch.float32).eval()
         failures += _compare(_full(model), ref.state_dict(), case)
         failures += _compare(dict(model.named_buffers()), dict(ref.named_buffers()), f"{case} buffers")
         logits_ref = _logits(_decays_from_slopes(ref) if cls_name == "MiniMaxForCausalLM" else ref, ids)

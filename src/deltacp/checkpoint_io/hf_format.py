@@ -221,13 +221,23 @@ def text_prefixes(text_attribute: str = "model") -> tuple[str, ...]:
 
 
 def stored_text_prefix(stored: dict[str, StoredTensor], embedding: str = "embed_tokens",
-                       renames: tuple[tuple[str, str], ...] = (), text_attribute: str = "model") -> str | None:
+                       renames: tuple[tuple[str, str], ...] = (), text_attribute: str = "model",
+                       aliases: tuple[tuple[str, str], ...] = ()) -> str | None:
     """Where the checkpoint keeps the text model (one of `text_prefixes(text_attribute)`), found by its input
-    embedding (its name in the text model, the family's renames applied)."""
+    embedding (its name in the text model, the family's renames applied, or its older name: `aliases`)."""
     for prefix in text_prefixes(text_attribute):
-        if renamed(f"{prefix}{embedding}.weight", renames) in stored:
+        if stored_key(renamed(f"{prefix}{embedding}.weight", renames), stored, aliases) is not None:
             return prefix
     return None
+
+
+def stored_key(key: str, stored: dict[str, StoredTensor], aliases: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """`key` if the checkpoint holds it, else its older name (the family's `checkpoint_load_aliases`) if the
+    checkpoint holds that, else None."""
+    if key in stored:
+        return key
+    older = renamed(key, aliases)
+    return older if aliases and older in stored else None
 
 
 def stored_name(name: str, model_prefix: str, checkpoint_prefix: str,

@@ -54,6 +54,7 @@ from deltacp.checkpoint_io.hf_format import (
     row_pieces,
     row_split,
     scan_checkpoint,
+    stored_key,
     stored_name,
     stored_text_prefix,
     text_prefixes,
@@ -158,7 +159,8 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
     family = adapter_for(model).family
     renames = family.checkpoint_renames
     embedding = input_embedding_name(model)
-    checkpoint_prefix = stored_text_prefix(stored, embedding, renames, family.text_attribute)
+    aliases = family.checkpoint_load_aliases
+    checkpoint_prefix = stored_text_prefix(stored, embedding, renames, family.text_attribute, aliases)
     if checkpoint_prefix is None:
         names = [renamed(f"{p}{embedding}.weight", renames) for p in text_prefixes(family.text_attribute)]
         raise ValueError(f"{path}: no input embedding ({', '.join(names)}): not a checkpoint of "
@@ -170,6 +172,7 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
         if key not in stored and renames:  # stored without the renamed part: loads as it is (module docstring)
             plain = stored_name(name, model_prefix, checkpoint_prefix)
             key = plain if plain in stored else key
+        key = stored_key(key, stored, aliases) or key  # an older name transformers still reads
         shape = tuple(tensor.shape)
         pieces = row_pieces(model, name)
         if key not in stored and pieces is not None:

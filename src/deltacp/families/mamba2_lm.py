@@ -9,8 +9,10 @@ with the D skip, dt = softplus(dt_raw + dt_bias) clamped to `time_step_limit`, B
 (`n_groups`), the gated RMSNorm `Mamba2RMSNormGated` (gate before the norm, RMS over groups of intermediate / n_groups
 channels, eps `layer_norm_epsilon`), out_proj (bias under `use_bias`); the padding mask applied before in_proj and
 after the conv (`apply_mask_to_padding_states`), as the CP layer does for every Mamba2 family. The final norm is
-`norm_f`, the input embedding `embeddings`; the causal LM holds the model as `backbone` (also its checkpoint prefix:
-no renames) and unties the head by default (`tie_word_embeddings` False). `rescale_prenorm_residual`,
+`norm_f`, the input embedding `embeddings` (older checkpoints store it as `embedding`: `load_pretrained` reads that
+too, `Family.checkpoint_load_aliases`, as transformers' `Mamba2Model.load_hook` meant to, though 5.25's from_pretrained
+never calls the hook and initialises the embedding anew); the causal LM holds the model as `backbone` (also its
+checkpoint prefix: no renames) and unties the head by default (`tie_word_embeddings` False). `rescale_prenorm_residual`,
 `time_step_min/max/floor` and `initializer_range` touch initialisation only.
 """
 
@@ -30,4 +32,5 @@ MAMBA2 = register_family(Family(
     "mamba2", "transformers.models.mamba2.modeling_mamba2", causal_lm="Mamba2ForCausalLM", text_model="Mamba2Model",
     linear_mixer="Mamba2Mixer", attention=None, norm="Mamba2RMSNorm", mlp=None, text_config="Mamba2Config",
     mixer_view=Mamba2LMView, fused_decoder=False, linear_attribute="mixer", text_attribute="backbone",
-    moe_fields=None, mask_through_layers=True))  # Mamba2Model calls create_recurrent_attention_mask on its mask
+    moe_fields=None, mask_through_layers=True,  # Mamba2Model calls create_recurrent_attention_mask on its mask
+    checkpoint_load_aliases=(("embeddings", "embedding"),)))  # the older checkpoints' name (module docstring)

@@ -80,6 +80,10 @@ class Family:
     # the pieces' rows in order (e.g. one conv weight stored as three); or (module name suffix, a function (owning
     # module, text config) -> [(stored suffix, rows), ...]) for a config-dependent number of pieces
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # older stored names of released checkpoints: (stored name parts, older name parts) pairs, tried only where the
+    # checkpoint lacks the stored name (Mamba2's `embedding.` for `embeddings.`, which transformers' load hook was
+    # written for); saving writes the stored names
+    checkpoint_load_aliases: tuple[tuple[str, str], ...] = ()
     checkpoint_row_pieces: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     # tensors stored fused: (stored suffix, (module suffixes, ...)): the module tensors, consecutive parameters of one
     # module, are the stored tensor's rows in order (LaRA-mini's in_proj = [in_proj_qkv | in_proj_z | in_proj_b |
