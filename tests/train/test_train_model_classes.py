@@ -190,3 +190,22 @@ def test_every_model_class_trains_at_cp2(tmp_path):
 def test_model_class_errors_name_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(MAIN, overrides)
+
+
+@pytest.mark.fast
+def test_default_vision_tower_is_said():
+    """A multimodal class built from fields without train.model.vision_config gets transformers' default vision
+    tower, which text batches never run: the trainer warns (rank 0), naming the setting and the tower's size; not with
+    vision_config given, nor for a text class."""
+    from deltacp.train.trainer import build_model, default_vision_tower_note
+
+    cls = "train.model.model_class=Qwen3_5ForConditionalGeneration"
+    tiny = _cfg("Qwen3_5ForConditionalGeneration")  # VISION: a one-layer tower
+    model = build_model(tiny, 1)  # any vocabulary fits
+    n = sum(p.numel() for name, p in model.named_parameters() if ".visual." in f".{name}")
+    assert n > 0
+    note = default_vision_tower_note(load_config(MAIN, [cls]), model)
+    assert note is not None and "train.model.vision_config is empty" in note and f"{n:,} parameters" in note \
+        and "Qwen3_5VisionConfig" in note, note
+    assert default_vision_tower_note(tiny, model) is None
+    assert default_vision_tower_note(load_config(MAIN, []), model) is None

@@ -66,7 +66,8 @@ class ModelConfig:
     auxiliary loss to the loss."""
     vision_config: dict = field(default_factory=dict)
     """Vision tower fields (the family's `Family.vision_config`, e.g. Qwen3_5VisionConfig) of a
-    ...ForConditionalGeneration model; empty: transformers' defaults. An error for the text-only classes."""
+    ...ForConditionalGeneration model; empty: transformers' defaults (a full-size tower that text batches leave unused:
+    the trainer warns, naming its parameter count). An error for the text-only classes."""
     pretrained: str | None = None
     """A local transformers checkpoint directory (config.json + safetensors, e.g. a released Qwen3.5 checkpoint: the
     text model of a multimodal one is read for a text model_class); no network. Loaded with

@@ -216,6 +216,19 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     return model.to(param_dtype(cfg))
 
 
+def default_vision_tower_note(cfg: TrainConfig, model: torch.nn.Module) -> str | None:
+    """A warning when a multimodal class is built from fields without `train.model.vision_config`: transformers then
+    builds its default vision tower, which text batches never run (GLM-5.3-Flash has no causal-LM class, so a text
+    model of it is always this class); None otherwise."""
+    family = family_of(cfg.model.model_class)
+    if cfg.model.pretrained is not None or cfg.model.vision_config or cfg.model.model_class != family.conditional:
+        return None
+    n = sum(p.numel() for name, p in model.named_parameters() if ".visual." in f".{name}")
+    return (f"train.model.vision_config is empty: {cfg.model.model_class} holds transformers' default vision tower "
+            f"({n:,} parameters), which text batches leave unused (it is still sharded, optimised and saved); "
+            f"give train.model.vision_config ({family.vision_config} fields) for a smaller one")
+
+
 def checkpointing_budget(cfg: TrainConfig, device: torch.device) -> int:
     """Bytes one rank may hold under train.activation_checkpointing=auto: the budget in GiB, or the fraction (default
     0.9) of its CUDA device's memory, shared evenly by the ranks of this node that use the device (LOCAL_WORLD_SIZE
@@ -327,6 +340,9 @@ class Trainer:
                                     device=self.device, plan=plan).train()
         else:
             model = build_model(cfg, self.data.tokenizer.vocab_size).to(self.device)
+            note = default_vision_tower_note(cfg, model)
+            if note and self.rank == 0:
+                logger.warning(note)
             parallelize_and_shard(model, self.mesh, plan, fsdp=fsdp, activation_checkpointing=checkpointing or False,
                                   mp_policy=mp_policy)
         if fsdp:
