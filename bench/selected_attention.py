@@ -5,8 +5,8 @@ Forward and forward + backward (gradients of q, k, v), median of CUDA events aft
 memory.
 
 Qwen4-Exp's attention shape (16 query heads, 2 KV heads, head dim 256), or with `--shape glm` GLM-5.3-Flash's absorbed
-MLA (64 query heads over one 512-wide latent as the keys and the values: the kernels' column blocks; its pools of 16,
-top 128: pass --block 16 --top 128), bf16, one row; the selection: blocks of `--block` tokens, `--top` of them a query
+MLA (64 query heads over one 512-wide latent as the keys and the values: blocks of 16 query heads a
+program; its pools of 16, top 128: pass --block 16 --top 128), bf16, one row; the selection: blocks of `--block` tokens, `--top` of them a query
 (random scores, the indexer's visibility and tie rule: `deltacp.testing.selection`). Accuracy at the first length
 (when at most 16K, 4K for glm: the reference holds [heads, T, T] scores): rel-L2 of the output and of dq, dk, dv
 against a float32 dense reference on the same bf16 inputs. At glm's shape the SDPA rows run on the same absorbed

@@ -2,7 +2,7 @@
 CUDA path, the Triton selected attention (`ops/selected_attention.py`) on the absorbed MLA (each head's query taken
 into the latent, the latent the one key and value head), where the CPU tests run the gathered kernel. The tiny model
 of tests/distributed/test_glm5_next.py (pools of 3 tokens, top 3 pools: sparse past 12 tokens; a "full" and a
-"shared" indexed layer) with the released latent width, kv_lora_rank 512 (the kernels' column blocks: head dims over
+"shared" indexed layer) with the released latent width, kv_lora_rank 512 (the wide launches: head dims over
 256), and with the tiny one, 16 (one tile), and 16 indexer heads, not 8 (with 8 and the 512 latent's draw,
 deltacp's logits left transformers' from token 119 of the row on (3e-2), CP and the single device agreeing at 3e-9:
 most likely pools tied at score 0 (every head's relu 0), which torch.topk orders its own way; not seen with 16), in
