@@ -28,7 +28,10 @@ References:
   float32 accuracy (its norms, gates and GDN fallback compute in float32 even in a float64 model);
 - deltacp's single-device computation (one-rank mesh), CP against it at 1e-8: this rank's logits, the loss, every
   parameter gradient summed over ranks, the grad norm. Both sides run under `float64_upcasts` (transformers'
-  float32 casts widened alike), so they differ by float64 rounding only.
+  float32 casts widened alike), so they differ by float64 rounding only;
+- the fused head ops on the single device (no logits: a family's logit scale and soft-cap reach their kernels through
+  the hidden states): `cp_causal_lm_loss` against the logits' loss and `cp_token_logprobs` against log_softmax of the
+  logits at the valid targets, 1e-12.
 """
 
 import copy
@@ -39,8 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from deltacp import (
+    IGNORE_INDEX,
     all_reduce_cp_grads,
     cp_causal_lm_loss,
+    cp_token_logprobs,
     apply_activation_checkpointing,
     cp_cross_entropy,
     fully_shard_cp,
@@ -116,10 +121,17 @@ def family_worker(rank, world, cases):
         fused_model = parallelize_cp(copy.deepcopy(base), single_mesh, linear_attention_cp_mode="p2p")
         batch = shard_batch_for_cp(ids, single_mesh, attention_mask=m, cu_seqlens=cu, model=fused_model)
         targets = batch.pop("target_ids")
+        inputs = {k: v for k, v in batch.items() if v is not None}
         with float64_upcasts(), torch.no_grad():  # (RecurrentGemma: the logits' soft-cap in the loss's kernels)
-            fused = cp_causal_lm_loss(fused_model, targets, single_mesh, use_cache=False,
-                                      **{k: v for k, v in batch.items() if v is not None})
-        return logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf)), _step(ref, single_mesh, ids, m, cu), fused
+            fused = cp_causal_lm_loss(fused_model, targets, single_mesh, use_cache=False, **inputs)
+            logprobs = cp_token_logprobs(fused_model, targets, single_mesh, use_cache=False, **inputs)
+        step = _step(ref, single_mesh, ids, m, cu)
+        # cp_token_logprobs against log_softmax of the single device's logits at the valid targets (the family's logit
+        # scale and soft-cap reach its kernels through the hidden states, as the fused loss's)
+        valid = targets != IGNORE_INDEX
+        expected = torch.log_softmax(step[0].double(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+        lp_err = ((logprobs[valid] - expected[valid]).abs().max() / expected[valid].abs().max()).item()
+        return logits_tf.detach(), loss_tf.detach(), flat(grads_of(tf)), step, (fused, lp_err)
 
     keys = sorted({(name, kind) for name, kind, *_ in cases})
     refs = dict(zip(keys, computed_once(*(partial(reference, *key) for key in keys))))
@@ -127,14 +139,15 @@ def family_worker(rank, world, cases):
     for name, kind, mode, layout, extra in cases:
         tag = f"{name} {kind} CP{world} {mode} {layout} {extra or ''}"
         ids, m, cu = batches[kind]
-        logits_tf, loss_tf, grads_tf, (logits_ref, loss_ref, grads_ref), fused = refs[(name, kind)]
+        logits_tf, loss_tf, grads_tf, (logits_ref, loss_ref, grads_ref), (fused, lp_err) = refs[(name, kind)]
         if (name, kind) not in checked:  # deltacp's single-device path against the unmodified model
             checked.add((name, kind))
             valid = torch.ones(ids.shape, dtype=torch.bool) if m is None else m.bool()
             checks = {"logits": rel_l2(logits_ref[valid], logits_tf[valid]), "loss": abs(loss_ref / loss_tf - 1).item(),
                       "grads": rel_l2(grads_ref, grads_tf)}
             checks["fused loss"] = abs(fused / loss_ref - 1).item()  # cp_causal_lm_loss against the logits' loss
-            bounds = {"logits": 1e-6, "loss": 1e-6, "grads": 1e-4, "fused loss": 1e-12}
+            checks["fused logprobs"] = lp_err
+            bounds = {"logits": 1e-6, "loss": 1e-6, "grads": 1e-4, "fused loss": 1e-12, "fused logprobs": 1e-12}
             failures += [f"{tag} single vs transformers {k}: {v:.2e}" for k, v in checks.items() if not v < bounds[k]]
         settings = dict(linear_attention_cp_mode=mode, sequence_layout=layout)
         if extra == "scan":
