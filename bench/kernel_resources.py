@@ -41,9 +41,10 @@ SHAPES = {
     "gdn": {"qwen3.5 (16 x 128)": dict(Hk=16, Hv=16, K=128, V=128),
             "olmo-hybrid (96 x 192)": dict(Hk=30, Hv=30, K=96, V=192)},
     # the selected attention of the indexed attention layers (not a recurrence): Qwen4-Exp's 16 query heads over 2
-    # KV heads of 256, blocks of 64; GLM-5.3-Flash's absorbed MLA, 64 heads over its one 512-wide latent, pools of 16
+    # KV heads of 256, blocks of 64; GLM-5.3-Flash's absorbed MLA, 64 heads over its one 512-wide latent (one tensor
+    # as the keys and the values, as its layers pass it), pools of 16
     "selected": {"qwen4-exp (16 / 2 x 256, blocks of 64)": dict(H=16, KV=2, D=256, size=64),
-                 "glm-5.3-flash (64 / 1 x 512, pools of 16)": dict(H=64, KV=1, D=512, size=16)},
+                 "glm-5.3-flash (64 / 1 x 512, pools of 16)": dict(H=64, KV=1, D=512, size=16, shared=True)},
     # Mamba1's selective scan: the launches depend on N, not on the channels I (a runtime argument; recorded at a
     # few blocks): Falcon-Mamba-7B, Mamba-2.8B and Jamba all have N = 16
     "selective": {"falcon-mamba-7b / jamba (N = 16)": dict(I=96, N=16)},
@@ -112,7 +113,10 @@ def _record_selected(shape, dtype):
     H, KV, D, size = (shape[k] for k in ("H", "KV", "D", "size"))
     sel = random_selection(torch.tensor([0, T]), 1, T, size, 2, 0, "cpu")
     q, k, v = (torch.randn(1, T, h, D).to(dt).requires_grad_() for h in (H, KV, KV))
-    torch.autograd.grad(triton_selected_attention(q, k, v, sel, D ** -0.5).float().sum(), (q, k, v))
+    if shape.get("shared"):
+        v = k
+    leaves = (q, k) if v is k else (q, k, v)
+    torch.autograd.grad(triton_selected_attention(q, k, v, sel, D ** -0.5).float().sum(), leaves)
 
 
 def _type_of(value) -> str | None:

@@ -93,7 +93,8 @@ class _SelectedAttention(torch.autograd.Function):
         from deltacp.ops import selected_attention_kernels as kernels
 
         o, lse = kernels.forward(q, k, v, pos, starts, scale, size)
-        ctx.save_for_backward(q, k, v, pos, starts, o, lse)
+        ctx.shared = k is v  # one tensor as the keys and the values (GLM's latent): its gradient in one launch
+        ctx.save_for_backward(q, k, None if ctx.shared else v, pos, starts, o, lse)
         ctx.scale, ctx.size = scale, size
         return o
 
@@ -102,7 +103,9 @@ class _SelectedAttention(torch.autograd.Function):
         from deltacp.ops import selected_attention_kernels as kernels
 
         q, k, v, pos, starts, o, lse = ctx.saved_tensors
-        dq, dk, dv = kernels.backward(q, k, v, pos, starts, o, lse, do.contiguous(), ctx.scale, ctx.size)
+        v = k if ctx.shared else v
+        dq, dk, dv = kernels.backward(q, k, v, pos, starts, o, lse, do.contiguous(), ctx.scale, ctx.size,
+                                      shared=ctx.shared)
         return dq, dk, dv, None, None, None, None
 
 
@@ -124,8 +127,10 @@ def triton_selected_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD
     if D > MAX_HEAD_DIM:
         raise NotImplementedError(f"the Triton selected attention takes head dims up to {MAX_HEAD_DIM} (the widest "
                                   f"tested: GLM-5.3-Flash's absorbed 512-wide latent); got {D}")
-    o = _SelectedAttention.apply(q_BsHD.contiguous(), k_BSKD.contiguous(), v_BSKD.contiguous(),
-                                 sel.pos.to(torch.int32).contiguous(), sel.run_starts(), scale, sel.size)
+    k = k_BSKD.contiguous()
+    v = k if v_BSKD is k_BSKD else v_BSKD.contiguous()  # one tensor stays one (its gradient in one launch)
+    o = _SelectedAttention.apply(q_BsHD.contiguous(), k, v, sel.pos.to(torch.int32).contiguous(), sel.run_starts(),
+                                 scale, sel.size)
     return o.reshape(B, s, H * D)
 
 

@@ -128,11 +128,12 @@ def selected_dq_kernel(q, k, v, pos, starts, do, lse, delta, dq, scale, s, S, J:
 def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, scale, s, S, H: tl.constexpr,
                         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, D: tl.constexpr,
                         DP: tl.constexpr, SIZE: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-                        DK: tl.constexpr):
-    """dK (DK) or dV: one program per (run start b * S + st, KV head) sums over the queries that read the run
-    (`readers[offsets[key]:offsets[key + 1]]`, ascending) and their NG head blocks, and stores the rows they touched;
-    every row belongs to one run of its document, so one program writes it. (dK and dV in launches of their own: one
-    [BN, DP] float32 accumulator a program.)"""
+                        DK: tl.constexpr, DV: tl.constexpr):
+    """dK (DK), dV (DV), or with both their sum into dk (one tensor as the keys and the values: GLM-5.3-Flash's
+    latent, whose gradient is dK + dV): one program per (run start b * S + st, KV head) sums over the queries that
+    read the run (`readers[offsets[key]:offsets[key + 1]]`, ascending) and their NG head blocks, and stores the rows
+    they touched; every row belongs to one run of its document, so one program writes it. (dK and dV of separate
+    tensors in launches of their own: one [BN, DP] float32 accumulator a program.)"""
     key, i_kh = tl.program_id(0), tl.program_id(1)
     lo, hi = tl.load(offsets + key), tl.load(offsets + key + 1)
     if hi > lo:
@@ -143,7 +144,10 @@ def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, 
         m_n = (o_n < SIZE) & (j < S)
         b_k = _tile(k, kv_rows, m_n, D, DP)
         if DK:
-            b_v = _tile(v, kv_rows, m_n, D, DP)
+            if DV:
+                b_v = b_k  # one tensor: k is v
+            else:
+                b_v = _tile(v, kv_rows, m_n, D, DP)
         acc = tl.zeros([BN, DP], tl.float32)
         touched = tl.zeros([BN], tl.int32)
         for e in range(lo, hi):
@@ -153,15 +157,15 @@ def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, 
                 q_rows, m_g, _ = _rows(pos, i_t, i_b, i_kh, i_g, s, H, G, GP)
                 b_lse = tl.load(lse + q_rows, mask=m_g, other=0.0)
                 b_q = _tile(q, q_rows, m_g, D, DP)
+                b_do = _tile(do, q_rows, m_g, D, DP)
                 sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
                 b_p = tl.where(m_g[:, None] & m_j[None, :], tl.exp(sc - b_lse[:, None]), 0.0)
                 if DK:
                     b_delta = tl.load(delta + q_rows, mask=m_g, other=0.0)
-                    b_dp = tl.dot(_tile(do, q_rows, m_g, D, DP), tl.trans(b_v), input_precision=PREC)
+                    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
                     b_ds = b_p * (b_dp - b_delta[:, None])
                     acc += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PREC) * scale
-                else:
-                    b_do = _tile(do, q_rows, m_g, D, DP)
+                if DV:
                     acc += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PREC)
             touched = tl.maximum(touched, m_j.to(tl.int32))
         _store(dk if DK else dv, kv_rows, (touched > 0) & m_n, D, DP, acc)
@@ -209,8 +213,9 @@ def _readers(starts: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
     return offsets, query[order].contiguous()
 
 
-def backward(q, k, v, pos, starts, o, lse, do, scale: float, size: int):
-    """(dq, dk, dv) in the inputs' dtypes: dq by `selected_dq_kernel`, dk and dv by `selected_dkv_kernel`."""
+def backward(q, k, v, pos, starts, o, lse, do, scale: float, size: int, shared: bool = False):
+    """(dq, dk, dv) in the inputs' dtypes: dq by `selected_dq_kernel`, dk and dv by `selected_dkv_kernel`; `shared`
+    (k and v one tensor): dk is that tensor's whole gradient (dK + dV, one launch) and dv None."""
     B, s, _, D = q.shape
     S = k.shape[1]
     meta = _meta(q, k, starts, size)
@@ -220,8 +225,9 @@ def backward(q, k, v, pos, starts, o, lse, do, scale: float, size: int):
                                                          **meta, **_launch(q))
     offsets, readers = _readers(starts, S)
     meta.pop("J")
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for is_dk in (True, False):
-        selected_dkv_kernel[(B * S, meta["KVH"])](q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, scale,
-                                                  s, S, **meta, DK=is_dk, **_launch(q))
+    dk, dv = torch.zeros_like(k), (None if shared else torch.zeros_like(v))
+    for flags in ((True, True),) if shared else ((True, False), (False, True)):
+        selected_dkv_kernel[(B * S, meta["KVH"])](q, k, v, pos, do, lse, delta, offsets, readers, dk,
+                                                  dk if shared else dv, scale, s, S, **meta, DK=flags[0],
+                                                  DV=flags[1], **_launch(q))
     return dq, dk, dv
