@@ -171,11 +171,12 @@ def test_a_family_without_attention_or_mlp():
                for layer in adapter.layers())
 
 
-@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"])
+@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
+                                  "ZambaForCausalLM"])
 def test_mamba1_takes_the_triton_backend(single_rank_group, monkeypatch, name):
     """Mamba1's selective scan runs on the Triton backend: parallelize_cp installs the Triton recurrence in every
-    Mamba1 layer, and a CPU forward stops at the first Triton kernel's device check (the fused conv's), never runs
-    eager instead. (The kernels: tests/unit/test_selective_triton_interpret.py; on a GPU, test_selective_triton_gpu.py.)"""
+    Mamba1 layer (Zamba's multi-head ones too: one scan per head), and a CPU forward stops at the first Triton
+    kernel's device check (the fused conv's), never runs eager instead. (The kernels: tests/unit/test_selective_triton_interpret.py; on a GPU, test_selective_triton_gpu.py.)"""
     from deltacp.parallel.style import cp_layer_of
     from deltacp.ops.selective.triton import TritonSelectiveScan
 
@@ -188,25 +189,6 @@ def test_mamba1_takes_the_triton_backend(single_rank_group, monkeypatch, name):
     assert recs and all(isinstance(r, TritonSelectiveScan) for r in recs), recs
     with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors; got .* on device 'cpu'"):
         model(input_ids=torch.randint(3, 100, (1, 8)), use_cache=False)
-
-
-def test_zamba_refuses_the_triton_backend_before_any_collective(single_rank_group, monkeypatch):
-    """Zamba's multi-head selective scan has eager kernels only (the Triton scan takes one group of B and C):
-    backend='triton' is refused by parallelize_cp's local checks (the error travels in its one configuration exchange,
-    `raise_together`, so every rank raises it together), naming the eager backend; no other collective runs first,
-    and the model never runs eager instead."""
-    import torch.distributed as dist
-
-    def collective(*args, **kwargs):
-        raise AssertionError("a collective ran before the refusal")
-
-    for op in ("all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier", "send", "recv"):
-        monkeypatch.setattr(dist, op, collective)
-    model = tiny_family_model("ZambaForCausalLM", torch.float32)
-    with pytest.raises(NotImplementedError, match=r"multi-head selective scan has eager kernels only; "
-                                                  r"linear_attention_backend='triton' .*use linear_attention_backend="
-                                                  r"'eager'"):
-        parallelize_cp(model, _mesh(), linear_attention_backend="triton", linear_attention_cp_mode="p2p")
 
 
 def test_recurrent_gemma_soft_cap_refusals_and_stale_states(single_rank_group, monkeypatch):

@@ -11,6 +11,8 @@ One subprocess per dtype (the interpreter must be on before triton loads) runs e
     0, as the Mamba view passes them); packed: one row of three documents (9, 1, 11 tokens: a length-1 document,
     starts inside chunks), the first continuing the entering state, and one fresh (the entering state reaches
     nothing); one case without D and z;
+  - B and C per group of channels ([rows, T, G, N], G = 2 groups of 6: Zamba's Mamba heads), rows and packed, each
+    group one scan of the kernels;
   - three gate regimes: fast (A = -exp(U(0.5, 2)): decays e^-1..e^-5 a token), slow (A ~ -0.01), near-frozen
     (A = -1e-4 dt: the state barely decays);
   - per case: y and the final state, the gradients of x, dt, A, B, C, D, z and the entering state (autograd through
@@ -18,7 +20,7 @@ One subprocess per dtype (the interpreter must be on before triton loads) runs e
   - dtypes: float64, every case (the kernels compute in fp64: bound 1e-10, figures ~1e-16), and float32, rows with
     fast gates and the packed row with near-frozen ones (fp32 kernels vs eager fp64 on the same values: bound 1e-5,
     figures ~2e-7; the GPU tests run fp32 on the whole grid).
-Two processes side by side, five cases each.
+Two processes side by side, six cases each.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ LAUNCH["state_pass"]["BS"] = 16
 GATES = {"fast": (0.5, 2.0), "slow": (-4.7, -4.5), "frozen": None}
 NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0")
 
-def inputs(R, T, I, N, gate, seed):
+def inputs(R, T, I, N, gate, seed, G=1):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     x, dt = r(R, T, I), F.softplus(r(R, T, I))
@@ -67,11 +69,12 @@ def inputs(R, T, I, N, gate, seed):
         A = torch.full((I, N), -1e-4, dtype=torch.float64)
     else:
         A = -torch.empty(I, N, dtype=torch.float64).uniform_(*GATES[gate], generator=gen).exp()
-    return [x, dt, A.expand(R, I, N), r(R, T, N), r(R, T, N), r(I).expand(R, I), r(R, T, I), r(R, I, N)]
+    bc = (R, T, N) if G == 1 else (R, T, G, N)  # per group of I / G channels: Zamba's Mamba heads
+    return [x, dt, A.expand(R, I, N), r(*bc), r(*bc), r(I).expand(R, I), r(R, T, I), r(R, I, N)]
 
-def case(name, dtype, gate, R, seed, cu=None, first_continues=True, gated=True):
+def case(name, dtype, gate, R, seed, cu=None, first_continues=True, gated=True, G=1):
     lay = None if cu is None else VarlenLayout.build(torch.tensor(cu), 21, first_continues=first_continues)
-    vals = inputs(R, 21, 12, 2, gate, seed)
+    vals = inputs(R, 21, 12, 2, gate, seed, G)
     if not gated:
         vals[5] = vals[6] = None
     compare_case(name, dtype, tri, ref, vals, NAMES, seed + 1, lay)
@@ -81,7 +84,10 @@ CASES = [(f"rows_{g}", f64, g, 2, 10 * i) for i, g in enumerate(GATES)]
 CASES += [(f"packed_{g}", f64, g, 1, 10 * i + 1, [0, 9, 10, 21]) for i, g in enumerate(GATES)]
 CASES += [("packed_fresh", f64, "fast", 1, 40, [0, 9, 10, 21], False), ("rows_plain", f64, "slow", 2, 50, None, True,
                                                                         False),
-          ("rows_fast", f32, "fast", 2, 0), ("packed_frozen", f32, "frozen", 1, 21, [0, 9, 10, 21])]
+          ("rows_fast", f32, "fast", 2, 0), ("packed_frozen", f32, "frozen", 1, 21, [0, 9, 10, 21]),
+          # two groups of 6 channels (each ends in a partial block of 8), one scan each
+          ("rows_grouped", f64, "fast", 2, 60, None, True, True, 2),
+          ("packed_grouped", f64, "slow", 1, 61, [0, 9, 10, 21], True, True, 2)]
 for c in CASES[PART::2]:  # two processes side by side
     case(*c)
 
@@ -107,7 +113,7 @@ def figures():
 
 
 CASES = {"float64": ("rows_fast", "packed_fast", "rows_slow", "packed_slow", "rows_frozen", "packed_frozen",
-                     "packed_fresh", "rows_plain"),
+                     "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped"),
          "float32": ("rows_fast", "packed_frozen")}
 PARTS = {"forward": ("o", "final_state"),
          "gradients": ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0"),

@@ -30,8 +30,8 @@ read and nothing to do). The MLP (`ZambaMLP`) is per-token: transformers' own co
 CP: a Mamba head's x_proj reads only its own P channels, so the heads are independent: the view declares
 `n_mamba_heads` contract heads of P x N state rows (V = 1, M diagonal; B and C per head), and Ulysses and the 2-D
 layout split them over ranks (CP degrees dividing `n_mamba_heads`; others are refused naming it). The conv halo is
-kernel - 1 tokens of x. The gate z travels as the heads' extras (P per token per head). Eager only: the Triton
-scan takes one group of B and C (`linear_attention_backend="triton"` raises before any collective).
+kernel - 1 tokens of x. The gate z travels as the heads' extras (P per token per head). On Triton each head is one
+scan of the kernels (they take one group of B and C: `ops/selective/triton/scan.py` runs one per group).
 
 Shape legend: x_BsD local hidden states; pre_BsC pre-conv x [B, s, I]; extras_BsHX z [B, s, heads, P].
 """
@@ -73,11 +73,6 @@ class ZambaMambaView(MambaView):
 
     def conv_heads(self, key_heads: int) -> tuple[tuple[int, int], ...]:
         return ((-1, self.module.mamba_head_dim),)
-
-    def recurrence(self, backend):
-        # before any collective (parallelize_cp's local checks); the Triton scan takes one group of B and C
-        self.eager_only("Zamba's multi-head selective scan", backend)
-        return super().recurrence(backend)
 
     def project(self, x_BsD):
         m = self.module

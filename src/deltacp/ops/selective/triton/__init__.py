@@ -7,8 +7,9 @@ Importing this package imports no Triton: the kernels load on first use.
     scan.py     the autograd Function and the public ops (forward, summary, entering state's gradient)
 
 Contract (`check`, before any launch; never falls back): CUDA tensors (or TRITON_INTERPRET=1, for tests); x, B, C
-of one dtype among bf16, fp16, fp32; B, C of one group [rows, T, N]; dt, A, D, z floating (widened to the fp32 accumulator inside); any channel
-count I and state size N (the released models: I = 5120-8192, N = 16). `cu_seqlens`: None, document offsets of one
+of one dtype among bf16, fp16, fp32; B, C of one group [rows, T, N] or per group of channels [rows, T, G, N] (Zamba's
+Mamba heads: one scan per group, `scan.py`); dt, A, D, z floating (widened to the fp32 accumulator inside); any
+channel count I and state size N (the released models: I = 5120-8192, N = 16). `cu_seqlens`: None, document offsets of one
 packed row, or a `VarlenLayout`, as the eager op.
 """
 
@@ -21,9 +22,6 @@ from deltacp.ops.triton_inputs import check_triton_inputs
 def check_triton_selective_scan(x, dt, A, B, C, D, z) -> None:
     """Raise ValueError naming the offending value and the allowed ones if the inputs are outside the contract."""
     _check(x, dt, A, B, C, D, z)
-    if B.dim() != 3:
-        raise ValueError(f"the Triton selective scan takes B and C of one group of channels [rows, T, N] (Mamba, "
-                         f"FalconMamba, Jamba); got {B.shape[2]} groups (Zamba's heads run the eager backend)")
     check_triton_inputs("the Triton selective scan", (("x", x), ("B", B), ("C", C)),
                         (("dt", dt), ("A", A), ("D", D), ("z", z)), ())
 

@@ -74,10 +74,32 @@ def _inputs(x, dt, A, B, C, D, z):
     return [_unit(t) for t in (x, dt, A, B, C, D, z)]
 
 
+def _groups(B: torch.Tensor, I: int) -> list[tuple[int, slice]]:
+    """(g, the channels of group g) for B (or C) given per group, [rows, T, G, N] (Zamba's Mamba heads: each an
+    independent scan over its I / G channels, run as one of its own: the kernels take one group)."""
+    P = I // B.shape[2]
+    return [(g, slice(g * P, (g + 1) * P)) for g in range(B.shape[2])]
+
+
+def _part(t: torch.Tensor | None, sl: slice, dim: int) -> torch.Tensor | None:
+    return None if t is None else t.narrow(dim, sl.start, sl.stop - sl.start)
+
+
+def _cat(parts: list, dim: int) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(parts, dim)
+
+
 def selective_scan(x, dt, A, B, C, D=None, z=None, *, initial_state=None, output_final_state=False,
                    cu_seqlens: torch.Tensor | VarlenLayout | None = None):
     """(y [rows, T, I] in x's dtype, final state [rows, I, N] fp32 (fp64 for fp64 inputs) or None); differentiable
-    in every input and the entering state. Semantics of `eager.selective_scan`."""
+    in every input and the entering state. Semantics of `eager.selective_scan`; B, C per group ([rows, T, G, N]):
+    one scan per group of channels, the outputs joined."""
+    if B.dim() == 4:
+        parts = [selective_scan(_part(x, sl, 2), _part(dt, sl, 2), _part(A, sl, 1), B[:, :, g], C[:, :, g],
+                                _part(D, sl, 1), _part(z, sl, 2), initial_state=_part(initial_state, sl, 1),
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                 for g, sl in _groups(B, x.shape[2])]
+        return _cat([y for y, _ in parts], 2), _cat([h for _, h in parts], 1)
     T = x.shape[1]
     resets, creset = _resets_i32(as_layout(cu_seqlens, T), T, x.device)
     h0 = None if initial_state is None else initial_state.to(acc_dtype(x.dtype)).contiguous()
@@ -88,7 +110,12 @@ def selective_scan(x, dt, A, B, C, D=None, z=None, *, initial_state=None, output
 def summary_selective_scan(x, dt, A, B, *, need_transition=True, cu_seqlens=None):
     """(M [rows, I, N] or None, S [rows, I, N]) in the accumulator dtype: h_out = M ⊙ h_in + S; M = 0 when a
     document starts inside the row (or the first does not continue). Forward only (p2p uses the value;
-    differentiating raises)."""
+    differentiating raises). B per group ([rows, T, G, N]): one summary per group of channels, joined."""
+    if B.dim() == 4:
+        parts = [summary_selective_scan(_part(x, sl, 2), _part(dt, sl, 2), _part(A, sl, 1), B[:, :, g],
+                                        need_transition=need_transition, cu_seqlens=cu_seqlens)
+                 for g, sl in _groups(B, x.shape[2])]
+        return _cat([m for m, _ in parts], 1), _cat([st for _, st in parts], 1)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, dt, A, B)):
         raise RuntimeError("the Triton selective-scan summary has no backward; call it under torch.no_grad() or on "
                            "detached inputs (the eager recurrence differentiates it)")
@@ -108,7 +135,12 @@ def summary_selective_scan(x, dt, A, B, *, need_transition=True, cu_seqlens=None
 
 def initial_state_grad(x, dt, A, C, z, grad_y, *, cu_seqlens=None) -> torch.Tensor:
     """d sum(y * grad_y) / dh_in [rows, I, N] (accumulator dtype): the reversed chunk_state and state_pass from no
-    final-state gradient, nothing stored but dh0 (y is affine in h_in)."""
+    final-state gradient, nothing stored but dh0 (y is affine in h_in). C per group ([rows, T, G, N]): per group of
+    channels, joined."""
+    if C.dim() == 4:
+        return torch.cat([initial_state_grad(_part(x, sl, 2), _part(dt, sl, 2), _part(A, sl, 1), C[:, :, g],
+                                             _part(z, sl, 2), _part(grad_y, sl, 2), cu_seqlens=cu_seqlens)
+                          for g, sl in _groups(C, x.shape[2])], 1)
     T = x.shape[1]
     acc = acc_dtype(x.dtype)
     resets, creset = _resets_i32(as_layout(cu_seqlens, T), T, x.device)
