@@ -90,8 +90,8 @@
 #                                      bench/kda_op.py against FLA's chunk_kda                     (about 5 minutes)
 #   bash scripts/gpu_checks.sh selective  Mamba1's selective scan on Triton: its GPU tests vs eager float64 (fp32 and
 #                                      bf16, three gate regimes, rows and packed, entering state; one compilation
-#                                      across lengths), the Mamba1 mixers (Falcon-Mamba-7B, Mamba-2.8B, Jamba) at
-#                                      released shapes under CP2 (bf16 Triton vs fp32 eager), then
+#                                      across lengths), the Mamba1 mixers (Falcon-Mamba-7B, Mamba-2.8B, Jamba,
+#                                      Zamba-7B's two heads) at released shapes under CP2 (bf16 Triton vs fp32 eager), then
 #                                      bench/selective_op.py at Falcon-Mamba-7B's shape (I 8192, N 16): rel-L2 vs
 #                                      float64 at 2K in three regimes, fwd / fwd+bwd ms and peak memory at 8K-64K
 #                                      (SELECTIVE_LENGTHS), against transformers' torch loop (at 2K) and mamba_ssm's
@@ -280,11 +280,11 @@ kda)
 selective)
   # limits sum to 540 s: with the archive unpacked first, the part reports inside one 10-minute device call (on an
   # H100, 2026-12-06: the tests 16 s, the mixers 61-71 s; the bench's deltacp rows about 60 s)
-  check selective_tests 120 python -m pytest tests/gpu/test_selective_triton_gpu.py -q -s -ra -p no:cacheprovider
-  check mamba1_shapes 150 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
-    -k "Mamba or Jamba"
+  check selective_tests 100 python -m pytest tests/gpu/test_selective_triton_gpu.py -q -s -ra -p no:cacheprovider
+  check mamba1_shapes 200 python -m pytest tests/gpu/test_family_gdn_shapes_gpu.py -q -s -ra -p no:cacheprovider \
+    -k "Mamba or Jamba or (Zamba and not Zamba2)"
   # shellcheck disable=SC2086  (SELECTIVE_LENGTHS: a list of lengths)
-  check selective_op 270 python bench/selective_op.py --lengths ${SELECTIVE_LENGTHS:-8192 16384 32768 65536} \
+  check selective_op 240 python bench/selective_op.py --lengths ${SELECTIVE_LENGTHS:-8192 16384 32768 65536} \
     --profile 32768 --json "$OUT/selective_op.jsonl"
   ;;
 mamba1_peer)

@@ -6,7 +6,8 @@ KDA mixer of Kimi-Linear at its config defaults (Kimi-Linear-48B-A3B: hidden 230
 lightning attention, Zamba2's Mamba2 mixer and LaRA-mini's GDN at their config defaults (`_config_default_mixer`); the
 Mamba1 mixers (the selective scan) of Falcon-Mamba-7B (hidden 4096, I = 8192, N = 16, dt rank 256), Mamba-2.8B (2560,
 5120, 16, 160) and Jamba (its config defaults: hidden 4096, I = 8192, N = 16, with the dt / B / C norms), p2p only (one
-scan head), 2048 tokens.
+scan head), and Zamba-7B's (hidden 3712, 2 heads of 3712 channels with their own B and C), ulysses and p2p; 2048
+tokens.
 
 For every (family, released model) below, the transformers GDN module of that family (Qwen3_5GatedDeltaNet,
 Qwen3_5MoeGatedDeltaNet, Qwen3NextGatedDeltaNet: its own projections, through deltacp's adapter) with the model's
@@ -64,9 +65,12 @@ SHAPES = {  # model: (family module class, hidden, key heads, value heads)
     "Falcon-Mamba-7B": ("falcon_mamba", 4096, 8192, 256),
     "Mamba-2.8B": ("mamba", 2560, 5120, 160),
     "Jamba (config defaults)": ("jamba", None, None, None),
+    # Zamba-7B's Mamba mixer (ZambaConfig's defaults: hidden 3712, 2 heads of 3712 channels, N = 16, B and C per
+    # head: one scan of the kernels per head), ulysses (a head a rank) and p2p
+    "Zamba (config defaults)": ("zamba", None, None, None),
 }
 MAMBA1_SEQ = 2048  # each rank's float32 eager reference holds several [T, I, N] tensors (I = 8192: 1 GiB each)
-MAMBA1 = ("mamba", "falcon_mamba", "jamba")
+MAMBA1 = ("mamba", "falcon_mamba", "jamba", "zamba")
 MAMBA2 = {  # family: (config class, module path, mixer class)
     "bamba": ("BambaConfig", "bamba.modeling_bamba", "BambaMixer"),
     "nemotron_h": ("NemotronHConfig", "nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
@@ -114,6 +118,9 @@ def _mamba1(family, hidden, inter, rank):
     if family == "jamba":
         config = transformers.JambaConfig()
         module = transformers.models.jamba.modeling_jamba.JambaMambaMixer(config, 1)
+    elif family == "zamba":
+        config = transformers.ZambaConfig()
+        module = transformers.models.zamba.modeling_zamba.ZambaMambaMixer(config, 0)
     else:
         prefix = {"mamba": "Mamba", "falcon_mamba": "FalconMamba"}[family]
         config = getattr(transformers, f"{prefix}Config")(hidden_size=hidden, intermediate_size=inter, state_size=16,
@@ -127,10 +134,13 @@ def _mamba1(family, hidden, inter, rank):
             module = cls(config, 0)
     with torch.no_grad():
         inter, n = module.intermediate_size, module.ssm_state_size
-        module.A_log.copy_(torch.arange(1, n + 1, dtype=torch.float32).log().expand(inter, n))
+        # (Zamba: A_log, D and the dt bias per head, [heads, I / heads, ...]: the same values reshaped)
+        a_log = torch.arange(1, n + 1, dtype=torch.float32).log().expand(inter, n)
+        module.A_log.copy_(a_log.reshape(module.A_log.shape))
         module.D.fill_(1.0)
         dt = torch.exp(torch.empty(inter).uniform_(math.log(1e-3), math.log(1e-1)))
-        module.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(bias) = dt
+        bias = module.dt_proj_bias if family == "zamba" else module.dt_proj.bias
+        bias.copy_((dt + torch.log(-torch.expm1(-dt))).reshape(bias.shape))  # softplus(bias) = dt
     return module, config.hidden_size
 
 
@@ -208,8 +218,9 @@ def family_shapes_worker(rank, world, name):
     for family, hidden, hk, hv, *dims in [SHAPES[name]]:
         torch.manual_seed(0)
         modes, seq = ("ulysses", "p2p"), SEQ
-        if family in MAMBA1:
-            (base, hidden), modes, seq = _mamba1(family, hidden, hk, hv), ("p2p",), MAMBA1_SEQ
+        if family in MAMBA1:  # one scan head: p2p only (Zamba's 2 heads: Ulysses too)
+            (base, hidden), seq = _mamba1(family, hidden, hk, hv), MAMBA1_SEQ
+            modes = ("ulysses", "p2p") if family == "zamba" else ("p2p",)
             base = base.cuda()
         elif family in MAMBA2 or family == "kimi_linear":
             base, hidden = _mamba2(family) if family in MAMBA2 else _kda()
