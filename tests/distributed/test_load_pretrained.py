@@ -5,7 +5,8 @@ with their index: routed experts stored per expert, as transformers 5.25 writes 
 mapping also fuses its GDN input projections into one `in_proj` and renames its gated norm), plus one in the layout of
 the released Qwen3.5 MoE checkpoints (multimodal names, fused experts, a multi-token-prediction tensor) loaded as
 the text-only causal LM, a Kimi-Linear one with its dense MLPs under `mlp.` (transformers writes
-`block_sparse_moe.` for every layer), and a Mamba2 one with its input embedding under the older name `embedding`. Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
+`block_sparse_moe.` for every layer), and a Mamba2 one with its input embedding under the older name `embedding`.
+Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
 
 - every parameter (gathered) and buffer equals `from_pretrained(dtype=float32)`'s exactly (bf16 -> float32 is
   exact), and this rank's logits equal that model's logits of its slice to float32 accuracy (CP sums in another

@@ -172,7 +172,7 @@ def plan_sources(model: nn.Module, stored: dict[str, StoredTensor], path) -> tup
         if key not in stored and renames:  # stored without the renamed part: loads as it is (module docstring)
             plain = stored_name(name, model_prefix, checkpoint_prefix)
             key = plain if plain in stored else key
-        key = stored_key(key, stored, aliases) or key  # an older name transformers still reads
+        key = stored_key(key, stored, aliases) or key  # or its older name (`Family.checkpoint_load_aliases`)
         shape = tuple(tensor.shape)
         pieces = row_pieces(model, name)
         if key not in stored and pieces is not None:

@@ -9,8 +9,8 @@ Importing this package imports no Triton: the kernels load on first use.
 Contract (`check`, before any launch; never falls back): CUDA tensors (or TRITON_INTERPRET=1, for tests); x, B, C
 of one dtype among bf16, fp16, fp32; B, C of one group [rows, T, N] or per group of channels [rows, T, G, N] (Zamba's
 Mamba heads: one scan per group, `scan.py`); dt, A, D, z floating (widened to the fp32 accumulator inside); any
-channel count I and state size N (the released models: I = 5120-8192, N = 16). `cu_seqlens`: None, document offsets of one
-packed row, or a `VarlenLayout`, as the eager op.
+channel count I and state size N (the released models: I = 5120-8192, N = 16). `cu_seqlens`: None, document offsets
+of one packed row, or a `VarlenLayout`, as the eager op.
 """
 
 from __future__ import annotations
