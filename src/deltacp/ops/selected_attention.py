@@ -104,8 +104,7 @@ class _SelectedAttention(torch.autograd.Function):
 
         q, k, v, pos, starts, o, lse = ctx.saved_tensors
         v = k if ctx.shared else v
-        dq, dk, dv = kernels.backward(q, k, v, pos, starts, o, lse, do.contiguous(), ctx.scale, ctx.size,
-                                      shared=ctx.shared)
+        dq, dk, dv = kernels.backward(q, k, v, pos, starts, o, lse, do.contiguous(), ctx.scale, ctx.size)
         return dq, dk, dv, None, None, None, None
 
 

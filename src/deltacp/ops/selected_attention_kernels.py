@@ -74,7 +74,8 @@ def _run(st, i_b, i_kh, p, S, KVH: tl.constexpr, SIZE: tl.constexpr, BN: tl.cons
 @triton.jit(do_not_specialize=["s", "S"])
 def selected_fwd_kernel(q, k, v, pos, starts, o, lse, scale, s, S, J: tl.constexpr, H: tl.constexpr,
                         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, D: tl.constexpr,
-                        DP: tl.constexpr, SIZE: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+                        DP: tl.constexpr, SIZE: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+                        SHARED: tl.constexpr):
     i_t, i_bh, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_kh = i_bh // KVH, i_bh % KVH
     q_rows, m_g, p = _rows(pos, i_t, i_b, i_kh, i_g, s, H, G, GP)
@@ -85,8 +86,12 @@ def selected_fwd_kernel(q, k, v, pos, starts, o, lse, scale, s, S, J: tl.constex
     for i in range(J):
         st = tl.load(starts + (i_b * s + i_t) * J + i)
         m_j, kv_rows = _run(st, i_b, i_kh, p, S, KVH, SIZE, BN)
-        sc = tl.dot(b_q, tl.trans(_tile(k, kv_rows, m_j, D, DP)), input_precision=PREC) * scale
-        b_v = _tile(v, kv_rows, m_j, D, DP)
+        b_k = _tile(k, kv_rows, m_j, D, DP)
+        sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
+        if SHARED:  # one tensor as the keys and the values: one load
+            b_v = b_k
+        else:
+            b_v = _tile(v, kv_rows, m_j, D, DP)
         sc = tl.where(m_j[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: exp(-inf - 0) = 0, no nan
@@ -102,7 +107,8 @@ def selected_fwd_kernel(q, k, v, pos, starts, o, lse, scale, s, S, J: tl.constex
 @triton.jit(do_not_specialize=["s", "S"])
 def selected_dq_kernel(q, k, v, pos, starts, do, lse, delta, dq, scale, s, S, J: tl.constexpr,
                        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr,
-                       D: tl.constexpr, DP: tl.constexpr, SIZE: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+                       D: tl.constexpr, DP: tl.constexpr, SIZE: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+                       SHARED: tl.constexpr):
     """dq: the query's runs again, dS = P (dO Vᵀ - delta), dq = scale dS K."""
     i_t, i_bh, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_kh = i_bh // KVH, i_bh % KVH
@@ -117,7 +123,11 @@ def selected_dq_kernel(q, k, v, pos, starts, do, lse, delta, dq, scale, s, S, J:
         m_j, kv_rows = _run(st, i_b, i_kh, p, S, KVH, SIZE, BN)
         b_k = _tile(k, kv_rows, m_j, D, DP)
         sc = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale
-        b_dp = tl.dot(b_do, tl.trans(_tile(v, kv_rows, m_j, D, DP)), input_precision=PREC)
+        if SHARED:
+            b_v = b_k
+        else:
+            b_v = _tile(v, kv_rows, m_j, D, DP)
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
         b_p = tl.where(m_g[:, None] & m_j[None, :], tl.exp(sc - b_lse[:, None]), 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
@@ -128,7 +138,7 @@ def selected_dq_kernel(q, k, v, pos, starts, do, lse, delta, dq, scale, s, S, J:
 def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, scale, s, S, H: tl.constexpr,
                         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, D: tl.constexpr,
                         DP: tl.constexpr, SIZE: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-                        DK: tl.constexpr, DV: tl.constexpr):
+                        SHARED: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
     """dK (DK), dV (DV), or with both their sum into dk (one tensor as the keys and the values: GLM-5.3-Flash's
     latent, whose gradient is dK + dV): one program per (run start b * S + st, KV head) sums over the queries that
     read the run (`readers[offsets[key]:offsets[key + 1]]`, ascending) and their NG head blocks, and stores the rows
@@ -144,8 +154,8 @@ def selected_dkv_kernel(q, k, v, pos, do, lse, delta, offsets, readers, dk, dv, 
         m_n = (o_n < SIZE) & (j < S)
         b_k = _tile(k, kv_rows, m_n, D, DP)
         if DK:
-            if DV:
-                b_v = b_k  # one tensor: k is v
+            if SHARED:
+                b_v = b_k
             else:
                 b_v = _tile(v, kv_rows, m_n, D, DP)
         acc = tl.zeros([BN, DP], tl.float32)
@@ -180,20 +190,21 @@ def _launch(q: torch.Tensor) -> dict:
     return {k: v for k, v in LAUNCH[_launch_name(q)].items() if k in ("num_warps", "num_stages")}
 
 
-def _meta(q: torch.Tensor, k: torch.Tensor, starts: torch.Tensor, size: int) -> dict:
+def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, size: int) -> dict:
     H, D = q.shape[2], q.shape[3]
     KVH = k.shape[2]
     G = H // KVH
     GP = max(16, triton.next_power_of_2(min(G, LAUNCH[_launch_name(q)]["rows"])))
     return dict(J=starts.shape[-1], H=H, KVH=KVH, G=G, GP=GP, NG=triton.cdiv(G, GP), D=D,
                 DP=max(16, triton.next_power_of_2(D)), SIZE=size, BN=max(16, triton.next_power_of_2(size)),
-                PREC="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 inputs: fp32 products
+                PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 inputs: fp32 products
+                SHARED=k is v)  # one tensor as the keys and the values (GLM's latent): loaded once
 
 
 def forward(q, k, v, pos, starts, scale: float, size: int):
     """(o [B, s, H, D] in q's dtype, lse [B, s, H] float32); inputs contiguous."""
     B, s, H, D = q.shape
-    meta = _meta(q, k, starts, size)
+    meta = _meta(q, k, v, starts, size)
     o = torch.empty_like(q)
     lse = torch.empty(B, s, H, dtype=torch.float32, device=q.device)
     grid = (s, B * meta["KVH"], meta["NG"])
@@ -213,12 +224,13 @@ def _readers(starts: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
     return offsets, query[order].contiguous()
 
 
-def backward(q, k, v, pos, starts, o, lse, do, scale: float, size: int, shared: bool = False):
-    """(dq, dk, dv) in the inputs' dtypes: dq by `selected_dq_kernel`, dk and dv by `selected_dkv_kernel`; `shared`
-    (k and v one tensor): dk is that tensor's whole gradient (dK + dV, one launch) and dv None."""
+def backward(q, k, v, pos, starts, o, lse, do, scale: float, size: int):
+    """(dq, dk, dv) in the inputs' dtypes: dq by `selected_dq_kernel`, dk and dv by `selected_dkv_kernel`; k and v one
+    tensor (`k is v`): dk is that tensor's whole gradient (dK + dV, one launch) and dv None."""
     B, s, _, D = q.shape
     S = k.shape[1]
-    meta = _meta(q, k, starts, size)
+    meta = _meta(q, k, v, starts, size)
+    shared = meta["SHARED"]
     delta = (o.float() * do.float()).sum(-1).contiguous()
     dq = torch.empty_like(q)
     selected_dq_kernel[(s, B * meta["KVH"], meta["NG"])](q, k, v, pos, starts, do, lse, delta, dq, scale, s, S,
