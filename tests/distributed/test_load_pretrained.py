@@ -5,7 +5,8 @@ with their index: routed experts stored per expert, as transformers 5.25 writes 
 mapping also fuses its GDN input projections into one `in_proj` and renames its gated norm), plus one in the layout of
 the released Qwen3.5 MoE checkpoints (multimodal names, fused experts, a multi-token-prediction tensor) loaded as
 the text-only causal LM, a Kimi-Linear one with its dense MLPs under `mlp.` (transformers writes
-`block_sparse_moe.` for every layer), and a Mamba2 one with its input embedding under the older name `embedding`.
+`block_sparse_moe.` for every layer), and Mamba2 and Mamba ones with the input embedding under the older name
+`embedding`.
 Every supported class, CP4 (p2p) with FSDP2 over the 4 ranks, float32:
 
 - every parameter (gathered) and buffer equals `from_pretrained(dtype=float32)`'s exactly (bf16 -> float32 is
@@ -99,14 +100,15 @@ def _kimi_dense_under_mlp(root):
     return path
 
 
-def _mamba2_older_names(root):
-    """The Mamba2 checkpoint of this file (several files and their index) with the input embedding under its older
-    name `backbone.embedding.weight` (the state-spaces Mamba2 conversions). transformers' `Mamba2Model.load_hook`
-    renames it, but 5.25's from_pretrained never calls the hook: it reports the tensor MISSING and initialises it
-    anew. deltacp reads it (`Family.checkpoint_load_aliases`); the reference is from_pretrained of the original."""
+def _older_embedding_name(root, name):
+    """The checkpoint of class `name` of this file (several files and their index) with the input embedding under its
+    older name `backbone.embedding.weight` (the state-spaces Mamba / Mamba2 conversions). transformers'
+    `MambaModel.load_hook` / `Mamba2Model.load_hook` rename it, but 5.25's from_pretrained never calls the hook: it
+    reports the tensor MISSING and initialises it anew. deltacp reads it (`Family.checkpoint_load_aliases`); the
+    reference is from_pretrained of the original."""
     from safetensors.torch import load_file
 
-    src, path = root / "Mamba2ForCausalLM", root / "mamba2_older_names"
+    src, path = root / name, root / f"{name}_older_names"
     path.mkdir()
     older = {}
     for f in os.listdir(src):
@@ -125,7 +127,8 @@ def _mamba2_older_names(root):
     return path
 
 
-REFERENCE = {"mamba2_older_names": "Mamba2ForCausalLM"}  # case -> the checkpoint from_pretrained reads as reference
+OLDER_NAMES = ("Mamba2ForCausalLM", "MambaForCausalLM")
+REFERENCE = {f"{name}_older_names": name for name in OLDER_NAMES}  # case -> the checkpoint read as the reference
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +142,7 @@ def checkpoints(tmp_path_factory):
         cases.append((name, root / name, name))
     cases.append(("released_moe", _released_moe_layout(root), "Qwen3_5MoeForCausalLM"))
     cases.append(("kimi_dense_mlp", _kimi_dense_under_mlp(root), "KimiLinearForCausalLM"))
-    cases.append(("mamba2_older_names", _mamba2_older_names(root), "Mamba2ForCausalLM"))
+    cases += [(f"{name}_older_names", _older_embedding_name(root, name), name) for name in OLDER_NAMES]
     big = tiny_config(vocab_size=32768, hidden_size=512, intermediate_size=2048, num_attention_heads=8, head_dim=64,
                       linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
                       linear_value_head_dim=64)

@@ -8,8 +8,10 @@ conv over x (kernel `conv_kernel`, bias under `use_conv_bias`, `hidden_act` SiLU
 | B (`state_size`) | C] (no bias), dt_proj (rank -> I, with bias: dt = softplus(dt_proj.weight dt + bias), no clamp),
 A = -exp(A_log) [I, N], the selective scan with the D skip and the silu(z) gate (`ops/selective/eager.py`), out_proj
 (bias under `use_bias`); the padding mask applied before in_proj and after the conv (`apply_mask_to_padding_states`),
-as the CP layer does (`parallel/shard.py`). The final norm is `norm_f`, the embedding `embeddings`; the causal LM holds
-the model as `backbone` (its checkpoint prefix: no renames). `MambaForCausalLM.forward` takes **kwargs and does not
+as the CP layer does (`parallel/shard.py`). The final norm is `norm_f`, the embedding `embeddings` (older checkpoints:
+`embedding`, read by `load_pretrained` through `Family.checkpoint_load_aliases`, as for Mamba2: transformers 5.25's
+from_pretrained never calls its `MambaModel.load_hook`); the causal LM holds the model as `backbone` (its checkpoint
+prefix: no renames). `MambaForCausalLM.forward` takes **kwargs and does not
 hand them to `backbone`: the packing keywords would never reach the text model and a packed row would run as one
 document, so the family sets `lm_passes_kwargs=False` and deltacp relays them past the causal LM
 (`models/inputs.make_keyword_relay`). `use_mambapy` / `use_associative_scan` pick another torch
@@ -101,12 +103,14 @@ class MambaView(LinearMixerView):
         return self.module.out_proj(o_BsHV.reshape(B, s, -1).to(out))
 
 
-def mamba_family(name: str, prefix: str, view) -> Family:
+def mamba_family(name: str, prefix: str, view, **fields) -> Family:
     return Family(
         name, f"transformers.models.{name}.modeling_{name}", causal_lm=f"{prefix}ForCausalLM",
         text_model=f"{prefix}Model", linear_mixer=f"{prefix}Mixer", attention=None, norm=f"{prefix}RMSNorm", mlp=None,
         text_config=f"{prefix}Config", mixer_view=view, fused_decoder=False, linear_attribute="mixer",
-        text_attribute="backbone", moe_fields=None, mask_through_layers=True, lm_passes_kwargs=False)
+        text_attribute="backbone", moe_fields=None, mask_through_layers=True, lm_passes_kwargs=False, **fields)
 
 
-MAMBA = register_family(mamba_family("mamba", "Mamba", MambaView))
+# MambaModel.load_hook's older name of the embedding (module docstring)
+MAMBA = register_family(mamba_family("mamba", "Mamba", MambaView,
+                                     checkpoint_load_aliases=(("embeddings", "embedding"),)))
