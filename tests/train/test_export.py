@@ -3,6 +3,7 @@
 `train.model.pretrained` trains from; bad arguments are one line naming the setting."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -154,3 +155,21 @@ def test_a_local_tokenizer_is_written_with_the_model(trained, tmp_path):
     written = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert written("def x ( ) : return x")["input_ids"] == [2, 4, 5, 6, 7, 3, 4]
     assert written.eos_token == "</s>"
+
+
+def test_a_killed_exports_partial_directory_is_removed_by_the_next(trained, tmp_path):
+    """An export killed mid-write leaves `out.partial-PID`; the next export to `out` removes it once that process is
+    gone, and leaves a live process's one (another export writing now) alone."""
+    import subprocess
+    import sys
+
+    cfg, ckpt, _ = trained
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its PID no longer runs
+    stale, live = tmp_path / f"hf.partial-{gone.pid}", tmp_path / f"hf.partial-{os.getppid()}"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half written")
+    _export(cfg, ckpt, tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").exists()
+    assert not stale.exists() and live.exists()

@@ -13,13 +13,15 @@ with their index), converting one block of one tensor at a time to --dtype (no s
 `Qwen3_5ForCausalLM.from_pretrained(out)` reloads it with the trained model's logits. A local Hugging Face tokenizer (train.data.tokenizer) is written alongside; the byte
 tokenizer has no files (token id = byte value). `train.model: {pretrained: out}` trains from the export.
 
-The directory is written as `out.partial-PID` and renamed to `out` when complete. Errors are one line naming
+The directory is written as `out.partial-PID` and renamed to `out` when complete; the `out.partial-PID` left by an
+export that was killed (its process gone) is removed by the next export to `out`. Errors are one line naming
 the setting (exit 2: config, arguments, output directory; exit 1: the checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -38,6 +40,9 @@ from deltacp.train.checkpoint import (
     verify_checkpoint,
 )
 from deltacp.train.config import ConfigError, TrainConfig, load_config
+
+logger = logging.getLogger(__name__)
+
 
 class ExportError(ValueError):
     """A bad export argument (--out, --checkpoint, --dtype): one line naming it."""
@@ -113,6 +118,22 @@ def load_trained_model(cfg: TrainConfig, checkpoint: Path) -> tuple[torch.nn.Mod
     return model.eval(), manifest
 
 
+def _remove_stale_partials(out: Path) -> None:
+    """Delete the `out.partial-PID` directories of earlier exports to `out` whose process no longer runs on this
+    machine (killed mid-write: SIGKILL, a crash); a live one (another export writing now) is left alone."""
+    for partial in out.parent.glob(f"{out.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            logger.warning("removing %s, left by export process %s, which no longer runs", partial, pid)
+            shutil.rmtree(partial, ignore_errors=True)
+        except PermissionError:  # a live process of another user
+            pass
+
+
 def export_checkpoint(cfg: TrainConfig, out: str | Path, checkpoint: str | Path | None = None,
                       dtype: str | None = None, max_shard_size: int | str = "50GB") -> Path:
     """Write the checkpoint's model as a transformers directory `out` (see the module doc); returns out.
@@ -130,6 +151,7 @@ def export_checkpoint(cfg: TrainConfig, out: str | Path, checkpoint: str | Path 
     finally:
         if created:
             dist.destroy_process_group()
+    _remove_stale_partials(out)
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:
