@@ -283,3 +283,28 @@ def test_without_an_atomic_exchange_a_save_killed_between_its_renames_is_undone(
 
 def _full_disk():
     raise OSError(28, "No space left on device")
+
+
+def test_without_an_atomic_exchange_a_failed_second_rename_puts_the_old_export_back(tmp_path, monkeypatch):
+    """The two renames (no renameat2 exchange): when the second one (the new export into place) fails, the old
+    export moved aside is renamed back, whole, and the error reaches the caller; nothing but the export is left beside
+    it (until 2026-12-06 an empty `.export.old-*` stayed). Mutation seen failing: the put-back removed (nothing at
+    the path)."""
+    monkeypatch.setattr(save_module, "_exchange", lambda a, b: False)
+    out = tmp_path / "export"
+    save_pretrained(_model(0), out)
+    (out / "tokenizer.json").write_text("{}")
+    before = _params(out)
+    rename = os.rename
+
+    def second_fails(src, dst):
+        if Path(dst) == out and ".staging-" in str(src):
+            raise OSError(5, "Input/output error")
+        return rename(src, dst)
+
+    monkeypatch.setattr(save_module.os, "rename", second_fails)
+    with pytest.raises(OSError, match="Input/output error"):
+        save_pretrained(_model(1), out)
+    monkeypatch.setattr(save_module.os, "rename", rename)
+    assert _same(_params(out), before) and (out / "tokenizer.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # (no staging, no empty `.export.old-*`)

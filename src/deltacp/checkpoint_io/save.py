@@ -351,7 +351,8 @@ def _swap_in(staging: Path, out: Path) -> None:
     try:
         os.rename(staging, out)
     except OSError:
-        os.rename(old / out.name, out)
+        os.rename(old / out.name, out)  # put back whole; the caller removes the staging directory
+        old.rmdir()
         raise
     shutil.rmtree(old, ignore_errors=True)
 
