@@ -14,7 +14,7 @@ against the single-device eager mixer: each view's Triton wiring (Mamba2: x, dt 
 the per-channel gate and beta handed to the kernels) and each Triton recurrence in the modes (p2p's summary and
 dh_in passes, Ulysses' head slices, Mamba2's groups repeated); fp32, so the bound is fp32's. A Mamba1 mixer (the
 selective scan: x, dt after softplus, A, B, C, D and the gate z handed to its kernels) runs in p2p only (one scan
-head: Ulysses is refused for it), and so does Zamba's (2 heads, B and C per head: one scan of the kernels each).
+head: Ulysses is refused for it).
 """
 
 import copy
@@ -107,19 +107,8 @@ def _mamba1():
     return mixer
 
 
-def _zamba():
-    """A Zamba Mamba mixer: 2 heads of 32 channels (I = 64), each its own scan with its own B and C (the Triton scan
-    runs one per group), N = 4, slowly decaying, from `tiny_zamba`'s weights drawn away from their init."""
-    from helpers import tiny_zamba
-
-    model = tiny_zamba(torch.float32, hidden_size=HIDDEN)
-    return model.model.layers[0].mamba
-
-
-MIXERS = {"mamba2 (Bamba)": _mamba2, "kda (Kimi-Linear)": _kda, "selective scan (Mamba)": _mamba1,
-          "selective scan, 2 heads (Zamba)": _zamba}
-# one scan head: no Ulysses; Zamba's 2 heads do not divide the 4 ranks
-MIXER_MODES = {"selective scan (Mamba)": ("p2p",), "selective scan, 2 heads (Zamba)": ("p2p",)}
+MIXERS = {"mamba2 (Bamba)": _mamba2, "kda (Kimi-Linear)": _kda, "selective scan (Mamba)": _mamba1}
+MIXER_MODES = {"selective scan (Mamba)": ("p2p",)}  # one scan head: no Ulysses
 
 
 def family_mixers_worker(rank, world):
