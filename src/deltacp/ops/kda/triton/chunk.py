@@ -1,9 +1,10 @@
 """KDA on Triton: the autograd Function over the kernels (kernels.py) and the public ops (the forward, the summary,
 the entering state's gradient), with the semantics of `ops/kda/eager.py`.
 
-Outside the Function, in torch (differentiable, so their backward is autograd's): the l2 norm of q and k and the
-query scale (in the accumulator dtype), the layout (padding T to a multiple of 64, or a packed row's chunk-aligned
-layout, `VarlenLayout.to_chunks`, and `from_chunks` of o), the chunk-local cumsum of g. Inside: wy_fwd (Tm, P, W,
+Outside the Function: the layout (padding T to a multiple of 64, or a packed row's chunk-aligned layout,
+`VarlenLayout.to_chunks`, and `from_chunks` of o; torch, differentiable), then `KDAPrep` (the l2 norm of q and k, the
+query scale and the chunk-local cumsum of g into the accumulator dtype, one kernel each way; kernels.FUSED_PREP 0: the
+same in torch ops, autograd's backward). Inside: wy_fwd (Tm, P, W,
 U) -> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, P, W, U from the forward, recomputes h and vn,
 then dv_local (Pᵀ dO) -> state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (bwd_wy, then bwd_intra: dq, dk, dv,
 dbeta, dgam).
@@ -14,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
-from deltacp.ops.kda.triton.kernels import BT, chunk_bwd, dv_local, out_fwd, state_bwd, state_fwd, wy_fwd
+from deltacp.ops.kda.triton import kernels
+from deltacp.ops.kda.triton.kernels import (BT, chunk_bwd, dv_local, out_fwd, prep, prep_bwd, state_bwd, state_fwd,
+                                            wy_fwd)
 # the accumulator dtype, the layout (padding / chunk-aligned packed row) and the reset flags: the SSD backend's (its
 # chunk is 64 tokens too)
 from deltacp.ops.ssd.triton.chunk import _laid_out, _resets, acc_dtype
@@ -22,6 +25,24 @@ from deltacp.ops.ssd.triton.chunk import _laid_out, _resets, acc_dtype
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class KDAPrep(torch.autograd.Function):
+    """(q, k, g) laid out, in the inputs' dtypes -> (qn, kn, gam) in the accumulator dtype: q, k l2-normalised (norm)
+    and q scaled, gam the chunk-local cumsum of g; one kernel each way (`kernels.prep`, `prep_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, g, scale, norm, acc):
+        qn, kn, gam, rq, rk, sc = prep(q, k, g, scale, norm, acc)
+        ctx.save_for_backward(qn, kn, rq, rk, sc)
+        ctx.dtypes = (q.dtype, k.dtype, g.dtype)
+        return qn, kn, gam
+
+    @staticmethod
+    def backward(ctx, dqn, dkn, dgam):
+        qn, kn, rq, rk, sc = ctx.saved_tensors
+        dq, dk, dg = prep_bwd(qn, kn, rq, rk, sc, dqn.contiguous(), dkn.contiguous(), dgam.contiguous(), ctx.dtypes)
+        return dq, dk, dg, None, None, None
 
 
 class KDAFunction(torch.autograd.Function):
@@ -58,12 +79,21 @@ def _inputs(q, k, v, g, beta, scale, qk_l2norm, layout, T):
     chunk-local cumsum of g, beta in the accumulator dtype, v as given."""
     acc = acc_dtype(v.dtype)
     K = k.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    if kernels.FUSED_PREP:
+        xs = _laid_out(layout, T, *(x for x in (q, k, v, g, beta.to(acc)) if x is not None))
+        if q is None:
+            _, k, gam, _, _, _ = prep(None, xs[0], xs[2], scale, qk_l2norm, acc)
+            return None, k, xs[1], gam, xs[3]
+        q, k, v, g, beta = xs
+        q, k, gam = KDAPrep.apply(q, k, g, scale, qk_l2norm, acc)
+        return q, k, v, gam, beta
     k = k.to(acc)
     if qk_l2norm:
         k = _l2norm(k)
     if q is not None:
         q = q.to(acc)
-        q = (_l2norm(q) if qk_l2norm else q) * (K ** -0.5 if scale is None else scale)
+        q = (_l2norm(q) if qk_l2norm else q) * scale
     xs = _laid_out(layout, T, *(x for x in (q, k, v, g.to(acc), beta.to(acc)) if x is not None))
     if q is None:
         xs = [None] + xs

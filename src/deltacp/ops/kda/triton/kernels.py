@@ -65,7 +65,14 @@ LAUNCH: dict[str, dict[str, int]] = {
     "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
     "bwd_wy": dict(num_warps=8, num_stages=2, BK=32, BV=16),
     "bwd_intra": dict(num_warps=4, num_stages=2, BK=16),
+    "prep": dict(num_warps=8, num_stages=1),
+    "prep_bwd": dict(num_warps=8, num_stages=1),
 }
+# The op's input preparation (chunk.py): 1, the prep kernels (q, k l2-normalised and q scaled, the chunk-local cumsum
+# of g, read in the inputs' dtype: one pass forward, one backward); 0, torch elementwise ops and autograd through them
+# (about ten passes over fp32 [B, T, H, K] tensors each way). Same values either way (to rounding).
+FUSED_PREP = 1
+L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
 @triton.jit
@@ -498,6 +505,64 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
     tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
 
 
+@triton.jit(do_not_specialize=["Tp"])
+def kda_prep_kernel(q, k, g, qn, kn, gam, rq, rk, sc, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                    HAS_Q: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr):
+    """One chunk and head of the op's inputs (laid out, any float dtype) -> the kernels' (accumulator dtype):
+    gam = the chunk-local cumsum of g; kn = k r_k, qn = q r_q sc with r = 1 / sqrt(sum x² + EPS) per row (NORM;
+    r stored for the backward) or 1; sc the query scale (a one-element tensor: a float argument would be fp32)."""
+    i_c, i_b, i_h = _chunk_head(H)
+    acc = gam.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    _store(gam, tl.cumsum(_load(g, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc), axis=0), o_k, i_b, i_c, i_h, Tp, H,
+           K, BT)
+    b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    if NORM:
+        b_r = 1. / tl.sqrt(tl.sum(b_k * b_k, axis=1) + EPS)
+        tl.store(_at(rk, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_r)
+        b_k = b_k * b_r[:, None]
+    _store(kn, b_k, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+    if HAS_Q:
+        b_q = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_s = tl.load(sc).to(acc)
+        if NORM:
+            b_r = 1. / tl.sqrt(tl.sum(b_q * b_q, axis=1) + EPS)
+            tl.store(_at(rq, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_r)
+            b_q = b_q * (b_r * b_s)[:, None]
+        else:
+            b_q = b_q * b_s
+        _store(qn, b_q, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+
+
+@triton.jit(do_not_specialize=["Tp"])
+def kda_prep_bwd_kernel(qn, kn, rq, rk, sc, dqn, dkn, dgam, dq, dk, dg, Tp, H: tl.constexpr, K: tl.constexpr,
+                        BT: tl.constexpr, NORM: tl.constexpr):
+    """The prep's backward, written in the inputs' dtypes: dg = the suffix sum of dgam within the chunk; with y = x r
+    (kn, or qn / sc), dx = r (dy - y (y . dy)) (NORM) or dy, times sc for q."""
+    i_c, i_b, i_h = _chunk_head(H)
+    acc = dgam.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    _store(dg, tl.cumsum(_load(dgam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc), axis=0, reverse=True), o_k, i_b,
+           i_c, i_h, Tp, H, K, BT)
+    b_dy = _load(dkn, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    if NORM:
+        b_y = _load(kn, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_r = _vec(rk, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
+        b_dy = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, axis=1)[:, None])
+    _store(dk, b_dy, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+    b_s = tl.load(sc).to(acc)
+    b_dy = _load(dqn, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    if NORM:
+        b_y = _load(qn, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)  # = sc y
+        b_r = _vec(rq, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
+        b_dy = b_r[:, None] * (b_dy * b_s - b_y * (tl.sum(b_y * b_dy, axis=1) / b_s)[:, None])
+    else:
+        b_dy = b_dy * b_s
+    _store(dq, b_dy, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+
+
 def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False) -> int:
     """The products' precision (`_dot`) for inputs of dtype `inputs`: 2 with fp64 accumulators; for the kernels whose
     errors compound across chunks (`compounds`: wy_fwd's Tm and W, the state kernels) 1 (three tf32 products) under
@@ -611,3 +676,26 @@ def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
     kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
                                       PREC=prec, **_launch("bwd_intra", K, V))
     return dq, dk, dv, dbeta, dgam
+
+
+def prep(q, k, g, scale: float, norm: bool, acc: torch.dtype):
+    """Laid-out q (or None), k, g -> qn (or None), kn, gam in acc, and r_q, r_k [B, Tp, H] (None without norm) and
+    the scale tensor, for `prep_bwd`."""
+    B, Tp, H, K = k.shape
+    kn, gam = (torch.empty(B, Tp, H, K, device=k.device, dtype=acc) for _ in range(2))
+    qn = None if q is None else torch.empty_like(kn)
+    rk = torch.empty(B, Tp, H, device=k.device, dtype=acc) if norm else None
+    rq = None if q is None or not norm else torch.empty_like(rk)
+    sc = torch.full((1,), scale, device=k.device, dtype=acc)
+    kda_prep_kernel[(Tp // BT, B * H)](q, k, g, qn, kn, gam, rq, rk, sc, Tp, H=H, K=K, BT=BT, HAS_Q=q is not None,
+                                       NORM=norm, EPS=L2NORM_EPS, **_launch("prep", K, K))
+    return qn, kn, gam, rq, rk, sc
+
+
+def prep_bwd(qn, kn, rq, rk, sc, dqn, dkn, dgam, dtypes):
+    """-> dq, dk, dg in dtypes (the inputs')."""
+    B, Tp, H, K = kn.shape
+    dq, dk, dg = (torch.empty(B, Tp, H, K, device=kn.device, dtype=dt) for dt in dtypes)
+    kda_prep_bwd_kernel[(Tp // BT, B * H)](qn, kn, rq, rk, sc, dqn, dkn, dgam, dq, dk, dg, Tp, H=H, K=K, BT=BT,
+                                           NORM=rk is not None, **_launch("prep_bwd", K, K))
+    return dq, dk, dg
