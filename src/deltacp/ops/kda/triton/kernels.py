@@ -163,15 +163,6 @@ def _through(b_g, gam, jb, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _diag(b_d, BT: tl.constexpr, BS: tl.constexpr):
-    """[BT, BS] (row i, column j % BS of i's sub-chunk) -> [BT, BT] with those values in the BS x BS diagonal
-    blocks, 0 elsewhere (once per program: the per-step work stays [BT, BS], in the elementwise layout)."""
-    o_t = tl.arange(0, BT)
-    b_w = tl.reshape(tl.broadcast_to(b_d[:, None, :], (BT, BT // BS, BS)), (BT, BT))
-    return tl.where((o_t[:, None] // BS) == (o_t[None, :] // BS), b_w, 0.)
-
-
-@triton.jit
 def _inverse(b_a, BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 of a strictly lower [BT, BT] A: the 16 x 16 diagonal blocks by forward substitution (all four
     at once, row i of each per step), D = their inverse; then with N = D A_o (A_o the blocks below the diagonal,
@@ -193,16 +184,13 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: t
                       BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Q: tl.constexpr,
                       PREC: tl.constexpr):
     """Tm, W, U and (HAS_Q) P of one chunk; A and P summed over K blocks (off-diagonal sub-chunk blocks by tl.dot
-    through `_through`, the diagonal ones one column per step into a compact [BT, BS] tile, placed once, `_diag`)."""
+    through `_through`, the diagonal ones one column per step)."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     o_t = tl.arange(0, BT)
     b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
     b_a = tl.zeros([BT, BT], dtype=acc)
     b_p = tl.zeros([BT, BT], dtype=acc)
-    b_ad = tl.zeros([BT, BS], dtype=acc)  # the diagonal blocks, compact: [i, j % BS]
-    b_pd = tl.zeros([BT, BS], dtype=acc)
-    o_s = tl.arange(0, BS)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
@@ -220,13 +208,10 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: t
             b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
             b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
             b_e = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
-            sel = (o_s == jj)[None, :]
-            b_ad += tl.where(sel, tl.sum(b_k * b_kx * b_e, axis=1)[:, None], 0.)
+            sel = o_t[None, :] == o_x[:, None]
+            b_a += tl.where(sel, tl.sum(b_k * b_kx * b_e, axis=1)[:, None], 0.)
             if HAS_Q:
-                b_pd += tl.where(sel, tl.sum(b_q * b_kx * b_e, axis=1)[:, None], 0.)
-    b_a += _diag(b_ad, BT, BS)
-    if HAS_Q:
-        b_p += _diag(b_pd, BT, BS)
+                b_p += tl.where(sel, tl.sum(b_q * b_kx * b_e, axis=1)[:, None], 0.)
     b_t = _inverse(tl.where(o_t[:, None] > o_t[None, :], b_a, 0.) * b_beta[:, None], BT, PREC)
     _store(tm, b_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
     if HAS_Q:
