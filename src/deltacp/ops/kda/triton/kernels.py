@@ -65,6 +65,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
     "bwd_wy": dict(num_warps=8, num_stages=2, BK=32, BV=16),
     "bwd_intra": dict(num_warps=4, num_stages=2, BK=16),
+    "wy_diag": dict(num_warps=4, num_stages=2, BR=16, BK=128),
     "prep": dict(num_warps=8, num_stages=1),
     "prep_bwd": dict(num_warps=8, num_stages=1),
 }
@@ -72,6 +73,11 @@ LAUNCH: dict[str, dict[str, int]] = {
 # of g, read in the inputs' dtype: one pass forward, one backward); 0, torch elementwise ops and autograd through them
 # (about ten passes over fp32 [B, T, H, K] tensors each way). Same values either way (to rounding).
 FUSED_PREP = 1
+# wy_fwd's diagonal BS x BS sub-chunk blocks of A and P: 1, their own kernel before wy_fwd, which reads them back
+# ([B, Tp, H, BS] each): wy_diag, BR rows per program (BR = BS: one sub-chunk, one row of k and gam per step; 128
+# registers, no spill, against wy_fwd's 255 with spills; under the interpreter BR = BT); 0, inside wy_fwd (one column
+# of every block per step, gathered [BT, BK] loads, per K block).
+WY_DIAG_KERNEL = 1
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
@@ -163,6 +169,50 @@ def _through(b_g, gam, jb, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
+def _diag(b_d, BT: tl.constexpr, BS: tl.constexpr):
+    """[BT, BS] (row i, column j % BS of i's sub-chunk) -> [BT, BT] with those values in the BS x BS diagonal
+    blocks, 0 elsewhere."""
+    o_t = tl.arange(0, BT)
+    b_w = tl.reshape(tl.broadcast_to(b_d[:, None, :], (BT, BT // BS, BS)), (BT, BT))
+    return tl.where((o_t[:, None] // BS) == (o_t[None, :] // BS), b_w, 0.)
+
+
+@triton.jit(do_not_specialize=["Tp"])
+def kda_wy_diag_kernel(q, k, gam, ad, pd, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                       BR: tl.constexpr, BK: tl.constexpr, HAS_Q: tl.constexpr):
+    """The diagonal BS x BS blocks of A (before beta) and P, BR rows (whole sub-chunks) per program (grid: chunks x
+    row blocks, rows * heads): ad[i, j % BS] = sum_c k_ic k_jc e^{gam_ic - gam_jc} for j <= i in i's sub-chunk, pd
+    the same with q_i; 0 for j > i. Step jj: row x = jj of each sub-chunk ([BR, BK] of k and gam at x(i); with BR =
+    BS one row, the same address across the tile), column jj of each block."""
+    i_cr, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_r = i_cr // (BT // BR), i_cr % (BT // BR)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    acc = gam.dtype.element_ty
+    o_s = tl.arange(0, BS)
+    o_r = i_r * BR + tl.arange(0, BR)
+    b_ad = tl.zeros([BR, BS], dtype=acc)
+    b_pd = tl.zeros([BR, BS], dtype=acc)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = _load(k, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_g = _load(gam, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        if HAS_Q:
+            b_q = _load(q, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        for jj in range(BS):
+            o_x = o_r // BS * BS + jj
+            b_e = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+                * tl.exp(tl.where((o_x <= o_r)[:, None], b_g - _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc),
+                                  float("-inf")))
+            sel = (o_s == jj)[None, :]
+            b_ad += tl.where(sel, tl.sum(b_k * b_e, axis=1)[:, None], 0.)
+            if HAS_Q:
+                b_pd += tl.where(sel, tl.sum(b_q * b_e, axis=1)[:, None], 0.)
+    tl.store(_at(ad, i_b, i_c, i_h, Tp, H, BS, BT) + o_r[:, None] * (H * BS) + o_s[None, :], b_ad)
+    if HAS_Q:
+        tl.store(_at(pd, i_b, i_c, i_h, Tp, H, BS, BT) + o_r[:, None] * (H * BS) + o_s[None, :], b_pd)
+
+
+@triton.jit
 def _inverse(b_a, BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 of a strictly lower [BT, BT] A: the 16 x 16 diagonal blocks by forward substitution (all four
     at once, row i of each per step), D = their inverse; then with N = D A_o (A_o the blocks below the diagonal,
@@ -180,17 +230,22 @@ def _inverse(b_a, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["Tp"])
-def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Q: tl.constexpr,
-                      PREC: tl.constexpr):
+def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_Q: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
     """Tm, W, U and (HAS_Q) P of one chunk; A and P summed over K blocks (off-diagonal sub-chunk blocks by tl.dot
-    through `_through`, the diagonal ones one column per step)."""
+    through `_through`, the diagonal ones one column per step, or with DIAG read from ad, pd: wy_diag's)."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     o_t = tl.arange(0, BT)
     b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
     b_a = tl.zeros([BT, BT], dtype=acc)
     b_p = tl.zeros([BT, BT], dtype=acc)
+    if DIAG:  # wy_diag's blocks as the accumulators' start
+        o_s = tl.arange(0, BS)
+        b_a += _diag(_load(ad, o_t, o_s, i_b, i_c, i_h, Tp, H, BS, BT, acc), BT, BS)
+        if HAS_Q:
+            b_p += _diag(_load(pd, o_t, o_s, i_b, i_c, i_h, Tp, H, BS, BT, acc), BT, BS)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
@@ -203,15 +258,16 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, Tp, H: tl.constexpr, K: t
             b_a += _dot(b_k * up, b_kd, PREC)
             if HAS_Q:
                 b_p += _dot(b_q * up, b_kd, PREC)
-        for jj in range(BS):  # column jj of every diagonal block: x = the row of the same sub-chunk
-            o_x = o_t // BS * BS + jj
-            b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-            b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-            b_e = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
-            sel = o_t[None, :] == o_x[:, None]
-            b_a += tl.where(sel, tl.sum(b_k * b_kx * b_e, axis=1)[:, None], 0.)
-            if HAS_Q:
-                b_p += tl.where(sel, tl.sum(b_q * b_kx * b_e, axis=1)[:, None], 0.)
+        if not DIAG:
+            for jj in range(BS):  # column jj of every diagonal block: x = the row of the same sub-chunk
+                o_x = o_t // BS * BS + jj
+                b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_e = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
+                sel = o_t[None, :] == o_x[:, None]
+                b_a += tl.where(sel, tl.sum(b_k * b_kx * b_e, axis=1)[:, None], 0.)
+                if HAS_Q:
+                    b_p += tl.where(sel, tl.sum(b_q * b_kx * b_e, axis=1)[:, None], 0.)
     b_t = _inverse(tl.where(o_t[:, None] > o_t[None, :], b_a, 0.) * b_beta[:, None], BT, PREC)
     _store(tm, b_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
     if HAS_Q:
@@ -599,8 +655,17 @@ def wy_fwd(q, k, v, gam, beta):
     p = None if q is None else torch.empty_like(tm)
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
-    kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
-                                   HAS_Q=q is not None, PREC=_prec(gam.dtype, v.dtype, True),
+    ad = pd = None
+    if WY_DIAG_KERNEL:
+        ad = torch.empty(B, Tp, H, BS, device=k.device, dtype=gam.dtype)
+        pd = None if q is None else torch.empty_like(ad)
+        cfg = _launch("wy_diag", K, V)
+        if k.device.type != "cuda":  # the interpreter (tests): its time is per program, one per chunk
+            cfg["BR"] = BT
+        kda_wy_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, ad, pd, Tp, H=H, K=K, BT=BT, BS=BS,
+                                                            HAS_Q=q is not None, **cfg)
+    kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
+                                   HAS_Q=q is not None, DIAG=bool(WY_DIAG_KERNEL), PREC=_prec(gam.dtype, v.dtype, True),
                                    **_launch("wy_fwd", K, V))
     return tm, p, w, u
 
