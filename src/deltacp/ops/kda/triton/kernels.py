@@ -65,7 +65,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
     "bwd_wy": dict(num_warps=8, num_stages=2, BK=32, BV=16),
     "bwd_intra": dict(num_warps=4, num_stages=2, BK=16),
-    "wy_diag": dict(num_warps=4, num_stages=2, BR=16, BK=128),
+    "wy_diag": dict(num_warps=4, num_stages=2, BR=16, BK=32),
+    "intra_diag": dict(num_warps=4, num_stages=2, BR=16, BK=32),
     "prep": dict(num_warps=8, num_stages=1),
     "prep_bwd": dict(num_warps=8, num_stages=1),
 }
@@ -74,10 +75,16 @@ LAUNCH: dict[str, dict[str, int]] = {
 # (about ten passes over fp32 [B, T, H, K] tensors each way). Same values either way (to rounding).
 FUSED_PREP = 1
 # wy_fwd's diagonal BS x BS sub-chunk blocks of A and P: 1, their own kernel before wy_fwd, which reads them back
-# ([B, Tp, H, BS] each): wy_diag, BR rows per program (BR = BS: one sub-chunk, one row of k and gam per step; 128
-# registers, no spill, against wy_fwd's 255 with spills; under the interpreter BR = BT); 0, inside wy_fwd (one column
-# of every block per step, gathered [BT, BK] loads, per K block).
+# ([B, Tp, H, BS] each): wy_diag, BR rows per program (BR = BS: one sub-chunk, one row of k and gam per step; offline
+# sm_90, bf16: 72 registers at BK 32, no spill, against wy_fwd's 255 with spills; under the interpreter BR = BT,
+# INTERPRETER_BR); 0, inside wy_fwd (one column of every block per step, gathered [BT, BK] loads, per K block).
 WY_DIAG_KERNEL = 1
+# bwd_intra's diagonal-block terms: 1, their own kernel after it (intra_diag, BR rows per program, as wy_diag; one
+# more read-modify-write of dq, dk, dgam, dbeta); 0, inside bwd_intra (gathered [BT, BK] loads, 16 steps per K block).
+INTRA_DIAG_KERNEL = 1
+# The diagonal kernels' rows per program under the interpreter (CPU tensors): a whole chunk (the same code; one program
+# per sub-chunk doubles the op's interpreted time). bench/kernel_resources.py sets 0 (LAUNCH's BR) while recording.
+INTERPRETER_BR = BT
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
@@ -127,6 +134,12 @@ def _store(ptr, x, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT:
     """x [BT, len(o_d)] into the rows of chunk i_c, columns o_d of head i_h of a [B, Tp, H, D] tensor."""
     o_t = tl.arange(0, BT)
     tl.store(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_t[:, None] * (H * D) + o_d[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_rows(ptr, x, o_r, o_d, i_b, i_c, i_h, Tp, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+    """x [len(o_r), len(o_d)] into rows o_r (inside chunk i_c), columns o_d of head i_h of a [B, Tp, H, D] tensor."""
+    tl.store(_at(ptr, i_b, i_c, i_h, Tp, H, D, BT) + o_r[:, None] * (H * D) + o_d[None, :], x.to(ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -182,8 +195,8 @@ def kda_wy_diag_kernel(q, k, gam, ad, pd, Tp, H: tl.constexpr, K: tl.constexpr, 
                        BR: tl.constexpr, BK: tl.constexpr, HAS_Q: tl.constexpr):
     """The diagonal BS x BS blocks of A (before beta) and P, BR rows (whole sub-chunks) per program (grid: chunks x
     row blocks, rows * heads): ad[i, j % BS] = sum_c k_ic k_jc e^{gam_ic - gam_jc} for j <= i in i's sub-chunk, pd
-    the same with q_i; 0 for j > i. Step jj: row x = jj of each sub-chunk ([BR, BK] of k and gam at x(i); with BR =
-    BS one row, the same address across the tile), column jj of each block."""
+    the same with q_i; 0 for j > i. Step jj: row x = jj of each sub-chunk (BR = BS, the GPU's: one row of k and gam;
+    more rows, the interpreter's: [BR, BK] gathered at x(i)), column jj of each block."""
     i_cr, i_bh = tl.program_id(0), tl.program_id(1)
     i_c, i_r = i_cr // (BT // BR), i_cr % (BT // BR)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
@@ -199,10 +212,15 @@ def kda_wy_diag_kernel(q, k, gam, ad, pd, Tp, H: tl.constexpr, K: tl.constexpr, 
         if HAS_Q:
             b_q = _load(q, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
         for jj in range(BS):
-            o_x = o_r // BS * BS + jj
-            b_e = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-                * tl.exp(tl.where((o_x <= o_r)[:, None], b_g - _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc),
-                                  float("-inf")))
+            if BR == BS:  # one sub-chunk: x one row (scalar)
+                o_x = i_r * BR + jj
+                b_kx = _row(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)[None, :]
+                b_gx = _row(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)[None, :]
+            else:  # whole sub-chunks: x per row
+                o_x = o_r // BS * BS + jj
+                b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+            b_e = b_kx * tl.exp(tl.where((o_x <= o_r)[:, None], b_g - b_gx, float("-inf")))
             sel = (o_s == jj)[None, :]
             b_ad += tl.where(sel, tl.sum(b_k * b_e, axis=1)[:, None], 0.)
             if HAS_Q:
@@ -508,13 +526,15 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, db
 
 @triton.jit(do_not_specialize=["NT"])
 def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl.constexpr, K: tl.constexpr,
-                         BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                         BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
+                         PREC: tl.constexpr):
     """The pair products' terms of one chunk, added to bwd_wy's dq, dk, dgam, dbeta:
         dq += F(dP, k);  dk += beta F(dA, k) + Gk;  dbeta += rowsum(k F(dA, k))
         dgam += q ∘ F(dP, k) + beta k ∘ F(dA, k) - k ∘ Gk,   Gk = G(dP, q) + G(beta dA, k)
     where F(M, b)_i = sum_j M_ij b_j e^{gam_i - gam_j}, G(M, a)_j = sum_i M_ij a_i e^{gam_i - gam_j} (i >= j; M is
     zero above its diagonal): across sub-chunks F = sum_jb up ∘ (M (b ∘ down)), G = sum_jb down ∘ (Mᵀ (a ∘ up))
-    (`_through`), inside them one column (F) or row (G) of every diagonal block per step."""
+    (`_through`), inside them one column (F) or row (G) of every diagonal block per step (DIAG: not here, in
+    intra_diag)."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     Tp = NT * BT
@@ -538,20 +558,22 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
             b_fp += up * _dot(b_dp, b_kd, PREC)
             b_fa += up * _dot(b_da, b_kd, PREC)
             b_gk += down * (_dot(tl.trans(b_dp), b_q * up, PREC) + _dot(tl.trans(b_da), b_kb * up, PREC))
-        for jj in range(BS):  # x = row jj of each sub-chunk: column x of F's row i, row x of G's column j
-            o_x = o_t // BS * BS + jj
-            b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-            b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-            b_ef = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
-            b_eg = tl.exp(tl.where((o_x >= o_t)[:, None], b_gx - b_g, float("-inf")))
-            m_p = _vec_at(dp, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
-            m_a = _vec_at(da, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
-            b_fp += m_p[:, None] * b_kx * b_ef
-            b_fa += m_a[:, None] * b_kx * b_ef
-            m_p = _vec_at(dp, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
-            m_a = _vec_at(da, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc) \
-                * _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
-            b_gk += (m_p[:, None] * _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + m_a[:, None] * b_kx) * b_eg
+        if not DIAG:
+            for jj in range(BS):  # x = row jj of each sub-chunk: column x of F's row i, row x of G's column j
+                o_x = o_t // BS * BS + jj
+                b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_ef = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
+                b_eg = tl.exp(tl.where((o_x >= o_t)[:, None], b_gx - b_g, float("-inf")))
+                m_p = _vec_at(dp, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
+                m_a = _vec_at(da, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+                b_fp += m_p[:, None] * b_kx * b_ef
+                b_fa += m_a[:, None] * b_kx * b_ef
+                m_p = _vec_at(dp, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
+                m_a = _vec_at(da, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc) \
+                    * _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
+                b_gk += (m_p[:, None] * _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                         + m_a[:, None] * b_kx) * b_eg
         b_dbeta += tl.sum(b_k * b_fa, axis=1)
         _store(dq, _load(dq, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_fp, o_k, i_b, i_c, i_h, Tp, H, K, BT)
         _store(dk, _load(dk, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_beta[:, None] * b_fa + b_gk,
@@ -559,6 +581,60 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
         _store(dgam, _load(dgam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
                + b_q * b_fp + b_kb * b_fa - b_k * b_gk, o_k, i_b, i_c, i_h, Tp, H, K, BT)
     tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
+
+
+@triton.jit(do_not_specialize=["NT"])
+def kda_intra_diag_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """bwd_intra's terms of the diagonal BS x BS blocks (F and G inside each sub-chunk; formulas at bwd_intra), BR rows
+    (whole sub-chunks) per program (grid: chunks x row blocks, rows * heads), added in place to dq, dk, dgam,
+    dbeta: a sub-chunk's rows need only its own rows. Step jj as wy_diag's (BR = BS: one row x; more: gathered)."""
+    i_cr, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_r = i_cr // (BT // BR), i_cr % (BT // BR)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    acc = gam.dtype.element_ty
+    Tp = NT * BT
+    o_r = i_r * BR + tl.arange(0, BR)
+    b_beta = _vec(beta, o_r, i_b, i_c, i_h, Tp, H, BT, acc)
+    b_dbeta = _vec(dbeta, o_r, i_b, i_c, i_h, Tp, H, BT, acc)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = _load(q, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_k = _load(k, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_g = _load(gam, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_fp = tl.zeros([BR, BK], dtype=acc)
+        b_fa = tl.zeros([BR, BK], dtype=acc)
+        b_gk = tl.zeros([BR, BK], dtype=acc)
+        for jj in range(BS):  # x = row jj of each sub-chunk: column x of F's row i, row x of G's column j
+            if BR == BS:  # one sub-chunk: x one row (scalar), its rows of k, gam, q loaded once
+                o_x = i_r * BR + jj
+                b_kx = _row(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)[None, :]
+                b_gx = _row(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)[None, :]
+                b_qx = _row(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)[None, :]
+                b_bx = tl.load(_at(beta, i_b, i_c, i_h, Tp, H, 1, BT) + o_x * H).to(acc)
+            else:  # whole sub-chunks: x per row
+                o_x = o_r // BS * BS + jj
+                b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_qx = _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_bx = _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
+            b_ef = tl.exp(tl.where((o_x <= o_r)[:, None], b_g - b_gx, float("-inf")))
+            b_eg = tl.exp(tl.where((o_x >= o_r)[:, None], b_gx - b_g, float("-inf")))
+            m_p = _vec_at(dp, o_r, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
+            m_a = _vec_at(da, o_r, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+            b_fp += m_p[:, None] * b_kx * b_ef
+            b_fa += m_a[:, None] * b_kx * b_ef
+            m_p = _vec_at(dp, o_x, o_r, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
+            m_a = _vec_at(da, o_x, o_r, i_b, i_c, i_h, Tp, H, BT, BT, acc) * b_bx
+            b_gk += (m_p[:, None] * b_qx + m_a[:, None] * b_kx) * b_eg
+        b_dbeta += tl.sum(b_k * b_fa, axis=1)
+        _store_rows(dq, _load(dq, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_fp, o_r, o_k, i_b, i_c, i_h, Tp, H, K,
+                    BT)
+        _store_rows(dk, _load(dk, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_beta[:, None] * b_fa + b_gk, o_r, o_k,
+                    i_b, i_c, i_h, Tp, H, K, BT)
+        _store_rows(dgam, _load(dgam, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                    + (b_q * b_fp + b_k * b_beta[:, None] * b_fa - b_k * b_gk), o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT)
+    tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_r * H, b_dbeta)
 
 
 @triton.jit(do_not_specialize=["Tp"])
@@ -643,6 +719,13 @@ def _launch(name: str, K: int, V: int) -> dict[str, int]:
     return cfg
 
 
+def _rows(cfg: dict[str, int], t: torch.Tensor) -> dict[str, int]:
+    """cfg with BR = INTERPRETER_BR for CPU tensors (the interpreter, the tests: its time is per program)."""
+    if t.device.type != "cuda" and INTERPRETER_BR:
+        cfg["BR"] = INTERPRETER_BR
+    return cfg
+
+
 def _shape(k, v):
     B, Tp, H, K = k.shape
     return B, Tp, H, K, v.shape[3], Tp // BT
@@ -659,9 +742,7 @@ def wy_fwd(q, k, v, gam, beta):
     if WY_DIAG_KERNEL:
         ad = torch.empty(B, Tp, H, BS, device=k.device, dtype=gam.dtype)
         pd = None if q is None else torch.empty_like(ad)
-        cfg = _launch("wy_diag", K, V)
-        if k.device.type != "cuda":  # the interpreter (tests): its time is per program, one per chunk
-            cfg["BR"] = BT
+        cfg = _rows(_launch("wy_diag", K, V), k)
         kda_wy_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, ad, pd, Tp, H=H, K=K, BT=BT, BS=BS,
                                                             HAS_Q=q is not None, **cfg)
     kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
@@ -739,7 +820,11 @@ def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
     kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
                                    H=H, K=K, V=V, BT=BT, PREC=prec, **_launch("bwd_wy", K, V))
     kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
-                                      PREC=prec, **_launch("bwd_intra", K, V))
+                                      DIAG=bool(INTRA_DIAG_KERNEL), PREC=prec, **_launch("bwd_intra", K, V))
+    if INTRA_DIAG_KERNEL:
+        cfg = _rows(_launch("intra_diag", K, V), k)
+        kda_intra_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H,
+                                                               K=K, BT=BT, BS=BS, **cfg)
     return dq, dk, dv, dbeta, dgam
 
 
