@@ -80,7 +80,10 @@ FUSED_PREP = 1
 # INTERPRETER_BR); 0, inside wy_fwd (one column of every block per step, gathered [BT, BK] loads, per K block).
 WY_DIAG_KERNEL = 1
 # bwd_intra's diagonal-block terms: 1, their own kernel after it (intra_diag, BR rows per program, as wy_diag; one
-# more read-modify-write of dq, dk, dgam, dbeta); 0, inside bwd_intra (gathered [BT, BK] loads, 16 steps per K block).
+# more read-modify-write of dq, dk, dgam, dbeta; offline sm_90, bf16: bwd_intra 255 registers, spill 144 -> 0 bytes,
+# intra_diag 168 registers, no spill); 0, inside bwd_intra (gathered [BT, BK] loads, 16 steps per K block). Under fp32
+# inputs (fp32 FMA products) the loop stays in bwd_intra either way: without it ptxas (Triton 3.9, offline) gives that
+# bwd_intra 32 registers and 7 KB of spill, against 255 and 1.2 KB with it.
 INTRA_DIAG_KERNEL = 1
 # The diagonal kernels' rows per program under the interpreter (CPU tensors): a whole chunk (the same code; one program
 # per sub-chunk doubles the op's interpreted time). bench/kernel_resources.py sets 0 (LAUNCH's BR) while recording.
@@ -819,9 +822,10 @@ def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
     prec = _prec(acc, v.dtype)
     kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
                                    H=H, K=K, V=V, BT=BT, PREC=prec, **_launch("bwd_wy", K, V))
+    diag = bool(INTRA_DIAG_KERNEL) and prec != 3  # fp32 inputs: the loop stays in bwd_intra (INTRA_DIAG_KERNEL)
     kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
-                                      DIAG=bool(INTRA_DIAG_KERNEL), PREC=prec, **_launch("bwd_intra", K, V))
-    if INTRA_DIAG_KERNEL:
+                                      DIAG=diag, PREC=prec, **_launch("bwd_intra", K, V))
+    if diag:
         cfg = _rows(_launch("intra_diag", K, V), k)
         kda_intra_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H,
                                                                K=K, BT=BT, BS=BS, **cfg)
