@@ -5,7 +5,8 @@ Outside the Function: the layout (padding T to a multiple of 64, or a packed row
 `VarlenLayout.to_chunks`, and `from_chunks` of o; torch, differentiable), then `KDAPrep` (the l2 norm of q and k, the
 query scale and the chunk-local cumsum of g into the accumulator dtype, one kernel each way; kernels.FUSED_PREP 0: the
 same in torch ops, autograd's backward). Inside: wy_fwd (Tm, P, W,
-U) -> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, P, W, U from the forward, recomputes h and vn,
+U) -> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, P, W, U from the forward, recomputes h and vn
+(kernels.SAVE_STATES 1: keeps them too),
 then dv_local (Pᵀ dO) -> state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (bwd_wy, then bwd_intra: dq, dk, dv,
 dbeta, dgam).
 """
@@ -55,22 +56,27 @@ class KDAFunction(torch.autograd.Function):
         h, vn, ht = state_fwd(w, u, k, gam, h0, inputs=v.dtype, output_final_state=output_final_state,
                               resets=resets)
         o = out_fwd(q, gam, p, h, vn, v.dtype)
-        ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u)
+        ctx.saved_states = bool(kernels.SAVE_STATES)
+        states = (h, vn) if ctx.saved_states else ()
+        ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u, *states)
         ctx.resets = resets
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gam, beta, h0, tm, p, w, u = ctx.saved_tensors
+        q, k, v, gam, beta, h0, tm, p, w, u, *states = ctx.saved_tensors
         resets = ctx.resets
-        h, vn, _ = state_fwd(w, u, k, gam, h0, inputs=v.dtype, resets=resets)
-        do = do.to(gam.dtype).contiguous()
+        if ctx.saved_states:
+            h, vn = states
+        else:
+            h, vn, _ = state_fwd(w, u, k, gam, h0, inputs=v.dtype, resets=resets)
+        do = do.contiguous()  # in o's dtype: the kernels cast on load
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
         dvl = dv_local(q, p, do, v.dtype)
         dh, dvn, dh0 = state_bwd(q, k, gam, w, do, dvl, dht, inputs=v.dtype, need_dh0=h0 is not None,
                                  resets=resets)
         dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgam, dbeta.to(beta.dtype),
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dgam, dbeta.to(beta.dtype),
                 None if dh0 is None else dh0.to(h0.dtype), None, None)
 
 
@@ -152,7 +158,7 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
     if layout is not None and layout.chunk_resets[0]:
         return torch.zeros(B, H, K, V, dtype=acc, device=v.device)
     q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
-    (do,) = _laid_out(layout, T, grad_o.to(acc))
+    (do,) = _laid_out(layout, T, grad_o)  # the kernels cast on load
     _, p, w, _ = wy_fwd(q, k, v, gam, beta)
     dvl = dv_local(q, p, do, v.dtype)
     _, _, dh0 = state_bwd(q, k, gam, w, do, dvl, None, inputs=v.dtype, store=False, need_dh0=True,

@@ -88,6 +88,9 @@ INTRA_DIAG_KERNEL = 1
 # The diagonal kernels' rows per program under the interpreter (CPU tensors): a whole chunk (the same code; one program
 # per sub-chunk doubles the op's interpreted time). bench/kernel_resources.py sets 0 (LAUNCH's BR) while recording.
 INTERPRETER_BR = BT
+# The backward's h and vn: 0, recomputed (state_fwd again); 1, kept from the forward (no recomputation; the saved
+# activations grow by h [B, NT, H, K, V] and vn [B, Tp, H, V] in fp32: 1.5 GiB at 32K tokens of 32 heads of 128).
+SAVE_STATES = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
@@ -811,12 +814,12 @@ def state_bwd(q, k, gam, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=F
 
 
 def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
-    """-> dq, dk, dgam [B, Tp, H, K], dv [B, Tp, H, V], dbeta [B, Tp, H], all in gam's dtype: bwd_wy, then
-    bwd_intra adding the pair products' terms in place."""
+    """-> dq, dk, dgam [B, Tp, H, K], dv [B, Tp, H, V] (in v's dtype), dbeta [B, Tp, H], the others in gam's dtype:
+    bwd_wy, then bwd_intra (and intra_diag) adding the pair products' terms in place."""
     B, Tp, H, K, V, NT = _shape(k, v)
     acc = gam.dtype
     dq, dk, dgam = (torch.empty(B, Tp, H, K, device=k.device, dtype=acc) for _ in range(3))
-    dv = torch.empty(B, Tp, H, V, device=k.device, dtype=acc)
+    dv = torch.empty(B, Tp, H, V, device=k.device, dtype=v.dtype)  # written in v's dtype (one rounding, as a cast)
     dbeta = torch.empty(B, Tp, H, device=k.device, dtype=acc)
     da, dp = (torch.empty(B, Tp, H, BT, device=k.device, dtype=acc) for _ in range(2))
     prec = _prec(acc, v.dtype)
