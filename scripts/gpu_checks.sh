@@ -130,6 +130,9 @@
 #   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC 0) against the
 #                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
 #                                      tests on it                                                 (about 6 minutes)
+#   bash scripts/gpu_checks.sh kda_ab  KDA's switchable variants (kernels.FUSED_PREP, WY_DIAG_KERNEL, INTRA_DIAG_KERNEL,
+#                                      SAVE_STATES) each turned against the source in the same call: fwd / fwd+bwd
+#                                      ms and peak memory at KDA_LENGTHS (32K), no accuracy rows (about 4 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -144,7 +147,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|kda_ab|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -335,6 +338,23 @@ kda_prec)
     check kda_tests_prec0 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_prec0.json" -- -q -rA -k bf16 \
       -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py
   fi
+  ;;
+kda_ab)
+  # the source's table and switches, then one variant each (launch_sweep --apply: module constants of kernels.py);
+  # the last row is the tree before the switches (only the backward's dO / dv casts differ)
+  # shellcheck disable=SC2086
+  check kda_ab_source 120 python bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} \
+    --profile 32768 --json "$OUT/kda_ab.jsonl"
+  for v in FUSED_PREP=0 WY_DIAG_KERNEL=0 INTRA_DIAG_KERNEL=0 SAVE_STATES=1 ALL_OFF; do
+    if [ "$v" = ALL_OFF ]; then
+      echo '{"FUSED_PREP": 0, "WY_DIAG_KERNEL": 0, "INTRA_DIAG_KERNEL": 0}' > "$OUT/kda_ab_${v%=*}.json"
+    else
+      echo "{\"${v%=*}\": ${v#*=}}" > "$OUT/kda_ab_${v%=*}.json"
+    fi
+    # shellcheck disable=SC2086
+    check "kda_ab_${v%=*}" 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_ab_${v%=*}.json" -- \
+      bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --json "$OUT/kda_ab.jsonl"
+  done
   ;;
 ssd_op|kda_op)
   # the benches alone (the tests in `recurrences`); accuracy at 4K (the float64 reference at 128 heads is the slow
