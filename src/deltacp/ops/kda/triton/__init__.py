@@ -2,8 +2,8 @@
 `TritonKimiDeltaRule`, the recurrence contract of `ops/recurrence.py`, M full.
 
 Importing this package imports no Triton: the kernels load on first use.
-    kernels.py  the kernels (wy_fwd, state_fwd, out_fwd / dv_local, state_bwd, bwd_wy, bwd_intra), their math,
-                tiling and launchers; the in-chunk pair products on tensor cores
+    kernels.py  the kernels (prep, wy_diag, wy_fwd, state_fwd, out_fwd / dv_local, state_bwd, bwd_wy, bwd_intra,
+                intra_diag, prep_bwd), their math, tiling and launchers; the in-chunk pair products on tensor cores
     chunk.py    the autograd Function and the public ops (forward, summary, entering state's gradient)
 
 On a GPU the kernels fit a Hopper program at K = V = 128 (bench/kernel_resources.py gives each kernel's shared

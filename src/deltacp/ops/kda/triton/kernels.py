@@ -14,7 +14,10 @@ q already l2-normalised and scaled, k l2-normalised, h_c the state [K, V] enteri
     bwd_wy     one chunk's gradient terms through h_c, dh_{c+1} and the WY form: dv, dA, dP, and the parts of dq, dk,
                dbeta, dgam outside the pair products (formulas at the kernel)
     bwd_intra  the pair products' terms of dq, dk, dbeta, dgam from dA and dP, added in place
-dgam is the gradient of the chunk-local cumsum; g's is its suffix sum within the chunk (torch autograd, chunk.py).
+dgam is the gradient of the chunk-local cumsum; g's is its suffix sum within the chunk (prep_bwd). Around them: prep
+(q, k l2-normalised, q scaled, gam = the cumsum of g; one pass over the inputs in their dtype) and prep_bwd; the
+diagonal sub-chunk blocks (below) in their own kernels, wy_diag before wy_fwd and intra_diag after bwd_intra
+(WY_DIAG_KERNEL, INTRA_DIAG_KERNEL).
 
 Decayed pair products (A, P and their backward) on tensor cores, exact for any finite g <= 0. The chunk is four
 sub-chunks of BS = 16 tokens. For i in a later sub-chunk than j, e^{gam_i - gam_j} = e^{gam_i - gam_e} e^{gam_e - gam_j}
@@ -57,6 +60,8 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # bwd_wy 288, bwd_intra 144, wy_fwd 44; fp32 inputs: bwd_intra 1,192), which the timings above include.
 # The products of the kernels whose errors compound across chunks (WY, the state kernels) under bf16 / fp16 inputs:
 # 1, three tf32 passes (about fp32); 0, one (tf32's 10-bit mantissa, still above the bf16 inputs' 7). `_prec`.
+# wy_diag, intra_diag, prep, prep_bwd (2026-12-06, kda-speed): untimed first choices, by offline registers and spills
+# (bench/kernel_resources.py); the sweep has not seen them.
 COMPOUND_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=2, BK=16, BV=16),
