@@ -72,7 +72,7 @@ def pack(mamba: str, tag: str, out: str) -> None:
 def check_import(dest: str) -> str:
     """The peer's import in a fresh process with DEST first on the path; its error, or ''."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([dest, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", "import selective_scan_cuda, mamba_ssm; "
+    r = subprocess.run([sys.executable, "-c", "import torch, selective_scan_cuda, mamba_ssm; "
                         "from mamba_ssm.ops.selective_scan_interface import selective_scan_fn; "
                         "print('mamba_ssm', mamba_ssm.__version__, 'selective_scan_cuda from', "
                         "selective_scan_cuda.__file__)"], env=env, capture_output=True, text=True)
