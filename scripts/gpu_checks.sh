@@ -130,9 +130,9 @@
 #   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC 0) against the
 #                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
 #                                      tests on it                                                 (about 6 minutes)
-#   bash scripts/gpu_checks.sh kda_ab  KDA's switchable variants (kernels.FUSED_PREP, WY_DIAG_KERNEL, INTRA_DIAG_KERNEL,
-#                                      SAVE_STATES) each turned against the source in the same call: fwd / fwd+bwd
-#                                      ms and peak memory at KDA_LENGTHS (32K), no accuracy rows (about 4 minutes)
+#   bash scripts/gpu_checks.sh kda_ab  KDA's switchable variants (kernels.INTRA_DIAG_KERNEL, SAVE_STATES) each turned
+#                                      against the source in the same call: fwd / fwd+bwd ms and peak memory at
+#                                      KDA_LENGTHS (32K), no accuracy rows (about 2 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -340,17 +340,12 @@ kda_prec)
   fi
   ;;
 kda_ab)
-  # the source's table and switches, then one variant each (launch_sweep --apply: module constants of kernels.py);
-  # the last row is the tree before the switches (only the backward's dO / dv casts differ)
+  # the source's table and switches, then one variant each (launch_sweep --apply: module constants of kernels.py)
   # shellcheck disable=SC2086
   check kda_ab_source 120 python bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} \
     --profile 32768 --json "$OUT/kda_ab.jsonl"
-  for v in FUSED_PREP=0 WY_DIAG_KERNEL=0 INTRA_DIAG_KERNEL=0 SAVE_STATES=1 ALL_OFF; do
-    if [ "$v" = ALL_OFF ]; then
-      echo '{"FUSED_PREP": 0, "WY_DIAG_KERNEL": 0, "INTRA_DIAG_KERNEL": 0}' > "$OUT/kda_ab_${v%=*}.json"
-    else
-      echo "{\"${v%=*}\": ${v#*=}}" > "$OUT/kda_ab_${v%=*}.json"
-    fi
+  for v in INTRA_DIAG_KERNEL=0 SAVE_STATES=1; do
+    echo "{\"${v%=*}\": ${v#*=}}" > "$OUT/kda_ab_${v%=*}.json"
     # shellcheck disable=SC2086
     check "kda_ab_${v%=*}" 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_ab_${v%=*}.json" -- \
       bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --json "$OUT/kda_ab.jsonl"

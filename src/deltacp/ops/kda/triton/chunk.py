@@ -3,8 +3,7 @@ the entering state's gradient), with the semantics of `ops/kda/eager.py`.
 
 Outside the Function: the layout (padding T to a multiple of 64, or a packed row's chunk-aligned layout,
 `VarlenLayout.to_chunks`, and `from_chunks` of o; torch, differentiable), then `KDAPrep` (the l2 norm of q and k, the
-query scale and the chunk-local cumsum of g into the accumulator dtype, one kernel each way; kernels.FUSED_PREP 0: the
-same in torch ops, autograd's backward). Inside: wy_fwd (Tm, P, W,
+query scale and the chunk-local cumsum of g into the accumulator dtype, one kernel each way). Inside: wy_fwd (Tm, P, W,
 U) -> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, P, W, U from the forward, recomputes h and vn
 (kernels.SAVE_STATES 1: keeps them too),
 then dv_local (Pᵀ dO) -> state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (bwd_wy, then bwd_intra: dq, dk, dv,
@@ -22,10 +21,6 @@ from deltacp.ops.kda.triton.kernels import (BT, chunk_bwd, dv_local, out_fwd, pr
 # the accumulator dtype, the layout (padding / chunk-aligned packed row) and the reset flags: the SSD backend's (its
 # chunk is 64 tokens too)
 from deltacp.ops.ssd.triton.chunk import _laid_out, _resets, acc_dtype
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 class KDAPrep(torch.autograd.Function):
@@ -86,26 +81,12 @@ def _inputs(q, k, v, g, beta, scale, qk_l2norm, layout, T):
     acc = acc_dtype(v.dtype)
     K = k.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    if kernels.FUSED_PREP:
-        xs = _laid_out(layout, T, *(x for x in (q, k, v, g, beta.to(acc)) if x is not None))
-        if q is None:
-            _, k, gam, _, _, _ = prep(None, xs[0], xs[2], scale, qk_l2norm, acc)
-            return None, k, xs[1], gam, xs[3]
-        q, k, v, g, beta = xs
-        q, k, gam = KDAPrep.apply(q, k, g, scale, qk_l2norm, acc)
-        return q, k, v, gam, beta
-    k = k.to(acc)
-    if qk_l2norm:
-        k = _l2norm(k)
-    if q is not None:
-        q = q.to(acc)
-        q = (_l2norm(q) if qk_l2norm else q) * scale
-    xs = _laid_out(layout, T, *(x for x in (q, k, v, g.to(acc), beta.to(acc)) if x is not None))
+    xs = _laid_out(layout, T, *(x for x in (q, k, v, g, beta.to(acc)) if x is not None))
     if q is None:
-        xs = [None] + xs
+        _, k, gam, _, _, _ = prep(None, xs[0], xs[2], scale, qk_l2norm, acc)
+        return None, k, xs[1], gam, xs[3]
     q, k, v, g, beta = xs
-    B, Tp, H, _ = g.shape
-    gam = g.view(B, Tp // BT, BT, H, K).cumsum(2).view(B, Tp, H, K).contiguous()
+    q, k, gam = KDAPrep.apply(q, k, g, scale, qk_l2norm, acc)
     return q, k, v, gam, beta
 
 

@@ -17,14 +17,14 @@ q already l2-normalised and scaled, k l2-normalised, h_c the state [K, V] enteri
 dgam is the gradient of the chunk-local cumsum; g's is its suffix sum within the chunk (prep_bwd). Around them: prep
 (q, k l2-normalised, q scaled, gam = the cumsum of g; one pass over the inputs in their dtype) and prep_bwd; the
 diagonal sub-chunk blocks (below) in their own kernels, wy_diag before wy_fwd and intra_diag after bwd_intra
-(WY_DIAG_KERNEL, INTRA_DIAG_KERNEL).
+(INTRA_DIAG_KERNEL).
 
 Decayed pair products (A, P and their backward) on tensor cores, exact for any finite g <= 0. The chunk is four
 sub-chunks of BS = 16 tokens. For i in a later sub-chunk than j, e^{gam_i - gam_j} = e^{gam_i - gam_e} e^{gam_e - gam_j}
 through the last row e of j's sub-chunk (`_through`): both exponents are <= 0, so the products are tl.dot of decayed
 operands, one per sub-chunk jb (three), with the factors zero outside the rows they serve. Inside a sub-chunk (the
-16 x 16 diagonal blocks) the factor is formed per element, one column of every block per step (16 steps of [BT, BK]
-elementwise work). No exponent is ever positive (e^{gam} and e^{gl - gam} are <= 1 as well): nothing overflows
+16 x 16 diagonal blocks) the factor is formed per element: wy_diag and intra_diag, one row of a sub-chunk per step
+(bwd_intra under fp32 inputs: in its own loop, one column of every block per step, [BT, BK] elementwise work). No exponent is ever positive (e^{gam} and e^{gl - gam} are <= 1 as well): nothing overflows
 however fast the gate (Kimi's unbounded one and Bailing's g >= kda_lower_bound alike); an underflow drops only a
 term below e^{-87} (fp32) times products of unit vectors.
 
@@ -60,8 +60,9 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # bwd_wy 288, bwd_intra 144, wy_fwd 44; fp32 inputs: bwd_intra 1,192), which the timings above include.
 # The products of the kernels whose errors compound across chunks (WY, the state kernels) under bf16 / fp16 inputs:
 # 1, three tf32 passes (about fp32); 0, one (tf32's 10-bit mantissa, still above the bf16 inputs' 7). `_prec`.
-# wy_diag, intra_diag, prep, prep_bwd (2026-12-06, kda-speed): untimed first choices, by offline registers and spills
-# (bench/kernel_resources.py); the sweep has not seen them.
+# wy_diag, intra_diag, prep, prep_bwd (2026-12-06): first choices by offline registers and spills
+# (bench/kernel_resources.py), timed inside the op on an H100 but not swept yet (nor wy_fwd / bwd_intra since their
+# diagonal loops moved out).
 COMPOUND_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=2, BK=16, BV=16),
@@ -75,26 +76,26 @@ LAUNCH: dict[str, dict[str, int]] = {
     "prep": dict(num_warps=8, num_stages=1),
     "prep_bwd": dict(num_warps=8, num_stages=1),
 }
-# The op's input preparation (chunk.py): 1, the prep kernels (q, k l2-normalised and q scaled, the chunk-local cumsum
-# of g, read in the inputs' dtype: one pass forward, one backward); 0, torch elementwise ops and autograd through them
-# (about ten passes over fp32 [B, T, H, K] tensors each way). Same values either way (to rounding).
-FUSED_PREP = 1
-# wy_fwd's diagonal BS x BS sub-chunk blocks of A and P: 1, their own kernel before wy_fwd, which reads them back
+# wy_fwd's diagonal BS x BS sub-chunk blocks of A and P come from their own kernel before it, which wy_fwd reads back
 # ([B, Tp, H, BS] each): wy_diag, BR rows per program (BR = BS: one sub-chunk, one row of k and gam per step; offline
-# sm_90, bf16: 72 registers at BK 32, no spill, against wy_fwd's 255 with spills; under the interpreter BR = BT,
-# INTERPRETER_BR); 0, inside wy_fwd (one column of every block per step, gathered [BT, BK] loads, per K block).
-WY_DIAG_KERNEL = 1
+# sm_90, bf16: 72 registers at BK 32, no spill; under the interpreter BR = BT, INTERPRETER_BR). On an H100 at 32K
+# (2026-12-06, bench/kda_op.py, Kimi-Linear's shape, bf16) this and the prep kernels (chunk.py: the l2 norms, the
+# query scale and the cumsum of g in one pass each way, instead of about ten torch passes over fp32 tensors) took the
+# op's fwd + bwd from 59.9 to 41.9 ms: the prep kernels 12.2 ms of it, wy_diag 3.3; the variants they replaced
+# (torch glue; the diagonal blocks one column per step inside wy_fwd, per K block) were removed.
 # bwd_intra's diagonal-block terms: 1, their own kernel after it (intra_diag, BR rows per program, as wy_diag; one
 # more read-modify-write of dq, dk, dgam, dbeta; offline sm_90, bf16: bwd_intra 255 registers, spill 144 -> 0 bytes,
 # intra_diag 168 registers, no spill); 0, inside bwd_intra (gathered [BT, BK] loads, 16 steps per K block). Under fp32
 # inputs (fp32 FMA products) the loop stays in bwd_intra either way: without it ptxas (Triton 3.9, offline) gives that
-# bwd_intra 32 registers and 7 KB of spill, against 255 and 1.2 KB with it.
+# bwd_intra 32 registers and 7 KB of spill, against 255 and 1.2 KB with it. H100, 32K: 41.9 ms with it, 44.4 without.
 INTRA_DIAG_KERNEL = 1
 # The diagonal kernels' rows per program under the interpreter (CPU tensors): a whole chunk (the same code; one program
 # per sub-chunk doubles the op's interpreted time). bench/kernel_resources.py sets 0 (LAUNCH's BR) while recording.
 INTERPRETER_BR = BT
 # The backward's h and vn: 0, recomputed (state_fwd again); 1, kept from the forward (no recomputation; the saved
-# activations grow by h [B, NT, H, K, V] and vn [B, Tp, H, V] in fp32: 1.5 GiB at 32K tokens of 32 heads of 128).
+# activations grow by h [B, NT, H, K, V] and vn [B, Tp, H, V] in fp32: 1.5 GiB at 32K tokens of 32 heads of 128,
+# per layer unless the layer is recomputed anyway). H100, 32K: fwd + bwd 39.3 ms with 1, 41.9 with 0 (the op's own
+# peak the same, 10.5 GiB: the recomputed h lives in its backward either way).
 SAVE_STATES = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
@@ -261,20 +262,19 @@ def _inverse(b_a, BT: tl.constexpr, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=["Tp"])
 def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_Q: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
+                      HAS_Q: tl.constexpr, PREC: tl.constexpr):
     """Tm, W, U and (HAS_Q) P of one chunk; A and P summed over K blocks (off-diagonal sub-chunk blocks by tl.dot
-    through `_through`, the diagonal ones one column per step, or with DIAG read from ad, pd: wy_diag's)."""
+    through `_through`), started from the diagonal blocks wy_diag wrote to ad, pd."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     o_t = tl.arange(0, BT)
     b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
     b_a = tl.zeros([BT, BT], dtype=acc)
     b_p = tl.zeros([BT, BT], dtype=acc)
-    if DIAG:  # wy_diag's blocks as the accumulators' start
-        o_s = tl.arange(0, BS)
-        b_a += _diag(_load(ad, o_t, o_s, i_b, i_c, i_h, Tp, H, BS, BT, acc), BT, BS)
-        if HAS_Q:
-            b_p += _diag(_load(pd, o_t, o_s, i_b, i_c, i_h, Tp, H, BS, BT, acc), BT, BS)
+    o_s = tl.arange(0, BS)  # wy_diag's blocks as the accumulators' start
+    b_a += _diag(_load(ad, o_t, o_s, i_b, i_c, i_h, Tp, H, BS, BT, acc), BT, BS)
+    if HAS_Q:
+        b_p += _diag(_load(pd, o_t, o_s, i_b, i_c, i_h, Tp, H, BS, BT, acc), BT, BS)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
@@ -287,16 +287,6 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H: tl.constex
             b_a += _dot(b_k * up, b_kd, PREC)
             if HAS_Q:
                 b_p += _dot(b_q * up, b_kd, PREC)
-        if not DIAG:
-            for jj in range(BS):  # column jj of every diagonal block: x = the row of the same sub-chunk
-                o_x = o_t // BS * BS + jj
-                b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-                b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-                b_e = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
-                sel = o_t[None, :] == o_x[:, None]
-                b_a += tl.where(sel, tl.sum(b_k * b_kx * b_e, axis=1)[:, None], 0.)
-                if HAS_Q:
-                    b_p += tl.where(sel, tl.sum(b_q * b_kx * b_e, axis=1)[:, None], 0.)
     b_t = _inverse(tl.where(o_t[:, None] > o_t[None, :], b_a, 0.) * b_beta[:, None], BT, PREC)
     _store(tm, b_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
     if HAS_Q:
@@ -749,16 +739,13 @@ def wy_fwd(q, k, v, gam, beta):
     p = None if q is None else torch.empty_like(tm)
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
-    ad = pd = None
-    if WY_DIAG_KERNEL:
-        ad = torch.empty(B, Tp, H, BS, device=k.device, dtype=gam.dtype)
-        pd = None if q is None else torch.empty_like(ad)
-        cfg = _rows(_launch("wy_diag", K, V), k)
-        kda_wy_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, ad, pd, Tp, H=H, K=K, BT=BT, BS=BS,
-                                                            HAS_Q=q is not None, **cfg)
+    ad = torch.empty(B, Tp, H, BS, device=k.device, dtype=gam.dtype)
+    pd = None if q is None else torch.empty_like(ad)
+    cfg = _rows(_launch("wy_diag", K, V), k)
+    kda_wy_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, ad, pd, Tp, H=H, K=K, BT=BT, BS=BS,
+                                                        HAS_Q=q is not None, **cfg)
     kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
-                                   HAS_Q=q is not None, DIAG=bool(WY_DIAG_KERNEL), PREC=_prec(gam.dtype, v.dtype, True),
-                                   **_launch("wy_fwd", K, V))
+                                   HAS_Q=q is not None, PREC=_prec(gam.dtype, v.dtype, True), **_launch("wy_fwd", K, V))
     return tm, p, w, u
 
 
