@@ -100,7 +100,8 @@
 #   bash scripts/gpu_checks.sh mamba1_peer  mamba_ssm 2.3.2.post1's selective_scan_fn, the public Mamba1 CUDA kernel,
 #                                      compiled here for this GPU only from .whl/mamba1_peer_src.tar.gz (made by
 #                                      `python bench/mamba1_peer.py pack --mamba DIR`: its sources, einops, ninja;
-#                                      build time not yet measured: a build cut short goes on at the next call),
+#                                      built in 100 s on an H100 machine, 2026-12-06; a build cut short goes on at
+#                                      the next call on the same machine),
 #                                      then bench/selective_op.py with its rows at 8K-64K (SELECTIVE_LENGTHS); once
 #                                      built, part selective adds the same rows; exits non-zero when a check fails
 #   The public kernels (FLA, FlashQLA, mamba_ssm's Triton SSD, liger-kernel, transformers 5.25) come from

@@ -7,7 +7,7 @@ One spawn per world size runs every check (spawning is the expensive part):
   unpacked and packed: output, input gradient, every parameter gradient summed over ranks;
 - CP8 model checks: u in {1, 2, 4, 8} with all_gather / ring and p2p / all_gather, packed documents included:
   logits, loss, all gradients, grad norm;
-- CP16: an 8-head model (8 attention heads, 8 value heads: Ulysses stops at CP8) trains 3 AdamW steps at
+- CP16: an 8-head model (8 attention heads, 8 value heads: Ulysses stops at CP8) trains 2 AdamW steps at
   cp = 16 (1-D all_gather, and 2-D u = 2 with ring; then sequence_layout='balanced' with the p2p scan, 1-D ring
   and 2-D u = 2 all_gather), losses, gradients and weights equal to one device.
 """
@@ -168,7 +168,7 @@ def test_attention_and_two_d_parity_cp8():
 
 
 def cp16_train_worker(rank, world):
-    """An 8-head model (Ulysses stops at CP8) trains at cp = 16: 3 AdamW steps on new packed rows each step."""
+    """An 8-head model (Ulysses stops at CP8) trains at cp = 16: 2 AdamW steps on new packed rows each step."""
     torch.manual_seed(0)
     config = tiny_config(hidden_size=32, intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=8,
                          linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8)
@@ -177,7 +177,7 @@ def cp16_train_worker(rank, world):
     S = 128  # 8 tokens per rank
     batches = [(torch.randint(0, 256, (1, S), generator=data),
                 torch.tensor([0] + sorted(torch.randperm(S - 2, generator=data)[:4].add(1).tolist()) + [S]))
-               for _ in range(3)]
+               for _ in range(2)]
     mesh, single = cp_mesh(), self_meshes()
     failures = []
 
@@ -205,7 +205,7 @@ def cp16_train_worker(rank, world):
                                        sequence_layout=layout)
         losses, weights = train(model, mesh, layout)
         diff = max(abs(a / b - 1) for a, b in zip(losses, losses_ref))
-        _record(failures, f"CP16 {layout} u={u} {mode}/{passing}+{method} 3 steps", {
+        _record(failures, f"CP16 {layout} u={u} {mode}/{passing}+{method} 2 steps", {
             "max loss rel diff": diff, "weights after": rel_l2(weights, weights_ref)}, 1e-7)
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 

@@ -1,7 +1,8 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
-float32, packed rows) with the single-device losses and grad norms, 3 steps, and the families added after Qwen3.5
-(OLMo-Hybrid, the Mamba2 and the KDA ones, Qwen4-Exp, GLM-5.3-Flash, MiniMax-Text-01, Zamba2, LFM3, Mamba2, LaRA-mini,
-RecurrentGemma, Jamba, Zamba) also at dp2 x cp2 (4 ranks, the same global batch); bad class settings name the key.
+float32, packed rows) with the single-device losses and grad norms, 2 steps (AdamW's first and one with its moments),
+and the families added after Qwen3.5 (OLMo-Hybrid, the Mamba2 and the KDA ones, Qwen4-Exp, GLM-5.3-Flash,
+MiniMax-Text-01, Zamba2, LFM3, Mamba2, LaRA-mini, RecurrentGemma, Jamba, Zamba) also at dp2 x cp2 (4 ranks, the same
+global batch); bad class settings name the key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
@@ -23,7 +24,7 @@ from deltacp.train.config import ConfigError, config_from_dict, config_to_dict, 
 from deltacp.train.parity import compare, cp_configs, reference_config, run_jobs
 
 MAIN = Path(__file__).resolve().parents[2] / "configs" / "tiny_cp4.yaml"
-STEPS = 3
+STEPS = 2
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
            output_router_logits=True)
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=2,

@@ -3,8 +3,9 @@ backend's float64 varlen results, and of the kernels' runtime lengths. Need trit
 
 Per case (documents not aligned to 64, length-1 documents, seven tiny documents; first_continues True/False; the
 many-document rows at real shapes are the GPU test's, tests/gpu/test_triton_varlen_gpu.py):
-  - fp32 inputs (the kernels then compute in fp32 end to end): o, final state, all six gradients, dH0 from dO
-    (`initial_state_grad`), summary (M, S) vs eager fp64, rel-L2 < 1e-5 (the bound of the unpacked interpreter test).
+  - fp32 inputs (the kernels then compute in fp32 end to end; first_continues True only: the precision check): o,
+    final state, all six gradients, dH0 from dO (`initial_state_grad`), summary (M, S) vs eager fp64, rel-L2 < 1e-5
+    (the bound of the unpacked interpreter test).
   - bf16 inputs (the production dtypes): the same quantities vs eager fp64 on the same bf16 values, rel-L2 < 2.5e-2
     (bf16 products and a bf16 per-chunk state at K = V = 32: the unpacked op itself, the "one doc" case, which is
     bitwise the unpacked op, is at 1.7e-2 for o here), and BITWISE equal to running the Triton op on
@@ -82,7 +83,8 @@ for name in sys.argv[1:]:  # the cases this process runs
         lay = VarlenLayout.build(cu_t, T, first_continues=first)
         # plain offsets mean first_continues=True: pass the tensor itself in that case (the other input form)
         cu = cu_t if first else lay
-        for dt in (torch.float32, torch.bfloat16):
+        # fp32 (the kernels' precision against float64) once per case; bf16 (the layout, bitwise) both ways
+        for dt in (torch.float32, torch.bfloat16) if first else (torch.bfloat16,):
             tag = "fp32" if dt == torch.float32 else "bf16"
             xs = inputs(T, dt, seed=len(lens) + 7 * first)
             g_out = torch.Generator().manual_seed(100 + len(lens) + 7 * first)  # the same cotangents every run
@@ -183,8 +185,8 @@ def test_interpreter_varlen_vs_eager_fp64():
     print(stdout)
     worst = [[float(x) for x in out.strip().splitlines()[-1].split()[1:]] for out, _, _ in outs]
     fp32, bf16 = (max(w[i] for w in worst) for i in (0, 1))
-    for name in sum(parts, []):  # each case: first_continues True / False, fp32 and bf16
-        assert sum(line.startswith(name + " first_continues") for line in stdout.splitlines()) == 4, (name, stdout)
+    for name in sum(parts, []):  # each case: first_continues True (fp32 and bf16) and False (bf16)
+        assert sum(line.startswith(name + " first_continues") for line in stdout.splitlines()) == 3, (name, stdout)
     assert fp32 < 1e-5, stdout
     assert bf16 < 2.5e-2, stdout
 
