@@ -9,6 +9,7 @@ context), and are timed against the current table measured in the same process. 
 
     python bench/launch_sweep.py --op kda --length 32768            # Kimi-Linear's 32 heads of 128, bf16
     python bench/launch_sweep.py --op ssd --length 32768            # Nemotron-H-8B's Mamba2 shape, bf16
+    python bench/launch_sweep.py --op ssd --shape h128-g1-n256      # state 256's own entries (<name>/n256)
     python bench/launch_sweep.py --op selective --length 32768      # Falcon-Mamba-7B's Mamba1 shape, bf16
     python bench/launch_sweep.py --op kda --table-out t.json; python bench/launch_sweep.py --op kda --apply t.json \
         -- tests/gpu/test_kda_triton_gpu.py -q                         # the op's GPU tests on the proposal
@@ -41,11 +42,21 @@ WARPS = (4, 8)
 STAGES = (1, 2, 3)
 
 
-def op_and_inputs(op: str, T: int | None):
+SSD_SHAPE = "nemotron-h-8b"  # the SSD shape the table's plain entries are swept at (state 128)
+
+
+def op_and_inputs(op: str, T: int | None, shape: str | None = None):
     """(the kernels' module, the launch names to sweep: those of bf16 inputs), and with a length T: (the module, the
-    op, its inputs at the op's released shape, their names, the launch names)."""
+    op, its inputs at the op's released shape, their names, the launch names). `shape` (SSD only, bench/ssd_op.py's
+    SHAPES): a state size other than SSD_SHAPE's sweeps the "<name>/n<N>" entries (kernels._config)."""
     mod = importlib.import_module(f"deltacp.ops.{op}.triton.kernels")
     kernels = [n for n in mod.LAUNCH if "/" not in n]
+    if op == "ssd" and shape not in (None, SSD_SHAPE):
+        import ssd_op
+
+        N, base_N = ssd_op.SHAPES[shape][2], ssd_op.SHAPES[SSD_SHAPE][2]
+        if N != base_N:
+            kernels = [f"{n}/n{N}" for n in kernels]
     if T is None:
         return mod, kernels
     if op == "kda":
@@ -59,7 +70,7 @@ def op_and_inputs(op: str, T: int | None):
     else:
         import ssd_op as bench
 
-        t = bench.make_inputs(T, *bench.SHAPES["nemotron-h-8b"], "slow", torch.bfloat16)
+        t = bench.make_inputs(T, *bench.SHAPES[shape or SSD_SHAPE], "slow", torch.bfloat16)
     return mod, bench.deltacp_op("triton"), t, bench.NAMES, kernels
 
 
@@ -80,7 +91,7 @@ def child(job_path: str) -> None:
     (the context is lost: the parent starts a new process for the trials left)."""
     with open(job_path) as f:
         job = json.load(f)
-    mod, fn, t, names, _ = op_and_inputs(job["op"], job["length"])
+    mod, fn, t, names, _ = op_and_inputs(job["op"], job["length"], job.get("shape"))
     y0, h0, g0 = fwd_bwd(fn, t, names)  # the reference: the table in the source, which the GPU tests verified
     ref = [y0.detach(), h0.detach()] + [g0[n].detach() for n in names]
     del y0, h0, g0
@@ -130,7 +141,8 @@ def run_trials(args, table, group_heads, trials) -> tuple[float | None, list[tup
     base, nxt = None, 0
     while nxt < len(trials):
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(dict(op=args.op, length=args.length, match=args.match, repeat=args.repeat, table=table,
+            json.dump(dict(op=args.op, length=args.length, shape=args.shape, match=args.match, repeat=args.repeat,
+                           table=table,
                            group_heads=group_heads, trials=trials, next=nxt), f)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", f.name], capture_output=True,
                               text=True, env=os.environ)
@@ -154,6 +166,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", choices=("kda", "ssd", "selective"))
     ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--shape", help=f"SSD only: a shape of bench/ssd_op.py's SHAPES (default {SSD_SHAPE}); another "
+                    "state size sweeps its own entries, <name>/n<N>, starting from the plain ones")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--match", type=float, default=1e-2, help="rel-L2 bound against the source table's results")
     ap.add_argument("--gain", type=float, default=0.02, help="the least relative gain that moves the table")
@@ -195,10 +209,18 @@ def main():
     if args.op is None:
         ap.error("--op is required")
     start = time.time()
-    mod, kernels = op_and_inputs(args.op, None)
+    if args.shape is not None and args.op != "ssd":
+        ap.error("--shape is for --op ssd")
+    mod, kernels = op_and_inputs(args.op, None, args.shape)
     table = {k: dict(v) for k, v in mod.LAUNCH.items()}
+    for name in kernels:  # a state size's own entries start from the plain ones
+        table.setdefault(name, dict(mod.LAUNCH[name.split("/")[0]]))
     group_heads = getattr(mod, "GROUP_HEADS", None)
-    knobs = list(args.kernels or kernels) + (["GROUP_HEADS"] if group_heads is not None and not args.kernels else [])
+    # GROUP_HEADS is one setting for every shape: swept at the plain entries' shape only
+    sweep_groups = group_heads is not None and not args.kernels and all("/" not in n for n in kernels)
+    # --kernels by their plain names; at another state size, that size's entries
+    wanted = [next((n for n in kernels if n.split("/")[0] == k), k) for k in args.kernels or []]
+    knobs = (wanted or list(kernels)) + (["GROUP_HEADS"] if sweep_groups else [])
     first = None
     for _, name in itertools.product(range(args.passes), knobs):
         if time.time() - start > args.budget:

@@ -313,14 +313,16 @@ ssd_sweep)
   # launches; in this process: xdist's workers would not see the proposal) and its bench (timings, the peers in the
   # same process; accuracy is the tests') on the proposed table; the table changes in the source only after this part
   # passes
-  check ssd_sweep 230 python bench/launch_sweep.py --op ssd --length 32768 --budget "${SWEEP_BUDGET:-90}" \
-    --table-out "$OUT/ssd_launch.json" --json "$OUT/ssd_sweep.jsonl"
+  # SSD_SWEEP_SHAPE (bench/ssd_op.py's SHAPES): another state size than Nemotron-H's sweeps its own <name>/n<N> entries
+  shape=${SSD_SWEEP_SHAPE:-nemotron-h-8b}
+  check ssd_sweep 230 python bench/launch_sweep.py --op ssd --shape "$shape" --length 32768 \
+    --budget "${SWEEP_BUDGET:-90}" --table-out "$OUT/ssd_launch.json" --json "$OUT/ssd_sweep.jsonl"
   if [ -f "$OUT/ssd_launch.json" ]; then
     check ssd_tests_swept 100 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- -q -rA -k bf16 \
       -p no:cacheprovider tests/gpu/test_ssd_triton_gpu.py
     # shellcheck disable=SC2086
     check ssd_op_swept 240 python bench/launch_sweep.py --op ssd --apply "$OUT/ssd_launch.json" -- bench/ssd_op.py \
-      --lengths ${SSD_LENGTHS:-32768} --shapes nemotron-h-8b --regimes --profile 32768 --json "$OUT/ssd_op.jsonl"
+      --lengths ${SSD_LENGTHS:-32768} --shapes "$shape" --regimes --profile 32768 --json "$OUT/ssd_op.jsonl"
   fi
   ;;
 kda_prec)

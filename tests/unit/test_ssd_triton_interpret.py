@@ -138,6 +138,25 @@ def test_summary_refuses_to_be_differentiated(figures):
     assert figures["summary_grad"] == "True"
 
 
+@needs_triton
+@pytest.mark.fast
+def test_launch_entries_by_dtype_and_state_size(monkeypatch):
+    """kernels._config: an "/fp32" entry for fp32 / fp64 inputs, else a "/n<N>" entry for that state size, else the
+    plain entry; blocks clipped to N and P (what `launch_sweep.py --shape` proposes for another state size)."""
+    from deltacp.ops.ssd.triton import kernels
+
+    monkeypatch.setitem(kernels.LAUNCH, "chunk_dx/n256", dict(BN=64, BP=16, num_warps=4, num_stages=3))
+    bf16, fp32 = torch.bfloat16, torch.float32
+    plain, wide = kernels.LAUNCH["chunk_dx"], kernels.LAUNCH["chunk_dx/fp32"]
+    assert kernels._config("chunk_dx", 256, 64, bf16) == (dict(BN=64, BP=16), dict(num_warps=4, num_stages=3))
+    assert kernels._config("chunk_dx", 128, 64, bf16) == (
+        dict(BN=plain["BN"], BP=plain["BP"]), dict(num_warps=plain["num_warps"], num_stages=plain["num_stages"]))
+    assert kernels._config("chunk_dx", 256, 64, fp32)[1] == dict(num_warps=wide["num_warps"],
+                                                                 num_stages=wide["num_stages"])
+    assert kernels._config("chunk_dx", 256, 8, bf16)[0] == dict(BN=64, BP=8)  # clipped to P
+    assert kernels._config("state_fwd", 256, 64)[0]["BN"] == kernels.LAUNCH["state_fwd"]["BN"]  # no n256 entry
+
+
 # The contract check: no kernel, no triton needed.
 
 def _x(B=1, T=8, G=1, H=2, N=16, P=16, dtype=torch.bfloat16, g_dtype=torch.float32):

@@ -68,7 +68,8 @@ import triton.language as tl
 BT = 64
 
 # Launch configurations (block widths clipped to N, P); "<name>/fp32": the entry for fp32 (and fp64) inputs where it
-# differs. The bf16 entries: `bench/launch_sweep.py --op ssd --length 32768` (coordinate descent, Nemotron-H-8B's
+# differs; "<name>/n<N>": the 16-bit entry for state size N where it differs (`bench/launch_sweep.py --op ssd --shape`
+# proposes them for a shape whose N is not Nemotron-H's 128; none yet). The bf16 entries: `bench/launch_sweep.py --op ssd --length 32768` (coordinate descent, Nemotron-H-8B's
 # shape, one H100, Triton 3.6, 2026-12-06): state_fwd BN 64, out_fwd and chunk_dqk 4 warps, chunk_dx BP 64 took one
 # fwd + bwd at 32K from 18.33 to 11.65 ms (the same call); the op's bf16 GPU tests and the Mamba2 mixers at their
 # config shapes pass with it. The fp32 entries were chosen so that no kernel spills registers on sm_90 at N = 128 and
@@ -91,8 +92,13 @@ GROUP_HEADS = 16
 
 
 def _config(name: str, N: int, P: int, dtype: torch.dtype | None = None) -> tuple[dict[str, int], dict[str, int]]:
-    wide = dtype in (torch.float32, torch.float64) and f"{name}/fp32" in LAUNCH
-    cfg = dict(LAUNCH[f"{name}/fp32" if wide else name])
+    """(blocks, num_warps / num_stages) of launch `name`: its "/fp32" entry for fp32 and fp64 inputs where there is
+    one, else its "/n<N>" entry for state size N where there is one, else the entry itself."""
+    if dtype in (torch.float32, torch.float64) and f"{name}/fp32" in LAUNCH:
+        name = f"{name}/fp32"
+    elif f"{name}/n{N}" in LAUNCH:
+        name = f"{name}/n{N}"
+    cfg = dict(LAUNCH[name])
     opts = {o: cfg.pop(o) for o in ("num_warps", "num_stages")}
     return {"BN": min(cfg["BN"], N), "BP": min(cfg["BP"], P)}, opts
 
