@@ -525,6 +525,25 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, db
     tl.store(_at(dbeta, i_b, i_c, i_h, Tp, H, 1, BT) + o_t * H, b_dbeta)
 
 
+@triton.jit
+def _diag_step(b_fp, b_fa, b_gk, da, dp, o_r, o_x, b_g, b_gx, b_kx, b_qx, b_bx, i_b, i_c, i_h, Tp, H: tl.constexpr,
+               BT: tl.constexpr, acc: tl.constexpr):
+    """One step of bwd_intra's diagonal-block terms (formulas at bwd_intra) for rows o_r, x = o_x (one row, or one per
+    row) with its rows of gam, k, q and its beta, added to F's dP and dA parts (column x of row i) and to G (row x of
+    column j); the pair factors e^{gam_i - gam_x} (x <= i) and e^{gam_x - gam_j} (x >= j), exponents <= 0. Each part
+    is added as soon as it is formed (fewer live registers)."""
+    b_ef = tl.exp(tl.where((o_x <= o_r)[:, None], b_g - b_gx, float("-inf")))
+    b_eg = tl.exp(tl.where((o_x >= o_r)[:, None], b_gx - b_g, float("-inf")))
+    m_p = _vec_at(dp, o_r, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
+    m_a = _vec_at(da, o_r, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+    b_fp += m_p[:, None] * b_kx * b_ef
+    b_fa += m_a[:, None] * b_kx * b_ef
+    m_p = _vec_at(dp, o_x, o_r, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
+    m_a = _vec_at(da, o_x, o_r, i_b, i_c, i_h, Tp, H, BT, BT, acc) * b_bx
+    b_gk += (m_p[:, None] * b_qx + m_a[:, None] * b_kx) * b_eg
+    return b_fp, b_fa, b_gk
+
+
 @triton.jit(do_not_specialize=["NT"])
 def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl.constexpr, K: tl.constexpr,
                          BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
@@ -562,19 +581,12 @@ def kda_bwd_intra_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: tl
         if not DIAG:
             for jj in range(BS):  # x = row jj of each sub-chunk: column x of F's row i, row x of G's column j
                 o_x = o_t // BS * BS + jj
-                b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
                 b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-                b_ef = tl.exp(tl.where((o_x <= o_t)[:, None], b_g - b_gx, float("-inf")))
-                b_eg = tl.exp(tl.where((o_x >= o_t)[:, None], b_gx - b_g, float("-inf")))
-                m_p = _vec_at(dp, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
-                m_a = _vec_at(da, o_t, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
-                b_fp += m_p[:, None] * b_kx * b_ef
-                b_fa += m_a[:, None] * b_kx * b_ef
-                m_p = _vec_at(dp, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
-                m_a = _vec_at(da, o_x, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc) \
-                    * _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
-                b_gk += (m_p[:, None] * _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-                         + m_a[:, None] * b_kx) * b_eg
+                b_kx = _load(k, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_qx = _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+                b_bx = _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
+                b_fp, b_fa, b_gk = _diag_step(b_fp, b_fa, b_gk, da, dp, o_t, o_x, b_g, b_gx, b_kx, b_qx, b_bx, i_b,
+                                              i_c, i_h, Tp, H, BT, acc)
         b_dbeta += tl.sum(b_k * b_fa, axis=1)
         _store(dq, _load(dq, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_fp, o_k, i_b, i_c, i_h, Tp, H, K, BT)
         _store(dk, _load(dk, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_beta[:, None] * b_fa + b_gk,
@@ -619,15 +631,8 @@ def kda_intra_diag_kernel(q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H: t
                 b_gx = _load(gam, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
                 b_qx = _load(q, o_x, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
                 b_bx = _vec(beta, o_x, i_b, i_c, i_h, Tp, H, BT, acc)
-            b_ef = tl.exp(tl.where((o_x <= o_r)[:, None], b_g - b_gx, float("-inf")))
-            b_eg = tl.exp(tl.where((o_x >= o_r)[:, None], b_gx - b_g, float("-inf")))
-            m_p = _vec_at(dp, o_r, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[i, x(i)], read back from memory
-            m_a = _vec_at(da, o_r, o_x, i_b, i_c, i_h, Tp, H, BT, BT, acc)
-            b_fp += m_p[:, None] * b_kx * b_ef
-            b_fa += m_a[:, None] * b_kx * b_ef
-            m_p = _vec_at(dp, o_x, o_r, i_b, i_c, i_h, Tp, H, BT, BT, acc)  # dP[x(j), j]
-            m_a = _vec_at(da, o_x, o_r, i_b, i_c, i_h, Tp, H, BT, BT, acc) * b_bx
-            b_gk += (m_p[:, None] * b_qx + m_a[:, None] * b_kx) * b_eg
+            b_fp, b_fa, b_gk = _diag_step(b_fp, b_fa, b_gk, da, dp, o_r, o_x, b_g, b_gx, b_kx, b_qx, b_bx, i_b, i_c,
+                                          i_h, Tp, H, BT, acc)
         b_dbeta += tl.sum(b_k * b_fa, axis=1)
         _store_rows(dq, _load(dq, o_r, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) + b_fp, o_r, o_k, i_b, i_c, i_h, Tp, H, K,
                     BT)
