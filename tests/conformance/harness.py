@@ -15,8 +15,9 @@ For every knob of the table (a config value away from transformers' default, or 
   mode in both sequence layouts, each full-attention method twice, each input twice; a row that changes a sequence
   part (linear, attention, rope, layers, padding) three, every mode, every input and every full-attention method
   once, in one layout (contiguous and balanced by turns over the rows: every layout meets every mode and input in
-  each table); a token-wise row (MLP, MoE, norms, embeddings, the head) two. CP against the single-device path within 1e-8 (this rank's logits, the loss, every gradient
-  summed over ranks, the grad norm); the single-device path against transformers within float32-level bounds
+  each table); a token-wise row (MLP, MoE, norms, embeddings, the head) one, in turn, never on the long row (so
+  that transformers runs its input too). CP against the single-device path within 1e-8 (this rank's logits, the
+  loss, every gradient summed over ranks, the grad norm); the single-device path against transformers within float32-level bounds
   (`TRANSFORMERS_BOUNDS`: transformers computes its norms, gates and fallbacks in float32 even in a float64 model).
 A knob deltacp refuses is run as a refusal: `parallelize_cp` or the first forward must raise, on every rank, an error
 naming it. A knob transformers ignores is listed with the reason and not run.
@@ -49,6 +50,7 @@ COMBOS = (  # (linear-attention mode, sequence layout, full-attention method, in
     ("all_gather", "contiguous", "ring", "long"),
     ("all_gather", "balanced", "all_gather", "packed"),
 )
+TOKEN_WISE_COMBOS = (0, 2, 3, 5)  # the COMBOS a token-wise row takes in turn: both layouts, every mode, not "long"
 SEQUENCE_PARTS = {"all", "linear", "attention", "rope", "layers", "padding"}  # what the CP modes and layouts act on
 CP_BOUND = 1e-8
 TRANSFORMERS_BOUNDS = {"logits": 1e-6, "loss": 1e-6, "grads": 1e-4}
@@ -259,7 +261,7 @@ def build_knob(table: Table, knob: Knob, keep: tuple[str, ...]):
 def combos_of(knob: Knob, index: int, rotate: bool = False) -> tuple:
     """The runs of the table's `index`-th knob: all six for a row touching "all" (the defaults); three for a row
     touching a sequence part (one layout's half of `COMBOS`: every mode, input and full-attention method once, the
-    layout by turns); two for a token-wise knob (in turn); with `rotate` (the larger CP degrees), one, in turn, so
+    layout by turns); one for a token-wise knob (in turn, `TOKEN_WISE_COMBOS`); with `rotate` (the larger CP degrees), one, in turn, so
     that the table's rows still meet all six, and none for a token-wise or attention-only knob."""
     if rotate:  # the attention-only rows too: what a larger degree changes is the sequence parts' work and halos
         attention_only = set(knob.touches.split()) == {"attention"}
@@ -268,8 +270,9 @@ def combos_of(knob: Knob, index: int, rotate: bool = False) -> tuple:
         return COMBOS
     if not knob.token_wise:
         return COMBOS[index % 2::2]  # contiguous (0, 2, 4) or balanced (1, 3, 5)
-    first = (2 * index) % len(COMBOS)  # (0, 5), (2, 1), (4, 3): two inputs, both layouts
-    return COMBOS[first], COMBOS[(first + 5) % len(COMBOS)]
+    # token-wise: CP cannot change a per-token part, so one run, in turn among those whose input transformers also
+    # runs (padded or packed: the knob is compared with transformers on it)
+    return (COMBOS[TOKEN_WISE_COMBOS[index % len(TOKEN_WISE_COMBOS)]],)
 
 
 def run_table(rank: int, world: int, table: Table, keep: tuple[str, ...], knob_names=None, rotate: bool = False):

@@ -6,8 +6,9 @@ A row's `touches`: linear (the linear-recurrent mixer), attention, rope (rotary 
 positions), layers (the layer pattern), and the token-wise parts: mlp, moe, norm, embedding, head (transformers' own
 per-token code under CP) and rotary (a rope type whose frequencies depend on nothing but its config: transformers'
 rotary module computes cos / sin from the rank's positions in every mode alike). A row touching only token-wise parts
-runs two of the six CP configurations at CP2 and none at CP4, an attention-only row all six at CP2 and none at CP4
-(`harness.combos_of`). Several token-wise fields may share a row. `refused`:
+runs one of the six CP configurations at CP2 (in turn, on an input transformers runs too) and none at CP4, an
+attention-only row three at CP2 (as any sequence part) and none at CP4 (`harness.combos_of`). Several token-wise
+fields may share a row. `refused`:
 deltacp refuses the value with an error containing that text; `ignored`: transformers' forward does not read it (the
 reason given), so there is nothing to run; `elsewhere`: a field that changes no logits (a loss term), checked by
 the test named.

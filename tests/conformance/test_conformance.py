@@ -1,6 +1,7 @@
 """Every family's conformance table (`tables.py`) on gloo, float64 (`harness.py` says what each row checks), one
-spawn per family: at CP2 every row in all six mode / layout / attention / input runs (two for a token-wise row), at
-CP4 one run per row, in turn (the table's rows meet all six)."""
+spawn per family: at CP2 the defaults row in all six mode / layout / attention / input runs, a row changing a
+sequence part in three (every mode and input, one layout), a token-wise row in one; at CP4 one run per row, in turn
+(the table's rows meet all six)."""
 
 import pytest
 

@@ -1,8 +1,7 @@
 """The trainer picks any supported class from YAML (train.model.model_class): each trains at CP2 (p2p, FSDP2,
 float32, packed rows) with the single-device losses and grad norms, 2 steps (AdamW's first and one with its moments),
-and the families added after Qwen3.5 (OLMo-Hybrid, the Mamba2 and the KDA ones, Qwen4-Exp, GLM-5.3-Flash,
-MiniMax-Text-01, Zamba2, LFM3, Mamba2, LaRA-mini, RecurrentGemma, Jamba, Zamba) also at dp2 x cp2 (4 ranks, the same
-global batch); bad class settings name the key.
+and one family per mechanism also at dp2 x cp2 (4 ranks, the same global batch: `DP_CP`); bad class settings name
+the key.
 Every family: Qwen3.5 (dense: the main config), its MoE and multimodal classes, Qwen3-Next, OLMo-Hybrid, and the
 Mamba2 families (eager: the main config's backend on the CPU): Bamba, Granite-4.0-H (routed experts with the aux loss,
 muP multipliers), Nemotron-H (MLP / MoE blocks), Falcon-H1 (parallel mixers, multipliers); Kimi-Linear and
@@ -140,11 +139,14 @@ CLASSES = {  # class -> (text config fields added to the main config's, removed 
 ACCELERATOR = {name: ["train.accelerator.full_attention_cp=all_gather"]  # their indexed layers' method
                for name in ("Qwen4ExpForCausalLM", "Glm5NextForConditionalGeneration")}
 
-DP_CP = ("OlmoHybridForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-         "FalconH1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM", "Qwen4ExpForCausalLM",
-         "Glm5NextForConditionalGeneration", "MiniMaxForCausalLM", "Zamba2ForCausalLM", "Lfm3ForCausalLM",
-         "Mamba2ForCausalLM", "LaraMiniForCausalLM", "RecurrentGemmaForCausalLM", "JambaForCausalLM",
-         "ZambaForCausalLM")
+# at dp2 x cp2, one family per mechanism the dp groups meet (the others train at CP2 above; dp x cp itself is
+# tests/train/test_dp_cp.py's): GDN with K != V; the Mamba2 mixer with the global aux loss and muP; KDA + MLA with
+# experts; indexed attention with PLE and hyper-connections; the conditional class, the pooled indexer and a shared
+# layer; tied shared blocks with adapters; sliding windows; the RG-LRU's global-position resets; Mamba1 with experts;
+# Mamba1 heads and a tied block
+DP_CP = ("OlmoHybridForCausalLM", "GraniteMoeHybridForCausalLM", "KimiLinearForCausalLM", "Qwen4ExpForCausalLM",
+         "Glm5NextForConditionalGeneration", "Zamba2ForCausalLM", "LaraMiniForCausalLM", "RecurrentGemmaForCausalLM",
+         "JambaForCausalLM", "ZambaForCausalLM")
 
 
 def _cfg(name):
