@@ -78,7 +78,7 @@ class Knob:
     @property
     def token_wise(self) -> bool:
         """Touches no part the CP modes act on (MLP, MoE, norms, embeddings, the head: transformers' own per-token
-        code): two of the six runs suffice (every input and layout still meets it across the table's rows)."""
+        code): one of the six runs suffices (`combos_of`: every mode and layout still meets it across the rows)."""
         return not (set(self.touches.replace(",", " ").split()) & SEQUENCE_PARTS)
 
 

@@ -781,8 +781,9 @@ def readme_section() -> str:
              "long row at",
              "CP2 in every linear mode and full-attention method (the defaults row in both sequence layouts, a row "
              "changing a",
-             "sequence part in one, the layouts by turns; a token-wise row in two of the six runs), and in turn at "
-             "CP4, against",
+             "sequence part in one, the layouts by turns; a token-wise row in one of the six runs, on an input "
+             "transformers",
+             "runs too), and in turn at CP4, against",
              "the single device (1e-8, float64), and the single device against the unmodified transformers model "
              "(float32-level).",
              "Besides the defaults (randomised) row, the rows are:", ""]
