@@ -82,6 +82,19 @@ if PART == 0:  # the summary is forward only
         print("SUMMARY_GRAD no error")
     except RuntimeError as e:
         print("SUMMARY_GRAD", "no backward" in str(e))
+    # kernels.SAVE_STATES 1 (h and vn kept from the forward) against 0 (recomputed): the same numbers, bitwise
+    from deltacp.ops.kda.triton import chunk, kernels
+    xs = inputs(1, 130, 2, 16, 32, "fast", 8)
+    runs = []
+    for saved in (0, 1):
+        kernels.SAVE_STATES = saved
+        leaves = [x.clone().requires_grad_() for x in xs]
+        o, ht = chunk.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+        grads = torch.autograd.grad((o * torch.cos(o)).sum() + ht.sum(), leaves)
+        runs.append([o, ht, *grads])
+    kernels.SAVE_STATES = 0
+    print("FIG saved_states float64 max_abs_diff %r" % max((a - b).abs().max().item() for a, b in zip(*runs)))
 else:
     case("T100_K128_fast", torch.float64, 1, 100, 1, 128, 128, "fast", 6)
 print("DONE")
@@ -128,6 +141,13 @@ def test_fresh_first_document_ignores_the_entering_state(figures):
         assert figures[("packed3_fresh", dtype, "dh0")] == 0.0
         assert figures[("packed3_fresh", dtype, "initial_state_grad")] == 0.0
         assert figures[("packed3", dtype, "summary_M")] == 0.0  # a document starts inside the row
+
+
+@needs_triton
+def test_states_kept_from_the_forward_change_nothing(figures):
+    """kernels.SAVE_STATES = 1 (the backward reads h and vn from the forward instead of recomputing them): o, the
+    final state and every gradient bitwise those of the default."""
+    assert figures[("saved_states", "float64", "max_abs_diff")] == 0.0
 
 
 @needs_triton
