@@ -165,6 +165,24 @@ def _x(B=1, T=8, H=2, K=16, V=16, dtype=torch.bfloat16, g_dtype=torch.float32):
                             torch.zeros(B, T, H, dtype=g_dtype))
 
 
+@needs_triton
+@pytest.mark.fast
+def test_launch_entries_by_input_dtype(monkeypatch):
+    """kernels._launch: fp32 / fp64 inputs take a "<name>/fp32" entry where there is one, 16-bit inputs (and callers
+    that name no dtype) the plain one; blocks clipped to the head dims."""
+    from deltacp.ops.kda.triton import kernels
+
+    monkeypatch.setitem(kernels.LAUNCH, "bwd_intra", dict(num_warps=4, num_stages=2, BK=64))
+    monkeypatch.setitem(kernels.LAUNCH, "bwd_intra/fp32", dict(num_warps=8, num_stages=1, BK=16))
+    assert kernels._launch("bwd_intra", 128, 128, torch.bfloat16) == dict(num_warps=4, num_stages=2, BK=64)
+    assert kernels._launch("bwd_intra", 32, 128, torch.bfloat16)["BK"] == 32  # clipped to K
+    assert kernels._launch("bwd_intra", 128, 128) == dict(num_warps=4, num_stages=2, BK=64)
+    for wide in (torch.float32, torch.float64):
+        assert kernels._launch("bwd_intra", 128, 128, wide) == dict(num_warps=8, num_stages=1, BK=16)
+    monkeypatch.delitem(kernels.LAUNCH, "bwd_intra/fp32")
+    assert kernels._launch("bwd_intra", 128, 128, torch.float32)["BK"] == 64
+
+
 @pytest.mark.fast
 def test_check_refuses_outside_the_contract(monkeypatch):
     from deltacp.ops.kda.eager import KimiDeltaRule

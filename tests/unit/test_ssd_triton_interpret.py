@@ -141,8 +141,8 @@ def test_summary_refuses_to_be_differentiated(figures):
 @needs_triton
 @pytest.mark.fast
 def test_launch_entries_by_dtype_and_state_size(monkeypatch):
-    """kernels._config: an "/fp32" entry for fp32 / fp64 inputs, else a "/n<N>" entry for that state size, else the
-    plain entry; blocks clipped to N and P (what `launch_sweep.py --shape` proposes for another state size)."""
+    """kernels._config: an "/fp32" entry for fp32 / fp64 inputs, a "/n<N>" entry for 16-bit inputs of that state
+    size, else the plain entry; blocks clipped to N and P (what `launch_sweep.py --shape` proposes for another state size)."""
     from deltacp.ops.ssd.triton import kernels
 
     monkeypatch.setitem(kernels.LAUNCH, "chunk_dx/n256", dict(BN=64, BP=16, num_warps=4, num_stages=3))
@@ -154,7 +154,14 @@ def test_launch_entries_by_dtype_and_state_size(monkeypatch):
     assert kernels._config("chunk_dx", 256, 64, fp32)[1] == dict(num_warps=wide["num_warps"],
                                                                  num_stages=wide["num_stages"])
     assert kernels._config("chunk_dx", 256, 8, bf16)[0] == dict(BN=64, BP=8)  # clipped to P
-    assert kernels._config("state_fwd", 256, 64)[0]["BN"] == kernels.LAUNCH["state_fwd"]["BN"]  # no n256 entry
+    monkeypatch.delitem(kernels.LAUNCH, "state_fwd/n256", raising=False)
+    assert kernels._config("state_fwd", 256, 64, bf16)[0]["BN"] == kernels.LAUNCH["state_fwd"]["BN"]  # no n256 entry
+    # an n<N> entry is swept under 16-bit inputs: fp32 inputs without an /fp32 entry take the plain one
+    monkeypatch.setitem(kernels.LAUNCH, "state_bwd/n256", dict(BN=16, BP=16, num_warps=2, num_stages=1))
+    plain = kernels.LAUNCH["state_bwd"]
+    assert kernels._config("state_bwd", 256, 64, fp32) == (
+        dict(BN=plain["BN"], BP=plain["BP"]), dict(num_warps=plain["num_warps"], num_stages=plain["num_stages"]))
+    assert kernels._config("state_bwd", 256, 64, bf16)[1] == dict(num_warps=2, num_stages=1)
 
 
 # The contract check: no kernel, no triton needed.

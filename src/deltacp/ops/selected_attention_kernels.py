@@ -32,11 +32,11 @@ WIDE_DIM = 256  # head dims over this take the "wide" launches: fewer rows a pro
 # some spilling: 0.3-1.3 KB a thread, bench/kernel_resources.py --ops selected); fp32 inputs (tests, fp32 models)
 # twice the warps for their twice-as-wide tiles. "rows": the most query heads a program takes (its tiles' rows).
 # The wide entries: chosen offline for sm_90 at GLM-5.3-Flash's shape (bench/kernel_resources.py --ops selected,
-# NOTES.md); the GPU tests passed with them on an H100 (2026-12-06), where 4 warps timed 1.6x faster (fwd+bwd 375 vs
-# 612 ms at 32K) but have not been through the tests yet: the next `gpu_checks.sh glm` with "16-bit wide" at 4
+# NOTES.md); "16-bit wide" at 4 warps, 2 stages, 16 rows: the GLM GPU tests pass with it on an H100, fwd + bwd of a
+# layer at 32K 367.7 ms against 609.4 at 8 warps (2026-12-06, `gpu_checks.sh glm`); 32 rows timed 352.4 ms, untested.
 LAUNCH = {"16-bit": {"num_warps": 4, "num_stages": 2, "rows": 64},
           "fp32": {"num_warps": 8, "num_stages": 2, "rows": 64},
-          "16-bit wide": {"num_warps": 8, "num_stages": 2, "rows": 16},
+          "16-bit wide": {"num_warps": 4, "num_stages": 2, "rows": 16},
           "fp32 wide": {"num_warps": 8, "num_stages": 1, "rows": 16}}
 
 

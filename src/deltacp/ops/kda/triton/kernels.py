@@ -60,17 +60,21 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # bwd_wy 288, bwd_intra 144, wy_fwd 44; fp32 inputs: bwd_intra 1,192), which the timings above include.
 # The products of the kernels whose errors compound across chunks (WY, the state kernels) under bf16 / fp16 inputs:
 # 1, three tf32 passes (about fp32); 0, one (tf32's 10-bit mantissa, still above the bf16 inputs' 7). `_prec`.
-# wy_diag, intra_diag, prep, prep_bwd (2026-12-06): first choices by offline registers and spills
-# (bench/kernel_resources.py), timed inside the op on an H100 but not swept yet (nor wy_fwd / bwd_intra since their
-# diagonal loops moved out).
+# wy_diag, intra_diag, prep, prep_bwd and wy_fwd / bwd_intra after their diagonal loops moved out: swept at 32K
+# (`bench/launch_sweep.py --op kda --kernels wy_diag intra_diag prep prep_bwd wy_fwd bwd_intra`, one H100,
+# 2026-12-06): BK 32 in wy_fwd and bwd_intra took the op's fwd + bwd from 41.7 to 39.6 ms, the others kept their
+# offline first choices; the op's bf16 GPU tests pass with the table. "<name>/fp32": the entry for fp32 / fp64 inputs
+# where it differs (`_launch`): wy_fwd and bwd_intra keep BK 16 there, the launch their fp32 GPU tests passed with.
 COMPOUND_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
-    "wy_fwd": dict(num_warps=4, num_stages=2, BK=16, BV=16),
+    "wy_fwd": dict(num_warps=4, num_stages=2, BK=32, BV=16),
     "state_fwd": dict(num_warps=4, num_stages=2, BV=16),
     "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
     "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
     "bwd_wy": dict(num_warps=8, num_stages=2, BK=32, BV=16),
-    "bwd_intra": dict(num_warps=4, num_stages=2, BK=16),
+    "bwd_intra": dict(num_warps=4, num_stages=2, BK=32),
+    "wy_fwd/fp32": dict(num_warps=4, num_stages=2, BK=16, BV=16),
+    "bwd_intra/fp32": dict(num_warps=4, num_stages=2, BK=16),
     "wy_diag": dict(num_warps=4, num_stages=2, BR=16, BK=32),
     "intra_diag": dict(num_warps=4, num_stages=2, BR=16, BK=32),
     "prep": dict(num_warps=8, num_stages=1),
@@ -715,8 +719,11 @@ def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False) -> int
     return 3 if inputs == torch.float32 else 0
 
 
-def _launch(name: str, K: int, V: int) -> dict[str, int]:
-    """LAUNCH[name] with its blocks clipped to the head dims."""
+def _launch(name: str, K: int, V: int, inputs: torch.dtype | None = None) -> dict[str, int]:
+    """LAUNCH[name] (its "/fp32" entry for fp32 / fp64 `inputs` where there is one) with its blocks clipped to the head
+    dims."""
+    if inputs in (torch.float32, torch.float64) and f"{name}/fp32" in LAUNCH:
+        name = f"{name}/fp32"
     cfg = dict(LAUNCH[name])
     if "BK" in cfg:
         cfg["BK"] = min(cfg["BK"], K)
@@ -750,7 +757,8 @@ def wy_fwd(q, k, v, gam, beta):
     kda_wy_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, ad, pd, Tp, H=H, K=K, BT=BT, BS=BS,
                                                         HAS_Q=q is not None, **cfg)
     kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
-                                   HAS_Q=q is not None, PREC=_prec(gam.dtype, v.dtype, True), **_launch("wy_fwd", K, V))
+                                   HAS_Q=q is not None, PREC=_prec(gam.dtype, v.dtype, True),
+                                   **_launch("wy_fwd", K, V, v.dtype))
     return tm, p, w, u
 
 
@@ -824,7 +832,7 @@ def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
                                    H=H, K=K, V=V, BT=BT, PREC=prec, **_launch("bwd_wy", K, V))
     diag = bool(INTRA_DIAG_KERNEL) and prec != 3  # fp32 inputs: the loop stays in bwd_intra (INTRA_DIAG_KERNEL)
     kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
-                                      DIAG=diag, PREC=prec, **_launch("bwd_intra", K, V))
+                                      DIAG=diag, PREC=prec, **_launch("bwd_intra", K, V, v.dtype))
     if diag:
         cfg = _rows(_launch("intra_diag", K, V), k)
         kda_intra_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H,

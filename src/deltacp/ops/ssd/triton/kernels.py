@@ -69,7 +69,10 @@ BT = 64
 
 # Launch configurations (block widths clipped to N, P); "<name>/fp32": the entry for fp32 (and fp64) inputs where it
 # differs; "<name>/n<N>": the 16-bit entry for state size N where it differs (`bench/launch_sweep.py --op ssd --shape`
-# proposes them for a shape whose N is not Nemotron-H's 128; none yet). The bf16 entries: `bench/launch_sweep.py --op ssd --length 32768` (coordinate descent, Nemotron-H-8B's
+# proposes them for a shape whose N is not Nemotron-H's 128). The n256 entries: the same sweep at 128 heads of 64,
+# one group, state 256 (`SSD_SWEEP_SHAPE=h128-g1-n256 gpu_checks.sh ssd_sweep`, one H100, 2026-12-06): the op's fwd +
+# bwd at 32K from 19.6 ms (mamba_ssm's Triton SSD at chunk 256: 15.4) to 13.3 ms; the op's bf16 GPU tests pass with
+# them (fp32 inputs keep the plain entries at N = 256: they were not swept). The plain bf16 entries: `bench/launch_sweep.py --op ssd --length 32768` (coordinate descent, Nemotron-H-8B's
 # shape, one H100, Triton 3.6, 2026-12-06): state_fwd BN 64, out_fwd and chunk_dqk 4 warps, chunk_dx BP 64 took one
 # fwd + bwd at 32K from 18.33 to 11.65 ms (the same call); the op's bf16 GPU tests and the Mamba2 mixers at their
 # config shapes pass with it. The fp32 entries were chosen so that no kernel spills registers on sm_90 at N = 128 and
@@ -85,18 +88,25 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk_dx/fp32": dict(BN=32, BP=16, num_warps=8, num_stages=1),
     "chunk_dqk": dict(BN=64, BP=32, num_warps=4, num_stages=1),
     "chunk_dqk/fp32": dict(BN=32, BP=32, num_warps=8, num_stages=1),
+    "state_fwd/n256": dict(BN=64, BP=64, num_warps=4, num_stages=2),
+    "state_bwd/n256": dict(BN=64, BP=32, num_warps=4, num_stages=2),
+    "out_fwd/n256": dict(BN=32, BP=64, num_warps=4, num_stages=3),
+    "chunk_dx/n256": dict(BN=32, BP=64, num_warps=8, num_stages=3),
+    "chunk_dqk/n256": dict(BN=64, BP=32, num_warps=4, num_stages=3),
 }
 # Heads of a group one out_fwd or chunk_dx program takes at most (the largest divisor of H / G up to it): a one-group
 # model's 128 heads in 8 programs per chunk, not one; chunk_dx's dS then in one part per slice, summed by chunk_dqk.
 GROUP_HEADS = 16
 
 
-def _config(name: str, N: int, P: int, dtype: torch.dtype | None = None) -> tuple[dict[str, int], dict[str, int]]:
-    """(blocks, num_warps / num_stages) of launch `name`: its "/fp32" entry for fp32 and fp64 inputs where there is
-    one, else its "/n<N>" entry for state size N where there is one, else the entry itself."""
-    if dtype in (torch.float32, torch.float64) and f"{name}/fp32" in LAUNCH:
+def _config(name: str, N: int, P: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int]]:
+    """(blocks, num_warps / num_stages) of launch `name` for inputs of `dtype`: fp32 and fp64 inputs take its "/fp32"
+    entry where there is one, 16-bit inputs its "/n<N>" entry for state size N where there is one (swept under bf16
+    only), else the entry itself."""
+    wide = dtype in (torch.float32, torch.float64)
+    if wide and f"{name}/fp32" in LAUNCH:
         name = f"{name}/fp32"
-    elif f"{name}/n{N}" in LAUNCH:
+    elif not wide and f"{name}/n{N}" in LAUNCH:
         name = f"{name}/n{N}"
     cfg = dict(LAUNCH[name])
     opts = {o: cfg.pop(o) for o in ("num_warps", "num_stages")}
@@ -390,7 +400,7 @@ def _scan(x, y, gam, scale, s0, *, reverse, store_s, output_st, resets):
     NT = Tp // BT
     s = torch.empty(B, NT, H, N, P, device=x.device, dtype=x.dtype) if store_s else None
     st = torch.empty(B, H, N, P, device=x.device, dtype=gam.dtype) if output_st else None
-    blocks, opts = _config("state_bwd" if reverse else "state_fwd", N, P)
+    blocks, opts = _config("state_bwd" if reverse else "state_fwd", N, P, y.dtype)
     grid = (triton.cdiv(P, blocks["BP"]), triton.cdiv(N, blocks["BN"]), B * H)
     ssd_state_scan_kernel[grid](x, y, gam, scale, s0, s, st, resets, NT, G=G, H=H, N=N, P=P, BT=BT,
                                 REVERSE=reverse, USE_S0=s0 is not None, USE_SCALE=scale is not None,
