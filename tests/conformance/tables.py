@@ -294,7 +294,7 @@ MAMBA2 = Table("Mamba2", "Mamba2ForCausalLM", tiny_mamba2, (
 ))
 
 # the tiny Mamba: 2 Mamba1 blocks (I = 32, state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias); no
-# attention, no MLP. One scan head (x_proj reads every channel): Ulysses is refused (the harness then runs p2p)
+# attention, no MLP. A head per channel: Ulysses splits the 32 channels, x_proj's partial products summed
 MAMBA_SCAN_INIT = Knob("time_step_scale, time_step_min, time_step_max, time_step_init_scheme, time_step_floor, "
                        "rescale_prenorm_residual, initializer_range", ignored="initialisation only")
 MAMBA_SCANS = Knob("use_mambapy, use_associative_scan",
@@ -329,8 +329,8 @@ FALCON_MAMBA = Table("FalconMamba", "FalconMambaForCausalLM", tiny_falcon_mamba,
 
 # the tiny Jamba: layers Mamba1 (I = 32, state 4, dt rank 3, conv 4 with bias, in_proj / out_proj with bias, the dt /
 # B / C RMSNorms with weights), NoPE attention (4 heads of 4 over 2 KV heads), Mamba1; 4 experts of 24, top 2, not
-# renormalised, after both Mamba1 layers, a SwiGLU MLP after the attention. One scan head (x_proj reads every
-# channel): Ulysses is refused (the harness then runs p2p)
+# renormalised, after both Mamba1 layers, a SwiGLU MLP after the attention. Ulysses splits the Mamba1 channels
+# (x_proj's partial products summed) and the attention heads
 JAMBA = Table("Jamba", "JambaForCausalLM", tiny_jamba, (
     Knob("defaults (randomised biases and norm weights)", touches="all"),
     Knob("mamba_proj_bias: False (in_proj / out_proj)", dict(mamba_proj_bias=False), touches="linear padding"),

@@ -17,8 +17,8 @@ Models (tiny, as transformers builds them; slowly decaying gates, so that the st
 - LFM2 and LFM2-MoE (`tiny_lfm2`, `tiny_lfm2_moe`): gated short convs (no recurrence: the kernel - 1 halo only) and
   GQA with q/k layernorms; LFM2-MoE's sigmoid router with the expert bias; LFM3 (`tiny_lfm3`): kernel-7 convs,
   sliding-window and full attention with per-head sigmoid gates and sandwich norms;
-- Mamba, FalconMamba, Jamba (Mamba1's selective scan: Ulysses refused); Zamba2 (`tiny_zamba2`): Mamba2 layers and
-  shared attention blocks tied across invocations (one parameter set under FSDP2); RecurrentGemma
+- Mamba, FalconMamba, Jamba (Mamba1's selective scan: a head per channel, x_proj summed where they split); Zamba2
+  (`tiny_zamba2`): Mamba2 layers and shared attention blocks tied across invocations (one parameter set under FSDP2); RecurrentGemma
   (`tiny_recurrent_gemma`: the RG-LRU behind a conv halo, local attention, soft-capped logits: in the fused loss's
   kernels);
 - rows right-padded ("padded") against the unmodified model at their valid tokens (left padding: the tables).
@@ -204,6 +204,9 @@ CP4 = (_cases(("p2p",), LAYOUTS, ("packed",), extra="scan")
        + _cases(("p2p",), ("balanced",), ("padded",), names=("LaraMiniForCausalLM",), extra="2d")
        # Zamba's 2 Mamba heads, one a Ulysses group member, across the groups by p2p
        + _cases(("p2p",), ("balanced",), ("packed",), names=("ZambaForCausalLM",), extra="2d")
+       # Jamba's Mamba1 channels split over Ulysses groups of 2 (x_proj's partial products summed in each), its
+       # states across the groups by all_gather
+       + _cases(("all_gather",), ("contiguous",), ("padded",), names=("JambaForCausalLM",), extra="2d")
        # RecurrentGemma: the RG-LRU's gate blocks split over Ulysses groups of 2, its states by the p2p scan
        + [("RecurrentGemmaForCausalLM", "padded", "all_gather", "contiguous", "2d"),
           ("RecurrentGemmaForCausalLM", "packed", "p2p", "balanced", "scan")])
@@ -218,8 +221,9 @@ CP8 = (_cases(MODES, ("contiguous",), ("packed",))  # OLMo-Hybrid in every mode;
           ("LaraMiniForCausalLM", "padded", "all_gather", "contiguous", None),
           # LFM2's gated short conv (halo 2) over pieces of 4 (balanced): each from its holder
           ("Lfm2ForCausalLM", "packed", "p2p", "balanced", None),
-          # Mamba1's selective scan (one head of I x N state rows: Ulysses refused) over pieces of 4 and 8 tokens
-          ("MambaForCausalLM", "packed", "p2p", "balanced", None),
+          # Mamba1's selective scan: its 32 channels over 8 ranks by Ulysses (x_proj's partial products summed over
+          # all 8), and over pieces of 8 tokens by all_gather
+          ("MambaForCausalLM", "packed", "ulysses", "balanced", None),
           ("FalconMambaForCausalLM", "packed", "all_gather", "contiguous", None),
           # Jamba: Mamba1 with the dt / B / C norms, NoPE attention and routed experts, over pieces of 4 tokens
           ("JambaForCausalLM", "packed", "all_gather", "balanced", None),

@@ -218,9 +218,8 @@ def family_shapes_worker(rank, world, name):
     for family, hidden, hk, hv, *dims in [SHAPES[name]]:
         torch.manual_seed(0)
         modes, seq = ("ulysses", "p2p"), SEQ
-        if family in MAMBA1:  # one scan head: p2p only (Zamba's 2 heads: Ulysses too)
+        if family in MAMBA1:  # Ulysses: Mamba1's channels split, x_proj summed; Zamba's heads split
             (base, hidden), seq = _mamba1(family, hidden, hk, hv), MAMBA1_SEQ
-            modes = ("ulysses", "p2p") if family == "zamba" else ("p2p",)
             base = base.cuda()
         elif family in MAMBA2 or family == "kimi_linear":
             base, hidden = _mamba2(family) if family in MAMBA2 else _kda()

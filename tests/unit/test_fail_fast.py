@@ -255,6 +255,25 @@ def test_mamba2_head_rules_name_each_familys_settings():
         assert LinearAttentionContextParallel(mode="ulysses").check_module(mixer, 4)["num_k_heads"] == 2  # groups
 
 
+def test_mamba1_channel_split_rules_name_each_familys_settings():
+    """Mamba1's channels are its heads under Ulysses and the 2-D layout: a degree that does not divide I is refused
+    naming the family's config fields, before the configuration exchange; one that does is taken (the parity of the
+    split: the conformance tables and tests/distributed/test_family_parity.py)."""
+    from helpers import tiny_jamba, tiny_mamba
+
+    mamba = tiny_mamba(torch.float32).backbone.layers[0].mixer
+    jamba = next(layer.mamba for layer in tiny_jamba(torch.float32).model.layers if hasattr(layer, "mamba"))
+    mamba_setting = r"intermediate_size \(expand x hidden_size\)"
+    for mixer, setting in ((mamba, mamba_setting), (jamba, "mamba_expand x hidden_size")):
+        with pytest.raises(ValueError, match=rf"linear_attention_cp_mode='ulysses' needs {setting} \(32\) divisible "
+                                             rf"by the CP degree \(3\)"):
+            LinearAttentionContextParallel(mode="ulysses").check_module(mixer, 3)
+        with pytest.raises(ValueError, match=rf"ulysses_degree=3 must divide {setting} \(32\)"):
+            LinearAttentionContextParallel(mode="p2p", ulysses_degree=3).check_module(mixer, 6)
+        config = LinearAttentionContextParallel(mode="ulysses").check_module(mixer, 8)
+        assert (config["num_v_heads"], config["head_k_dim"], config["head_v_dim"]) == (32, 4, 1)  # a head a channel
+
+
 def test_z_loss_is_refused_by_the_cp_losses(single_rank_group):
     """Bamba's z_loss_coefficient > 0 adds a z-loss to transformers' own loss; deltacp's CP loss does not compute it
     and says so (a silently different loss otherwise), naming the setting; at 0 the loss runs."""

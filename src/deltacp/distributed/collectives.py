@@ -334,6 +334,32 @@ def all_gather_autograd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _AllGather.apply(x, group)
 
 
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sum_over(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank reads the same sum: each summand's gradient is the sum of the ranks' gradients of it
+        return _sum_over(grad, ctx.group), None
+
+
+def _sum_over(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    staged = _needs_host_staging(x, group)
+    total = x.detach().cpu() if staged else x.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total.to(x.device)
+
+
+def all_reduce_autograd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The sum of every rank's x (each rank gets it: Mamba1's x_proj partial products over channel shards).
+
+    Backward: the sum of the ranks' gradients of that sum (all-reduce again)."""
+    return _AllReduce.apply(x, group)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sequence all-gather (full attention KV) and the ring (full attention KV blocks)
 # ---------------------------------------------------------------------------------------------

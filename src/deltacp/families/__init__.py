@@ -22,9 +22,9 @@
                     sandwich norms)
     mamba2_lm.py    Mamba2 (the pure SSM: Mamba2 blocks only, no attention or MLP; the context reaches its layers by
                     pre-hooks)
-    mamba.py        Mamba (Mamba1 blocks only: the selective scan as ONE head of I x N state rows, since x_proj reads
-                    every channel; Ulysses and the 2-D layout refused; eager or Triton; the causal LM's dropped keywords
-                    relayed)
+    mamba.py        Mamba (Mamba1 blocks only: the selective scan as a head per channel of N state rows, x_proj's
+                    partial products summed over the ranks where Ulysses or the 2-D layout split the channels; eager
+                    or Triton; the causal LM's dropped keywords relayed)
     falcon_mamba.py FalconMamba (Mamba1 with weightless RMSNorms on dt, B and C)
     jamba.py        Jamba (Mamba1 with weighted RMSNorms on dt, B and C; NoPE GQA; routed experts, not
                     renormalised, with the aux loss)

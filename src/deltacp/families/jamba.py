@@ -22,9 +22,9 @@ with a `feed_forward` that is routed experts (`JambaSparseMoeBlock`) where i % `
 the experts one by one (`feed_forward.experts.<e>.gate_proj / up_proj / down_proj`, transformers' "jamba" conversion
 mapping).
 
-CP: as Mamba's, the Mamba1 layers are one scan head of I * N state rows (x_proj reads every channel), so Ulysses and
-the 2-D layout are refused and the attention takes p2p / all_gather's full-attention methods; eager or Triton
-scan (`families/mamba.py`).
+CP: as Mamba's, the Mamba1 layers are a head per channel (`families/mamba.py`): every mode and layout, Ulysses and
+the 2-D layout splitting the channels (degrees dividing mamba_expand x hidden_size) with x_proj's partial products
+summed over the ranks holding the others; the attention takes any full-attention method; eager or Triton scan.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def weighted_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
 
 class JambaMambaView(MambaView):
     family = "jamba"
+    channels_setting = "mamba_expand x hidden_size"
 
     def dt_b_c(self, x):
         m = self.module

@@ -17,15 +17,20 @@ document, so the family sets `lm_passes_kwargs=False` and deltacp relays them pa
 (`models/inputs.make_keyword_relay`). `use_mambapy` / `use_associative_scan` pick another torch
 scan of the same recurrence; `time_step_*`, `rescale_prenorm_residual`, `initializer_range` touch initialisation only.
 
-CP: x_proj reads every channel of the conv output, so the channels cannot be split over ranks (no Ulysses, no 2-D
-layout): the view declares ONE head of I * N state rows (V = 1, M diagonal) and every rank keeps all channels
-(p2p, chain or scan, and all_gather). The conv halo is kernel - 1 tokens of x. The gate z travels as the head's
-extras (I per token), since transformers' scan applies it inside, after the entering state's contribution.
+CP: the view declares I heads of one channel each (state N x 1 per head, M diagonal), so Ulysses and the 2-D layout
+split the channels over ranks (CP or Ulysses degrees dividing I) as they split any heads; the recurrence runs one
+scan over a rank's channels (B and C shared by all of them: one group, `ops/selective`). x_proj reads every
+channel of the conv output, so where the channels are split (`reads_every_head`) each rank multiplies its channels
+by their columns of x_proj and the partial products (dt before dt_proj, B, C: rank + 2N numbers a token) are summed
+over the ranks holding the others (`LinearShard.head_sum`: an all-reduce, its backward an all-reduce too); dt_proj's
+rows, A, D and the scan are the rank's channels' own. Under p2p and all_gather every channel is on every rank (no
+sum). The conv halo is kernel - 1 tokens of x. The gate z travels as the heads' extras (one per channel), since
+transformers' scan applies it inside, after the entering state's contribution.
 Backends: eager (`ops/selective/eager.py`) and Triton (`ops/selective/triton`: chunked scans with the state in
 registers, no [T, I, N] tensor; the view hands it x, dt after softplus, A, B, C, D and z as they are, A and D
 expanded over the rows with stride 0).
 
-Shape legend: x_BsD local hidden states; pre_BsC pre-conv x [B, s, I]; extras_BsHX z [B, s, 1, I].
+Shape legend: x_BsD local hidden states; pre_BsC pre-conv x [B, s, I]; extras_BsHX z [B, s, I, 1].
 """
 
 from __future__ import annotations
@@ -37,24 +42,21 @@ from deltacp.ops.precision import compute_dtype
 from deltacp.ops.recurrence import RecurrenceInputs
 from deltacp.parallel.views import HeadLayout, LinearMixerView
 
-ONE_HEAD = ("Mamba1's scan heads (one: x_proj reads every channel of the conv output, so the channels cannot be "
-            "split over ranks)")
-
-
 class MambaView(LinearMixerView):
     """A Mamba1 mixer with transformers' attribute names (in_proj = [x | z], conv1d, x_proj, dt_proj, A_log, D,
-    out_proj; intermediate_size, ssm_state_size, time_step_rank). FalconMamba overrides `dt_b_c`."""
+    out_proj; intermediate_size, ssm_state_size, time_step_rank): a head per channel (module docstring).
+    FalconMamba and Jamba override `dt_b_c` (their norms)."""
 
     family = "mamba"
-
-    @property
-    def extras(self) -> int:
-        return self.module.intermediate_size  # z
+    extras = 1  # z, per channel
+    reads_every_head = True  # x_proj
+    channels_setting = "intermediate_size (expand x hidden_size)"  # the config fields that set I, for errors
 
     @property
     def layout(self) -> HeadLayout:
-        return HeadLayout(1, 1, (("value", self.module.intermediate_size),), key_setting=ONE_HEAD,
-                          value_setting=ONE_HEAD)
+        I = self.module.intermediate_size
+        return HeadLayout(I, I, (("value", 1),), key_setting=self.channels_setting,
+                          value_setting=self.channels_setting)
 
     @property
     def conv_activation(self) -> str:
@@ -62,32 +64,33 @@ class MambaView(LinearMixerView):
 
     @property
     def state_dims(self) -> tuple[int, int]:
-        m = self.module
-        return m.intermediate_size * m.ssm_state_size, 1
+        return self.module.ssm_state_size, 1
 
     def conv_heads(self, key_heads: int) -> tuple[tuple[int, int], ...]:
-        return ((1, self.module.intermediate_size),)
+        return ((-1, 1),)
 
     def project(self, x_BsD):
         x, z = self.module.in_proj(x_BsD).chunk(2, dim=-1)
-        return x, z[:, :, None], x_BsD.dtype
+        return x, z[..., None], x_BsD.dtype
 
-    def dt_b_c(self, x):
-        """(dt before dt_proj, B, C) from the conv output x [rows, n, I]."""
+    def dt_b_c(self, proj):
+        """(dt before dt_proj, B, C) from x_proj's output [rows, n, rank + 2N]."""
         m = self.module
-        return m.x_proj(x).split([m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
+        return proj.split([m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
 
-    def inputs(self, parts, extras_BnHX, heads: slice, backend) -> RecurrenceInputs:
+    def inputs(self, parts, extras_BnHX, heads: slice, backend, head_sum) -> RecurrenceInputs:
+        """The scan's inputs of channels `heads`: x_proj over them (its columns), summed over every channel by
+        `head_sum`, then dt_proj's, A's and D's rows of these channels."""
         m = self.module
         (x,) = parts
-        x = x[:, :, 0]
+        x = x[..., 0]  # [rows, n, channels here]
         rows = x.shape[0]
-        dt, b, c = self.dt_b_c(x)
-        dt = F.softplus(F.linear(dt, m.dt_proj.weight) + m.dt_proj.bias.to(dt.dtype))
+        dt, b, c = self.dt_b_c(head_sum(F.linear(x, m.x_proj.weight[:, heads])))
+        dt = F.softplus(F.linear(dt, m.dt_proj.weight[heads]) + m.dt_proj.bias[heads].to(dt.dtype))
         cd = compute_dtype(x)
-        a = -m.A_log.to(cd).exp()
-        return RecurrenceInputs(x, dt, a.expand(rows, *a.shape), b, c, m.D.to(cd).expand(rows, -1),
-                                extras_BnHX[:, :, 0])
+        a = -m.A_log[heads].to(cd).exp()
+        return RecurrenceInputs(x, dt, a.expand(rows, *a.shape), b, c, m.D[heads].to(cd).expand(rows, -1),
+                                extras_BnHX[..., 0])
 
     def recurrence(self, backend):
         if backend.name == "triton":

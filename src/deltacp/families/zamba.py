@@ -55,6 +55,7 @@ class ZambaMambaView(MambaView):
     (`x_proj_weight` [heads, rank + 2N, P], `dt_proj_weight` [heads, P, rank], `dt_proj_bias` [heads, P])."""
 
     family = "zamba"
+    reads_every_head = False  # a head's x_proj reads its own channels only
 
     @property
     def extras(self) -> int:

@@ -88,7 +88,7 @@ def all_gather_scan(layer: LinearLayerCP, shard: LinearShard, pre_BsC: torch.Ten
 
     # with documents, M = 0 wherever the entering state cannot reach the end of the piece (varlen.py)
     summaries = [torch.cat(rec.summary(x, cu_seqlens=lay), dim=-1) for x, lay in zip(inputs.calls, inputs.layouts)]
-    K = layer.view.state_dims[0]
+    K = rec.state_shape(inputs.calls[0])[2]
     w = rec.transition.width(K)
     packed = torch.stack(inputs.per_slot(summaries))  # [slots, B, H, K, w + V]
     gathered = all_gather_autograd(packed, group)  # [members, slots, ...], member-major

@@ -181,7 +181,6 @@ def p2p_scan(layer: LinearLayerCP, shard: LinearShard, pre_BsC: torch.Tensor, ex
     passing.wait_sends()  # buffers of the previous step's sends
     B, s = pre_BsC.shape[:2]
     pieces = Pieces(passing.rank, passing.size, layer.balanced, s)
-    state_shape = (B, shard.v_heads, *layer.view.state_dims)
     state_dtype = compute_dtype(pre_BsC)
     grad_enabled = torch.is_grad_enabled()
     recompute = in_backward_pass() and grad_enabled  # a checkpoint recompute replays H_in: no receive
@@ -199,6 +198,7 @@ def p2p_scan(layer: LinearLayerCP, shard: LinearShard, pre_BsC: torch.Tensor, ex
     # Schedule: the conv-halo collective and every check that can raise come before any point-to-point
     # message is posted (the state hops run on their own process group besides; see docs/design.md).
     inputs = scan_inputs(layer, shard, pre_BsC, extras_BsHX, pieces, docs, padded=ctx.padding is not None)
+    state_shape = (B, *rec.state_shape(inputs.calls[0])[1:])  # a piece's state: [B, H, K, V] of these heads
     calls = range(len(inputs.calls))
     replay_key = id(layer)
     if recompute and replay_key not in ctx.replay:

@@ -1,7 +1,9 @@
 """What one rank's scan covers: its heads (with their conv channels) and the group over which its tokens are one
 slice of the row. The 1-D p2p / all_gather modes scan every head of the rank's own
 slice; Ulysses scans Hv / P heads of the whole row (no group: the sequence is whole here); the 2-D layout
-(`two_d.py`) scans Hv / u heads of its Ulysses group's slice, across the same heads of the other groups.
+(`two_d.py`) scans Hv / u heads of its Ulysses group's slice, across the same heads of the other groups. Where the
+heads are split, a view whose heads' inputs read every head's channels (Mamba1's x_proj: `LinearMixerView.
+reads_every_head`) sums its partial products over the ranks holding the others (`LinearShard.head_sum`).
 
 `scan_inputs` is the start every mode's scan shares: the causal conv (with the halo from the previous piece), the
 family's recurrence inputs of these heads (`LinearMixerView.inputs`: its gates) and the recurrence's contract check,
@@ -14,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from deltacp.distributed.collectives import all_reduce_autograd
 from deltacp.ops.gdn.varlen import VarlenLayout
 from deltacp.ops.recurrence import RecurrenceInputs
 from deltacp.parallel.conv import conv_parts
@@ -31,6 +35,7 @@ class LinearShard:
     conv_bias_C: torch.Tensor | None
     heads: slice  # the module's value heads scanned here
     seq_group: object | None  # the ranks whose slices make the row (halo from the previous one); None: whole here
+    head_group: object | None = None  # the ranks holding the row's other heads (Ulysses, 2-D); None: every head here
 
     @classmethod
     def whole(cls, layer: LinearLayerCP) -> "LinearShard":
@@ -38,6 +43,14 @@ class LinearShard:
         conv = layer.view.conv
         return cls(layout.key_heads, layout.value_heads, layer.conv_weight_CK, None if conv is None else conv.bias,
                    slice(0, layout.value_heads), layer.group)
+
+    def head_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A per-token product over this shard's heads summed over every head of the row (`LinearMixerView.
+        reads_every_head`): an all-reduce over the head group (a collective: every rank of it calls this, as
+        often), or the product itself where every head is here."""
+        if self.head_group is None or dist.get_world_size(self.head_group) == 1:
+            return partial
+        return all_reduce_autograd(partial, self.head_group)
 
 
 @dataclass
@@ -123,7 +136,8 @@ def scan_inputs(layer: LinearLayerCP, shard: LinearShard, pre_BsC: torch.Tensor,
             keep = extras[:, :, 0, -1, None, None]  # [rows, n, 1, 1]
             extras = extras[..., :-1]
             part = tuple(p * keep.to(p.dtype) for p in part)
-        x = layer.view.inputs(part, extras, shard.heads, layer.backend).contiguous()
+        reads = dict(head_sum=shard.head_sum) if layer.view.reads_every_head else {}
+        x = layer.view.inputs(part, extras, shard.heads, layer.backend, **reads).contiguous()
         layer.recurrence.check(x)
         inputs.calls.append(x)
     return inputs

@@ -47,13 +47,14 @@ class HeadShard:
     v_local: int
     channels: torch.Tensor  # this rank's conv channels, in the module's order
     heads: slice  # this rank's value heads
+    group: object  # the Ulysses group: its members hold the other heads of these tokens
 
     def scan_shard(self, layer: LinearLayerCP, seq_group=None) -> LinearShard:
         """What these heads' scan covers: their conv channels; `seq_group`: None (the group's whole row is here) or
         the groups across which it is one slice (2-D)."""
         weight, bias = layer.conv_weight_CK, None if layer.view.conv is None else layer.view.conv.bias
         return LinearShard(self.key_local, self.v_local, None if weight is None else weight[self.channels],
-                        None if bias is None else bias[self.channels], self.heads, seq_group)
+                           None if bias is None else bias[self.channels], self.heads, seq_group, self.group)
 
 
 def seq_to_head_shard(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor, group) -> HeadShard:
@@ -73,7 +74,7 @@ def seq_to_head_shard(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: 
     C = channels_PX.shape[1]
     pre_BSC, extras_BSX = torch.split(full_BSX, [C, full_BSX.shape[-1] - C], dim=-1)
     return HeadShard(pre_BSC, extras_BSX.unflatten(-1, (v_local, -1)), key_local, v_local, channels_PX[rank],
-                     slice(rank * v_local, (rank + 1) * v_local))
+                     slice(rank * v_local, (rank + 1) * v_local), group)
 
 
 def ulysses_mixer(layer: LinearLayerCP, pre_BsC: torch.Tensor, extras_BsHX: torch.Tensor,

@@ -94,9 +94,14 @@ class LinearMixerView:
         project(x)                  -> (pre_BsC, extras_BsHX [B, s, Hv, extras], out): the module's projections
         reads_positions             project takes the call's position ids too: project(x, position_ids) (the
                                     RG-LRU's resets at position 0, as transformers' module reads them)
+        reads_every_head            a head's recurrence inputs read every head's channels (Mamba1's x_proj over
+                                    all I channels): `inputs` takes head_sum too, which sums a per-token product
+                                    over the given heads' channels across the ranks holding the other heads
+                                    (identity where every head is here)
         conv_heads(key_heads)       -> the split of the conv output the backend's conv op makes
-        inputs(parts, extras, heads, backend) -> RecurrenceInputs of value heads `heads` (a slice) from the conv
-                                    output parts and the extras of those heads: the family's gate formula
+        inputs(parts, extras, heads, backend[, head_sum]) -> RecurrenceInputs of value heads `heads` (a slice)
+                                    from the conv output parts and the extras of those heads: the family's gate
+                                    formula
         recurrence(backend)         -> the Recurrence (`ops/recurrence.py`) the inputs are for
         output(o_BsHV, out, backend) -> the mixer's output [B, s, hidden] (gated norm, output projection), in the
                                     form the module's forward returns it (a tuple where transformers' is one)
@@ -106,6 +111,7 @@ class LinearMixerView:
     family = "generic"
     extras = 0
     reads_positions = False
+    reads_every_head = False
 
     def __init__(self, module: nn.Module):
         self.module = module
