@@ -23,7 +23,7 @@ from deltacp.train.config import CheckpointConfig, load_config
 from deltacp.train.parity import MODES, compare, cp_configs, reference_config, run_jobs
 
 MAIN = Path(__file__).resolve().parents[2] / "configs" / "tiny_cp4.yaml"
-STEPS, SHORT, AC_STEPS = 20, 5, 3
+STEPS, SHORT, AC_STEPS = 10, 5, 3
 LOSS_REL, GNORM_REL = 1e-4, 1e-3
 
 
@@ -135,7 +135,7 @@ def cp4_worker(rank, world, results):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-def test_cp4_main_config_every_mode_20_steps_and_activation_checkpointing(reference):
+def test_cp4_main_config_every_mode_and_activation_checkpointing(reference):
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:

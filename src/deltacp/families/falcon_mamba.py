@@ -23,9 +23,9 @@ def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 class FalconMambaView(MambaView):
     family = "falcon_mamba"
 
-    def dt_b_c(self, x):
+    def dt_b_c(self, proj):
         eps = self.module.rms_eps
-        return tuple(weightless_rms_norm(t, eps) for t in super().dt_b_c(x))
+        return tuple(weightless_rms_norm(t, eps) for t in super().dt_b_c(proj))
 
 
 FALCON_MAMBA = register_family(mamba_family("falcon_mamba", "FalconMamba", FalconMambaView))

@@ -48,9 +48,9 @@ class JambaMambaView(MambaView):
     family = "jamba"
     channels_setting = "mamba_expand x hidden_size"
 
-    def dt_b_c(self, x):
+    def dt_b_c(self, proj):
         m = self.module
-        dt, b, c = super().dt_b_c(x)
+        dt, b, c = super().dt_b_c(proj)
         return (weighted_rms_norm(m.dt_layernorm, dt), weighted_rms_norm(m.b_layernorm, b),
                 weighted_rms_norm(m.c_layernorm, c))
 
