@@ -90,7 +90,9 @@ class LinearMixerView:
                                     are, any activation applied by `project`)
         conv_activation             its activation's name (the CP conv computes "silu"; unread without a conv)
         extras                      per-token inputs per value head that skip the conv (e.g. GDN's b and a)
-        state_dims                  (K, V) of the recurrent state
+        state_dims                  (K, V) of one value head's recurrent state (part of the configuration every
+                                    rank must agree on; the modes take a piece's state shape from the recurrence,
+                                    `Recurrence.state_shape`, whose heads may join several of these: Mamba1's)
         project(x)                  -> (pre_BsC, extras_BsHX [B, s, Hv, extras], out): the module's projections
         reads_positions             project takes the call's position ids too: project(x, position_ids) (the
                                     RG-LRU's resets at position 0, as transformers' module reads them)
