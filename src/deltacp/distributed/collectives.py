@@ -306,6 +306,14 @@ def in_backward_pass() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def _summed(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The sum of every rank's x (not differentiable: the autograd Functions' part), where it was summed: in host
+    memory for a CUDA tensor over gloo (`_needs_host_staging`), so that a caller moves back only what it keeps."""
+    total = x.detach().cpu() if _needs_host_staging(x, group) else x.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -319,11 +327,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_P):
         # Every rank's copy of slot r feeds rank r's gradient: sum over ranks, keep my slot.
-        group = ctx.group
-        staged = _needs_host_staging(grad_P, group)
-        total = grad_P.detach().cpu() if staged else grad_P.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total[dist.get_rank(group)].to(grad_P.device), None
+        return _summed(grad_P, ctx.group)[dist.get_rank(ctx.group)].to(grad_P.device), None
 
 
 def all_gather_autograd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -338,19 +342,12 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _sum_over(x, group)
+        return _summed(x, group).to(x.device)
 
     @staticmethod
     def backward(ctx, grad):
         # every rank reads the same sum: each summand's gradient is the sum of the ranks' gradients of it
-        return _sum_over(grad, ctx.group), None
-
-
-def _sum_over(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    staged = _needs_host_staging(x, group)
-    total = x.detach().cpu() if staged else x.detach().clone()
-    dist.all_reduce(total, group=group)
-    return total.to(x.device)
+        return _summed(grad, ctx.group).to(grad.device), None
 
 
 def all_reduce_autograd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
