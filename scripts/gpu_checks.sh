@@ -88,6 +88,8 @@
 #                                      Kimi-Linear's head shape, three gate regimes, rows and packed), Kimi-Linear's
 #                                      mixer at its config shape under CP2 (Triton bf16 vs eager fp32), then
 #                                      bench/kda_op.py against FLA's chunk_kda                     (about 5 minutes)
+#   bash scripts/gpu_checks.sh kda_ncu Nsight Compute of every kernel in one fwd+bwd at 32K, deltacp's KDA and FLA's
+#                                      chunk_kda: speed of light, memory workload, occupancy, launch (about 3 minutes)
 #   bash scripts/gpu_checks.sh selective  Mamba1's selective scan on Triton: its GPU tests vs eager float64 (fp32 and
 #                                      bf16, three gate regimes, rows and packed, entering state; one compilation
 #                                      across lengths), the Mamba1 mixers (Falcon-Mamba-7B, Mamba-2.8B, Jamba,
@@ -128,12 +130,16 @@
 #                                      tests and the ssd_op timings (32K, the peers beside) on its proposed table,
 #                                      written to $OUT/ssd_launch.json (the peers compile and autotune first: about
 #                                      2 minutes of the bench on a cold machine, 2026-12-06)       (about 9 minutes)
+#   bash scripts/gpu_checks.sh kda_sweep  the KDA launch sweep at 32K (KDA_SWEEP_KERNELS), then the bf16 GPU tests and
+#                                      the bench against FLA's chunk_kda on its proposal, written to
+#                                      $OUT/kda_launch.json                                        (about 9 minutes)
 #   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC 0) against the
 #                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
 #                                      tests on it                                                 (about 6 minutes)
-#   bash scripts/gpu_checks.sh kda_ab  KDA's switchable variants (kernels.INTRA_DIAG_KERNEL, SAVE_STATES) each turned
-#                                      against the source in the same call: fwd / fwd+bwd ms and peak memory at
-#                                      KDA_LENGTHS (32K), no accuracy rows (about 2 minutes)
+#   bash scripts/gpu_checks.sh kda_ab  KDA's switchable module constants (KDA_AB="NAME=VALUE[,NAME=VALUE] ...",
+#                                      default DECAYED 2 and INVERSE 1 together and each) each against the source in
+#                                      the same call: fwd / fwd+bwd ms, peak memory and kernel time by class at
+#                                      KDA_LENGTHS (32K), no accuracy rows (about 3 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -148,7 +154,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_prec|kda_ab|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -325,6 +331,22 @@ ssd_sweep)
       --lengths ${SSD_LENGTHS:-32768} --shapes "$shape" --regimes --profile 32768 --json "$OUT/ssd_op.jsonl"
   fi
   ;;
+kda_sweep)
+  # the KDA launch sweep at 32K (Kimi-Linear's 32 heads of 128, bf16; KDA_SWEEP_KERNELS, default the state and output
+  # kernels and wy_fwd), then the op's bf16 GPU tests and its bench against FLA's chunk_kda (KDA_LENGTHS, default
+  # 8K and 32K) on the proposed table; the table changes in the source only after this part passes
+  # shellcheck disable=SC2086  (KDA_SWEEP_KERNELS: a list)
+  check kda_sweep 260 python bench/launch_sweep.py --op kda --length 32768 \
+    --kernels ${KDA_SWEEP_KERNELS:-state_fwd state_bwd out_fwd wy_fwd} --budget "${SWEEP_BUDGET:-200}" \
+    --table-out "$OUT/kda_launch.json" --json "$OUT/kda_sweep.jsonl"
+  if [ -f "$OUT/kda_launch.json" ]; then
+    check kda_tests_swept 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_launch.json" -- -q -rA -k bf16 \
+      -p no:cacheprovider tests/gpu/test_kda_triton_gpu.py
+    # shellcheck disable=SC2086
+    check kda_op_swept 240 python bench/launch_sweep.py --op kda --apply "$OUT/kda_launch.json" -- bench/kda_op.py \
+      --lengths ${KDA_LENGTHS:-8192 32768} --regimes --profile 32768 --json "$OUT/kda_op.jsonl"
+  fi
+  ;;
 kda_prec)
   # the compounding KDA kernels (WY, state) with one tf32 pass instead of three under bf16 inputs
   # (kernels.COMPOUND_PREC 0): its accuracy against float64 in three regimes (the source's is in NOTES.md) and the
@@ -343,15 +365,20 @@ kda_prec)
   fi
   ;;
 kda_ab)
-  # the source's table and switches, then one variant each (launch_sweep --apply: module constants of kernels.py)
+  # the source's table and switches, then one variant each (launch_sweep --apply: module constants of kernels.py;
+  # KDA_AB="NAME=VALUE[,NAME=VALUE] ...", default the decayed operands stored and the narrow inverse, together and
+  # each alone), each with its kernel time by class at 32K
   # shellcheck disable=SC2086
   check kda_ab_source 120 python bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} \
     --profile 32768 --json "$OUT/kda_ab.jsonl"
-  for v in INTRA_DIAG_KERNEL=0 SAVE_STATES=1; do
-    echo "{\"${v%=*}\": ${v#*=}}" > "$OUT/kda_ab_${v%=*}.json"
+  # a variant: NAME=VALUE[,NAME=VALUE...] (module constants set together)
+  for v in ${KDA_AB:-DECAYED=2,INVERSE=1 DECAYED=2 INVERSE=1}; do
+    tag=${v//[=,]/_}
+    python -c "import json, sys; print(json.dumps({k: int(x) for k, x in (p.split('=') for p in sys.argv[1].split(','))}))" \
+      "$v" > "$OUT/kda_ab_$tag.json"
     # shellcheck disable=SC2086
-    check "kda_ab_${v%=*}" 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_ab_${v%=*}.json" -- \
-      bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --json "$OUT/kda_ab.jsonl"
+    check "kda_ab_$tag" 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_ab_$tag.json" -- \
+      bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --profile 32768 --json "$OUT/kda_ab.jsonl"
   done
   ;;
 ssd_op|kda_op)
@@ -487,6 +514,13 @@ sweep)
   for kern in ${SWEEP_KERNELS:-wy_bwd wu_fwd tril_merge state_bwd state_fwd}; do
     check "sweep_$kern" 150 python bench/gdn_kernels.py --sweep --length 32768 --kernels $kern --budget-s 75 --top 8
   done
+  ;;
+kda_ncu)
+  # Nsight Compute of every KDA kernel in one fwd + bwd at 32K (Kimi-Linear's 32 heads of 128, bf16; the op alone,
+  # timing only): throughput against the device's peaks, occupancy, launch (registers, shared memory)
+  # FLA's chunk_kda beside it when the site was carried (every kernel of its fwd + bwd: its names are not ours)
+  check kda_ncu 240 ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section MemoryWorkloadAnalysis python bench/kda_op.py --ncu --lengths 32768
   ;;
 ncu)
   check ncu 150 ncu --kernel-name regex:"wy_bwd_kernel|dqkwg_kernel|state_bwd_kernel" --launch-count 3 \

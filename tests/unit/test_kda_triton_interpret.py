@@ -82,19 +82,33 @@ if PART == 0:  # the summary is forward only
         print("SUMMARY_GRAD no error")
     except RuntimeError as e:
         print("SUMMARY_GRAD", "no backward" in str(e))
-    # kernels.SAVE_STATES 1 (h and vn kept from the forward) against 0 (recomputed): the same numbers, bitwise
+    # the kernels' switches against the source's settings: SAVE_STATES 1 (h and vn kept from the forward, not
+    # recomputed) and DECAYED 0 / 1 / 2 (the decayed operands formed in each kernel or stored by wy_fwd: the same
+    # arithmetic) bitwise; INVERSE 0 / 1 (the forward substitution's product widths: other summation orders) to
+    # rounding. Everything: o, the final state, every gradient, the summary (M, S) and initial_state_grad.
     from deltacp.ops.kda.triton import chunk, kernels
     xs = inputs(1, 130, 2, 16, 32, "fast", 8)
-    runs = []
-    for saved in (0, 1):
-        kernels.SAVE_STATES = saved
-        leaves = [x.clone().requires_grad_() for x in xs]
-        o, ht = chunk.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                use_qk_l2norm_in_kernel=True)
-        grads = torch.autograd.grad((o * torch.cos(o)).sum() + ht.sum(), leaves)
-        runs.append([o, ht, *grads])
-    kernels.SAVE_STATES = 0
-    print("FIG saved_states float64 max_abs_diff %r" % max((a - b).abs().max().item() for a, b in zip(*runs)))
+    def run_with(**switches):
+        before = {n: getattr(kernels, n) for n in switches}
+        for n, v in switches.items():
+            setattr(kernels, n, v)
+        try:
+            leaves = [x.clone().requires_grad_() for x in xs]
+            o, ht = chunk.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True)
+            grads = torch.autograd.grad((o * torch.cos(o)).sum() + ht.sum(), leaves)
+            m, s = chunk.summary_kda(*xs[1:5], use_qk_l2norm_in_kernel=True)
+            dh0 = chunk.initial_state_grad(*xs[:5], torch.cos(o.detach()), use_qk_l2norm_in_kernel=True)
+            return [o, ht, *grads, m, s, dh0]
+        finally:
+            for n, v in before.items():
+                setattr(kernels, n, v)
+    source = run_with()
+    def diff(run):
+        return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(run, source))
+    for name, value in (("SAVE_STATES", 1), ("DECAYED", 0), ("DECAYED", 1), ("DECAYED", 2), ("INVERSE", 0),
+                        ("INVERSE", 1)):
+        print("FIG %s_%d float64 max_rel_diff %r" % (name, value, diff(run_with(**{name: value}))))
 else:
     case("T100_K128_fast", torch.float64, 1, 100, 1, 128, 128, "fast", 6)
 print("DONE")
@@ -144,10 +158,14 @@ def test_fresh_first_document_ignores_the_entering_state(figures):
 
 
 @needs_triton
-def test_states_kept_from_the_forward_change_nothing(figures):
-    """kernels.SAVE_STATES = 1 (the backward reads h and vn from the forward instead of recomputing them): o, the
-    final state and every gradient bitwise those of the default."""
-    assert figures[("saved_states", "float64", "max_abs_diff")] == 0.0
+@pytest.mark.parametrize("switch", ["SAVE_STATES_1", "DECAYED_0", "DECAYED_1", "DECAYED_2", "INVERSE_0", "INVERSE_1"])
+def test_kernel_switches_against_the_source(figures, switch):
+    """Each of the kernels' module switches against the source's settings (o, the final state, every gradient, the
+    summary, initial_state_grad; fp64): SAVE_STATES 1 (h and vn kept from the forward instead of recomputed) and
+    DECAYED (the decayed operands formed in each kernel or stored by wy_fwd) bitwise; INVERSE (the forward
+    substitution's product widths) to fp64 rounding."""
+    bound = 1e-13 if switch.startswith("INVERSE") else 0.0
+    assert figures[(switch, "float64", "max_rel_diff")] <= bound
 
 
 @needs_triton

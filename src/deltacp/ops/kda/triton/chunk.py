@@ -4,10 +4,9 @@ the entering state's gradient), with the semantics of `ops/kda/eager.py`.
 Outside the Function: the layout (padding T to a multiple of 64, or a packed row's chunk-aligned layout,
 `VarlenLayout.to_chunks`, and `from_chunks` of o; torch, differentiable), then `KDAPrep` (the l2 norm of q and k, the
 query scale and the chunk-local cumsum of g into the accumulator dtype, one kernel each way). Inside: wy_fwd (Tm, P, W,
-U) -> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, P, W, U from the forward, recomputes h and vn
-(kernels.SAVE_STATES 1: keeps them too),
-then dv_local (Pᵀ dO) -> state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (bwd_wy, then bwd_intra: dq, dk, dv,
-dbeta, dgam).
+U, and the decayed Kt, Qg: kernels.DECAYED) -> state_fwd (h per chunk, vn) -> out_fwd. The backward keeps Tm, P, W,
+U, Kt, Qg from the forward, recomputes h and vn (kernels.SAVE_STATES 1: keeps them too), then dv_local (Pᵀ dO) ->
+state_bwd (dh per chunk, dvn, dh0) -> chunk_bwd (bwd_wy, then bwd_intra: dq, dk, dv, dbeta, dgam).
 """
 
 from __future__ import annotations
@@ -47,28 +46,28 @@ class KDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gam, beta, h0, output_final_state, resets):
-        tm, p, w, u = wy_fwd(q, k, v, gam, beta)
-        h, vn, ht = state_fwd(w, u, k, gam, h0, inputs=v.dtype, output_final_state=output_final_state,
+        tm, p, w, u, kt, qg = wy_fwd(q, k, v, gam, beta)
+        h, vn, ht = state_fwd(w, u, k, gam, kt, h0, inputs=v.dtype, output_final_state=output_final_state,
                               resets=resets)
-        o = out_fwd(q, gam, p, h, vn, v.dtype)
+        o = out_fwd(q, gam, qg, p, h, vn, v.dtype)
         ctx.saved_states = bool(kernels.SAVE_STATES)
         states = (h, vn) if ctx.saved_states else ()
-        ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u, *states)
+        ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u, kt, qg, *states)
         ctx.resets = resets
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gam, beta, h0, tm, p, w, u, *states = ctx.saved_tensors
+        q, k, v, gam, beta, h0, tm, p, w, u, kt, qg, *states = ctx.saved_tensors
         resets = ctx.resets
         if ctx.saved_states:
             h, vn = states
         else:
-            h, vn, _ = state_fwd(w, u, k, gam, h0, inputs=v.dtype, resets=resets)
+            h, vn, _ = state_fwd(w, u, k, gam, kt, h0, inputs=v.dtype, resets=resets)
         do = do.contiguous()  # in o's dtype: the kernels cast on load
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
         dvl = dv_local(q, p, do, v.dtype)
-        dh, dvn, dh0 = state_bwd(q, k, gam, w, do, dvl, dht, inputs=v.dtype, need_dh0=h0 is not None,
+        dh, dvn, dh0 = state_bwd(q, k, gam, kt, qg, w, do, dvl, dht, inputs=v.dtype, need_dh0=h0 is not None,
                                  resets=resets)
         dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dgam, dbeta.to(beta.dtype),
@@ -114,16 +113,16 @@ def summary_kda(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, need_transition
     layout = as_layout(cu_seqlens, T)
     _, k, v, gam, beta = _inputs(None, k, v, g, beta, None, use_qk_l2norm_in_kernel, layout, T)
     resets = _resets(layout, v.device)
-    _, _, w, u = wy_fwd(None, k, v, gam, beta)
-    _, _, s = state_fwd(w, u, k, gam, None, inputs=v.dtype, store_h=False, store_vn=False, output_final_state=True,
-                        resets=resets)
+    _, _, w, u, kt, _ = wy_fwd(None, k, v, gam, beta)
+    _, _, s = state_fwd(w, u, k, gam, kt, None, inputs=v.dtype, store_h=False, store_vn=False,
+                        output_final_state=True, resets=resets)
     if not need_transition:
         return None, s
     B, _, H, K = k.shape
     if layout is not None and layout.any_reset:
         return torch.zeros(B, H, K, K, dtype=gam.dtype, device=v.device), s
     eye = torch.eye(K, dtype=gam.dtype, device=v.device).expand(B, H, K, K).contiguous()
-    _, _, m = state_fwd(w, None, k, gam, eye, inputs=v.dtype, cols=K, store_h=False, store_vn=False,
+    _, _, m = state_fwd(w, None, k, gam, kt, eye, inputs=v.dtype, cols=K, store_h=False, store_vn=False,
                         output_final_state=True)
     return m, s
 
@@ -140,8 +139,8 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         return torch.zeros(B, H, K, V, dtype=acc, device=v.device)
     q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
     (do,) = _laid_out(layout, T, grad_o)  # the kernels cast on load
-    _, p, w, _ = wy_fwd(q, k, v, gam, beta)
+    _, p, w, _, kt, qg = wy_fwd(q, k, v, gam, beta)
     dvl = dv_local(q, p, do, v.dtype)
-    _, _, dh0 = state_bwd(q, k, gam, w, do, dvl, None, inputs=v.dtype, store=False, need_dh0=True,
+    _, _, dh0 = state_bwd(q, k, gam, kt, qg, w, do, dvl, None, inputs=v.dtype, store=False, need_dh0=True,
                           resets=_resets(layout, v.device))
     return dh0

@@ -5,7 +5,8 @@ Per chunk of BT = 64 tokens and head, gam the chunk-local inclusive cumsum of g 
 q already l2-normalised and scaled, k l2-normalised, h_c the state [K, V] entering chunk c:
     wy_fwd     A_ij = beta_i sum_c k_ic k_jc e^{gam_ic - gam_jc} (j < i),  Tm = (I + A)^-1 (16 x 16 diagonal blocks
                by forward substitution, then (I - N)(I + N^2) D, `_inverse`),
-               W = Tm (beta k e^{gam}),  U = Tm (beta v),  P_ij = sum_c q_ic k_jc e^{gam_ic - gam_jc} (j <= i)
+               W = Tm (beta k e^{gam}),  U = Tm (beta v),  P_ij = sum_c q_ic k_jc e^{gam_ic - gam_jc} (j <= i),
+               and (DECAYED) the decayed operands Kt = k e^{gl - gam}, Qg = q e^{gam} of the kernels below
     state_fwd  vn = U - W h_c,  h_{c+1} = e^{gl} h_c + (k e^{gl - gam})ᵀ vn    (h_c, vn stored; with no U and
                h_0 = I it is the summary's M, one K-column block of it per program)
     out_fwd    o = (q e^{gam}) h_c + P vn   (DVL: dvl = Pᵀ dO instead, the part of dvn the chunk's own outputs give)
@@ -36,8 +37,8 @@ kernels under bf16 / fp16 inputs, three (about fp32) where errors compound acros
 and everywhere under fp32 inputs, fp64 for fp64 (`_prec`).
 
 Layouts (every tensor contiguous, Tp = NT * 64 rows per sequence: padded, or a packed row laid out chunk-aligned,
-`ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W [B, Tp, H, K]; v, U, vn, dvl, dvn, o,
-dO [B, Tp, H, V]; beta [B, Tp, H]; Tm, P, dA, dP [B, Tp, H, BT]; h, dh [B, NT, H, K, V]; h0, ht, dht, dh0 [B, H, K, V].
+`ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W, Kt, Qg [B, Tp, H, K]; v, U, vn, dvl, dvn,
+o, dO [B, Tp, H, V]; beta [B, Tp, H]; Tm, P, dA, dP [B, Tp, H, BT]; h, dh [B, NT, H, K, V]; h0, ht, dht, dh0 [B, H, K, V].
 Everything the kernels compute and store is in the accumulator dtype (fp32; fp64 for fp64 inputs, the interpreter
 tests), except o (v's dtype); loads are cast to it. `resets` [NT] int32 (packed rows only): the state entering those
 chunks is zero (backward: no gradient crosses them). Names start with kda_.
@@ -101,6 +102,20 @@ INTERPRETER_BR = BT
 # per layer unless the layer is recomputed anyway). H100, 32K: fwd + bwd 39.3 ms with 1, 41.9 with 0 (the op's own
 # peak the same, 10.5 GiB: the recomputed h lives in its backward either way).
 SAVE_STATES = 0
+# The decayed operands wy_fwd stores for the state and output kernels (fp32 [B, Tp, H, K] each, kept for the backward):
+# 0, none (each state / output program forms k e^{gl - gam} and q e^{gam} from k, q and gam: every V block of a head
+# re-reads the three and recomputes the exponentials); 1, Kt = k e^{gl - gam} (state_fwd, state_bwd); 2, Kt and
+# Qg = q e^{gam} (also out_fwd, state_bwd). The same fp32 arithmetic either way (the results agree bitwise). Offline
+# (sm_90, bf16, DECAYED 2): state_fwd 111,104 -> 77,824 bytes of shared memory, state_bwd 184,832 -> 118,784 and its
+# spill 336 -> 108 bytes; wy_fwd's spill 384 -> 752 bytes. INVERSE likewise: the settings other than 0 pass the
+# interpreter's tests and compile for sm_90 but have not run on a GPU (no device could be had, 2026-12-07): the
+# source keeps the GPU-tested 0 until `gpu_checks.sh kda_ab` has timed them and the GPU tests have run with them.
+DECAYED = 0
+# wy_fwd's inverse of the diagonal 16 x 16 blocks (`_inverse`), forward substitution in 15 steps: 0, a 64 x 64 x 64
+# product per step (`_dot`: three tf32 passes under COMPOUND_PREC); 1, 64 x 64 x 16 (the four blocks side by side),
+# a quarter of the work (offline sm_90, bf16: the same 384 bytes of spill; the blocks as one [4, 16, 16] tensor in
+# elementwise fp32 products spilled 1.2 KB, from the reshapes, and was dropped unmeasured).
+INVERSE = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
@@ -247,28 +262,42 @@ def kda_wy_diag_kernel(q, k, gam, ad, pd, Tp, H: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def _inverse(b_a, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 of a strictly lower [BT, BT] A: the 16 x 16 diagonal blocks by forward substitution (all four
-    at once, row i of each per step), D = their inverse; then with N = D A_o (A_o the blocks below the diagonal,
-    N strictly block-lower: N^4 = 0), (I + A)^-1 = (I + N)^-1 D = (I - N)(I + N^2) D."""
+def _inverse(b_a, BT: tl.constexpr, BS: tl.constexpr, INVERSE: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower [BT, BT] A. D = the inverse of its BS x BS diagonal blocks by forward
+    substitution, row i of every block per step (INVERSE): 0, a [BT, BT] x [BT, BT] product per step (`_dot`); 1,
+    [BT, BT] x [BT, BS] with D's blocks side by side (row i, column j % BS: BT / BS times less work), spread to
+    [BT, BT] at the end. Then with N = D A_o (A_o the blocks below the diagonal, N strictly block-lower: N^4 = 0 for
+    four blocks), (I + A)^-1 = (I + N)^-1 D = (I - N)(I + N^2) D."""
     o_t = tl.arange(0, BT)
-    same = (o_t[:, None] // 16) == (o_t[None, :] // 16)
+    same = (o_t[:, None] // BS) == (o_t[None, :] // BS)
     a_d = tl.where(same, b_a, 0.)
-    b_d = tl.where(o_t[:, None] == o_t[None, :], 1., 0.).to(b_a.dtype)
-    for i in range(1, 16):
-        sel = (o_t % 16) == i
-        b_d -= _dot(tl.where(sel[:, None], a_d, 0.), b_d, PREC)  # rows j < i of each block are final
+    if INVERSE:
+        o_s = tl.arange(0, BS)
+        b_d2 = tl.where((o_t % BS)[:, None] == o_s[None, :], 1., 0.).to(b_a.dtype)  # [BT, BS]: D's blocks
+        for i in range(1, BS):
+            sel = (o_t % BS) == i
+            b_d2 -= _dot(tl.where(sel[:, None], a_d, 0.), b_d2, PREC)  # rows j < i of each block are final
+        # spread to [BT, BT] by a product with the 0/1 matrix E[c, j] = (j % BS == c) (a reshape spills here)
+        b_e = tl.where(o_s[:, None] == (o_t % BS)[None, :], 1., 0.).to(b_a.dtype)
+        b_d = tl.where(same, _dot(b_d2, b_e, PREC), 0.)
+    else:
+        b_d = tl.where(o_t[:, None] == o_t[None, :], 1., 0.).to(b_a.dtype)
+        for i in range(1, BS):
+            sel = (o_t % BS) == i
+            b_d -= _dot(tl.where(sel[:, None], a_d, 0.), b_d, PREC)  # rows j < i of each block are final
     b_n = _dot(b_d, tl.where(same, 0., b_a), PREC)
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.).to(b_a.dtype)
     return _dot(eye - b_n, _dot(eye + _dot(b_n, b_n, PREC), b_d, PREC), PREC)
 
 
 @triton.jit(do_not_specialize=["Tp"])
-def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H: tl.constexpr, K: tl.constexpr,
+def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, kt, qg, Tp, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_Q: tl.constexpr, PREC: tl.constexpr):
+                      HAS_Q: tl.constexpr, STORE_KT: tl.constexpr, STORE_QG: tl.constexpr,
+                      INVERSE: tl.constexpr, PREC: tl.constexpr):
     """Tm, W, U and (HAS_Q) P of one chunk; A and P summed over K blocks (off-diagonal sub-chunk blocks by tl.dot
-    through `_through`), started from the diagonal blocks wy_diag wrote to ad, pd."""
+    through `_through`), started from the diagonal blocks wy_diag wrote to ad, pd. STORE_KT: the decayed keys
+    Kt = k e^{gl - gam} too, STORE_QG: the decayed queries Qg = q e^{gam} (the state and output kernels' operands)."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -291,15 +320,21 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H: tl.constex
             b_a += _dot(b_k * up, b_kd, PREC)
             if HAS_Q:
                 b_p += _dot(b_q * up, b_kd, PREC)
-    b_t = _inverse(tl.where(o_t[:, None] > o_t[None, :], b_a, 0.) * b_beta[:, None], BT, PREC)
-    _store(tm, b_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
-    if HAS_Q:
+    if HAS_Q:  # stored first: P is not live through the inverse
         _store(p, b_p, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
+    b_t = _inverse(tl.where(o_t[:, None] > o_t[None, :], b_a, 0.) * b_beta[:, None], BT, BS, INVERSE, PREC)
+    _store(tm, b_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_x = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-            * tl.exp(_load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)) * b_beta[:, None]
-        _store(w, _dot(b_t, b_x, PREC), o_k, i_b, i_c, i_h, Tp, H, K, BT)
+        b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_g = _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_eg = tl.exp(b_g)
+        _store(w, _dot(b_t, b_k * b_eg * b_beta[:, None], PREC), o_k, i_b, i_c, i_h, Tp, H, K, BT)
+        if STORE_KT:
+            b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+            _store(kt, b_k * tl.exp(b_gl[None, :] - b_g), o_k, i_b, i_c, i_h, Tp, H, K, BT)
+        if STORE_QG:
+            _store(qg, _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) * b_eg, o_k, i_b, i_c, i_h, Tp, H, K, BT)
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_y = _load(v, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) * b_beta[:, None]
@@ -307,21 +342,24 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H: tl.constex
 
 
 @triton.jit
-def _state_in(b_h, k, gam, b_vn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-              acc: tl.constexpr, PREC: tl.constexpr):
+def _state_in(b_h, k, gam, kt, b_vn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+              HAS_KT: tl.constexpr, acc: tl.constexpr, PREC: tl.constexpr):
     """Rows o_k of e^{gl} h + (k e^{gl - gam})ᵀ vn: the state leaving the chunk (the transposed factor read
-    transposed: no transpose in registers)."""
+    transposed: no transpose in registers; HAS_KT: read from wy_fwd's Kt, else formed from k and gam)."""
     o_t = tl.arange(0, BT)
     b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_kt = _load_t(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-        * tl.exp(b_gl[:, None] - _load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    if HAS_KT:
+        b_kt = _load_t(kt, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    else:
+        b_kt = _load_t(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+            * tl.exp(b_gl[:, None] - _load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
     return b_h * tl.exp(b_gl)[:, None] + _dot(b_kt, b_vn, PREC)
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_state_fwd_kernel(w, u, k, gam, h0, h, vn, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
+def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
-                         HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
+                         HAS_U: tl.constexpr, HAS_KT: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
                          STORE_HT: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
     """h [K, BV] through the chunks, as two [BK, BV] row blocks when K = 2 BK (h1, h2). V: the state's columns (the
     values; K for the summary's M, HAS_U False)."""
@@ -356,9 +394,9 @@ def kda_state_fwd_kernel(w, u, k, gam, h0, h, vn, ht, resets, NT, H: tl.constexp
             b_vn += _load(u, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
         if STORE_VN:
             _store(vn, b_vn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
-        b_h1 = _state_in(b_h1, k, gam, b_vn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        b_h1 = _state_in(b_h1, k, gam, kt, b_vn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
         if TWO:
-            b_h2 = _state_in(b_h2, k, gam, b_vn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+            b_h2 = _state_in(b_h2, k, gam, kt, b_vn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
     if STORE_HT:
         tl.store(_state_ptrs(ht, i_b * H + i_h, o_k1, o_v, K, V), b_h1)
         if TWO:
@@ -366,9 +404,11 @@ def kda_state_fwd_kernel(w, u, k, gam, h0, h, vn, ht, resets, NT, H: tl.constexp
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_out_fwd_kernel(q, gam, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVL: tl.constexpr, PREC: tl.constexpr):
-    """One V block of o = (q e^{gam}) h_c + P vn; DVL: of Pᵀ dO instead (q, gam, h, vn unused)."""
+def kda_out_fwd_kernel(q, gam, qg, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVL: tl.constexpr,
+                       HAS_QG: tl.constexpr, PREC: tl.constexpr):
+    """One V block of o = (q e^{gam}) h_c + P vn (HAS_QG: q e^{gam} read from wy_fwd's Qg); DVL: of Pᵀ dO instead
+    (q, gam, qg, h, vn unused)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = p.dtype.element_ty
@@ -382,41 +422,52 @@ def kda_out_fwd_kernel(q, gam, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.const
         b_o = _dot(b_p, _load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC)
         for i_k in range(K // BK):
             o_k = i_k * BK + tl.arange(0, BK)
-            b_qg = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-                * tl.exp(_load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+            if HAS_QG:
+                b_qg = _load(qg, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+            else:
+                b_qg = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+                    * tl.exp(_load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
             b_h = tl.load(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V))
             b_o += _dot(b_qg, b_h, PREC)
     _store(o, b_o, o_v, i_b, i_c, i_h, Tp, H, V, BT)
 
 
 @triton.jit
-def _kt_dh(b_dh, k, gam, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-           acc: tl.constexpr, PREC: tl.constexpr):
-    """(k e^{gl - gam})[:, o_k] dh[o_k]: the part of dvn through rows o_k of the state leaving the chunk."""
+def _kt_dh(b_dh, k, gam, kt, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+           HAS_KT: tl.constexpr, acc: tl.constexpr, PREC: tl.constexpr):
+    """(k e^{gl - gam})[:, o_k] dh[o_k]: the part of dvn through rows o_k of the state leaving the chunk (HAS_KT:
+    the factor read from wy_fwd's Kt)."""
     o_t = tl.arange(0, BT)
-    b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
-    b_kt = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-        * tl.exp(b_gl[None, :] - _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    if HAS_KT:
+        b_kt = _load(kt, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    else:
+        b_gl = _row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+        b_kt = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+            * tl.exp(b_gl[None, :] - _load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
     return _dot(b_kt, b_dh, PREC)
 
 
 @triton.jit
-def _state_out_grad(b_dh, q, gam, w, b_do, b_dvn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr,
-                    BT: tl.constexpr, acc: tl.constexpr, PREC: tl.constexpr):
-    """Rows o_k of e^{gl} dh + (q e^{gam})ᵀ dO - Wᵀ dvn: the gradient of the state entering the chunk."""
+def _state_out_grad(b_dh, q, gam, qg, w, b_do, b_dvn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr,
+                    BT: tl.constexpr, HAS_QG: tl.constexpr, acc: tl.constexpr, PREC: tl.constexpr):
+    """Rows o_k of e^{gl} dh + (q e^{gam})ᵀ dO - Wᵀ dvn: the gradient of the state entering the chunk (HAS_QG:
+    q e^{gam} read from wy_fwd's Qg)."""
     o_t = tl.arange(0, BT)
-    b_qg = _load_t(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
-        * tl.exp(_load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
+    if HAS_QG:
+        b_qg = _load_t(qg, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
+    else:
+        b_qg = _load_t(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
+            * tl.exp(_load_t(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
     b_dh = b_dh * tl.exp(_row(gam, BT - 1, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))[:, None] \
         + _dot(b_qg, b_do, PREC)
     return b_dh - _dot(_load_t(w, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc), b_dvn, PREC)
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_state_bwd_kernel(q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          USE_DHT: tl.constexpr, STORE: tl.constexpr, STORE_DH0: tl.constexpr, RESETS: tl.constexpr,
-                         PREC: tl.constexpr):
+                         HAS_KT: tl.constexpr, HAS_QG: tl.constexpr, PREC: tl.constexpr):
     """dh [K, BV] back through the chunks, as two [BK, BV] row blocks when K = 2 BK (dh1, dh2)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
@@ -440,15 +491,17 @@ def kda_state_bwd_kernel(q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H
             if TWO:
                 tl.store(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k2, o_v, K, V), b_dh2)
         b_dvn = _load(dvl, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) \
-            + _kt_dh(b_dh1, k, gam, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+            + _kt_dh(b_dh1, k, gam, kt, o_k1, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
         if TWO:
-            b_dvn += _kt_dh(b_dh2, k, gam, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+            b_dvn += _kt_dh(b_dh2, k, gam, kt, o_k2, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
         if STORE:
             _store(dvn, b_dvn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
         b_do = _load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
-        b_dh1 = _state_out_grad(b_dh1, q, gam, w, b_do, b_dvn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+        b_dh1 = _state_out_grad(b_dh1, q, gam, qg, w, b_do, b_dvn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, HAS_QG, acc,
+                                PREC)
         if TWO:
-            b_dh2 = _state_out_grad(b_dh2, q, gam, w, b_do, b_dvn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc, PREC)
+            b_dh2 = _state_out_grad(b_dh2, q, gam, qg, w, b_do, b_dvn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, HAS_QG,
+                                    acc, PREC)
         if RESETS:
             reset = tl.load(resets + i_c) != 0
             b_dh1 = tl.where(reset, 0., b_dh1)
@@ -745,27 +798,32 @@ def _shape(k, v):
 
 
 def wy_fwd(q, k, v, gam, beta):
-    """-> Tm, P [B, Tp, H, BT] (P None without q), W [B, Tp, H, K], U [B, Tp, H, V] (gam's dtype)."""
+    """-> Tm, P [B, Tp, H, BT] (P None without q), W [B, Tp, H, K], U [B, Tp, H, V], and the decayed operands Kt,
+    Qg [B, Tp, H, K] (DECAYED; None when not stored, Qg without q too), all in gam's dtype."""
     B, Tp, H, K, V, NT = _shape(k, v)
     tm = torch.empty(B, Tp, H, BT, device=k.device, dtype=gam.dtype)
     p = None if q is None else torch.empty_like(tm)
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
+    kt = torch.empty_like(w) if DECAYED >= 1 else None
+    qg = torch.empty_like(w) if DECAYED >= 2 and q is not None else None
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
     ad = torch.empty(B, Tp, H, BS, device=k.device, dtype=gam.dtype)
     pd = None if q is None else torch.empty_like(ad)
     cfg = _rows(_launch("wy_diag", K, V), k)
     kda_wy_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, ad, pd, Tp, H=H, K=K, BT=BT, BS=BS,
                                                         HAS_Q=q is not None, **cfg)
-    kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, ad, pd, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
-                                   HAS_Q=q is not None, PREC=_prec(gam.dtype, v.dtype, True),
+    kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, ad, pd, kt, qg, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
+                                   HAS_Q=q is not None, STORE_KT=kt is not None, STORE_QG=qg is not None,
+                                   INVERSE=INVERSE, PREC=_prec(gam.dtype, v.dtype, True),
                                    **_launch("wy_fwd", K, V, v.dtype))
-    return tm, p, w, u
+    return tm, p, w, u, kt, qg
 
 
-def state_fwd(w, u, k, gam, h0=None, *, inputs, cols=None, store_h=True, store_vn=True, output_final_state=False,
-              resets=None):
+def state_fwd(w, u, k, gam, kt, h0=None, *, inputs, cols=None, store_h=True, store_vn=True,
+              output_final_state=False, resets=None):
     """-> h [B, NT, H, K, cols] (the state entering each chunk) or None, vn [B, Tp, H, cols] or None, ht or None.
-    u None: no values (the summary's M: h0 = I, cols = K). `inputs`: v's dtype (the products' precision)."""
+    u None: no values (the summary's M: h0 = I, cols = K). kt: wy_fwd's Kt, or None (formed from k and gam).
+    `inputs`: v's dtype (the products' precision)."""
     B, Tp, H, K = k.shape
     NT = Tp // BT
     V = u.shape[3] if u is not None else cols
@@ -775,35 +833,36 @@ def state_fwd(w, u, k, gam, h0=None, *, inputs, cols=None, store_h=True, store_v
     ht = torch.empty(B, H, K, V, device=k.device, dtype=acc) if output_final_state else None
     cfg = _launch("state_fwd", K, V)
     kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
-        w, u, k, gam, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
-        HAS_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
+        w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
+        HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
         RESETS=resets is not None, PREC=_prec(acc, inputs, True), **cfg)
     return h, vn, ht
 
 
-def _out(q, gam, p, h, x, out, dvl: bool, inputs: torch.dtype):
+def _out(q, gam, qg, p, h, x, out, dvl: bool, inputs: torch.dtype):
     B, Tp, H, _ = p.shape
     K, V, NT = q.shape[3], x.shape[3], Tp // BT
     cfg = _launch("out_fwd", K, V)
-    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, p, h, None if dvl else x, x if dvl else None, out, NT,
-                                                    H=H, K=K, V=V, BT=BT, DVL=dvl, PREC=_prec(p.dtype, inputs),
-                                                    **cfg)
+    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, qg, p, h, None if dvl else x, x if dvl else None, out,
+                                                    NT, H=H, K=K, V=V, BT=BT, DVL=dvl, HAS_QG=qg is not None,
+                                                    PREC=_prec(p.dtype, inputs), **cfg)
     return out
 
 
-def out_fwd(q, gam, p, h, vn, out_dtype):
-    """-> o [B, Tp, H, V] in out_dtype (v's)."""
-    return _out(q, gam, p, h, vn, torch.empty(vn.shape, device=vn.device, dtype=out_dtype), False, out_dtype)
+def out_fwd(q, gam, qg, p, h, vn, out_dtype):
+    """-> o [B, Tp, H, V] in out_dtype (v's); qg: wy_fwd's Qg, or None (formed from q and gam)."""
+    return _out(q, gam, qg, p, h, vn, torch.empty(vn.shape, device=vn.device, dtype=out_dtype), False, out_dtype)
 
 
 def dv_local(q, p, do, inputs: torch.dtype):
     """-> Pᵀ dO per chunk [B, Tp, H, V] (P's dtype); `inputs` v's dtype."""
-    return _out(q, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), True, inputs)
+    return _out(q, None, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), True, inputs)
 
 
-def state_bwd(q, k, gam, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=False, resets=None):
+def state_bwd(q, k, gam, kt, qg, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=False, resets=None):
     """-> dh [B, NT, H, K, V] (the gradient of the state leaving each chunk), dvn [B, Tp, H, V], dh0 (or Nones).
-    `inputs`: v's dtype (the products' precision)."""
+    kt, qg: wy_fwd's Kt and Qg, or None (formed from k, q and gam). `inputs`: v's dtype (the products'
+    precision)."""
     B, Tp, H, K, V, NT = _shape(k, do)
     acc = gam.dtype
     dh = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store else None
@@ -811,10 +870,9 @@ def state_bwd(q, k, gam, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=F
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=acc) if need_dh0 else None
     cfg = _launch("state_bwd", K, V)
     kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
-        q, k, gam, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
-        USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None,
-        PREC=_prec(acc, inputs, True),
-        **cfg)
+        q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
+        USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, HAS_KT=kt is not None,
+        HAS_QG=qg is not None, PREC=_prec(acc, inputs, True), **cfg)
     return dh, dvn, dh0
 
 
