@@ -137,7 +137,7 @@
 #                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
 #                                      tests on it                                                 (about 6 minutes)
 #   bash scripts/gpu_checks.sh kda_ab  KDA's switchable module constants (KDA_AB="NAME=VALUE[,NAME=VALUE] ...",
-#                                      default DECAYED and INVERSE at 0, and DECAYED 1) each against the source in
+#                                      default DECAYED and INVERSE at 0 together and each) each against the source in
 #                                      the same call: fwd / fwd+bwd ms, peak memory and kernel time by class at
 #                                      KDA_LENGTHS (32K), no accuracy rows (about 3 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
@@ -367,12 +367,12 @@ kda_prec)
 kda_ab)
   # the source's table and switches, then one variant each (launch_sweep --apply: module constants of kernels.py;
   # KDA_AB="NAME=VALUE[,NAME=VALUE] ...", default the tree before the decayed operands and the narrow inverse, and
-  # the decayed keys alone), each with its kernel time by class at 32K
+  # each of the two alone turned off), each with its kernel time by class at 32K
   # shellcheck disable=SC2086
   check kda_ab_source 120 python bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} \
     --profile 32768 --json "$OUT/kda_ab.jsonl"
   # a variant: NAME=VALUE[,NAME=VALUE...] (module constants set together)
-  for v in ${KDA_AB:-DECAYED=0,INVERSE=0 DECAYED=1}; do
+  for v in ${KDA_AB:-DECAYED=0,INVERSE=0 DECAYED=0 INVERSE=0}; do
     tag=${v//[=,]/_}
     python -c "import json, sys; print(json.dumps({k: int(x) for k, x in (p.split('=') for p in sys.argv[1].split(','))}))" \
       "$v" > "$OUT/kda_ab_$tag.json"

@@ -104,19 +104,19 @@ INTERPRETER_BR = BT
 SAVE_STATES = 0
 # The decayed operands wy_fwd stores for the state and output kernels (fp32 [B, Tp, H, K] each, kept for the backward):
 # 0, none (each state / output program forms k e^{gl - gam} and q e^{gam} from k, q and gam: every V block of a head
-# re-reads the three and recomputes the exponentials); 1, Kt = k e^{gl - gam} (state_fwd, state_bwd); 2, Kt and
-# Qg = q e^{gam} (also out_fwd, state_bwd). The same fp32 arithmetic either way (the results agree bitwise). Offline
-# (sm_90, bf16, DECAYED 2): state_fwd 111,104 -> 77,824 bytes of shared memory, state_bwd 184,832 -> 118,784 and its
+# re-reads the three and recomputes the exponentials); 1, Kt = k e^{gl - gam} (state_fwd, state_bwd) and
+# Qg = q e^{gam} (out_fwd, state_bwd). The same fp32 arithmetic either way (the results agree bitwise). Offline
+# (sm_90, bf16, DECAYED 1): state_fwd 111,104 -> 77,824 bytes of shared memory, state_bwd 184,832 -> 118,784 and its
 # spill 336 -> 108 bytes; wy_fwd's spill 384 -> 752 bytes. On an H100 (Kimi-Linear's 32 heads of 128, bf16, 32K,
-# `gpu_checks.sh kda_ab`, 2026-12-07): fwd + bwd 40.21 ms with 0, 37.54 with 2 (state_bwd 6.71 -> 5.20 ms, state_fwd
+# `gpu_checks.sh kda_ab`, 2026-12-07): fwd + bwd 40.21 ms with 0, 37.54 with 1 (state_bwd 6.71 -> 5.20 ms, state_fwd
 # 5.25 -> 4.81, out_fwd 3.21 -> 2.30, wy_fwd 5.73 -> 6.13), the op's peak 10.52 -> 11.52 GiB (Kt and Qg kept for the
-# backward: 0.5 GiB each); the op's 12 GPU tests pass with 2 (and INVERSE 1). 1 (Kt alone) is untimed.
-DECAYED = 2
+# backward: 0.5 GiB each); the op's 12 GPU tests pass with 1 (and INVERSE 1).
+DECAYED = 1
 # wy_fwd's inverse of the diagonal 16 x 16 blocks (`_inverse`), forward substitution in 15 steps: 0, a 64 x 64 x 64
 # product per step (`_dot`: three tf32 passes under COMPOUND_PREC); 1, 64 x 64 x 16 (the four blocks side by side),
 # a quarter of the work (offline sm_90, bf16: the same 384 bytes of spill; the blocks as one [4, 16, 16] tensor in
 # elementwise fp32 products spilled 1.2 KB, from the reshapes, and was dropped unmeasured). H100, 32K, as DECAYED's:
-# wy_fwd 5.73 -> 5.37 ms alone, 6.13 -> 5.75 with DECAYED 2; the op 40.21 -> 39.88 ms alone, 37.07 with both.
+# wy_fwd 5.73 -> 5.37 ms alone, 6.13 -> 5.75 with DECAYED 1; the op 40.21 -> 39.88 ms alone, 37.07 with both.
 INVERSE = 1
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
@@ -806,8 +806,8 @@ def wy_fwd(q, k, v, gam, beta):
     tm = torch.empty(B, Tp, H, BT, device=k.device, dtype=gam.dtype)
     p = None if q is None else torch.empty_like(tm)
     w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
-    kt = torch.empty_like(w) if DECAYED >= 1 else None
-    qg = torch.empty_like(w) if DECAYED >= 2 and q is not None else None
+    kt = torch.empty_like(w) if DECAYED else None
+    qg = torch.empty_like(w) if DECAYED and q is not None else None
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
     ad = torch.empty(B, Tp, H, BS, device=k.device, dtype=gam.dtype)
     pd = None if q is None else torch.empty_like(ad)
