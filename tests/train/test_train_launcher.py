@@ -1,9 +1,7 @@
 """Stopping the launcher stops the ranks: `python -m deltacp.train --spawn 2` gets SIGINT (Ctrl-C: the whole
-process group) or SIGTERM; afterwards no rank process is left and no checkpoint is written. A SIGKILLed launcher's
-ranks die with it by the mechanism of `deltacp.distributed.launch.run_distributed`, which the launcher uses and
-tests/distributed/test_launch.py kills (`test_a_killed_caller_takes_its_forked_ranks_with_it`).
+process group), SIGTERM or SIGKILL; afterwards no rank process is left and no checkpoint is written.
 
-The two launchers run at once (each start costs ~10 s of interpreter and model start-up per process)."""
+The three launchers run at once (each start costs ~10 s of interpreter and model start-up per process)."""
 
 import os
 import signal
@@ -49,7 +47,7 @@ def _listing(ckpt: Path) -> list[str]:
 
 
 def test_signals_to_the_launcher_stop_every_rank(tmp_path):
-    cases = {"SIGINT": "group", "SIGTERM": "launcher"}
+    cases = {"SIGINT": "group", "SIGTERM": "launcher", "SIGKILL": "launcher"}
     runs = {name: (_launch(tmp_path / name), tmp_path / name) for name in cases}
     try:
         deadline = time.monotonic() + 240
@@ -77,13 +75,14 @@ def test_signals_to_the_launcher_stop_every_rank(tmp_path):
         time.sleep(2)
         for name, (proc, ckpt) in runs.items():
             assert _listing(ckpt) == listings[name], f"{name}: files written after the launcher stopped"
-        for name in cases:
+        for name in ("SIGINT", "SIGTERM"):
             rc, err = runs[name][0].returncode, outputs[name][1]
             assert rc == 128 + getattr(signal, name), f"{name}: exit code {rc}\n{err[-2000:]}"
             assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
             lines = err.strip().splitlines()
             assert lines[-1].startswith(f"deltacp.train: stopped by {name}: terminated the 2 ranks"), lines[-3:]
             assert not any(line.startswith("deltacp.train: rank") for line in lines), lines
+        assert runs["SIGKILL"][0].returncode == -signal.SIGKILL
     finally:
         for proc, _ in runs.values():
             for pid in group_members(proc.pid):
