@@ -213,14 +213,20 @@ def per_document_attention(q, k, v, cu, scale):
     return o.reshape(B, S, H, D).transpose(1, 2)
 
 
-def summed_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, p in module.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        g = g.clone()
-        dist.all_reduce(g)
-        grads[name] = g
+def summed_over_ranks(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: tensor} summed over the default group in place, by one all-reduce per dtype (a collective per tensor
+    costs its latency each: at 8 ranks on 2 cores about 20 ms). Returns `grads`."""
+    for dtype in dict.fromkeys(g.dtype for g in grads.values()):
+        names = [n for n, g in grads.items() if g.dtype == dtype]
+        total = torch.cat([grads[n].reshape(-1) for n in names])
+        dist.all_reduce(total)
+        for n, part in zip(names, total.split([grads[n].numel() for n in names])):
+            grads[n].copy_(part.view_as(grads[n]))
     return grads
+
+
+def summed_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return summed_over_ranks(grads_of(module))
 
 
 def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -1033,9 +1039,7 @@ def indexed_cp_vs_transformers(base, label: str, torch_fn: str, bound: float) ->
                        use_cache=False).logits
         s = S // world
         (logits * w[:, rank * s:(rank + 1) * s]).sum().backward()
-        grads = grads_of(model)
-        for g in grads.values():
-            dist.all_reduce(g)
+        grads = summed_over_ranks(grads_of(model))
         figures = {"logits": rel_l2(logits, logits_ref[:, rank * s:(rank + 1) * s]),
                    "grads": rel_l2(flat(grads), flat(grads_of(ref)))}
         case = f"{label}, {'packed' if packed else 'row'}"

@@ -80,6 +80,38 @@ def _worker(rank, world):
     cp_causal_lm_loss(model, targets, mesh, **batch, use_cache=False).backward()  # the model still trains
 
 
+def _grad_sum_worker(rank, world):
+    from deltacp.models import fsdp
+
+    mesh = cp_mesh()
+    model = parallelize_cp(Qwen3_5ForCausalLM(tiny_config()).double(), mesh, linear_attention_cp_mode="p2p")
+    params = list(model.parameters())
+    params[5].data = params[5].data.float()  # a float32 parameter between float64 ones: a bucket of its own
+    for bucket_bytes in (fsdp.BUCKET_BYTES, 200):  # one bucket per dtype run; then a bucket every 200 bytes
+        fsdp.BUCKET_BYTES, expected = bucket_bytes, {}
+        for i, p in enumerate(params):
+            # i % 4: 0 a gradient on rank 0 only (rank 1's tokens never reached it), 1 on both, 2 on neither,
+            # 3 on rank 1 only
+            holders = {0: (0,), 1: (0, 1), 2: (), 3: (1,)}[i % 4]
+            p.grad = torch.full_like(p, (i + 1) * (rank + 1)) if rank in holders else None
+            expected[i] = None if not holders else torch.full_like(p, (i + 1) * sum(r + 1 for r in holders))
+        all_reduce_cp_grads(model, mesh)
+        for i, p in enumerate(params):
+            if expected[i] is None:
+                assert p.grad is None, (bucket_bytes, i)
+            else:
+                assert p.grad.dtype == p.dtype and torch.equal(p.grad, expected[i]), (bucket_bytes, i, p.grad.flatten()[:3])
+
+
+def test_all_reduce_cp_grads_sums_gradients_some_ranks_lack():
+    """all_reduce_cp_grads with a gradient on one rank only (summed as zero where missing: the per-parameter
+    all-reduce it replaced left the ranks in different collectives), on neither (kept None), a float32 parameter
+    among float64 ones, in one bucket per dtype and in buckets of 200 bytes.
+    Mutations seen failing: missing gradients left out of the bucket on the ranks lacking them (a size mismatch
+    in gloo); a parameter with no gradient anywhere given zeros."""
+    run_distributed(_grad_sum_worker, 2, timeout_s=300, collective_timeout_s=60)
+
+
 def test_entry_point_faults_raise_on_every_rank():
     """Mutations seen failing: require_parallelized removed from the losses (rank-local sequences, no error); the
     temperature left out of the agreed values (no error); the checkpointing signature left out of the input hook's

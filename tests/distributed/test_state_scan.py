@@ -32,7 +32,7 @@ from deltacp.distributed.launch import run_distributed
 from deltacp.models.checkpointing import apply_activation_checkpointing
 from deltacp.train.trainer import p2p_passings
 from helpers import (cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, run_fwd_bwd, self_meshes,
-                     tiny_config)
+                     summed_over_ranks, tiny_config)
 
 EXACT = 1e-12  # scan vs chain: the same products, associated differently
 TIGHT = 1e-8  # CP vs deltacp's single device (float64)
@@ -181,10 +181,7 @@ DOCS = [1, 2, 37, 64, 3, 100, 1, 48, 64]
 
 
 def _grads_summed(module):
-    grads = grads_of(module)
-    for g in grads.values():
-        dist.all_reduce(g)
-    return flat(grads)
+    return flat(summed_over_ranks(grads_of(module)))
 
 
 def _layer_checks(rank, world, failures):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, tiny_config  # noqa: E402
+from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, summed_over_ranks, tiny_config  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
 PACKED = [0, 1, 4, 37, 100, 101, 180, 256]  # boundaries inside ranks, lengths 1 and 3, on rank boundaries of CP2
@@ -54,9 +54,7 @@ def _sum_grads(module) -> torch.Tensor:
 def _layer_figures(cp, ref, out, out_ref, xl, xr, rank: int, world: int) -> dict[str, float]:
     """rel-L2 of a CP'd layer's output, input gradient and rank-summed parameter gradients against the
     single-device layer `ref` (its output out_ref and input xr)."""
-    grads = {n: g.double() for n, g in grads_of(cp).items()}
-    for g in grads.values():
-        dist.all_reduce(g)
+    grads = summed_over_ranks({n: g.double() for n, g in grads_of(cp).items()})
     return {"output": rel_l2(out, local_slice(out_ref, rank, world)),
             "input grad": rel_l2(xl.grad, local_slice(xr.grad, rank, world)),
             "param grads": rel_l2(flat(grads), flat(grads_of(ref)))}

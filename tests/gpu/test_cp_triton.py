@@ -20,7 +20,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from deltacp import LinearAttentionContextParallel
 from deltacp.distributed.launch import run_distributed
-from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, tiny_config
+from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, summed_over_ranks, tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton backend)")
 
@@ -71,9 +71,7 @@ def cp_triton_worker(rank, world, seq, cu=None, layout="contiguous"):
                                                                           _mesh(dist.group.WORLD))
         xl, dl = local_slice(x, rank, world, layout=layout).bfloat16(), local_slice(d_out, rank, world, layout=layout)
         out, dx = _run(cp, xl, dl, cu)
-        grads = {n: g.float() for n, g in grads_of(cp).items()}
-        for g in grads.values():
-            dist.all_reduce(g)
+        grads = summed_over_ranks({n: g.float() for n, g in grads_of(cp).items()})
         norm = flat(grads).norm().item()
         figures = {
             "output vs fp32": rel_l2(out, local_slice(out32, rank, world, layout=layout)),

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deltacp import LinearAttentionContextParallel
 from deltacp.distributed.launch import run_distributed
-from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, tiny_text_fields
+from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, summed_over_ranks, tiny_text_fields
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (Triton backend at released head shapes)")
@@ -238,9 +238,7 @@ def family_shapes_worker(rank, world, name):
             cp = LinearAttentionContextParallel(mode=mode, backend="triton").apply(
                 copy.deepcopy(base).to(torch.bfloat16), mesh)
             out, dx = _run(cp, local_slice(x, rank, world).to(torch.bfloat16), local_slice(d_out, rank, world))
-            grads = {n: g.float() for n, g in grads_of(cp).items()}
-            for g in grads.values():
-                dist.all_reduce(g)
+            grads = summed_over_ranks({n: g.float() for n, g in grads_of(cp).items()})
             checks = {"output": rel_l2(out, local_slice(out_ref, rank, world)),
                       "input grad": rel_l2(dx, local_slice(dx_ref, rank, world)),
                       "param grads": rel_l2(flat(grads), flat(grads_ref))}
