@@ -66,12 +66,16 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # 2026-12-06): BK 32 in wy_fwd and bwd_intra took the op's fwd + bwd from 41.7 to 39.6 ms, the others kept their
 # offline first choices; the op's bf16 GPU tests pass with the table. "<name>/fp32": the entry for fp32 / fp64 inputs
 # where it differs (`_launch`): wy_fwd and bwd_intra keep BK 16 there, the launch their fp32 GPU tests passed with.
+# state_fwd, state_bwd and out_fwd after the decayed operands (DECAYED) cut their shared memory: swept at 32K
+# (`KDA_LENGTHS="8192 32768" bash scripts/gpu_checks.sh kda_sweep`, one H100, 2026-12-07): V blocks of 32 in the
+# state kernels (16 before) and of 64 in out_fwd (32) took the op's fwd + bwd from 37.1 to 33.9 ms; the op's 12 GPU
+# tests (bf16 and fp32) and Kimi-Linear's mixer under CP2 pass with them.
 COMPOUND_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=2, BK=32, BV=16),
-    "state_fwd": dict(num_warps=4, num_stages=2, BV=16),
-    "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
-    "state_bwd": dict(num_warps=4, num_stages=2, BV=16),
+    "state_fwd": dict(num_warps=4, num_stages=2, BV=32),
+    "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=64),
+    "state_bwd": dict(num_warps=4, num_stages=2, BV=32),
     "bwd_wy": dict(num_warps=8, num_stages=2, BK=32, BV=16),
     "bwd_intra": dict(num_warps=4, num_stages=2, BK=32),
     "wy_fwd/fp32": dict(num_warps=4, num_stages=2, BK=16, BV=16),
