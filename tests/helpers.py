@@ -225,6 +225,28 @@ def summed_over_ranks(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return grads
 
 
+def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: tensor} with every DTensor made whole and detached: FSDP2's shards (dim 0 over a 1-D mesh) by one
+    object all-gather per mesh, their local pieces concatenated in rank order (`full_tensor()` is one collective per
+    tensor, a collective's latency each); other DTensors by `full_tensor()`; plain tensors as they are. A collective
+    over each DTensor's mesh, in the dict's order."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    out, by_mesh = {}, {}
+    for name, t in tensors.items():
+        if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),):
+            by_mesh.setdefault(id(t.device_mesh), (t.device_mesh, {}))[1][name] = t
+        else:
+            out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    for mesh, shards in by_mesh.values():
+        group = mesh.get_group()
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, {n: t.to_local().detach().cpu() for n, t in shards.items()}, group=group)
+        for n, t in shards.items():
+            out[n] = torch.cat([part[n] for part in parts]).to(t.device)
+    return {n: out[n] for n in tensors}
+
+
 def summed_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return summed_over_ranks(grads_of(module))
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from deltacp import cp_cross_entropy, parallelize_cp, shard_batch_for_cp
-from helpers import computed_once, cp_mesh, flat, float64_upcasts, grads_of, rel_l2, self_meshes
+from helpers import computed_once, cp_mesh, flat, float64_upcasts, full_tensors, grads_of, rel_l2, self_meshes
 
 S = 64  # tokens of a padded or packed row
 LONG = 160  # tokens of the long row (two chunks of 64 per rank at CP2)
@@ -183,7 +183,7 @@ def transformers_reference(model, single, ids, mask, cu, valid_runs: bool = Fals
 
 def cp_step(model, mesh, ids, mask, cu, sharded: bool = False):
     """One forward + backward of a CP'd model on this rank's slice: (logits, loss, flat grads summed over ranks: one
-    all-reduce of the flattened gradients, what `all_reduce_cp_grads` computes per parameter; `sharded`: the model is
+    all-reduce of the flattened gradients, the sum `all_reduce_cp_grads` computes; `sharded`: the model is
     under FSDP2 over the mesh, its gradients already summed, gathered whole)."""
     batch = shard_batch_for_cp(ids, mesh, attention_mask=mask, cu_seqlens=cu, model=model)
     with float64_upcasts():
@@ -192,9 +192,9 @@ def cp_step(model, mesh, ids, mask, cu, sharded: bool = False):
         loss = cp_cross_entropy(logits, _valid_targets(batch), mesh)
         loss.backward()
     if sharded:
-        return logits.detach(), loss.detach(), flat({
-            n: p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
-            for n, p in model.named_parameters()})
+        return logits.detach(), loss.detach(), flat(full_tensors({
+            n: p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+            for n, p in model.named_parameters()}))
     grads = flat(grads_of(model))
     if mesh.size() > 1:
         dist.all_reduce(grads, group=mesh.get_group())

@@ -36,7 +36,7 @@ from deltacp.distributed.launch import run_distributed
 from deltacp.checkpoint_io.hf_format import read_index
 from deltacp.checkpoint_io.pretrained import load_device, resolve_class
 from deltacp.checkpoint_io import save as save_module
-from helpers import cp_mesh, tiny_config
+from helpers import cp_mesh, full_tensors, tiny_config
 
 pytestmark = pytest.mark.fast
 
@@ -60,7 +60,7 @@ def _expect(error, pattern, fn):
 
 
 def _gathered(model) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    return full_tensors(model.state_dict())
 
 
 def _worker(rank, world, root):

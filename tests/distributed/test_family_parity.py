@@ -53,7 +53,8 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.distributed.launch import run_distributed
-from helpers import computed_once, cp_mesh, flat, float64_upcasts, grads_of, rel_l2, self_meshes, tiny_family_model
+from helpers import (computed_once, cp_mesh, flat, float64_upcasts, full_tensors, grads_of, rel_l2, self_meshes,
+                     tiny_family_model)
 
 WIDE = dict(linear_num_value_heads=8, num_attention_heads=8)  # heads that divide CP8 (Ulysses)
 
@@ -92,7 +93,7 @@ def _step(model, mesh, ids, mask, cu, fsdp=False):
         loss = cp_cross_entropy(logits, batch["target_ids"], mesh)
         loss.backward()
     if fsdp:
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        grads = full_tensors({n: p.grad for n, p in model.named_parameters()})
     else:
         all_reduce_cp_grads(model, mesh)
         grads = grads_of(model)

@@ -23,7 +23,7 @@ import torch
 
 from deltacp import parallelize_cp
 from deltacp.distributed.launch import run_distributed
-from helpers import cp_mesh, rel_l2, self_meshes, tiny_glm5_next
+from helpers import cp_mesh, full_tensors, rel_l2, self_meshes, tiny_glm5_next
 
 S = 64
 LENGTHS = [5, 2, 26, 31]  # packed documents starting at 0, 5, 7, 33: pools of 3 straddle 16, 32, 48
@@ -232,7 +232,7 @@ def _load_save(rank, world, path, out):
                             full_attention_cp="all_gather")
     ref = cls.from_pretrained(path, dtype=torch.float32).eval()
     ref.config.get_text_config()._attn_implementation = "eager"
-    mine = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for n, t in model.state_dict().items()}
+    mine = full_tensors(model.state_dict())
     theirs = ref.state_dict()
     assert set(mine) == set(theirs) and all(torch.equal(mine[n], theirs[n]) for n in theirs)
     ids = _inputs()["packed"][0]

@@ -33,8 +33,8 @@ from deltacp import load_pretrained, save_pretrained, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
 from deltacp.checkpoint_io.hf_format import read_index
 from deltacp.testing.memory import PeakRSS
-from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, local_slice, rel_l2, tiny_config, tiny_family_model,
-                     tiny_olmo_hybrid, tiny_qwen4_exp)
+from helpers import (FAMILY_CLASSES, TEXT_VOCAB, cp_mesh, full_tensors, local_slice, rel_l2, tiny_config,
+                     tiny_family_model, tiny_olmo_hybrid, tiny_qwen4_exp)
 
 WORLD = 4
 CLASSES = ("Qwen3_5ForCausalLM",) + FAMILY_CLASSES + ("OlmoHybridForCausalLM", "BambaForCausalLM",
@@ -166,7 +166,7 @@ def _decays_from_slopes(model):
 
 
 def _full(model):
-    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for n, t in model.state_dict().items()}
+    return full_tensors(model.state_dict())
 
 
 def _logits(model, ids, mesh=None):

@@ -32,7 +32,8 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.distributed.launch import run_distributed
-from helpers import cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes, tiny_config
+from helpers import (cp_mesh, flat, full_tensors, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes,
+                     tiny_config)
 
 
 def loss_worker(rank, world):
@@ -95,7 +96,7 @@ def model_worker(rank, world):
                                                chunk_size=16)
             loss.backward()
             if fsdp:
-                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+                grads = full_tensors({n: p.grad for n, p in model.named_parameters()})
             else:
                 all_reduce_cp_grads(model, mesh)
                 grads = grads_of(model)
@@ -158,7 +159,7 @@ def logprobs_worker(rank, world):
         mine = lambda x: local_slice(x, rank, world, layout=layout)  # noqa: E731
         (mine(w[rows]) * logp + mine(u[rows]) * ent).sum().backward()
         if fsdp:
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            grads = full_tensors({n: p.grad for n, p in model.named_parameters()})
         else:
             all_reduce_cp_grads(model, mesh)
             grads = grads_of(model)

@@ -26,7 +26,8 @@ import torch
 
 from deltacp import all_reduce_cp_grads, cp_cross_entropy, fully_shard_qwen3_5, parallelize_cp, shard_batch_for_cp
 from deltacp.distributed.launch import run_distributed
-from helpers import TEXT_VOCAB, cp_mesh, flat, grads_of, image_batch, local_slice, rel_l2, self_meshes, tiny_family_model
+from helpers import (TEXT_VOCAB, cp_mesh, flat, full_tensors, grads_of, image_batch, local_slice, rel_l2, self_meshes,
+                     tiny_family_model)
 
 MODES = ("ulysses", "p2p", "all_gather")
 S = 64  # 32 / 16 local tokens at CP2 / CP4
@@ -54,7 +55,7 @@ def _step(model, mesh, ids, mask, types, images, moe, coef, fsdp=False):
     aux = out.aux_loss if moe else torch.zeros((), dtype=loss.dtype)
     (loss + coef * aux).backward()
     if fsdp:
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        grads = full_tensors({n: p.grad for n, p in model.named_parameters()})
     else:
         all_reduce_cp_grads(model, mesh)
         grads = grads_of(model)

@@ -23,8 +23,8 @@ from deltacp import (
     shard_batch_for_cp,
 )
 from deltacp.distributed.launch import run_distributed
-from helpers import (computed_once, cp_mesh, flat, grads_of, local_slice, long_memory_gates_, rel_l2, self_meshes,
-                     summed_over_ranks, tiny_config)
+from helpers import (computed_once, cp_mesh, flat, full_tensors, grads_of, local_slice, long_memory_gates_, rel_l2,
+                     self_meshes, summed_over_ranks, tiny_config)
 
 MODES = ("ulysses", "p2p", "all_gather")
 
@@ -82,7 +82,7 @@ def model_parity_worker(rank, world):
                 fully_shard_qwen3_5(cp, mesh)
             logits, loss = _step(cp, mesh, ids, mask)
             if fsdp:
-                grads = {n: p.grad.full_tensor() for n, p in cp.named_parameters()}
+                grads = full_tensors({n: p.grad for n, p in cp.named_parameters()})
             else:
                 all_reduce_cp_grads(cp, mesh)
                 grads = grads_of(cp)

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import replace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from deltacp.distributed.launch import run_distributed
@@ -66,6 +67,11 @@ def four_rank_worker(rank, world, ckpt_a, ckpt_b, results):
     out = {}
     trainer = Trainer(with_cp(_quiet(_cfg()), 2, dp=2), progress=False)
     assert (trainer.dp, trainer.cp, tuple(trainer.mesh.mesh_dim_names)) == (2, 2, ("dp", "cp"))
+    # the parameter count it reports is the whole model's: the FSDP2 shards of the 4 ranks together
+    held = torch.tensor(sum(p.to_local().numel() for p in trainer.model.parameters()))
+    dist.all_reduce(held)
+    assert trainer.n_params == held.item() and f"({held.item() / 1e6:.2f} M params" in trainer.describe(), \
+        (trainer.n_params, held.item())
     out["dp2xcp2"] = trainer.fit()
     out["dp2xcp2-unpacked"] = Trainer(with_cp(_quiet(_unpacked()), 2, dp=2), progress=False).fit(SHORT)
     Trainer(with_cp(_cfg(f"train.checkpoint.dir={ckpt_a}", *ck), 4), progress=False).fit(SAVE_AT)  # dp1 x cp4

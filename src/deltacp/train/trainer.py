@@ -349,10 +349,7 @@ class Trainer:
             logger.info("Applied FSDP2 over dp %d x cp %d = %d ranks, flattened (mixed precision: %s)", self.dp,
                         self.cp, self.world, mp_policy)
         self.model = model
-        self.n_params = sum(p.numel() for p in model.parameters())  # sharded: local numel; fixed below
-        if cfg.distributed.fsdp:
-            self.n_params = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel()
-                                for p in model.parameters())
+        self.n_params = sum(p.numel() for p in model.parameters())  # FSDP2's DTensors: their global numel
         opt = cfg.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
