@@ -140,6 +140,10 @@
 #                                      default DECAYED and INVERSE at 0 together and each) each against the source in
 #                                      the same call: fwd / fwd+bwd ms, peak memory and kernel time by class at
 #                                      KDA_LENGTHS (32K), no accuracy rows (about 3 minutes)
+#   bash scripts/gpu_checks.sh selective_ab  the selective scan's module switches (SELECTIVE_AB="NAME=VALUE[,...] ...",
+#                                      default CHUNK_BWD_CHANNELS_FIRST=1) against the source in the same call: the
+#                                      op's GPU tests with each, then fwd / fwd+bwd ms, accuracy and kernel time by
+#                                      class at SELECTIVE_LENGTHS (8K, 32K), no peers (about 3 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -154,7 +158,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|selective_ab|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -187,6 +191,26 @@ finish() {
     echo "=== parts '$*': ${#failed[@]} check(s) FAILED:"; printf '  - %s\n' "${failed[@]}"; exit 1
   fi
   echo "=== parts '$*': all checks passed"; exit 0
+}
+# The source against variants of an op's module constants (`bench/launch_sweep.py --apply`), each in a process of
+# its own: `ab_variants OP "NAME=VALUE[,NAME=VALUE] ..." TESTS BENCH ARGS...` runs the bench on the source, then per
+# variant (its constants set together) the op's GPU tests (TESTS; - for none) and the bench with it, the bench rows
+# in $OUT/OP_ab.jsonl.
+ab_variants() {
+  local op=$1 variants=$2 tests=$3 v tag
+  shift 3
+  check "${op}_ab_source" 150 python "$@" --json "$OUT/${op}_ab.jsonl"
+  for v in $variants; do
+    tag=${v//[=,]/_}
+    python -c "import json, sys; print(json.dumps({k: int(x) for k, x in (p.split('=') for p in sys.argv[1].split(','))}))" \
+      "$v" > "$OUT/${op}_ab_$tag.json"
+    if [ "$tests" != - ]; then
+      check "${op}_ab_tests_$tag" 150 python bench/launch_sweep.py --op "$op" --apply "$OUT/${op}_ab_$tag.json" -- \
+        -q -rA -p no:cacheprovider "$tests"
+    fi
+    check "${op}_ab_$tag" 150 python bench/launch_sweep.py --op "$op" --apply "$OUT/${op}_ab_$tag.json" -- "$@" \
+      --json "$OUT/${op}_ab.jsonl"
+  done
 }
 # The public kernels for the comparisons, when .whl/gpu_site.tar.xz was carried: unpacked once per machine, first on
 # PYTHONPATH (its transformers shadows the machine's). No hub downloads: the machine reaches nothing.
@@ -365,21 +389,19 @@ kda_prec)
   fi
   ;;
 kda_ab)
-  # the source's table and switches, then one variant each (launch_sweep --apply: module constants of kernels.py;
-  # KDA_AB="NAME=VALUE[,NAME=VALUE] ...", default the tree before the decayed operands and the narrow inverse, and
-  # each of the two alone turned off), each with its kernel time by class at 32K
+  # the source's table and switches, then one variant each (KDA_AB, default the tree before the decayed operands and
+  # the narrow inverse, and each of the two alone turned off), each with its kernel time by class at 32K; no tests
   # shellcheck disable=SC2086
-  check kda_ab_source 120 python bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} \
-    --profile 32768 --json "$OUT/kda_ab.jsonl"
-  # a variant: NAME=VALUE[,NAME=VALUE...] (module constants set together)
-  for v in ${KDA_AB:-DECAYED=0,INVERSE=0 DECAYED=0 INVERSE=0}; do
-    tag=${v//[=,]/_}
-    python -c "import json, sys; print(json.dumps({k: int(x) for k, x in (p.split('=') for p in sys.argv[1].split(','))}))" \
-      "$v" > "$OUT/kda_ab_$tag.json"
-    # shellcheck disable=SC2086
-    check "kda_ab_$tag" 120 python bench/launch_sweep.py --op kda --apply "$OUT/kda_ab_$tag.json" -- \
-      bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --profile 32768 --json "$OUT/kda_ab.jsonl"
-  done
+  ab_variants kda "${KDA_AB:-DECAYED=0,INVERSE=0 DECAYED=0 INVERSE=0}" - \
+    bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --profile 32768
+  ;;
+selective_ab)
+  # the selective scan's module switches (SELECTIVE_AB, default chunk_bwd on channels x tokens tiles): the op's GPU
+  # tests with each, then its bench (accuracy at 2K in three regimes, fwd / fwd+bwd at SELECTIVE_LENGTHS, kernel time
+  # by class at 32K) beside the source's
+  # shellcheck disable=SC2086
+  ab_variants selective "${SELECTIVE_AB:-CHUNK_BWD_CHANNELS_FIRST=1}" tests/gpu/test_selective_triton_gpu.py \
+    bench/selective_op.py --no-peers --torch-lengths --lengths ${SELECTIVE_LENGTHS:-8192 32768} --profile 32768
   ;;
 ssd_op|kda_op)
   # the benches alone (the tests in `recurrences`); accuracy at 4K (the float64 reference at 128 heads is the slow

@@ -19,7 +19,9 @@ One subprocess per dtype (the interpreter must be on before triton loads) runs e
     the kernels' Function vs autograd of the eager op), the summary (M, S), `initial_state_grad`;
   - dtypes: float64, every case (the kernels compute in fp64: bound 1e-10, figures ~1e-16), and float32, rows with
     fast gates and the packed row with near-frozen ones (fp32 kernels vs eager fp64 on the same values: bound 1e-5,
-    figures ~2e-7; the GPU tests run fp32 on the whole grid).
+    figures ~2e-7; the GPU tests run fp32 on the whole grid);
+  - chunk_bwd's other tile layout (`kernels.CHUNK_BWD_CHANNELS_FIRST` 1: channels x tokens): four float64 cases
+    ("_cf": rows, packed, without D and z, grouped B and C), the same bounds.
 Two processes side by side, six cases each.
 """
 
@@ -90,6 +92,15 @@ CASES += [("packed_fresh", f64, "fast", 1, 40, [0, 9, 10, 21], False), ("rows_pl
           ("packed_grouped", f64, "slow", 1, 61, [0, 9, 10, 21], True, True, 2)]
 for c in CASES[PART::2]:  # two processes side by side
     case(*c)
+# chunk_bwd on channels x tokens tiles (its module switch): cases of each branch, against the same eager figures
+import deltacp.ops.selective.triton.kernels as K
+K.CHUNK_BWD_CHANNELS_FIRST = 1
+CF_CASES = [("rows_fast_cf", f64, "fast", 2, 0), ("packed_slow_cf", f64, "slow", 1, 11, [0, 9, 10, 21]),
+            ("rows_plain_cf", f64, "slow", 2, 50, None, True, False),
+            ("packed_grouped_cf", f64, "slow", 1, 61, [0, 9, 10, 21], True, True, 2)]
+for c in CF_CASES[PART::2]:
+    case(*c)
+K.CHUNK_BWD_CHANNELS_FIRST = 0
 
 # the summary is forward only
 if PART == 0:
@@ -113,7 +124,8 @@ def figures():
 
 
 CASES = {"float64": ("rows_fast", "packed_fast", "rows_slow", "packed_slow", "rows_frozen", "packed_frozen",
-                     "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped"),
+                     "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped",
+                     "rows_fast_cf", "packed_slow_cf", "rows_plain_cf", "packed_grouped_cf"),
          "float32": ("rows_fast", "packed_frozen")}
 PARTS = {"forward": ("o", "final_state"),
          "gradients": ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0"),
@@ -125,7 +137,7 @@ PARTS = {"forward": ("o", "final_state"),
 @pytest.mark.parametrize("dtype,case", [(d, c) for d, cs in CASES.items() for c in cs])
 def test_vs_eager_fp64(figures, case, dtype, part):
     """The part's figures (forward; gradients by autograd; the contract's summary and dh0 from the outputs)."""
-    names = [n for n in PARTS[part] if not (case == "rows_plain" and n in ("dD", "dz"))]
+    names = [n for n in PARTS[part] if not (case.startswith("rows_plain") and n in ("dD", "dz"))]
     assert all((case, dtype, n) in figures for n in names), f"{case} {dtype}: a figure is missing"
     bad = {n: figures[(case, dtype, n)] for n in names if not figures[(case, dtype, n)] <= BOUNDS[dtype]}
     assert not bad, f"{case} {dtype}: above {BOUNDS[dtype]:.0e}: {bad}"
