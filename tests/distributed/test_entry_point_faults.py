@@ -7,6 +7,8 @@ on every rank together, naming the fix, never run silently, never a crash or a h
 - a different temperature on each rank;
 - apply_activation_checkpointing on rank 0 only (a gloo abort under Ulysses, a hang under p2p), and applied twice
   (it nested: 1.7x the step time; now the same plan again is a no-op, another plan raises).
+- all_reduce_cp_grads with a gradient that some ranks lack (a parameter their tokens never reached): summed as zero
+  there, not a collective on some ranks only.
 
 Also (a second spawn): FSDP2 applied after CP passes, FSDP2 alone and shard_batch_for_cp(model=) of a plain model
 are refused, and CP applied at cp = 1 keeps working.
@@ -78,16 +80,21 @@ def _worker(rank, world):
     assert apply_activation_checkpointing(model, policy="selective") == 4  # the same plan again: nothing nested
     assert [layer.forward for layer in model.model.layers] == forwards
     cp_causal_lm_loss(model, targets, mesh, **batch, use_cache=False).backward()  # the model still trains
+    _grad_sums(mesh)
 
 
-def _grad_sum_worker(rank, world):
+def _grad_sums(mesh):
+    """all_reduce_cp_grads with a gradient on one rank only (summed as zero where missing: the per-parameter
+    all-reduce it replaced left the ranks in different collectives), on neither (kept None), a float32 parameter
+    among float64 ones, in one bucket per dtype and in buckets of 200 bytes."""
     from deltacp.models import fsdp
 
-    mesh = cp_mesh()
+    rank = torch.distributed.get_rank()
     model = parallelize_cp(Qwen3_5ForCausalLM(tiny_config()).double(), mesh, linear_attention_cp_mode="p2p")
     params = list(model.parameters())
     params[5].data = params[5].data.float()  # a float32 parameter between float64 ones: a bucket of its own
-    for bucket_bytes in (fsdp.BUCKET_BYTES, 200):  # one bucket per dtype run; then a bucket every 200 bytes
+    saved = fsdp.BUCKET_BYTES
+    for bucket_bytes in (saved, 200):  # one bucket per dtype run; then a bucket every 200 bytes
         fsdp.BUCKET_BYTES, expected = bucket_bytes, {}
         for i, p in enumerate(params):
             # i % 4: 0 a gradient on rank 0 only (rank 1's tokens never reached it), 1 on both, 2 on neither,
@@ -100,23 +107,18 @@ def _grad_sum_worker(rank, world):
             if expected[i] is None:
                 assert p.grad is None, (bucket_bytes, i)
             else:
-                assert p.grad.dtype == p.dtype and torch.equal(p.grad, expected[i]), (bucket_bytes, i, p.grad.flatten()[:3])
-
-
-def test_all_reduce_cp_grads_sums_gradients_some_ranks_lack():
-    """all_reduce_cp_grads with a gradient on one rank only (summed as zero where missing: the per-parameter
-    all-reduce it replaced left the ranks in different collectives), on neither (kept None), a float32 parameter
-    among float64 ones, in one bucket per dtype and in buckets of 200 bytes.
-    Mutations seen failing: missing gradients left out of the bucket on the ranks lacking them (a size mismatch
-    in gloo); a parameter with no gradient anywhere given zeros."""
-    run_distributed(_grad_sum_worker, 2, timeout_s=300, collective_timeout_s=60)
+                assert p.grad.dtype == p.dtype and torch.equal(p.grad, expected[i]), (bucket_bytes, i,
+                                                                                      p.grad.flatten()[:3])
+    fsdp.BUCKET_BYTES = saved
 
 
 def test_entry_point_faults_raise_on_every_rank():
     """Mutations seen failing: require_parallelized removed from the losses (rank-local sequences, no error); the
     temperature left out of the agreed values (no error); the checkpointing signature left out of the input hook's
     agreed values (rank 1 aborts in gloo, SIGABRT, at the ulysses case); the second-apply check removed (no error);
-    the same-plan no-op made to raise as well (the second selective apply raised)."""
+    the same-plan no-op made to raise as well (the second selective apply raised); all_reduce_cp_grads leaving
+    missing gradients out of the bucket on the ranks lacking them (a size mismatch in gloo), or giving a parameter
+    with no gradient anywhere zeros."""
     run_distributed(_worker, 2, timeout_s=300, collective_timeout_s=60)
 
 

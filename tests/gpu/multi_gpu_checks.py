@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers import flat, grads_of, local_slice, long_memory_gates_, rel_l2, summed_over_ranks, tiny_config  # noqa: E402
+from helpers import (flat, full_tensors, grads_of, local_slice, long_memory_gates_, rel_l2,  # noqa: E402
+                     summed_over_ranks, tiny_config)
 
 MODES = ("ulysses", "p2p", "all_gather")
 PACKED = [0, 1, 4, 37, 100, 101, 180, 256]  # boundaries inside ranks, lengths 1 and 3, on rank boundaries of CP2
@@ -46,9 +47,7 @@ def _self_mesh(device_type: str) -> DeviceMesh:
 
 
 def _sum_grads(module) -> torch.Tensor:
-    g = flat({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in
-              module.named_parameters() if p.grad is not None})
-    return g
+    return flat(full_tensors({n: p.grad for n, p in module.named_parameters() if p.grad is not None}))
 
 
 def _layer_figures(cp, ref, out, out_ref, xl, xr, rank: int, world: int) -> dict[str, float]:
