@@ -69,14 +69,16 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # state_fwd, state_bwd and out_fwd after the decayed operands (DECAYED) cut their shared memory: swept at 32K
 # (`KDA_LENGTHS="8192 32768" bash scripts/gpu_checks.sh kda_sweep`, one H100, 2026-12-07): V blocks of 32 in the
 # state kernels (16 before) and of 64 in out_fwd (32) took the op's fwd + bwd from 37.1 to 33.9 ms; the op's 12 GPU
-# tests (bf16 and fp32) and Kimi-Linear's mixer under CP2 pass with them.
+# tests (bf16 and fp32) and Kimi-Linear's mixer under CP2 pass with them. bwd_wy at V blocks of 32 and one stage
+# (offline 12 bytes of spill instead of 200): 33.88 -> 33.09 ms in one call (one H100, 2026-12-07, `launch_sweep.py
+# --op kda --apply` beside the source); the op's 12 GPU tests pass with it.
 COMPOUND_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=2, BK=32, BV=16),
     "state_fwd": dict(num_warps=4, num_stages=2, BV=32),
     "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=64),
     "state_bwd": dict(num_warps=4, num_stages=2, BV=32),
-    "bwd_wy": dict(num_warps=8, num_stages=2, BK=32, BV=16),
+    "bwd_wy": dict(num_warps=8, num_stages=1, BK=32, BV=32),
     "bwd_intra": dict(num_warps=4, num_stages=2, BK=32),
     "wy_fwd/fp32": dict(num_warps=4, num_stages=2, BK=16, BV=16),
     "bwd_intra/fp32": dict(num_warps=4, num_stages=2, BK=16),
