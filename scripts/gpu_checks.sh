@@ -136,12 +136,13 @@
 #   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC 0) against the
 #                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
 #                                      tests on it                                                 (about 6 minutes)
-#   bash scripts/gpu_checks.sh kda_ab  KDA's switchable module constants (KDA_AB="NAME=VALUE[,NAME=VALUE] ...",
-#                                      default DECAYED and INVERSE at 0 together and each) each against the source in
-#                                      the same call: fwd / fwd+bwd ms, peak memory and kernel time by class at
-#                                      KDA_LENGTHS (32K), no accuracy rows (about 3 minutes)
-#   bash scripts/gpu_checks.sh selective_ab  the selective scan's module switches (SELECTIVE_AB="NAME=VALUE[,...] ...",
-#                                      default CHUNK_BWD_CHANNELS_FIRST=1) against the source in the same call: the
+#   bash scripts/gpu_checks.sh kda_ab  KDA's switchable module constants (KDA_AB="NAME=VALUE[,NAME=VALUE] ..." or
+#                                      launch_sweep.py --apply table files t.json; default DECAYED and INVERSE at 0
+#                                      together and each) each against the source in the same call: fwd / fwd+bwd
+#                                      ms, peak memory and kernel time by class at KDA_LENGTHS (32K), no accuracy
+#                                      rows (about 3 minutes)
+#   bash scripts/gpu_checks.sh selective_ab  variants of the selective scan (SELECTIVE_AB="NAME=VALUE[,...] ..." or
+#                                      table files t.json, no default) against the source in the same call: the
 #                                      op's GPU tests with each, then fwd / fwd+bwd ms, accuracy and kernel time by
 #                                      class at SELECTIVE_LENGTHS (8K, 32K), no peers (about 3 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
@@ -151,14 +152,18 @@
 #   bash scripts/gpu_checks.sh gdn_peers  bench/gdn_peers.py: our GDN op against FLA's Triton GDN and FlashQLA
 #                                      (auto_cp False and True) at 8K-64K, Qwen3.5-2B's 16 heads, rel-L2 vs float64
 #                                      in three gate regimes, kernel time at 32K (about 8 minutes, FlashQLA's compile
-#                                      included); gdn_peers_32h: 32 value heads, timings only (about 6 minutes)
+#                                      included); gdn_peers_32h: 32 value heads, timings only (about 2 minutes with
+#                                      FlashQLA's kernels cached; its compile alone took over 8 on a fresh H100, so
+#                                      a fresh machine may need the part twice)
+#   bash scripts/gpu_checks.sh gdn_split  bench/gdn_split.py: the cost model of an exact intra-device split of GDN
+#                                      (the op on P segments as P rows, the summary pass it would add) (about 1 minute)
 # Several parts in one call run one after the other: `bash scripts/gpu_checks.sh recurrences ssd kda`.
 # The public kernels (FLA, FlashQLA and TileLang, liger-kernel, mamba_ssm's Triton SSD, and transformers 5.25 with the
 # huggingface_hub it needs) come as one archive, .whl/gpu_site.tar.xz (scripts/gpu_site.sh builds it on a machine
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|selective_ab|gdn_peers|gdn_peers_32h|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|selective_ab|gdn_peers|gdn_peers_32h|gdn_split|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -201,9 +206,14 @@ ab_variants() {
   shift 3
   check "${op}_ab_source" 150 python "$@" --json "$OUT/${op}_ab.jsonl"
   for v in $variants; do
-    tag=${v//[=,]/_}
-    python -c "import json, sys; print(json.dumps({k: int(x) for k, x in (p.split('=') for p in sys.argv[1].split(','))}))" \
-      "$v" > "$OUT/${op}_ab_$tag.json"
+    if [[ $v == *.json ]]; then  # a table file (launch entries and module constants, launch_sweep.py --apply's form)
+      tag=$(basename "$v" .json)
+      cp "$v" "$OUT/${op}_ab_$tag.json" || { failed+=("${op}_ab_$tag (no file $v)"); continue; }
+    else
+      tag=${v//[=,]/_}
+      python -c "import json, sys; print(json.dumps({k: int(x) for k, x in (p.split('=') for p in sys.argv[1].split(','))}))" \
+        "$v" > "$OUT/${op}_ab_$tag.json"
+    fi
     if [ "$tests" != - ]; then
       check "${op}_ab_tests_$tag" 150 python bench/launch_sweep.py --op "$op" --apply "$OUT/${op}_ab_$tag.json" -- \
         -q -rA -p no:cacheprovider "$tests"
@@ -396,12 +406,18 @@ kda_ab)
     bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --profile 32768
   ;;
 selective_ab)
-  # the selective scan's module switches (SELECTIVE_AB, default chunk_bwd on channels x tokens tiles): the op's GPU
-  # tests with each, then its bench (accuracy at 2K in three regimes, fwd / fwd+bwd at SELECTIVE_LENGTHS, kernel time
-  # by class at 32K) beside the source's
-  # shellcheck disable=SC2086
-  ab_variants selective "${SELECTIVE_AB:-CHUNK_BWD_CHANNELS_FIRST=1}" tests/gpu/test_selective_triton_gpu.py \
-    bench/selective_op.py --no-peers --torch-lengths --lengths ${SELECTIVE_LENGTHS:-8192 32768} --profile 32768
+  # variants of the selective scan (SELECTIVE_AB: NAME=VALUE[,...] module constants or launch_sweep.py --apply table
+  # files, space-separated; no default since CHUNK_BWD_CHANNELS_FIRST left the source): the op's GPU tests with each,
+  # then its bench (accuracy at 2K in three regimes, fwd / fwd+bwd at SELECTIVE_LENGTHS, kernel time by class at 32K)
+  # beside the source's
+  if [ -z "${SELECTIVE_AB:-}" ]; then
+    echo "selective_ab: set SELECTIVE_AB to the variants, e.g. SELECTIVE_AB=my_table.json" >&2
+    failed+=("selective_ab (SELECTIVE_AB unset)")
+  else
+    # shellcheck disable=SC2086
+    ab_variants selective "$SELECTIVE_AB" tests/gpu/test_selective_triton_gpu.py \
+      bench/selective_op.py --no-peers --torch-lengths --lengths ${SELECTIVE_LENGTHS:-8192 32768} --profile 32768
+  fi
   ;;
 ssd_op|kda_op)
   # the benches alone (the tests in `recurrences`); accuracy at 4K (the float64 reference at 128 heads is the slow
@@ -440,8 +456,13 @@ glm)
     --launch ${GLM_LAUNCH:-4,2,16 8,1,16 8,2,32}
   ;;
 gdn_peers_32h)
-  check gdn_peers_32h 480 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --regimes \
+  # 2026-12-07 on a fresh H100: cut off at 480 s inside FlashQLA's compile; 110 s in the next call (~/.tilelang/cache)
+  check gdn_peers_32h 570 python bench/gdn_peers.py --hk 16 --hv 32 --lengths 8192 32768 65536 --regimes \
     --json "$OUT/gdn_peers.jsonl"
+  ;;
+gdn_split)
+  check gdn_split 240 python bench/gdn_split.py --heads 16 32 --lengths 32768 65536 --splits 1 2 4 8 16 \
+    --json "$OUT/gdn_split.jsonl"
   ;;
 heads)
   fla=(); ls .whl/fla_core-*.whl >/dev/null 2>&1 && fla=(--fla)

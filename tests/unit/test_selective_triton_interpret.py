@@ -20,8 +20,6 @@ One subprocess per dtype (the interpreter must be on before triton loads) runs e
   - dtypes: float64, every case (the kernels compute in fp64: bound 1e-10, figures ~1e-16), and float32, rows with
     fast gates and the packed row with near-frozen ones (fp32 kernels vs eager fp64 on the same values: bound 1e-5,
     figures ~2e-7; the GPU tests run fp32 on the whole grid);
-  - chunk_bwd's other tile layout (`kernels.CHUNK_BWD_CHANNELS_FIRST` 1: channels x tokens): four float64 cases
-    ("_cf": rows, packed, without D and z, grouped B and C), the same bounds.
 Two processes side by side, six cases each.
 """
 
@@ -92,16 +90,6 @@ CASES += [("packed_fresh", f64, "fast", 1, 40, [0, 9, 10, 21], False), ("rows_pl
           ("packed_grouped", f64, "slow", 1, 61, [0, 9, 10, 21], True, True, 2)]
 for c in CASES[PART::2]:  # two processes side by side
     case(*c)
-# chunk_bwd on channels x tokens tiles (its module switch): cases of each branch, against the same eager figures
-import deltacp.ops.selective.triton.kernels as K
-K.CHUNK_BWD_CHANNELS_FIRST = 1
-CF_CASES = [("rows_fast_cf", f64, "fast", 2, 0), ("packed_slow_cf", f64, "slow", 1, 11, [0, 9, 10, 21]),
-            ("rows_plain_cf", f64, "slow", 2, 50, None, True, False),
-            ("packed_grouped_cf", f64, "slow", 1, 61, [0, 9, 10, 21], True, True, 2)]
-for c in CF_CASES[PART::2]:
-    case(*c)
-K.CHUNK_BWD_CHANNELS_FIRST = 0
-
 # the summary is forward only
 if PART == 0:
     x, dt, A, B, C, D, z, h0 = (t.float() for t in inputs(1, 10, 12, 2, "fast", 4))
@@ -124,8 +112,7 @@ def figures():
 
 
 CASES = {"float64": ("rows_fast", "packed_fast", "rows_slow", "packed_slow", "rows_frozen", "packed_frozen",
-                     "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped",
-                     "rows_fast_cf", "packed_slow_cf", "rows_plain_cf", "packed_grouped_cf"),
+                     "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped"),
          "float32": ("rows_fast", "packed_frozen")}
 PARTS = {"forward": ("o", "final_state"),
          "gradients": ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0"),

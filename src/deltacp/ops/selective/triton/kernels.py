@@ -61,12 +61,6 @@ LAUNCH: dict[str, dict[str, int]] = {
 }
 
 
-# chunk_bwd's tiles: 0, tokens x channels ([BT, BD], the scans along axis 0); 1, channels x tokens (offline, sm_90:
-# 724 bytes of spill instead of 1,152 at the table's launch; the interpreter tests pass; not yet timed on a GPU:
-# `bench/launch_sweep.py --op selective --apply` with {"CHUNK_BWD_CHANNELS_FIRST": 1} times it beside the source).
-CHUNK_BWD_CHANNELS_FIRST = 0
-
-
 def chunk_len() -> int:
     return LAUNCH["chunk"]["BT"]
 
@@ -209,119 +203,80 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
     tl.store(y + i_r * T * I + o_t[:, None] * I + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _tok(v, CF: tl.constexpr):
-    """A [BT] token vector against chunk_bwd's tiles: [BT, 1] (tokens x channels) or [1, BT] (CF: channels x
-    tokens)."""
-    if CF:
-        return v[None, :]
-    else:
-        return v[:, None]
-
-
-@triton.jit
-def _chan(v, CF: tl.constexpr):
-    """A [BD] channel vector against chunk_bwd's tiles (`_tok`)."""
-    if CF:
-        return v[:, None]
-    else:
-        return v[None, :]
-
-
-@triton.jit
-def _fill(value: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, CF: tl.constexpr, acc: tl.constexpr):
-    """A chunk_bwd tile of `value` (`_tok`'s layout)."""
-    if CF:
-        return tl.full([BD, BT], value, acc)
-    else:
-        return tl.full([BT, BD], value, acc)
-
-
-@triton.jit
-def _tile_cf(p, i_r, s_r, s_t, o_t, o_d, m, acc: tl.constexpr, CF: tl.constexpr):
-    """`_tile`, laid out as `_tok` says."""
-    if CF:
-        return tl.load(p + i_r * s_r + o_d[:, None] + o_t[None, :] * s_t, mask=m, other=0.).to(acc)
-    else:
-        return _tile(p, i_r, s_r, s_t, o_t, o_d, m, acc)
-
-
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
 def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
                          sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sb_r, sb_t, sc_r, sc_t, sdv_r,
                          N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr,
-                         USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr, CF: tl.constexpr):
+                         USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel group, row): for each channel block of the group, every gradient of the chunk's tokens
     (module docstring) from the entering state H_c and the gradient dH_c of the state leaving the chunk. dx, ddt,
     dz stored once; dA, dD per chunk ([R, NC, N, I], [R, NC, I]: summed over the chunks by the caller); dB, dC
-    summed over the group's blocks in place ([R, NG, Tp, N], zeroed by the caller; each element has one program).
-    CF: the tiles channels x tokens ([BD, BT], the scans along axis 1) instead of tokens x channels (`_tok`)."""
+    summed over the group's blocks in place ([R, NG, Tp, N], zeroed by the caller; each element has one program)."""
     i_c, i_g, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    TAX: tl.constexpr = 1 if CF else 0  # the token axis of the tiles
     NC = tl.cdiv(T, BT)
     acc = h.dtype.element_ty
     o_l = tl.arange(0, BT)
     o_t = (i_c * BT + o_l).to(tl.int64)
     m_t = o_t < T
-    first, last = _tok(o_l == 0, CF), _tok(o_l == BT - 1, CF)
+    first, last = (o_l == 0)[:, None], (o_l == BT - 1)[:, None]
     if RESETS:
-        is_rs = _tok(tl.load(resets + o_t, mask=m_t, other=0) != 0, CF)
+        is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, None]
     NB = tl.cdiv(I, BD)
     per = tl.cdiv(NB, NG)
     p_bc = ((i_r * NG + i_g) * NC * BT + i_c * BT + o_l) * N  # dB, dC [R, NG, Tp, N]
     for i_j in range(per):
         o_d = (i_g * per + i_j) * BD + tl.arange(0, BD)
         m_d = o_d < I
-        m = _tok(m_t, CF) & _chan(m_d, CF)
-        b_dt = _tile_cf(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc, CF)
-        b_x = _tile_cf(x, i_r, sx_r, sx_t, o_t, o_d, m, acc, CF)
-        b_do = _tile_cf(do, i_r, so_r, so_t, o_t, o_d, m, acc, CF)
+        m = m_t[:, None] & m_d[None, :]
+        b_dt = _tile(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
+        b_x = _tile(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
+        b_do = _tile(do, i_r, so_r, so_t, o_t, o_d, m, acc)
         if USE_Z:
-            b_z = _tile_cf(z, i_r, sz_r, sz_t, o_t, o_d, m, acc, CF)
+            b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
             b_sg = tl.sigmoid(b_z)
             b_gy = b_do * b_z * b_sg
             b_dzf = b_do * b_sg * (1. + b_z * (1. - b_sg))  # dz = dy silu'(z) y_pre
         else:
             b_gy = b_do
         b_u = b_dt * b_x
-        b_yp = _fill(0., BT, BD, CF, acc)  # sum_n C h (the gate's input, less D x)
-        b_bdh = _fill(0., BT, BD, CF, acc)  # sum_n B dh
-        b_adt = _fill(0., BT, BD, CF, acc)  # sum_n A a h_{t-1} dh
+        b_yp = tl.zeros([BT, BD], dtype=acc)  # sum_n C h (the gate's input, less D x)
+        b_bdh = tl.zeros([BT, BD], dtype=acc)  # sum_n B dh
+        b_adt = tl.zeros([BT, BD], dtype=acc)  # sum_n A a h_{t-1} dh
         p_hc = ((i_r * NC + i_c) * N) * I + o_d
         for n in range(N):
-            b_an = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)
-            b_a = tl.exp(b_dt * _chan(b_an, CF))
+            b_an = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)[None, :]
+            b_a = tl.exp(b_dt * b_an)
             if RESETS:
                 b_a = tl.where(is_rs, 0., b_a)
-            b_bn = _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)
-            b_cn = _col(Cm, i_r, sc_r, sc_t, o_t, n, m_t, acc)
-            b_hin = _chan(tl.load(h + p_hc + n * I, mask=m_d, other=0.), CF)
-            b_b = b_u * _tok(b_bn, CF)
-            one = _fill(1., BT, BD, CF, acc)
+            b_bn = _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)[:, None]
+            b_cn = _col(Cm, i_r, sc_r, sc_t, o_t, n, m_t, acc)[:, None]
+            b_g = b_gy * b_cn
+            b_hin = tl.load(h + p_hc + n * I, mask=m_d, other=0.)[None, :]
+            b_dhe = tl.load(dh + p_hc + n * I, mask=m_d, other=0.)[None, :]
+            b_b = b_u * b_bn
+            one = tl.full([BT, BD], 1., acc)
             _, b_hs, _, b_hp = tl.associative_scan(
-                (b_a, tl.where(first, b_b + b_a * b_hin, b_b), tl.where(first, 0., one), tl.where(first, b_hin, 0.)),
-                TAX, _pair)
-            b_g = b_gy * _tok(b_cn, CF)
-            b_dhe = _chan(tl.load(dh + p_hc + n * I, mask=m_d, other=0.), CF)
+                (b_a, tl.where(first, b_b + b_a * b_hin, b_b), tl.where(first, 0., one),
+                 tl.where(first, b_hin, 0.)), 0, _pair)
             _, _, _, b_wn = tl.associative_scan(
                 (b_a, tl.where(last, b_a * (b_g + b_dhe), b_a * b_g), tl.where(last, 0., one),
-                 tl.where(last, b_dhe, 0.)), TAX, _pair, reverse=True)
+                 tl.where(last, b_dhe, 0.)), 0, _pair, reverse=True)
             b_dhs = b_g + b_wn  # dh_t = C_t gy_t + a_{t+1} dh_{t+1}
-            b_yp += b_hs * _tok(b_cn, CF)
-            b_bdh += b_dhs * _tok(b_bn, CF)
+            b_yp += b_hs * b_cn
+            b_bdh += b_dhs * b_bn
             b_ahd = b_a * b_hp * b_dhs
-            b_adt += b_ahd * _chan(b_an, CF)
-            tl.store(dA + p_hc + n * I, tl.sum(b_ahd * b_dt, TAX), mask=m_d)
+            b_adt += b_ahd * b_an
+            tl.store(dA + p_hc + n * I, tl.sum(b_ahd * b_dt, 0), mask=m_d)
             p_b = p_bc + n
-            tl.store(dB + p_b, tl.load(dB + p_b) + tl.sum(b_u * b_dhs, 1 - TAX))
-            tl.store(dC + p_b, tl.load(dC + p_b) + tl.sum(b_gy * b_hs, 1 - TAX))
+            tl.store(dB + p_b, tl.load(dB + p_b) + tl.sum(b_u * b_dhs, 1))
+            tl.store(dC + p_b, tl.load(dC + p_b) + tl.sum(b_gy * b_hs, 1))
         b_dx = b_dt * b_bdh
         if USE_D:
-            b_dv = tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)
-            b_dx += _chan(b_dv, CF) * b_gy
-            b_yp += _chan(b_dv, CF) * b_x
-            tl.store(dD + (i_r * NC + i_c) * I + o_d, tl.sum(b_gy * b_x, TAX), mask=m_d)
-        p_o = i_r * T * I + _tok(o_t, CF) * I + _chan(o_d, CF)
+            b_dv = tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, :]
+            b_dx += b_dv * b_gy
+            b_yp += b_dv * b_x
+            tl.store(dD + (i_r * NC + i_c) * I + o_d, tl.sum(b_gy * b_x, 0), mask=m_d)
+        p_o = i_r * T * I + o_t[:, None] * I + o_d[None, :]
         tl.store(dx + p_o, b_dx.to(dx.dtype.element_ty), mask=m)
         tl.store(ddt + p_o, (b_x * b_bdh + b_adt).to(ddt.dtype.element_ty), mask=m)
         if USE_Z:
@@ -404,6 +359,6 @@ def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
         x, dt, z, do, A, Bm, Cm, D, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I, *_rt_strides(x),
         *_rt_strides(dt), *_rt_strides(z), *_rt_strides(do), A.stride(0), *_rt_strides(Bm), *_rt_strides(Cm),
         0 if D is None else D.stride(0), N=N, BT=BT, BD=cfg["BD"], NG=NG, USE_D=D is not None,
-        USE_Z=z is not None, RESETS=resets is not None, CF=bool(CHUNK_BWD_CHANNELS_FIRST), **opts)
+        USE_Z=z is not None, RESETS=resets is not None, **opts)
     return (dx, ddt, dz, dA.sum(1).transpose(1, 2), None if dD is None else dD.sum(1), dB.sum(1)[:, :T],
             dC.sum(1)[:, :T])
