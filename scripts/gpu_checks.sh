@@ -144,7 +144,10 @@
 #   bash scripts/gpu_checks.sh selective_ab  variants of the selective scan (SELECTIVE_AB="NAME=VALUE[,...] ..." or
 #                                      table files t.json, no default) against the source in the same call: the
 #                                      op's GPU tests with each, then fwd / fwd+bwd ms, accuracy and kernel time by
-#                                      class at SELECTIVE_LENGTHS (8K, 32K), no peers (about 3 minutes)
+#                                      class at SELECTIVE_LENGTHS (8K, 32K), no peers (about 3 minutes); chunk_bwd's
+#                                      launches at 1 and 2 warps (never swept): SELECTIVE_AB="bench/variants/*.json"
+#   bash scripts/gpu_checks.sh selective_ncu  Nsight Compute of chunk_bwd at 32K: its warps' stall reasons and the
+#                                      source lines they stall on, occupancy, launch, memory (about 2 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
 #                                      peak memory at 8K-64K (SSD_LENGTHS), ours vs mamba_ssm c128/c256 and FLA's
 #                                      simple_gla, one shape (SSD_SHAPES) per call; kda_op:
@@ -163,7 +166,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|selective_ab|gdn_peers|gdn_peers_32h|gdn_split|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|selective_ab|selective_ncu|gdn_peers|gdn_peers_32h|gdn_split|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -411,13 +414,19 @@ selective_ab)
   # then its bench (accuracy at 2K in three regimes, fwd / fwd+bwd at SELECTIVE_LENGTHS, kernel time by class at 32K)
   # beside the source's
   if [ -z "${SELECTIVE_AB:-}" ]; then
-    echo "selective_ab: set SELECTIVE_AB to the variants, e.g. SELECTIVE_AB=my_table.json" >&2
+    echo "selective_ab: set SELECTIVE_AB to the variants, e.g. SELECTIVE_AB=\"\$(echo bench/variants/chunk_bwd_*.json)\"" >&2
     failed+=("selective_ab (SELECTIVE_AB unset)")
   else
     # shellcheck disable=SC2086
     ab_variants selective "$SELECTIVE_AB" tests/gpu/test_selective_triton_gpu.py \
       bench/selective_op.py --no-peers --torch-lengths --lengths ${SELECTIVE_LENGTHS:-8192 32768} --profile 32768
   fi
+  ;;
+selective_ncu)
+  # Falcon-Mamba-7B's shape, bf16; the first chunk_bwd launch (after its compile), timing only
+  check selective_ncu 300 ncu -k regex:sel_chunk_bwd --launch-count 1 --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
+    python bench/selective_op.py --no-peers --lengths 32768 --torch-lengths --regimes --repeat 1
   ;;
 ssd_op|kda_op)
   # the benches alone (the tests in `recurrences`); accuracy at 4K (the float64 reference at 128 heads is the slow
