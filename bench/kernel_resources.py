@@ -159,6 +159,8 @@ def record(ops) -> list[dict]:
                 signature[name] = kind
         entry = dict(module=self.fn.__module__, kernel=self.fn.__name__, signature=signature, constexprs=constexprs,
                      num_warps=options.get("num_warps", 4), num_stages=options.get("num_stages", 3))
+        if options.get("maxnreg") is not None:  # a launch capping its registers a thread (ptxas' .maxnreg)
+            entry["maxnreg"] = options["maxnreg"]
         key = json.dumps(entry, sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -222,7 +224,8 @@ def compile_launch(launch: dict, arch: int = 90) -> dict:
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     try:
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
+                           options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"],
+                                    **({"maxnreg": launch["maxnreg"]} if "maxnreg" in launch else {})})
     except Exception as e:  # noqa: BLE001  (a kernel that does not compile is reported as such)
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     return {"shared": k.metadata.shared, **_ptxas_usage(k.asm["ptx"], arch)}

@@ -144,8 +144,9 @@
 #   bash scripts/gpu_checks.sh selective_ab  variants of the selective scan (SELECTIVE_AB="NAME=VALUE[,...] ..." or
 #                                      table files t.json, no default) against the source in the same call: the
 #                                      op's GPU tests with each, then fwd / fwd+bwd ms, accuracy and kernel time by
-#                                      class at SELECTIVE_LENGTHS (8K, 32K), no peers (about 3 minutes); chunk_bwd's
-#                                      launches at 1 and 2 warps (never swept): SELECTIVE_AB="bench/variants/*.json"
+#                                      class at SELECTIVE_LENGTHS (8K, 32K), no peers (about 1 minute a variant);
+#                                      chunk_bwd's launches no sweep tried (1-2 warps, registers capped):
+#                                      SELECTIVE_AB="$(echo bench/variants/chunk_bwd_*.json)"
 #   bash scripts/gpu_checks.sh selective_ncu  Nsight Compute of chunk_bwd at 32K: its warps' stall reasons and the
 #                                      source lines they stall on, occupancy, launch, memory (about 2 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and

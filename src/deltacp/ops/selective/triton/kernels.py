@@ -47,7 +47,8 @@ import triton.language as tl
 # Launch configurations. BT: the chunk (tokens per program, the granularity of the stored chunk states: [T / BT,
 # I, N] fp32, 1 / BT of a [T, I, N] tensor); BD: channels per program (contiguous: BD bf16 = 64 bytes at 32);
 # NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
-# NG x [T, N]); BS (state_pass): state entries per program. Measured: two passes of `bench/launch_sweep.py --op
+# NG x [T, N]); BS (state_pass): state entries per program; an entry may cap the registers a thread (maxnreg, ptxas'
+# .maxnreg; none in the table). Measured: two passes of `bench/launch_sweep.py --op
 # selective --length 32768` on an H100 (Falcon-Mamba-7B's I = 8192, N = 16, bf16; 2026-12-06) took one fwd+bwd from
 # 120.7 ms (the offline table: BT 64, chunk_out and chunk_bwd 8 warps, chunk_bwd BD 16) to 70.2 ms; the GPU tests
 # and the Mamba1 mixers at their released shapes pass on it. chunk_bwd at BD 64 spills about 1.1 KB a thread
@@ -287,7 +288,7 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
 
 def _opts(name: str) -> tuple[dict[str, int], dict[str, int]]:
     cfg = dict(LAUNCH[name])
-    return cfg, {o: cfg.pop(o) for o in ("num_warps", "num_stages") if o in cfg}
+    return cfg, {o: cfg.pop(o) for o in ("num_warps", "num_stages", "maxnreg") if o in cfg}
 
 
 def _rt_strides(t: torch.Tensor | None) -> tuple[int, int]:
