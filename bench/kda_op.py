@@ -80,6 +80,7 @@ def main():
     ap.add_argument("--profile", type=int, default=None, metavar="T",
                     help="kernel time of one fwd+bwd of each stack at this length")
     ap.add_argument("--no-peers", action="store_true", help="deltacp's op alone")
+    ap.add_argument("--peers-only", action="store_true", help="the public kernels alone (with --ncu: their profile)")
     ap.add_argument("--ncu", action="store_true",
                     help="under `ncu --profile-from-start off`: one warm fwd+bwd of each stack at the first length "
                          "inside the profiler's range, nothing else (no accuracy, no timing)")
@@ -100,6 +101,10 @@ def main():
         import fla as fla_pkg
 
         runs.append((f"fla-{fla_pkg.__version__}-chunk_kda", fla))
+    if args.peers_only:
+        if args.no_peers or len(runs) == 1:
+            sys.exit("--peers-only: no public kernel to run (--no-peers given, or FLA not importable)")
+        runs = runs[1:]
     print("stacks:", [label for label, _ in runs], flush=True)
     if args.ncu:
         from op_peers import timed_fwd_bwd

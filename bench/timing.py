@@ -97,7 +97,7 @@ KERNEL_CLASSES: list[tuple[str, str]] = [
     ("ssd op", r"ssd_|scalar_decay|_chunk_scan_|_chunk_state_|_state_passing|_bmm_chunk|_chunk_cumsum"),
     ("gdn op", r"chunk|wy_|wu_fwd|o_fwd|kkt|solve_tril|state_|dqkwg|recompute_w_u|prepare_wy|l2norm|merge_16x16"
                r"|fwd_kernel_o|bwd_kernel_dqkwg|bwd_kernel_dhu|fwd_kernel_h|gated_delta|tril|head_sum|group_sum"
-               r"|dv_local"),
+               r"|dv_local|gdr_|prepare_h|prepare_dh|correct_h0"),  # the last four: FlashQLA's TileLang kernels
     ("conv", r"conv|depthwise"),
     ("norm", r"norm"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|sm80_|matmul|splitk"),

@@ -138,15 +138,14 @@
 #                                      tests on it                                                 (about 6 minutes)
 #   bash scripts/gpu_checks.sh kda_ab  KDA's switchable module constants (KDA_AB="NAME=VALUE[,NAME=VALUE] ..." or
 #                                      launch_sweep.py --apply table files t.json; default DECAYED and INVERSE at 0
-#                                      together and each) each against the source in the same call: fwd / fwd+bwd
-#                                      ms, peak memory and kernel time by class at KDA_LENGTHS (32K), no accuracy
-#                                      rows (about 3 minutes)
+#                                      together and each) each against the source in the same call: the op's GPU
+#                                      tests with each, then fwd / fwd+bwd ms, peak memory and kernel time by class
+#                                      at KDA_LENGTHS (32K), no accuracy rows (about 2 minutes a variant)
 #   bash scripts/gpu_checks.sh selective_ab  variants of the selective scan (SELECTIVE_AB="NAME=VALUE[,...] ..." or
 #                                      table files t.json, no default) against the source in the same call: the
 #                                      op's GPU tests with each, then fwd / fwd+bwd ms, accuracy and kernel time by
 #                                      class at SELECTIVE_LENGTHS (8K, 32K), no peers (about 1 minute a variant);
-#                                      chunk_bwd's launches no sweep tried (1-2 warps, registers capped):
-#                                      SELECTIVE_AB="$(echo bench/variants/chunk_bwd_*.json)"
+#                                      e.g. SELECTIVE_AB="bench/variants/t.json"
 #   bash scripts/gpu_checks.sh selective_ncu  Nsight Compute of chunk_bwd at 32K: its warps' stall reasons and the
 #                                      source lines they stall on, occupancy, launch, memory (about 2 minutes)
 #   bash scripts/gpu_checks.sh ssd_op  bench/ssd_op.py: rel-L2 vs float64 at 4K in three gate regimes, fwd / fwd+bwd ms and
@@ -404,9 +403,10 @@ kda_prec)
   ;;
 kda_ab)
   # the source's table and switches, then one variant each (KDA_AB, default the tree before the decayed operands and
-  # the narrow inverse, and each of the two alone turned off), each with its kernel time by class at 32K; no tests
+  # the narrow inverse, and each of the two alone turned off), each with the op's GPU tests first, then its kernel
+  # time by class at 32K
   # shellcheck disable=SC2086
-  ab_variants kda "${KDA_AB:-DECAYED=0,INVERSE=0 DECAYED=0 INVERSE=0}" - \
+  ab_variants kda "${KDA_AB:-DECAYED=0,INVERSE=0 DECAYED=0 INVERSE=0}" tests/gpu/test_kda_triton_gpu.py \
     bench/kda_op.py --no-peers --regimes --lengths ${KDA_LENGTHS:-32768} --profile 32768
   ;;
 selective_ab)
@@ -415,7 +415,7 @@ selective_ab)
   # then its bench (accuracy at 2K in three regimes, fwd / fwd+bwd at SELECTIVE_LENGTHS, kernel time by class at 32K)
   # beside the source's
   if [ -z "${SELECTIVE_AB:-}" ]; then
-    echo "selective_ab: set SELECTIVE_AB to the variants, e.g. SELECTIVE_AB=\"\$(echo bench/variants/chunk_bwd_*.json)\"" >&2
+    echo "selective_ab: set SELECTIVE_AB to the variants, e.g. SELECTIVE_AB=\"bench/variants/t.json\"" >&2
     failed+=("selective_ab (SELECTIVE_AB unset)")
   else
     # shellcheck disable=SC2086
@@ -569,11 +569,14 @@ sweep)
   done
   ;;
 kda_ncu)
-  # Nsight Compute of every KDA kernel in one fwd + bwd at 32K (Kimi-Linear's 32 heads of 128, bf16; the op alone,
-  # timing only): throughput against the device's peaks, occupancy, launch (registers, shared memory)
-  # FLA's chunk_kda beside it when the site was carried (every kernel of its fwd + bwd: its names are not ours)
-  check kda_ncu 240 ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section MemoryWorkloadAnalysis python bench/kda_op.py --ncu --lengths 32768
+  # Nsight Compute of every KDA kernel in one fwd + bwd at 32K (Kimi-Linear's 32 heads of 128, bf16; timing only):
+  # throughput against the device's peaks, occupancy, launch (registers, shared memory, spilling requests); deltacp's
+  # op and FLA's chunk_kda (when the site was carried) in two processes (2026-12-07: one process with both ran past
+  # 240 s at FLA's first kernels; each stack's launches alone, picked by a name filter or a launch skip, about 30 s)
+  for stack in no-peers peers-only; do
+    check "kda_ncu_$stack" 240 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section MemoryWorkloadAnalysis python bench/kda_op.py --ncu --$stack --lengths 32768
+  done
   ;;
 ncu)
   check ncu 150 ncu --kernel-name regex:"wy_bwd_kernel|dqkwg_kernel|state_bwd_kernel" --launch-count 3 \

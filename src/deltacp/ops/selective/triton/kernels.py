@@ -48,17 +48,19 @@ import triton.language as tl
 # I, N] fp32, 1 / BT of a [T, I, N] tensor); BD: channels per program (contiguous: BD bf16 = 64 bytes at 32);
 # NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
 # NG x [T, N]); BS (state_pass): state entries per program; an entry may cap the registers a thread (maxnreg, ptxas'
-# .maxnreg; none in the table). Measured: two passes of `bench/launch_sweep.py --op
-# selective --length 32768` on an H100 (Falcon-Mamba-7B's I = 8192, N = 16, bf16; 2026-12-06) took one fwd+bwd from
-# 120.7 ms (the offline table: BT 64, chunk_out and chunk_bwd 8 warps, chunk_bwd BD 16) to 70.2 ms; the GPU tests
-# and the Mamba1 mixers at their released shapes pass on it. chunk_bwd at BD 64 spills about 1.1 KB a thread
-# (`bench/kernel_resources.py --ops selective`, Triton 3.9 for sm_90) and is still its fastest measured launch.
+# .maxnreg; none in the table). Measured on an H100 (Falcon-Mamba-7B's I = 8192, N = 16, bf16, 32K tokens): two
+# passes of `bench/launch_sweep.py --op selective` (4 and 8 warps, 2026-12-06) took one fwd+bwd from 120.7 ms (the
+# offline table) to 70.8 ms; then one warp a program (2026-12-07, `gpu_checks.sh selective_ab` with
+# bench/variants/ tables, the op's GPU tests passing on each): 50.1 ms. At one warp the token-axis scans are warp
+# shuffles with no cross-warp step through shared memory; chunk_bwd at BD 64 and 4 warps had 255 registers, 1.1 KB
+# spilled a thread and 12.5 % occupancy (Nsight Compute: 190 M local-memory requests, L1 73 % busy), at BD 16 and
+# one warp 768 bytes spill and it takes 33.0 ms against 50.9 (chunk_state 6.7 -> 4.0 ms, chunk_out 11.0 -> 10.5).
 LAUNCH: dict[str, dict[str, int]] = {
     "chunk": dict(BT=32),
-    "chunk_state": dict(BD=32, num_warps=4, num_stages=3),
+    "chunk_state": dict(BD=16, num_warps=1, num_stages=3),
     "state_pass": dict(BS=256, num_warps=4, num_stages=3),
-    "chunk_out": dict(BD=32, num_warps=4, num_stages=3),
-    "chunk_bwd": dict(BD=64, NG=8, num_warps=4, num_stages=3),
+    "chunk_out": dict(BD=16, num_warps=1, num_stages=3),
+    "chunk_bwd": dict(BD=16, NG=8, num_warps=1, num_stages=3),
 }
 
 
