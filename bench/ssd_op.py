@@ -11,7 +11,8 @@ x [1, T, H, P], dt_raw [1, T, H], B, C [1, T, G, N] (G groups of heads), A, D, d
   root imports its CUDA selective-scan extension, so gpu_checks.sh stages a copy of its Triton files with an empty
   package root (.whl/mamba_ssm_triton; the guard is bypassed, the SSD kernels are unchanged);
 - FLA: `chunk_simple_gla` (the same scalar-decay recurrence; no groups: B and C repeated to the heads), when its
-  wheels are installed.
+  wheels are installed. FLA 0.6.0 refuses its backward on Hopper with Triton >= 3.4, < 3.7.1 (bench/fla_ref.py);
+  `--fla-bypass-hopper-guard` lifts the refusal to time it, its label says so and its rel-L2 shows what it computed.
 
 Accuracy: rel-L2 of y and of every gradient against deltacp's eager recurrence in float64 (itself checked against
 transformers' torch SSD and a token recurrence in tests/unit/test_scalar_decay.py) on the same inputs, in three gate
@@ -92,11 +93,18 @@ def mamba_ssm_op(chunk):
     return run
 
 
-def fla_op():
+def fla_op(bypass_hopper_guard: bool = False):
+    """-> (label, fn) or None when FLA is not importable (`bypass_hopper_guard`: bench/fla_ref.py)."""
     try:
+        import fla
+        import fla.ops.common.chunk_o as fla_chunk_o
         from fla.ops.simple_gla import chunk_simple_gla
     except ImportError:
         return None
+    label = f"fla-{fla.__version__}-simple_gla"
+    if bypass_hopper_guard and hasattr(fla_chunk_o, "TRITON_ABOVE_3_7_1") and not fla_chunk_o.TRITON_ABOVE_3_7_1:
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+        label += " (Hopper guard bypassed)"
 
     def run(x, dt_raw, dt_bias, A, B, C, D, h0):
         H, G = x.shape[2], B.shape[2]
@@ -107,7 +115,7 @@ def fla_op():
                                  initial_state=h0, output_final_state=True)
         return o.float() + D.float()[:, None] * x32, ht
 
-    return run
+    return label, run
 
 
 def stacks(args):
@@ -122,13 +130,11 @@ def stacks(args):
         import mamba_ssm
 
         out.append((f"mamba_ssm-{mamba_ssm.__version__}-c{chunk}", fn))
-    fn = fla_op()
-    if fn is None:
+    fla = fla_op(args.fla_bypass_hopper_guard)
+    if fla is None:
         print("NOTE: flash-linear-attention is not importable here: no row for it")
     else:
-        import fla
-
-        out.append((f"fla-{fla.__version__}-simple_gla", fn))
+        out.append(fla)
     return out
 
 
@@ -146,6 +152,8 @@ def main():
                     help="gate regimes of the accuracy rows (none: timing only)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--fla-bypass-hopper-guard", action="store_true",
+                    help="time FLA's chunk_simple_gla past its Hopper refusal (its rel-L2 rows say what it computed)")
     ap.add_argument("--profile", type=int, default=None, metavar="T",
                     help="kernel time of one fwd+bwd of each stack at this length (the first --shapes shape)")
     ap.add_argument("--json")
