@@ -29,7 +29,8 @@ states H, dH are [rows, chunks, N, I] (one state per BT tokens), and dB, dC leav
 its channel group ([rows, NG, Tp, N], summed by the caller).
 
 Layouts: x, dt, z, dy, y, dx, ddt, dz [R, T, I] with unit channel stride (row and token strides passed); B, C, dB, dC
-[R, T, N]; A [R, I, N] (row stride passed: 0 when expanded, as the Mamba view passes it), D [R, I]; h0, ht, dht,
+[R, T, N] and A [R, I, N] with all three strides passed (A's row stride 0 when expanded, as the Mamba view passes it;
+the launchers may pass token-major copies: BC_TOKEN_MAJOR), D [R, I]; h0, ht, dht,
 dh0 [R, I, N] in the accumulator dtype; S, H, dS, dH [R, NC, N, I] and dts [R, NC, I] in the accumulator dtype.
 T is never a compile-time constant (one compilation for every length): the last chunk is masked (a masked token
 has dt = x = 0: decay 1, input 0). `resets` [T] int32 (packed rows only): the state entering those tokens is zero.
@@ -64,8 +65,31 @@ LAUNCH: dict[str, dict[str, int]] = {
 }
 
 
+# The layout the kernels read B, C and A in (they read one state index n at a time: a column of each): 0, as given
+# ([R, T, N] with N contiguous, A [R, I, N]: a column's BT tokens or BD channels one sector each, read again from L1
+# for every n; dB, dC partials [R, NG, Tp, N] likewise); 1, token-major copies made by the launchers ([R, N, T]
+# storage: a column contiguous; B and C are R x T x N, 1 / I of x's size) and the partials stored [R, NG, N, Tp].
+# Nsight Compute on an H100 (2026-12-07, chunk_bwd at 4 warps, 32K): 51 % of its global sectors excessive
+# (uncoalesced). Not yet timed: `SELECTIVE_AB="BC_TOKEN_MAJOR=1" bash scripts/gpu_checks.sh selective_ab`.
+BC_TOKEN_MAJOR = 0
+
+
 def chunk_len() -> int:
     return LAUNCH["chunk"]["BT"]
+
+
+def _columns(t: torch.Tensor) -> torch.Tensor:
+    """t [R, L, N] (B, C over tokens; A over channels) as the kernels read it (BC_TOKEN_MAJOR): itself, or the same
+    values with the L axis contiguous (a row stride of 0, an expanded A, kept)."""
+    if not BC_TOKEN_MAJOR or t.stride(1) == 1:
+        return t
+    if t.stride(0) == 0:
+        return t[:1].transpose(1, 2).contiguous().transpose(1, 2).expand(t.shape)
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
 
 
 @triton.jit
@@ -87,14 +111,20 @@ def _tile(p, i_r, s_r, s_t, o_t, o_d, m, acc: tl.constexpr):
 
 
 @triton.jit
-def _col(p, i_r, s_r, s_t, o_t, n, m_t, acc: tl.constexpr):
+def _col(p, i_r, s_r, s_t, s_n, o_t, n, m_t, acc: tl.constexpr):
     """Column n [BT] of a [R, T, N] tensor (B, C), 0 where masked."""
-    return tl.load(p + i_r * s_r + o_t * s_t + n, mask=m_t, other=0.).to(acc)
+    return tl.load(p + i_r * s_r + o_t * s_t + n * s_n, mask=m_t, other=0.).to(acc)
 
 
-@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r"])
-def sel_chunk_state_kernel(x, dt, z, A, Bm, resets, s, dts, T, I, sx_r, sx_t, sd_r, sd_t, sg_r, sg_t, sa_r, sb_r,
-                           sb_t, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr,
+@triton.jit
+def _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc: tl.constexpr):
+    """A[:, n] [BD] of the channels o_d (A [R, I, N]), 0 where masked."""
+    return tl.load(A + i_r * sa_r + o_d * sa_d + n * sa_n, mask=m_d, other=0.).to(acc)
+
+
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r", "sb_n"])
+def sel_chunk_state_kernel(x, dt, z, A, Bm, resets, s, dts, T, I, sx_r, sx_t, sd_r, sd_t, sg_r, sg_t, sa_r, sa_d,
+                           sa_n, sb_r, sb_t, sb_n, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr,
                            USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel block, row) of S_c (forward: x = x, Bm = B) or dS_c (REVERSE: x = dy, z the gate, Bm = C),
     stored [R, NC, N, I]; dts_c [R, NC, I] (the sum of dt over the chunk)."""
@@ -127,15 +157,15 @@ def sel_chunk_state_kernel(x, dt, z, A, Bm, resets, s, dts, T, I, sx_r, sx_t, sd
         b_x = tl.where(keep[:, None], b_x, 0.)
     p_s = s + ((i_r * NC + i_c) * N) * I + o_d
     for n in range(N):
-        b_a = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)
-        b_col = _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)
+        b_a = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)
+        b_col = _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)
         b_s = tl.sum(tl.exp(b_e * b_a[None, :]) * b_x * b_col[:, None], 0)
         tl.store(p_s + n * I, b_s, mask=m_d)
     tl.store(dts + (i_r * NC + i_c) * I + o_d, b_tot, mask=m_d)
 
 
 @triton.jit(do_not_specialize=["T"])
-def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, N: tl.constexpr, BT: tl.constexpr,
+def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, sa_d, sa_n, N: tl.constexpr, BT: tl.constexpr,
                           BS: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr, STORE_H: tl.constexpr,
                           STORE_ST: tl.constexpr, RESETS: tl.constexpr):
     """BS entries (n, d) of one row's state, sequential over the chunks: forward h = M_c h + S_c from s0 (h0),
@@ -148,7 +178,7 @@ def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, N: tl.conste
     m = o < N * I
     o_n, o_d = o // I, o % I
     p_io = i_r * I * N + o_d * N + o_n  # [R, I, N] (h0, ht, dht, dh0)
-    b_a = tl.load(A + i_r * sa_r + o_d * N + o_n, mask=m, other=0.).to(acc)
+    b_a = tl.load(A + i_r * sa_r + o_d * sa_d + o_n * sa_n, mask=m, other=0.).to(acc)
     b_h = tl.zeros([BS], dtype=acc)
     if USE_S0:
         b_h += tl.load(s0 + p_io, mask=m, other=0.).to(acc)
@@ -165,9 +195,9 @@ def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, N: tl.conste
         tl.store(st + p_io, b_h, mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r"])
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r", "sb_n", "sc_n"])
 def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, sa_r,
-                         sb_r, sb_t, sc_r, sc_t, sdv_r, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                         sa_d, sa_n, sb_r, sb_t, sb_n, sc_r, sc_t, sc_n, sdv_r, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                          USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel block, row) of y: per n the scan of (a_t, b_t) from the entering state H_c (folded into
     the chunk's first token), C_t[n] h_t summed over n in registers; + D x; the silu(z) gate; y stored once."""
@@ -191,30 +221,31 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
         b_y = tl.zeros([BT, BD], dtype=acc)
     p_h = h + ((i_r * NC + i_c) * N) * I + o_d
     for n in range(N):
-        b_an = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)
+        b_an = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)
         b_a = tl.exp(b_dt * b_an[None, :])
         if RESETS:
             b_a = tl.where(is_rs, 0., b_a)
         b_hin = tl.load(p_h + n * I, mask=m_d, other=0.)
-        b_b = b_u * _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)[:, None]
+        b_b = b_u * _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)[:, None]
         b_b = tl.where(first, b_b + b_a * b_hin[None, :], b_b)
         _, b_hs = tl.associative_scan((b_a, b_b), 0, _affine)
-        b_y += b_hs * _col(Cm, i_r, sc_r, sc_t, o_t, n, m_t, acc)[:, None]
+        b_y += b_hs * _col(Cm, i_r, sc_r, sc_t, sc_n, o_t, n, m_t, acc)[:, None]
     if USE_Z:
         b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
         b_y = b_y * b_z * tl.sigmoid(b_z)
     tl.store(y + i_r * T * I + o_t[:, None] * I + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r", "sb_n", "sc_n"])
 def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
-                         sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sb_r, sb_t, sc_r, sc_t, sdv_r,
-                         N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr,
+                         sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sa_d, sa_n, sb_r, sb_t, sb_n, sc_r,
+                         sc_t, sc_n, sdv_r, sp_r, sp_g, sp_t, sp_n, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr,
                          USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel group, row): for each channel block of the group, every gradient of the chunk's tokens
     (module docstring) from the entering state H_c and the gradient dH_c of the state leaving the chunk. dx, ddt,
     dz stored once; dA, dD per chunk ([R, NC, N, I], [R, NC, I]: summed over the chunks by the caller); dB, dC
-    summed over the group's blocks in place ([R, NG, Tp, N], zeroed by the caller; each element has one program)."""
+    summed over the group's blocks in place ([R, NG, Tp, N], strides sp_*, zeroed by the caller; each element has
+    one program)."""
     i_c, i_g, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     NC = tl.cdiv(T, BT)
     acc = h.dtype.element_ty
@@ -226,7 +257,7 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
         is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, None]
     NB = tl.cdiv(I, BD)
     per = tl.cdiv(NB, NG)
-    p_bc = ((i_r * NG + i_g) * NC * BT + i_c * BT + o_l) * N  # dB, dC [R, NG, Tp, N]
+    p_bc = i_r * sp_r + i_g * sp_g + o_t * sp_t  # dB, dC [R, NG, Tp, N]
     for i_j in range(per):
         o_d = (i_g * per + i_j) * BD + tl.arange(0, BD)
         m_d = o_d < I
@@ -247,12 +278,12 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
         b_adt = tl.zeros([BT, BD], dtype=acc)  # sum_n A a h_{t-1} dh
         p_hc = ((i_r * NC + i_c) * N) * I + o_d
         for n in range(N):
-            b_an = tl.load(A + i_r * sa_r + o_d * N + n, mask=m_d, other=0.).to(acc)[None, :]
+            b_an = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)[None, :]
             b_a = tl.exp(b_dt * b_an)
             if RESETS:
                 b_a = tl.where(is_rs, 0., b_a)
-            b_bn = _col(Bm, i_r, sb_r, sb_t, o_t, n, m_t, acc)[:, None]
-            b_cn = _col(Cm, i_r, sc_r, sc_t, o_t, n, m_t, acc)[:, None]
+            b_bn = _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)[:, None]
+            b_cn = _col(Cm, i_r, sc_r, sc_t, sc_n, o_t, n, m_t, acc)[:, None]
             b_g = b_gy * b_cn
             b_hin = tl.load(h + p_hc + n * I, mask=m_d, other=0.)[None, :]
             b_dhe = tl.load(dh + p_hc + n * I, mask=m_d, other=0.)[None, :]
@@ -270,7 +301,7 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
             b_ahd = b_a * b_hp * b_dhs
             b_adt += b_ahd * b_an
             tl.store(dA + p_hc + n * I, tl.sum(b_ahd * b_dt, 0), mask=m_d)
-            p_b = p_bc + n
+            p_b = p_bc + n * sp_n
             tl.store(dB + p_b, tl.load(dB + p_b) + tl.sum(b_u * b_dhs, 1))
             tl.store(dC + p_b, tl.load(dC + p_b) + tl.sum(b_gy * b_hs, 1))
         b_dx = b_dt * b_bdh
@@ -305,11 +336,12 @@ def chunk_state(x, dt, z, A, Bm, resets, *, reverse: bool, acc: torch.dtype):
     BT = chunk_len()
     NC = triton.cdiv(T, BT)
     cfg, opts = _opts("chunk_state")
+    A, Bm = _columns(A), _columns(Bm)
     s = torch.empty(R, NC, N, I, dtype=acc, device=x.device)
     dts = torch.empty(R, NC, I, dtype=acc, device=x.device)
     grid = (NC, triton.cdiv(I, cfg["BD"]), R)
     sel_chunk_state_kernel[grid](x, dt, z, A, Bm, resets, s, dts, T, I, *_rt_strides(x), *_rt_strides(dt),
-                                 *_rt_strides(z), A.stride(0), *_rt_strides(Bm), N=N, BT=BT, BD=cfg["BD"],
+                                 *_rt_strides(z), *_strides3(A), *_strides3(Bm), N=N, BT=BT, BD=cfg["BD"],
                                  REVERSE=reverse, USE_Z=z is not None, RESETS=resets is not None, **opts)
     return s, dts
 
@@ -318,10 +350,11 @@ def state_pass(A, dts, creset, s, s0, *, T: int, reverse: bool, store_h: bool = 
     """(H or dH [R, NC, N, I] or None, final state / dh0 [R, I, N] or None) (module docstring: state_pass)."""
     R, NC, N, I = s.shape
     cfg, opts = _opts("state_pass")
+    A = _columns(A)
     h = torch.empty_like(s) if store_h else None
     st = torch.empty(R, I, N, dtype=s.dtype, device=s.device) if store_st else None
     sel_state_pass_kernel[(triton.cdiv(N * I, cfg["BS"]), R)](
-        A, dts, creset, s, s0, st, h, T, I, A.stride(0), N=N, BT=chunk_len(), BS=cfg["BS"], REVERSE=reverse,
+        A, dts, creset, s, s0, st, h, T, I, *_strides3(A), N=N, BT=chunk_len(), BS=cfg["BS"], REVERSE=reverse,
         USE_S0=s0 is not None, STORE_H=store_h, STORE_ST=store_st, RESETS=creset is not None, **opts)
     return h, st
 
@@ -331,10 +364,11 @@ def chunk_out(x, dt, z, A, Bm, Cm, D, resets, h):
     R, T, I = x.shape
     N = A.shape[-1]
     cfg, opts = _opts("chunk_out")
+    A, Bm, Cm = _columns(A), _columns(Bm), _columns(Cm)
     y = torch.empty(R, T, I, dtype=x.dtype, device=x.device)
     grid = (h.shape[1], triton.cdiv(I, cfg["BD"]), R)
     sel_chunk_out_kernel[grid](x, dt, z, A, Bm, Cm, D, resets, h, y, T, I, *_rt_strides(x), *_rt_strides(dt),
-                               *_rt_strides(z), A.stride(0), *_rt_strides(Bm), *_rt_strides(Cm),
+                               *_rt_strides(z), *_strides3(A), *_strides3(Bm), *_strides3(Cm),
                                0 if D is None else D.stride(0), N=N, BT=chunk_len(), BD=cfg["BD"],
                                USE_D=D is not None, USE_Z=z is not None, RESETS=resets is not None, **opts)
     return y
@@ -356,12 +390,17 @@ def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
     dz = None if z is None else torch.empty(R, T, I, dtype=z.dtype, device=x.device)
     dA = torch.empty(R, NC, N, I, dtype=acc, device=x.device)
     dD = None if D is None else torch.empty(R, NC, I, dtype=acc, device=x.device)
-    dB = torch.zeros(R, NG, NC * BT, N, dtype=acc, device=x.device)
-    dC = torch.zeros_like(dB)
+    A, Bm, Cm = _columns(A), _columns(Bm), _columns(Cm)
+    if BC_TOKEN_MAJOR:
+        dB = torch.zeros(R, NG, N, NC * BT, dtype=acc, device=x.device).transpose(2, 3)
+        dC = torch.zeros(R, NG, N, NC * BT, dtype=acc, device=x.device).transpose(2, 3)
+    else:
+        dB = torch.zeros(R, NG, NC * BT, N, dtype=acc, device=x.device)
+        dC = torch.zeros_like(dB)
     sel_chunk_bwd_kernel[(NC, NG, R)](
         x, dt, z, do, A, Bm, Cm, D, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I, *_rt_strides(x),
-        *_rt_strides(dt), *_rt_strides(z), *_rt_strides(do), A.stride(0), *_rt_strides(Bm), *_rt_strides(Cm),
-        0 if D is None else D.stride(0), N=N, BT=BT, BD=cfg["BD"], NG=NG, USE_D=D is not None,
+        *_rt_strides(dt), *_rt_strides(z), *_rt_strides(do), *_strides3(A), *_strides3(Bm), *_strides3(Cm),
+        0 if D is None else D.stride(0), *dB.stride(), N=N, BT=BT, BD=cfg["BD"], NG=NG, USE_D=D is not None,
         USE_Z=z is not None, RESETS=resets is not None, **opts)
     return (dx, ddt, dz, dA.sum(1).transpose(1, 2), None if dD is None else dD.sum(1), dB.sum(1)[:, :T],
             dC.sum(1)[:, :T])
