@@ -80,12 +80,16 @@ def chunk_len() -> int:
 
 def _columns(t: torch.Tensor) -> torch.Tensor:
     """t [R, L, N] (B, C over tokens; A over channels) as the kernels read it (BC_TOKEN_MAJOR): itself, or the same
-    values with the L axis contiguous (a row stride of 0, an expanded A, kept)."""
+    values with the L axis contiguous, in storage [R, N, L rounded up to 16] (the N stride a multiple of 16 at every
+    length, as the kernels' specialisation wants: one compilation for every T); a row stride of 0 (an expanded A)
+    kept."""
     if not BC_TOKEN_MAJOR or t.stride(1) == 1:
         return t
-    if t.stride(0) == 0:
-        return t[:1].transpose(1, 2).contiguous().transpose(1, 2).expand(t.shape)
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
+    R, L, N = t.shape
+    rows = 1 if t.stride(0) == 0 else R
+    out = torch.empty(rows, N, triton.cdiv(L, 16) * 16, dtype=t.dtype, device=t.device)[:, :, :L]
+    out.copy_(t[:rows].transpose(1, 2))
+    return out.transpose(1, 2).expand(t.shape)
 
 
 def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
@@ -122,7 +126,7 @@ def _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc: tl.constexpr):
     return tl.load(A + i_r * sa_r + o_d * sa_d + n * sa_n, mask=m_d, other=0.).to(acc)
 
 
-@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r", "sb_n"])
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r"])
 def sel_chunk_state_kernel(x, dt, z, A, Bm, resets, s, dts, T, I, sx_r, sx_t, sd_r, sd_t, sg_r, sg_t, sa_r, sa_d,
                            sa_n, sb_r, sb_t, sb_n, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr,
                            USE_Z: tl.constexpr, RESETS: tl.constexpr):
@@ -195,7 +199,7 @@ def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, sa_d, sa_n, 
         tl.store(st + p_io, b_h, mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r", "sb_n", "sc_n"])
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r"])
 def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, sa_r,
                          sa_d, sa_n, sb_r, sb_t, sb_n, sc_r, sc_t, sc_n, sdv_r, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                          USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
@@ -236,7 +240,7 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
     tl.store(y + i_r * T * I + o_t[:, None] * I + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r", "sb_n", "sc_n"])
+@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
 def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
                          sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sa_d, sa_n, sb_r, sb_t, sb_n, sc_r,
                          sc_t, sc_n, sdv_r, sp_r, sp_g, sp_t, sp_n, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr,
