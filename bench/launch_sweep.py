@@ -1,11 +1,14 @@
-"""Launch sweep of the SSD, KDA or selective-scan Triton kernels: per kernel, its num_warps, num_stages and tile blocks (and SSD's
-GROUP_HEADS), by coordinate descent from the current launch table, timing the op's forward + backward at one length.
+"""Launch sweep of the SSD, KDA or selective-scan Triton kernels: per kernel, its num_warps, num_stages and tile
+blocks (and SSD's GROUP_HEADS), by coordinate descent from the current launch table, timing the op's forward +
+backward at one length.
 
 Each candidate changes one setting of one kernel (the others at the best found so far). A candidate is kept only when
 it compiles and launches (shared memory, registers) and its output, final state and every gradient stay within
 `--match` rel-L2 of the source table's (a tiling changes the rounding, not the math; a miscompile shows as a large
 difference). The candidates run in a worker process, restarted after a CUDA error (an illegal address loses the
-context), and are timed against the current table measured in the same process. The printed table is a proposal: the launch table changes only after the op's GPU tests pass with it.
+context), and are timed against the current table measured in the same process. The printed table is a proposal:
+the launch table changes only after the op's GPU tests pass with it. One setting at a time may miss a launch two
+settings away (the selective scan's one-warp table, the KDA launches in bench/variants/): time those with --apply.
 
     python bench/launch_sweep.py --op kda --length 32768            # Kimi-Linear's 32 heads of 128, bf16
     python bench/launch_sweep.py --op ssd --length 32768            # Nemotron-H-8B's Mamba2 shape, bf16

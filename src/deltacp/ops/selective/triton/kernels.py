@@ -128,8 +128,8 @@ def _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r"])
 def sel_chunk_state_kernel(x, dt, z, A, Bm, resets, s, dts, T, I, sx_r, sx_t, sd_r, sd_t, sg_r, sg_t, sa_r, sa_d,
-                           sa_n, sb_r, sb_t, sb_n, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr,
-                           USE_Z: tl.constexpr, RESETS: tl.constexpr):
+                           sa_n, sb_r, sb_t, sb_n, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                           REVERSE: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel block, row) of S_c (forward: x = x, Bm = B) or dS_c (REVERSE: x = dy, z the gate, Bm = C),
     stored [R, NC, N, I]; dts_c [R, NC, I] (the sum of dt over the chunk)."""
     i_c, i_b, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -201,8 +201,8 @@ def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, sa_d, sa_n, 
 
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r"])
 def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, sa_r,
-                         sa_d, sa_n, sb_r, sb_t, sb_n, sc_r, sc_t, sc_n, sdv_r, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                         USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
+                         sa_d, sa_n, sb_r, sb_t, sb_n, sc_r, sc_t, sc_n, sdv_r, N: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel block, row) of y: per n the scan of (a_t, b_t) from the entering state H_c (folded into
     the chunk's first token), C_t[n] h_t summed over n in registers; + D x; the silu(z) gate; y stored once."""
     i_c, i_b, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -243,8 +243,9 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
 def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
                          sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sa_d, sa_n, sb_r, sb_t, sb_n, sc_r,
-                         sc_t, sc_n, sdv_r, sp_r, sp_g, sp_t, sp_n, N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NG: tl.constexpr,
-                         USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
+                         sc_t, sc_n, sdv_r, sp_r, sp_g, sp_t, sp_n, N: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, NG: tl.constexpr, USE_D: tl.constexpr, USE_Z: tl.constexpr,
+                         RESETS: tl.constexpr):
     """One (chunk, channel group, row): for each channel block of the group, every gradient of the chunk's tokens
     (module docstring) from the entering state H_c and the gradient dH_c of the state leaving the chunk. dx, ddt,
     dz stored once; dA, dD per chunk ([R, NC, N, I], [R, NC, I]: summed over the chunks by the caller); dB, dC
