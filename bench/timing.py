@@ -7,6 +7,7 @@ statistics (`reduce_max_over_ranks`). First compile/autotune is excluded by the 
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 from collections import defaultdict
@@ -81,7 +82,10 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeat: int = 20,
 
 
 def emit(row: dict, path: str | None = None) -> None:
-    """One JSON row to stdout (and appended to `path`)."""
+    """One JSON row to stdout (and appended to `path`); with BENCH_VARIANT set (gpu_checks.sh's A/B parts: the
+    launch table or switch the process runs), the row carries it as "variant"."""
+    if os.environ.get("BENCH_VARIANT"):
+        row = {**row, "variant": os.environ["BENCH_VARIANT"]}
     line = json.dumps(row, sort_keys=True)
     print(line, flush=True)
     if path:

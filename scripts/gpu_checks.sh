@@ -209,7 +209,7 @@ finish() {
 ab_variants() {
   local op=$1 variants=$2 tests=$3 v tag
   shift 3
-  check "${op}_ab_source" 150 python "$@" --json "$OUT/${op}_ab.jsonl"
+  BENCH_VARIANT=source check "${op}_ab_source" 150 python "$@" --json "$OUT/${op}_ab.jsonl"
   for v in $variants; do
     if [[ $v == *.json ]]; then  # a table file (launch entries and module constants, launch_sweep.py --apply's form)
       tag=$(basename "$v" .json)
@@ -223,9 +223,18 @@ ab_variants() {
       check "${op}_ab_tests_$tag" 150 python bench/launch_sweep.py --op "$op" --apply "$OUT/${op}_ab_$tag.json" -- \
         -q -rA -p no:cacheprovider "$tests"
     fi
-    check "${op}_ab_$tag" 150 python bench/launch_sweep.py --op "$op" --apply "$OUT/${op}_ab_$tag.json" -- "$@" \
-      --json "$OUT/${op}_ab.jsonl"
+    BENCH_VARIANT=$tag check "${op}_ab_$tag" 150 python bench/launch_sweep.py --op "$op" --apply \
+      "$OUT/${op}_ab_$tag.json" -- "$@" --json "$OUT/${op}_ab.jsonl"
   done
+  # one line per variant and length (the rows carry their variant: bench/timing.py's BENCH_VARIANT)
+  python - "$OUT/${op}_ab.jsonl" <<'PY' || true
+import json, sys
+print(f"{'variant':<28} {'T':>6} {'fwd ms':>8} {'fwd+bwd ms':>11} {'peak GiB':>9}")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "fwd_bwd_ms" in r:
+        print(f"{r.get('variant', '?'):<28} {r['T']:>6} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>11.2f} {r['peak_gib']:>9.2f}")
+PY
 }
 # The public kernels for the comparisons, when .whl/gpu_site.tar.xz was carried: unpacked once per machine, first on
 # PYTHONPATH (its transformers shadows the machine's). No hub downloads: the machine reaches nothing.
