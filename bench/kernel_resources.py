@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib
 import json
 import os
 import re
@@ -53,6 +54,9 @@ DTYPES = ("bfloat16", "float32")
 # the dtypes an op's GPU path takes where fewer: the GDN Triton backend takes bf16 q/k/v/beta only on a GPU
 # (`check_triton_contract`); its float32 launches run under the interpreter alone
 GPU_DTYPES = {"gdn": ("bfloat16",)}
+# module switches of an op's kernels recorded in a pass of their own (each on, the others as the source has them):
+# the launches a switch adds (its own kernels, other constexprs) are compiled too, before any device times them
+SWITCHES = {"kda": ("WY_SPLIT",), "selective": ("BC_TOKEN_MAJOR",)}
 T = 192  # three chunks of 64
 
 
@@ -176,23 +180,30 @@ def record(ops) -> list[dict]:
 
         kda_kernels.INTERPRETER_BR = 0
     for op in ops:
-        for label, shape in SHAPES[op].items():
-            for dtype in GPU_DTYPES.get(op, DTYPES):
-                record.where = f"{op} {label} {dtype}"
-                if op == "selected":
-                    _record_selected(shape, dtype)
-                    continue
-                rec = _recurrence(op)
-                x, h0, out_shape = _inputs(op, shape, dtype)
-                leaves = x.map(lambda t: t.detach().requires_grad_())
-                h0 = h0.requires_grad_()
-                o, ht = rec.forward(leaves, initial_state=h0, output_final_state=True)
-                torch.autograd.grad((o.float().sum() + ht.float().sum()),
-                                    [t for t in (*leaves.tensors, h0) if t is not None and t.requires_grad],
-                                    allow_unused=True)
-                with torch.no_grad():
-                    rec.summary(x)
-                rec.initial_state_grad(x, torch.ones(out_shape, dtype=x.tensors[2].dtype))
+        module = None if op not in SWITCHES else importlib.import_module(f"deltacp.ops.{op}.triton.kernels")
+        for switch in (None, *SWITCHES.get(op, ())):
+            if switch is not None:
+                before = getattr(module, switch)
+                setattr(module, switch, 1)
+            for label, shape in SHAPES[op].items():
+                for dtype in GPU_DTYPES.get(op, DTYPES):
+                    record.where = f"{op} {label} {dtype}" + ("" if switch is None else f" {switch}=1")
+                    if op == "selected":
+                        _record_selected(shape, dtype)
+                        continue
+                    rec = _recurrence(op)
+                    x, h0, out_shape = _inputs(op, shape, dtype)
+                    leaves = x.map(lambda t: t.detach().requires_grad_())
+                    h0 = h0.requires_grad_()
+                    o, ht = rec.forward(leaves, initial_state=h0, output_final_state=True)
+                    torch.autograd.grad((o.float().sum() + ht.float().sum()),
+                                        [t for t in (*leaves.tensors, h0) if t is not None and t.requires_grad],
+                                        allow_unused=True)
+                    with torch.no_grad():
+                        rec.summary(x)
+                    rec.initial_state_grad(x, torch.ones(out_shape, dtype=x.tensors[2].dtype))
+            if switch is not None:
+                setattr(module, switch, before)
     return launches
 
 
@@ -214,8 +225,6 @@ def _ptxas_usage(ptx: str, arch: int = 90) -> dict:
 
 
 def compile_launch(launch: dict, arch: int = 90) -> dict:
-    import importlib
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

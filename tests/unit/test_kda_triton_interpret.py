@@ -19,7 +19,7 @@ quantity; the tests below read them. Head dims K = 16, V = 16 / 32 are inside th
   - dtypes: float64 (the kernels compute in fp64: bound 1e-10, figures ~1e-15) and float32 (fp32 kernels vs eager
     fp64 on the same values: bound 1e-5; 1e-4 under very fast gates, where the fp32 cumsum of g, |gam| up to 3200,
     rounds each log decay by ~1e-4: figures ~1e-5).
-  - the kernels' module switches (SAVE_STATES, DECAYED, INVERSE) each against the source's settings, fp64.
+  - the kernels' module switches (SAVE_STATES, DECAYED, INVERSE, WY_SPLIT) each against the source's settings, fp64.
 Every figure finite (a nan or inf fails every bound). Two processes side by side (the fp64 cases; the fp32 ones,
 K = V = 128 and the switches): about 30 s on 2 cores.
 """
@@ -86,9 +86,10 @@ if PART == 0:  # the summary is forward only
 else:  # the heavier K = 128 case, and the switches, beside the fp64 cases (the two parts about even)
     case("T100_K128_fast", torch.float64, 1, 100, 1, 128, 128, "fast", 6)
     # the kernels' switches against the source's settings: SAVE_STATES 1 (h and vn kept from the forward, not
-    # recomputed) and DECAYED 0 / 1 (the decayed operands formed in each kernel or stored by wy_fwd: the same
-    # arithmetic) bitwise; INVERSE 0 / 1 (the forward substitution's product widths: other summation orders) to
-    # rounding. Everything: o, the final state, every gradient, the summary (M, S) and initial_state_grad.
+    # recomputed), DECAYED 0 / 1 (the decayed operands formed in each kernel or stored by wy_fwd: the same
+    # arithmetic) and WY_SPLIT 1 (W and U from the stored Tm in their own kernel) bitwise; INVERSE 0 / 1 (the
+    # forward substitution's product widths: other summation orders) to rounding. Everything: o, the final state,
+    # every gradient, the summary (M, S) and initial_state_grad.
     from deltacp.ops.kda.triton import chunk, kernels
     xs = inputs(1, 130, 2, 16, 32, "fast", 8)
     def run_with(**switches):
@@ -109,7 +110,8 @@ else:  # the heavier K = 128 case, and the switches, beside the fp64 cases (the 
     source = run_with()
     def diff(run):
         return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(run, source))
-    for name, value in (("SAVE_STATES", 1), ("DECAYED", 0), ("DECAYED", 1), ("INVERSE", 0), ("INVERSE", 1)):
+    for name, value in (("SAVE_STATES", 1), ("DECAYED", 0), ("DECAYED", 1), ("INVERSE", 0), ("INVERSE", 1),
+                        ("WY_SPLIT", 1)):
         print("FIG %s_%d float64 max_rel_diff %r" % (name, value, diff(run_with(**{name: value}))))
 print("DONE")
 """
@@ -158,11 +160,12 @@ def test_fresh_first_document_ignores_the_entering_state(figures):
 
 
 @needs_triton
-@pytest.mark.parametrize("switch", ["SAVE_STATES_1", "DECAYED_0", "DECAYED_1", "INVERSE_0", "INVERSE_1"])
+@pytest.mark.parametrize("switch", ["SAVE_STATES_1", "DECAYED_0", "DECAYED_1", "INVERSE_0", "INVERSE_1", "WY_SPLIT_1"])
 def test_kernel_switches_against_the_source(figures, switch):
     """Each of the kernels' module switches against the source's settings (o, the final state, every gradient, the
-    summary, initial_state_grad; fp64): SAVE_STATES 1 (h and vn kept from the forward instead of recomputed) and
-    DECAYED (the decayed operands formed in each kernel or stored by wy_fwd) bitwise; INVERSE (the forward
+    summary, initial_state_grad; fp64): SAVE_STATES 1 (h and vn kept from the forward instead of recomputed), DECAYED
+    (the decayed operands formed in each kernel or stored by wy_fwd) and WY_SPLIT 1 (W, U, Kt, Qg in their own kernel
+    from the stored Tm) bitwise; INVERSE (the forward
     substitution's product widths) to fp64 rounding."""
     bound = 1e-13 if switch.startswith("INVERSE") else 0.0
     assert figures[(switch, "float64", "max_rel_diff")] <= bound

@@ -2,6 +2,8 @@
 each op's launches at the released head shapes under the interpreter and compiles them for sm_90 here (no GPU), and
 no kernel may fail to compile or need more shared memory per program than an H100 / H200 gives (Triton raises
 OutOfResources at launch there). A launch table edited on a machine with no GPU is checked before any device runs it.
+Every LAUNCH entry's kernel must have been launched, those that only a module switch runs included (the tool records
+a pass with each of `kernel_resources.SWITCHES` on).
 """
 
 import importlib

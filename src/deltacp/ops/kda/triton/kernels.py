@@ -75,6 +75,7 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 COMPOUND_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=2, BK=32, BV=16),
+    "wu_fwd": dict(num_warps=4, num_stages=2, BK=32, BV=32),
     "state_fwd": dict(num_warps=4, num_stages=2, BV=32),
     "out_fwd": dict(num_warps=8, num_stages=2, BK=32, BV=64),
     "state_bwd": dict(num_warps=4, num_stages=2, BV=32),
@@ -124,6 +125,15 @@ DECAYED = 1
 # elementwise fp32 products spilled 1.2 KB, from the reshapes, and was dropped unmeasured). H100, 32K, as DECAYED's:
 # wy_fwd 5.73 -> 5.37 ms alone, 6.13 -> 5.75 with DECAYED 1; the op 40.21 -> 39.88 ms alone, 37.07 with both.
 INVERSE = 1
+# wy_fwd's products after the inverse (W = Tm (k e^gam beta), U = Tm (v beta), and Kt, Qg): 0, in wy_fwd, Tm held in
+# registers from the inverse; 1, in their own kernel after it (wu_fwd: Tm read back, [BT, BT] in gam's dtype; the
+# same products on the same values: the results agree bitwise). Nsight Compute on an H100 (2026-12-07, 32K,
+# Kimi-Linear's shape): wy_fwd 6.86 ms at 255 registers with 2.5 M spill requests, where FLA's recompute_w_u, the
+# same products alone (bf16 operands), takes 0.73 ms. Offline (`bench/kernel_resources.py`, sm_90, bf16, the
+# table's launches): wy_fwd 255 registers and 328 / 752 bytes of spill (without / with q) fused, 228 / 255 registers
+# and 0 / 88 bytes split; wu_fwd 141-151 registers, no spill. Not yet timed: `KDA_AB="WY_SPLIT=1" gpu_checks.sh
+# kda_ab`.
+WY_SPLIT = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
@@ -302,10 +312,11 @@ def _inverse(b_a, BT: tl.constexpr, BS: tl.constexpr, INVERSE: tl.constexpr, PRE
 def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, kt, qg, Tp, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_Q: tl.constexpr, STORE_KT: tl.constexpr, STORE_QG: tl.constexpr,
-                      INVERSE: tl.constexpr, PREC: tl.constexpr):
+                      INVERSE: tl.constexpr, PREC: tl.constexpr, STORE_WU: tl.constexpr):
     """Tm, W, U and (HAS_Q) P of one chunk; A and P summed over K blocks (off-diagonal sub-chunk blocks by tl.dot
     through `_through`), started from the diagonal blocks wy_diag wrote to ad, pd. STORE_KT: the decayed keys
-    Kt = k e^{gl - gam} too, STORE_QG: the decayed queries Qg = q e^{gam} (the state and output kernels' operands)."""
+    Kt = k e^{gl - gam} too, STORE_QG: the decayed queries Qg = q e^{gam} (the state and output kernels' operands).
+    STORE_WU 0 (WY_SPLIT): Tm and P only, W, U, Kt and Qg left to wu_fwd."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     o_t = tl.arange(0, BT)
@@ -332,6 +343,18 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, kt, qg, Tp, H: tl
         _store(p, b_p, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
     b_t = _inverse(tl.where(o_t[:, None] > o_t[None, :], b_a, 0.) * b_beta[:, None], BT, BS, INVERSE, PREC)
     _store(tm, b_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT)
+    if STORE_WU:
+        _wu(b_t, b_beta, q, k, v, gam, w, u, kt, qg, i_b, i_c, i_h, Tp, H, K, V, BT, BK, BV, STORE_KT, STORE_QG, acc,
+            PREC)
+
+
+@triton.jit
+def _wu(b_t, b_beta, q, k, v, gam, w, u, kt, qg, i_b, i_c, i_h, Tp, H: tl.constexpr, K: tl.constexpr,
+        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STORE_KT: tl.constexpr,
+        STORE_QG: tl.constexpr, acc: tl.constexpr, PREC: tl.constexpr):
+    """W = Tm (k e^gam beta) and U = Tm (v beta) of one chunk from its Tm (b_t), and the decayed operands Kt =
+    k e^{gl - gam} (STORE_KT) and Qg = q e^gam (STORE_QG)."""
+    o_t = tl.arange(0, BT)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
@@ -347,6 +370,20 @@ def kda_wy_fwd_kernel(q, k, v, gam, beta, tm, p, w, u, ad, pd, kt, qg, Tp, H: tl
         o_v = i_v * BV + tl.arange(0, BV)
         b_y = _load(v, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) * b_beta[:, None]
         _store(u, _dot(b_t, b_y, PREC), o_v, i_b, i_c, i_h, Tp, H, V, BT)
+
+
+@triton.jit(do_not_specialize=["Tp"])
+def kda_wu_fwd_kernel(q, k, v, gam, beta, tm, w, u, kt, qg, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STORE_KT: tl.constexpr,
+                      STORE_QG: tl.constexpr, PREC: tl.constexpr):
+    """W, U (and Kt, Qg) of one chunk from the Tm wy_fwd stored (WY_SPLIT)."""
+    i_c, i_b, i_h = _chunk_head(H)
+    acc = gam.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    b_t = _load(tm, o_t, o_t, i_b, i_c, i_h, Tp, H, BT, BT, acc)
+    b_beta = _vec(beta, o_t, i_b, i_c, i_h, Tp, H, BT, acc)
+    _wu(b_t, b_beta, q, k, v, gam, w, u, kt, qg, i_b, i_c, i_h, Tp, H, K, V, BT, BK, BV, STORE_KT, STORE_QG, acc,
+        PREC)
 
 
 @triton.jit
@@ -820,10 +857,15 @@ def wy_fwd(q, k, v, gam, beta):
     cfg = _rows(_launch("wy_diag", K, V), k)
     kda_wy_diag_kernel[(NT * (BT // cfg["BR"]), B * H)](q, k, gam, ad, pd, Tp, H=H, K=K, BT=BT, BS=BS,
                                                         HAS_Q=q is not None, **cfg)
+    prec = _prec(gam.dtype, v.dtype, True)
     kda_wy_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, p, w, u, ad, pd, kt, qg, Tp, H=H, K=K, V=V, BT=BT, BS=BS,
                                    HAS_Q=q is not None, STORE_KT=kt is not None, STORE_QG=qg is not None,
-                                   INVERSE=INVERSE, PREC=_prec(gam.dtype, v.dtype, True),
+                                   INVERSE=INVERSE, PREC=prec, STORE_WU=not WY_SPLIT,
                                    **_launch("wy_fwd", K, V, v.dtype))
+    if WY_SPLIT:
+        kda_wu_fwd_kernel[(NT, B * H)](q, k, v, gam, beta, tm, w, u, kt, qg, Tp, H=H, K=K, V=V, BT=BT,
+                                       STORE_KT=kt is not None, STORE_QG=qg is not None, PREC=prec,
+                                       **_launch("wu_fwd", K, V, v.dtype))
     return tm, p, w, u, kt, qg
 
 
