@@ -67,8 +67,9 @@ LAUNCH: dict[str, dict[str, int]] = {
 
 # The layout the kernels read B, C and A in (they read one state index n at a time: a column of each): 0, as given
 # ([R, T, N] with N contiguous, A [R, I, N]: a column's BT tokens or BD channels one sector each, read again from L1
-# for every n; dB, dC partials [R, NG, Tp, N] likewise); 1, token-major copies made by the launchers ([R, N, T]
-# storage: a column contiguous; B and C are R x T x N, 1 / I of x's size) and the partials stored [R, NG, N, Tp].
+# for every n; dB, dC partials [R, NG, Tp, N] likewise); 1, token-major copies made by the launchers (storage [R, N,
+# T rounded up to 16]: a column contiguous; B and C are R x T x N, 1 / I of x's size) and the partials stored
+# [R, NG, N, Tp].
 # Nsight Compute on an H100 (2026-12-07, chunk_bwd at 4 warps, 32K): 51 % of its global sectors excessive
 # (uncoalesced). Not yet timed: `SELECTIVE_AB="BC_TOKEN_MAJOR=1" bash scripts/gpu_checks.sh selective_ab`.
 BC_TOKEN_MAJOR = 0
