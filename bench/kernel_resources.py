@@ -54,9 +54,10 @@ DTYPES = ("bfloat16", "float32")
 # the dtypes an op's GPU path takes where fewer: the GDN Triton backend takes bf16 q/k/v/beta only on a GPU
 # (`check_triton_contract`); its float32 launches run under the interpreter alone
 GPU_DTYPES = {"gdn": ("bfloat16",)}
-# module switches of an op's kernels recorded in a pass of their own (each on, the others as the source has them):
-# the launches a switch adds (its own kernels, other constexprs) are compiled too, before any device times them
-SWITCHES = {"kda": ("WY_SPLIT",), "selective": ("BC_TOKEN_MAJOR",)}
+# module switches of an op's kernels recorded in a pass of their own (each at the setting given here, the other
+# switches as the source has them): the launches a setting adds (its own kernels, other constexprs) are compiled
+# too, whichever setting the source has
+SWITCHES = {"kda": {"WY_SPLIT": 0}, "selective": {"BC_TOKEN_MAJOR": ("chunk_state", "state_pass", "chunk_out")}}
 T = 192  # three chunks of 64
 
 
@@ -181,13 +182,13 @@ def record(ops) -> list[dict]:
         kda_kernels.INTERPRETER_BR = 0
     for op in ops:
         module = None if op not in SWITCHES else importlib.import_module(f"deltacp.ops.{op}.triton.kernels")
-        for switch in (None, *SWITCHES.get(op, ())):
+        for switch in (None, *SWITCHES.get(op, {})):
             if switch is not None:
                 before = getattr(module, switch)
-                setattr(module, switch, 1)
+                setattr(module, switch, SWITCHES[op][switch])
             for label, shape in SHAPES[op].items():
                 for dtype in GPU_DTYPES.get(op, DTYPES):
-                    record.where = f"{op} {label} {dtype}" + ("" if switch is None else f" {switch}=1")
+                    record.where = f"{op} {label} {dtype}" + ("" if switch is None else f" {switch}={SWITCHES[op][switch]}")
                     if op == "selected":
                         _record_selected(shape, dtype)
                         continue

@@ -3,7 +3,7 @@ each op's launches at the released head shapes under the interpreter and compile
 no kernel may fail to compile or need more shared memory per program than an H100 / H200 gives (Triton raises
 OutOfResources at launch there). A launch table edited on a machine with no GPU is checked before any device runs it.
 Every LAUNCH entry's kernel must have been launched, those that only a module switch runs included (the tool records
-a pass with each of `kernel_resources.SWITCHES` on).
+a pass at each of `kernel_resources.SWITCHES`' settings).
 """
 
 import importlib

@@ -17,8 +17,9 @@ One subprocess per dtype (the interpreter must be on before triton loads) runs e
     (A = -1e-4 dt: the state barely decays);
   - per case: y and the final state, the gradients of x, dt, A, B, C, D, z and the entering state (autograd through
     the kernels' Function vs autograd of the eager op), the summary (M, S), `initial_state_grad`;
-  - the same kernels reading B, C and A through token-major copies (`kernels.BC_TOKEN_MAJOR` = 1: the "tm_" cases,
-    rows, packed and grouped, float64 and float32);
+  - the launchers' layouts of B, C and A (`kernels.BC_TOKEN_MAJOR`; the other cases run the source's, chunk_bwd
+    token-major): every launcher token-major (the "tm_" cases: rows, packed and grouped, float64 and float32),
+    chunk_state alone, none;
   - dtypes: float64, every case (the kernels compute in fp64: bound 1e-10, figures ~1e-16), and float32, rows with
     fast gates and the packed row with near-frozen ones (fp32 kernels vs eager fp64 on the same values: bound 1e-5,
     figures ~2e-7; the GPU tests run fp32 on the whole grid);
@@ -92,15 +93,19 @@ CASES += [("packed_fresh", f64, "fast", 1, 40, [0, 9, 10, 21], False), ("rows_pl
           ("packed_grouped", f64, "slow", 1, 61, [0, 9, 10, 21], True, True, 2)]
 for c in CASES[PART::2]:  # two processes side by side
     case(*c)
-# the kernels reading B, C and A through token-major copies (kernels.BC_TOKEN_MAJOR), the dB, dC partials [N, Tp]
+# the launchers' layouts of B, C and A (kernels.BC_TOKEN_MAJOR; the source: chunk_bwd token-major, its dB, dC partials
+# [N, Tp]): every launcher token-major ("tm_" cases), then chunk_state alone and none
 import deltacp.ops.selective.triton.kernels as K
-K.BC_TOKEN_MAJOR = 1
+source_layout = K.BC_TOKEN_MAJOR
+K.BC_TOKEN_MAJOR = K.TOKEN_MAJOR_KERNELS
 TOKEN_MAJOR = [("tm_rows_fast", f64, "fast", 2, 70), ("tm_packed_slow", f64, "slow", 1, 71, [0, 9, 10, 21]),
                ("tm_rows_grouped", f64, "frozen", 2, 72, None, True, True, 2),
                ("tm_packed_fast", f32, "fast", 1, 73, [0, 9, 10, 21])]
 for c in TOKEN_MAJOR[PART::2]:
     case(*c)
-K.BC_TOKEN_MAJOR = 0
+K.BC_TOKEN_MAJOR = (("chunk_state",), ())[PART]
+case("tm_" + ("only_chunk_state", "none")[PART], f64, "slow", 1, 74 + PART, [0, 9, 10, 21])
+K.BC_TOKEN_MAJOR = source_layout
 # the summary is forward only
 if PART == 0:
     x, dt, A, B, C, D, z, h0 = (t.float() for t in inputs(1, 10, 12, 2, "fast", 4))
@@ -124,7 +129,7 @@ def figures():
 
 CASES = {"float64": ("rows_fast", "packed_fast", "rows_slow", "packed_slow", "rows_frozen", "packed_frozen",
                      "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped", "tm_rows_fast", "tm_packed_slow",
-                     "tm_rows_grouped"),
+                     "tm_rows_grouped", "tm_only_chunk_state", "tm_none"),
          "float32": ("rows_fast", "packed_frozen", "tm_packed_fast")}
 PARTS = {"forward": ("o", "final_state"),
          "gradients": ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0"),
@@ -199,3 +204,12 @@ def test_importing_the_backend_imports_no_triton():
             "assert 'triton' not in sys.modules, 'triton imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@needs_triton
+def test_an_unknown_launcher_in_the_layout_switch_is_refused(monkeypatch):
+    import deltacp.ops.selective.triton.kernels as K
+
+    monkeypatch.setattr(K, "BC_TOKEN_MAJOR", ("chunk_bwdd",))
+    with pytest.raises(ValueError, match="BC_TOKEN_MAJOR=.*chunk_bwdd.*chunk_state"):
+        K._columns(torch.zeros(1, 4, 2), "chunk_bwd")

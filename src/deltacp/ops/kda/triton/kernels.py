@@ -131,9 +131,9 @@ INVERSE = 1
 # Kimi-Linear's shape): wy_fwd 6.86 ms at 255 registers with 2.5 M spill requests, where FLA's recompute_w_u, the
 # same products alone (bf16 operands), takes 0.73 ms. Offline (`bench/kernel_resources.py`, sm_90, bf16, the
 # table's launches): wy_fwd 255 registers and 328 / 752 bytes of spill (without / with q) fused, 228 / 255 registers
-# and 0 / 88 bytes split; wu_fwd 141-151 registers, no spill. Not yet timed: `KDA_AB="WY_SPLIT=1" gpu_checks.sh
-# kda_ab`.
-WY_SPLIT = 0
+# and 0 / 88 bytes split; wu_fwd 141-151 registers, no spill. H100, 32K (2026-12-07, `KDA_AB="WY_SPLIT=1"
+# gpu_checks.sh kda_ab`, NOTES.md): wy_fwd 5.74 ms fused against 3.55 + 1.93 (wu_fwd) split; the op 32.91 -> 32.78 ms.
+WY_SPLIT = 1
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 

@@ -65,26 +65,31 @@ LAUNCH: dict[str, dict[str, int]] = {
 }
 
 
-# The layout the kernels read B, C and A in (they read one state index n at a time: a column of each): 0, as given
-# ([R, T, N] with N contiguous, A [R, I, N]: a column's BT tokens or BD channels one sector each, read again from L1
-# for every n; dB, dC partials [R, NG, Tp, N] likewise); 1, token-major copies made by the launchers (storage [R, N,
-# T rounded up to 16]: a column contiguous; B and C are R x T x N, 1 / I of x's size) and the partials stored
-# [R, NG, N, Tp].
-# Nsight Compute on an H100 (2026-12-07, chunk_bwd at 4 warps, 32K): 51 % of its global sectors excessive
-# (uncoalesced). Not yet timed: `SELECTIVE_AB="BC_TOKEN_MAJOR=1" bash scripts/gpu_checks.sh selective_ab`.
-BC_TOKEN_MAJOR = 0
+# The layout each launcher passes B, C and A in (the kernels read one state index n at a time: a column of each):
+# as given ([R, T, N] with N contiguous, A [R, I, N]: a column's BT tokens or BD channels one sector each, read again
+# from L1 for every n; dB, dC partials [R, NG, Tp, N] likewise), or, for the launchers named in BC_TOKEN_MAJOR (any of
+# TOKEN_MAJOR_KERNELS), token-major copies (storage [R, N, T rounded up to 16]: a column contiguous; B and C are
+# R x T x N, 1 / I of x's size), chunk_bwd then storing its partials [R, NG, N, Tp].
+# Measured on an H100 (2026-12-07, Falcon-Mamba-7B's shape, bf16, `gpu_checks.sh selective_ab` with
+# bench/variants-style tables, NOTES.md), fwd+bwd at 32K / 8K: none 52.54 / 13.71 ms, chunk_bwd 49.40 / 12.84,
+# chunk_state and chunk_bwd 49.75 / 13.05, all four 51.89 / 13.64 (the forward 2.3 ms slower). Under Nsight Compute
+# chunk_bwd's excessive global sectors fell from 79 % to 54 % of its sectors, its spill requests by half.
+BC_TOKEN_MAJOR: tuple[str, ...] = ("chunk_bwd",)
+TOKEN_MAJOR_KERNELS = ("chunk_state", "state_pass", "chunk_out", "chunk_bwd")
 
 
 def chunk_len() -> int:
     return LAUNCH["chunk"]["BT"]
 
 
-def _columns(t: torch.Tensor) -> torch.Tensor:
-    """t [R, L, N] (B, C over tokens; A over channels) as the kernels read it (BC_TOKEN_MAJOR): itself, or the same
+def _columns(t: torch.Tensor, kernel: str) -> torch.Tensor:
+    """t [R, L, N] (B, C over tokens; A over channels) as launcher `kernel` passes it (BC_TOKEN_MAJOR): itself, or the same
     values with the L axis contiguous, in storage [R, N, L rounded up to 16] (the N stride a multiple of 16 at every
     length, as the kernels' specialisation wants: one compilation for every T); a row stride of 0 (an expanded A)
     kept."""
-    if not BC_TOKEN_MAJOR or t.stride(1) == 1:
+    if not set(BC_TOKEN_MAJOR) <= set(TOKEN_MAJOR_KERNELS):
+        raise ValueError(f"BC_TOKEN_MAJOR={BC_TOKEN_MAJOR!r}: each name one of {TOKEN_MAJOR_KERNELS}")
+    if kernel not in BC_TOKEN_MAJOR or t.stride(1) == 1:
         return t
     R, L, N = t.shape
     rows = 1 if t.stride(0) == 0 else R
@@ -342,7 +347,7 @@ def chunk_state(x, dt, z, A, Bm, resets, *, reverse: bool, acc: torch.dtype):
     BT = chunk_len()
     NC = triton.cdiv(T, BT)
     cfg, opts = _opts("chunk_state")
-    A, Bm = _columns(A), _columns(Bm)
+    A, Bm = _columns(A, "chunk_state"), _columns(Bm, "chunk_state")
     s = torch.empty(R, NC, N, I, dtype=acc, device=x.device)
     dts = torch.empty(R, NC, I, dtype=acc, device=x.device)
     grid = (NC, triton.cdiv(I, cfg["BD"]), R)
@@ -356,7 +361,7 @@ def state_pass(A, dts, creset, s, s0, *, T: int, reverse: bool, store_h: bool = 
     """(H or dH [R, NC, N, I] or None, final state / dh0 [R, I, N] or None) (module docstring: state_pass)."""
     R, NC, N, I = s.shape
     cfg, opts = _opts("state_pass")
-    A = _columns(A)
+    A = _columns(A, "state_pass")
     h = torch.empty_like(s) if store_h else None
     st = torch.empty(R, I, N, dtype=s.dtype, device=s.device) if store_st else None
     sel_state_pass_kernel[(triton.cdiv(N * I, cfg["BS"]), R)](
@@ -370,7 +375,7 @@ def chunk_out(x, dt, z, A, Bm, Cm, D, resets, h):
     R, T, I = x.shape
     N = A.shape[-1]
     cfg, opts = _opts("chunk_out")
-    A, Bm, Cm = _columns(A), _columns(Bm), _columns(Cm)
+    A, Bm, Cm = (_columns(t, "chunk_out") for t in (A, Bm, Cm))
     y = torch.empty(R, T, I, dtype=x.dtype, device=x.device)
     grid = (h.shape[1], triton.cdiv(I, cfg["BD"]), R)
     sel_chunk_out_kernel[grid](x, dt, z, A, Bm, Cm, D, resets, h, y, T, I, *_rt_strides(x), *_rt_strides(dt),
@@ -396,8 +401,8 @@ def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
     dz = None if z is None else torch.empty(R, T, I, dtype=z.dtype, device=x.device)
     dA = torch.empty(R, NC, N, I, dtype=acc, device=x.device)
     dD = None if D is None else torch.empty(R, NC, I, dtype=acc, device=x.device)
-    A, Bm, Cm = _columns(A), _columns(Bm), _columns(Cm)
-    if BC_TOKEN_MAJOR:
+    A, Bm, Cm = (_columns(t, "chunk_bwd") for t in (A, Bm, Cm))
+    if "chunk_bwd" in BC_TOKEN_MAJOR:
         dB = torch.zeros(R, NG, N, NC * BT, dtype=acc, device=x.device).transpose(2, 3)
         dC = torch.zeros(R, NG, N, NC * BT, dtype=acc, device=x.device).transpose(2, 3)
     else:
