@@ -45,6 +45,7 @@ from timing import emit, time_cuda  # noqa: E402
 # recorded as such)
 BLOCKS = (8, 16, 32, 64)
 WARPS = (1, 2, 4, 8)
+SEGMENTS = (1, 2, 4)  # HS: the token segments of the selective scan's chunk_bwd
 STAGES = (1, 2, 3)
 
 
@@ -90,6 +91,9 @@ def candidates(cfg: dict[str, int]):
         for v in BLOCKS:
             if v != cfg[key]:
                 yield {**cfg, key: v}
+    for v in SEGMENTS if "HS" in cfg else ():
+        if v != cfg["HS"]:
+            yield {**cfg, "HS": v}
 
 
 def child(job_path: str) -> None:

@@ -106,6 +106,14 @@ for c in TOKEN_MAJOR[PART::2]:
 K.BC_TOKEN_MAJOR = (("chunk_state",), ())[PART]
 case("tm_" + ("only_chunk_state", "none")[PART], f64, "slow", 1, 74 + PART, [0, 9, 10, 21])
 K.BC_TOKEN_MAJOR = source_layout
+# chunk_bwd's tokens in HS segments (LAUNCH["chunk_bwd"]["HS"], 1 in the table: the chunk of 8 tokens here in 2 and 4
+# segments, the carries between them: packed rows put resets inside and across segments)
+for hs in (2, 4):
+    LAUNCH["chunk_bwd"]["HS"] = hs
+    for c in [(f"hs{hs}_rows_fast", f64, "fast", 2, 80 + hs), (f"hs{hs}_packed_slow", f64, "slow", 1, 81 + hs,
+                                                                 [0, 9, 10, 21])][PART::2]:
+        case(*c)
+LAUNCH["chunk_bwd"]["HS"] = 1
 # the summary is forward only
 if PART == 0:
     x, dt, A, B, C, D, z, h0 = (t.float() for t in inputs(1, 10, 12, 2, "fast", 4))
@@ -129,7 +137,8 @@ def figures():
 
 CASES = {"float64": ("rows_fast", "packed_fast", "rows_slow", "packed_slow", "rows_frozen", "packed_frozen",
                      "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped", "tm_rows_fast", "tm_packed_slow",
-                     "tm_rows_grouped", "tm_only_chunk_state", "tm_none"),
+                     "tm_rows_grouped", "tm_only_chunk_state", "tm_none", "hs2_rows_fast", "hs2_packed_slow",
+                     "hs4_rows_fast", "hs4_packed_slow"),
          "float32": ("rows_fast", "packed_frozen", "tm_packed_fast")}
 PARTS = {"forward": ("o", "final_state"),
          "gradients": ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0"),

@@ -48,7 +48,10 @@ import triton.language as tl
 # Launch configurations. BT: the chunk (tokens per program, the granularity of the stored chunk states: [T / BT,
 # I, N] fp32, 1 / BT of a [T, I, N] tensor); BD: channels per program (contiguous: BD bf16 = 64 bytes at 32);
 # NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
-# NG x [T, N]); BS (state_pass): state entries per program; an entry may cap the registers a thread (maxnreg, ptxas'
+# NG x [T, N]); HS (chunk_bwd): the chunk's token segments, each scanned alone, then joined (`_carry`): offline
+# (Triton 3.9, sm_90, bf16, `bench/variants/README.md`) its loop over n takes 1,812 instructions a block of 16
+# channels at HS 1 (642 warp shuffles: the token scans cross threads), 1,253 at HS 2 (272), untimed on a GPU;
+# BS (state_pass): state entries per program; an entry may cap the registers a thread (maxnreg, ptxas'
 # .maxnreg; none in the table). Measured on an H100 (Falcon-Mamba-7B's I = 8192, N = 16, bf16, 32K tokens): two
 # passes of `bench/launch_sweep.py --op selective` (4 and 8 warps, 2026-12-06) took one fwd+bwd from 120.7 ms (the
 # offline table) to 70.8 ms; then one warp a program (2026-12-07, `gpu_checks.sh selective_ab` with
@@ -61,7 +64,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk_state": dict(BD=16, num_warps=1, num_stages=3),
     "state_pass": dict(BS=256, num_warps=4, num_stages=3),
     "chunk_out": dict(BD=16, num_warps=1, num_stages=3),
-    "chunk_bwd": dict(BD=16, NG=8, num_warps=1, num_stages=3),
+    "chunk_bwd": dict(BD=16, NG=8, HS=1, num_warps=1, num_stages=3),
 }
 
 
@@ -83,10 +86,10 @@ def chunk_len() -> int:
 
 
 def _columns(t: torch.Tensor, kernel: str) -> torch.Tensor:
-    """t [R, L, N] (B, C over tokens; A over channels) as launcher `kernel` passes it (BC_TOKEN_MAJOR): itself, or the same
-    values with the L axis contiguous, in storage [R, N, L rounded up to 16] (the N stride a multiple of 16 at every
-    length, as the kernels' specialisation wants: one compilation for every T); a row stride of 0 (an expanded A)
-    kept."""
+    """t [R, L, N] (B, C over tokens; A over channels) as launcher `kernel` passes it (BC_TOKEN_MAJOR): itself, or
+    the same values with the L axis contiguous, in storage [R, N, L rounded up to 16] (the N stride a multiple of 16
+    at every length, as the kernels' specialisation wants: one compilation for every T); a row stride of 0 (an
+    expanded A) kept."""
     if not set(BC_TOKEN_MAJOR) <= set(TOKEN_MAJOR_KERNELS):
         raise ValueError(f"BC_TOKEN_MAJOR={BC_TOKEN_MAJOR!r}: each name one of {TOKEN_MAJOR_KERNELS}")
     if kernel not in BC_TOKEN_MAJOR or t.stride(1) == 1:
@@ -246,82 +249,122 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
     tl.store(y + i_r * T * I + o_t[:, None] * I + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _tile3(p, i_r, s_r, s_t, o_t, o_d, m, acc: tl.constexpr):
+    """_tile's [J, HS, BD] form: o_t [J, HS] the tokens (chunk_bwd's token segments), o_d [BD]."""
+    return tl.load(p + i_r * s_r + o_t[:, :, None] * s_t + o_d[None, None, :], mask=m, other=0.).to(acc)
+
+
+@triton.jit
+def _carry(la, lb, lga, lgb, J: tl.constexpr, HS: tl.constexpr, REVERSE: tl.constexpr):
+    """Scan results (la, lb: F; lga, lgb: G; [J, HS, BD], each of the HS segments scanned alone along its J tokens)
+    -> the b components of the whole chunk's scan (lb, lgb): each segment's maps composed after the maps of the
+    segments before it (after it, REVERSE). The segments' totals (the row of a segment's last token; its first under
+    REVERSE) are scanned across the segments, shifted by one (the carry entering each segment), and applied to every
+    token as b + a carry: the b components are states (the chunk's entering state is folded into its first token,
+    or its last under REVERSE), so one carry serves F and G."""
+    o_j = tl.arange(0, J)
+    o_h = tl.arange(0, HS)
+    sel = (o_j == (0 if REVERSE else J - 1))[:, None, None]
+    ta = tl.sum(tl.where(sel, la, 0.), 0)  # [HS, BD] the segments' totals
+    tb = tl.sum(tl.where(sel, lb, 0.), 0)
+    _, ends = tl.associative_scan((ta, tb), 0, _affine, reverse=REVERSE)  # the state at each segment's end
+    if REVERSE:
+        src = o_h + 1  # the segment whose end enters segment s
+    else:
+        src = o_h - 1
+    pick = (o_h[None, :] == src[:, None])[:, :, None]  # [HS (s), HS (the source), 1]
+    c = tl.sum(tl.where(pick, ends[None, :, :], 0.), 1)[None, :, :]  # 0 entering the first segment
+    return lb + la * c, lgb + lga * c
+
+
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
 def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
                          sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sa_d, sa_n, sb_r, sb_t, sb_n, sc_r,
                          sc_t, sc_n, sdv_r, sp_r, sp_g, sp_t, sp_n, N: tl.constexpr, BT: tl.constexpr,
-                         BD: tl.constexpr, NG: tl.constexpr, USE_D: tl.constexpr, USE_Z: tl.constexpr,
-                         RESETS: tl.constexpr):
+                         BD: tl.constexpr, NG: tl.constexpr, HS: tl.constexpr, USE_D: tl.constexpr,
+                         USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel group, row): for each channel block of the group, every gradient of the chunk's tokens
     (module docstring) from the entering state H_c and the gradient dH_c of the state leaving the chunk. dx, ddt,
     dz stored once; dA, dD per chunk ([R, NC, N, I], [R, NC, I]: summed over the chunks by the caller); dB, dC
     summed over the group's blocks in place ([R, NG, Tp, N], strides sp_*, zeroed by the caller; each element has
-    one program)."""
+    one program).
+    The chunk's tokens are HS segments of J = BT / HS consecutive tokens, the tiles [J, HS, BD]: each segment is
+    scanned alone along its J tokens, then the segments' totals join them (`_carry`). With HS = 2 at one warp the
+    compiler gives each thread one channel and one segment, its J tokens in registers: the token scans run inside a
+    thread (Triton's scan of a [BT, BD] tile at one warp spreads the tokens over threads: warp shuffles at every
+    step). HS = 1: the one segment is the chunk."""
+    J: tl.constexpr = BT // HS
     i_c, i_g, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     NC = tl.cdiv(T, BT)
     acc = h.dtype.element_ty
-    o_l = tl.arange(0, BT)
+    o_j = tl.arange(0, J)[:, None]
+    o_s = tl.arange(0, HS)[None, :]
+    o_l = o_s * J + o_j  # [J, HS] the token within the chunk
     o_t = (i_c * BT + o_l).to(tl.int64)
     m_t = o_t < T
-    first, last = (o_l == 0)[:, None], (o_l == BT - 1)[:, None]
+    first, last = (o_l == 0)[:, :, None], (o_l == BT - 1)[:, :, None]
     if RESETS:
-        is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, None]
+        is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, :, None]
     NB = tl.cdiv(I, BD)
     per = tl.cdiv(NB, NG)
     p_bc = i_r * sp_r + i_g * sp_g + o_t * sp_t  # dB, dC [R, NG, Tp, N]
     for i_j in range(per):
         o_d = (i_g * per + i_j) * BD + tl.arange(0, BD)
         m_d = o_d < I
-        m = m_t[:, None] & m_d[None, :]
-        b_dt = _tile(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
-        b_x = _tile(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
-        b_do = _tile(do, i_r, so_r, so_t, o_t, o_d, m, acc)
+        m = m_t[:, :, None] & m_d[None, None, :]
+        b_dt = _tile3(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
+        b_x = _tile3(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
+        b_do = _tile3(do, i_r, so_r, so_t, o_t, o_d, m, acc)
         if USE_Z:
-            b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
+            b_z = _tile3(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
             b_sg = tl.sigmoid(b_z)
             b_gy = b_do * b_z * b_sg
             b_dzf = b_do * b_sg * (1. + b_z * (1. - b_sg))  # dz = dy silu'(z) y_pre
         else:
             b_gy = b_do
         b_u = b_dt * b_x
-        b_yp = tl.zeros([BT, BD], dtype=acc)  # sum_n C h (the gate's input, less D x)
-        b_bdh = tl.zeros([BT, BD], dtype=acc)  # sum_n B dh
-        b_adt = tl.zeros([BT, BD], dtype=acc)  # sum_n A a h_{t-1} dh
+        b_yp = tl.zeros([J, HS, BD], dtype=acc)  # sum_n C h (the gate's input, less D x)
+        b_bdh = tl.zeros([J, HS, BD], dtype=acc)  # sum_n B dh
+        b_adt = tl.zeros([J, HS, BD], dtype=acc)  # sum_n A a h_{t-1} dh
         p_hc = ((i_r * NC + i_c) * N) * I + o_d
         for n in range(N):
-            b_an = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)[None, :]
+            b_an = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)[None, None, :]
             b_a = tl.exp(b_dt * b_an)
             if RESETS:
                 b_a = tl.where(is_rs, 0., b_a)
-            b_bn = _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)[:, None]
-            b_cn = _col(Cm, i_r, sc_r, sc_t, sc_n, o_t, n, m_t, acc)[:, None]
+            b_bn = _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)[:, :, None]
+            b_cn = _col(Cm, i_r, sc_r, sc_t, sc_n, o_t, n, m_t, acc)[:, :, None]
             b_g = b_gy * b_cn
-            b_hin = tl.load(h + p_hc + n * I, mask=m_d, other=0.)[None, :]
-            b_dhe = tl.load(dh + p_hc + n * I, mask=m_d, other=0.)[None, :]
+            b_hin = tl.load(h + p_hc + n * I, mask=m_d, other=0.)[None, None, :]
+            b_dhe = tl.load(dh + p_hc + n * I, mask=m_d, other=0.)[None, None, :]
             b_b = b_u * b_bn
-            one = tl.full([BT, BD], 1., acc)
-            _, b_hs, _, b_hp = tl.associative_scan(
+            one = tl.full([J, HS, BD], 1., acc)
+            b_fa, b_hs, b_ga, b_hp = tl.associative_scan(
                 (b_a, tl.where(first, b_b + b_a * b_hin, b_b), tl.where(first, 0., one),
                  tl.where(first, b_hin, 0.)), 0, _pair)
-            _, _, _, b_wn = tl.associative_scan(
+            b_ra, b_rb, b_rga, b_wn = tl.associative_scan(
                 (b_a, tl.where(last, b_a * (b_g + b_dhe), b_a * b_g), tl.where(last, 0., one),
                  tl.where(last, b_dhe, 0.)), 0, _pair, reverse=True)
+            if HS > 1:
+                b_hs, b_hp = _carry(b_fa, b_hs, b_ga, b_hp, J, HS, False)
+                _, b_wn = _carry(b_ra, b_rb, b_rga, b_wn, J, HS, True)
             b_dhs = b_g + b_wn  # dh_t = C_t gy_t + a_{t+1} dh_{t+1}
             b_yp += b_hs * b_cn
             b_bdh += b_dhs * b_bn
             b_ahd = b_a * b_hp * b_dhs
             b_adt += b_ahd * b_an
-            tl.store(dA + p_hc + n * I, tl.sum(b_ahd * b_dt, 0), mask=m_d)
+            tl.store(dA + p_hc + n * I, tl.sum(tl.sum(b_ahd * b_dt, 0), 0), mask=m_d)
             p_b = p_bc + n * sp_n
-            tl.store(dB + p_b, tl.load(dB + p_b) + tl.sum(b_u * b_dhs, 1))
-            tl.store(dC + p_b, tl.load(dC + p_b) + tl.sum(b_gy * b_hs, 1))
+            tl.store(dB + p_b, tl.load(dB + p_b) + tl.sum(b_u * b_dhs, 2))
+            tl.store(dC + p_b, tl.load(dC + p_b) + tl.sum(b_gy * b_hs, 2))
         b_dx = b_dt * b_bdh
         if USE_D:
-            b_dv = tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, :]
+            b_dv = tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, None, :]
             b_dx += b_dv * b_gy
             b_yp += b_dv * b_x
-            tl.store(dD + (i_r * NC + i_c) * I + o_d, tl.sum(b_gy * b_x, 0), mask=m_d)
-        p_o = i_r * T * I + o_t[:, None] * I + o_d[None, :]
+            tl.store(dD + (i_r * NC + i_c) * I + o_d, tl.sum(tl.sum(b_gy * b_x, 0), 0), mask=m_d)
+        p_o = i_r * T * I + o_t[:, :, None] * I + o_d[None, None, :]
         tl.store(dx + p_o, b_dx.to(dx.dtype.element_ty), mask=m)
         tl.store(ddt + p_o, (b_x * b_bdh + b_adt).to(ddt.dtype.element_ty), mask=m)
         if USE_Z:
@@ -411,7 +454,7 @@ def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
     sel_chunk_bwd_kernel[(NC, NG, R)](
         x, dt, z, do, A, Bm, Cm, D, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I, *_rt_strides(x),
         *_rt_strides(dt), *_rt_strides(z), *_rt_strides(do), *_strides3(A), *_strides3(Bm), *_strides3(Cm),
-        0 if D is None else D.stride(0), *dB.stride(), N=N, BT=BT, BD=cfg["BD"], NG=NG, USE_D=D is not None,
-        USE_Z=z is not None, RESETS=resets is not None, **opts)
+        0 if D is None else D.stride(0), *dB.stride(), N=N, BT=BT, BD=cfg["BD"], NG=NG, HS=cfg["HS"],
+        USE_D=D is not None, USE_Z=z is not None, RESETS=resets is not None, **opts)
     return (dx, ddt, dz, dA.sum(1).transpose(1, 2), None if dD is None else dD.sum(1), dB.sum(1)[:, :T],
             dC.sum(1)[:, :T])
