@@ -106,14 +106,14 @@ for c in TOKEN_MAJOR[PART::2]:
 K.BC_TOKEN_MAJOR = (("chunk_state",), ())[PART]
 case("tm_" + ("only_chunk_state", "none")[PART], f64, "slow", 1, 74 + PART, [0, 9, 10, 21])
 K.BC_TOKEN_MAJOR = source_layout
-# chunk_bwd's tokens in HS segments (LAUNCH["chunk_bwd"]["HS"], 1 in the table: the chunk of 8 tokens here in 2 and 4
-# segments, the carries between them: packed rows put resets inside and across segments)
+# chunk_out's and chunk_bwd's tokens in HS segments (LAUNCH[...]["HS"], 1 in the table: the chunk of 8 tokens here
+# in 2 and 4 segments, the carries between them: packed rows put resets inside and across segments)
 for hs in (2, 4):
-    LAUNCH["chunk_bwd"]["HS"] = hs
+    LAUNCH["chunk_out"]["HS"] = LAUNCH["chunk_bwd"]["HS"] = hs
     for c in [(f"hs{hs}_rows_fast", f64, "fast", 2, 80 + hs), (f"hs{hs}_packed_slow", f64, "slow", 1, 81 + hs,
                                                                  [0, 9, 10, 21])][PART::2]:
         case(*c)
-LAUNCH["chunk_bwd"]["HS"] = 1
+LAUNCH["chunk_out"]["HS"] = LAUNCH["chunk_bwd"]["HS"] = 1
 # the summary is forward only
 if PART == 0:
     x, dt, A, B, C, D, z, h0 = (t.float() for t in inputs(1, 10, 12, 2, "fast", 4))

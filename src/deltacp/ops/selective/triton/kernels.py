@@ -48,9 +48,10 @@ import triton.language as tl
 # Launch configurations. BT: the chunk (tokens per program, the granularity of the stored chunk states: [T / BT,
 # I, N] fp32, 1 / BT of a [T, I, N] tensor); BD: channels per program (contiguous: BD bf16 = 64 bytes at 32);
 # NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
-# NG x [T, N]); HS (chunk_bwd): the chunk's token segments, each scanned alone, then joined (`_carry`): offline
-# (Triton 3.9, sm_90, bf16, `bench/variants/README.md`) its loop over n takes 1,812 instructions a block of 16
-# channels at HS 1 (642 warp shuffles: the token scans cross threads), 1,253 at HS 2 (272), untimed on a GPU;
+# NG x [T, N]); HS (chunk_out, chunk_bwd): the chunk's token segments, each scanned alone inside a thread, then
+# joined (`_carry`): offline (Triton 3.9, sm_90, bf16, `bench/variants/README.md`) chunk_bwd's loop over n takes
+# 1,812 instructions a block of 16 channels at HS 1 (642 warp shuffles: the token scans cross threads), 1,253 at
+# HS 2 (272); chunk_out's 645 (96) and 513 (5); untimed on a GPU, HS 1 in the table until then;
 # BS (state_pass): state entries per program; an entry may cap the registers a thread (maxnreg, ptxas'
 # .maxnreg; none in the table). Measured on an H100 (Falcon-Mamba-7B's I = 8192, N = 16, bf16, 32K tokens): two
 # passes of `bench/launch_sweep.py --op selective` (4 and 8 warps, 2026-12-06) took one fwd+bwd from 120.7 ms (the
@@ -63,7 +64,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "chunk": dict(BT=32),
     "chunk_state": dict(BD=16, num_warps=1, num_stages=3),
     "state_pass": dict(BS=256, num_warps=4, num_stages=3),
-    "chunk_out": dict(BD=16, num_warps=1, num_stages=3),
+    "chunk_out": dict(BD=16, HS=1, num_warps=1, num_stages=3),
     "chunk_bwd": dict(BD=16, NG=8, HS=1, num_warps=1, num_stages=3),
 }
 
@@ -133,6 +134,33 @@ def _col(p, i_r, s_r, s_t, s_n, o_t, n, m_t, acc: tl.constexpr):
 def _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc: tl.constexpr):
     """A[:, n] [BD] of the channels o_d (A [R, I, N]), 0 where masked."""
     return tl.load(A + i_r * sa_r + o_d * sa_d + n * sa_n, mask=m_d, other=0.).to(acc)
+
+
+@triton.jit
+def _tile3(p, i_r, s_r, s_t, o_t, o_d, m, acc: tl.constexpr):
+    """_tile's [J, HS, BD] form: o_t [J, HS] the tokens (HS segments of J, chunk_out and chunk_bwd), o_d [BD]."""
+    return tl.load(p + i_r * s_r + o_t[:, :, None] * s_t + o_d[None, None, :], mask=m, other=0.).to(acc)
+
+
+@triton.jit
+def _carry(la, lb, J: tl.constexpr, HS: tl.constexpr, REVERSE: tl.constexpr):
+    """The state entering each of HS token segments [1, HS, BD], from a scan run on each segment alone (la, lb: the
+    maps' a and b components, [J, HS, BD]): the segments' totals (the row of a segment's last token; its first under
+    REVERSE) scanned across the segments and shifted by one (0 entering the first). The b components are states
+    (the chunk's entering state is folded into its first token, or its last under REVERSE), so the whole chunk's
+    scan is b + a carry for every map of the tuple (F and G alike)."""
+    o_j = tl.arange(0, J)
+    o_h = tl.arange(0, HS)
+    sel = (o_j == (0 if REVERSE else J - 1))[:, None, None]
+    ta = tl.sum(tl.where(sel, la, 0.), 0)  # [HS, BD] the segments' totals
+    tb = tl.sum(tl.where(sel, lb, 0.), 0)
+    _, ends = tl.associative_scan((ta, tb), 0, _affine, reverse=REVERSE)  # the state at each segment's end
+    if REVERSE:
+        src = o_h + 1  # the segment whose end enters segment s
+    else:
+        src = o_h - 1
+    pick = (o_h[None, :] == src[:, None])[:, :, None]  # [HS (s), HS (the source), 1]
+    return tl.sum(tl.where(pick, ends[None, :, :], 0.), 1)[None, :, :]
 
 
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r"])
@@ -211,71 +239,47 @@ def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, sa_d, sa_n, 
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r"])
 def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, sa_r,
                          sa_d, sa_n, sb_r, sb_t, sb_n, sc_r, sc_t, sc_n, sdv_r, N: tl.constexpr, BT: tl.constexpr,
-                         BD: tl.constexpr, USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
+                         BD: tl.constexpr, HS: tl.constexpr, USE_D: tl.constexpr, USE_Z: tl.constexpr,
+                         RESETS: tl.constexpr):
     """One (chunk, channel block, row) of y: per n the scan of (a_t, b_t) from the entering state H_c (folded into
-    the chunk's first token), C_t[n] h_t summed over n in registers; + D x; the silu(z) gate; y stored once."""
+    the chunk's first token), C_t[n] h_t summed over n in registers; + D x; the silu(z) gate; y stored once.
+    The tiles are [J, HS, BD], HS segments of J = BT / HS tokens, as in chunk_bwd (`_carry`)."""
+    J: tl.constexpr = BT // HS
     i_c, i_b, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     NC = tl.cdiv(T, BT)
     acc = h.dtype.element_ty
-    o_l = tl.arange(0, BT)
+    o_l = tl.arange(0, HS)[None, :] * J + tl.arange(0, J)[:, None]  # [J, HS] the token within the chunk
     o_t = (i_c * BT + o_l).to(tl.int64)
     o_d = i_b * BD + tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < I
-    m = m_t[:, None] & m_d[None, :]
-    b_dt = _tile(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
-    b_x = _tile(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
+    m = m_t[:, :, None] & m_d[None, None, :]
+    b_dt = _tile3(dt, i_r, sd_r, sd_t, o_t, o_d, m, acc)
+    b_x = _tile3(x, i_r, sx_r, sx_t, o_t, o_d, m, acc)
     b_u = b_dt * b_x
-    first = (o_l == 0)[:, None]
+    first = (o_l == 0)[:, :, None]
     if RESETS:
-        is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, None]
+        is_rs = (tl.load(resets + o_t, mask=m_t, other=0) != 0)[:, :, None]
     if USE_D:  # D x first: x is not held across the loop
-        b_y = b_x * tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, :]
+        b_y = b_x * tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, None, :]
     else:
-        b_y = tl.zeros([BT, BD], dtype=acc)
+        b_y = tl.zeros([J, HS, BD], dtype=acc)
     p_h = h + ((i_r * NC + i_c) * N) * I + o_d
     for n in range(N):
         b_an = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)
-        b_a = tl.exp(b_dt * b_an[None, :])
+        b_a = tl.exp(b_dt * b_an[None, None, :])
         if RESETS:
             b_a = tl.where(is_rs, 0., b_a)
         b_hin = tl.load(p_h + n * I, mask=m_d, other=0.)
-        b_b = b_u * _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)[:, None]
-        b_b = tl.where(first, b_b + b_a * b_hin[None, :], b_b)
-        _, b_hs = tl.associative_scan((b_a, b_b), 0, _affine)
-        b_y += b_hs * _col(Cm, i_r, sc_r, sc_t, sc_n, o_t, n, m_t, acc)[:, None]
+        b_b = b_u * _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)[:, :, None]
+        b_b = tl.where(first, b_b + b_a * b_hin[None, None, :], b_b)
+        b_fa, b_hs = tl.associative_scan((b_a, b_b), 0, _affine)
+        if HS > 1:
+            b_hs += b_fa * _carry(b_fa, b_hs, J, HS, False)
+        b_y += b_hs * _col(Cm, i_r, sc_r, sc_t, sc_n, o_t, n, m_t, acc)[:, :, None]
     if USE_Z:
-        b_z = _tile(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
+        b_z = _tile3(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
         b_y = b_y * b_z * tl.sigmoid(b_z)
-    tl.store(y + i_r * T * I + o_t[:, None] * I + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _tile3(p, i_r, s_r, s_t, o_t, o_d, m, acc: tl.constexpr):
-    """_tile's [J, HS, BD] form: o_t [J, HS] the tokens (chunk_bwd's token segments), o_d [BD]."""
-    return tl.load(p + i_r * s_r + o_t[:, :, None] * s_t + o_d[None, None, :], mask=m, other=0.).to(acc)
-
-
-@triton.jit
-def _carry(la, lb, lga, lgb, J: tl.constexpr, HS: tl.constexpr, REVERSE: tl.constexpr):
-    """Scan results (la, lb: F; lga, lgb: G; [J, HS, BD], each of the HS segments scanned alone along its J tokens)
-    -> the b components of the whole chunk's scan (lb, lgb): each segment's maps composed after the maps of the
-    segments before it (after it, REVERSE). The segments' totals (the row of a segment's last token; its first under
-    REVERSE) are scanned across the segments, shifted by one (the carry entering each segment), and applied to every
-    token as b + a carry: the b components are states (the chunk's entering state is folded into its first token,
-    or its last under REVERSE), so one carry serves F and G."""
-    o_j = tl.arange(0, J)
-    o_h = tl.arange(0, HS)
-    sel = (o_j == (0 if REVERSE else J - 1))[:, None, None]
-    ta = tl.sum(tl.where(sel, la, 0.), 0)  # [HS, BD] the segments' totals
-    tb = tl.sum(tl.where(sel, lb, 0.), 0)
-    _, ends = tl.associative_scan((ta, tb), 0, _affine, reverse=REVERSE)  # the state at each segment's end
-    if REVERSE:
-        src = o_h + 1  # the segment whose end enters segment s
-    else:
-        src = o_h - 1
-    pick = (o_h[None, :] == src[:, None])[:, :, None]  # [HS (s), HS (the source), 1]
-    c = tl.sum(tl.where(pick, ends[None, :, :], 0.), 1)[None, :, :]  # 0 entering the first segment
-    return lb + la * c, lgb + lga * c
+    tl.store(y + i_r * T * I + o_t[:, :, None] * I + o_d[None, None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
@@ -347,8 +351,9 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
                 (b_a, tl.where(last, b_a * (b_g + b_dhe), b_a * b_g), tl.where(last, 0., one),
                  tl.where(last, b_dhe, 0.)), 0, _pair, reverse=True)
             if HS > 1:
-                b_hs, b_hp = _carry(b_fa, b_hs, b_ga, b_hp, J, HS, False)
-                _, b_wn = _carry(b_ra, b_rb, b_rga, b_wn, J, HS, True)
+                c = _carry(b_fa, b_hs, J, HS, False)
+                b_hs, b_hp = b_hs + b_fa * c, b_hp + b_ga * c
+                b_wn += b_rga * _carry(b_ra, b_rb, J, HS, True)
             b_dhs = b_g + b_wn  # dh_t = C_t gy_t + a_{t+1} dh_{t+1}
             b_yp += b_hs * b_cn
             b_bdh += b_dhs * b_bn
@@ -423,7 +428,7 @@ def chunk_out(x, dt, z, A, Bm, Cm, D, resets, h):
     grid = (h.shape[1], triton.cdiv(I, cfg["BD"]), R)
     sel_chunk_out_kernel[grid](x, dt, z, A, Bm, Cm, D, resets, h, y, T, I, *_rt_strides(x), *_rt_strides(dt),
                                *_rt_strides(z), *_strides3(A), *_strides3(Bm), *_strides3(Cm),
-                               0 if D is None else D.stride(0), N=N, BT=chunk_len(), BD=cfg["BD"],
+                               0 if D is None else D.stride(0), N=N, BT=chunk_len(), BD=cfg["BD"], HS=cfg["HS"],
                                USE_D=D is not None, USE_Z=z is not None, RESETS=resets is not None, **opts)
     return y
 
