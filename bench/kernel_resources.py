@@ -188,7 +188,8 @@ def record(ops) -> list[dict]:
                 setattr(module, switch, SWITCHES[op][switch])
             for label, shape in SHAPES[op].items():
                 for dtype in GPU_DTYPES.get(op, DTYPES):
-                    record.where = f"{op} {label} {dtype}" + ("" if switch is None else f" {switch}={SWITCHES[op][switch]}")
+                    setting = "" if switch is None else f" {switch}={SWITCHES[op][switch]}"
+                    record.where = f"{op} {label} {dtype}{setting}"
                     if op == "selected":
                         _record_selected(shape, dtype)
                         continue

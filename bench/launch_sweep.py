@@ -45,7 +45,7 @@ from timing import emit, time_cuda  # noqa: E402
 # recorded as such)
 BLOCKS = (8, 16, 32, 64)
 WARPS = (1, 2, 4, 8)
-SEGMENTS = (1, 2, 4)  # HS: the token segments of the selective scan's chunk_bwd
+SEGMENTS = (1, 2, 4)  # HS: the token segments of the selective scan's chunk_out and chunk_bwd
 STAGES = (1, 2, 3)
 
 

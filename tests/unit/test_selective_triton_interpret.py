@@ -222,3 +222,12 @@ def test_an_unknown_launcher_in_the_layout_switch_is_refused(monkeypatch):
     monkeypatch.setattr(K, "BC_TOKEN_MAJOR", ("chunk_bwdd",))
     with pytest.raises(ValueError, match="BC_TOKEN_MAJOR=.*chunk_bwdd.*chunk_state"):
         K._columns(torch.zeros(1, 4, 2), "chunk_bwd")
+
+
+@needs_triton
+def test_token_segments_that_do_not_divide_the_chunk_are_refused(monkeypatch):
+    import deltacp.ops.selective.triton.kernels as K
+
+    monkeypatch.setitem(K.LAUNCH, "chunk_bwd", dict(K.LAUNCH["chunk_bwd"], HS=3))
+    with pytest.raises(ValueError, match=r"LAUNCH\['chunk_bwd'\]\['HS'\] = 3: .*power of two dividing"):
+        K._opts("chunk_bwd")

@@ -380,6 +380,10 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
 
 def _opts(name: str) -> tuple[dict[str, int], dict[str, int]]:
     cfg = dict(LAUNCH[name])
+    hs, bt = cfg.get("HS", 1), chunk_len()
+    if hs < 1 or hs & (hs - 1) or bt % hs:
+        raise ValueError(f"LAUNCH[{name!r}]['HS'] = {hs}: the token segments must be a power of two dividing the "
+                         f"chunk (BT = {bt})")
     return cfg, {o: cfg.pop(o) for o in ("num_warps", "num_stages", "maxnreg") if o in cfg}
 
 
