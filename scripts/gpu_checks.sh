@@ -574,9 +574,12 @@ attention_long)
     --warmup 1 --repeat 2 --json "$OUT/bench.jsonl"
   ;;
 sweep)
-  # one process per kernel: an illegal memory access (some launch shapes on Triton 3.6) poisons the CUDA context
+  # one process per kernel: an illegal memory access (some launch shapes on Triton 3.6) poisons the CUDA context;
+  # SWEEP_HEADS: the key and value heads (default 32, the table's shape; 16 is Qwen3.5-2B's, where the state kernels
+  # run half the programs)
   for kern in ${SWEEP_KERNELS:-wy_bwd wu_fwd tril_merge state_bwd state_fwd}; do
-    check "sweep_$kern" 150 python bench/gdn_kernels.py --sweep --length 32768 --kernels $kern --budget-s 75 --top 8
+    check "sweep_$kern" 150 python bench/gdn_kernels.py --sweep --length 32768 --kernels $kern --budget-s 75 --top 8 \
+      --hk "${SWEEP_HEADS:-32}" --hv "${SWEEP_HEADS:-32}"
   done
   ;;
 kda_ncu)
