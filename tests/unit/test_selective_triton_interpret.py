@@ -20,10 +20,12 @@ One subprocess per dtype (the interpreter must be on before triton loads) runs e
   - the launchers' layouts of B, C and A (`kernels.BC_TOKEN_MAJOR`; the other cases run the source's, chunk_bwd
     token-major): every launcher token-major (the "tm_" cases: rows, packed and grouped, float64 and float32),
     chunk_state alone, none;
+  - chunk_out's and chunk_bwd's tokens in HS = 2 and 4 segments ("hs" cases, rows and packed, in both tile layouts:
+    "s" [HS, J, BD], "t" [J, HS, BD]; the source's HS is 1);
   - dtypes: float64, every case (the kernels compute in fp64: bound 1e-10, figures ~1e-16), and float32, rows with
     fast gates and the packed row with near-frozen ones (fp32 kernels vs eager fp64 on the same values: bound 1e-5,
     figures ~2e-7; the GPU tests run fp32 on the whole grid);
-Two processes side by side, eight cases each.
+Two processes side by side, thirteen cases each.
 """
 
 from __future__ import annotations
@@ -108,11 +110,17 @@ case("tm_" + ("only_chunk_state", "none")[PART], f64, "slow", 1, 74 + PART, [0, 
 K.BC_TOKEN_MAJOR = source_layout
 # chunk_out's and chunk_bwd's tokens in HS segments (LAUNCH[...]["HS"], 1 in the table: the chunk of 8 tokens here
 # in 2 and 4 segments, the carries between them: packed rows put resets inside and across segments)
+# in both tile layouts ([HS, J, BD] and [J, HS, BD]: kernels.seg_first, which the installed Triton decides)
+source_seg_first = K.seg_first
 for hs in (2, 4):
     LAUNCH["chunk_out"]["HS"] = LAUNCH["chunk_bwd"]["HS"] = hs
-    for c in [(f"hs{hs}_rows_fast", f64, "fast", 2, 80 + hs), (f"hs{hs}_packed_slow", f64, "slow", 1, 81 + hs,
-                                                                 [0, 9, 10, 21])][PART::2]:
-        case(*c)
+    for sf in (True, False):
+        K.seg_first = lambda sf=sf: sf
+        tag = f"hs{hs}{'s' if sf else 't'}"
+        for c in [(f"{tag}_rows_fast", f64, "fast", 2, 80 + hs), (f"{tag}_packed_slow", f64, "slow", 1, 81 + hs,
+                                                                   [0, 9, 10, 21])][PART::2]:
+            case(*c)
+K.seg_first = source_seg_first
 LAUNCH["chunk_out"]["HS"] = LAUNCH["chunk_bwd"]["HS"] = 1
 # the summary is forward only
 if PART == 0:
@@ -137,8 +145,8 @@ def figures():
 
 CASES = {"float64": ("rows_fast", "packed_fast", "rows_slow", "packed_slow", "rows_frozen", "packed_frozen",
                      "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped", "tm_rows_fast", "tm_packed_slow",
-                     "tm_rows_grouped", "tm_only_chunk_state", "tm_none", "hs2_rows_fast", "hs2_packed_slow",
-                     "hs4_rows_fast", "hs4_packed_slow"),
+                     "tm_rows_grouped", "tm_only_chunk_state", "tm_none",
+                     *(f"hs{h}{sf}_{c}" for h in (2, 4) for sf in "st" for c in ("rows_fast", "packed_slow"))),
          "float32": ("rows_fast", "packed_frozen", "tm_packed_fast")}
 PARTS = {"forward": ("o", "final_state"),
          "gradients": ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0"),

@@ -41,17 +41,22 @@ widened. Every kernel's name starts with sel_ (profiles group them by it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from deltacp.ops.gdn.triton.version import parse_triton_version
 
 # Launch configurations. BT: the chunk (tokens per program, the granularity of the stored chunk states: [T / BT,
 # I, N] fp32, 1 / BT of a [T, I, N] tensor); BD: channels per program (contiguous: BD bf16 = 64 bytes at 32);
 # NG (chunk_bwd): channel groups per chunk, each program looping over its group's blocks (the partial dB, dC are
 # NG x [T, N]); HS (chunk_out, chunk_bwd): the chunk's token segments, each scanned alone inside a thread, then
-# joined (`_carry`): offline (Triton 3.9, sm_90, bf16, `bench/variants/README.md`) chunk_bwd's loop over n takes
-# 1,812 instructions a block of 16 channels at HS 1 (642 warp shuffles: the token scans cross threads), 1,253 at
-# HS 2 (272); chunk_out's 645 (96) and 513 (5); untimed on a GPU, HS 1 in the table until then;
+# joined (`_carry`): offline (sm_90, bf16, `bench/variants/README.md`) chunk_bwd's loop over n takes 2,354
+# instructions a block of 16 channels at HS 1 with Triton 3.6 (1,154 warp shuffles: the token scans cross threads),
+# 1,892 at HS 2 (826); chunk_out's 689 (96) and 553 (3); with Triton 3.9 chunk_bwd 1,812 (642) and 1,253 (272);
+# untimed on a GPU, HS 1 in the table until then (its PTX the same instructions as before HS existed);
 # BS (state_pass): state entries per program; an entry may cap the registers a thread (maxnreg, ptxas'
 # .maxnreg; none in the table). Measured on an H100 (Falcon-Mamba-7B's I = 8192, N = 16, bf16, 32K tokens): two
 # passes of `bench/launch_sweep.py --op selective` (4 and 8 warps, 2026-12-06) took one fwd+bwd from 120.7 ms (the
@@ -138,29 +143,50 @@ def _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc: tl.constexpr):
 
 @triton.jit
 def _tile3(p, i_r, s_r, s_t, o_t, o_d, m, acc: tl.constexpr):
-    """_tile's [J, HS, BD] form: o_t [J, HS] the tokens (HS segments of J, chunk_out and chunk_bwd), o_d [BD]."""
+    """_tile's 3-D form (chunk_out, chunk_bwd): o_t the chunk's tokens as a 2-D grid (`_segments`), o_d [BD]."""
     return tl.load(p + i_r * s_r + o_t[:, :, None] * s_t + o_d[None, None, :], mask=m, other=0.).to(acc)
 
 
 @triton.jit
-def _carry(la, lb, J: tl.constexpr, HS: tl.constexpr, REVERSE: tl.constexpr):
-    """The state entering each of HS token segments [1, HS, BD], from a scan run on each segment alone (la, lb: the
-    maps' a and b components, [J, HS, BD]): the segments' totals (the row of a segment's last token; its first under
-    REVERSE) scanned across the segments and shifted by one (0 entering the first). The b components are states
-    (the chunk's entering state is folded into its first token, or its last under REVERSE), so the whole chunk's
-    scan is b + a carry for every map of the tuple (F and G alike)."""
+def _segments(J: tl.constexpr, HS: tl.constexpr, SEG_FIRST: tl.constexpr):
+    """The chunk's BT = HS x J tokens as a 2-D grid of their positions in the chunk: [HS, J] (SEG_FIRST) or [J, HS],
+    segment s holding the consecutive tokens s J ... s J + J - 1 along the token axis (1, or 0)."""
+    if SEG_FIRST:
+        o_l = tl.arange(0, HS)[:, None] * J + tl.arange(0, J)[None, :]
+    else:
+        o_l = tl.arange(0, HS)[None, :] * J + tl.arange(0, J)[:, None]
+    return o_l
+
+
+@triton.jit
+def _carry(la, lb, J: tl.constexpr, HS: tl.constexpr, REVERSE: tl.constexpr, SEG_FIRST: tl.constexpr):
+    """The state entering each of HS token segments (shaped to broadcast over the tile), from a scan run on each
+    segment alone (la, lb: the maps' a and b components, tiles laid out as `_segments` says): the segments' totals
+    (the row of a segment's last token; its first under REVERSE) scanned across the segments and shifted by one (0
+    entering the first). The b components are states (the chunk's entering state is folded into its first token,
+    or its last under REVERSE), so the whole chunk's scan is b + a carry for every map of the tuple (F and G)."""
+    TA: tl.constexpr = 1 if SEG_FIRST else 0  # the token axis
     o_j = tl.arange(0, J)
     o_h = tl.arange(0, HS)
-    sel = (o_j == (0 if REVERSE else J - 1))[:, None, None]
-    ta = tl.sum(tl.where(sel, la, 0.), 0)  # [HS, BD] the segments' totals
-    tb = tl.sum(tl.where(sel, lb, 0.), 0)
+    row = o_j == (0 if REVERSE else J - 1)
+    if SEG_FIRST:
+        sel = row[None, :, None]
+    else:
+        sel = row[:, None, None]
+    ta = tl.sum(tl.where(sel, la, 0.), TA)  # [HS, BD] the segments' totals
+    tb = tl.sum(tl.where(sel, lb, 0.), TA)
     _, ends = tl.associative_scan((ta, tb), 0, _affine, reverse=REVERSE)  # the state at each segment's end
     if REVERSE:
         src = o_h + 1  # the segment whose end enters segment s
     else:
         src = o_h - 1
     pick = (o_h[None, :] == src[:, None])[:, :, None]  # [HS (s), HS (the source), 1]
-    return tl.sum(tl.where(pick, ends[None, :, :], 0.), 1)[None, :, :]
+    c = tl.sum(tl.where(pick, ends[None, :, :], 0.), 1)  # [HS, BD]
+    if SEG_FIRST:
+        c = c[:, None, :]
+    else:
+        c = c[None, :, :]
+    return c
 
 
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sg_r", "sb_r"])
@@ -239,16 +265,17 @@ def sel_state_pass_kernel(A, dts, creset, s, s0, st, h, T, I, sa_r, sa_d, sa_n, 
 @triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "sb_r", "sc_r"])
 def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, sa_r,
                          sa_d, sa_n, sb_r, sb_t, sb_n, sc_r, sc_t, sc_n, sdv_r, N: tl.constexpr, BT: tl.constexpr,
-                         BD: tl.constexpr, HS: tl.constexpr, USE_D: tl.constexpr, USE_Z: tl.constexpr,
-                         RESETS: tl.constexpr):
+                         BD: tl.constexpr, HS: tl.constexpr, SEG_FIRST: tl.constexpr, USE_D: tl.constexpr,
+                         USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel block, row) of y: per n the scan of (a_t, b_t) from the entering state H_c (folded into
     the chunk's first token), C_t[n] h_t summed over n in registers; + D x; the silu(z) gate; y stored once.
-    The tiles are [J, HS, BD], HS segments of J = BT / HS tokens, as in chunk_bwd (`_carry`)."""
+    The tiles hold HS segments of J = BT / HS tokens, as in chunk_bwd (`_segments`, `_carry`)."""
     J: tl.constexpr = BT // HS
+    TA: tl.constexpr = 1 if SEG_FIRST else 0  # the token axis of the tiles
     i_c, i_b, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     NC = tl.cdiv(T, BT)
     acc = h.dtype.element_ty
-    o_l = tl.arange(0, HS)[None, :] * J + tl.arange(0, J)[:, None]  # [J, HS] the token within the chunk
+    o_l = _segments(J, HS, SEG_FIRST)  # the token within the chunk
     o_t = (i_c * BT + o_l).to(tl.int64)
     o_d = i_b * BD + tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < I
@@ -262,7 +289,7 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
     if USE_D:  # D x first: x is not held across the loop
         b_y = b_x * tl.load(Dv + i_r * sdv_r + o_d, mask=m_d, other=0.).to(acc)[None, None, :]
     else:
-        b_y = tl.zeros([J, HS, BD], dtype=acc)
+        b_y = tl.zeros(b_x.shape, dtype=acc)
     p_h = h + ((i_r * NC + i_c) * N) * I + o_d
     for n in range(N):
         b_an = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)
@@ -272,9 +299,9 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
         b_hin = tl.load(p_h + n * I, mask=m_d, other=0.)
         b_b = b_u * _col(Bm, i_r, sb_r, sb_t, sb_n, o_t, n, m_t, acc)[:, :, None]
         b_b = tl.where(first, b_b + b_a * b_hin[None, None, :], b_b)
-        b_fa, b_hs = tl.associative_scan((b_a, b_b), 0, _affine)
+        b_fa, b_hs = tl.associative_scan((b_a, b_b), TA, _affine)
         if HS > 1:
-            b_hs += b_fa * _carry(b_fa, b_hs, J, HS, False)
+            b_hs += b_fa * _carry(b_fa, b_hs, J, HS, False, SEG_FIRST)
         b_y += b_hs * _col(Cm, i_r, sc_r, sc_t, sc_n, o_t, n, m_t, acc)[:, :, None]
     if USE_Z:
         b_z = _tile3(z, i_r, sz_r, sz_t, o_t, o_d, m, acc)
@@ -286,25 +313,25 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
 def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
                          sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sa_d, sa_n, sb_r, sb_t, sb_n, sc_r,
                          sc_t, sc_n, sdv_r, sp_r, sp_g, sp_t, sp_n, N: tl.constexpr, BT: tl.constexpr,
-                         BD: tl.constexpr, NG: tl.constexpr, HS: tl.constexpr, USE_D: tl.constexpr,
-                         USE_Z: tl.constexpr, RESETS: tl.constexpr):
+                         BD: tl.constexpr, NG: tl.constexpr, HS: tl.constexpr, SEG_FIRST: tl.constexpr,
+                         USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel group, row): for each channel block of the group, every gradient of the chunk's tokens
     (module docstring) from the entering state H_c and the gradient dH_c of the state leaving the chunk. dx, ddt,
     dz stored once; dA, dD per chunk ([R, NC, N, I], [R, NC, I]: summed over the chunks by the caller); dB, dC
     summed over the group's blocks in place ([R, NG, Tp, N], strides sp_*, zeroed by the caller; each element has
     one program).
-    The chunk's tokens are HS segments of J = BT / HS consecutive tokens, the tiles [J, HS, BD]: each segment is
-    scanned alone along its J tokens, then the segments' totals join them (`_carry`). With HS = 2 at one warp the
-    compiler gives each thread one channel and one segment, its J tokens in registers: the token scans run inside a
-    thread (Triton's scan of a [BT, BD] tile at one warp spreads the tokens over threads: warp shuffles at every
-    step). HS = 1: the one segment is the chunk."""
+    The chunk's tokens are HS segments of J = BT / HS consecutive tokens, the tiles [HS, J, BD] (SEG_FIRST) or [J,
+    HS, BD] (`_segments`): each segment is scanned alone along its J tokens, then the segments' totals join them
+    (`_carry`). With HS = 2 at one warp the compiler can give each thread one channel and one segment, its J tokens
+    in registers: the token scans then run inside a thread (Triton's scan of a [BT, BD] tile at one warp spreads
+    the tokens over threads: warp shuffles at every step). Which of the two layouts gets it depends on the Triton
+    version (`seg_first`). HS = 1: the one segment is the chunk."""
     J: tl.constexpr = BT // HS
+    TA: tl.constexpr = 1 if SEG_FIRST else 0  # the token axis of the tiles
     i_c, i_g, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     NC = tl.cdiv(T, BT)
     acc = h.dtype.element_ty
-    o_j = tl.arange(0, J)[:, None]
-    o_s = tl.arange(0, HS)[None, :]
-    o_l = o_s * J + o_j  # [J, HS] the token within the chunk
+    o_l = _segments(J, HS, SEG_FIRST)  # the token within the chunk
     o_t = (i_c * BT + o_l).to(tl.int64)
     m_t = o_t < T
     first, last = (o_l == 0)[:, :, None], (o_l == BT - 1)[:, :, None]
@@ -328,9 +355,9 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
         else:
             b_gy = b_do
         b_u = b_dt * b_x
-        b_yp = tl.zeros([J, HS, BD], dtype=acc)  # sum_n C h (the gate's input, less D x)
-        b_bdh = tl.zeros([J, HS, BD], dtype=acc)  # sum_n B dh
-        b_adt = tl.zeros([J, HS, BD], dtype=acc)  # sum_n A a h_{t-1} dh
+        b_yp = tl.zeros(b_x.shape, dtype=acc)  # sum_n C h (the gate's input, less D x)
+        b_bdh = tl.zeros(b_x.shape, dtype=acc)  # sum_n B dh
+        b_adt = tl.zeros(b_x.shape, dtype=acc)  # sum_n A a h_{t-1} dh
         p_hc = ((i_r * NC + i_c) * N) * I + o_d
         for n in range(N):
             b_an = _acol(A, i_r, sa_r, sa_d, sa_n, o_d, n, m_d, acc)[None, None, :]
@@ -343,17 +370,17 @@ def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz
             b_hin = tl.load(h + p_hc + n * I, mask=m_d, other=0.)[None, None, :]
             b_dhe = tl.load(dh + p_hc + n * I, mask=m_d, other=0.)[None, None, :]
             b_b = b_u * b_bn
-            one = tl.full([J, HS, BD], 1., acc)
+            one = tl.full(b_x.shape, 1., acc)
             b_fa, b_hs, b_ga, b_hp = tl.associative_scan(
                 (b_a, tl.where(first, b_b + b_a * b_hin, b_b), tl.where(first, 0., one),
-                 tl.where(first, b_hin, 0.)), 0, _pair)
+                 tl.where(first, b_hin, 0.)), TA, _pair)
             b_ra, b_rb, b_rga, b_wn = tl.associative_scan(
                 (b_a, tl.where(last, b_a * (b_g + b_dhe), b_a * b_g), tl.where(last, 0., one),
-                 tl.where(last, b_dhe, 0.)), 0, _pair, reverse=True)
+                 tl.where(last, b_dhe, 0.)), TA, _pair, reverse=True)
             if HS > 1:
-                c = _carry(b_fa, b_hs, J, HS, False)
+                c = _carry(b_fa, b_hs, J, HS, False, SEG_FIRST)
                 b_hs, b_hp = b_hs + b_fa * c, b_hp + b_ga * c
-                b_wn += b_rga * _carry(b_ra, b_rb, J, HS, True)
+                b_wn += b_rga * _carry(b_ra, b_rb, J, HS, True, SEG_FIRST)
             b_dhs = b_g + b_wn  # dh_t = C_t gy_t + a_{t+1} dh_{t+1}
             b_yp += b_hs * b_cn
             b_bdh += b_dhs * b_bn
@@ -385,6 +412,16 @@ def _opts(name: str) -> tuple[dict[str, int], dict[str, int]]:
         raise ValueError(f"LAUNCH[{name!r}]['HS'] = {hs}: the token segments must be a power of two dividing the "
                          f"chunk (BT = {bt})")
     return cfg, {o: cfg.pop(o) for o in ("num_warps", "num_stages", "maxnreg") if o in cfg}
+
+
+@functools.cache
+def seg_first() -> bool:
+    """The layout of chunk_out's and chunk_bwd's tiles ([HS, J, BD] or [J, HS, BD]) in which this Triton gives a
+    thread the consecutive tokens of one segment. Its coalescing pass lays out a tile's channels (the contiguous
+    axis) first, then the axes of equal contiguity (the segment and token axes) in ascending order up to 3.6 and in
+    descending order from 3.7 (PTX compiled for sm_90 with 3.5-3.9, `bench/variants/README.md`); the threads that
+    BD channels leave go to the axis laid out next, which must be the segment axis."""
+    return parse_triton_version(triton.__version__) < (3, 7)
 
 
 def _rt_strides(t: torch.Tensor | None) -> tuple[int, int]:
@@ -433,7 +470,8 @@ def chunk_out(x, dt, z, A, Bm, Cm, D, resets, h):
     sel_chunk_out_kernel[grid](x, dt, z, A, Bm, Cm, D, resets, h, y, T, I, *_rt_strides(x), *_rt_strides(dt),
                                *_rt_strides(z), *_strides3(A), *_strides3(Bm), *_strides3(Cm),
                                0 if D is None else D.stride(0), N=N, BT=chunk_len(), BD=cfg["BD"], HS=cfg["HS"],
-                               USE_D=D is not None, USE_Z=z is not None, RESETS=resets is not None, **opts)
+                               SEG_FIRST=seg_first(), USE_D=D is not None, USE_Z=z is not None,
+                               RESETS=resets is not None, **opts)
     return y
 
 
@@ -464,6 +502,7 @@ def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
         x, dt, z, do, A, Bm, Cm, D, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I, *_rt_strides(x),
         *_rt_strides(dt), *_rt_strides(z), *_rt_strides(do), *_strides3(A), *_strides3(Bm), *_strides3(Cm),
         0 if D is None else D.stride(0), *dB.stride(), N=N, BT=BT, BD=cfg["BD"], NG=NG, HS=cfg["HS"],
-        USE_D=D is not None, USE_Z=z is not None, RESETS=resets is not None, **opts)
+        SEG_FIRST=seg_first(), USE_D=D is not None, USE_Z=z is not None, RESETS=resets is not None,
+        **opts)
     return (dx, ddt, dz, dA.sum(1).transpose(1, 2), None if dD is None else dD.sum(1), dB.sum(1)[:, :T],
             dC.sum(1)[:, :T])
