@@ -121,8 +121,14 @@ def main():
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", type=int, default=None, metavar="T",
                     help="kernel time of one fwd+bwd of each stack at this length")
+    ap.add_argument("--no-fill", action="store_true",
+                    help="deltacp's state kernels at the table's BV (the one-wave rule, launch.fill_bv, off): its A/B")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.no_fill:
+        from deltacp.ops.gdn.triton.launch import LAUNCH
+        for entry in LAUNCH.values():
+            entry.pop("FILL_BV", None)
     torch.backends.cuda.matmul.allow_tf32 = False
     Hk, Hv, D = args.hk, args.hv, args.dim
     runs = stacks(args)

@@ -98,6 +98,8 @@ KERNEL_CLASSES: list[tuple[str, str]] = [
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("attention", r"flash|fmha|attention|sdpa|pytorch_flash|cudnn.*mha"),
     ("loss", r"cross_entropy|liger|_ce_|lce|logsumexp|nll"),
+    ("selective op", r"^sel_|selective_scan"),  # deltacp's Mamba1 kernels, mamba_ssm's CUDA scan
+    ("kda op", r"kda"),  # deltacp's kda_* and FLA's chunk_kda kernels
     ("ssd op", r"ssd_|scalar_decay|_chunk_scan_|_chunk_state_|_state_passing|_bmm_chunk|_chunk_cumsum"),
     ("gdn op", r"chunk|wy_|wu_fwd|o_fwd|kkt|solve_tril|state_|dqkwg|recompute_w_u|prepare_wy|l2norm|merge_16x16"
                r"|fwd_kernel_o|bwd_kernel_dqkwg|bwd_kernel_dhu|fwd_kernel_h|gated_delta|tril|head_sum|group_sum"

@@ -168,7 +168,7 @@
 # with PyPI), unpacked once per machine into /tmp/gpu_site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|selective_ab|selective_ncu|gdn_peers|gdn_peers_32h|gdn_split|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
+PARTS="tests|quick|step_ab|families|heads|recurrences|selective|mamba1_peer|ssd|ssd_sweep|ssd_op|ssd_step|kda|kda_op|kda_sweep|kda_prec|kda_ab|kda_ncu|selective_ab|selective_ncu|gdn_peers|gdn_peers_32h|gdn_fill|gdn_split|indexed|glm|op|cp|ncu|sweep|varlen|packed|shapes|multi|attention|attention_long|layergroup|layergroup_balanced|step|step_9b|step_128k|glue|logprobs|tiles|tiles_speed|load|rl"
 if [ $# -eq 0 ]; then
   echo "usage: $0 PART [PART...], PART one of $PARTS" >&2
   exit 2
@@ -461,6 +461,19 @@ gdn_peers)
   # (16 heads: about 7.5 minutes with the compile, 2026-12-06; 32 value heads compile anew: a call of its own)
   check gdn_peers_16h 480 python bench/gdn_peers.py --hk 16 --hv 16 --lengths 8192 16384 32768 65536 \
     --accuracy-length 8192 --profile 32768 --json "$OUT/gdn_peers.jsonl"
+  ;;
+gdn_fill)
+  # the state kernels' one-wave rule (launch.fill_bv) at GDN_HEADS heads (default 16, Qwen3.5-2B's): the GDN op's
+  # GPU tests, then deltacp's op with the rule and without (--no-fill) in one call, no peers (their compile is
+  # gdn_peers' part); the rows carry fill_on / fill_off (BENCH_VARIANT)
+  check gdn_fill_tests 300 python -m pytest -n 4 -q -rA -p no:cacheprovider tests/gpu/test_triton_gdn.py \
+    tests/gpu/test_triton_varlen_gpu.py
+  for fill in on off; do
+    # shellcheck disable=SC2046  (--no-fill or nothing)
+    BENCH_VARIANT=fill_$fill check "gdn_fill_$fill" 200 python bench/gdn_peers.py --no-peers \
+      --hk "${GDN_HEADS:-16}" --hv "${GDN_HEADS:-16}" --lengths ${GDN_LENGTHS:-8192 32768 65536} \
+      --accuracy-length 4096 --profile 32768 $([ $fill = off ] && echo --no-fill) --json "$OUT/gdn_fill.jsonl"
+  done
   ;;
 indexed)
   check indexed_tests 300 python -m pytest tests/gpu/test_selected_attention_gpu.py tests/gpu/test_qwen4_exp_gpu.py -q -s \

@@ -267,3 +267,33 @@ def test_prepared_chunks_change_no_number():
     names = ["M", "S", "o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO"]
     unequal = [n for n, a, b in zip(names, run(False), run(True)) if not torch.equal(a, b)]
     assert not unequal, f"staged path differs from unstaged in {unequal}"
+
+
+@pytest.mark.parametrize("Hv", [8, 16])
+def test_one_wave_rule_changes_no_number(Hv, monkeypatch):
+    """The state kernels' one-wave rule (launch.fill_bv: BV 16 where the grid of 32-wide blocks fills less than half
+    the device's SMs, Qwen3.5-2B's 16 heads on a row) gives bitwise the numbers of the table's BV: output, final
+    state, every gradient, dH0 from dO."""
+    from deltacp.ops.gdn.triton import TritonGDNBackend
+    from deltacp.ops.gdn.triton.launch import LAUNCH, launch_config, sm_count
+
+    assert launch_config("state_fwd", V=128, programs=Hv, sms=sm_count(torch.device("cuda")))[0]["BV"] == 16, \
+        "the rule does not narrow BV at this head count on this device: the test compares nothing"
+    be = TritonGDNBackend()
+    q, k, v, g, beta, h0 = make_inputs(4096, Hv, Hv=Hv, seed=5)
+    do, dht = torch.randn_like(v), torch.randn_like(h0)
+
+    def run():
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = be.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), xs)
+        dh0 = be.initial_state_grad(q, k, v, g, beta, do, use_qk_l2norm_in_kernel=True)
+        return [o, ht, *grads, dh0]
+
+    narrowed = run()
+    for name in ("state_fwd", "state_bwd"):
+        monkeypatch.setitem(LAUNCH, name, {k: v for k, v in LAUNCH[name].items() if k != "FILL_BV"})
+    names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO"]
+    unequal = [n for n, a, b in zip(names, narrowed, run()) if not torch.equal(a, b)]
+    assert not unequal, f"BV 16 differs from BV 32 in {unequal}"

@@ -162,6 +162,24 @@ def test_pyproject_triton_extra_is_the_accepted_range():
     assert TRITON_VERSION_RANGE[0] == min(TRITON_VERIFIED_ON_GPU)
 
 
+@pytest.mark.fast
+def test_state_kernels_fill_one_wave():
+    """The state kernels' BV (launch.fill_bv): halved, down to FILL_BV, while twice the grid fits one wave of the
+    device's SMs; the table's BV on the interpreter (no SMs) and where the grid already fills half the device."""
+    from deltacp.ops.gdn.triton.launch import fill_bv, launch_config
+
+    assert [fill_bv(32, 16, rows * heads, 128, 132) for rows, heads in ((1, 32), (1, 16), (1, 8), (2, 16), (4, 1))] \
+        == [32, 16, 16, 32, 16]
+    assert fill_bv(64, 8, 1, 128, 132) == 8 and fill_bv(32, 32, 1, 128, 132) == 32
+    for name in ("state_fwd", "state_bwd"):
+        assert launch_config(name, V=128, K=128, programs=16, sms=132)[0]["BV"] == 16
+        assert launch_config(name, V=128, K=128, programs=32, sms=132)[0]["BV"] == 32
+        assert launch_config(name, V=128, K=128, programs=16, sms=None)[0]["BV"] == 32
+        assert launch_config(name, V=128, K=256, programs=16, sms=132)[0]["BV"] == 16  # LAUNCH_WIDE_K's state_bwd
+        with pytest.raises(ValueError, match="FILL_BV needs programs"):
+            launch_config(name, V=128, K=128)
+
+
 def test_import_is_lazy():
     """Importing the backend package and constructing it imports no kernel module."""
     code = ("import sys; import deltacp.ops.gdn.triton as t; t.TritonGDNBackend(); "
@@ -218,6 +236,14 @@ rs = [x.double().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
 ro, rht = t._ref_recurrent(*rs[:5], h0=rs[5])
 rg = torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(), rs, retain_graph=True)
 errs = [t._rel(o, ro), t._rel(ht, rht)] + [t._rel(a, b) for a, b in zip(gr, rg)]
+# the state kernels' one-wave rule (launch.fill_bv) on a device with SMs to spare: BV 16 rather than 32, the same bits
+from deltacp.ops.gdn.triton import chunk_h
+sm_count, chunk_h.sm_count = chunk_h.sm_count, lambda device: 10 ** 6
+xs3 = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+o3, ht3 = chunk_gated_delta_rule(*xs3[:5], initial_state=xs3[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+gr3 = torch.autograd.grad((o3 * do).sum() + (ht3 * dht).sum(), xs3)
+assert all(torch.equal(a, b) for a, b in zip([o3, ht3, *gr3], [o, ht, *gr])), "state kernels at BV 16"
+chunk_h.sm_count = sm_count
 # the entering state's gradient from the outputs alone (p2p's dH_in before dH_out arrives)
 dh0_o = initial_state_grad(q, k, v, g, beta, do, use_qk_l2norm_in_kernel=True)
 rdh0_o = torch.autograd.grad((ro * do.double()).sum(), rs[5])[0]

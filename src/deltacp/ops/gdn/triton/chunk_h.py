@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deltacp.ops.gdn.triton.indexing import BT, chunk_rows, document_span, load_tile, padded, store_tile
-from deltacp.ops.gdn.triton.launch import launch_config
+from deltacp.ops.gdn.triton.launch import launch_config, sm_count
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -197,7 +197,8 @@ def state_fwd(k, w, u, gc, h0=None, *, store_h=True, store_vn=True, output_final
     h = torch.empty(B, NT, Hv, K, V, device=dev, dtype=k.dtype) if store_h else None
     vn = torch.empty(B, T, Hv, V, device=dev, dtype=w.dtype if u is None else u.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V)
+    blocks, opts = launch_config("summary_state_fwd" if fp32_dot else "state_fwd", V=V, programs=rows * Hv,
+                                 sms=sm_count(dev))
     state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), rows * Hv)](
         k, w, u, gc, h0, h, vn, ht, docs, T, NT, Hk=Hk, Hv=Hv, K=K, KP=padded(K), V=V, BT=BT,
         USE_H0=h0 is not None, USE_U=u is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
@@ -225,7 +226,7 @@ def state_bwd(q, k, w, gc, do, dvl, dht, *, scale, V, need_dh0, dvn_dtype=torch.
     if varlen and not first_continues and need_dh0:
         dh0.zero_()
         store_dh0 = False
-    blocks, opts = launch_config("state_bwd", K=K, V=V)
+    blocks, opts = launch_config("state_bwd", K=K, V=V, programs=rows * Hv, sms=sm_count(dev))
     state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), rows * Hv)](
         q, k, w, gc, do, dvl, dht, dh, dvn, dh0, docs, scale, T, NT, Hk=Hk, Hv=Hv, K=K, KP=padded(K), V=V, BT=BT,
         USE_DHT=dht is not None, STORE_DH0=store_dh0, STORE=store, VARLEN=varlen, **blocks, **opts)

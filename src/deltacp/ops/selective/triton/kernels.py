@@ -56,7 +56,8 @@ from deltacp.ops.gdn.triton.version import parse_triton_version
 # joined (`_carry`): offline (sm_90, bf16, `bench/variants/README.md`) chunk_bwd's loop over n takes 2,354
 # instructions a block of 16 channels at HS 1 with Triton 3.6 (1,154 warp shuffles: the token scans cross threads),
 # 1,892 at HS 2 (826); chunk_out's 689 (96) and 553 (3); with Triton 3.9 chunk_bwd 1,812 (642) and 1,253 (272);
-# untimed on a GPU, HS 1 in the table until then (its PTX the same instructions as before HS existed);
+# yet timed on an H100 (2026-12-07) each kernel ran 52-59 % longer at HS 2 (chunk_bwd 53.0 against 34.9 ms at 32K),
+# so the table keeps HS 1 (its PTX the same instructions as before HS existed);
 # BS (state_pass): state entries per program; an entry may cap the registers a thread (maxnreg, ptxas'
 # .maxnreg; none in the table). Measured on an H100 (Falcon-Mamba-7B's I = 8192, N = 16, bf16, 32K tokens): two
 # passes of `bench/launch_sweep.py --op selective` (4 and 8 warps, 2026-12-06) took one fwd+bwd from 120.7 ms (the
