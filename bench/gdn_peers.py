@@ -126,8 +126,8 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.no_fill:
-        from deltacp.ops.gdn.triton.launch import LAUNCH
-        for entry in LAUNCH.values():
+        from deltacp.ops.gdn.triton.launch import LAUNCH, LAUNCH_WIDE_K
+        for entry in (*LAUNCH.values(), *LAUNCH_WIDE_K.values()):
             entry.pop("FILL_BV", None)
     torch.backends.cuda.matmul.allow_tf32 = False
     Hk, Hv, D = args.hk, args.hv, args.dim

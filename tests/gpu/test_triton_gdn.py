@@ -277,8 +277,9 @@ def test_one_wave_rule_changes_no_number(Hv, monkeypatch):
     from deltacp.ops.gdn.triton import TritonGDNBackend
     from deltacp.ops.gdn.triton.launch import LAUNCH, launch_config, sm_count
 
-    assert launch_config("state_fwd", V=128, programs=Hv, sms=sm_count(torch.device("cuda")))[0]["BV"] == 16, \
-        "the rule does not narrow BV at this head count on this device: the test compares nothing"
+    sms = sm_count(torch.device("cuda"))
+    if launch_config("state_fwd", V=128, programs=Hv, sms=sms)[0]["BV"] != 16:
+        pytest.skip(f"{Hv} heads fill half of this device's {sms} SMs: the rule keeps BV 32, nothing to compare")
     be = TritonGDNBackend()
     q, k, v, g, beta, h0 = make_inputs(4096, Hv, Hv=Hv, seed=5)
     do, dht = torch.randn_like(v), torch.randn_like(h0)
