@@ -160,6 +160,10 @@
 #                                      included); gdn_peers_32h: 32 value heads, timings only (about 2 minutes with
 #                                      FlashQLA's kernels cached; its compile alone took over 8 on a fresh H100, so
 #                                      a fresh machine may need the part twice)
+#   bash scripts/gpu_checks.sh gdn_fill  the GDN op's and packed rows' GPU tests, then the op with the state kernels'
+#                                      one-wave rule and without (bench/gdn_peers.py --no-peers [--no-fill]),
+#                                      alternating twice, at GDN_HEADS (16) heads and GDN_LENGTHS (8K, 32K, 64K),
+#                                      kernel time by class at 32K (about 6 minutes)
 #   bash scripts/gpu_checks.sh gdn_split  bench/gdn_split.py: the cost model of an exact intra-device split of GDN
 #                                      (the op on P segments as P rows, the summary pass it would add) (about 1 minute)
 # Several parts in one call run one after the other: `bash scripts/gpu_checks.sh recurrences ssd kda`.
@@ -464,15 +468,20 @@ gdn_peers)
   ;;
 gdn_fill)
   # the state kernels' one-wave rule (launch.fill_bv) at GDN_HEADS heads (default 16, Qwen3.5-2B's): the GDN op's
-  # GPU tests, then deltacp's op with the rule and without (--no-fill) in one call, no peers (their compile is
-  # gdn_peers' part); the rows carry fill_on / fill_off (BENCH_VARIANT)
-  check gdn_fill_tests 300 python -m pytest -n 4 -q -rA -p no:cacheprovider tests/gpu/test_triton_gdn.py \
-    tests/gpu/test_triton_varlen_gpu.py
-  for fill in on off; do
-    # shellcheck disable=SC2046  (--no-fill or nothing)
-    BENCH_VARIANT=fill_$fill check "gdn_fill_$fill" 200 python bench/gdn_peers.py --no-peers \
-      --hk "${GDN_HEADS:-16}" --hv "${GDN_HEADS:-16}" --lengths ${GDN_LENGTHS:-8192 32768 65536} \
-      --accuracy-length 4096 --profile 32768 $([ $fill = off ] && echo --no-fill) --json "$OUT/gdn_fill.jsonl"
+  # GPU tests, then deltacp's op with the rule and without (--no-fill), alternating twice (one process each; the
+  # first of each profiled by kernel class at 32K), no peers (their compile is gdn_peers' part); the rows carry
+  # fill_on / fill_off (BENCH_VARIANT). The op's tests in 4 processes; the packed-row tests alone (at 32K each holds
+  # about 20 GiB: four of them beside the op's ran out of the H100's 80 GB on 2026-12-07)
+  check gdn_fill_tests 300 python -m pytest -n 4 -q -rA -p no:cacheprovider tests/gpu/test_triton_gdn.py
+  check gdn_fill_varlen_tests 240 python -m pytest -q -rA -p no:cacheprovider tests/gpu/test_triton_varlen_gpu.py
+  for round in 1 2; do
+    for fill in on off; do
+      # shellcheck disable=SC2046  (--no-fill, --profile or nothing)
+      BENCH_VARIANT=fill_$fill check "gdn_fill_${fill}_$round" 200 python bench/gdn_peers.py --no-peers \
+        --hk "${GDN_HEADS:-16}" --hv "${GDN_HEADS:-16}" --lengths ${GDN_LENGTHS:-8192 32768 65536} \
+        --accuracy-length 4096 $([ $round = 1 ] && echo --profile 32768) $([ $fill = off ] && echo --no-fill) \
+        --json "$OUT/gdn_fill.jsonl"
+    done
   done
   ;;
 indexed)

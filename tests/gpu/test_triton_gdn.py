@@ -273,7 +273,7 @@ def test_prepared_chunks_change_no_number():
 def test_one_wave_rule_changes_no_number(Hv, monkeypatch):
     """The state kernels' one-wave rule (launch.fill_bv: BV 16 where the grid of 32-wide blocks fills less than half
     the device's SMs, Qwen3.5-2B's 16 heads on a row) gives bitwise the numbers of the table's BV: output, final
-    state, every gradient, dH0 from dO."""
+    state, every gradient, dH0 from dO, and the summary (M, S) on summary_case's slow gates."""
     from deltacp.ops.gdn.triton import TritonGDNBackend
     from deltacp.ops.gdn.triton.launch import LAUNCH, launch_config, sm_count
 
@@ -283,6 +283,7 @@ def test_one_wave_rule_changes_no_number(Hv, monkeypatch):
     be = TritonGDNBackend()
     q, k, v, g, beta, h0 = make_inputs(4096, Hv, Hv=Hv, seed=5)
     do, dht = torch.randn_like(v), torch.randn_like(h0)
+    summary_inputs = summary_case(4096, Hv, seed=11)[0]
 
     def run():
         xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
@@ -290,11 +291,13 @@ def test_one_wave_rule_changes_no_number(Hv, monkeypatch):
                                           use_qk_l2norm_in_kernel=True)
         grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), xs)
         dh0 = be.initial_state_grad(q, k, v, g, beta, do, use_qk_l2norm_in_kernel=True)
-        return [o, ht, *grads, dh0]
+        with torch.no_grad():
+            m, s = be.state_summary(*summary_inputs, use_qk_l2norm_in_kernel=False)
+        return [o, ht, *grads, dh0, m, s]
 
     narrowed = run()
-    for name in ("state_fwd", "state_bwd"):
+    for name in ("state_fwd", "state_bwd", "summary_state_fwd"):
         monkeypatch.setitem(LAUNCH, name, {k: v for k, v in LAUNCH[name].items() if k != "FILL_BV"})
-    names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO"]
+    names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dH0 from dO", "M", "S"]
     unequal = [n for n, a, b in zip(names, narrowed, run()) if not torch.equal(a, b)]
     assert not unequal, f"BV 16 differs from BV 32 in {unequal}"

@@ -35,8 +35,8 @@ LAUNCH: dict[str, dict[str, int | str]] = {
     "state_fwd": dict(BV=32, FILL_BV=16, num_warps=4, num_stages=3),
     "state_bwd": dict(BV=32, FILL_BV=16, num_warps=4, num_stages=3),
     # the summary's transition M: fp32 operands (tf32x3 products), state width K, values 0; one pipeline stage
-    # (faster than two, same bits: NOTES.md)
-    "summary_state_fwd": dict(BV=32, num_warps=4, num_stages=1),
+    # (faster than two, same bits: NOTES.md); the one-wave rule as the state kernels
+    "summary_state_fwd": dict(BV=32, FILL_BV=16, num_warps=4, num_stages=1),
     "o_fwd": dict(BV=128, num_warps=4, num_stages=3),
     "dv_local": dict(BV=128, num_warps=4, num_stages=2),
     "dqkwg": dict(BK=128, BV=64, num_warps=8, num_stages=3),
