@@ -35,7 +35,8 @@ LAUNCH: dict[str, dict[str, int | str]] = {
     "state_fwd": dict(BV=32, FILL_BV=16, num_warps=4, num_stages=3),
     "state_bwd": dict(BV=32, FILL_BV=16, num_warps=4, num_stages=3),
     # the summary's transition M: fp32 operands (tf32x3 products), state width K, values 0; one pipeline stage
-    # (faster than two, same bits: NOTES.md); the one-wave rule as the state kernels
+    # (faster than two, same bits: NOTES.md); the one-wave rule as the state kernels (16 heads at 32K on an H100:
+    # 2.46 -> 2.02 ms, the same bits)
     "summary_state_fwd": dict(BV=32, FILL_BV=16, num_warps=4, num_stages=1),
     "o_fwd": dict(BV=128, num_warps=4, num_stages=3),
     "dv_local": dict(BV=128, num_warps=4, num_stages=2),
