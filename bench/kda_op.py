@@ -90,8 +90,13 @@ def main():
     H, D = args.heads, args.dim
     from deltacp.ops.kda.triton import kernels
 
-    # the label names the compounding kernels' products (kernels.COMPOUND_PREC: 1 three tf32 passes, 0 one)
-    runs = [(f"deltacp-triton-{'tf32x3' if kernels.COMPOUND_PREC == 1 else 'tf32'}", deltacp_op("triton"))]
+    # the label names the compounding kernels' products (kernels.COMPOUND_PREC: WY's, STATE_PREC: the state
+    # kernels'; 1 three tf32 passes, 0 one)
+    prec = {1: "tf32x3", 0: "tf32"}
+    label = f"deltacp-triton-{prec[kernels.COMPOUND_PREC]}"
+    if kernels.STATE_PREC != kernels.COMPOUND_PREC:
+        label += f"-state-{prec[kernels.STATE_PREC]}"
+    runs = [(label, deltacp_op("triton"))]
     fla = None if args.no_peers else fla_op()
     if args.no_peers:
         pass

@@ -61,6 +61,7 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # bwd_wy 288, bwd_intra 144, wy_fwd 44; fp32 inputs: bwd_intra 1,192), which the timings above include.
 # The products of the kernels whose errors compound across chunks (WY, the state kernels) under bf16 / fp16 inputs:
 # 1, three tf32 passes (about fp32); 0, one (tf32's 10-bit mantissa, still above the bf16 inputs' 7). `_prec`.
+# COMPOUND_PREC is WY's (wy_fwd, wu_fwd), STATE_PREC the state kernels' (state_fwd, state_bwd, and the summary's M).
 # wy_diag, intra_diag, prep, prep_bwd and wy_fwd / bwd_intra after their diagonal loops moved out: swept at 32K
 # (`bench/launch_sweep.py --op kda --kernels wy_diag intra_diag prep prep_bwd wy_fwd bwd_intra`, one H100,
 # 2026-12-06): BK 32 in wy_fwd and bwd_intra took the op's fwd + bwd from 41.7 to 39.6 ms, the others kept their
@@ -73,6 +74,7 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # (offline 12 bytes of spill instead of 200): 33.88 -> 33.09 ms in one call (one H100, 2026-12-07, `launch_sweep.py
 # --op kda --apply` beside the source); the op's 12 GPU tests pass with it.
 COMPOUND_PREC = 1
+STATE_PREC = 1
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=2, BK=32, BV=16),
     "wu_fwd": dict(num_warps=4, num_stages=2, BK=32, BV=32),
@@ -803,17 +805,17 @@ def kda_prep_bwd_kernel(qn, kn, rq, rk, sc, dqn, dkn, dgam, dq, dk, dg, Tp, H: t
     _store(dq, b_dy, o_k, i_b, i_c, i_h, Tp, H, K, BT)
 
 
-def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False) -> int:
+def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False, state: bool = False) -> int:
     """The products' precision (`_dot`) for inputs of dtype `inputs`: 2 with fp64 accumulators; for the kernels whose
-    errors compound across chunks (`compounds`: wy_fwd's Tm and W, the state kernels) 1 (three tf32 products) under
-    fp32 inputs and COMPOUND_PREC under bf16 / fp16 inputs; for the per-chunk output and gradient kernels 0 (one tf32
-    product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32 inputs. Not three tf32 products there: Triton 3.6
-    compiled bwd_wy's tf32x3 products to out-of-bounds shared-memory reads on an H100 (compute-sanitizer,
-    2026-12-06; the same kernels' tf32 products under bf16 inputs ran clean)."""
+    errors compound across chunks (`compounds`: wy_fwd's Tm and W; `state`: the state kernels) 1 (three tf32
+    products) under fp32 inputs and COMPOUND_PREC (STATE_PREC) under bf16 / fp16 inputs; for the per-chunk output and
+    gradient kernels 0 (one tf32 product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32 inputs. Not three
+    tf32 products there: Triton 3.6 compiled bwd_wy's tf32x3 products to out-of-bounds shared-memory reads on an H100
+    (compute-sanitizer, 2026-12-06; the same kernels' tf32 products under bf16 inputs ran clean)."""
     if acc == torch.float64:
         return 2
-    if compounds:
-        return 1 if inputs == torch.float32 else COMPOUND_PREC
+    if compounds or state:
+        return 1 if inputs == torch.float32 else (STATE_PREC if state else COMPOUND_PREC)
     return 3 if inputs == torch.float32 else 0
 
 
@@ -885,7 +887,7 @@ def state_fwd(w, u, k, gam, kt, h0=None, *, inputs, cols=None, store_h=True, sto
     kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
         w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
         HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=_prec(acc, inputs, True), **cfg)
+        RESETS=resets is not None, PREC=_prec(acc, inputs, state=True), **cfg)
     return h, vn, ht
 
 
@@ -922,7 +924,7 @@ def state_bwd(q, k, gam, kt, qg, w, do, dvl, dht=None, *, inputs, store=True, ne
     kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
         q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
         USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, HAS_KT=kt is not None,
-        HAS_QG=qg is not None, PREC=_prec(acc, inputs, True), **cfg)
+        HAS_QG=qg is not None, PREC=_prec(acc, inputs, state=True), **cfg)
     return dh, dvn, dh0
 
 
