@@ -61,7 +61,8 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # bwd_wy 288, bwd_intra 144, wy_fwd 44; fp32 inputs: bwd_intra 1,192), which the timings above include.
 # The products of the kernels whose errors compound across chunks (WY, the state kernels) under bf16 / fp16 inputs:
 # 1, three tf32 passes (about fp32); 0, one (tf32's 10-bit mantissa, still above the bf16 inputs' 7). `_prec`.
-# COMPOUND_PREC is WY's (wy_fwd, wu_fwd), STATE_PREC the state kernels' (state_fwd, state_bwd, and the summary's M).
+# COMPOUND_PREC is WY's (wy_fwd, wu_fwd) and the summary's M (a product of factors that cancel strongly), STATE_PREC
+# the state kernels' (state_fwd with values, state_bwd).
 # wy_diag, intra_diag, prep, prep_bwd and wy_fwd / bwd_intra after their diagonal loops moved out: swept at 32K
 # (`bench/launch_sweep.py --op kda --kernels wy_diag intra_diag prep prep_bwd wy_fwd bwd_intra`, one H100,
 # 2026-12-06): BK 32 in wy_fwd and bwd_intra took the op's fwd + bwd from 41.7 to 39.6 ms, the others kept their
@@ -807,11 +808,12 @@ def kda_prep_bwd_kernel(qn, kn, rq, rk, sc, dqn, dkn, dgam, dq, dk, dg, Tp, H: t
 
 def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False, state: bool = False) -> int:
     """The products' precision (`_dot`) for inputs of dtype `inputs`: 2 with fp64 accumulators; for the kernels whose
-    errors compound across chunks (`compounds`: wy_fwd's Tm and W; `state`: the state kernels) 1 (three tf32
-    products) under fp32 inputs and COMPOUND_PREC (STATE_PREC) under bf16 / fp16 inputs; for the per-chunk output and
-    gradient kernels 0 (one tf32 product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32 inputs. Not three
-    tf32 products there: Triton 3.6 compiled bwd_wy's tf32x3 products to out-of-bounds shared-memory reads on an H100
-    (compute-sanitizer, 2026-12-06; the same kernels' tf32 products under bf16 inputs ran clean)."""
+    errors compound across chunks (`compounds`: wy_fwd's Tm and W, the summary's M; `state`: the state kernels) 1
+    (three tf32 products) under fp32 inputs and COMPOUND_PREC (STATE_PREC) under bf16 / fp16 inputs; for the
+    per-chunk output and gradient kernels 0 (one tf32 product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32
+    inputs. Not three tf32 products there: Triton 3.6 compiled bwd_wy's tf32x3 products to out-of-bounds
+    shared-memory reads on an H100 (compute-sanitizer, 2026-12-06; the same kernels' tf32 products under bf16 inputs
+    ran clean)."""
     if acc == torch.float64:
         return 2
     if compounds or state:
@@ -887,7 +889,7 @@ def state_fwd(w, u, k, gam, kt, h0=None, *, inputs, cols=None, store_h=True, sto
     kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
         w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
         HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=_prec(acc, inputs, state=True), **cfg)
+        RESETS=resets is not None, PREC=_prec(acc, inputs, compounds=u is None, state=u is not None), **cfg)
     return h, vn, ht
 
 
