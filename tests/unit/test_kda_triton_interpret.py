@@ -204,6 +204,24 @@ def test_launch_entries_by_input_dtype(monkeypatch):
     assert kernels._launch("bwd_intra", 128, 128, torch.float32)["BK"] == 64
 
 
+@needs_triton
+@pytest.mark.fast
+def test_fp16_operands_only_where_bounded(monkeypatch):
+    """OPERANDS16: W, Kt, Qg in fp16 only under 16-bit inputs with q and k normalised in the op (bounded operands)
+    and fp32 accumulators; the accumulator's dtype otherwise, and always with the switch off."""
+    from deltacp.ops.kda.triton import chunk, kernels
+
+    g32, g64 = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float64)
+    monkeypatch.setattr(kernels, "OPERANDS16", 1)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert chunk.operand_dtype(torch.zeros(1, dtype=dtype), g32, True) == torch.float16
+        assert chunk.operand_dtype(torch.zeros(1, dtype=dtype), g32, False) == torch.float32  # unnormalised
+    assert chunk.operand_dtype(torch.zeros(1), g32, True) == torch.float32
+    assert chunk.operand_dtype(torch.zeros(1, dtype=torch.float64), g64, True) == torch.float64
+    monkeypatch.setattr(kernels, "OPERANDS16", 0)
+    assert chunk.operand_dtype(torch.zeros(1, dtype=torch.bfloat16), g32, True) == torch.float32
+
+
 @pytest.mark.fast
 def test_check_refuses_outside_the_contract(monkeypatch):
     from deltacp.ops.kda.eager import KimiDeltaRule

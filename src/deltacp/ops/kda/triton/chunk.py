@@ -40,13 +40,21 @@ class KDAPrep(torch.autograd.Function):
         return dq, dk, dg, None, None, None
 
 
+def operand_dtype(v: torch.Tensor, gam: torch.Tensor, norm: bool) -> torch.dtype:
+    """The dtype of W, Kt, Qg between the kernels (`kernels.OPERANDS16`): fp16 under bf16 / fp16 inputs with q and k
+    l2-normalised in the op (bounded operands), else the accumulator's."""
+    if kernels.OPERANDS16 and norm and v.dtype in (torch.bfloat16, torch.float16) and gam.dtype == torch.float32:
+        return torch.float16
+    return gam.dtype
+
+
 class KDAFunction(torch.autograd.Function):
     """(q normalised and scaled, k normalised, v, gam, beta, h0) laid out and contiguous -> (o, final state or
-    None)."""
+    None); `operands`: the dtype of W, Kt, Qg (`operand_dtype`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gam, beta, h0, output_final_state, resets):
-        tm, p, w, u, kt, qg = wy_fwd(q, k, v, gam, beta)
+    def forward(ctx, q, k, v, gam, beta, h0, output_final_state, resets, operands):
+        tm, p, w, u, kt, qg = wy_fwd(q, k, v, gam, beta, operands)
         h, vn, ht = state_fwd(w, u, k, gam, kt, h0, inputs=v.dtype, output_final_state=output_final_state,
                               resets=resets)
         o = out_fwd(q, gam, qg, p, h, vn, v.dtype)
@@ -71,7 +79,7 @@ class KDAFunction(torch.autograd.Function):
                                  resets=resets)
         dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dgam, dbeta.to(beta.dtype),
-                None if dh0 is None else dh0.to(h0.dtype), None, None)
+                None if dh0 is None else dh0.to(h0.dtype), None, None, None)
 
 
 def _inputs(q, k, v, g, beta, scale, qk_l2norm, layout, T):
@@ -97,7 +105,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     layout = as_layout(cu_seqlens, T)
     q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
     h0 = None if initial_state is None else initial_state.to(gam.dtype).contiguous()
-    o, ht = KDAFunction.apply(q, k, v, gam, beta, h0, output_final_state, _resets(layout, v.device))
+    o, ht = KDAFunction.apply(q, k, v, gam, beta, h0, output_final_state, _resets(layout, v.device),
+                              operand_dtype(v, gam, use_qk_l2norm_in_kernel))
     o = layout.from_chunks(o) if layout is not None else o[:, :T]
     return o, (ht if output_final_state else None)
 
@@ -105,7 +114,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 def summary_kda(k, v, g, beta, *, use_qk_l2norm_in_kernel=False, need_transition=True, cu_seqlens=None):
     """(M [B, H, K, K] or None, S [B, H, K, V]) in the accumulator dtype: h_out = M h_in + S; M = 0 when a document
     starts inside the row (or the first does not continue). S: the state kernel from a zero entering state; M: the
-    same kernel from I with no values (K columns). Forward only (p2p uses the value; differentiating raises)."""
+    same kernel from I with no values (K columns), W in the accumulator dtype (not `operand_dtype`: M cancels
+    strongly). Forward only (p2p uses the value; differentiating raises)."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
         raise RuntimeError("the Triton KDA summary has no backward; call it under torch.no_grad() or on detached "
                            "inputs (the eager KDA differentiates it)")
@@ -139,7 +149,7 @@ def initial_state_grad(q, k, v, g, beta, grad_o, *, scale=None, use_qk_l2norm_in
         return torch.zeros(B, H, K, V, dtype=acc, device=v.device)
     q, k, v, gam, beta = _inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, layout, T)
     (do,) = _laid_out(layout, T, grad_o)  # the kernels cast on load
-    _, p, w, _, kt, qg = wy_fwd(q, k, v, gam, beta)
+    _, p, w, _, kt, qg = wy_fwd(q, k, v, gam, beta, operand_dtype(v, gam, use_qk_l2norm_in_kernel))
     dvl = dv_local(q, p, do, v.dtype)
     _, _, dh0 = state_bwd(q, k, gam, kt, qg, w, do, dvl, None, inputs=v.dtype, store=False, need_dh0=True,
                           resets=_resets(layout, v.device))

@@ -137,6 +137,14 @@ INVERSE = 1
 # and 0 / 88 bytes split; wu_fwd 141-151 registers, no spill. H100, 32K (2026-12-07, `KDA_AB="WY_SPLIT=1"
 # gpu_checks.sh kda_ab`, NOTES.md): wy_fwd 5.74 ms fused against 3.55 + 1.93 (wu_fwd) split; the op 32.91 -> 32.78 ms.
 WY_SPLIT = 1
+# The dtype of W, Kt and Qg (wy_fwd / wu_fwd store them; the state kernels and out_fwd read them) under bf16 / fp16
+# inputs with q and k l2-normalised in the op (`chunk.operand_dtype`): 0, the accumulator's (fp32); 1, fp16: half the
+# bytes of the state kernels' largest reads, and exact operands of a one-pass tf32 product (fp16 keeps tf32's 10-bit
+# mantissa, rounded to nearest where a tf32 product truncates an fp32 operand). The values are bounded: |Kt|, |Qg| <= 1
+# (unit rows times factors <= 1, q scaled) and W is Tm times such rows; below fp16's normal range (6.1e-5) a term keeps
+# fewer bits, below 6e-8 it is 0. The summary's M keeps fp32 W (it cancels strongly). For STATE_PREC 0: with three tf32
+# passes the fp16 operands would cost the state kernels precision.
+OPERANDS16 = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
@@ -846,13 +854,14 @@ def _shape(k, v):
     return B, Tp, H, K, v.shape[3], Tp // BT
 
 
-def wy_fwd(q, k, v, gam, beta):
+def wy_fwd(q, k, v, gam, beta, operands: torch.dtype | None = None):
     """-> Tm, P [B, Tp, H, BT] (P None without q), W [B, Tp, H, K], U [B, Tp, H, V], and the decayed operands Kt,
-    Qg [B, Tp, H, K] (DECAYED; None when not stored, Qg without q too), all in gam's dtype."""
+    Qg [B, Tp, H, K] (DECAYED; None when not stored, Qg without q too), in gam's dtype; W, Kt, Qg in `operands`
+    when given (OPERANDS16)."""
     B, Tp, H, K, V, NT = _shape(k, v)
     tm = torch.empty(B, Tp, H, BT, device=k.device, dtype=gam.dtype)
     p = None if q is None else torch.empty_like(tm)
-    w = torch.empty(B, Tp, H, K, device=k.device, dtype=gam.dtype)
+    w = torch.empty(B, Tp, H, K, device=k.device, dtype=operands or gam.dtype)
     kt = torch.empty_like(w) if DECAYED else None
     qg = torch.empty_like(w) if DECAYED and q is not None else None
     u = torch.empty(B, Tp, H, V, device=k.device, dtype=gam.dtype)
