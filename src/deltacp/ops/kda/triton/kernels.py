@@ -143,7 +143,10 @@ WY_SPLIT = 1
 # mantissa, rounded to nearest where a tf32 product truncates an fp32 operand). The values are bounded: |Kt|, |Qg| <= 1
 # (unit rows times factors <= 1, q scaled) and W is Tm times such rows; below fp16's normal range (6.1e-5) a term keeps
 # fewer bits, below 6e-8 it is 0. The summary's M keeps fp32 W (it cancels strongly). For STATE_PREC 0: with three tf32
-# passes the fp16 operands would cost the state kernels precision.
+# passes the fp16 operands would cost the state kernels precision. Offline (`bench/kernel_resources.py`, sm_90,
+# Triton 3.9, bf16, the table's launches), with STATE_PREC 0 and OPERANDS16 1 against the source: state_fwd 90,112 ->
+# 32,768 bytes of shared memory, 255 -> 242 registers, spill 124 -> 0 bytes; state_bwd 139,264 -> 24,576 bytes, spill
+# 372 -> 64 (both still 4 warps, V blocks of 32; at blocks of 64 they spill 400-800 bytes). Not timed on a GPU yet.
 OPERANDS16 = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
