@@ -133,9 +133,9 @@
 #   bash scripts/gpu_checks.sh kda_sweep  the KDA launch sweep at 32K (KDA_SWEEP_KERNELS), then the bf16 GPU tests and
 #                                      the bench against FLA's chunk_kda on its proposal, written to
 #                                      $OUT/kda_launch.json                                        (about 9 minutes)
-#   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC, STATE_PREC 0) against the
-#                                      source's three: kda_op accuracy and 32K time of each, then the bf16 KDA GPU
-#                                      tests on it                                                 (about 6 minutes)
+#   bash scripts/gpu_checks.sh kda_prec  KDA's WY and state kernels with one tf32 pass (COMPOUND_PREC and
+#                                      STATE_PREC 0) against the source's three: kda_op accuracy and 32K time of
+#                                      each, then the bf16 KDA GPU tests on it                     (about 6 minutes)
 #   bash scripts/gpu_checks.sh kda_ab  KDA's switchable module constants (KDA_AB="NAME=VALUE[,NAME=VALUE] ..." or
 #                                      launch_sweep.py --apply table files t.json; default DECAYED and INVERSE at 0
 #                                      together and each) each against the source in the same call: the op's GPU
@@ -401,8 +401,8 @@ kda_sweep)
   ;;
 kda_prec)
   # the compounding KDA kernels (WY, state) with one tf32 pass instead of three under bf16 inputs
-  # (kernels.COMPOUND_PREC and STATE_PREC 0): its accuracy against float64 in three regimes (the source's is in NOTES.md) and the
-  # time of each beside the other in the same call; then (KDA_PREC_TESTS=1, the default) the op's bf16 GPU tests on it
+  # (kernels.COMPOUND_PREC and STATE_PREC 0): its accuracy against float64 in three regimes (the source's is in
+  # NOTES.md) and the time of each beside the other in the same call; then (KDA_PREC_TESTS=1, the default) the op's bf16 GPU tests on it
   # (in this process: xdist's workers would not see it)
   echo '{"COMPOUND_PREC": 0, "STATE_PREC": 0}' > "$OUT/kda_prec0.json"
   # shellcheck disable=SC2086

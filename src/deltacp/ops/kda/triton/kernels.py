@@ -40,8 +40,9 @@ Layouts (every tensor contiguous, Tp = NT * 64 rows per sequence: padded, or a p
 `ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W, Kt, Qg [B, Tp, H, K]; v, U, vn, dvl, dvn,
 o, dO [B, Tp, H, V]; beta [B, Tp, H]; Tm, P, dA, dP [B, Tp, H, BT]; h, dh [B, NT, H, K, V]; h0, ht, dht, dh0 [B, H, K, V].
 Everything the kernels compute and store is in the accumulator dtype (fp32; fp64 for fp64 inputs, the interpreter
-tests), except o (v's dtype); loads are cast to it. `resets` [NT] int32 (packed rows only): the state entering those
-chunks is zero (backward: no gradient crosses them). Names start with kda_.
+tests), except o (v's dtype) and, under OPERANDS16, W, Kt, Qg (fp16); loads are cast to it. `resets` [NT] int32
+(packed rows only): the state entering those chunks is zero (backward: no gradient crosses them). Names start with
+kda_.
 """
 
 from __future__ import annotations
