@@ -63,7 +63,8 @@ BS = 16  # the sub-chunk of the pair products (their elementwise diagonal blocks
 # The products of the kernels whose errors compound across chunks (WY, the state kernels) under bf16 / fp16 inputs:
 # 1, three tf32 passes (about fp32); 0, one (tf32's 10-bit mantissa, still above the bf16 inputs' 7). `_prec`.
 # COMPOUND_PREC is WY's (wy_fwd, wu_fwd) and the summary's M (a product of factors that cancel strongly), STATE_PREC
-# the state kernels' (state_fwd with values, state_bwd).
+# the state kernels' (state_fwd with values, state_bwd). STATE_PREC 0 alone (fp32 operands) was slower on an H100 than
+# 1: 34.72 against 33.13 ms at 32K (NOTES.md, sixteenth set).
 # wy_diag, intra_diag, prep, prep_bwd and wy_fwd / bwd_intra after their diagonal loops moved out: swept at 32K
 # (`bench/launch_sweep.py --op kda --kernels wy_diag intra_diag prep prep_bwd wy_fwd bwd_intra`, one H100,
 # 2026-12-06): BK 32 in wy_fwd and bwd_intra took the op's fwd + bwd from 41.7 to 39.6 ms, the others kept their
@@ -143,11 +144,14 @@ WY_SPLIT = 1
 # bytes of the state kernels' largest reads, and exact operands of a one-pass tf32 product (fp16 keeps tf32's 10-bit
 # mantissa, rounded to nearest where a tf32 product truncates an fp32 operand). The values are bounded: |Kt|, |Qg| <= 1
 # (unit rows times factors <= 1, q scaled) and W is Tm times such rows; below fp16's normal range (6.1e-5) a term keeps
-# fewer bits, below 6e-8 it is 0. The summary's M keeps fp32 W (it cancels strongly). For STATE_PREC 0: with three tf32
-# passes the fp16 operands would cost the state kernels precision. Offline (`bench/kernel_resources.py`, sm_90,
-# Triton 3.9, bf16, the table's launches), with STATE_PREC 0 and OPERANDS16 1 against the source: state_fwd 90,112 ->
-# 32,768 bytes of shared memory, 255 -> 242 registers, spill 124 -> 0 bytes; state_bwd 139,264 -> 24,576 bytes, spill
-# 372 -> 64 (both still 4 warps, V blocks of 32; at blocks of 64 they spill 400-800 bytes). Not timed on a GPU yet.
+# fewer bits, below 6e-8 it is 0. The summary's M keeps fp32 W (it cancels strongly). Under STATE_PREC 1 the state
+# kernels' three tf32 products become two (`_dot`'s 4: the fp16 operand has no low part). Offline
+# (`bench/kernel_resources.py`, sm_90, Triton 3.9, bf16, the table's launches), with STATE_PREC 0 and OPERANDS16 1
+# against the source: state_fwd 90,112 -> 32,768 bytes of shared memory, 255 -> 242 registers, spill 124 -> 0 bytes;
+# state_bwd 139,264 -> 24,576 bytes, spill 372 -> 64 (4 warps, V blocks of 32; at blocks of 64 they spill 400-800
+# bytes). H100, 32K, Kimi-Linear's shape (2026-12-07, NOTES.md, sixteenth set): fwd + bwd 33.13 ms (source), 30.90
+# (STATE_PREC 0, OPERANDS16 1: worst rel-L2 near-frozen 2.55e-3 -> 2.72e-3), 32.77 (OPERANDS16 1 with three tf32
+# passes, before `_dot`'s 4: 2.57e-3); off until the two-pass form is timed.
 OPERANDS16 = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
@@ -155,13 +159,18 @@ L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     """a @ b, operands in the accumulator dtype. PREC 0: one tf32 product (bf16 / fp16 inputs); 1: three tf32
-    products, about fp32; 2: fp64 (fp64 inputs, the interpreter tests); 3: fp32 FMA products ("ieee")."""
+    products, about fp32; 2: fp64 (fp64 inputs, the interpreter tests); 3: fp32 FMA products ("ieee"); 4: two tf32
+    products, b split into its tf32 part and the rest, for an `a` that tf32 holds exactly (fp16-stored, OPERANDS16):
+    tf32x3's arithmetic without its a_lo b term, which is 0 there."""
     if PREC == 2:
         return tl.dot(a, b, out_dtype=tl.float64)
     elif PREC == 1:
         return tl.dot(a, b, input_precision="tf32x3")
     elif PREC == 3:
         return tl.dot(a, b, input_precision="ieee")
+    elif PREC == 4:
+        b_hi = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)  # 10 mantissa bits kept
+        return tl.dot(a, b_hi, input_precision="tf32") + tl.dot(a, b - b_hi, input_precision="tf32")
     else:
         return tl.dot(a, b, input_precision="tf32")
 
@@ -818,18 +827,21 @@ def kda_prep_bwd_kernel(qn, kn, rq, rk, sc, dqn, dkn, dgam, dq, dk, dg, Tp, H: t
     _store(dq, b_dy, o_k, i_b, i_c, i_h, Tp, H, K, BT)
 
 
-def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False, state: bool = False) -> int:
+def _prec(acc: torch.dtype, inputs: torch.dtype, compounds: bool = False, state: bool = False,
+          exact_a: bool = False) -> int:
     """The products' precision (`_dot`) for inputs of dtype `inputs`: 2 with fp64 accumulators; for the kernels whose
     errors compound across chunks (`compounds`: wy_fwd's Tm and W, the summary's M; `state`: the state kernels) 1
     (three tf32 products) under fp32 inputs and COMPOUND_PREC (STATE_PREC) under bf16 / fp16 inputs; for the
     per-chunk output and gradient kernels 0 (one tf32 product) under bf16 / fp16 inputs and 3 (fp32 FMA) under fp32
     inputs. Not three tf32 products there: Triton 3.6 compiled bwd_wy's tf32x3 products to out-of-bounds
     shared-memory reads on an H100 (compute-sanitizer, 2026-12-06; the same kernels' tf32 products under bf16 inputs
-    ran clean)."""
+    ran clean). `exact_a`: the state kernels' first operands are fp16 (OPERANDS16), so three tf32 products are two
+    (4)."""
     if acc == torch.float64:
         return 2
     if compounds or state:
-        return 1 if inputs == torch.float32 else (STATE_PREC if state else COMPOUND_PREC)
+        prec = 1 if inputs == torch.float32 else (STATE_PREC if state else COMPOUND_PREC)
+        return 4 if prec == 1 and exact_a else prec
     return 3 if inputs == torch.float32 else 0
 
 
@@ -899,10 +911,12 @@ def state_fwd(w, u, k, gam, kt, h0=None, *, inputs, cols=None, store_h=True, sto
     vn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store_vn else None
     ht = torch.empty(B, H, K, V, device=k.device, dtype=acc) if output_final_state else None
     cfg = _launch("state_fwd", K, V)
+    prec = _prec(acc, inputs, compounds=u is None, state=u is not None,
+                 exact_a=w.dtype == torch.float16 and kt is not None)
     kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
         w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
         HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=_prec(acc, inputs, compounds=u is None, state=u is not None), **cfg)
+        RESETS=resets is not None, PREC=prec, **cfg)
     return h, vn, ht
 
 
@@ -939,7 +953,9 @@ def state_bwd(q, k, gam, kt, qg, w, do, dvl, dht=None, *, inputs, store=True, ne
     kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
         q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
         USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, HAS_KT=kt is not None,
-        HAS_QG=qg is not None, PREC=_prec(acc, inputs, state=True), **cfg)
+        HAS_QG=qg is not None,
+        PREC=_prec(acc, inputs, state=True, exact_a=w.dtype == torch.float16 and kt is not None and qg is not None),
+        **cfg)
     return dh, dvn, dh0
 
 
