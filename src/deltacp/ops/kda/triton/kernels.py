@@ -149,10 +149,14 @@ WY_SPLIT = 1
 # (`bench/kernel_resources.py`, sm_90, Triton 3.9, bf16, the table's launches), with STATE_PREC 0 and OPERANDS16 1
 # against the source: state_fwd 90,112 -> 32,768 bytes of shared memory, 255 -> 242 registers, spill 124 -> 0 bytes;
 # state_bwd 139,264 -> 24,576 bytes, spill 372 -> 64 (4 warps, V blocks of 32; at blocks of 64 they spill 400-800
-# bytes). H100, 32K, Kimi-Linear's shape (2026-12-07, NOTES.md, sixteenth set): fwd + bwd 33.13 ms (source), 30.90
-# (STATE_PREC 0, OPERANDS16 1: worst rel-L2 near-frozen 2.55e-3 -> 2.72e-3), 32.77 (OPERANDS16 1 with three tf32
-# passes, before `_dot`'s 4: 2.57e-3); off until the two-pass form is timed.
-OPERANDS16 = 0
+# bytes). H100, 32K, Kimi-Linear's shape (2026-12-07, NOTES.md, sixteenth set): fwd + bwd 33.10 ms with 0, 31.13 with
+# 1 (the two-pass form; state_fwd 4.13 -> 3.34 ms, state_bwd 3.50 -> 2.42, wu_fwd 1.91 -> 1.62, out_fwd 1.91 -> 2.00),
+# the op's peak 11.59 -> 10.84 GiB; worst rel-L2 against float64 at 4K 2.44e-3 / 2.53e-3 / 2.55e-3 (fast / slow /
+# near-frozen) with 0, 2.4e-3 / 2.5e-3 / 2.6e-3 with 1 (three tf32 passes on the fp16 operands: 2.57e-3 near-frozen),
+# the final state's 3e-7 -> 2e-4 to 3e-4 (fp16's rounding of the operands; still 8x below the worst); the op's bf16
+# GPU tests and Kimi-Linear's mixer under CP2 pass with 1 (the mixer's figures unchanged to three digits). With
+# STATE_PREC 0 as well: 30.90 ms, but 2.72e-3 near-frozen: not taken.
+OPERANDS16 = 1
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
