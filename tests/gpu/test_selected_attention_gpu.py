@@ -5,7 +5,7 @@ indexers) on the same bf16-rounded inputs, at two shapes:
 - Qwen4-Exp's attention (16 query heads, 2 KV heads, head dim 256, one tile per operand): T = 8192 tokens, blocks of
   64, 32 blocks a query (a 2048-token budget);
 - GLM-5.3-Flash's absorbed MLA (64 query heads over one KV head of 512, one tensor as the keys and the values: the
-  latent; the wide launches: 4 blocks of 16 heads): T = 4096, pools of 16, 128 pools a query (its 2048-token budget), the
+  latent; the wide launches: 2 blocks of 32 heads): T = 4096, pools of 16, 128 pools a query (its 2048-token budget), the
   gradient of the shared keys / values the sum of both.
 Scores drawn at random: a single row and a packed row of log-normal documents; output and the input gradients
 within rel-L2 BF16_TOL = 2e-2 (bf16's unit roundoff 2^-9 ~ 2e-3, the output and inputs rounded to it), and bitwise

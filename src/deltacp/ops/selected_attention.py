@@ -109,7 +109,7 @@ class _SelectedAttention(torch.autograd.Function):
 
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 512  # GLM-5.3-Flash's absorbed latent; over 256 in blocks of 16 query heads (kernels' docstring)
+MAX_HEAD_DIM = 512  # GLM-5.3-Flash's absorbed latent; over 256 in blocks of fewer query heads (kernels' LAUNCH)
 
 
 def triton_selected_attention(q_BsHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, sel: Selection,

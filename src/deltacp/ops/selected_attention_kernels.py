@@ -14,9 +14,10 @@ two); per run a K / V tile of BN rows (BN = SIZE rounded up to a power of two), 
   NOTES.md).
 The rows a program takes (LAUNCH "rows") bound its registers: [GP, D] float32 accumulators. Up to WIDE_DIM every head
 of a KV head is one block (Qwen4-Exp's 8 heads of 256); wider head dims (GLM-5.3-Flash's absorbed MLA: 64 heads of q
-. latent over 512 dims, the 512-wide latent as the values) take blocks of 16 heads: each block's products run once
-over all D columns, where the column-block kernels before them (2026-12-06) split the outputs over 4 programs that
-each recomputed the scores over every column (the backward 8.2x the forward on an H100). The work and the bytes read
+. latent over 512 dims, the 512-wide latent as the values) take blocks of fewer heads (LAUNCH's
+"wide" rows: 32 in 16-bit, 16 in float32): each block's products run once over all D columns, where the column-block
+kernels before them (2026-12-06) split the outputs over 4 programs that each recomputed the scores over every column
+(the backward 8.2x the forward on an H100). The work and the bytes read
 grow with the queries times their runs, not with the prefix: at a 2048-token budget a query reads 33 runs of 64
 keys whatever the row's length.
 """
@@ -32,11 +33,12 @@ WIDE_DIM = 256  # head dims over this take the "wide" launches: fewer rows a pro
 # some spilling: 0.3-1.3 KB a thread, bench/kernel_resources.py --ops selected); fp32 inputs (tests, fp32 models)
 # twice the warps for their twice-as-wide tiles. "rows": the most query heads a program takes (its tiles' rows).
 # The wide entries: chosen offline for sm_90 at GLM-5.3-Flash's shape (bench/kernel_resources.py --ops selected,
-# NOTES.md); "16-bit wide" at 4 warps, 2 stages, 16 rows: the GLM GPU tests pass with it on an H100, fwd + bwd of a
-# layer at 32K 367.7 ms against 609.4 at 8 warps (2026-12-06, `gpu_checks.sh glm`); 32 rows timed 352.4 ms, untested.
+# NOTES.md); "16-bit wide" at 4 warps, 2 stages, 32 rows: the GLM GPU tests pass with it on an H100, fwd + bwd of a
+# layer 173 / 352 ms at 16K / 32K against 205 / 368 at 16 rows and 276 / 559 at 8 warps and 32 rows (2026-12-07,
+# alternated in one process: bench/selected_attention.py --shape glm --launch).
 LAUNCH = {"16-bit": {"num_warps": 4, "num_stages": 2, "rows": 64},
           "fp32": {"num_warps": 8, "num_stages": 2, "rows": 64},
-          "16-bit wide": {"num_warps": 4, "num_stages": 2, "rows": 16},
+          "16-bit wide": {"num_warps": 4, "num_stages": 2, "rows": 32},
           "fp32 wide": {"num_warps": 8, "num_stages": 1, "rows": 16}}
 
 
