@@ -15,8 +15,8 @@ import torch
 
 from deltacp.ops.gdn.varlen import VarlenLayout, as_layout
 from deltacp.ops.kda.triton import kernels
-from deltacp.ops.kda.triton.kernels import (BT, chunk_bwd, dv_local, out_fwd, prep, prep_bwd, state_bwd, state_fwd,
-                                            wy_fwd)
+from deltacp.ops.kda.triton.kernels import (BT, Stored, chunk_bwd, dv_local, out_fwd, prep, prep_bwd, state_bwd,
+                                            state_fwd, wy_fwd)
 # the accumulator dtype, the layout (padding / chunk-aligned packed row) and the reset flags: the SSD backend's (its
 # chunk is 64 tokens too)
 from deltacp.ops.ssd.triton.chunk import _laid_out, _resets, acc_dtype
@@ -48,18 +48,25 @@ def operand_dtype(v: torch.Tensor, gam: torch.Tensor, norm: bool) -> torch.dtype
     return gam.dtype
 
 
+def scaled_states(v: torch.Tensor, gam: torch.Tensor) -> bool:
+    """Whether h and dh are stored as scaled fp16 between the kernels (`kernels.STATE16`): under bf16 / fp16 inputs,
+    whose readers' products (one tf32 pass) keep fewer bits than fp16 does."""
+    return bool(kernels.STATE16) and v.dtype in (torch.bfloat16, torch.float16) and gam.dtype == torch.float32
+
+
 class KDAFunction(torch.autograd.Function):
     """(q normalised and scaled, k normalised, v, gam, beta, h0) laid out and contiguous -> (o, final state or
     None); `operands`: the dtype of W, Kt, Qg (`operand_dtype`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, gam, beta, h0, output_final_state, resets, operands):
+        ctx.scaled = scaled_states(v, gam)
         tm, p, w, u, kt, qg = wy_fwd(q, k, v, gam, beta, operands)
         h, vn, ht = state_fwd(w, u, k, gam, kt, h0, inputs=v.dtype, output_final_state=output_final_state,
-                              resets=resets)
+                              resets=resets, scaled=ctx.scaled)
         o = out_fwd(q, gam, qg, p, h, vn, v.dtype)
         ctx.saved_states = bool(kernels.SAVE_STATES)
-        states = (h, vn) if ctx.saved_states else ()
+        states = (*h, vn) if ctx.saved_states else ()
         ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u, kt, qg, *states)
         ctx.resets = resets
         return o, ht
@@ -69,14 +76,14 @@ class KDAFunction(torch.autograd.Function):
         q, k, v, gam, beta, h0, tm, p, w, u, kt, qg, *states = ctx.saved_tensors
         resets = ctx.resets
         if ctx.saved_states:
-            h, vn = states
+            h, vn = Stored(*states[:2]), states[2]
         else:
-            h, vn, _ = state_fwd(w, u, k, gam, kt, h0, inputs=v.dtype, resets=resets)
+            h, vn, _ = state_fwd(w, u, k, gam, kt, h0, inputs=v.dtype, resets=resets, scaled=ctx.scaled)
         do = do.contiguous()  # in o's dtype: the kernels cast on load
         dht = None if dht is None else dht.to(gam.dtype).contiguous()
         dvl = dv_local(q, p, do, v.dtype)
         dh, dvn, dh0 = state_bwd(q, k, gam, kt, qg, w, do, dvl, dht, inputs=v.dtype, need_dh0=h0 is not None,
-                                 resets=resets)
+                                 resets=resets, scaled=ctx.scaled)
         dq, dk, dv, dbeta, dgam = chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dgam, dbeta.to(beta.dtype),
                 None if dh0 is None else dh0.to(h0.dtype), None, None, None)

@@ -40,12 +40,15 @@ Layouts (every tensor contiguous, Tp = NT * 64 rows per sequence: padded, or a p
 `ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W, Kt, Qg [B, Tp, H, K]; v, U, vn, dvl, dvn,
 o, dO [B, Tp, H, V]; beta [B, Tp, H]; Tm, P, dA, dP [B, Tp, H, BT]; h, dh [B, NT, H, K, V]; h0, ht, dht, dh0 [B, H, K, V].
 Everything the kernels compute and store is in the accumulator dtype (fp32; fp64 for fp64 inputs, the interpreter
-tests), except o (v's dtype) and, under OPERANDS16, W, Kt, Qg (fp16); loads are cast to it. `resets` [NT] int32
+tests), except o (v's dtype), under OPERANDS16 W, Kt, Qg (fp16) and under STATE16 h, dh (scaled fp16, `Stored`);
+loads are cast to it. `resets` [NT] int32
 (packed rows only): the state entering those chunks is zero (backward: no gradient crosses them). Names start with
 kda_.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -157,6 +160,17 @@ WY_SPLIT = 1
 # GPU tests and Kimi-Linear's mixer under CP2 pass with 1 (the mixer's figures unchanged to three digits). With
 # STATE_PREC 0 as well: 30.90 ms, but 2.72e-3 near-frozen: not taken.
 OPERANDS16 = 1
+# The states h (state_fwd) and dh (state_bwd) as stored for the per-chunk kernels that read them (out_fwd, bwd_wy),
+# under bf16 / fp16 inputs (`chunk.scaled_states`): 0, in the accumulator dtype (fp32: 2 GiB of h and dh at 32K tokens
+# of 32 heads of 128, each written once or twice and read once or twice a step); 1, in fp16, each state's block of
+# columns (a program's [K, BV] tile) times 2^(14 - e), e the exponent of its largest |entry| (int32 [B, NT, H, V / BV],
+# `Stored`): every entry under 2^15 (no overflow whatever the state's scale), rounded to nearest at 11 bits relative to
+# the block's largest (|error| <= 2^-11 of it). Its readers multiply by the tf32 products of a bf16 input (PREC 0),
+# which keep 10 bits of an fp32 operand, and bwd_wy's rowsum(h dh) (dgl: fp32 products) reads them at 11 bits. Half
+# the bytes of the largest tensors the state kernels write and bwd_wy reads, and 1 GiB off the backward's peak at 32K.
+# The final state ht, dh0 and the summary stay fp32. Off until timed on a GPU (`KDA_AB="STATE16=1" bash
+# scripts/gpu_checks.sh kda_ab`: the op's GPU tests on it, then its time beside the source's).
+STATE16 = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
 
@@ -242,6 +256,44 @@ def _vec(ptr, o_r, i_b, i_c, i_h, Tp, H: tl.constexpr, BT: tl.constexpr, acc: tl
 def _state_ptrs(ptr, i_n, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
     """Pointers to rows o_k, columns o_v of state i_n of a [N, K, V] stack of states."""
     return ptr + i_n.to(tl.int64) * (K * V) + (o_k[:, None] * V + o_v[None, :])
+
+
+@triton.jit
+def _pow2(e):
+    """2^e in fp32 for int32 e in [-126, 127] (its exponent bits: exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_state(ptr, exps, i_n, i_e, b_1, b_2, o_k1, o_k2, o_v, K: tl.constexpr, V: tl.constexpr,
+                 TWO: tl.constexpr, SCALED: tl.constexpr):
+    """Rows o_k1 (and o_k2 when TWO) of state i_n, columns o_v: as they are, or (SCALED, STATE16) in fp16 times
+    2^(14 - e), e the exponent of the block's largest |entry| (clamped to [-100, 127]: a zero block is stored as 0),
+    stored at exps[i_e]."""
+    if SCALED:
+        m = tl.max(tl.abs(b_1))
+        if TWO:
+            m = tl.maximum(m, tl.max(tl.abs(b_2)))
+        e = tl.minimum(tl.maximum(((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 127)
+        tl.store(exps + i_e, e)
+        sc = _pow2(14 - e)
+        tl.store(_state_ptrs(ptr, i_n, o_k1, o_v, K, V), (b_1 * sc).to(tl.float16))
+        if TWO:
+            tl.store(_state_ptrs(ptr, i_n, o_k2, o_v, K, V), (b_2 * sc).to(tl.float16))
+    else:
+        tl.store(_state_ptrs(ptr, i_n, o_k1, o_v, K, V), b_1)
+        if TWO:
+            tl.store(_state_ptrs(ptr, i_n, o_k2, o_v, K, V), b_2)
+
+
+@triton.jit
+def _load_state(ptr, exps, i_n, o_k, o_v, K: tl.constexpr, V: tl.constexpr, EB: tl.constexpr, acc: tl.constexpr):
+    """Rows o_k, columns o_v of state i_n in acc: as stored, or (EB > 0: `_store_state`'s scaled fp16, in blocks of EB
+    columns) each column times 2^(e - 14) of its block."""
+    b = tl.load(_state_ptrs(ptr, i_n, o_k, o_v, K, V)).to(acc)
+    if EB > 0:
+        b = b * _pow2(tl.load(exps + i_n.to(tl.int64) * (V // EB) + o_v // EB) - 14)[None, :]
+    return b
 
 
 @triton.jit
@@ -430,12 +482,12 @@ def _state_in(b_h, k, gam, kt, b_vn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K:
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
+def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, hexp, vn, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                          HAS_U: tl.constexpr, HAS_KT: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
-                         STORE_HT: tl.constexpr, RESETS: tl.constexpr, PREC: tl.constexpr):
+                         STORE_HT: tl.constexpr, RESETS: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr):
     """h [K, BV] through the chunks, as two [BK, BV] row blocks when K = 2 BK (h1, h2). V: the state's columns (the
-    values; K for the summary's M, HAS_U False)."""
+    values; K for the summary's M, HAS_U False). SCALED: h stored as `_store_state`'s scaled fp16 (STATE16)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = gam.dtype.element_ty
@@ -457,9 +509,8 @@ def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H: tl.cons
             b_h1 = tl.where(reset, 0., b_h1)
             b_h2 = tl.where(reset, 0., b_h2)
         if STORE_H:
-            tl.store(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k1, o_v, K, V), b_h1)
-            if TWO:
-                tl.store(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k2, o_v, K, V), b_h2)
+            i_n = (i_b * NT + i_c) * H + i_h
+            _store_state(h, hexp, i_n, i_n * (V // BV) + i_v, b_h1, b_h2, o_k1, o_k2, o_v, K, V, TWO, SCALED)
         b_vn = -_dot(_load(w, o_t, o_k1, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h1, PREC)
         if TWO:
             b_vn -= _dot(_load(w, o_t, o_k2, i_b, i_c, i_h, Tp, H, K, BT, acc), b_h2, PREC)
@@ -477,11 +528,11 @@ def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H: tl.cons
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_out_fwd_kernel(q, gam, qg, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def kda_out_fwd_kernel(q, gam, qg, p, h, hexp, vn, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVL: tl.constexpr,
-                       HAS_QG: tl.constexpr, PREC: tl.constexpr):
-    """One V block of o = (q e^{gam}) h_c + P vn (HAS_QG: q e^{gam} read from wy_fwd's Qg); DVL: of Pᵀ dO instead
-    (q, gam, qg, h, vn unused)."""
+                       HAS_QG: tl.constexpr, HEB: tl.constexpr, PREC: tl.constexpr):
+    """One V block of o = (q e^{gam}) h_c + P vn (HAS_QG: q e^{gam} read from wy_fwd's Qg; HEB: h's scale blocks,
+    `_load_state`); DVL: of Pᵀ dO instead (q, gam, qg, h, vn unused)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = p.dtype.element_ty
@@ -500,7 +551,7 @@ def kda_out_fwd_kernel(q, gam, qg, p, h, vn, do, o, NT, H: tl.constexpr, K: tl.c
             else:
                 b_qg = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc) \
                     * tl.exp(_load(gam, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc))
-            b_h = tl.load(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V))
+            b_h = _load_state(h, hexp, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V, HEB, acc)
             b_o += _dot(b_qg, b_h, PREC)
     _store(o, b_o, o_v, i_b, i_c, i_h, Tp, H, V, BT)
 
@@ -537,11 +588,12 @@ def _state_out_grad(b_dh, q, gam, qg, w, b_do, b_dvn, o_k, i_b, i_c, i_h, Tp, H:
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H: tl.constexpr,
+def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dhexp, dvn, dh0, resets, NT, H: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          USE_DHT: tl.constexpr, STORE: tl.constexpr, STORE_DH0: tl.constexpr, RESETS: tl.constexpr,
-                         HAS_KT: tl.constexpr, HAS_QG: tl.constexpr, PREC: tl.constexpr):
-    """dh [K, BV] back through the chunks, as two [BK, BV] row blocks when K = 2 BK (dh1, dh2)."""
+                         HAS_KT: tl.constexpr, HAS_QG: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr):
+    """dh [K, BV] back through the chunks, as two [BK, BV] row blocks when K = 2 BK (dh1, dh2); SCALED: dh stored as
+    `_store_state`'s scaled fp16 (STATE16)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = gam.dtype.element_ty
@@ -560,9 +612,8 @@ def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, reset
     for i_s in range(NT):
         i_c = NT - 1 - i_s
         if STORE:
-            tl.store(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k1, o_v, K, V), b_dh1)
-            if TWO:
-                tl.store(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k2, o_v, K, V), b_dh2)
+            i_n = (i_b * NT + i_c) * H + i_h
+            _store_state(dh, dhexp, i_n, i_n * (V // BV) + i_v, b_dh1, b_dh2, o_k1, o_k2, o_v, K, V, TWO, SCALED)
         b_dvn = _load(dvl, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc) \
             + _kt_dh(b_dh1, k, gam, kt, o_k1, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
         if TWO:
@@ -586,9 +637,9 @@ def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, reset
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
+def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, hexp, dh, dhexp, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, PREC: tl.constexpr):
+                      BV: tl.constexpr, HEB: tl.constexpr, DHEB: tl.constexpr, PREC: tl.constexpr):
     """One chunk's gradients outside the pair products. With Qg = q e^{gam}, Kt = k e^{gl - gam}, X = beta k e^{gam},
     Y = beta v:
         dq = e^{gam} (dO h_cᵀ)                 dk = e^{gl - gam} (vn dh_{c+1}ᵀ) + beta e^{gam} dX
@@ -597,7 +648,7 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, db
         dgam = Qg ∘ (dO h_cᵀ) - Kt ∘ (vn dh_{c+1}ᵀ) + X ∘ dX, its last row plus
                dgl = e^{gl} rowsum(h_c dh_{c+1}) + colsum(Kt ∘ (vn dh_{c+1}ᵀ))
     (elementwise: a factor e^{+gam_i} on an operand gives operand ∘ its gradient, e^{-gam_j} minus it). dA, dP go
-    to bwd_intra, which adds the pair products' terms."""
+    to bwd_intra, which adds the pair products' terms. h, dh read by `_load_state` (HEB, DHEB: their scale blocks)."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     Tp = NT * BT
@@ -625,8 +676,8 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, db
         b_hdh = tl.zeros([BK], dtype=acc)
         for i_v in range(V // BV):
             o_v = i_v * BV + tl.arange(0, BV)
-            b_h = tl.load(_state_ptrs(h, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V)).to(acc)
-            b_dh = tl.load(_state_ptrs(dh, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V)).to(acc)
+            b_h = _load_state(h, hexp, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V, HEB, acc)
+            b_dh = _load_state(dh, dhexp, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V, DHEB, acc)
             b_doh += _dot(_load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
             b_vdh += _dot(_load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_dh), PREC)
             b_dw -= _dot(_load(dvn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
@@ -902,39 +953,67 @@ def wy_fwd(q, k, v, gam, beta, operands: torch.dtype | None = None):
     return tm, p, w, u, kt, qg
 
 
+class Stored(NamedTuple):
+    """A stack of states [B, NT, H, K, V] as the state kernels store them for out_fwd and bwd_wy: `values` in the
+    accumulator dtype (exps None), or (STATE16) fp16 with `exps` [B, NT, H, V / block] int32, each state's block of
+    columns stored times 2^(14 - e) (`_store_state`)."""
+    values: torch.Tensor
+    exps: torch.Tensor | None = None
+
+    @property
+    def block(self) -> int:
+        """The scale blocks' columns (the kernels' EB), 0 unscaled."""
+        return 0 if self.exps is None else self.values.shape[-1] // self.exps.shape[-1]
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The states in `dtype` (for tests)."""
+        if self.exps is None:
+            return self.values.to(dtype)
+        scale = torch.exp2((self.exps - 14).to(dtype)).repeat_interleave(self.block, dim=-1)
+        return self.values.to(dtype) * scale[..., None, :]
+
+
+def _stored(B, NT, H, K, V, blocks: int, acc: torch.dtype, scaled: bool, device) -> Stored:
+    if not scaled:
+        return Stored(torch.empty(B, NT, H, K, V, device=device, dtype=acc))
+    return Stored(torch.empty(B, NT, H, K, V, device=device, dtype=torch.float16),
+                  torch.empty(B, NT, H, blocks, device=device, dtype=torch.int32))
+
+
 def state_fwd(w, u, k, gam, kt, h0=None, *, inputs, cols=None, store_h=True, store_vn=True,
-              output_final_state=False, resets=None):
-    """-> h [B, NT, H, K, cols] (the state entering each chunk) or None, vn [B, Tp, H, cols] or None, ht or None.
-    u None: no values (the summary's M: h0 = I, cols = K). kt: wy_fwd's Kt, or None (formed from k and gam).
-    `inputs`: v's dtype (the products' precision)."""
+              output_final_state=False, resets=None, scaled=False):
+    """-> h (`Stored`: the state entering each chunk, [B, NT, H, K, cols]; scaled fp16 when `scaled`, STATE16) or
+    None, vn [B, Tp, H, cols] or None, ht or None. u None: no values (the summary's M: h0 = I, cols = K). kt:
+    wy_fwd's Kt, or None (formed from k and gam). `inputs`: v's dtype (the products' precision)."""
     B, Tp, H, K = k.shape
     NT = Tp // BT
     V = u.shape[3] if u is not None else cols
     acc = gam.dtype
-    h = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store_h else None
+    cfg = _launch("state_fwd", K, V)
+    h = _stored(B, NT, H, K, V, V // cfg["BV"], acc, scaled, k.device) if store_h else None
     vn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store_vn else None
     ht = torch.empty(B, H, K, V, device=k.device, dtype=acc) if output_final_state else None
-    cfg = _launch("state_fwd", K, V)
     prec = _prec(acc, inputs, compounds=u is None, state=u is not None,
                  exact_a=w.dtype == torch.float16 and kt is not None)
     kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
-        w, u, k, gam, kt, h0, h, vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64), USE_H0=h0 is not None,
-        HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h, STORE_VN=store_vn, STORE_HT=output_final_state,
-        RESETS=resets is not None, PREC=prec, **cfg)
+        w, u, k, gam, kt, h0, *(h or (None, None)), vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
+        USE_H0=h0 is not None, HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h, STORE_VN=store_vn,
+        STORE_HT=output_final_state, RESETS=resets is not None, SCALED=store_h and scaled, PREC=prec, **cfg)
     return h, vn, ht
 
 
-def _out(q, gam, qg, p, h, x, out, dvl: bool, inputs: torch.dtype):
+def _out(q, gam, qg, p, h: Stored | None, x, out, dvl: bool, inputs: torch.dtype):
     B, Tp, H, _ = p.shape
     K, V, NT = q.shape[3], x.shape[3], Tp // BT
     cfg = _launch("out_fwd", K, V)
-    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, qg, p, h, None if dvl else x, x if dvl else None, out,
-                                                    NT, H=H, K=K, V=V, BT=BT, DVL=dvl, HAS_QG=qg is not None,
+    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, qg, p, *(h or (None, None)), None if dvl else x,
+                                                    x if dvl else None, out, NT, H=H, K=K, V=V, BT=BT, DVL=dvl,
+                                                    HAS_QG=qg is not None, HEB=h.block if h else 0,
                                                     PREC=_prec(p.dtype, inputs), **cfg)
     return out
 
 
-def out_fwd(q, gam, qg, p, h, vn, out_dtype):
+def out_fwd(q, gam, qg, p, h: Stored, vn, out_dtype):
     """-> o [B, Tp, H, V] in out_dtype (v's); qg: wy_fwd's Qg, or None (formed from q and gam)."""
     return _out(q, gam, qg, p, h, vn, torch.empty(vn.shape, device=vn.device, dtype=out_dtype), False, out_dtype)
 
@@ -944,26 +1023,27 @@ def dv_local(q, p, do, inputs: torch.dtype):
     return _out(q, None, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), True, inputs)
 
 
-def state_bwd(q, k, gam, kt, qg, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=False, resets=None):
-    """-> dh [B, NT, H, K, V] (the gradient of the state leaving each chunk), dvn [B, Tp, H, V], dh0 (or Nones).
-    kt, qg: wy_fwd's Kt and Qg, or None (formed from k, q and gam). `inputs`: v's dtype (the products'
-    precision)."""
+def state_bwd(q, k, gam, kt, qg, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=False, resets=None,
+              scaled=False):
+    """-> dh (`Stored`: the gradient of the state leaving each chunk, [B, NT, H, K, V]; scaled fp16 when `scaled`,
+    STATE16), dvn [B, Tp, H, V], dh0 (or Nones). kt, qg: wy_fwd's Kt and Qg, or None (formed from k, q and gam).
+    `inputs`: v's dtype (the products' precision)."""
     B, Tp, H, K, V, NT = _shape(k, do)
     acc = gam.dtype
-    dh = torch.empty(B, NT, H, K, V, device=k.device, dtype=acc) if store else None
+    cfg = _launch("state_bwd", K, V)
+    dh = _stored(B, NT, H, K, V, V // cfg["BV"], acc, scaled, k.device) if store else None
     dvn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store else None
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=acc) if need_dh0 else None
-    cfg = _launch("state_bwd", K, V)
     kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
-        q, k, gam, kt, qg, w, do, dvl, dht, dh, dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
-        USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None, HAS_KT=kt is not None,
-        HAS_QG=qg is not None,
+        q, k, gam, kt, qg, w, do, dvl, dht, *(dh or (None, None)), dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT,
+        BK=min(K, 64), USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None,
+        HAS_KT=kt is not None, HAS_QG=qg is not None, SCALED=store and scaled,
         PREC=_prec(acc, inputs, state=True, exact_a=w.dtype == torch.float16 and kt is not None and qg is not None),
         **cfg)
     return dh, dvn, dh0
 
 
-def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
+def chunk_bwd(q, k, v, gam, beta, tm, h: Stored, dh: Stored, vn, dvn, do):
     """-> dq, dk, dgam [B, Tp, H, K], dv [B, Tp, H, V] (in v's dtype), dbeta [B, Tp, H], the others in gam's dtype:
     bwd_wy, then bwd_intra (and intra_diag) adding the pair products' terms in place."""
     B, Tp, H, K, V, NT = _shape(k, v)
@@ -973,8 +1053,9 @@ def chunk_bwd(q, k, v, gam, beta, tm, h, dh, vn, dvn, do):
     dbeta = torch.empty(B, Tp, H, device=k.device, dtype=acc)
     da, dp = (torch.empty(B, Tp, H, BT, device=k.device, dtype=acc) for _ in range(2))
     prec = _prec(acc, v.dtype)
-    kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, h, dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
-                                   H=H, K=K, V=V, BT=BT, PREC=prec, **_launch("bwd_wy", K, V))
+    kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, *h, *dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
+                                   H=H, K=K, V=V, BT=BT, HEB=h.block, DHEB=dh.block, PREC=prec,
+                                   **_launch("bwd_wy", K, V))
     diag = bool(INTRA_DIAG_KERNEL) and prec != 3  # fp32 inputs: the loop stays in bwd_intra (INTRA_DIAG_KERNEL)
     kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
                                       DIAG=diag, PREC=prec, **_launch("bwd_intra", K, V, v.dtype))
