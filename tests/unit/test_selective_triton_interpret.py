@@ -21,11 +21,12 @@ One subprocess per dtype (the interpreter must be on before triton loads) runs e
     token-major): every launcher token-major (the "tm_" cases: rows, packed and grouped, float64 and float32),
     chunk_state alone, none;
   - chunk_out's and chunk_bwd's tokens in HS = 2 and 4 segments ("hs" cases, rows and packed, in both tile layouts:
-    "s" [HS, J, BD], "t" [J, HS, BD]; the source's HS is 1);
+    "s" [HS, J, BD], "t" [J, HS, BD]; the source's HS is 1); chunk_bwd's channels in two groups ("ng2" cases: a
+    program per block, two dB, dC partials);
   - dtypes: float64, every case (the kernels compute in fp64: bound 1e-10, figures ~1e-16), and float32, rows with
     fast gates and the packed row with near-frozen ones (fp32 kernels vs eager fp64 on the same values: bound 1e-5,
     figures ~2e-7; the GPU tests run fp32 on the whole grid);
-Two processes side by side, thirteen cases each.
+Two processes side by side, fourteen cases each.
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ for hs in (2, 4):
             case(*c)
 K.seg_first = source_seg_first
 LAUNCH["chunk_out"]["HS"] = LAUNCH["chunk_bwd"]["HS"] = 1
+# chunk_bwd's channels in two groups (NG = 2: a program per block of 8 channels, the second partial; two dB, dC
+# partials summed after the kernel), the grid `fill_groups` widens at short rows on a GPU (kernels.FILL_NG)
+LAUNCH["chunk_bwd"]["NG"] = 2
+for c in [("ng2_rows_fast", f64, "fast", 2, 90), ("ng2_packed_slow", f64, "slow", 1, 91, [0, 9, 10, 21])][PART::2]:
+    case(*c)
+LAUNCH["chunk_bwd"]["NG"] = 1
 # the summary is forward only
 if PART == 0:
     x, dt, A, B, C, D, z, h0 = (t.float() for t in inputs(1, 10, 12, 2, "fast", 4))
@@ -146,7 +153,8 @@ def figures():
 CASES = {"float64": ("rows_fast", "packed_fast", "rows_slow", "packed_slow", "rows_frozen", "packed_frozen",
                      "packed_fresh", "rows_plain", "rows_grouped", "packed_grouped", "tm_rows_fast", "tm_packed_slow",
                      "tm_rows_grouped", "tm_only_chunk_state", "tm_none",
-                     *(f"hs{h}{sf}_{c}" for h in (2, 4) for sf in "st" for c in ("rows_fast", "packed_slow"))),
+                     *(f"hs{h}{sf}_{c}" for h in (2, 4) for sf in "st" for c in ("rows_fast", "packed_slow")),
+                     "ng2_rows_fast", "ng2_packed_slow"),
          "float32": ("rows_fast", "packed_frozen", "tm_packed_fast")}
 PARTS = {"forward": ("o", "final_state"),
          "gradients": ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0"),
@@ -177,6 +185,22 @@ def test_fresh_first_document_ignores_the_entering_state(figures):
 @needs_triton
 def test_summary_refuses_to_be_differentiated(figures):
     assert figures["summary_grad"] == "True"
+
+
+@needs_triton
+@pytest.mark.fast
+def test_fill_groups_widens_chunk_bwd_to_one_wave():
+    """FILL_NG: NG doubles while twice the grid fits one wave (132 SMs x 8 one-warp programs = 1,056 on an H100),
+    never past the channel blocks: Falcon-Mamba-7B's 512 blocks of 16 channels, chunks of 32 tokens."""
+    from deltacp.ops.selective.triton.kernels import fill_groups
+
+    assert fill_groups(8, 512, 64, 132, 8) == 16  # 2K tokens, one row: 512 -> 1,024 programs
+    assert fill_groups(8, 512, 32, 132, 8) == 32  # 1K
+    assert fill_groups(8, 512, 128, 132, 8) == 8  # 4K: 1,024 programs already
+    assert fill_groups(8, 512, 66, 132, 8) == 16  # twice the grid exactly one wave (1,056)
+    assert fill_groups(8, 512, 64 * 4, 132, 8) == 8  # 2K tokens in four rows
+    assert fill_groups(8, 16, 1, 132, 8) == 16  # capped at the channel blocks
+    assert fill_groups(1, 2, 1, 132, 8) == 2
 
 
 # The contract check: no kernel, no triton needed.

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltacp.ops.gdn.triton.launch import sm_count
 from deltacp.ops.gdn.triton.version import parse_triton_version
 
 # Launch configurations. BT: the chunk (tokens per program, the granularity of the stored chunk states: [T / BT,
@@ -86,6 +87,24 @@ LAUNCH: dict[str, dict[str, int]] = {
 # chunk_bwd's excessive global sectors fell from 79 % to 54 % of its sectors, its spill requests by half.
 BC_TOKEN_MAJOR: tuple[str, ...] = ("chunk_bwd",)
 TOKEN_MAJOR_KERNELS = ("chunk_state", "state_pass", "chunk_out", "chunk_bwd")
+
+# chunk_bwd's channel groups at short rows: its grid is (chunks, NG, rows), one warp a program, so at the lengths a
+# rank holds under CP it leaves the GPU idle (2K tokens of one row: 64 chunks x 8 groups = 512 programs, where an H100
+# holds about 1,056 of them: RESIDENT_CHUNK_BWD a SM, 65,536 registers / (32 x 255)); on an H100 the op took 2.3x
+# mamba_ssm's time at 2K against 1.43x at 32K (NOTES.md, seventeenth set). FILL_NG 1: NG doubles from the table's
+# (`fill_groups`) while the grid still fits one wave, more dB, dC partials summed after the kernel (the same sums in
+# another order). Off until timed on a GPU (`SELECTIVE_LENGTHS="2048 4096 8192" SELECTIVE_AB="FILL_NG=1" bash
+# scripts/gpu_checks.sh selective_ab`).
+FILL_NG = 0
+RESIDENT_CHUNK_BWD = 8
+
+
+def fill_groups(ng: int, blocks: int, programs: int, sms: int, resident: int) -> int:
+    """chunk_bwd's channel groups: `ng` doubled, up to the channel blocks, while twice the grid (`programs` per group:
+    chunks x rows) still fits one wave of `resident` programs on each of `sms` SMs."""
+    while 2 * ng <= blocks and 2 * ng * programs <= sms * resident:
+        ng *= 2
+    return ng
 
 
 def chunk_len() -> int:
@@ -487,6 +506,9 @@ def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
     cfg, opts = _opts("chunk_bwd")
     NB = triton.cdiv(I, cfg["BD"])
     NG = max(1, min(cfg["NG"], NB))
+    sms = sm_count(x.device)
+    if FILL_NG and sms is not None:
+        NG = fill_groups(NG, NB, NC * R, sms, RESIDENT_CHUNK_BWD)
     dx = torch.empty(R, T, I, dtype=x.dtype, device=x.device)
     ddt = torch.empty(R, T, I, dtype=dt.dtype, device=x.device)
     dz = None if z is None else torch.empty(R, T, I, dtype=z.dtype, device=x.device)
