@@ -506,8 +506,7 @@ def chunk_bwd(x, dt, z, do, A, Bm, Cm, D, resets, h, dh):
     cfg, opts = _opts("chunk_bwd")
     NB = triton.cdiv(I, cfg["BD"])
     NG = max(1, min(cfg["NG"], NB))
-    sms = sm_count(x.device)
-    if FILL_NG and sms is not None:
+    if FILL_NG and (sms := sm_count(x.device)) is not None:  # no wave to fill on the CPU interpreter
         NG = fill_groups(NG, NB, NC * R, sms, RESIDENT_CHUNK_BWD)
     dx = torch.empty(R, T, I, dtype=x.dtype, device=x.device)
     ddt = torch.empty(R, T, I, dtype=dt.dtype, device=x.device)
