@@ -329,17 +329,17 @@ def sel_chunk_out_kernel(x, dt, z, A, Bm, Cm, Dv, resets, h, y, T, I, sx_r, sx_t
     tl.store(y + i_r * T * I + o_t[:, :, None] * I + o_d[None, None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
+@triton.jit(do_not_specialize=["T", "NG", "sx_r", "sd_r", "sz_r", "so_r", "sb_r", "sc_r"])
 def sel_chunk_bwd_kernel(x, dt, z, do, A, Bm, Cm, Dv, resets, h, dh, dx, ddt, dz, dA, dD, dB, dC, T, I,
                          sx_r, sx_t, sd_r, sd_t, sz_r, sz_t, so_r, so_t, sa_r, sa_d, sa_n, sb_r, sb_t, sb_n, sc_r,
                          sc_t, sc_n, sdv_r, sp_r, sp_g, sp_t, sp_n, N: tl.constexpr, BT: tl.constexpr,
-                         BD: tl.constexpr, NG: tl.constexpr, HS: tl.constexpr, SEG_FIRST: tl.constexpr,
+                         BD: tl.constexpr, NG, HS: tl.constexpr, SEG_FIRST: tl.constexpr,
                          USE_D: tl.constexpr, USE_Z: tl.constexpr, RESETS: tl.constexpr):
     """One (chunk, channel group, row): for each channel block of the group, every gradient of the chunk's tokens
     (module docstring) from the entering state H_c and the gradient dH_c of the state leaving the chunk. dx, ddt,
     dz stored once; dA, dD per chunk ([R, NC, N, I], [R, NC, I]: summed over the chunks by the caller); dB, dC
     summed over the group's blocks in place ([R, NG, Tp, N], strides sp_*, zeroed by the caller; each element has
-    one program).
+    one program). NG is a runtime argument, not specialised (FILL_NG changes it with the length: one compilation).
     The chunk's tokens are HS segments of J = BT / HS consecutive tokens, the tiles [HS, J, BD] (SEG_FIRST) or [J,
     HS, BD] (`_segments`): each segment is scanned alone along its J tokens, then the segments' totals join them
     (`_carry`). With HS = 2 at one warp the compiler can give each thread one channel and one segment, its J tokens
