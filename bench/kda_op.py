@@ -91,7 +91,8 @@ def main():
     from deltacp.ops.kda.triton import kernels
 
     # the label names the compounding kernels' products (kernels.COMPOUND_PREC: WY's, STATE_PREC: the state
-    # kernels'; 1 three tf32 passes, 0 one), OPERANDS16 (W, Kt, Qg in fp16) and STATE16 (h, dh in scaled fp16)
+    # kernels'; 1 three tf32 passes, 0 one), OPERANDS16 (W, Kt, Qg in fp16) and STATE16 (1: h, dh, 2: vn, dvn too,
+    # in scaled fp16)
     prec = {1: "tf32x3", 0: "tf32"}
     label = f"deltacp-triton-{prec[kernels.COMPOUND_PREC]}"
     if kernels.STATE_PREC != kernels.COMPOUND_PREC:
@@ -99,7 +100,7 @@ def main():
     if kernels.OPERANDS16:
         label += "-fp16-operands"
     if kernels.STATE16:
-        label += "-fp16-states"
+        label += f"-fp16-states{kernels.STATE16}"
     runs = [(label, deltacp_op("triton"))]
     fla = None if args.no_peers else fla_op()
     if args.no_peers:

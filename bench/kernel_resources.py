@@ -58,8 +58,8 @@ GPU_DTYPES = {"gdn": ("bfloat16",)}
 # switches as the source has them): the launches a setting adds (its own kernels, other constexprs) are compiled
 # too, whichever setting the source has
 # (KDA's OPERANDS16 0: the state kernels on fp32 operands, which the summary's M and unnormalised q, k run anyway;
-# STATE16 1: the scaled fp16 h and dh, off in the source until timed)
-SWITCHES = {"kda": {"WY_SPLIT": 0, "OPERANDS16": 0, "STATE16": 1},
+# STATE16 2: h, dh, vn and dvn in scaled fp16, every launch its level 1 makes too; off in the source until timed)
+SWITCHES = {"kda": {"WY_SPLIT": 0, "OPERANDS16": 0, "STATE16": 2},
             "selective": {"BC_TOKEN_MAJOR": ("chunk_state", "state_pass", "chunk_out")}}
 T = 192  # three chunks of 64
 

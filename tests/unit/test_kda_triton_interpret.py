@@ -20,8 +20,8 @@ quantity; the tests below read them. Head dims K = 16, V = 16 / 32 are inside th
     fp64 on the same values: bound 1e-5; 1e-4 under very fast gates, where the fp32 cumsum of g, |gam| up to 3200,
     rounds each log decay by ~1e-4: figures ~1e-5).
   - the kernels' module switches (SAVE_STATES, DECAYED, INVERSE, WY_SPLIT) each against the source's settings, fp64;
-    STATE16 (h and dh stored as scaled fp16) under bf16 inputs: each stored block against the fp32 the same kernel
-    stores, and the op against STATE16 0.
+    STATE16 (h, dh, and at 2 vn and dvn too, stored as scaled fp16) under bf16 inputs: each stored block against the
+    fp32 the same kernel stores, and the op at 1 and 2 against 0.
 Every figure finite (a nan or inf fails every bound). Two processes side by side (the fp64 cases; the fp32 ones,
 K = V = 128 and the switches): about 30 s on 2 cores.
 """
@@ -87,8 +87,8 @@ if PART == 0:  # the summary is forward only
         print("SUMMARY_GRAD", "no backward" in str(e))
     # STATE16 (bf16 inputs, K = 16, V = 128: four column blocks of the state kernels' 32, out_fwd's blocks of 64
     # reading two): v's and the entering state's column blocks scaled 1e5 (h past fp16's 65504), 1, 1e-6 and 0;
-    # dO's ten times those (dh past it too). Each stored h and dh block against the fp32 one from the same kernel,
-    # and the op's outputs and gradients with STATE16 1 against 0.
+    # dO's ten times those (dh past it too). Each stored h, vn, dh and dvn block against the fp32 one from the same
+    # kernel, and the op's outputs and gradients with STATE16 1 and 2 against 0.
     from deltacp.ops.kda.triton import chunk, kernels
     blocks = torch.tensor([1e5, 1.0, 1e-6, 0.0], dtype=torch.float64).repeat_interleave(32)
     q, k, v, g, beta, h0 = inputs(1, 130, 2, 16, 128, "slow", 9)
@@ -96,10 +96,15 @@ if PART == 0:  # the summary is forward only
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64) * blocks * 10
     q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
     g, beta, h0 = g.float(), beta.float(), h0.float()
+    def block_max(t, E):  # [B, NT, H, V / E]: each stored block's largest |entry|
+        t = t.abs()
+        if t.dim() == 4:  # a chunk's rows of vn / dvn: [B, Tp, H, V] -> [B, NT, H, 64, V]
+            t = t.unflatten(1, (-1, 64)).transpose(2, 3)
+        return t.unflatten(-1, (-1, E)).amax(dim=(-3, -1))
     def stored_figures(name, plain, scaled):
         E = scaled.block
-        top = plain.values.abs().unflatten(-1, (-1, E)).amax(dim=(-3, -1))  # [B, NT, H, V / E]
-        err = (scaled.dense() - plain.values).abs().unflatten(-1, (-1, E)).amax(dim=(-3, -1))
+        top = block_max(plain.values, E)
+        err = block_max(scaled.dense() - plain.values, E)
         nz = top > 0
         print("FIG %s bfloat16 err_over_bound %r" % (name, (err[nz] / (2.0 ** -11 * top[nz])).max().item()))
         off = (scaled.exps[nz] - torch.floor(torch.log2(top[nz]))).abs().max().item()
@@ -110,12 +115,14 @@ if PART == 0:  # the summary is forward only
         ql, kl, vl, gam, bl = chunk._inputs(q, k, v, g, beta, None, True, None, 130)
         (dol,) = chunk._laid_out(None, 130, do)
         tm, p, w, u, kt, qg = kernels.wy_fwd(ql, kl, vl, gam, bl, chunk.operand_dtype(vl, gam, True))
-        h32, h16 = (kernels.state_fwd(w, u, kl, gam, kt, h0, inputs=vl.dtype, scaled=s)[0] for s in (False, True))
-        stored_figures("state16_h", h32, h16)
+        plain, scaled = (kernels.state_fwd(w, u, kl, gam, kt, h0, inputs=vl.dtype, scaled=s) for s in (0, 2))
+        stored_figures("state16_h", plain[0], scaled[0])
+        stored_figures("state16_vn", plain[1], scaled[1])
         dvl = kernels.dv_local(ql, p, dol, vl.dtype)
-        dh32, dh16 = (kernels.state_bwd(ql, kl, gam, kt, qg, w, dol, dvl, None, inputs=vl.dtype, scaled=s)[0]
-                      for s in (False, True))
-        stored_figures("state16_dh", dh32, dh16)
+        plain, scaled = (kernels.state_bwd(ql, kl, gam, kt, qg, w, dol, dvl, None, inputs=vl.dtype, scaled=s)
+                         for s in (0, 2))
+        stored_figures("state16_dh", plain[0], scaled[0])
+        stored_figures("state16_dvn", plain[1], scaled[1])
     def op_run(state16):
         kernels.STATE16, before = state16, kernels.STATE16
         try:
@@ -125,9 +132,10 @@ if PART == 0:  # the summary is forward only
             return [o, ht, *torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(), leaves)]
         finally:
             kernels.STATE16 = before
-    plain, scaled = op_run(0), op_run(1)
-    print("FIG STATE16_1 bfloat16 max_rel_l2 %r" % max(((a.double() - b.double()).norm() / b.double().norm()).item()
-                                                      for a, b in zip(scaled, plain)))
+    plain = op_run(0)
+    for level in (1, 2):
+        print("FIG STATE16_%d bfloat16 max_rel_l2 %r" % (level, max(
+            ((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(op_run(level), plain))))
 else:  # the heavier K = 128 case, and the switches, beside the fp64 cases (the two parts about even)
     case("T100_K128_fast", torch.float64, 1, 100, 1, 128, 128, "fast", 6)
     # the kernels' switches against the source's settings: SAVE_STATES 1 (h and vn kept from the forward, not
@@ -217,12 +225,12 @@ def test_kernel_switches_against_the_source(figures, switch):
 
 
 @needs_triton
-@pytest.mark.parametrize("stored", ["state16_h", "state16_dh"])
+@pytest.mark.parametrize("stored", ["state16_h", "state16_vn", "state16_dh", "state16_dvn"])
 def test_scaled_fp16_states(figures, stored):
-    """STATE16: h (state_fwd) and dh (state_bwd) as scaled fp16 against the fp32 the same kernel stores: each
-    [K, 32] block's exponent that of its largest |entry|, every entry within 2^-11 of it (fp16 rounds to nearest at 11
-    bits; the scaled block's largest entry is in [2^14, 2^15)), a zero block 0, and blocks past fp16's 65504
-    (1e5-scaled values) stored without overflow."""
+    """STATE16: h and vn (state_fwd), dh and dvn (state_bwd) as scaled fp16 against the fp32 the same kernel stores:
+    each block's ([K, 32] of a state, [64, 32] of a chunk's rows) exponent that of its largest |entry|, every entry
+    within 2^-11 of it (fp16 rounds to nearest at 11 bits; the scaled block's largest entry is in [2^14, 2^15)), a
+    zero block 0, and blocks past fp16's 65504 (1e5-scaled values) stored without overflow."""
     assert figures[(stored, "bfloat16", "exps_off")] == 0.0
     assert figures[(stored, "bfloat16", "err_over_bound")] <= 1.0
     assert figures[(stored, "bfloat16", "zero_blocks")] == 0.0
@@ -230,12 +238,13 @@ def test_scaled_fp16_states(figures, stored):
 
 
 @needs_triton
-def test_scaled_fp16_states_in_the_op(figures):
-    """STATE16 1 against 0 under bf16 inputs: the output, the final state and every gradient within rel-L2
-    2^-8 + 2^-11: each side rounded to bf16 (2^-9 relative at most, the two apart by up to twice that where the
-    rounding flips), around a difference of at most 2^-11 relative from the fp16 states (2^-11 of a block's largest
-    entry)."""
-    assert figures[("STATE16_1", "bfloat16", "max_rel_l2")] <= 2.0 ** -8 + 2.0 ** -11
+@pytest.mark.parametrize("level", [1, 2])
+def test_scaled_fp16_states_in_the_op(figures, level):
+    """STATE16 1 (h, dh) and 2 (vn, dvn too) against 0 under bf16 inputs: the output, the final state and every
+    gradient within rel-L2 2^-8 + 2^-11: each side rounded to bf16 (2^-9 relative at most, the two apart by up to
+    twice that where the rounding flips), around a difference of at most 2^-11 relative from the fp16 blocks (2^-11
+    of a block's largest entry)."""
+    assert figures[(f"STATE16_{level}", "bfloat16", "max_rel_l2")] <= 2.0 ** -8 + 2.0 ** -11
 
 
 @needs_triton

@@ -48,10 +48,12 @@ def operand_dtype(v: torch.Tensor, gam: torch.Tensor, norm: bool) -> torch.dtype
     return gam.dtype
 
 
-def scaled_states(v: torch.Tensor, gam: torch.Tensor) -> bool:
-    """Whether h and dh are stored as scaled fp16 between the kernels (`kernels.STATE16`): under bf16 / fp16 inputs,
-    whose readers' products (one tf32 pass) keep fewer bits than fp16 does."""
-    return bool(kernels.STATE16) and v.dtype in (torch.bfloat16, torch.float16) and gam.dtype == torch.float32
+def scaled_states(v: torch.Tensor, gam: torch.Tensor) -> int:
+    """Which of h, dh (from 1) and vn, dvn (2) are stored as scaled fp16 between the kernels (`kernels.STATE16`):
+    under bf16 / fp16 inputs, whose readers' products are one tf32 pass; 0 otherwise."""
+    if v.dtype in (torch.bfloat16, torch.float16) and gam.dtype == torch.float32:
+        return int(kernels.STATE16)
+    return 0
 
 
 class KDAFunction(torch.autograd.Function):
@@ -66,7 +68,7 @@ class KDAFunction(torch.autograd.Function):
                               resets=resets, scaled=ctx.scaled)
         o = out_fwd(q, gam, qg, p, h, vn, v.dtype)
         ctx.saved_states = bool(kernels.SAVE_STATES)
-        states = (*h, vn) if ctx.saved_states else ()
+        states = (*h, *vn) if ctx.saved_states else ()
         ctx.save_for_backward(q, k, v, gam, beta, h0, tm, p, w, u, kt, qg, *states)
         ctx.resets = resets
         return o, ht
@@ -76,7 +78,7 @@ class KDAFunction(torch.autograd.Function):
         q, k, v, gam, beta, h0, tm, p, w, u, kt, qg, *states = ctx.saved_tensors
         resets = ctx.resets
         if ctx.saved_states:
-            h, vn = Stored(*states[:2]), states[2]
+            h, vn = Stored(*states[:2]), Stored(*states[2:])
         else:
             h, vn, _ = state_fwd(w, u, k, gam, kt, h0, inputs=v.dtype, resets=resets, scaled=ctx.scaled)
         do = do.contiguous()  # in o's dtype: the kernels cast on load

@@ -40,8 +40,8 @@ Layouts (every tensor contiguous, Tp = NT * 64 rows per sequence: padded, or a p
 `ops/gdn/varlen.py`; a zero token leaves the state unchanged): q, k, gam, W, Kt, Qg [B, Tp, H, K]; v, U, vn, dvl, dvn,
 o, dO [B, Tp, H, V]; beta [B, Tp, H]; Tm, P, dA, dP [B, Tp, H, BT]; h, dh [B, NT, H, K, V]; h0, ht, dht, dh0 [B, H, K, V].
 Everything the kernels compute and store is in the accumulator dtype (fp32; fp64 for fp64 inputs, the interpreter
-tests), except o (v's dtype), under OPERANDS16 W, Kt, Qg (fp16) and under STATE16 h, dh (scaled fp16, `Stored`);
-loads are cast to it. `resets` [NT] int32
+tests), except o (v's dtype), under OPERANDS16 W, Kt, Qg (fp16) and under STATE16 h, dh, vn, dvn (scaled fp16,
+`Stored`); loads are cast to it. `resets` [NT] int32
 (packed rows only): the state entering those chunks is zero (backward: no gradient crosses them). Names start with
 kda_.
 """
@@ -160,16 +160,21 @@ WY_SPLIT = 1
 # GPU tests and Kimi-Linear's mixer under CP2 pass with 1 (the mixer's figures unchanged to three digits). With
 # STATE_PREC 0 as well: 30.90 ms, but 2.72e-3 near-frozen: not taken.
 OPERANDS16 = 1
-# The states h (state_fwd) and dh (state_bwd) as stored for the per-chunk kernels that read them (out_fwd, bwd_wy),
-# under bf16 / fp16 inputs (`chunk.scaled_states`): 0, in the accumulator dtype (fp32: 2 GiB of h and dh at 32K tokens
-# of 32 heads of 128, each written once or twice and read once or twice a step); 1, in fp16, each state's block of
-# columns (a program's [K, BV] tile) times 2^(14 - e), e the exponent of its largest |entry| (int32 [B, NT, H, V / BV],
-# `Stored`): every entry under 2^15 (no overflow whatever the state's scale), rounded to nearest at 11 bits relative to
-# the block's largest (|error| <= 2^-11 of it). Its readers multiply by the tf32 products of a bf16 input (PREC 0),
-# which keep 10 bits of an fp32 operand, and bwd_wy's rowsum(h dh) (dgl: fp32 products) reads them at 11 bits. Half
-# the bytes of the largest tensors the state kernels write and bwd_wy reads, and 1 GiB off the backward's peak at 32K.
-# The final state ht, dh0 and the summary stay fp32. Off until timed on a GPU (`KDA_AB="STATE16=1" bash
-# scripts/gpu_checks.sh kda_ab`: the op's GPU tests on it, then its time beside the source's).
+# What the state kernels store for the per-chunk kernels that read it (out_fwd, bwd_wy): the states h (state_fwd) and
+# dh (state_bwd) [B, NT, H, K, V], and vn (state_fwd) and dvn (state_bwd) [B, Tp, H, V]; 3 GiB in fp32 at 32K tokens
+# of 32 heads of 128, h and vn written twice (the backward recomputes them) and each read once or twice. Under bf16 /
+# fp16 inputs (`chunk.scaled_states`): 0, all in the accumulator dtype; 1, h and dh in fp16; 2, vn and dvn too. In fp16
+# each program's block ([K, BV] of a state, [BT, BV] of a chunk's rows) is stored times 2^(14 - e), e the exponent of
+# its largest |entry| (int32 [B, NT, H, V / BV], `Stored`): every entry under 2^15, so nothing overflows whatever the
+# scale, and rounded to nearest within 2^-11 of the block's largest entry. The readers' products are one tf32 pass
+# (PREC 0), which keeps each fp32 entry within 2^-10 of itself: the fp16 blocks are finer for the largest entries,
+# coarser for those under half of it; bwd_wy's rowsum(h dh) (dgl, fp32 products) reads h and dh at the fp16 blocks'
+# precision. The recurrences themselves (the state carried from chunk to chunk), ht, dh0 and the summary stay fp32.
+# Half the bytes of the largest tensors the state kernels write and bwd_wy reads: about 1 GiB (1) or 1.5 GiB (2) off
+# the backward's peak at 32K. Offline (sm_90, Triton 3.9, bf16, the table's launches; bytes spilled a thread, the
+# source's / 1 / 2): state_fwd storing h 24 / 0 / 28, state_bwd 176 / 88 / 156, bwd_wy 12 / 12 / 84; out_fwd's shared
+# memory 53,248 / 32,768 / 32,768 bytes. Off until timed on a GPU (`KDA_AB="STATE16=1 STATE16=2" bash
+# scripts/gpu_checks.sh kda_ab`: the op's GPU tests on each, then its time beside the source's).
 STATE16 = 0
 L2NORM_EPS = 1e-6  # transformers' / FLA's KDA l2norm: x / sqrt(sum x² + eps) (`eager.l2norm`)
 
@@ -265,6 +270,21 @@ def _pow2(e):
 
 
 @triton.jit
+def _exponent(m):
+    """The exponent of fp32 m >= 0 (its exponent bits), clamped to [-100, 127] (0 gives -100)."""
+    return tl.minimum(tl.maximum(((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 127)
+
+
+@triton.jit
+def _unscaled(b, exps, i_n, o_v, V: tl.constexpr, EB: tl.constexpr):
+    """b [rows, len(o_v)] of state or chunk i_n stored scaled (`_store_state`, `_store_chunk`) in blocks of EB
+    columns: each column times 2^(e - 14) of its block; b as it is for EB 0 (stored unscaled)."""
+    if EB > 0:
+        b = b * _pow2(tl.load(exps + i_n.to(tl.int64) * (V // EB) + o_v // EB) - 14)[None, :]
+    return b
+
+
+@triton.jit
 def _store_state(ptr, exps, i_n, i_e, b_1, b_2, o_k1, o_k2, o_v, K: tl.constexpr, V: tl.constexpr,
                  TWO: tl.constexpr, SCALED: tl.constexpr):
     """Rows o_k1 (and o_k2 when TWO) of state i_n, columns o_v: as they are, or (SCALED, STATE16) in fp16 times
@@ -274,7 +294,7 @@ def _store_state(ptr, exps, i_n, i_e, b_1, b_2, o_k1, o_k2, o_v, K: tl.constexpr
         m = tl.max(tl.abs(b_1))
         if TWO:
             m = tl.maximum(m, tl.max(tl.abs(b_2)))
-        e = tl.minimum(tl.maximum(((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 127)
+        e = _exponent(m)
         tl.store(exps + i_e, e)
         sc = _pow2(14 - e)
         tl.store(_state_ptrs(ptr, i_n, o_k1, o_v, K, V), (b_1 * sc).to(tl.float16))
@@ -290,10 +310,28 @@ def _store_state(ptr, exps, i_n, i_e, b_1, b_2, o_k1, o_k2, o_v, K: tl.constexpr
 def _load_state(ptr, exps, i_n, o_k, o_v, K: tl.constexpr, V: tl.constexpr, EB: tl.constexpr, acc: tl.constexpr):
     """Rows o_k, columns o_v of state i_n in acc: as stored, or (EB > 0: `_store_state`'s scaled fp16, in blocks of EB
     columns) each column times 2^(e - 14) of its block."""
-    b = tl.load(_state_ptrs(ptr, i_n, o_k, o_v, K, V)).to(acc)
-    if EB > 0:
-        b = b * _pow2(tl.load(exps + i_n.to(tl.int64) * (V // EB) + o_v // EB) - 14)[None, :]
-    return b
+    return _unscaled(tl.load(_state_ptrs(ptr, i_n, o_k, o_v, K, V)).to(acc), exps, i_n, o_v, V, EB)
+
+
+@triton.jit
+def _store_chunk(ptr, exps, i_e, x, o_v, i_b, i_c, i_h, Tp, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 SCALED: tl.constexpr):
+    """x [BT, len(o_v)] into chunk i_c, columns o_v of head i_h of a [B, Tp, H, V] tensor (vn, dvn): as it is, or
+    (SCALED, STATE16) in fp16 times 2^(14 - e), e the exponent of its largest |entry| stored at exps[i_e] (as
+    `_store_state`)."""
+    if SCALED:
+        e = _exponent(tl.max(tl.abs(x)))
+        tl.store(exps + i_e, e)
+        x = x * _pow2(14 - e)
+    _store(ptr, x, o_v, i_b, i_c, i_h, Tp, H, V, BT)
+
+
+@triton.jit
+def _load_chunk(ptr, exps, o_t, o_v, i_b, i_c, i_h, NT, Tp, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                EB: tl.constexpr, acc: tl.constexpr):
+    """`_load` of a tensor `_store_chunk` stored (EB > 0: scaled, in blocks of EB columns)."""
+    return _unscaled(_load(ptr, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), exps, (i_b * NT + i_c) * H + i_h, o_v,
+                     V, EB)
 
 
 @triton.jit
@@ -482,12 +520,14 @@ def _state_in(b_h, k, gam, kt, b_vn, o_k, i_b, i_c, i_h, Tp, H: tl.constexpr, K:
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, hexp, vn, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
+def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, hexp, vn, vnexp, ht, resets, NT, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                          HAS_U: tl.constexpr, HAS_KT: tl.constexpr, STORE_H: tl.constexpr, STORE_VN: tl.constexpr,
-                         STORE_HT: tl.constexpr, RESETS: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr):
+                         STORE_HT: tl.constexpr, RESETS: tl.constexpr, SCALED: tl.constexpr, SCALED_ROWS: tl.constexpr,
+                         PREC: tl.constexpr):
     """h [K, BV] through the chunks, as two [BK, BV] row blocks when K = 2 BK (h1, h2). V: the state's columns (the
-    values; K for the summary's M, HAS_U False). SCALED: h stored as `_store_state`'s scaled fp16 (STATE16)."""
+    values; K for the summary's M, HAS_U False). SCALED, SCALED_ROWS: h, vn stored as scaled fp16 (`_store_state`,
+    `_store_chunk`: STATE16)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = gam.dtype.element_ty
@@ -517,7 +557,8 @@ def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, hexp, vn, ht, resets, NT, H: t
         if HAS_U:
             b_vn += _load(u, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
         if STORE_VN:
-            _store(vn, b_vn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
+            _store_chunk(vn, vnexp, ((i_b * NT + i_c) * H + i_h) * (V // BV) + i_v, b_vn, o_v, i_b, i_c, i_h, Tp, H,
+                         V, BT, SCALED_ROWS)
         b_h1 = _state_in(b_h1, k, gam, kt, b_vn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
         if TWO:
             b_h2 = _state_in(b_h2, k, gam, kt, b_vn, o_k2, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
@@ -528,11 +569,11 @@ def kda_state_fwd_kernel(w, u, k, gam, kt, h0, h, hexp, vn, ht, resets, NT, H: t
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_out_fwd_kernel(q, gam, qg, p, h, hexp, vn, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def kda_out_fwd_kernel(q, gam, qg, p, h, hexp, vn, vnexp, do, o, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVL: tl.constexpr,
-                       HAS_QG: tl.constexpr, HEB: tl.constexpr, PREC: tl.constexpr):
-    """One V block of o = (q e^{gam}) h_c + P vn (HAS_QG: q e^{gam} read from wy_fwd's Qg; HEB: h's scale blocks,
-    `_load_state`); DVL: of Pᵀ dO instead (q, gam, qg, h, vn unused)."""
+                       HAS_QG: tl.constexpr, HEB: tl.constexpr, VEB: tl.constexpr, PREC: tl.constexpr):
+    """One V block of o = (q e^{gam}) h_c + P vn (HAS_QG: q e^{gam} read from wy_fwd's Qg; HEB, VEB: h's and vn's
+    scale blocks, `_load_state`, `_load_chunk`); DVL: of Pᵀ dO instead (q, gam, qg, h, vn unused)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = p.dtype.element_ty
@@ -543,7 +584,7 @@ def kda_out_fwd_kernel(q, gam, qg, p, h, hexp, vn, do, o, NT, H: tl.constexpr, K
     if DVL:
         b_o = _dot(tl.trans(b_p), _load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC)
     else:
-        b_o = _dot(b_p, _load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), PREC)
+        b_o = _dot(b_p, _load_chunk(vn, vnexp, o_t, o_v, i_b, i_c, i_h, NT, Tp, H, V, BT, VEB, acc), PREC)
         for i_k in range(K // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             if HAS_QG:
@@ -588,12 +629,13 @@ def _state_out_grad(b_dh, q, gam, qg, w, b_do, b_dvn, o_k, i_b, i_c, i_h, Tp, H:
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dhexp, dvn, dh0, resets, NT, H: tl.constexpr,
+def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dhexp, dvn, dvnexp, dh0, resets, NT, H: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          USE_DHT: tl.constexpr, STORE: tl.constexpr, STORE_DH0: tl.constexpr, RESETS: tl.constexpr,
-                         HAS_KT: tl.constexpr, HAS_QG: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr):
-    """dh [K, BV] back through the chunks, as two [BK, BV] row blocks when K = 2 BK (dh1, dh2); SCALED: dh stored as
-    `_store_state`'s scaled fp16 (STATE16)."""
+                         HAS_KT: tl.constexpr, HAS_QG: tl.constexpr, SCALED: tl.constexpr,
+                         SCALED_ROWS: tl.constexpr, PREC: tl.constexpr):
+    """dh [K, BV] back through the chunks, as two [BK, BV] row blocks when K = 2 BK (dh1, dh2); SCALED, SCALED_ROWS:
+    dh, dvn stored as scaled fp16 (`_store_state`, `_store_chunk`: STATE16)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     acc = gam.dtype.element_ty
@@ -619,7 +661,7 @@ def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dhexp, dvn, dh0
         if TWO:
             b_dvn += _kt_dh(b_dh2, k, gam, kt, o_k2, i_b, i_c, i_h, Tp, H, K, BT, HAS_KT, acc, PREC)
         if STORE:
-            _store(dvn, b_dvn, o_v, i_b, i_c, i_h, Tp, H, V, BT)
+            _store_chunk(dvn, dvnexp, i_n * (V // BV) + i_v, b_dvn, o_v, i_b, i_c, i_h, Tp, H, V, BT, SCALED_ROWS)
         b_do = _load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
         b_dh1 = _state_out_grad(b_dh1, q, gam, qg, w, b_do, b_dvn, o_k1, i_b, i_c, i_h, Tp, H, K, BT, HAS_QG, acc,
                                 PREC)
@@ -637,9 +679,11 @@ def kda_state_bwd_kernel(q, k, gam, kt, qg, w, do, dvl, dht, dh, dhexp, dvn, dh0
 
 
 @triton.jit(do_not_specialize=["NT"])
-def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, hexp, dh, dhexp, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
+def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, hexp, dh, dhexp, vn, vnexp, dvn, dvnexp, do, dq, dk, dv, dbeta,
+                      dgam, da, dp, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, HEB: tl.constexpr, DHEB: tl.constexpr, PREC: tl.constexpr):
+                      BV: tl.constexpr, HEB: tl.constexpr, DHEB: tl.constexpr, VEB: tl.constexpr,
+                      DVEB: tl.constexpr, PREC: tl.constexpr):
     """One chunk's gradients outside the pair products. With Qg = q e^{gam}, Kt = k e^{gl - gam}, X = beta k e^{gam},
     Y = beta v:
         dq = e^{gam} (dO h_cᵀ)                 dk = e^{gl - gam} (vn dh_{c+1}ᵀ) + beta e^{gam} dX
@@ -648,7 +692,8 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, hexp, dh, dhexp, vn, dvn, do, d
         dgam = Qg ∘ (dO h_cᵀ) - Kt ∘ (vn dh_{c+1}ᵀ) + X ∘ dX, its last row plus
                dgl = e^{gl} rowsum(h_c dh_{c+1}) + colsum(Kt ∘ (vn dh_{c+1}ᵀ))
     (elementwise: a factor e^{+gam_i} on an operand gives operand ∘ its gradient, e^{-gam_j} minus it). dA, dP go
-    to bwd_intra, which adds the pair products' terms. h, dh read by `_load_state` (HEB, DHEB: their scale blocks)."""
+    to bwd_intra, which adds the pair products' terms. h, dh, vn, dvn read by `_load_state`, `_load_chunk` (HEB,
+    DHEB, VEB, DVEB: their scale blocks)."""
     i_c, i_b, i_h = _chunk_head(H)
     acc = gam.dtype.element_ty
     Tp = NT * BT
@@ -660,14 +705,14 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, hexp, dh, dhexp, vn, dvn, do, d
     b_dbeta = tl.zeros([BT], dtype=acc)
     for i_v in range(V // BV):  # dv, dvn Yᵀ, dO vnᵀ
         o_v = i_v * BV + tl.arange(0, BV)
-        b_dvn = _load(dvn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
+        b_dvn = _load_chunk(dvn, dvnexp, o_t, o_v, i_b, i_c, i_h, NT, Tp, H, V, BT, DVEB, acc)
         b_v = _load(v, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)
         b_dy = _dot(tl.trans(b_tm), b_dvn, PREC)
         _store(dv, b_dy * b_beta[:, None], o_v, i_b, i_c, i_h, Tp, H, V, BT)
         b_dbeta += tl.sum(b_dy * b_v, axis=1)
         b_dtm += _dot(b_dvn, tl.trans(b_v * b_beta[:, None]), PREC)
         b_dp += _dot(_load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc),
-                     tl.trans(_load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc)), PREC)
+                     tl.trans(_load_chunk(vn, vnexp, o_t, o_v, i_b, i_c, i_h, NT, Tp, H, V, BT, VEB, acc)), PREC)
     for i_k in range(K // BK):  # the state's terms and W's, one K block at a time
         o_k = i_k * BK + tl.arange(0, BK)
         b_doh = tl.zeros([BT, BK], dtype=acc)
@@ -679,8 +724,10 @@ def kda_bwd_wy_kernel(q, k, v, gam, beta, tm, h, hexp, dh, dhexp, vn, dvn, do, d
             b_h = _load_state(h, hexp, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V, HEB, acc)
             b_dh = _load_state(dh, dhexp, (i_b * NT + i_c) * H + i_h, o_k, o_v, K, V, DHEB, acc)
             b_doh += _dot(_load(do, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
-            b_vdh += _dot(_load(vn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_dh), PREC)
-            b_dw -= _dot(_load(dvn, o_t, o_v, i_b, i_c, i_h, Tp, H, V, BT, acc), tl.trans(b_h), PREC)
+            b_vdh += _dot(_load_chunk(vn, vnexp, o_t, o_v, i_b, i_c, i_h, NT, Tp, H, V, BT, VEB, acc),
+                          tl.trans(b_dh), PREC)
+            b_dw -= _dot(_load_chunk(dvn, dvnexp, o_t, o_v, i_b, i_c, i_h, NT, Tp, H, V, BT, DVEB, acc),
+                         tl.trans(b_h), PREC)
             b_hdh += tl.sum(b_h * b_dh, axis=1)
         b_q = _load(q, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
         b_k = _load(k, o_t, o_k, i_b, i_c, i_h, Tp, H, K, BT, acc)
@@ -954,9 +1001,10 @@ def wy_fwd(q, k, v, gam, beta, operands: torch.dtype | None = None):
 
 
 class Stored(NamedTuple):
-    """A stack of states [B, NT, H, K, V] as the state kernels store them for out_fwd and bwd_wy: `values` in the
-    accumulator dtype (exps None), or (STATE16) fp16 with `exps` [B, NT, H, V / block] int32, each state's block of
-    columns stored times 2^(14 - e) (`_store_state`)."""
+    """What the state kernels store for out_fwd and bwd_wy: the states h, dh [B, NT, H, K, V] or the chunks' vn, dvn
+    [B, Tp, H, V]. `values` in the accumulator dtype (exps None), or (STATE16) fp16 with `exps` [B, NT, H, V / block]
+    int32: each state's, or each chunk's, block of columns stored times 2^(14 - e) (`_store_state`,
+    `_store_chunk`)."""
     values: torch.Tensor
     exps: torch.Tensor | None = None
 
@@ -966,84 +1014,95 @@ class Stored(NamedTuple):
         return 0 if self.exps is None else self.values.shape[-1] // self.exps.shape[-1]
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The states in `dtype` (for tests)."""
+        """The values in `dtype` (for tests)."""
         if self.exps is None:
             return self.values.to(dtype)
-        scale = torch.exp2((self.exps - 14).to(dtype)).repeat_interleave(self.block, dim=-1)
-        return self.values.to(dtype) * scale[..., None, :]
+        scale = torch.exp2((self.exps - 14).to(dtype)).repeat_interleave(self.block, dim=-1)  # [B, NT, H, V]
+        if self.values.dim() == 5:  # states: one scale per state's column
+            return self.values.to(dtype) * scale[..., None, :]
+        # chunks: one scale per chunk's column, over its BT rows
+        return (self.values.to(dtype).unflatten(1, (-1, BT)) * scale[:, :, None]).flatten(1, 2)
 
 
-def _stored(B, NT, H, K, V, blocks: int, acc: torch.dtype, scaled: bool, device) -> Stored:
+def _stored(shape: tuple[int, ...], blocks: int, acc: torch.dtype, scaled: bool, device) -> Stored:
+    """An empty `Stored` of `shape` ([B, NT, H, K, V] or [B, Tp, H, V]), `blocks` scale blocks a row of columns."""
     if not scaled:
-        return Stored(torch.empty(B, NT, H, K, V, device=device, dtype=acc))
-    return Stored(torch.empty(B, NT, H, K, V, device=device, dtype=torch.float16),
+        return Stored(torch.empty(shape, device=device, dtype=acc))
+    B, H = shape[0], shape[2]
+    NT = shape[1] if len(shape) == 5 else shape[1] // BT
+    return Stored(torch.empty(shape, device=device, dtype=torch.float16),
                   torch.empty(B, NT, H, blocks, device=device, dtype=torch.int32))
 
 
 def state_fwd(w, u, k, gam, kt, h0=None, *, inputs, cols=None, store_h=True, store_vn=True,
-              output_final_state=False, resets=None, scaled=False):
-    """-> h (`Stored`: the state entering each chunk, [B, NT, H, K, cols]; scaled fp16 when `scaled`, STATE16) or
-    None, vn [B, Tp, H, cols] or None, ht or None. u None: no values (the summary's M: h0 = I, cols = K). kt:
-    wy_fwd's Kt, or None (formed from k and gam). `inputs`: v's dtype (the products' precision)."""
+              output_final_state=False, resets=None, scaled=0):
+    """-> h (`Stored`: the state entering each chunk, [B, NT, H, K, cols]) or None, vn (`Stored` [B, Tp, H, cols])
+    or None, ht or None; `scaled` (STATE16's level): h as scaled fp16 from 1, vn too from 2. u None: no values
+    (the summary's M: h0 = I, cols = K). kt: wy_fwd's Kt, or None (formed from k and gam). `inputs`: v's dtype (the
+    products' precision)."""
     B, Tp, H, K = k.shape
     NT = Tp // BT
     V = u.shape[3] if u is not None else cols
     acc = gam.dtype
     cfg = _launch("state_fwd", K, V)
-    h = _stored(B, NT, H, K, V, V // cfg["BV"], acc, scaled, k.device) if store_h else None
-    vn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store_vn else None
+    h = _stored((B, NT, H, K, V), V // cfg["BV"], acc, scaled >= 1, k.device) if store_h else None
+    vn = _stored((B, Tp, H, V), V // cfg["BV"], acc, scaled >= 2, k.device) if store_vn else None
     ht = torch.empty(B, H, K, V, device=k.device, dtype=acc) if output_final_state else None
     prec = _prec(acc, inputs, compounds=u is None, state=u is not None,
                  exact_a=w.dtype == torch.float16 and kt is not None)
     kda_state_fwd_kernel[(V // cfg["BV"], B * H)](
-        w, u, k, gam, kt, h0, *(h or (None, None)), vn, ht, resets, NT, H=H, K=K, V=V, BT=BT, BK=min(K, 64),
-        USE_H0=h0 is not None, HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h, STORE_VN=store_vn,
-        STORE_HT=output_final_state, RESETS=resets is not None, SCALED=store_h and scaled, PREC=prec, **cfg)
+        w, u, k, gam, kt, h0, *(h or (None, None)), *(vn or (None, None)), ht, resets, NT, H=H, K=K, V=V, BT=BT,
+        BK=min(K, 64), USE_H0=h0 is not None, HAS_U=u is not None, HAS_KT=kt is not None, STORE_H=store_h,
+        STORE_VN=store_vn, STORE_HT=output_final_state, RESETS=resets is not None,
+        SCALED=store_h and scaled >= 1, SCALED_ROWS=store_vn and scaled >= 2, PREC=prec, **cfg)
     return h, vn, ht
 
 
-def _out(q, gam, qg, p, h: Stored | None, x, out, dvl: bool, inputs: torch.dtype):
+def _out(q, gam, qg, p, h: Stored | None, vn: Stored | None, do, out, inputs: torch.dtype):
+    """out_fwd (h, vn given) or dv_local (do given)."""
     B, Tp, H, _ = p.shape
-    K, V, NT = q.shape[3], x.shape[3], Tp // BT
+    K, V, NT = q.shape[3], out.shape[3], Tp // BT
     cfg = _launch("out_fwd", K, V)
-    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, qg, p, *(h or (None, None)), None if dvl else x,
-                                                    x if dvl else None, out, NT, H=H, K=K, V=V, BT=BT, DVL=dvl,
+    kda_out_fwd_kernel[(NT, V // cfg["BV"], B * H)](q, gam, qg, p, *(h or (None, None)), *(vn or (None, None)), do,
+                                                    out, NT, H=H, K=K, V=V, BT=BT, DVL=do is not None,
                                                     HAS_QG=qg is not None, HEB=h.block if h else 0,
+                                                    VEB=vn.block if vn else 0,
                                                     PREC=_prec(p.dtype, inputs), **cfg)
     return out
 
 
-def out_fwd(q, gam, qg, p, h: Stored, vn, out_dtype):
+def out_fwd(q, gam, qg, p, h: Stored, vn: Stored, out_dtype):
     """-> o [B, Tp, H, V] in out_dtype (v's); qg: wy_fwd's Qg, or None (formed from q and gam)."""
-    return _out(q, gam, qg, p, h, vn, torch.empty(vn.shape, device=vn.device, dtype=out_dtype), False, out_dtype)
+    out = torch.empty(vn.values.shape, device=vn.values.device, dtype=out_dtype)
+    return _out(q, gam, qg, p, h, vn, None, out, out_dtype)
 
 
 def dv_local(q, p, do, inputs: torch.dtype):
     """-> Pᵀ dO per chunk [B, Tp, H, V] (P's dtype); `inputs` v's dtype."""
-    return _out(q, None, None, p, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), True, inputs)
+    return _out(q, None, None, p, None, None, do, torch.empty(do.shape, device=do.device, dtype=p.dtype), inputs)
 
 
 def state_bwd(q, k, gam, kt, qg, w, do, dvl, dht=None, *, inputs, store=True, need_dh0=False, resets=None,
-              scaled=False):
-    """-> dh (`Stored`: the gradient of the state leaving each chunk, [B, NT, H, K, V]; scaled fp16 when `scaled`,
-    STATE16), dvn [B, Tp, H, V], dh0 (or Nones). kt, qg: wy_fwd's Kt and Qg, or None (formed from k, q and gam).
-    `inputs`: v's dtype (the products' precision)."""
+              scaled=0):
+    """-> dh (`Stored`: the gradient of the state leaving each chunk, [B, NT, H, K, V]), dvn (`Stored` [B, Tp, H,
+    V]), dh0 (or Nones); `scaled` (STATE16's level): dh as scaled fp16 from 1, dvn too from 2. kt, qg: wy_fwd's Kt
+    and Qg, or None (formed from k, q and gam). `inputs`: v's dtype (the products' precision)."""
     B, Tp, H, K, V, NT = _shape(k, do)
     acc = gam.dtype
     cfg = _launch("state_bwd", K, V)
-    dh = _stored(B, NT, H, K, V, V // cfg["BV"], acc, scaled, k.device) if store else None
-    dvn = torch.empty(B, Tp, H, V, device=k.device, dtype=acc) if store else None
+    dh = _stored((B, NT, H, K, V), V // cfg["BV"], acc, scaled >= 1, k.device) if store else None
+    dvn = _stored((B, Tp, H, V), V // cfg["BV"], acc, scaled >= 2, k.device) if store else None
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=acc) if need_dh0 else None
     kda_state_bwd_kernel[(V // cfg["BV"], B * H)](
-        q, k, gam, kt, qg, w, do, dvl, dht, *(dh or (None, None)), dvn, dh0, resets, NT, H=H, K=K, V=V, BT=BT,
-        BK=min(K, 64), USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None,
-        HAS_KT=kt is not None, HAS_QG=qg is not None, SCALED=store and scaled,
+        q, k, gam, kt, qg, w, do, dvl, dht, *(dh or (None, None)), *(dvn or (None, None)), dh0, resets, NT, H=H, K=K,
+        V=V, BT=BT, BK=min(K, 64), USE_DHT=dht is not None, STORE=store, STORE_DH0=need_dh0, RESETS=resets is not None,
+        HAS_KT=kt is not None, HAS_QG=qg is not None, SCALED=store and scaled >= 1, SCALED_ROWS=store and scaled >= 2,
         PREC=_prec(acc, inputs, state=True, exact_a=w.dtype == torch.float16 and kt is not None and qg is not None),
         **cfg)
     return dh, dvn, dh0
 
 
-def chunk_bwd(q, k, v, gam, beta, tm, h: Stored, dh: Stored, vn, dvn, do):
+def chunk_bwd(q, k, v, gam, beta, tm, h: Stored, dh: Stored, vn: Stored, dvn: Stored, do):
     """-> dq, dk, dgam [B, Tp, H, K], dv [B, Tp, H, V] (in v's dtype), dbeta [B, Tp, H], the others in gam's dtype:
     bwd_wy, then bwd_intra (and intra_diag) adding the pair products' terms in place."""
     B, Tp, H, K, V, NT = _shape(k, v)
@@ -1053,8 +1112,9 @@ def chunk_bwd(q, k, v, gam, beta, tm, h: Stored, dh: Stored, vn, dvn, do):
     dbeta = torch.empty(B, Tp, H, device=k.device, dtype=acc)
     da, dp = (torch.empty(B, Tp, H, BT, device=k.device, dtype=acc) for _ in range(2))
     prec = _prec(acc, v.dtype)
-    kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, *h, *dh, vn, dvn, do, dq, dk, dv, dbeta, dgam, da, dp, NT,
-                                   H=H, K=K, V=V, BT=BT, HEB=h.block, DHEB=dh.block, PREC=prec,
+    kda_bwd_wy_kernel[(NT, B * H)](q, k, v, gam, beta, tm, *h, *dh, *vn, *dvn, do, dq, dk, dv, dbeta, dgam, da, dp,
+                                   NT, H=H, K=K, V=V, BT=BT, HEB=h.block, DHEB=dh.block, VEB=vn.block,
+                                   DVEB=dvn.block, PREC=prec,
                                    **_launch("bwd_wy", K, V))
     diag = bool(INTRA_DIAG_KERNEL) and prec != 3  # fp32 inputs: the loop stays in bwd_intra (INTRA_DIAG_KERNEL)
     kda_bwd_intra_kernel[(NT, B * H)](q, k, gam, beta, da, dp, dq, dk, dgam, dbeta, NT, H=H, K=K, BT=BT, BS=BS,
