@@ -296,14 +296,10 @@ def _store_state(ptr, exps, i_n, i_e, b_1, b_2, o_k1, o_k2, o_v, K: tl.constexpr
             m = tl.maximum(m, tl.max(tl.abs(b_2)))
         e = _exponent(m)
         tl.store(exps + i_e, e)
-        sc = _pow2(14 - e)
-        tl.store(_state_ptrs(ptr, i_n, o_k1, o_v, K, V), (b_1 * sc).to(tl.float16))
-        if TWO:
-            tl.store(_state_ptrs(ptr, i_n, o_k2, o_v, K, V), (b_2 * sc).to(tl.float16))
-    else:
-        tl.store(_state_ptrs(ptr, i_n, o_k1, o_v, K, V), b_1)
-        if TWO:
-            tl.store(_state_ptrs(ptr, i_n, o_k2, o_v, K, V), b_2)
+        b_1, b_2 = b_1 * _pow2(14 - e), b_2 * _pow2(14 - e)
+    tl.store(_state_ptrs(ptr, i_n, o_k1, o_v, K, V), b_1.to(ptr.dtype.element_ty))
+    if TWO:
+        tl.store(_state_ptrs(ptr, i_n, o_k2, o_v, K, V), b_2.to(ptr.dtype.element_ty))
 
 
 @triton.jit
